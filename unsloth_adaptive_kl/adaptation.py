@@ -1,0 +1,165 @@
+"""Per-token KL shaping, per-`loss_type` reduction and the adapted KL term (pure torch, no trainer imports).
+
+Notation: `kl` is the per-token KL estimate k[i, t] of completion i (shape (B, T)), `mask` is m[i, t] and
+L_i = sum_t m[i, t]. Every function is traceable torch (no `.item()`), so it also runs inside
+`torch.compile(fullgraph=True)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
+
+import torch
+
+from .config import AdaptiveKLConfig
+
+Shaping = Callable[[torch.Tensor, AdaptiveKLConfig], torch.Tensor]
+_SHAPINGS: dict[str, Shaping] = {}
+
+
+def register_shaping(name: str) -> Callable[[Shaping], Shaping]:
+    def register(function: Shaping) -> Shaping:
+        _SHAPINGS[name] = function
+        return function
+
+    return register
+
+
+@register_shaping("clip")
+def clip_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
+    """k' = min(k, kl_clip_threshold). Above the threshold the KL gradient is zero."""
+    return torch.clamp(kl, max=config.kl_clip_threshold)
+
+
+@register_shaping("sigmoid")
+def sigmoid_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
+    """k' = sigmoid(k - kl_target) * k."""
+    return torch.sigmoid(kl - config.kl_target) * kl
+
+
+@dataclass(frozen=True)
+class ReductionContext:
+    """What some `loss_type` reductions need beyond the tensors.
+
+    max_completion_length: dr_grpo's constant per-completion length.
+    token_normalizer: dapo/cispo/vespo's active-token count for one micro-batch (the trainer's normalizer
+        without the gradient-accumulation factor).
+    """
+
+    max_completion_length: Optional[int] = None
+    token_normalizer: Optional[Union[torch.Tensor, float]] = None
+
+
+Reduction = Callable[[torch.Tensor, torch.Tensor, ReductionContext], torch.Tensor]
+_REDUCTIONS: dict[str, Reduction] = {}
+
+
+def register_reduction(name: str) -> Callable[[Reduction], Reduction]:
+    def register(function: Reduction) -> Reduction:
+        _REDUCTIONS[name] = function
+        return function
+
+    return register
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # `where`, not `x * mask`: a non-finite value at a padded position must not leak into the sum as NaN.
+    return torch.where(mask.bool(), x, torch.zeros_like(x))
+
+
+@register_reduction("sequence_mean")
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """mean_i (sum_t m x) / max(L_i, 1): each completion weighs the same whatever its length (grpo, sapo)."""
+    return (_masked(x, mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+@register_reduction("token_mean")
+def token_mean(x: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """(sum_{i,t} m x) / max(sum_i L_i, 1) over the micro-batch (bnpo)."""
+    return _masked(x, mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@register_reduction("max_length_mean")
+def max_length_mean(x: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """(sum_{i,t} m x) / (B * max_completion_length) (dr_grpo)."""
+    if ctx.max_completion_length is None:
+        raise ValueError("the 'max_length_mean' reduction (loss_type='dr_grpo') needs max_completion_length")
+    return _masked(x, mask).sum() / (x.size(0) * ctx.max_completion_length)
+
+
+@register_reduction("token_sum_normalized")
+def token_sum_normalized(x: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """(sum_{i,t} m x) / token_normalizer, the window's active tokens per micro-batch (dapo, cispo, vespo)."""
+    if ctx.token_normalizer is None:
+        raise ValueError("the 'token_sum_normalized' reduction (loss_type='dapo'/'cispo'/'vespo') needs token_normalizer")
+    return _masked(x, mask).sum() / ctx.token_normalizer
+
+
+@register_reduction("sequence_sum_mean")
+def sequence_sum_mean(x: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """mean_i sum_t m x (luspo)."""
+    return _masked(x, mask).sum(-1).mean()
+
+
+LOSS_TYPE_REDUCTIONS: dict[str, str] = {
+    "grpo": "sequence_mean",
+    "sapo": "sequence_mean",
+    "bnpo": "token_mean",
+    "dr_grpo": "max_length_mean",
+    "dapo": "token_sum_normalized",
+    "cispo": "token_sum_normalized",
+    "vespo": "token_sum_normalized",
+    "luspo": "sequence_sum_mean",
+}
+# Length normalisation: each completion contributes its mean per-token KL, whatever the loss_type.
+LENGTH_METHOD_REDUCTIONS: dict[str, str] = {"length_normalized": "sequence_mean"}
+
+
+def loss_type_reduction(loss_type: str) -> str:
+    """The reduction a stock GRPO `loss_type` applies to its per-token loss."""
+    if loss_type not in LOSS_TYPE_REDUCTIONS:
+        raise ValueError(
+            f"loss_type={loss_type!r} is not supported by adaptive KL: allowed is one of "
+            f"{', '.join(sorted(LOSS_TYPE_REDUCTIONS))}."
+        )
+    return LOSS_TYPE_REDUCTIONS[loss_type]
+
+
+def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
+    """Apply the named reduction to a per-token tensor."""
+    return _REDUCTIONS[reduction](x, mask, ctx)
+
+
+def shape_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
+    """Per-token shaping k -> k' by the configured clip/sigmoid method (identity without one)."""
+    for method in config.kl_methods:
+        if method in _SHAPINGS:
+            kl = _SHAPINGS[method](kl, config)
+    return kl
+
+
+def kl_reduction(config: AdaptiveKLConfig, loss_type: str) -> str:
+    """The reduction of the adapted KL: length normalisation's when active, else the loss_type's own."""
+    for method in config.kl_methods:
+        if method in LENGTH_METHOD_REDUCTIONS:
+            return LENGTH_METHOD_REDUCTIONS[method]
+    return loss_type_reduction(loss_type)
+
+
+@dataclass
+class KLTerm:
+    """raw: the un-adapted KL reduced as loss_type reduces the loss (detached, for logging).
+    adapted: the adapted KL, the quantity beta multiplies in the loss (carries gradient)."""
+
+    raw: torch.Tensor
+    adapted: torch.Tensor
+
+
+def adapted_kl_term(
+    kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str, ctx: ReductionContext
+) -> KLTerm:
+    """shaping -> length normalisation (reduction); the caller multiplies `adapted` by the current beta."""
+    raw = reduce_kl(kl.detach(), mask, loss_type_reduction(loss_type), ctx)
+    adapted = reduce_kl(shape_kl(kl, config), mask, kl_reduction(config, loss_type), ctx)
+    return KLTerm(raw=raw, adapted=adapted)

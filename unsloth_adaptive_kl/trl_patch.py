@@ -1,0 +1,240 @@
+"""Integration with trl 1.15's `GRPOConfig` / `GRPOTrainer`: translate trainer tensors to the core and back.
+
+`patch()` is the one place that changes TRL and `unpatch()` restores every stock object; both are idempotent.
+Data flows one way: `_compute_loss` hands the per-token KL it computed (caught by `_KLTermProbe`), the mask and
+the loss-type normalisers to `adaptation.adapted_kl_term`; the adapted term goes back into the loss and the
+metrics into `trainer._metrics`. No extra forward pass is made.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import trl
+import trl.trainer
+import trl.trainer.grpo_config as trl_grpo_config
+import trl.trainer.grpo_trainer as trl_grpo_trainer
+import trl.trainer.utils as trl_utils
+from packaging.version import Version
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .adaptation import ReductionContext, adapted_kl_term, kl_reduction, loss_type_reduction
+from .config import AdaptiveKLConfig, adaptive_kl_config_from
+from .controllers import make_beta_controller
+from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+from .versions import SUPPORTED, check_versions, installed_version
+
+STATE_FILE = "adaptive_kl_state.json"
+METRIC_PREFIX = "adaptive_kl/"
+_MISSING = object()
+
+StockGRPOConfig = trl_grpo_config.GRPOConfig
+StockGRPOTrainer = trl_grpo_trainer.GRPOTrainer
+# The stock methods the wrappers call, captured before any patching.
+_stock_init = StockGRPOTrainer.__init__
+_stock_compute_loss = StockGRPOTrainer._compute_loss
+_stock_generate_and_score = StockGRPOTrainer._generate_and_score_completions
+_stock_save_checkpoint = StockGRPOTrainer._save_checkpoint
+_stock_load_optimizer_and_scheduler = StockGRPOTrainer._load_optimizer_and_scheduler
+
+
+@dataclass
+class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
+    # Unsloth pastes this class's docstring into the source it generates, so it must be set explicitly.
+    __doc__ = (StockGRPOConfig.__doc__ or "") + "\n" + (AdaptiveKLConfig.__doc__ or "")
+
+
+class _KLTermProbe(float):
+    """Stands in for `trainer.beta` during one stock `_compute_loss` call.
+
+    It equals beta, so the stock `if self.beta != 0.0` branches behave as before. At the stock line
+    `per_token_loss = per_token_loss + self.beta * per_token_kl` it records `per_token_kl` exactly as the trainer
+    computed it and returns the stock product (method 'none') or zeros (the adapted term is added after the stock
+    reduction instead)."""
+
+    captured: list
+
+    def __new__(cls, beta: float, keep_stock_term: bool) -> "_KLTermProbe":
+        probe = super().__new__(cls, beta)
+        probe.keep_stock_term = keep_stock_term
+        probe.captured = []
+        return probe
+
+    def __mul__(self, other: Any) -> Any:
+        if not isinstance(other, torch.Tensor):
+            return float(self) * other
+        self.captured.append(other)
+        return float(self) * other if self.keep_stock_term else torch.zeros_like(other)
+
+    __rmul__ = __mul__
+
+
+def _anchor_error(anchor: str) -> RuntimeError:
+    return RuntimeError(
+        f"unsloth_adaptive_kl: the anchor {anchor} was not found in trl=={installed_version('trl')}'s GRPOTrainer; "
+        f"supported is trl{SUPPORTED['trl']}. Adaptive KL cannot be applied."
+    )
+
+
+def _reduction_context(trainer: Any, inputs: dict, mode: str) -> ReductionContext:
+    """Translate the trainer's normalisers. dapo/cispo/vespo divide each micro-batch's token sum by
+    num_items_in_batch / num_processes * GA / steps_per_generation; without the GA factor that is below."""
+    token_normalizer = None
+    if "num_items_in_batch" in inputs:
+        token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+        if mode == "train":
+            token_normalizer = token_normalizer / trainer.args.steps_per_generation
+    return ReductionContext(max_completion_length=trainer.max_completion_length, token_normalizer=token_normalizer)
+
+
+# Replaces trl.GRPOTrainer._compute_loss (wraps it; the loss is then its policy part + beta_t * adapted KL).
+def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
+    if self.beta == 0.0:
+        return _stock_compute_loss(self, model, inputs)
+    config: AdaptiveKLConfig = self.adaptive_kl_config
+    probe = _KLTermProbe(self.beta, keep_stock_term=not config.kl_methods)
+    self.beta = probe
+    try:
+        loss = _stock_compute_loss(self, model, inputs)
+    finally:
+        self.beta = float(probe)
+    if len(probe.captured) != 1:
+        raise _anchor_error("`per_token_loss + self.beta * per_token_kl` in GRPOTrainer._compute_loss")
+
+    mode = "train" if self.model.training else "eval"
+    mask = inputs["completion_mask"]
+    if "tool_mask" in inputs:
+        mask = mask * inputs["tool_mask"]
+    term = adapted_kl_term(probe.captured[0], mask, config, self.loss_type, _reduction_context(self, inputs, mode))
+    beta = self.beta_controller.value
+    if config.kl_methods:
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        loss = loss + beta * term.adapted / accumulation
+
+    gathered = self.accelerator.gather(torch.stack([term.raw, term.adapted.detach()]).float())
+    raw_kl, adapted_kl = gathered.view(-1, 2).mean(0).tolist()
+    if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
+        raise FloatingPointError(
+            f"adaptive KL: non-finite KL at global_step={self.state.global_step} ({mode}): raw_kl={raw_kl}, "
+            f"adapted_kl={adapted_kl}. The policy and reference log-probs diverged beyond float range."
+        )
+    self._metrics[mode][METRIC_PREFIX + "raw_kl"].append(raw_kl)
+    self._metrics[mode][METRIC_PREFIX + "adapted_kl"].append(adapted_kl)
+    self._metrics[mode][METRIC_PREFIX + "current_beta"].append(beta)
+
+    # Like TRL's adaptive entropy controller: once per optimizer step, effective from the next step.
+    if mode == "train" and self.accelerator.sync_gradients:
+        self.beta_controller.step(self.state.global_step + 1)
+    return loss
+
+
+# Replaces trl.GRPOTrainer._generate_and_score_completions (wraps it to read the global mean reward it logs).
+def _generate_and_score_completions(self: Any, inputs: Any) -> dict:
+    rewards = self._metrics["train"]["reward"]
+    logged = len(rewards)
+    output = _stock_generate_and_score(self, inputs)
+    if self.model.training:
+        if len(rewards) != logged + 1:
+            raise _anchor_error('`self._metrics[mode]["reward"].append(...)` in _generate_and_score_completions')
+        self.beta_controller.observe_rewards(rewards[-1])
+    return output
+
+
+# Replaces trl.GRPOTrainer.__init__ (wraps it to validate the settings and build the beta controller).
+def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _stock_init(self, *args, **kwargs)
+    config = adaptive_kl_config_from(self.args)
+    if self.beta != 0.0:
+        loss_type_reduction(self.loss_type)
+        kl_reduction(config, self.loss_type)
+    elif config.kl_methods:
+        warnings.warn(
+            f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL term off "
+            "(and the trainer loads no reference model). Set beta > 0 to regularise.",
+            UserWarning,
+            stacklevel=2,
+        )
+    self.adaptive_kl_config = config
+    self.beta_controller = make_beta_controller(self.beta, config)
+
+
+def _current_beta(self: Any) -> float:
+    """The beta multiplying the KL term in the next step (`trainer.beta` stays the configured value)."""
+    return self.beta_controller.value
+
+
+def _checkpoint_dir(trainer: Any, trial: Any) -> str:
+    return os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+
+
+# Replaces trl.GRPOTrainer._save_checkpoint (wraps it to save the beta controller with every checkpoint).
+def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
+    _stock_save_checkpoint(self, model, trial)
+    if self.args.should_save:
+        with open(os.path.join(_checkpoint_dir(self, trial), STATE_FILE), "w") as f:
+            json.dump(self.beta_controller.state_dict(), f)
+
+
+# Replaces trl.GRPOTrainer._load_optimizer_and_scheduler (wraps it to restore the beta controller on resume).
+def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> None:
+    _stock_load_optimizer_and_scheduler(self, checkpoint)
+    path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
+    if path is not None and os.path.exists(path):
+        with open(path) as f:
+            self.beta_controller.load_state_dict(json.load(f))
+
+
+def _patch_points() -> list[tuple[Any, str, Any]]:
+    points: list[tuple[Any, str, Any]] = [
+        # trl.GRPOConfig (and its aliases; Unsloth reads trl.trainer.grpo_trainer.GRPOConfig) gains the fields.
+        (trl, "GRPOConfig", GRPOConfig),
+        (trl.trainer, "GRPOConfig", GRPOConfig),
+        (trl_grpo_config, "GRPOConfig", GRPOConfig),
+        (trl_grpo_trainer, "GRPOConfig", GRPOConfig),
+        (StockGRPOTrainer, "__init__", _init),
+        (StockGRPOTrainer, "_compute_loss", _compute_loss),
+        (StockGRPOTrainer, "_generate_and_score_completions", _generate_and_score_completions),
+        (StockGRPOTrainer, "_save_checkpoint", _save_checkpoint),
+        (StockGRPOTrainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
+        (StockGRPOTrainer, "current_beta", property(_current_beta)),
+    ]
+    if installed_version("trl") < Version("1.16.0"):
+        # trl.trainer.utils._ChunkedLogProbFunction: the Triton kernel has no CPU path before trl 1.16.
+        ChunkedLogProbWithCPUFallback.upstream = trl_utils._ChunkedLogProbFunction
+        points.append((trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbWithCPUFallback))
+    return points
+
+
+_originals: list[tuple[Any, str, Any]] = []
+
+
+def is_patched() -> bool:
+    return bool(_originals)
+
+
+def patch() -> None:
+    """Install the adaptive KL into TRL in place. Idempotent."""
+    if _originals:
+        return
+    check_versions()
+    for owner, name, replacement in _patch_points():
+        _originals.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, replacement)
+
+
+def unpatch() -> None:
+    """Restore every stock TRL object. Idempotent."""
+    while _originals:
+        owner, name, original = _originals.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+
+
