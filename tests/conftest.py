@@ -1,0 +1,105 @@
+"""Shared fixtures: a tiny offline model, a GRPO trainer factory and fixed loss inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator, Optional
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # on 2 cores thread oversubscription makes each step 30-100x slower
+
+import trl  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+import unsloth_adaptive_kl  # noqa: E402
+from unsloth_adaptive_kl import trl_patch  # noqa: E402
+from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
+from unsloth_adaptive_kl.trl_cpu_fallback import ChunkedLogProbWithCPUFallback  # noqa: E402
+
+PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
+
+
+def hash_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """1 if the completion contains '#', else a small length-dependent reward (so advantages are non-zero)."""
+    return [1.0 if "#" in text else 0.1 * (len(text) % 5) for text in completions]
+
+
+def constant_reward(value: float) -> Callable[..., list[float]]:
+    def reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [value] * len(completions)
+
+    reward.__name__ = f"constant_{value}"
+    return reward
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+def grpo_args(output_dir: str, **overrides: Any) -> Any:
+    """A small CPU GRPOConfig; `trl.GRPOConfig` is looked up at call time so it follows patch/unpatch."""
+    settings: dict[str, Any] = dict(
+        output_dir=output_dir,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=2,
+        logging_steps=1,
+        learning_rate=5e-3,
+        beta=0.04,
+        save_strategy="no",
+        gradient_accumulation_steps=2,
+        seed=0,
+        data_seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return trl.GRPOConfig(**settings)
+
+
+def make_trainer(
+    tokenizer: Any,
+    output_dir: str,
+    reward: Optional[Callable[..., list[float]]] = None,
+    **overrides: Any,
+) -> Any:
+    args = grpo_args(output_dir, **overrides)
+    from transformers import set_seed
+
+    set_seed(0)
+    model = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+    return trl.GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[reward or hash_reward],
+        args=args,
+        train_dataset=dataset,
+    )
+
+
+@contextlib.contextmanager
+def stock_trl() -> Iterator[None]:
+    """Stock TRL inside the block (plus the CPU log-prob fallback, without which stock trl 1.15 cannot run a
+    forward on CPU at all); patched again afterwards."""
+    unsloth_adaptive_kl.unpatch()
+    stock_kernel = trl_patch.trl_utils._ChunkedLogProbFunction
+    trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
+    try:
+        yield
+    finally:
+        trl_patch.trl_utils._ChunkedLogProbFunction = stock_kernel
+        unsloth_adaptive_kl.patch()
+
+
+def logged(trainer: Any, key: str) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]

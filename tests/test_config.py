@@ -1,0 +1,124 @@
+"""Config fields on trl.GRPOConfig: defaults, validation messages, CLI/YAML, to_dict, pickling (SPEC 2)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+import trl
+from trl import TrlParser
+
+import unsloth_adaptive_kl
+from unsloth_adaptive_kl import AdaptiveKLConfig, parse_methods
+from unsloth_adaptive_kl.config import ADAPTIVE_KL_FIELDS
+
+from .conftest import grpo_args
+
+DEFAULTS = {
+    "kl_adaptation_method": "none",
+    "kl_clip_threshold": 1.0,
+    "kl_target": 0.1,
+    "dynamic_beta_decay": 0.9,
+    "reward_threshold": 0.8,
+    "beta_min": 0.0,
+    "beta_schedule_steps": 1000,
+}
+
+BAD_VALUES = [
+    ("kl_adaptation_method", "clipp", "one or more of clip, sigmoid, length_normalized, dynamic"),
+    ("kl_adaptation_method", "", "one or more of"),
+    ("kl_adaptation_method", "clip+sigmoid", "at most one of clip/sigmoid"),
+    ("kl_adaptation_method", ["sigmoid", "clip"], "at most one of clip/sigmoid"),
+    ("kl_adaptation_method", "none+clip", "one or more of"),
+    ("kl_adaptation_method", "clip+clip", "each method at most once"),
+    ("kl_adaptation_method", 3, "one or more of"),
+    ("kl_adaptation_method", "dynamic+", "one or more of"),
+    ("kl_clip_threshold", 0.0, "a finite number > 0"),
+    ("kl_clip_threshold", -1.0, "a finite number > 0"),
+    ("kl_clip_threshold", math.nan, "a finite number > 0"),
+    ("kl_clip_threshold", math.inf, "a finite number > 0"),
+    ("kl_clip_threshold", "1.0", "a finite number > 0"),
+    ("kl_target", -0.1, "a finite number >= 0"),
+    ("kl_target", math.nan, "a finite number >= 0"),
+    ("dynamic_beta_decay", 0.0, "0 < x <= 1"),
+    ("dynamic_beta_decay", 1.5, "0 < x <= 1"),
+    ("dynamic_beta_decay", -0.5, "0 < x <= 1"),
+    ("reward_threshold", math.nan, "a finite number"),
+    ("reward_threshold", math.inf, "a finite number"),
+    ("beta_min", -0.01, "0 <= beta_min <= beta=0.04"),
+    ("beta_min", 0.5, "0 <= beta_min <= beta=0.04"),
+    ("beta_min", True, "0 <= beta_min"),
+    ("beta_schedule_steps", 0, "an integer >= 1, or None"),
+    ("beta_schedule_steps", -5, "an integer >= 1, or None"),
+    ("beta_schedule_steps", 2.5, "an integer >= 1, or None"),
+    ("beta_schedule_steps", True, "an integer >= 1, or None"),
+]
+
+
+def test_defaults_on_patched_grpo_config(tmp_path) -> None:
+    args = grpo_args(str(tmp_path))
+    assert isinstance(args, unsloth_adaptive_kl.GRPOConfig)
+    assert {name: getattr(args, name) for name in ADAPTIVE_KL_FIELDS} == DEFAULTS
+    assert set(ADAPTIVE_KL_FIELDS) == set(DEFAULTS)
+    assert trl.trainer.grpo_trainer.GRPOConfig is trl.GRPOConfig is unsloth_adaptive_kl.GRPOConfig
+
+
+@pytest.mark.parametrize(("field", "value", "allowed"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])
+def test_bad_value_rejected_at_construction(tmp_path, field: str, value, allowed: str) -> None:
+    with pytest.raises(ValueError) as error:
+        grpo_args(str(tmp_path), **{field: value})
+    message = str(error.value)
+    assert message.startswith(f"{field}={value!r} is invalid: allowed is ")
+    assert allowed in message
+
+
+def test_bad_value_rejected_by_standalone_config() -> None:
+    with pytest.raises(ValueError, match=r"kl_target=-1 is invalid: allowed is a finite number >= 0"):
+        AdaptiveKLConfig(kl_target=-1)
+
+
+def test_methods_given_as_list_or_string_are_canonical(tmp_path) -> None:
+    assert parse_methods("none") == ()
+    assert parse_methods(" length_normalized + dynamic ") == ("length_normalized", "dynamic")
+    args = grpo_args(str(tmp_path), kl_adaptation_method=["dynamic", "length_normalized", "sigmoid"])
+    assert args.kl_adaptation_method == "sigmoid+length_normalized+dynamic"
+    assert args.kl_methods == ("sigmoid", "length_normalized", "dynamic")
+
+
+def test_to_dict_pickle_and_saved_training_args(tmp_path) -> None:
+    args = grpo_args(str(tmp_path), kl_adaptation_method="dynamic+clip", kl_clip_threshold=0.5, beta_schedule_steps=None)
+    as_dict = args.to_dict()
+    assert as_dict["kl_adaptation_method"] == "clip+dynamic"
+    assert as_dict["kl_clip_threshold"] == 0.5 and as_dict["beta_schedule_steps"] is None
+    restored = pickle.loads(pickle.dumps(args))
+    assert type(restored) is type(args)
+    assert {n: getattr(restored, n) for n in ADAPTIVE_KL_FIELDS} == {n: getattr(args, n) for n in ADAPTIVE_KL_FIELDS}
+
+
+def test_trl_parser_cli_round_trip(tmp_path) -> None:
+    parser = TrlParser((trl.GRPOConfig,))
+    (args,) = parser.parse_args_and_config(
+        [
+            "--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--beta", "0.1",
+            "--kl_adaptation_method", "dynamic+length_normalized", "--kl_clip_threshold", "2.5",
+            "--kl_target", "0.3", "--dynamic_beta_decay", "0.5", "--reward_threshold", "0.25",
+            "--beta_min", "0.01", "--beta_schedule_steps", "7",
+        ]
+    )
+    assert isinstance(args, unsloth_adaptive_kl.GRPOConfig)
+    assert (args.kl_adaptation_method, args.kl_clip_threshold, args.kl_target) == ("length_normalized+dynamic", 2.5, 0.3)
+    assert (args.dynamic_beta_decay, args.reward_threshold, args.beta_min, args.beta_schedule_steps) == (0.5, 0.25, 0.01, 7)
+
+
+def test_trl_parser_yaml_round_trip_and_cli_error(tmp_path) -> None:
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(
+        f"output_dir: {tmp_path}\nuse_cpu: true\nreport_to: none\nbeta: 0.2\n"
+        "kl_adaptation_method: sigmoid+dynamic\nkl_target: 0.05\nbeta_schedule_steps: 3\n"
+    )
+    parser = TrlParser((trl.GRPOConfig,))
+    (args,) = parser.parse_args_and_config(["--config", str(config_file)])
+    assert (args.kl_adaptation_method, args.kl_target, args.beta_schedule_steps, args.beta) == ("sigmoid+dynamic", 0.05, 3, 0.2)
+    with pytest.raises(ValueError, match=r"dynamic_beta_decay=2.0 is invalid"):
+        parser.parse_args_and_config(["--config", str(config_file), "--dynamic_beta_decay", "2"])

@@ -1,0 +1,134 @@
+"""The pure-torch core against independent hand formulas on fixed tensors (SPEC 3.2-3.6, 4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
+from unsloth_adaptive_kl.adaptation import LOSS_TYPE_REDUCTIONS, loss_type_reduction
+
+# Two completions: lengths 3 and 1 (T = 4).
+KL = torch.tensor([[0.5, 2.0, 0.1, 9.0], [3.0, 7.0, 7.0, 7.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+CTX = ReductionContext(max_completion_length=4, token_normalizer=torch.tensor(5.0))
+
+
+def config(method: str, **kwargs) -> AdaptiveKLConfig:
+    return AdaptiveKLConfig(kl_adaptation_method=method, **kwargs)
+
+
+def sig(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def test_clip_is_min_with_threshold_and_zero_gradient_above() -> None:
+    kl = KL.clone().requires_grad_(True)
+    shaped = shape_kl(kl, config("clip", kl_clip_threshold=1.0))
+    assert torch.equal(shaped, torch.tensor([[0.5, 1.0, 0.1, 1.0], [1.0, 1.0, 1.0, 1.0]]))
+    shaped.sum().backward()
+    assert kl.grad.tolist() == [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+def test_sigmoid_formula_by_hand() -> None:
+    shaped = shape_kl(KL, config("sigmoid", kl_target=0.1))
+    expected = [[sig(k - 0.1) * k for k in row] for row in KL.tolist()]
+    assert torch.allclose(shaped, torch.tensor(expected))
+    assert shaped[0, 0].item() == pytest.approx(sig(0.4) * 0.5)  # 0.29934...
+
+
+def test_none_and_dynamic_do_not_shape() -> None:
+    assert torch.equal(shape_kl(KL, config("none")), KL)
+    assert torch.equal(shape_kl(KL, config("dynamic")), KL)
+
+
+# Hand-computed reductions of KL under MASK: masked sums are 2.6 (L=3) and 3.0 (L=1); 4 tokens in all.
+HAND_REDUCTIONS = {
+    "grpo": (2.6 / 3 + 3.0 / 1) / 2,
+    "sapo": (2.6 / 3 + 3.0 / 1) / 2,
+    "bnpo": 5.6 / 4,
+    "dr_grpo": 5.6 / (2 * 4),
+    "dapo": 5.6 / 5.0,
+    "cispo": 5.6 / 5.0,
+    "vespo": 5.6 / 5.0,
+    "luspo": (2.6 + 3.0) / 2,
+}
+
+
+@pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
+def test_loss_type_reductions_by_hand(loss_type: str) -> None:
+    value = reduce_kl(KL, MASK, loss_type_reduction(loss_type), CTX)
+    assert value.item() == pytest.approx(HAND_REDUCTIONS[loss_type], rel=1e-6)
+    assert set(HAND_REDUCTIONS) == set(LOSS_TYPE_REDUCTIONS)
+
+
+@pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
+def test_length_normalized_is_mean_per_completion_whatever_loss_type(loss_type: str) -> None:
+    term = adapted_kl_term(KL, MASK, config("length_normalized"), loss_type, CTX)
+    assert term.adapted.item() == pytest.approx((2.6 / 3 + 3.0) / 2, rel=1e-6)
+    assert term.raw.item() == pytest.approx(HAND_REDUCTIONS[loss_type], rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
+def test_length_normalized_penalty_invariant_to_doubling_length(loss_type: str) -> None:
+    """Completion 0 doubled (same per-token KL 0.7 on 3 -> 6 tokens): its KL penalty is unchanged."""
+    short_kl = torch.tensor([[0.7] * 3 + [0.0] * 3, [0.2] * 6])
+    short_mask = torch.tensor([[1.0] * 3 + [0.0] * 3, [1.0] * 2 + [0.0] * 4])
+    long_mask = torch.tensor([[1.0] * 6, [1.0] * 2 + [0.0] * 4])
+    long_kl = torch.tensor([[0.7] * 6, [0.2] * 6])
+    ctx = ReductionContext(max_completion_length=6, token_normalizer=torch.tensor(5.0))
+    cfg = config("length_normalized")
+    short = adapted_kl_term(short_kl, short_mask, cfg, loss_type, ctx).adapted
+    long = adapted_kl_term(long_kl, long_mask, cfg, loss_type, ctx).adapted
+    assert short.item() == pytest.approx(long.item(), rel=1e-6)
+    assert short.item() == pytest.approx((0.7 + 0.2) / 2, rel=1e-6)
+
+
+def test_combination_applies_shaping_before_length_normalisation() -> None:
+    cfg = config("length_normalized+clip", kl_clip_threshold=1.0)
+    assert cfg.kl_adaptation_method == "clip+length_normalized"
+    term = adapted_kl_term(KL, MASK, cfg, "bnpo", CTX)
+    # clipped rows: [0.5, 1.0, 0.1] (L=3) and [1.0] (L=1)
+    assert term.adapted.item() == pytest.approx((1.6 / 3 + 1.0) / 2, rel=1e-6)
+    sigmoid_then_length = adapted_kl_term(KL, MASK, config("sigmoid+length_normalized+dynamic"), "dapo", CTX)
+    row0 = sum(sig(k - 0.1) * k for k in (0.5, 2.0, 0.1)) / 3
+    row1 = sig(2.9) * 3.0
+    assert sigmoid_then_length.adapted.item() == pytest.approx((row0 + row1) / 2, rel=1e-6)
+
+
+def test_empty_completion_does_not_divide_by_zero() -> None:
+    mask = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    for loss_type in HAND_REDUCTIONS:
+        term = adapted_kl_term(KL, mask, config("sigmoid+length_normalized"), loss_type, CTX)
+        assert math.isfinite(term.adapted.item()) and math.isfinite(term.raw.item())
+
+
+def test_non_finite_values_at_padded_positions_do_not_leak() -> None:
+    kl = KL.clone()
+    kl[0, 3] = float("inf")
+    kl[1, 2] = float("nan")
+    for loss_type in HAND_REDUCTIONS:
+        assert reduce_kl(kl, MASK, loss_type_reduction(loss_type), CTX).item() == pytest.approx(
+            HAND_REDUCTIONS[loss_type], rel=1e-6
+        )
+
+
+@pytest.mark.parametrize("method", ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+dynamic"])
+def test_log_ratio_of_plus_minus_50_gives_finite_term_and_gradient(method: str) -> None:
+    logp = torch.tensor([[-1.0, -60.0, -1.0], [-55.0, -2.0, -3.0]], requires_grad=True)
+    ref = torch.tensor([[-51.0, -10.0, -1.0], [-5.0, -2.0, -3.0]])
+    kl = torch.exp(ref - logp) - (ref - logp) - 1  # k3; log-ratios -50, +50, 0, +50, 0, 0
+    mask = torch.ones_like(ref)
+    for loss_type in HAND_REDUCTIONS:
+        term = adapted_kl_term(kl, mask, config(method), loss_type, CTX)
+        term.adapted.backward(retain_graph=True)
+        assert math.isfinite(term.adapted.item())
+        assert torch.isfinite(logp.grad).all()
+        logp.grad = None
+
+
+def test_unknown_loss_type_is_rejected_with_the_allowed_values() -> None:
+    with pytest.raises(ValueError, match=r"loss_type='nope'.*allowed is one of bnpo, cispo, dapo"):
+        loss_type_reduction("nope")

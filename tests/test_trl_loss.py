@@ -1,0 +1,217 @@
+"""The patched GRPOTrainer loss: 'none' is stock, and every method's KL part equals an independent formula
+computed from a separate forward pass (SPEC 3.1-3.6, 4)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from .conftest import logged, make_trainer, stock_trl
+
+GA = 2
+LENGTHS = [5, 3, 1, 4]
+T = 5
+
+
+def fixed_inputs(trainer, tokenizer, log_ratio_scale: float = 1.0, shift: float = 0.0) -> dict:
+    """A micro-batch of 4 completions with lengths 5, 3, 1, 4 and reference log-probs that differ from the
+    policy's by a fixed pattern (per-token KL from ~0 to > 1)."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = tokenizer(["ab:", "cde:", "fg:", "h:"], return_tensors="pt", padding=True)
+    completion_ids = torch.randint(2, len(tokenizer), (4, T), generator=generator)
+    completion_mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(T)] for n in LENGTHS])
+    offsets = (torch.rand(4, T, generator=generator) * 2 - 1) * 2.0 * log_ratio_scale + shift
+    inputs = {
+        "prompt_ids": prompts.input_ids,
+        "prompt_mask": prompts.attention_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask.long(),
+        "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        "num_items_in_batch": torch.tensor(float(sum(LENGTHS) * GA)),
+    }
+    with torch.no_grad():
+        inputs["ref_per_token_logps"] = policy_logps(trainer.model, inputs) + offsets
+    return inputs
+
+
+def policy_logps(model, inputs: dict) -> torch.Tensor:
+    """log pi(completion token) from a plain forward pass and log_softmax (independent of TRL's fused path)."""
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits
+    prompt_length = inputs["prompt_ids"].size(1)
+    logits = logits[:, prompt_length - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def expected_kl_part(trainer, inputs: dict, logp: torch.Tensor) -> torch.Tensor:
+    """beta * KL term / GA, written out per method and loss_type from the SPEC's formulas."""
+    args = trainer.args
+    delta = inputs["ref_per_token_logps"] - logp
+    k = torch.exp(delta) - delta - 1
+    if args.use_bias_correction_kl:  # TRL's default: times the (on-policy: value 1, differentiable) IS ratio
+        k = k * torch.exp(logp - logp.detach())
+    methods = args.kl_adaptation_method.split("+")
+    if "clip" in methods:
+        k = torch.minimum(k, torch.full_like(k, args.kl_clip_threshold))
+    if "sigmoid" in methods:
+        k = torch.sigmoid(k - args.kl_target) * k
+    m = inputs["completion_mask"].float()
+    lengths = m.sum(-1)
+    per_completion_sum = (k * m).sum(-1)
+    if "length_normalized" in methods or args.loss_type == "grpo":
+        term = (per_completion_sum / lengths).mean()
+    elif args.loss_type == "bnpo":
+        term = per_completion_sum.sum() / lengths.sum()
+    elif args.loss_type == "dr_grpo":
+        term = per_completion_sum.sum() / (4 * args.max_completion_length)
+    elif args.loss_type == "dapo":  # TRL: num_items_in_batch / processes * GA / steps_per_generation
+        term = per_completion_sum.sum() / (inputs["num_items_in_batch"] * GA / args.steps_per_generation) * GA
+    return args.beta * term / GA
+
+
+def kl_part_and_grads(trainer, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(loss - loss with beta=0) and its gradient, through the patched trainer."""
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss = trainer._compute_loss(model, inputs)
+    beta = trainer.beta
+    trainer.beta = 0.0
+    try:
+        policy = trainer._compute_loss(model, inputs)
+    finally:
+        trainer.beta = beta
+    kl_part = loss - policy
+    return kl_part.detach(), list(torch.autograd.grad(kl_part, params))
+
+
+def prepared_trainer(tokenizer, tmp_path, **overrides):
+    trainer = make_trainer(tokenizer, str(tmp_path), gradient_accumulation_steps=GA, **overrides)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = GA
+    return trainer
+
+
+METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "clip+length_normalized", "sigmoid+dynamic"]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("method", METHODS)
+def test_kl_part_of_loss_and_its_gradient_match_formula(tokenizer, tmp_path, method: str, loss_type: str) -> None:
+    trainer = prepared_trainer(
+        tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method=method, kl_clip_threshold=0.3, kl_target=0.2
+    )
+    inputs = fixed_inputs(trainer, tokenizer)
+    kl_part, grads = kl_part_and_grads(trainer, inputs)
+
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    expected = expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs))
+    expected_grads = torch.autograd.grad(expected, params)
+    assert kl_part.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-9)
+    for grad, want in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7)
+
+    # SPEC 4: current_beta * adapted_kl is the KL part of the loss (without the accumulation factor).
+    metrics = trainer._metrics["train"]
+    assert metrics["adaptive_kl/current_beta"][0] == pytest.approx(0.04)
+    assert metrics["adaptive_kl/current_beta"][0] * metrics["adaptive_kl/adapted_kl"][0] == pytest.approx(
+        kl_part.item() * GA, rel=1e-5
+    )
+    if method in ("none", "dynamic"):
+        assert metrics["adaptive_kl/raw_kl"][0] == pytest.approx(metrics["adaptive_kl/adapted_kl"][0], rel=1e-7)
+
+
+def test_clip_has_zero_kl_gradient_above_threshold(tokenizer, tmp_path) -> None:
+    """Every token's KL above the threshold: the KL part is constant and has no gradient."""
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_adaptation_method="clip", kl_clip_threshold=0.5)
+    inputs = fixed_inputs(trainer, tokenizer, log_ratio_scale=0.1, shift=3.0)  # k3(3 +- 0.2) > 16
+    kl_part, grads = kl_part_and_grads(trainer, inputs)
+    assert kl_part.item() == pytest.approx(0.04 * 0.5 / GA, rel=1e-6)
+    assert all(torch.count_nonzero(grad) == 0 for grad in grads)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_log_ratios_of_50_give_finite_loss_and_gradients(tokenizer, tmp_path, method: str) -> None:
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="dapo", kl_adaptation_method=method)
+    inputs = fixed_inputs(trainer, tokenizer)
+    signs = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]] * 4)
+    with torch.no_grad():
+        inputs["ref_per_token_logps"] = policy_logps(trainer.model, inputs) + 50.0 * signs
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
+
+
+def run_and_params(tokenizer, output_dir: str, **overrides):
+    trainer = make_trainer(tokenizer, output_dir, **overrides)
+    trainer.train()
+    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return trainer.state.log_history, params
+
+
+TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_none_is_stock_over_a_real_run(tokenizer, tmp_path, loss_type: str) -> None:
+    """Same seed and arguments: stock and patched 'none' log the same stock metrics and end with the same weights."""
+    args = dict(loss_type=loss_type, gradient_accumulation_steps=GA, max_steps=2)
+    patched_log, patched_params = run_and_params(tokenizer, str(tmp_path / "patched"), **args)
+    with stock_trl():
+        stock_log, stock_params = run_and_params(tokenizer, str(tmp_path / "stock"), **args)
+    assert len(patched_log) == len(stock_log) == 3
+    for patched, stock in zip(patched_log, stock_log):
+        stock_keys = set(stock) - TIMING_KEYS
+        assert stock_keys <= set(patched)
+        assert not any(key.startswith("adaptive_kl/") for key in stock)
+        for key in stock_keys:
+            assert patched[key] == pytest.approx(stock[key], rel=1e-6, abs=1e-6), key
+    assert patched_log[0]["kl"] == 0.0 and patched_log[1]["kl"] > 0.0  # the KL term is live by step 2
+    for name, value in stock_params.items():
+        torch.testing.assert_close(patched_params[name], value, rtol=0, atol=1e-6)
+    assert logged_metric_keys(patched_log) == {"adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta"}
+
+
+def logged_metric_keys(log_history: list[dict]) -> set:
+    return {key for entry in log_history for key in entry if key.startswith("adaptive_kl/")}
+
+
+@pytest.mark.parametrize("method", ["clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"])
+def test_metrics_logged_for_every_method_with_spec_meaning(tokenizer, tmp_path, method: str) -> None:
+    trainer = make_trainer(
+        tokenizer, str(tmp_path), kl_adaptation_method=method, kl_clip_threshold=1e-4, max_steps=3, loss_type="bnpo"
+    )
+    trainer.train()
+    raw, adapted = logged(trainer, "adaptive_kl/raw_kl"), logged(trainer, "adaptive_kl/adapted_kl")
+    betas = logged(trainer, "adaptive_kl/current_beta")
+    assert len(raw) == len(adapted) == len(betas) == 3
+    assert raw[1] > 0
+    if method == "clip":
+        assert all(a <= min(r, 1e-4) + 1e-12 for a, r in zip(adapted, raw))
+        assert adapted[1] < raw[1]
+    if method == "sigmoid":  # sigmoid(k - 0.1) < 1 and k >= 0
+        assert all(a <= r for a, r in zip(adapted, raw)) and adapted[1] < raw[1]
+    if method == "dynamic":
+        assert raw == adapted
+    assert all(beta == pytest.approx(0.04) or "dynamic" in method for beta in betas)
+
+
+def test_beta_zero_warns_and_logs_no_adaptive_metrics(tokenizer, tmp_path) -> None:
+    with pytest.warns(UserWarning, match=r"kl_adaptation_method='clip' has no effect: beta=0.0 turns the KL term off"):
+        trainer = make_trainer(tokenizer, str(tmp_path), beta=0.0, kl_adaptation_method="clip")
+    trainer.train()
+    assert trainer.ref_model is None and trainer.beta == 0.0
+    assert logged_metric_keys(trainer.state.log_history) == set()
+
+
+def test_unknown_loss_type_for_a_method_is_rejected_before_training(tokenizer, tmp_path, monkeypatch) -> None:
+    trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip")
+    from unsloth_adaptive_kl import adaptation
+
+    monkeypatch.delitem(adaptation.LOSS_TYPE_REDUCTIONS, "dapo")
+    with pytest.raises(ValueError, match=r"loss_type='dapo' is not supported by adaptive KL: allowed is one of"):
+        make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip", loss_type="dapo")
+    assert trainer.current_beta == 0.04
