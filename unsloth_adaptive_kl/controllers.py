@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+import torch
+
 from .config import AdaptiveKLConfig
 
 
@@ -49,10 +51,13 @@ class DynamicBeta(ConstantBeta):
         super().__init__(beta, config)
         self.last_decayed_batch = 0
         self._config = config
+        # Trainers average rewards in float32: a mean of exactly 0.8 arrives as 0.800000011920929, so the
+        # threshold is compared at the same precision ("> 0.8" must be false for rewards of 0.8).
+        self._threshold = torch.tensor(config.reward_threshold, dtype=torch.float32).item()
 
     def step(self, completed_steps: int) -> None:
         config = self._config
-        if self.generation_batch != self.last_decayed_batch and self.batch_reward > config.reward_threshold:
+        if self.generation_batch != self.last_decayed_batch and self.batch_reward > self._threshold:
             self.value = max(self.value * config.dynamic_beta_decay, config.beta_min)
             self.last_decayed_batch = self.generation_batch
         if config.beta_schedule_steps is not None and completed_steps >= config.beta_schedule_steps:

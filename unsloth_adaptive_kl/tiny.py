@@ -40,7 +40,7 @@ def build_tiny_model(tokenizer: Any, hidden_size: int = 64, num_layers: int = 2,
         max_position_embeddings=256,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
