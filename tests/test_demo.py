@@ -1,0 +1,46 @@
+"""The demo's --quick path: files, table and metrics with the SPEC meaning (issue: demo)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+DEMO = Path(__file__).parents[1] / "blackwell" / "test_adaptive_kl_grpo.py"
+
+
+def test_quick_demo_writes_table_plot_and_metrics(tmp_path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
+    result = subprocess.run([sys.executable, str(DEMO), "--quick", "--output-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for method in ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]:
+        assert f"│ {method} " in result.stdout
+    png = (tmp_path / "adaptive_kl_comparison.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert len(rows) == 7 * 4  # 7 methods x 1 seed x 4 steps
+    assert rows == [{k: str(v) for k, v in row.items()} for row in json.loads((tmp_path / "metrics.json").read_text())]
+    by_method: dict[str, list[dict]] = {}
+    for row in rows:
+        by_method.setdefault(row["method"], []).append({k: float(v) for k, v in row.items() if k != "method"})
+    for row in by_method["clip"]:
+        assert float(row["adaptive_kl/adapted_kl"]) <= float(row["adaptive_kl/raw_kl"]) + 1e-12
+    betas = [row["adaptive_kl/current_beta"] for row in by_method["dynamic"]]
+    assert all(later <= earlier for earlier, later in zip(betas, betas[1:]))
+    assert all(row["adaptive_kl/raw_kl"] == row["adaptive_kl/adapted_kl"] for row in by_method["none"])
+    assert all(math.isnan(row["adaptive_kl/raw_kl"]) for row in by_method["beta=0"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [item["method"] for item in summary["summary"]] == list(by_method)
+
+
+def test_bad_method_fails_before_training(tmp_path) -> None:
+    result = subprocess.run([sys.executable, str(DEMO), "--quick", "--methods", "clip+sigmoid",
+                             "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "kl_adaptation_method='clip+sigmoid' is invalid" in result.stderr
+    assert not (tmp_path / "metrics.csv").exists()
