@@ -257,7 +257,7 @@ def print_table(summary: list[dict]) -> None:
 
         table.add_row(item["method"], cell("reward", 2), cell("completions/mean_length", 1),
                       cell("adaptive_kl/raw_kl", 4), cell("adaptive_kl/adapted_kl", 4),
-                      f"{item['adaptive_kl/current_beta'][0]:.4f}", f"{item['step_time'][0]:.3f}")
+                      f"{item['adaptive_kl/current_beta'][0]:.3g}", f"{item['step_time'][0]:.3f}")
     Console(width=140).print(table)
 
 
