@@ -1,0 +1,24 @@
+"""The Colab notebook runs top to bottom on CPU with the tiny default (executed with nbclient)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).parents[1] / "blackwell" / "adaptive_kl_grpo.ipynb"
+
+
+def test_notebook_executes_on_cpu(tmp_path) -> None:
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    NotebookClient(notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = [output for cell in notebook.cells if cell.cell_type == "code" for output in cell.get("outputs", [])]
+    assert not [output for output in outputs if output.output_type == "error"]
+    text = "".join(output.get("text", "") for output in outputs)
+    assert "CPU | unsloth_adaptive_kl 0.1.0" in text
+    assert "dynamic+length_normalized seed 0" in text
+    assert (tmp_path / "adaptive_kl_notebook_output" / "adaptive_kl_comparison.png").stat().st_size > 20_000
+    assert any("image/png" in output.get("data", {}) for output in outputs)

@@ -1,0 +1,338 @@
+"""Demo: train LoRA policies with each adaptive-KL method side by side and show the difference.
+
+The entry point is `blackwell/test_adaptive_kl_grpo.py` (not a pytest file: pytest collects only tests/); the
+notebook `blackwell/adaptive_kl_grpo.ipynb` calls the same functions. With no arguments it runs on a CPU in minutes:
+
+    python blackwell/test_adaptive_kl_grpo.py             # embedded tiny model, 7 methods x 3 seeds
+    python blackwell/test_adaptive_kl_grpo.py --quick     # smoke run, under a minute
+    python blackwell/test_adaptive_kl_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --backend auto   # GPU users
+
+Default task: a character vocabulary a-h plus '#' and ':'. The reference policy (the tiny model, briefly
+pretrained here) completes a prompt of 2-4 letters and ':' with 3-8 letters, rarely a '#'. The reward is 1 when
+the completion contains '#'. It saturates within a few dozen steps, and the completion length is free, so what
+happens to the length afterwards is decided by the KL term.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .config import parse_methods
+
+DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
+QUICK = {"steps": 4, "seeds": 1, "pretrain_steps": 60}
+LOGGED = ["reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
+          "completions/mean_length", "step_time"]
+ALPHABET = "abcdefgh"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 1 seed")
+    parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                        help="comma-separated kl_adaptation_method values; 'beta=0' is stock with beta 0")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--seeds", type=int, default=3, help="number of seeds per method")
+    parser.add_argument("--output-dir", default="adaptive_kl_demo_output")
+    parser.add_argument("--model", default=None, help="a model name or path (GPU users); default: the embedded tiny model")
+    parser.add_argument("--backend", choices=["unsloth", "trl", "auto"], default="auto",
+                        help="with --model: Unsloth FastLanguageModel (4-bit + LoRA) or transformers + PEFT")
+    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--loss-type", default="dapo")
+    parser.add_argument("--learning-rate", type=float, default=None)
+    parser.add_argument("--pretrain-steps", type=int, default=300, help="tiny model: reference pretraining steps")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.seeds, args.pretrain_steps = QUICK["steps"], QUICK["seeds"], QUICK["pretrain_steps"]
+    args.methods = [method.strip() for method in args.methods.split(",") if method.strip()]
+    for name, value in (("--steps", args.steps), ("--seeds", args.seeds)):
+        if value < 1:
+            parser.error(f"{name}={value} is invalid: allowed is an integer >= 1")
+    for method in args.methods:  # bad method names fail here, before any training
+        if method != "beta=0":
+            parse_methods(method)
+    return args
+
+
+# ----- the tiny default task ----------------------------------------------------------------------------------
+
+def reference_text(rng: random.Random) -> tuple[str, str]:
+    prompt = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(2, 4))) + ":"
+    completion = [rng.choice(ALPHABET) for _ in range(rng.randint(3, 8))]
+    if rng.random() < 0.1:  # '#' is rare under the reference policy
+        completion[rng.randrange(len(completion))] = "#"
+    return prompt, "".join(completion)
+
+
+def hash_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    """1 when the completion contains '#', else 0."""
+    return [1.0 if "#" in text else 0.0 for text in completions]
+
+
+def pretrain_tiny_reference(steps: int, seed: int = 0) -> tuple[Any, dict]:
+    """The tiny Llama trained by next-token prediction on reference completions; returns (tokenizer, weights)."""
+    from .tiny import build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer(ALPHABET + "#:")
+    model = build_tiny_model(tokenizer, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    rng = random.Random(seed)
+    for _ in range(steps):
+        rows = []
+        for _ in range(32):
+            prompt, completion = reference_text(rng)
+            rows.append(tokenizer(prompt + completion).input_ids + [tokenizer.eos_token_id])
+        width = max(map(len, rows))
+        ids = torch.tensor([row + [tokenizer.pad_token_id] * (width - len(row)) for row in rows])
+        mask = (torch.arange(width)[None, :] < torch.tensor([len(r) for r in rows])[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return tokenizer, {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+@dataclass
+class Task:
+    """What a run needs: a fresh LoRA policy per run, the prompts and the reward."""
+
+    make_policy: Callable[[int], Any]
+    tokenizer: Any
+    prompts: list[str]
+    reward: Callable[..., list[float]]
+    grpo_settings: dict = field(default_factory=dict)
+
+
+def tiny_task(args: argparse.Namespace) -> Task:
+    from .tiny import add_lora, build_tiny_model
+
+    tokenizer, weights = pretrain_tiny_reference(args.pretrain_steps)
+
+    def make_policy(seed: int) -> Any:
+        model = build_tiny_model(tokenizer)
+        model.load_state_dict(weights)
+        return add_lora(model, seed=seed)
+
+    rng = random.Random(1234)
+    prompts = [reference_text(rng)[0] for _ in range(256)]
+    settings = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=24,
+                    learning_rate=args.learning_rate or 5e-3, use_cpu=not torch.cuda.is_available(), bf16=False)
+    return Task(make_policy, tokenizer, prompts, hash_reward, settings)
+
+
+# ----- a real model (GPU users) -------------------------------------------------------------------------------
+
+def arithmetic_reward(completions: list[str], answer: list[str], **kwargs: Any) -> list[float]:
+    """1 when the completion's first number is the right answer."""
+    import re
+
+    rewards = []
+    for text, expected in zip(completions, answer):
+        text = text if isinstance(text, str) else text[-1]["content"]
+        found = re.findall(r"-?\d+", text)
+        rewards.append(1.0 if found and found[0] == expected else 0.0)
+    return rewards
+
+
+def model_task(args: argparse.Namespace) -> Task:
+    backend = args.backend
+    if backend == "auto":
+        import importlib.util
+
+        backend = "unsloth" if torch.cuda.is_available() and importlib.util.find_spec("unsloth") else "trl"
+
+    def make_policy(seed: int) -> Any:
+        if backend == "unsloth":
+            from unsloth import FastLanguageModel
+
+            model, _ = FastLanguageModel.from_pretrained(args.model, max_seq_length=512, load_in_4bit=True)
+            return FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, random_state=seed,
+                                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype="auto")
+        return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    rng = random.Random(1234)
+    pairs = [(rng.randint(2, 49), rng.randint(2, 49)) for _ in range(256)]
+    prompts = [[{"role": "user", "content": f"What is {a} + {b}? Reply with the number."}] for a, b in pairs]
+    task = Task(make_policy, tokenizer, prompts, arithmetic_reward,
+                dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=128,
+                     learning_rate=args.learning_rate or 5e-6, bf16=torch.cuda.is_available()))
+    task.grpo_settings["answers"] = [str(a + b) for a, b in pairs]
+    return task
+
+
+# ----- running and reporting ----------------------------------------------------------------------------------
+
+def run_one(task: Task, method: str, seed: int, args: argparse.Namespace, on_step: Callable[[], None]) -> list[dict]:
+    import trl
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback, set_seed
+
+    class Progress(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            on_step()
+
+    settings = dict(task.grpo_settings)
+    columns = {"prompt": task.prompts}
+    if "answers" in settings:
+        columns["answer"] = settings.pop("answers")
+    beta = 0.0 if method == "beta=0" else args.beta
+    config = trl.GRPOConfig(
+        output_dir=os.path.join(args.output_dir, "runs", f"{method}-seed{seed}"),
+        kl_adaptation_method="none" if method == "beta=0" else method,
+        beta=beta, loss_type=args.loss_type, max_steps=args.steps, logging_steps=1, save_strategy="no",
+        report_to="none", disable_tqdm=True, seed=seed, data_seed=seed, temperature=1.0,
+        reward_threshold=0.8, beta_schedule_steps=None, **settings,
+    )
+    set_seed(seed)
+    trainer = trl.GRPOTrainer(model=task.make_policy(seed), processing_class=task.tokenizer,
+                              reward_funcs=[task.reward], args=config, train_dataset=Dataset.from_dict(columns),
+                              callbacks=[Progress()])
+    trainer.remove_callback(PrinterCallback)  # the progress bar and the table report; no per-step dicts
+    trainer.train()
+    rows = []
+    for entry in trainer.state.log_history:
+        if "reward" in entry:
+            row = {"method": method, "seed": seed, "step": entry["step"]}
+            row.update({key: entry.get(key, math.nan) for key in LOGGED})
+            if beta == 0.0:  # the KL term is off: its coefficient is 0 and stock logs no KL
+                row["adaptive_kl/current_beta"] = 0.0
+            rows.append(row)
+    return rows
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarise(rows: list[dict], methods: list[str], steps: int) -> list[dict]:
+    """Per method: the mean over seeds of each seed's last-10%-of-steps average."""
+    window = max(1, steps // 10)
+    summary = []
+    for method in methods:
+        seeds = sorted({row["seed"] for row in rows if row["method"] == method})
+        if not seeds:
+            continue
+        per_seed: dict[str, list[float]] = {key: [] for key in LOGGED}
+        for seed in seeds:
+            tail = [r for r in rows if r["method"] == method and r["seed"] == seed][-window:]
+            for key in LOGGED:
+                per_seed[key].append(statistics.fmean(r[key] for r in tail))
+        summary.append({"method": method, "seeds": len(seeds),
+                        **{key: mean_std(values) for key, values in per_seed.items()}})
+    return summary
+
+
+def print_table(summary: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="Adaptive KL: last 10% of steps, mean +/- std over seeds")
+    for column in ["method", "reward", "completion length", "raw KL", "adapted KL", "final beta", "s/step"]:
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for item in summary:
+        def cell(key: str, digits: int = 3) -> str:
+            mean, std = item[key]
+            return f"{mean:.{digits}f} +/- {std:.{digits}f}"
+
+        table.add_row(item["method"], cell("reward", 2), cell("completions/mean_length", 1),
+                      cell("adaptive_kl/raw_kl", 4), cell("adaptive_kl/adapted_kl", 4),
+                      f"{item['adaptive_kl/current_beta'][0]:.3g}", f"{item['step_time'][0]:.3f}")
+    Console(width=140).print(table)
+
+
+def plot(rows: list[dict], methods: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward", "reward"), ("adaptive_kl/raw_kl", "raw KL"), ("adaptive_kl/current_beta", "beta"),
+              ("completions/mean_length", "completion length")]
+    figure, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    for axis, (key, title) in zip(axes.flat, panels):
+        for method in methods:
+            seeds = sorted({r["seed"] for r in rows if r["method"] == method})
+            curves = [[r[key] for r in rows if r["method"] == method and r["seed"] == s] for s in seeds]
+            if not curves:
+                continue
+            length = min(map(len, curves))
+            steps = list(range(1, length + 1))
+            values = torch.tensor([curve[:length] for curve in curves], dtype=torch.float64)
+            mean, low, high = values.nanmean(0), values.amin(0), values.amax(0)
+            axis.plot(steps, mean.tolist(), label=method)
+            axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15)
+        axis.set_title(f"{title} (mean over seeds, band: min-max)")
+        axis.set_xlabel("step")
+    axes.flat[0].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    os.makedirs(args.output_dir, exist_ok=True)
+    from rich.progress import Progress
+
+    started = time.perf_counter()
+    task = model_task(args) if args.model else tiny_task(args)
+    rows: list[dict] = []
+    failures: list[str] = []
+    total = len(args.methods) * args.seeds * args.steps
+    with Progress(transient=False) as progress:
+        bar = progress.add_task("training", total=total)
+        for seed in range(args.seeds):
+            for method in args.methods:  # methods interleaved per seed, so drift hits all alike
+                progress.update(bar, description=f"{method} seed {seed}")
+                done_before = progress.tasks[0].completed
+                try:
+                    rows.extend(run_one(task, method, seed, args, lambda: progress.advance(bar)))
+                except Exception as error:  # a failed run is reported and fails the demo, the others still run
+                    failures.append(f"{method} seed {seed}: {type(error).__name__}: {error}")
+                    progress.update(bar, completed=done_before + args.steps)
+
+    summary = summarise(rows, args.methods, args.steps)
+    print_table(summary)
+    write_outputs(rows, summary, args, time.perf_counter() - started)
+    plot(rows, args.methods, os.path.join(args.output_dir, "adaptive_kl_comparison.png"))
+    print(f"Outputs in {args.output_dir}/: adaptive_kl_comparison.png, metrics.csv, metrics.json, summary.json")
+    for failure in failures:
+        print(f"FAILED {failure}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+def write_outputs(rows: list[dict], summary: list[dict], args: argparse.Namespace, seconds: float) -> None:
+    import csv
+
+    with open(os.path.join(args.output_dir, "metrics.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["method", "seed", "step", *LOGGED])
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
+        json.dump(rows, f)
+    settings = {k: v for k, v in vars(args).items()}
+    with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
+        json.dump({"settings": settings, "wall_seconds": seconds, "summary": summary}, f, indent=1)
