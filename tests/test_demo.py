@@ -44,3 +44,28 @@ def test_bad_method_fails_before_training(tmp_path) -> None:
     assert result.returncode != 0
     assert "kl_adaptation_method='clip+sigmoid' is invalid" in result.stderr
     assert not (tmp_path / "metrics.csv").exists()
+
+
+def test_bad_loss_type_fails_before_training(tmp_path) -> None:
+    result = subprocess.run([sys.executable, str(DEMO), "--quick", "--loss-type", "nope", "--output-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--loss-type='nope' is invalid: allowed is one of bnpo, cispo, dapo" in result.stderr
+
+
+def test_a_failed_run_is_reported_and_makes_the_exit_code_non_zero(tmp_path, monkeypatch, capsys) -> None:
+    from unsloth_adaptive_kl import demo
+
+    real_run_one = demo.run_one
+
+    def run_one(task, method, seed, args, on_step):
+        if method == "sigmoid":
+            raise RuntimeError("boom")
+        return real_run_one(task, method, seed, args, on_step)
+
+    monkeypatch.setattr(demo, "run_one", run_one)
+    code = demo.main(["--quick", "--methods", "none,sigmoid", "--pretrain-steps", "5", "--output-dir", str(tmp_path)])
+    assert code == 1
+    assert "FAILED sigmoid seed 0: RuntimeError: boom" in capsys.readouterr().err
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    assert {row["method"] for row in rows} == {"none"} and len(rows) == 4

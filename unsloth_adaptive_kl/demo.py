@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch
 
+from .adaptation import LOSS_TYPE_REDUCTIONS
 from .config import parse_methods
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
@@ -59,6 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, value in (("--steps", args.steps), ("--seeds", args.seeds)):
         if value < 1:
             parser.error(f"{name}={value} is invalid: allowed is an integer >= 1")
+    if args.loss_type not in LOSS_TYPE_REDUCTIONS:
+        parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(LOSS_TYPE_REDUCTIONS))}")
     for method in args.methods:  # bad method names fail here, before any training
         if method != "beta=0":
             parse_methods(method)
