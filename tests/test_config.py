@@ -23,6 +23,13 @@ DEFAULTS = {
     "reward_threshold": 0.8,
     "beta_min": 0.0,
     "beta_schedule_steps": 1000,
+    "kl_estimator": "k3",
+    "kl_percentile": 0.2,
+    "kl_percentile_scale": 5.0,
+    "kl_reduction": "loss_type",
+    "kl_horizon": 10000.0,
+    "beta_max": None,
+    "kl_target_measure": "token_mean",
 }
 
 BAD_VALUES = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import trl
 import trl.trainer.utils as trl_utils
 from packaging.version import Version
@@ -82,4 +83,4 @@ def test_missing_kl_anchor_is_an_error_not_a_silent_stock_fallback(tokenizer, tm
 
     monkeypatch.setattr(trl_patch, "_stock_compute_loss", lambda self, model, inputs: 0.0)
     with pytest.raises(RuntimeError, match=r"anchor `per_token_loss \+ self.beta \* per_token_kl`.*trl==1.15.0"):
-        trainer._compute_loss(trainer.model, {})
+        trainer._compute_loss(trainer.model, {"completion_mask": torch.ones(1, 2)})

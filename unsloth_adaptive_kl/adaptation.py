@@ -114,6 +114,12 @@ LOSS_TYPE_REDUCTIONS: dict[str, str] = {
 }
 # Length normalisation: each completion contributes its mean per-token KL, whatever the loss_type.
 LENGTH_METHOD_REDUCTIONS: dict[str, str] = {"length_normalized": "sequence_mean"}
+# `kl_reduction` values other than "loss_type", and the reduction each names.
+KL_REDUCTION_FIELD: dict[str, str] = {
+    "sequence_mean": "sequence_mean",  # mean per-token KL of each completion, averaged over completions
+    "token_mean": "token_mean",  # per-token KL averaged over every token of the micro-batch
+    "sequence_sum": "sequence_sum_mean",  # summed KL of each completion (sequence-level KL), averaged
+}
 
 
 def loss_type_reduction(loss_type: str) -> str:
@@ -140,7 +146,10 @@ def shape_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
 
 
 def kl_reduction(config: AdaptiveKLConfig, loss_type: str) -> str:
-    """The reduction of the adapted KL: length normalisation's when active, else the loss_type's own."""
+    """The reduction of the adapted KL: `kl_reduction`'s when set, length normalisation's when active, else the
+    loss_type's own."""
+    if config.kl_reduction in KL_REDUCTION_FIELD:
+        return KL_REDUCTION_FIELD[config.kl_reduction]
     for method in config.kl_methods:
         if method in LENGTH_METHOD_REDUCTIONS:
             return LENGTH_METHOD_REDUCTIONS[method]
@@ -163,3 +172,33 @@ def adapted_kl_term(
     raw = reduce_kl(kl.detach(), mask, loss_type_reduction(loss_type), ctx)
     adapted = reduce_kl(shape_kl(kl, config), mask, kl_reduction(config, loss_type), ctx)
     return KLTerm(raw=raw, adapted=adapted)
+
+
+@dataclass
+class KLDiagnostics:
+    """Per-completion statistics of the un-adapted KL, to be gathered over processes before summarising.
+
+    lengths: L_i. sequence_kl: sum_t m k (the completion's sequence-level KL). at_threshold: tokens with
+    k >= kl_clip_threshold (for `clip`). tokens: valid tokens."""
+
+    lengths: torch.Tensor
+    sequence_kl: torch.Tensor
+    at_threshold: torch.Tensor
+    tokens: torch.Tensor
+
+
+def kl_diagnostics(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig) -> KLDiagnostics:
+    kl = kl.detach()
+    valid = mask.bool()
+    return KLDiagnostics(
+        lengths=mask.sum(-1).to(kl.dtype),
+        sequence_kl=_masked(kl, mask).sum(-1),
+        at_threshold=(valid & (kl >= config.kl_clip_threshold)).sum().to(kl.dtype),
+        tokens=valid.sum().to(kl.dtype),
+    )
+
+
+def pearson_correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum((x - mean x)(y - mean y)) / sqrt(sum (x - mean x)^2 * sum (y - mean y)^2); NaN when either is constant."""
+    dx, dy = x - x.mean(), y - y.mean()
+    return (dx * dy).sum() / torch.sqrt((dx * dx).sum() * (dy * dy).sum())

@@ -11,12 +11,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
+from .estimators import estimator_names
+
 SHAPING_METHODS = ("clip", "sigmoid")
 LENGTH_METHODS = ("length_normalized",)
-BETA_METHODS = ("dynamic",)
+BETA_METHODS = ("dynamic", "target")
 # Application order (SPEC 3.6): shaping -> length normalisation -> beta.
 METHODS = SHAPING_METHODS + LENGTH_METHODS + BETA_METHODS
 METHOD_SEPARATOR = "+"
+KL_REDUCTIONS = ("loss_type", "sequence_mean", "token_mean", "sequence_sum")
+TARGET_MEASURES = ("token_mean", "sequence_sum")
 
 
 def _reject(name: str, value: Any, allowed: str) -> ValueError:
@@ -42,6 +46,8 @@ def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
         raise _reject("kl_adaptation_method", value, allowed + ", each method at most once")
     if sum(name in SHAPING_METHODS for name in names) > 1:
         raise _reject("kl_adaptation_method", value, allowed + ", with at most one of clip/sigmoid")
+    if sum(name in BETA_METHODS for name in names) > 1:
+        raise _reject("kl_adaptation_method", value, allowed + ", with at most one of dynamic/target")
     return tuple(name for name in METHODS if name in names)
 
 
@@ -62,7 +68,10 @@ class AdaptiveKLConfig:
     (min(k, kl_clip_threshold)) or `sigmoid` (sigmoid(k - kl_target) * k), reduced per completion by
     `length_normalized` ((sum_t m k') / L_i), and weighted by a `dynamic` beta that decays by
     `dynamic_beta_decay` while the mean reward exceeds `reward_threshold`, never below `beta_min`, and equals
-    `beta_min` once `beta_schedule_steps` optimizer steps are done.
+    `beta_min` once `beta_schedule_steps` optimizer steps are done, or by `target`, the adaptive controller of
+    Ziegler et al. (2019): e = clip(KL / kl_target - 1, -0.2, 0.2), beta <- beta * (1 + e * n / kl_horizon) within
+    [beta_min, beta_max], n the completions of the step. `kl_estimator` picks the per-token estimate k and
+    `kl_reduction` how each completion's KL enters the loss.
     """
 
     # Typed `str` for HfArgumentParser; a list of names is accepted programmatically and stored joined by '+'.
@@ -99,6 +108,44 @@ class AdaptiveKLConfig:
         metadata={"help": "`dynamic`: once this many optimizer steps are done, beta = beta_min. None: no cut-off."},
     )
 
+    kl_estimator: str = field(
+        default="k3",
+        metadata={
+            "help": "Per-token KL estimator: 'k3' (what the trainer computes), 'k1', 'k2', 'low_var_kl', 'k1+', "
+            "'k3+' (value of k1/k3, gradient of k2), 'k3_bottom_percentile'; or, programmatically, a callable "
+            "(logp, ref_logp, mask) -> per-token KL."
+        },
+    )
+    kl_percentile: float = field(
+        default=0.2,
+        metadata={"help": "`k3_bottom_percentile`: fraction of tokens (lowest reference log-prob) that carry KL. 0 < x <= 1."},
+    )
+    kl_percentile_scale: float = field(
+        default=5.0,
+        metadata={"help": "`k3_bottom_percentile`: factor on the selected tokens' k3. > 0."},
+    )
+    kl_reduction: str = field(
+        default="loss_type",
+        metadata={
+            "help": "How each completion's KL enters the loss: 'loss_type' (stock), 'sequence_mean' (mean "
+            "per-token KL per completion, as length_normalized), 'token_mean' (over all tokens of the batch) or "
+            "'sequence_sum' (summed KL per completion: the sequence-level KL, which grows with length)."
+        },
+    )
+    kl_horizon: float = field(
+        default=10000.0,
+        metadata={"help": "`target`: horizon of the adaptive controller (larger: slower beta changes). > 0."},
+    )
+    beta_max: Optional[float] = field(
+        default=None,
+        metadata={"help": "`target`: upper bound of beta (None: unbounded). >= beta."},
+    )
+    kl_target_measure: str = field(
+        default="token_mean",
+        metadata={"help": "`target`: the KL compared with kl_target: 'token_mean' (per-token) or 'sequence_sum' "
+                  "(per completion)."},
+    )
+
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
         if parent_post_init is not None:  # mixed into trl.GRPOConfig: let it resolve its own fields first
@@ -112,9 +159,14 @@ class AdaptiveKLConfig:
         """The active methods in application order; empty for 'none'."""
         return parse_methods(self.kl_adaptation_method)
 
+    @property
+    def is_stock_kl(self) -> bool:
+        """True when the KL term is the trainer's own: no method, stock estimator and reduction."""
+        return not self.kl_methods and self.kl_estimator == "k3" and self.kl_reduction == "loss_type"
+
     def validate_adaptive_kl(self, beta: Optional[float] = None) -> None:
         """Raise ValueError naming the field, the value and what is allowed for the first bad field."""
-        parse_methods(self.kl_adaptation_method)
+        methods = parse_methods(self.kl_adaptation_method)
         _check_real("kl_clip_threshold", self.kl_clip_threshold,
                     _is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
                     "a finite number > 0")
@@ -129,6 +181,29 @@ class AdaptiveKLConfig:
                     _is_real(self.beta_min) and 0 <= self.beta_min < math.inf
                     and (beta is None or self.beta_min <= beta),
                     f"a number with 0 <= beta_min <= {beta_bound}")
+        if not callable(self.kl_estimator) and self.kl_estimator not in estimator_names():
+            raise _reject("kl_estimator", self.kl_estimator,
+                          f"one of {', '.join(estimator_names())}, or a callable (logp, ref_logp, mask) -> per-token KL")
+        _check_real("kl_percentile", self.kl_percentile,
+                    _is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
+        _check_real("kl_percentile_scale", self.kl_percentile_scale,
+                    _is_real(self.kl_percentile_scale) and 0 < self.kl_percentile_scale < math.inf,
+                    "a finite number > 0")
+        if self.kl_reduction not in KL_REDUCTIONS:
+            raise _reject("kl_reduction", self.kl_reduction, f"one of {', '.join(KL_REDUCTIONS)}")
+        if "length_normalized" in methods and self.kl_reduction not in ("loss_type", "sequence_mean"):
+            raise _reject("kl_reduction", self.kl_reduction,
+                          "'loss_type' or 'sequence_mean' with kl_adaptation_method length_normalized")
+        _check_real("kl_horizon", self.kl_horizon,
+                    _is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf, "a finite number > 0")
+        if self.beta_max is not None:
+            _check_real("beta_max", self.beta_max,
+                        _is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,
+                        f"None or a finite number >= beta_min and >= {beta_bound}")
+        if self.kl_target_measure not in TARGET_MEASURES:
+            raise _reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
+        if "target" in methods and not self.kl_target > 0:
+            raise _reject("kl_target", self.kl_target, "a finite number > 0 with kl_adaptation_method target")
         steps = self.beta_schedule_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise _reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")

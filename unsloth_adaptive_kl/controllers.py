@@ -8,11 +8,24 @@ step, so every process holds the same beta.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from .config import AdaptiveKLConfig
+
+
+@dataclass
+class WindowKL:
+    """The un-adapted KL of one optimizer step, over all its micro-batches and processes.
+
+    token_mean: sum of k over valid tokens / their count. sequence_sum: mean over completions of sum_t m k.
+    completions: how many completions the step trained on."""
+
+    token_mean: float
+    sequence_sum: float
+    completions: int
 
 
 class ConstantBeta:
@@ -31,7 +44,7 @@ class ConstantBeta:
         self.generation_batch += 1
         self.batch_reward = float(mean_reward)
 
-    def step(self, completed_steps: int) -> None:
+    def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
         """Called after each optimizer step; a constant beta ignores it."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -55,7 +68,7 @@ class DynamicBeta(ConstantBeta):
         # threshold is compared at the same precision ("> 0.8" must be false for rewards of 0.8).
         self._threshold = torch.tensor(config.reward_threshold, dtype=torch.float32).item()
 
-    def step(self, completed_steps: int) -> None:
+    def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
         config = self._config
         if self.generation_batch != self.last_decayed_batch and self.batch_reward > self._threshold:
             self.value = max(self.value * config.dynamic_beta_decay, config.beta_min)
@@ -64,8 +77,30 @@ class DynamicBeta(ConstantBeta):
             self.value = config.beta_min
 
 
+class TargetKL(ConstantBeta):
+    """The adaptive KL controller of Ziegler et al. (2019), on the loss beta. After each optimizer step, with KL the
+    step's `kl_target_measure` and n its completions:
+    e = clip(KL / kl_target - 1, -0.2, 0.2); beta <- clamp(beta * (1 + e * n / kl_horizon), beta_min, beta_max)."""
+
+    def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
+        super().__init__(beta, config)
+        self._config = config
+
+    def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
+        config = self._config
+        kl = getattr(window, config.kl_target_measure) if window is not None else math.nan
+        if not math.isfinite(kl):
+            return
+        error = min(max(kl / config.kl_target - 1.0, -0.2), 0.2)
+        value = max(self.value * (1.0 + error * window.completions / config.kl_horizon), config.beta_min)
+        self.value = value if config.beta_max is None else min(value, config.beta_max)
+
+
 BetaController = ConstantBeta
-_CONTROLLERS: dict[str, Callable[[float, AdaptiveKLConfig], BetaController]] = {"dynamic": DynamicBeta}
+_CONTROLLERS: dict[str, Callable[[float, AdaptiveKLConfig], BetaController]] = {
+    "dynamic": DynamicBeta,
+    "target": TargetKL,
+}
 
 
 def make_beta_controller(beta: float, config: AdaptiveKLConfig) -> BetaController:

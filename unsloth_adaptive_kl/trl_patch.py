@@ -9,7 +9,6 @@ metrics into `trainer._metrics`. No extra forward pass is made.
 from __future__ import annotations
 
 import json
-import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -26,12 +25,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adaptation import ReductionContext, adapted_kl_term, kl_reduction, loss_type_reduction
 from .config import AdaptiveKLConfig, adaptive_kl_config_from
-from .controllers import make_beta_controller
+from .estimators import estimate_kl
+from .runtime import AdaptiveKLRuntime
 from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 from .versions import SUPPORTED, check_versions, installed_version
 
 STATE_FILE = "adaptive_kl_state.json"
-METRIC_PREFIX = "adaptive_kl/"
 _MISSING = object()
 
 StockGRPOConfig = trl_grpo_config.GRPOConfig
@@ -93,44 +92,66 @@ def _reduction_context(trainer: Any, inputs: dict, mode: str) -> ReductionContex
     return ReductionContext(max_completion_length=trainer.max_completion_length, token_normalizer=token_normalizer)
 
 
+class _PolicyLogpsProbe:
+    """Stands in for `trainer._get_per_token_logps_and_entropies` during one stock `_compute_loss` call when a
+    non-stock `kl_estimator` needs the policy log-probs: records the first (policy) call's log-probs."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.logps: list[torch.Tensor] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        output = self.method(*args, **kwargs)
+        self.logps.append(output[0])
+        return output
+
+
+def _stock_loss_and_kl(trainer: Any, model: Any, inputs: dict, config: AdaptiveKLConfig, mask: torch.Tensor):
+    """Run the stock `_compute_loss` with the probes in place; return its loss and the per-token KL to adapt."""
+    probe = _KLTermProbe(trainer.beta, keep_stock_term=config.is_stock_kl)
+    logps_probe = None if config.kl_estimator == "k3" else _PolicyLogpsProbe(trainer._get_per_token_logps_and_entropies)
+    trainer.beta = probe
+    if logps_probe is not None:
+        trainer._get_per_token_logps_and_entropies = logps_probe
+    try:
+        loss = _stock_compute_loss(trainer, model, inputs)
+    finally:
+        trainer.beta = float(probe)
+        if logps_probe is not None:
+            del trainer._get_per_token_logps_and_entropies
+    if len(probe.captured) != 1:
+        raise _anchor_error("`per_token_loss + self.beta * per_token_kl` in GRPOTrainer._compute_loss")
+    if logps_probe is None:
+        return loss, probe.captured[0]
+    if not logps_probe.logps:
+        raise _anchor_error("`self._get_per_token_logps_and_entropies(...)` in GRPOTrainer._compute_loss")
+    return loss, estimate_kl(logps_probe.logps[0], inputs["ref_per_token_logps"], mask, config)
+
+
 # Replaces trl.GRPOTrainer._compute_loss (wraps it; the loss is then its policy part + beta_t * adapted KL).
 def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     if self.beta == 0.0:
         return _stock_compute_loss(self, model, inputs)
-    config: AdaptiveKLConfig = self.adaptive_kl_config
-    probe = _KLTermProbe(self.beta, keep_stock_term=not config.kl_methods)
-    self.beta = probe
-    try:
-        loss = _stock_compute_loss(self, model, inputs)
-    finally:
-        self.beta = float(probe)
-    if len(probe.captured) != 1:
-        raise _anchor_error("`per_token_loss + self.beta * per_token_kl` in GRPOTrainer._compute_loss")
-
-    mode = "train" if self.model.training else "eval"
+    runtime: AdaptiveKLRuntime = self.adaptive_kl
+    config = runtime.config
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
-    term = adapted_kl_term(probe.captured[0], mask, config, self.loss_type, _reduction_context(self, inputs, mode))
-    beta = self.beta_controller.value
-    if config.kl_methods:
+    loss, kl = _stock_loss_and_kl(self, model, inputs, config, mask)
+
+    mode = "train" if self.model.training else "eval"
+    term = adapted_kl_term(kl, mask, config, self.loss_type, _reduction_context(self, inputs, mode))
+    beta = runtime.current_beta
+    if not config.is_stock_kl:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         loss = loss + beta * term.adapted / accumulation
-
-    gathered = self.accelerator.gather(torch.stack([term.raw, term.adapted.detach()]).float())
-    raw_kl, adapted_kl = gathered.view(-1, 2).mean(0).tolist()
-    if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
-        raise FloatingPointError(
-            f"adaptive KL: non-finite KL at global_step={self.state.global_step} ({mode}): raw_kl={raw_kl}, "
-            f"adapted_kl={adapted_kl}. The policy and reference log-probs diverged beyond float range."
-        )
-    self._metrics[mode][METRIC_PREFIX + "raw_kl"].append(raw_kl)
-    self._metrics[mode][METRIC_PREFIX + "adapted_kl"].append(adapted_kl)
-    self._metrics[mode][METRIC_PREFIX + "current_beta"].append(beta)
-
     # Like TRL's adaptive entropy controller: once per optimizer step, effective from the next step.
-    if mode == "train" and self.accelerator.sync_gradients:
-        self.beta_controller.step(self.state.global_step + 1)
+    metrics = runtime.record(
+        kl, mask, term, gather=self.accelerator.gather, train=mode == "train",
+        end_of_step=self.accelerator.sync_gradients, completed_steps=self.state.global_step + 1,
+    )
+    for name, value in metrics.items():
+        self._metrics[mode][name].append(value)
     return loss
 
 
@@ -142,7 +163,7 @@ def _generate_and_score_completions(self: Any, inputs: Any) -> dict:
     if self.model.training:
         if len(rewards) != logged + 1:
             raise _anchor_error('`self._metrics[mode]["reward"].append(...)` in _generate_and_score_completions')
-        self.beta_controller.observe_rewards(rewards[-1])
+        self.adaptive_kl.observe_rewards(rewards[-1])
     return output
 
 
@@ -153,20 +174,19 @@ def _init(self: Any, *args: Any, **kwargs: Any) -> None:
     if self.beta != 0.0:
         loss_type_reduction(self.loss_type)
         kl_reduction(config, self.loss_type)
-    elif config.kl_methods:
+    elif not config.is_stock_kl:
         warnings.warn(
             f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL term off "
             "(and the trainer loads no reference model). Set beta > 0 to regularise.",
             UserWarning,
             stacklevel=2,
         )
-    self.adaptive_kl_config = config
-    self.beta_controller = make_beta_controller(self.beta, config)
+    self.adaptive_kl = AdaptiveKLRuntime(config, self.beta)
 
 
 def _current_beta(self: Any) -> float:
     """The beta multiplying the KL term in the next step (`trainer.beta` stays the configured value)."""
-    return self.beta_controller.value
+    return self.adaptive_kl.current_beta
 
 
 def _checkpoint_dir(trainer: Any, trial: Any) -> str:
@@ -178,7 +198,7 @@ def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
     _stock_save_checkpoint(self, model, trial)
     if self.args.should_save:
         with open(os.path.join(_checkpoint_dir(self, trial), STATE_FILE), "w") as f:
-            json.dump(self.beta_controller.state_dict(), f)
+            json.dump(self.adaptive_kl.state_dict(), f)
 
 
 # Replaces trl.GRPOTrainer._load_optimizer_and_scheduler (wraps it to restore the beta controller on resume).
@@ -187,7 +207,7 @@ def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> None:
     path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
     if path is not None and os.path.exists(path):
         with open(path) as f:
-            self.beta_controller.load_state_dict(json.load(f))
+            self.adaptive_kl.load_state_dict(json.load(f))
 
 
 def _patch_points() -> list[tuple[Any, str, Any]]:

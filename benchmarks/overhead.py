@@ -1,0 +1,203 @@
+"""Overhead of adaptive KL next to stock TRL GRPO, measured side by side in one run (only ratios count).
+
+    python benchmarks/overhead.py                 # full run (a few minutes on 2 CPU cores)
+    python benchmarks/overhead.py --smoke         # tiny sizes, checks that it runs and reports
+
+Per method and for `none`, against the unpatched stock GRPOTrainer:
+- median seconds per optimizer step, methods interleaved over repeats (rotated order, same seed, fixed-length
+  generation via min_new_tokens so every variant trains on equally long completions);
+- model forward calls per step (forward hook on the causal LM): must equal stock;
+- peak memory: RSS of a fresh process per variant on CPU, torch.cuda.max_memory_allocated on GPU;
+- the core op on a 64 x 4096 per-token KL against the stock k3 expression alone.
+Prints a table, writes JSON, and ends with one line `max_step_overhead_ratio=X.XXX`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+import unsloth_adaptive_kl
+from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term, trl_patch
+from unsloth_adaptive_kl.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+
+VARIANTS = ["stock", "none", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: 1 repeat, 2 steps")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run; the first is warm-up")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--completion-length", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--json", default="benchmarks/overhead.json")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.repeats, args.steps, args.hidden, args.layers, args.completion_length, args.batch = 1, 3, 32, 1, 4, 4
+    return args
+
+
+def set_stock(stock: bool) -> None:
+    """Stock TRL (keeping the CPU log-prob path stock trl 1.15 lacks) or the patched one."""
+    if stock:
+        unsloth_adaptive_kl.unpatch()
+        trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
+    else:
+        unsloth_adaptive_kl.patch()
+
+
+def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
+    import trl
+    from datasets import Dataset
+    from transformers import PrinterCallback, TrainerCallback, set_seed
+
+    from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer
+
+    set_stock(variant == "stock")
+    tokenizer = build_tokenizer()
+    set_seed(0)
+    model = add_lora(build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers))
+    forwards = [0]
+    model.get_base_model().register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    step_times: list[float] = []
+    step_forwards: list[int] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.start, self.forwards = time.perf_counter(), forwards[0]
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            step_times.append(time.perf_counter() - self.start)
+            step_forwards.append(forwards[0] - self.forwards)
+
+    method = {} if variant == "stock" else {"kl_adaptation_method": variant, "reward_threshold": 0.0}
+    config = trl.GRPOConfig(
+        output_dir=output_dir, use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",
+        disable_tqdm=True, per_device_train_batch_size=args.batch, num_generations=4,
+        max_completion_length=args.completion_length,
+        generation_kwargs={"min_new_tokens": args.completion_length}, max_steps=args.steps, logging_steps=1,
+        learning_rate=1e-3, beta=0.04, save_strategy="no", seed=0, loss_type="dapo", **method,
+    )
+    prompts = Dataset.from_dict({"prompt": ["ab:", "cde:", "fg:", "h:"] * (args.batch * args.steps)})
+    trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, args=config, train_dataset=prompts,
+                              reward_funcs=[lambda completions, **_: [float(len(set(c))) for c in completions]],
+                              callbacks=[Timer()])
+    trainer.remove_callback(PrinterCallback)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    measured = step_times[1:] or step_times
+    return {
+        "median_step_s": statistics.median(measured),
+        "forwards_per_step": step_forwards[1:] or step_forwards,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+    }
+
+
+def core_microbenchmark(repeats: int = 200) -> dict[str, float]:
+    """Median seconds of the stock k3 expression vs k3 + each method's adaptation and reductions (64 x 4096)."""
+    generator = torch.Generator().manual_seed(0)
+    logp = -torch.rand(64, 4096, generator=generator) * 5
+    ref = logp + torch.randn(64, 4096, generator=generator) * 0.3
+    mask = (torch.rand(64, 4096, generator=generator) < 0.9).float()
+    ctx = ReductionContext(max_completion_length=4096, token_normalizer=mask.sum())
+
+    def stock() -> torch.Tensor:
+        delta = ref - logp
+        return torch.exp(delta) - delta - 1
+
+    def timed(function: Any) -> float:
+        for _ in range(10):
+            function()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            function()
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    results = {"stock_k3": timed(stock)}
+    for method in VARIANTS[1:]:
+        config = AdaptiveKLConfig(kl_adaptation_method=method)
+        results[method] = timed(lambda: adapted_kl_term(stock(), mask, config, "dapo", ctx))
+    return results
+
+
+def memory_child(variant: str, args: argparse.Namespace) -> None:
+    """Run one variant in this fresh process and print its peak RSS (bytes) as JSON."""
+    run(variant, args, os.path.join("/tmp", f"adaptive_kl_bench_{variant}"))
+    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+def peak_rss(variant: str, argv: list[str]) -> int:
+    output = subprocess.run([sys.executable, __file__, *argv, "--memory-child", variant],
+                            capture_output=True, text=True, check=True).stdout
+    return json.loads(output.strip().splitlines()[-1])["peak_rss_bytes"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    torch.set_num_threads(min(torch.get_num_threads(), 2))
+    if args.memory_child:
+        memory_child(args.memory_child, args)
+        return 0
+
+    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    forwards: dict[str, list[int]] = {variant: [] for variant in VARIANTS}
+    cuda_peak: dict[str, Any] = {}
+    for repeat in range(args.repeats):
+        order = VARIANTS[repeat % len(VARIANTS):] + VARIANTS[: repeat % len(VARIANTS)]
+        for variant in order:
+            result = run(variant, args, os.path.join("/tmp", f"adaptive_kl_bench_{variant}"))
+            times[variant].append(result["median_step_s"])
+            forwards[variant].extend(result["forwards_per_step"])
+            cuda_peak[variant] = result["cuda_peak_bytes"]
+    set_stock(False)
+    memory = cuda_peak if torch.cuda.is_available() else {variant: peak_rss(variant, argv) for variant in VARIANTS}
+    core = core_microbenchmark()
+
+    stock_time = statistics.median(times["stock"])
+    rows = []
+    for variant in VARIANTS:
+        median = statistics.median(times[variant])
+        rows.append({
+            "variant": variant,
+            "median_step_s": median,
+            "step_ratio": median / stock_time,
+            "forwards_per_step": sorted(set(forwards[variant])),
+            "extra_forwards": sum(forwards[variant]) - sum(forwards["stock"]),
+            "peak_memory_bytes": memory[variant],
+            "memory_ratio": memory[variant] / memory["stock"],
+            "core_ratio": core[variant] / core["stock_k3"] if variant in core else None,
+        })
+    print(f"{'variant':<27}{'s/step':>9}{'x stock':>9}{'fwd/step':>10}{'+fwd':>6}{'peak MiB':>10}{'x stock':>9}{'core x k3':>11}")
+    for row in rows:
+        core_ratio = "" if row["core_ratio"] is None else f"{row['core_ratio']:.2f}"
+        print(f"{row['variant']:<27}{row['median_step_s']:>9.4f}{row['step_ratio']:>9.3f}"
+              f"{'/'.join(map(str, row['forwards_per_step'])):>10}{row['extra_forwards']:>6}"
+              f"{row['peak_memory_bytes'] / 2**20:>10.1f}{row['memory_ratio']:>9.3f}{core_ratio:>11}")
+    report = {"settings": vars(args), "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
+              "core_seconds": core, "step_seconds": times}
+    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"max_step_overhead_ratio={max(row['step_ratio'] for row in rows[1:]):.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

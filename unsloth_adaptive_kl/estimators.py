@@ -1,0 +1,97 @@
+"""Per-token KL(pi_theta || pi_ref) estimators (pure torch, traceable: no `.item()`, no Python branching on values).
+
+Notation: logp = log pi_theta(token), ref = log pi_ref(token), r = ref - logp (so pi_ref / pi_theta = exp(r)),
+mask m marks completion tokens. Every estimator maps (logp, ref, mask) to a (B, T) tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+Estimator = Callable[..., torch.Tensor]
+_ESTIMATORS: dict[str, Estimator] = {}
+
+
+def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    def register(function: Estimator) -> Estimator:
+        _ESTIMATORS[name] = function
+        return function
+
+    return register
+
+
+def estimator_names() -> tuple[str, ...]:
+    return tuple(_ESTIMATORS)
+
+
+@register_estimator("k1")
+def k1(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+    """k1 = logp - ref = -r (unbiased, high variance, can be negative)."""
+    return logp - ref
+
+
+@register_estimator("k2")
+def k2(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+    """k2 = 0.5 * (logp - ref)^2 (biased, low variance; its gradient is the unbiased reverse-KL gradient)."""
+    return 0.5 * (logp - ref) ** 2
+
+
+@register_estimator("k3")
+def k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+    """k3 = exp(r) - r - 1 (unbiased, >= 0): the estimator TRL and Unsloth use."""
+    r = ref - logp
+    return torch.exp(r) - r - 1
+
+
+@register_estimator("low_var_kl")
+def low_var_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+    """verl's low_var_kl: k3 of r clamped to [-20, 20], the result clamped to [-10, 10]."""
+    r = torch.clamp(ref - logp, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(r) - r - 1, min=-10.0, max=10.0)
+
+
+def straight_through(value: torch.Tensor, gradient_of: torch.Tensor) -> torch.Tensor:
+    """The value of `value` with the gradient of `gradient_of`."""
+    return gradient_of + (value - gradient_of).detach()
+
+
+@register_estimator("k1+")
+def k1_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+    """Value of k1, gradient of k2."""
+    return straight_through(k1(logp, ref, mask), k2(logp, ref, mask))
+
+
+@register_estimator("k3+")
+def k3_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+    """Value of k3, gradient of k2."""
+    return straight_through(k3(logp, ref, mask), k2(logp, ref, mask))
+
+
+def bottom_percentile_mask(ref: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
+    """1 on the valid tokens whose ref log-prob is <= the k-th smallest valid ref log-prob, k = max(1, floor(n *
+    fraction)) over the n valid tokens of the batch (the value torch.kthvalue returns). Found by a sort, so n stays
+    a tensor and the function stays traceable."""
+    valid = mask.bool()
+    values = torch.where(valid, ref, torch.full_like(ref, float("inf"))).flatten()
+    count = valid.sum()
+    k = torch.clamp(torch.floor(count * fraction), min=1).long()
+    threshold = torch.sort(values).values.gather(0, (k - 1).reshape(1))
+    return (valid & (ref <= threshold)).to(ref.dtype)
+
+
+@register_estimator("k3_bottom_percentile")
+def k3_bottom_percentile(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
+    """k3 only on the tokens in the bottom `kl_percentile` fraction of reference log-probs, times
+    `kl_percentile_scale` (the reference is least confident there); 0 elsewhere."""
+    selected = bottom_percentile_mask(ref.detach(), mask, config.kl_percentile)
+    return k3(logp, ref, mask) * selected * config.kl_percentile_scale
+
+
+def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
+    """The configured `kl_estimator` (a registered name or a callable (logp, ref, mask) -> per-token KL)."""
+    estimator = config.kl_estimator
+    if callable(estimator):
+        return estimator(logp, ref, mask)
+    return _ESTIMATORS[estimator](logp, ref, mask, config)
