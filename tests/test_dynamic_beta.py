@@ -96,3 +96,55 @@ def test_two_processes_share_the_globally_averaged_beta(tmp_path) -> None:
         decay = 0.5 if float(threshold) < 0.8 else 1.0
         assert run["betas"] == pytest.approx([0.04, 0.04 * decay, 0.04 * decay**2])
         assert run["final_beta"] == pytest.approx(0.04 * decay**3)
+
+
+def expected_target_betas(measured: list[float], beta: float, target: float, horizon: float, n: int,
+                          beta_min: float, beta_max: float) -> list[float]:
+    """Ziegler et al. (2019), written out: the beta each step uses, from the KL measured at the steps before."""
+    betas = [beta]
+    for kl in measured[:-1]:
+        error = min(max(kl / target - 1, -0.2), 0.2)
+        betas.append(min(max(betas[-1] * (1 + error * n / horizon), beta_min), beta_max))
+    return betas
+
+
+@pytest.mark.parametrize(("measure", "metric"), [("token_mean", "adaptive_kl/raw_kl"), ("sequence_sum", "adaptive_kl/sequence_kl")])
+def test_target_controller_follows_the_formula_in_a_real_run(tokenizer, tmp_path, measure: str, metric: str) -> None:
+    settings = dict(kl_adaptation_method="target", kl_target=0.002, kl_horizon=10.0, beta_max=0.04, beta_min=0.032,
+                    kl_target_measure=measure, loss_type="bnpo", gradient_accumulation_steps=1, max_steps=6)
+    trainer = make_trainer(tokenizer, str(tmp_path), **settings)
+    trainer.train()
+    measured, betas = logged(trainer, metric), logged(trainer, "adaptive_kl/current_beta")
+    # 4 completions per step; bnpo's raw_kl is the step's token mean (one micro-batch, one process)
+    assert betas == pytest.approx(expected_target_betas(measured, 0.04, 0.002, 10.0, 4, 0.032, 0.04), rel=1e-9)
+    assert betas[1] == pytest.approx(0.04 * (1 - 0.2 * 4 / 10))  # step 1: policy == reference, KL 0 < target
+    if measure == "token_mean":  # per-token KL stays below 0.002 for 3 steps: beta falls to beta_min
+        assert min(betas) == pytest.approx(0.032)
+    else:  # summed KL per completion passes 0.002 from step 3: beta rises back to beta_max
+        assert max(betas[2:]) == pytest.approx(0.04)
+
+
+def test_target_controller_state_survives_resume(tokenizer, tmp_path) -> None:
+    settings = dict(kl_adaptation_method="target", kl_target=0.002, kl_horizon=10.0, loss_type="bnpo",
+                    gradient_accumulation_steps=1, max_steps=6, save_strategy="steps", save_steps=3)
+    full = make_trainer(tokenizer, str(tmp_path / "full"), **settings)
+    full.train()
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), **settings)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-3"))
+    full_betas, resumed_betas = logged(full, "adaptive_kl/current_beta"), logged(resumed, "adaptive_kl/current_beta")
+    assert resumed_betas[3] == full_betas[3] != 0.04  # step 4's beta comes from the checkpointed state
+    assert len(set(full_betas)) == 6
+
+
+@pytest.mark.parametrize("method", ["none", "clip"])
+def test_diagnostics_logged_every_step(tokenizer, tmp_path, method: str) -> None:
+    trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method=method, kl_clip_threshold=0.01, max_steps=3)
+    trainer.train()
+    sequence_kl, corr = logged(trainer, "adaptive_kl/sequence_kl"), logged(trainer, "adaptive_kl/length_kl_corr")
+    assert len(sequence_kl) == 3 and sequence_kl[0] == 0.0 and min(sequence_kl[1:]) > 0
+    assert all(c is None or -1.0 <= c <= 1.0 for c in corr)
+    clip_fraction = logged(trainer, "adaptive_kl/clip_fraction")
+    if method == "clip":
+        assert len(clip_fraction) == 3 and clip_fraction[0] == 0.0 and 0.0 < max(clip_fraction) <= 1.0
+    else:
+        assert clip_fraction == []

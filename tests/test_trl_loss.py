@@ -49,10 +49,18 @@ def policy_logps(model, inputs: dict) -> torch.Tensor:
 def expected_kl_part(trainer, inputs: dict, logp: torch.Tensor) -> torch.Tensor:
     """beta * KL term / GA, written out per method and loss_type from the SPEC's formulas."""
     args = trainer.args
-    delta = inputs["ref_per_token_logps"] - logp
+    ref = inputs["ref_per_token_logps"]
+    delta = ref - logp
     k = torch.exp(delta) - delta - 1
-    if args.use_bias_correction_kl:  # TRL's default: times the (on-policy: value 1, differentiable) IS ratio
-        k = k * torch.exp(logp - logp.detach())
+    if args.kl_estimator == "k3" and args.use_bias_correction_kl:
+        k = k * torch.exp(logp - logp.detach())  # TRL's default: times the (on-policy 1, differentiable) IS ratio
+    elif args.kl_estimator == "k1":
+        k = logp - ref
+    elif args.kl_estimator == "k2":
+        k = 0.5 * (logp - ref) ** 2
+    elif args.kl_estimator == "k3+":  # value of k3, gradient of k2
+        k2 = 0.5 * (logp - ref) ** 2
+        k = k2 + (k - k2).detach()
     methods = args.kl_adaptation_method.split("+")
     if "clip" in methods:
         k = torch.minimum(k, torch.full_like(k, args.kl_clip_threshold))
@@ -61,7 +69,11 @@ def expected_kl_part(trainer, inputs: dict, logp: torch.Tensor) -> torch.Tensor:
     m = inputs["completion_mask"].float()
     lengths = m.sum(-1)
     per_completion_sum = (k * m).sum(-1)
-    if "length_normalized" in methods or args.loss_type == "grpo":
+    if args.kl_reduction == "sequence_sum":
+        term = per_completion_sum.mean()
+    elif args.kl_reduction == "token_mean":
+        term = per_completion_sum.sum() / lengths.sum()
+    elif "length_normalized" in methods or args.loss_type == "grpo":
         term = (per_completion_sum / lengths).mean()
     elif args.loss_type == "bnpo":
         term = per_completion_sum.sum() / lengths.sum()
@@ -121,6 +133,24 @@ def test_kl_part_of_loss_and_its_gradient_match_formula(tokenizer, tmp_path, met
     )
     if method in ("none", "dynamic"):
         assert metrics["adaptive_kl/raw_kl"][0] == pytest.approx(metrics["adaptive_kl/adapted_kl"][0], rel=1e-7)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize(
+    ("estimator", "reduction", "method"),
+    [("k1", "loss_type", "none"), ("k2", "sequence_sum", "none"), ("k3+", "token_mean", "clip"),
+     ("k3", "sequence_sum", "dynamic"), ("k2", "loss_type", "sigmoid+length_normalized")],
+)
+def test_estimators_and_reductions_through_the_trainer(tokenizer, tmp_path, estimator, reduction, method, loss_type):
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method=method,
+                               kl_estimator=estimator, kl_reduction=reduction, kl_clip_threshold=0.3)
+    inputs = fixed_inputs(trainer, tokenizer)
+    kl_part, grads = kl_part_and_grads(trainer, inputs)
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    expected = expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs))
+    assert kl_part.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-9)
+    for grad, want in zip(grads, torch.autograd.grad(expected, params)):
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7)
 
 
 def test_clip_has_zero_kl_gradient_above_threshold(tokenizer, tmp_path) -> None:

@@ -1,0 +1,134 @@
+"""KL estimators, kl_reduction, diagnostics (pure torch, against hand formulas and numpy)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
+from unsloth_adaptive_kl.adaptation import kl_diagnostics, pearson_correlation
+from unsloth_adaptive_kl.estimators import bottom_percentile_mask, estimate_kl, estimator_names
+
+from .test_core import CTX, HAND_REDUCTIONS, KL, MASK
+
+LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -25.0]])
+REF = torch.tensor([[-1.5, -1.0, -0.5], [-0.5, -4.0, -1.0]])
+ONES = torch.ones_like(LOGP)
+
+
+def estimate(name: str, logp: torch.Tensor, **kwargs) -> torch.Tensor:
+    return estimate_kl(logp, REF, ONES, AdaptiveKLConfig(kl_estimator=name, **kwargs))
+
+
+def grad_of(name: str) -> torch.Tensor:
+    logp = LOGP.clone().requires_grad_(True)
+    estimate(name, logp).sum().backward()
+    return logp.grad
+
+
+FORMULAS = {
+    "k1": lambda lp, rf: lp - rf,
+    "k2": lambda lp, rf: 0.5 * (lp - rf) ** 2,
+    "k3": lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1,
+    "low_var_kl": lambda lp, rf: min(max(math.exp(min(max(rf - lp, -20), 20)) - min(max(rf - lp, -20), 20) - 1, -10), 10),
+    "k1+": lambda lp, rf: lp - rf,
+    "k3+": lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1,
+}
+# d/dlogp of each formula, by hand
+GRADIENTS = {
+    "k1": lambda lp, rf: 1.0,
+    "k2": lambda lp, rf: lp - rf,
+    "k3": lambda lp, rf: 1 - math.exp(rf - lp),
+    "k1+": lambda lp, rf: lp - rf,
+    "k3+": lambda lp, rf: lp - rf,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORMULAS))
+def test_estimator_values_match_formula(name: str) -> None:
+    expected = [[FORMULAS[name](lp, rf) for lp, rf in zip(row_lp, row_rf)] for row_lp, row_rf in zip(LOGP.tolist(), REF.tolist())]
+    torch.testing.assert_close(estimate(name, LOGP), torch.tensor(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_low_var_kl_clamps_large_ratios() -> None:
+    # r = ref - logp = 24 on the last token: clamped to 20, k3 = e^20 - 21 > 10, clamped to 10
+    assert estimate("low_var_kl", LOGP)[1, 2].item() == 10.0
+    assert estimate("k3", LOGP)[1, 2].item() > 1e10
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENTS))
+def test_estimator_gradients_match_formula(name: str) -> None:
+    expected = [[GRADIENTS[name](lp, rf) for lp, rf in zip(row_lp, row_rf)] for row_lp, row_rf in zip(LOGP.tolist(), REF.tolist())]
+    torch.testing.assert_close(grad_of(name), torch.tensor(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_plus_variants_have_k2_gradient() -> None:
+    torch.testing.assert_close(grad_of("k1+"), grad_of("k2"))
+    torch.testing.assert_close(grad_of("k3+"), grad_of("k2"))
+
+
+def test_bottom_percentile_selects_by_hand_count() -> None:
+    ref = torch.tensor([[-0.1, -5.0, -2.0, -9.0, -0.3], [-7.0, -0.2, -4.0, -100.0, -1.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 1]])  # -100 is padding: never selected
+    # 9 valid tokens; 0.2 * 9 = 1.8 -> k = 1: only the smallest valid value (-9.0)
+    assert bottom_percentile_mask(ref, mask, 0.2).tolist() == [[0, 0, 0, 1, 0], [0, 0, 0, 0, 0]]
+    # 0.5 * 9 = 4.5 -> k = 4: -9, -7, -5, -4
+    assert bottom_percentile_mask(ref, mask, 0.5).tolist() == [[0, 1, 0, 1, 0], [1, 0, 1, 0, 0]]
+    kth = torch.kthvalue(ref[mask.bool()], 4).values.item()
+    assert kth == -4.0
+    config = AdaptiveKLConfig(kl_estimator="k3_bottom_percentile", kl_percentile=0.5, kl_percentile_scale=5.0)
+    logp = torch.full_like(ref, -1.0)
+    k = estimate_kl(logp, ref, mask, config)
+    r = ref - logp
+    expected = (torch.exp(r) - r - 1) * 5.0 * bottom_percentile_mask(ref, mask, 0.5)
+    torch.testing.assert_close(k, expected)
+    assert torch.count_nonzero(k) == 4
+
+
+def test_callable_estimator_is_used() -> None:
+    config = AdaptiveKLConfig(kl_estimator=lambda logp, ref, mask: (logp - ref).abs() * mask)
+    torch.testing.assert_close(estimate_kl(LOGP, REF, ONES, config), (LOGP - REF).abs())
+    assert "k3_bottom_percentile" in estimator_names()
+
+
+@pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
+def test_kl_reduction_overrides_loss_type_by_hand(loss_type: str) -> None:
+    # masked sums 2.6 (L=3) and 3.0 (L=1)
+    hand = {"sequence_mean": (2.6 / 3 + 3.0) / 2, "token_mean": 5.6 / 4, "sequence_sum": (2.6 + 3.0) / 2}
+    for reduction, value in hand.items():
+        term = adapted_kl_term(KL, MASK, AdaptiveKLConfig(kl_reduction=reduction), loss_type, CTX)
+        assert term.adapted.item() == pytest.approx(value, rel=1e-6)
+        assert term.raw.item() == pytest.approx(HAND_REDUCTIONS[loss_type], rel=1e-6)
+    loss_type_term = adapted_kl_term(KL, MASK, AdaptiveKLConfig(), loss_type, CTX)
+    assert loss_type_term.adapted.item() == pytest.approx(HAND_REDUCTIONS[loss_type], rel=1e-6)
+
+
+def test_sequence_sum_grows_with_length_sequence_mean_does_not() -> None:
+    short, long = torch.tensor([[0.5] * 2 + [0.0] * 2]), torch.tensor([[0.5] * 4])
+    short_mask, long_mask = torch.tensor([[1, 1, 0, 0]]), torch.tensor([[1, 1, 1, 1]])
+    ctx = ReductionContext(max_completion_length=4, token_normalizer=1.0)
+    for reduction, ratio in (("sequence_sum", 2.0), ("sequence_mean", 1.0)):
+        config = AdaptiveKLConfig(kl_reduction=reduction)
+        a = adapted_kl_term(short, short_mask, config, "dapo", ctx).adapted.item()
+        b = adapted_kl_term(long, long_mask, config, "dapo", ctx).adapted.item()
+        assert b / a == pytest.approx(ratio)
+
+
+def test_diagnostics_against_numpy() -> None:
+    generator = torch.Generator().manual_seed(3)
+    kl = torch.rand(6, 7, generator=generator) * 2
+    lengths = [7, 2, 5, 1, 6, 3]
+    mask = torch.tensor([[1 if t < n else 0 for t in range(7)] for n in lengths])
+    diagnostics = kl_diagnostics(kl, mask, AdaptiveKLConfig(kl_clip_threshold=1.5))
+    k, m = kl.numpy(), mask.numpy()
+    sequence = (k * m).sum(1)
+    np.testing.assert_allclose(diagnostics.sequence_kl.numpy(), sequence, rtol=1e-6)
+    np.testing.assert_allclose(diagnostics.lengths.numpy(), lengths)
+    assert diagnostics.at_threshold.item() == ((k >= 1.5) & (m == 1)).sum()
+    assert diagnostics.tokens.item() == sum(lengths)
+    corr = pearson_correlation(diagnostics.lengths.double(), diagnostics.sequence_kl.double()).item()
+    assert corr == pytest.approx(np.corrcoef(lengths, sequence)[0, 1], rel=1e-6)  # float32 sums
+    assert math.isnan(pearson_correlation(torch.ones(4), torch.rand(4)).item())
