@@ -29,12 +29,12 @@ from typing import Any, Callable
 import torch
 
 from .adaptation import LOSS_TYPE_REDUCTIONS
-from .config import parse_methods
+from .config import AdaptiveKLConfig
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
 QUICK = {"steps": 4, "seeds": 1, "pretrain_steps": 60}
 LOGGED = ["reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
-          "completions/mean_length", "step_time"]
+          "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr", "completions/mean_length", "step_time"]
 ALPHABET = "abcdefgh"
 
 
@@ -43,6 +43,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 1 seed")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help="comma-separated kl_adaptation_method values; 'beta=0' is stock with beta 0")
+    parser.add_argument("--estimators", default="",
+                        help="comma-separated kl_estimator values, each run as its own variant 'estimator=NAME'")
+    parser.add_argument("--kl-reductions", default="",
+                        help="comma-separated kl_reduction values, each run as its own variant 'kl_reduction=NAME'")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds per method")
     parser.add_argument("--output-dir", default="adaptive_kl_demo_output")
@@ -56,16 +60,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.pretrain_steps = QUICK["steps"], QUICK["seeds"], QUICK["pretrain_steps"]
-    args.methods = [method.strip() for method in args.methods.split(",") if method.strip()]
+    def listed(value: str, prefix: str = "") -> list[str]:
+        return [prefix + item.strip() for item in value.split(",") if item.strip()]
+
+    args.methods = listed(args.methods) + listed(args.estimators, "estimator=") + listed(args.kl_reductions, "kl_reduction=")
     for name, value in (("--steps", args.steps), ("--seeds", args.seeds)):
         if value < 1:
             parser.error(f"{name}={value} is invalid: allowed is an integer >= 1")
     if args.loss_type not in LOSS_TYPE_REDUCTIONS:
         parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(LOSS_TYPE_REDUCTIONS))}")
-    for method in args.methods:  # bad method names fail here, before any training
-        if method != "beta=0":
-            parse_methods(method)
+    for method in args.methods:  # bad names fail here, before any training
+        AdaptiveKLConfig(**{k: v for k, v in variant_settings(method, args.beta).items() if k != "beta"})
     return args
+
+
+def variant_settings(label: str, beta: float) -> dict[str, Any]:
+    """The GRPOConfig fields of a variant label: a kl_adaptation_method, 'beta=0', 'estimator=NAME' or
+    'kl_reduction=NAME'."""
+    if label == "beta=0":
+        return {"kl_adaptation_method": "none", "beta": 0.0}
+    for field_name in ("estimator", "kl_reduction"):
+        if label.startswith(field_name + "="):
+            key = "kl_estimator" if field_name == "estimator" else field_name
+            return {key: label.split("=", 1)[1], "beta": beta}
+    return {"kl_adaptation_method": label, "beta": beta}
 
 
 # ----- the tiny default task ----------------------------------------------------------------------------------
@@ -197,11 +215,10 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace, on_ste
     columns = {"prompt": task.prompts}
     if "answers" in settings:
         columns["answer"] = settings.pop("answers")
-    beta = 0.0 if method == "beta=0" else args.beta
+    variant = variant_settings(method, args.beta)
     config = trl.GRPOConfig(
         output_dir=os.path.join(args.output_dir, "runs", f"{method}-seed{seed}"),
-        kl_adaptation_method="none" if method == "beta=0" else method,
-        beta=beta, loss_type=args.loss_type, max_steps=args.steps, logging_steps=1, save_strategy="no",
+        **variant, loss_type=args.loss_type, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=seed, data_seed=seed, temperature=1.0,
         reward_threshold=0.8, beta_schedule_steps=None, **settings,
     )
@@ -216,7 +233,7 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace, on_ste
         if "reward" in entry:
             row = {"method": method, "seed": seed, "step": entry["step"]}
             row.update({key: entry.get(key, math.nan) for key in LOGGED})
-            if beta == 0.0:  # the KL term is off: its coefficient is 0 and stock logs no KL
+            if variant["beta"] == 0.0:  # the KL term is off: its coefficient is 0 and stock logs no KL
                 row["adaptive_kl/current_beta"] = 0.0
             rows.append(row)
     return rows
