@@ -232,7 +232,8 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace, on_ste
     for entry in trainer.state.log_history:
         if "reward" in entry:
             row = {"method": method, "seed": seed, "step": entry["step"]}
-            row.update({key: entry.get(key, math.nan) for key in LOGGED})
+            # TRL logs None for a metric that was NaN on every micro-batch (e.g. a correlation of equal lengths)
+            row.update({key: math.nan if entry.get(key) is None else entry[key] for key in LOGGED})
             if variant["beta"] == 0.0:  # the KL term is off: its coefficient is 0 and stock logs no KL
                 row["adaptive_kl/current_beta"] = 0.0
             rows.append(row)
