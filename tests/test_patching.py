@@ -52,10 +52,14 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
     assert all(method is not None for method in patched["methods"])
 
 
-def test_unsupported_trl_version_is_refused_naming_both_versions(monkeypatch) -> None:
+def fake_version(monkeypatch, package: str, version: str) -> None:
     unsloth_adaptive_kl.unpatch()
     real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda p: Version("1.16.0") if p == "trl" else real(p))
+    monkeypatch.setattr(versions, "installed_version", lambda p: Version(version) if p == package else real(p))
+
+
+def test_unsupported_trl_version_is_refused_naming_both_versions(monkeypatch) -> None:
+    fake_version(monkeypatch, "trl", "1.16.0")
     try:
         with pytest.raises(ImportError, match=r"supports trl==1.15.0, found trl==1.16.0"):
             unsloth_adaptive_kl.patch()
@@ -66,9 +70,7 @@ def test_unsupported_trl_version_is_refused_naming_both_versions(monkeypatch) ->
 
 
 def test_unsupported_transformers_version_warns(monkeypatch) -> None:
-    unsloth_adaptive_kl.unpatch()
-    real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda p: Version("5.18.0") if p == "transformers" else real(p))
+    fake_version(monkeypatch, "transformers", "5.18.0")
     try:
         with pytest.warns(UserWarning, match=r"supports transformers<=5.17.0,>=4.56.2, found transformers==5.18.0"):
             unsloth_adaptive_kl.patch()

@@ -13,17 +13,13 @@ from typing import Callable, Optional, Union
 import torch
 
 from .config import AdaptiveKLConfig
+from .registry import registrar
 
 Shaping = Callable[[torch.Tensor, AdaptiveKLConfig], torch.Tensor]
 _SHAPINGS: dict[str, Shaping] = {}
 
 
-def register_shaping(name: str) -> Callable[[Shaping], Shaping]:
-    def register(function: Shaping) -> Shaping:
-        _SHAPINGS[name] = function
-        return function
-
-    return register
+register_shaping = registrar(_SHAPINGS)
 
 
 @register_shaping("clip")
@@ -55,12 +51,7 @@ Reduction = Callable[[torch.Tensor, torch.Tensor, ReductionContext], torch.Tenso
 _REDUCTIONS: dict[str, Reduction] = {}
 
 
-def register_reduction(name: str) -> Callable[[Reduction], Reduction]:
-    def register(function: Reduction) -> Reduction:
-        _REDUCTIONS[name] = function
-        return function
-
-    return register
+register_reduction = registrar(_REDUCTIONS)
 
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

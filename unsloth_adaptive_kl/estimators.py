@@ -10,16 +10,12 @@ from typing import Any, Callable
 
 import torch
 
+from .registry import registrar
 Estimator = Callable[..., torch.Tensor]
 _ESTIMATORS: dict[str, Estimator] = {}
 
 
-def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    def register(function: Estimator) -> Estimator:
-        _ESTIMATORS[name] = function
-        return function
-
-    return register
+register_estimator = registrar(_ESTIMATORS)
 
 
 def estimator_names() -> tuple[str, ...]:
