@@ -202,7 +202,8 @@ def test_none_is_stock_over_a_real_run(tokenizer, tmp_path, loss_type: str) -> N
     assert patched_log[0]["kl"] == 0.0 and patched_log[1]["kl"] > 0.0  # the KL term is live by step 2
     for name, value in stock_params.items():
         torch.testing.assert_close(patched_params[name], value, rtol=0, atol=1e-6)
-    assert logged_metric_keys(patched_log) == {"adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta"}
+    assert logged_metric_keys(patched_log) == {"adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
+                                               "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr"}
 
 
 def logged_metric_keys(log_history: list[dict]) -> set:

@@ -8,9 +8,7 @@ metrics into `trainer._metrics`. No extra forward pass is made.
 
 from __future__ import annotations
 
-import json
-import os
-import warnings
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,16 +19,21 @@ import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 from packaging.version import Version
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .adaptation import ReductionContext, adapted_kl_term, kl_reduction, loss_type_reduction
-from .config import AdaptiveKLConfig, adaptive_kl_config_from
+from .adaptation import ReductionContext, adapted_kl_term
+from .config import AdaptiveKLConfig
 from .estimators import estimate_kl
-from .runtime import AdaptiveKLRuntime
+from .trainer_hooks import (
+    current_beta,
+    record_metrics,
+    wrap_generate_and_score,
+    wrap_init,
+    wrap_load_optimizer_and_scheduler,
+    wrap_save_checkpoint,
+)
 from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 from .versions import SUPPORTED, check_versions, installed_version
 
-STATE_FILE = "adaptive_kl_state.json"
 _MISSING = object()
 
 StockGRPOConfig = trl_grpo_config.GRPOConfig
@@ -129,11 +132,11 @@ def _stock_loss_and_kl(trainer: Any, model: Any, inputs: dict, config: AdaptiveK
 
 
 # Replaces trl.GRPOTrainer._compute_loss (wraps it; the loss is then its policy part + beta_t * adapted KL).
+@functools.wraps(_stock_compute_loss)
 def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     if self.beta == 0.0:
         return _stock_compute_loss(self, model, inputs)
-    runtime: AdaptiveKLRuntime = self.adaptive_kl
-    config = runtime.config
+    config = self.adaptive_kl.config
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
@@ -141,73 +144,19 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
 
     mode = "train" if self.model.training else "eval"
     term = adapted_kl_term(kl, mask, config, self.loss_type, _reduction_context(self, inputs, mode))
-    beta = runtime.current_beta
     if not config.is_stock_kl:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        loss = loss + beta * term.adapted / accumulation
-    # Like TRL's adaptive entropy controller: once per optimizer step, effective from the next step.
-    metrics = runtime.record(
-        kl, mask, term, gather=self.accelerator.gather, train=mode == "train",
-        end_of_step=self.accelerator.sync_gradients, completed_steps=self.state.global_step + 1,
-    )
-    for name, value in metrics.items():
-        self._metrics[mode][name].append(value)
+        loss = loss + self.adaptive_kl.current_beta * term.adapted / accumulation
+    record_metrics(self, kl, mask, term)
     return loss
 
 
-# Replaces trl.GRPOTrainer._generate_and_score_completions (wraps it to read the global mean reward it logs).
-def _generate_and_score_completions(self: Any, inputs: Any) -> dict:
-    rewards = self._metrics["train"]["reward"]
-    logged = len(rewards)
-    output = _stock_generate_and_score(self, inputs)
-    if self.model.training:
-        if len(rewards) != logged + 1:
-            raise _anchor_error('`self._metrics[mode]["reward"].append(...)` in _generate_and_score_completions')
-        self.adaptive_kl.observe_rewards(rewards[-1])
-    return output
-
-
-# Replaces trl.GRPOTrainer.__init__ (wraps it to validate the settings and build the beta controller).
-def _init(self: Any, *args: Any, **kwargs: Any) -> None:
-    _stock_init(self, *args, **kwargs)
-    config = adaptive_kl_config_from(self.args)
-    if self.beta != 0.0:
-        loss_type_reduction(self.loss_type)
-        kl_reduction(config, self.loss_type)
-    elif not config.is_stock_kl:
-        warnings.warn(
-            f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL term off "
-            "(and the trainer loads no reference model). Set beta > 0 to regularise.",
-            UserWarning,
-            stacklevel=2,
-        )
-    self.adaptive_kl = AdaptiveKLRuntime(config, self.beta)
-
-
-def _current_beta(self: Any) -> float:
-    """The beta multiplying the KL term in the next step (`trainer.beta` stays the configured value)."""
-    return self.adaptive_kl.current_beta
-
-
-def _checkpoint_dir(trainer: Any, trial: Any) -> str:
-    return os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
-
-
-# Replaces trl.GRPOTrainer._save_checkpoint (wraps it to save the beta controller with every checkpoint).
-def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
-    _stock_save_checkpoint(self, model, trial)
-    if self.args.should_save:
-        with open(os.path.join(_checkpoint_dir(self, trial), STATE_FILE), "w") as f:
-            json.dump(self.adaptive_kl.state_dict(), f)
-
-
-# Replaces trl.GRPOTrainer._load_optimizer_and_scheduler (wraps it to restore the beta controller on resume).
-def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> None:
-    _stock_load_optimizer_and_scheduler(self, checkpoint)
-    path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
-    if path is not None and os.path.exists(path):
-        with open(path) as f:
-            self.adaptive_kl.load_state_dict(json.load(f))
+# Built once, so that patch() after unpatch() installs the very same objects.
+_init = wrap_init(_stock_init)
+_generate_and_score_completions = wrap_generate_and_score(_stock_generate_and_score, _anchor_error)
+_save_checkpoint = wrap_save_checkpoint(_stock_save_checkpoint)
+_load_optimizer_and_scheduler = wrap_load_optimizer_and_scheduler(_stock_load_optimizer_and_scheduler)
+_current_beta = property(current_beta)
 
 
 def _patch_points() -> list[tuple[Any, str, Any]]:
@@ -217,12 +166,16 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         (trl.trainer, "GRPOConfig", GRPOConfig),
         (trl_grpo_config, "GRPOConfig", GRPOConfig),
         (trl_grpo_trainer, "GRPOConfig", GRPOConfig),
+        # GRPOTrainer.__init__: validates the settings and builds the beta controller.
         (StockGRPOTrainer, "__init__", _init),
+        # GRPOTrainer._compute_loss: the adapted KL term (above).
         (StockGRPOTrainer, "_compute_loss", _compute_loss),
+        # GRPOTrainer._generate_and_score_completions: reads the mean reward for the beta controller.
         (StockGRPOTrainer, "_generate_and_score_completions", _generate_and_score_completions),
+        # GRPOTrainer._save_checkpoint / _load_optimizer_and_scheduler: the controller state in checkpoints.
         (StockGRPOTrainer, "_save_checkpoint", _save_checkpoint),
         (StockGRPOTrainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
-        (StockGRPOTrainer, "current_beta", property(_current_beta)),
+        (StockGRPOTrainer, "current_beta", _current_beta),
     ]
     if installed_version("trl") < Version("1.16.0"):
         # trl.trainer.utils._ChunkedLogProbFunction: the Triton kernel has no CPU path before trl 1.16.
