@@ -2,15 +2,32 @@
 
 `import unsloth_adaptive_kl` patches `trl.GRPOConfig` / `trl.GRPOTrainer` in place: the config gains the
 adaptive-KL fields (see `AdaptiveKLConfig`) and the trainer applies the adapted KL term and logs
-`adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl` and `adaptive_kl/current_beta`. `unpatch()` restores stock TRL.
+`adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl` and `adaptive_kl/current_beta`. Imported before `unsloth`, it also
+hooks the `UnslothGRPOTrainer` that Unsloth generates. `unpatch()` restores the stock objects.
 """
 
 from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
 from .config import AdaptiveKLConfig, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, make_beta_controller
-from .trl_patch import GRPOConfig, is_patched, patch, unpatch
+from . import trl_patch, unsloth_patch
+from .trl_patch import GRPOConfig, is_patched
 
 __version__ = "0.1.0"
+
+
+def patch() -> None:
+    """Patch TRL and hook Unsloth's trainer generation. Idempotent. Raises ImportError when Unsloth already
+    generated its GRPO trainer (import this package before unsloth)."""
+    unsloth_patch.check_import_order()
+    trl_patch.patch()
+    unsloth_patch.patch()
+
+
+def unpatch() -> None:
+    """Restore every stock TRL and Unsloth object. Idempotent."""
+    unsloth_patch.unpatch()
+    trl_patch.unpatch()
+
 
 patch()
 

@@ -16,7 +16,10 @@ SUPPORTED = {
     "trl": SpecifierSet("==1.15.0"),
     "transformers": SpecifierSet(">=4.56.2,<=5.17.0"),
     "datasets": SpecifierSet(">=4.7.0,<5.0.0"),
+    # Optional: checked when Unsloth generates its GRPO trainer (unsloth_patch).
+    "unsloth": SpecifierSet(">=2026.10.7,<2026.11"),
 }
+REQUIRED = ("trl", "transformers", "datasets")
 
 
 def installed_version(package: str) -> Version:
@@ -25,7 +28,8 @@ def installed_version(package: str) -> Version:
 
 def check_versions() -> None:
     """Raise ImportError for an unsupported trl; warn for unsupported transformers/datasets."""
-    for package, supported in SUPPORTED.items():
+    for package in REQUIRED:
+        supported = SUPPORTED[package]
         found = installed_version(package)
         if found in supported:
             continue

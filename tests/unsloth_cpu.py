@@ -1,0 +1,299 @@
+"""Run Unsloth's real generated GRPO trainer on CPU (a subprocess of tests/test_unsloth.py; not collected).
+
+    python tests/unsloth_cpu.py SCENARIO OUTPUT_JSON
+
+Unsloth 2026.10.x has no CPU backend: with UNSLOTH_ALLOW_CPU=1 it takes its GPU code path, and since PatchFastRL
+then skips generation, `_patch_trl_rl_trainers("grpo_trainer")` is called here, as PatchFastRL would on a GPU.
+UNSLOTH_COMPILE_DISABLE=1 turns off Unsloth's `_maybe_compile` helpers, whose guards recompile on every new chunk
+shape (10-60 s each on CPU); the GRPO loss itself stays compiled (torch_compile_with_fallback ignores the flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pickle
+import sys
+import time
+from typing import Any, Iterator
+
+os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
+os.environ.setdefault("UNSLOTH_COMPILE_DISABLE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+SCENARIO = sys.argv[1]
+if SCENARIO == "late_import":  # unsloth first, then this package: the documented ImportError
+    import unsloth  # noqa: F401
+    import unsloth.models.rl as rl
+
+    rl._patch_trl_rl_trainers("grpo_trainer")
+    try:
+        import unsloth_adaptive_kl  # noqa: F401
+    except ImportError as error:
+        result: dict[str, Any] = {"error": str(error)}
+    else:
+        result = {"error": None}
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+    sys.exit(0)
+
+import unsloth_adaptive_kl  # noqa: E402  (first)
+
+assert "unsloth" not in sys.modules and "unsloth_zoo" not in sys.modules
+import unsloth  # noqa: E402,F401
+import unsloth.models.rl as rl  # noqa: E402
+
+rl._patch_trl_rl_trainers("grpo_trainer")
+
+import trl  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E402
+
+from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
+
+PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
+TOKENIZER = build_tokenizer()
+
+
+def hash_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    return [1.0 if "#" in text else 0.1 * (len(text) % 5) for text in completions]
+
+
+def constant_reward(completions: list[str], **kwargs: Any) -> list[float]:
+    return [1.0] * len(completions)
+
+
+class StepTimer(TrainerCallback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def on_step_begin(self, *_: Any, **__: Any) -> None:
+        self.start = time.perf_counter()
+
+    def on_step_end(self, *_: Any, **__: Any) -> None:
+        self.times.append(time.perf_counter() - self.start)
+
+
+def make_trainer(output_dir: str, reward: Any = hash_reward, **overrides: Any) -> Any:
+    settings: dict[str, Any] = dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, optim="adamw_torch", report_to="none",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
+        learning_rate=5e-3, beta=0.04, save_strategy="no", gradient_accumulation_steps=2, seed=0,
+        disable_tqdm=True, loss_type="dapo", warmup_steps=0, epsilon_high=0.2, mask_truncated_completions=False,
+    )
+    settings.update(overrides)
+    args = trl.GRPOConfig(**settings)
+    set_seed(0)
+    model = add_lora(build_tiny_model(TOKENIZER, seed=0), seed=0)
+    for name in ("for_training", "for_inference"):  # what FastLanguageModel models have; a plain PEFT model lacks
+        setattr(model, name, lambda *a, **k: None)
+    model._unsloth_user_float32 = True  # keep Unsloth from switching fp16 on (it sees no bf16 on CPU)
+    timer = StepTimer()
+    trainer = trl.GRPOTrainer(model=model, processing_class=TOKENIZER, reward_funcs=[reward], args=args,
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), callbacks=[timer])
+    trainer.remove_callback(PrinterCallback)
+    trainer.step_timer = timer
+    return trainer
+
+
+def logged(trainer: Any, key: str) -> list[Any]:
+    return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def capture_inputs(trainer: Any) -> dict:
+    """One real micro-batch of prepared inputs, from a training step."""
+    captured: list = []
+    upstream = type(trainer).compute_loss
+
+    def compute_loss(model, inputs, *args, **kwargs):
+        if not captured:
+            captured.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        return upstream(trainer, model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = compute_loss
+    trainer.train()
+    del trainer.compute_loss
+    return captured[0]
+
+
+def loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor]]:
+    trainer.model.train()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    loss = trainer.compute_loss(trainer.model, dict(inputs))
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return loss.item(), [torch.zeros_like(p) if g is None else g.detach().clone() for p, g in zip(params, grads)]
+
+
+@contextlib.contextmanager
+def stock_unsloth(trainer: Any) -> Iterator[None]:
+    """Unsloth's own loss path inside the block: the shim and the compute_loss wrapper bypassed."""
+    module, cls = sys.modules[type(trainer).__module__], type(trainer)
+    shim, hooked = module.UnslothEfficientGRPO, cls.compute_loss
+    module.UnslothEfficientGRPO, cls.compute_loss = shim.upstream, hooked.__wrapped__
+    try:
+        yield
+    finally:
+        module.UnslothEfficientGRPO, cls.compute_loss = shim, hooked
+
+
+def stock_loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor]]:
+    with stock_unsloth(trainer):
+        return loss_and_grads(trainer, inputs)
+
+
+def policy_logps(model: Any, inputs: dict) -> torch.Tensor:
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits
+    logits = logits[:, inputs["prompt_ids"].size(1) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def independent_kl_part(trainer: Any, inputs: dict) -> float:
+    """beta * KL term / GA from the SPEC formulas and Unsloth's clamped k3 on a plain forward pass."""
+    args = trainer.args
+    with torch.no_grad():
+        logp = policy_logps(trainer.model, inputs)
+    r = torch.clamp(inputs["ref_per_token_logps"] - logp, -20, 20)
+    k = torch.clamp(torch.expm1(r) - r, -10, 10)
+    methods = args.kl_adaptation_method.split("+")
+    if "clip" in methods:
+        k = torch.minimum(k, torch.full_like(k, args.kl_clip_threshold))
+    if "sigmoid" in methods:
+        k = torch.sigmoid(k - args.kl_target) * k
+    m = inputs["completion_mask"].float()
+    sums, lengths = (k * m).sum(-1), m.sum(-1)
+    if "length_normalized" in methods or args.loss_type == "grpo":
+        term = (sums / lengths.clamp(min=1)).mean()
+    elif args.loss_type == "dr_grpo":
+        term = sums.sum() / (k.size(0) * args.max_completion_length)
+    else:  # dapo and, in unsloth_zoo, bnpo: num_items_in_batch / processes * GA / steps_per_generation
+        term = sums.sum() / (inputs["num_items_in_batch"] * args.gradient_accumulation_steps / args.steps_per_generation)
+        return float(args.beta * term)
+    return float(args.beta * term / args.gradient_accumulation_steps)
+
+
+def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def scenario_config(out: str) -> dict:
+    args = trl.GRPOConfig(output_dir=out, use_cpu=True, kl_adaptation_method="dynamic+clip", kl_clip_threshold=0.5)
+    restored = pickle.loads(pickle.dumps(args))
+    try:
+        trl.GRPOConfig(output_dir=out, use_cpu=True, kl_clip_threshold=-1.0)
+        error = None
+    except ValueError as caught:
+        error = str(caught)
+    return {
+        "config_class": f"{type(args).__module__}.{type(args).__name__}", "config_mro": [c.__name__ for c in type(args).__mro__][:4],
+        "trainer_class": trl.GRPOTrainer.__name__,
+        "method": args.kl_adaptation_method, "threshold": args.kl_clip_threshold,
+        "restored": [type(restored).__name__, restored.kl_adaptation_method, restored.kl_clip_threshold],
+        "restored_same_class": type(restored) is type(args),
+        "is_ours_subclassed": type(args) is not unsloth_adaptive_kl.GRPOConfig
+        and issubclass(type(args), unsloth_adaptive_kl.GRPOConfig),
+        "error": error,
+    }
+
+
+def scenario_losses(out: str) -> dict:
+    """Per loss_type: 'none' against stock Unsloth, and each method's KL part against the formula."""
+    results: dict[str, Any] = {}
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        trainer = make_trainer(f"{out}/{loss_type}", loss_type=loss_type, max_steps=1)
+        inputs = capture_inputs(trainer)
+        with torch.no_grad():  # a reference visibly different from the policy
+            inputs["ref_per_token_logps"] = policy_logps(trainer.model, inputs) + torch.linspace(
+                -1.5, 1.5, inputs["completion_ids"].numel()).view_as(inputs["completion_ids"])
+        loss, grads = loss_and_grads(trainer, inputs)
+        stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
+        entry: dict[str, Any] = {"none_loss": loss, "stock_loss": stock_loss, "none_grad_diff": max_abs_diff(grads, stock_grads)}
+        trainer.beta = 0.0
+        policy, _ = loss_and_grads(trainer, inputs)
+        trainer.beta = 0.04
+        for method in ("none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic"):
+            trainer.args.kl_adaptation_method = method
+            trainer.args.kl_clip_threshold, trainer.args.kl_target = 0.3, 0.2
+            unsloth_adaptive_kl.trainer_hooks.attach_runtime(trainer)
+            total, _ = loss_and_grads(trainer, inputs)
+            entry[method] = {"kl_part": total - policy, "expected": independent_kl_part(trainer, inputs),
+                             "metric_product": trainer._metrics["train"]["adaptive_kl/current_beta"][-1]
+                             * trainer._metrics["train"]["adaptive_kl/adapted_kl"][-1]}
+        results[loss_type] = entry
+    return results
+
+
+def scenario_dynamic(out: str) -> dict:
+    import torch._dynamo.utils as dynamo_utils
+
+    trainer = make_trainer(out, constant_reward, kl_adaptation_method="dynamic", dynamic_beta_decay=0.5,
+                           beta_min=0.001, beta_schedule_steps=4, gradient_accumulation_steps=1, max_steps=6)
+    graphs_after_step: list[int] = []
+
+    class GraphCounter(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            graphs_after_step.append(int(dynamo_utils.counters["stats"]["unique_graphs"]))
+
+    trainer.add_callback(GraphCounter())
+    trainer.train()
+    return {
+        "betas": logged(trainer, "adaptive_kl/current_beta"), "final_beta": trainer.current_beta,
+        "raw_kl": logged(trainer, "adaptive_kl/raw_kl"), "adapted_kl": logged(trainer, "adaptive_kl/adapted_kl"),
+        "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"), "kl": logged(trainer, "kl"),
+        "graphs_after_step": graphs_after_step, "step_seconds": trainer.step_timer.times,
+        "trainer_class": type(trainer).__name__, "stock_beta": trainer.beta,
+        **beta_recompiles(trainer, out),
+    }
+
+
+def beta_recompiles(trainer: Any, out: str) -> dict:
+    """Compiled graphs after each loss call on fixed inputs while beta changes: through the hooks (live beta is
+    not an input of the compiled region) and through stock Unsloth (beta is a Python float there)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    def graphs() -> int:
+        return int(dynamo_utils.counters["stats"]["unique_graphs"])
+
+    inputs = capture_inputs(make_trainer(out + "/capture", kl_adaptation_method="dynamic", max_steps=1))
+    hooked = []
+    for beta in (0.04, 0.03, 0.02, 0.01):
+        trainer.adaptive_kl.controller.value = beta
+        loss_and_grads(trainer, inputs)
+        hooked.append(graphs())
+    stock = []
+    with stock_unsloth(trainer):
+        for beta in (0.04, 0.03, 0.02):
+            trainer.beta = beta
+            loss_and_grads(trainer, inputs)
+            stock.append(graphs())
+    trainer.beta = 0.04
+    return {"graphs_hooked_beta_changes": hooked, "graphs_stock_beta_changes": stock}
+
+
+def scenario_timing(out: str) -> dict:
+    """Per-step seconds of stock Unsloth (hooks bypassed) and each method, interleaved, same seed."""
+    times: dict[str, list[float]] = {}
+    for repeat in range(2):
+        for method in ("stock", "none", "clip", "length_normalized", "dynamic"):
+            overrides = {} if method == "stock" else {"kl_adaptation_method": method}
+            trainer = make_trainer(f"{out}/{method}{repeat}", max_steps=5, **overrides)
+            with stock_unsloth(trainer) if method == "stock" else contextlib.nullcontext():
+                trainer.train()
+            times.setdefault(method, []).extend(trainer.step_timer.times[1:])
+    return {method: sorted(values)[len(values) // 2] for method, values in times.items()}
+
+
+SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing}
+
+if __name__ == "__main__":
+    output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")
+    with open(sys.argv[2], "w") as f:
+        json.dump(output, f, default=lambda value: None if isinstance(value, float) and math.isnan(value) else str(value))

@@ -1,0 +1,281 @@
+"""Integration with Unsloth's generated `UnslothGRPOTrainer` (unsloth / unsloth_zoo 2026.10.x).
+
+Unsloth builds its GRPO trainer during `import unsloth` by rewriting TRL's source as text
+(`unsloth.models.rl._patch_trl_rl_trainers("grpo_trainer")`) and executing it as module `UnslothGRPOTrainer`.
+This package never imports unsloth. `install_import_hook()` waits for `unsloth.models.rl` to be imported and wraps
+its `_patch_trl_rl_trainers`; once that has generated the trainer, `_install` hooks the generated module:
+
+- the module global `UnslothEfficientGRPO` (used by the inlined `grpo_accumulated_loss`) becomes
+  `_AdaptiveEfficientGRPO`, which runs Unsloth's compiled loss with beta=0.0 (a constant: no recompiles, however
+  beta moves) and adds beta_t * adapted KL, computed eagerly from the same log-probs, outside the compiled region;
+- `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_save_checkpoint` and
+  `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import trl.trainer.grpo_trainer as trl_grpo_trainer
+
+from .adaptation import ReductionContext, adapted_kl_term
+from .estimators import estimate_kl, unsloth_k3
+from .trainer_hooks import (
+    current_beta,
+    record_metrics,
+    wrap_generate_and_score,
+    wrap_init,
+    wrap_load_optimizer_and_scheduler,
+    wrap_save_checkpoint,
+)
+from .versions import SUPPORTED, installed_version
+
+RL_MODULE = "unsloth.models.rl"
+GENERATED_CLASS = "UnslothGRPOTrainer"
+_MISSING = object()
+# (trainer, calls) of the compute_loss running now; the shim appends (kl, mask, term) for it.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("adaptive_kl_unsloth_compute_loss", default=None)
+_originals: list[tuple[Any, str, Any]] = []
+
+
+def _versions() -> str:
+    found = []
+    for package in ("unsloth", "unsloth_zoo"):
+        try:
+            found.append(f"{package}=={installed_version(package)}")
+        except Exception:  # not installed: nothing to name
+            found.append(f"{package} (not installed)")
+    return f"found {', '.join(found)}; supported unsloth{SUPPORTED['unsloth']}"
+
+
+def _anchor_error(anchor: str) -> RuntimeError:
+    return RuntimeError(
+        f"unsloth_adaptive_kl: the anchor {anchor} was not found in Unsloth's generated GRPO trainer ({_versions()}). "
+        "Adaptive KL cannot be applied to it."
+    )
+
+
+def generated_grpo_trainer() -> Optional[type]:
+    """Unsloth's generated GRPO trainer class, if Unsloth has generated it."""
+    trainer = trl_grpo_trainer.GRPOTrainer
+    return trainer if trainer.__name__ == GENERATED_CLASS else None
+
+
+def _importance_log_ratio(new: torch.Tensor, old: Optional[torch.Tensor], mask: torch.Tensor, level: str) -> torch.Tensor:
+    """log(coef_1) of unsloth_zoo's grpo_compute_loss: new - old (new - new.detach() on-policy), averaged over
+    each completion at importance_sampling_level 'sequence'."""
+    log_ratio = new - (old if old is not None else new.detach())
+    if level == "sequence":
+        weights = mask.to(log_ratio.dtype)
+        log_ratio = ((log_ratio * weights).sum(-1) / weights.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    return log_ratio
+
+
+def _unsloth_mean_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The trainer's own `kl` metric (grpo_compute_loss's masked_batch_mean): per-completion mean, empty rows
+    left out. Recomputed because the compiled loss runs with beta=0.0 and so reports 0."""
+    weights = mask.to(torch.float32)
+    lengths = weights.sum(1)
+    per_row = (kl * weights).sum(1) / lengths.clamp(min=1.0)
+    return per_row.sum() / (lengths > 0).sum().clamp(min=1)
+
+
+def _reduction(kwargs: dict) -> tuple[str, ReductionContext]:
+    """Unsloth's loss_type reduction and normalisers. Unlike TRL, unsloth_zoo reduces bnpo by the global token
+    count when num_items_in_batch is given, like dapo: num_items / num_processes * GA / steps_per_generation."""
+    loss_type = kwargs.get("loss_type", "grpo")
+    items = kwargs.get("num_items_in_batch")
+    token_normalizer = None
+    if items is not None:
+        token_normalizer = (items.clamp(min=1.0) if torch.is_tensor(items) else max(float(items), 1.0))
+        token_normalizer = token_normalizer / kwargs.get("num_processes", 1)
+        if kwargs.get("steps_per_generation"):
+            token_normalizer = token_normalizer / kwargs["steps_per_generation"]
+        if loss_type == "bnpo":
+            loss_type = "dapo"
+    ctx = ReductionContext(max_completion_length=kwargs.get("max_completion_length"), token_normalizer=token_normalizer)
+    return loss_type, ctx
+
+
+class _AdaptiveEfficientGRPO:
+    """Stands in for the generated module's `UnslothEfficientGRPO` (only `.apply` is called, from the inlined
+    unsloth_zoo `grpo_accumulated_loss`)."""
+
+    upstream: Any = None
+
+    @classmethod
+    def apply(cls, new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler=None, n_chunks=1,
+              extra_kwargs=None, upstream_scale=None):
+        active = _ACTIVE.get()
+        if active is None or ref is None or beta == 0.0:
+            return cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler,
+                                      n_chunks, extra_kwargs, upstream_scale)
+        trainer, calls = active
+        config = trainer.adaptive_kl.config
+        kwargs = extra_kwargs or {}
+        if kwargs.get("sample_weight") is not None:
+            raise NotImplementedError(
+                "adaptive KL does not support Unsloth's per-sample loss weights (UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE / "
+                "UNSLOTH_GRPO_LOSS_AGGREGATION); unset them."
+            )
+        stock = config.is_stock_kl
+        outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
+                                          beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
+        if config.kl_estimator == "k3":  # what grpo_compute_loss computes, bias correction included
+            kl = unsloth_k3(new, ref, mask)
+            if kwargs.get("use_bias_correction_kl"):
+                level = kwargs.get("importance_sampling_level", "token")
+                kl = kl * torch.exp(_importance_log_ratio(new, old, mask, level))
+        else:
+            kl = estimate_kl(new, ref, mask, config)
+        if stock:
+            kl = kl.detach()
+        loss_type, ctx = _reduction(kwargs)
+        term = adapted_kl_term(kl, mask, config, loss_type, ctx)
+        if not stock:
+            accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
+            outputs[0] = outputs[0] + trainer.adaptive_kl.current_beta * term.adapted / accumulation
+            outputs[2] = _unsloth_mean_kl(kl.detach(), mask)
+        calls.append((kl, mask, term))
+        return tuple(outputs)
+
+
+def _wrap_compute_loss(upstream: Callable) -> Callable:
+    # Replaces UnslothGRPOTrainer.compute_loss (wraps it: exposes the trainer to the shim, then logs the metrics).
+    @functools.wraps(upstream)
+    def compute_loss(self: Any, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        if self.beta == 0.0:
+            return upstream(self, model, inputs, return_outputs, num_items_in_batch)
+        calls: list = []
+        token = _ACTIVE.set((self, calls))
+        try:
+            loss = upstream(self, model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            _ACTIVE.reset(token)
+        if len(calls) != 1:
+            raise _anchor_error(f"`UnslothEfficientGRPO.apply(...)` in grpo_accumulated_loss (reached {len(calls)} times)")
+        record_metrics(self, *calls[0])
+        return loss
+
+    return compute_loss
+
+
+def _replace(owner: Any, name: str, replacement: Any) -> None:
+    _originals.append((owner, name, vars(owner).get(name, _MISSING)))
+    setattr(owner, name, replacement)
+
+
+def _install(trainer_class: type) -> None:
+    """Hook the generated trainer class and its module. Idempotent."""
+    module = sys.modules.get(trainer_class.__module__)
+    if module is None or module.__dict__.get("UnslothEfficientGRPO") is _AdaptiveEfficientGRPO:
+        return
+    for owner, name in ((module, "UnslothEfficientGRPO"), (module, "grpo_accumulated_loss"), (trainer_class, "compute_loss"),
+                        (trainer_class, "_generate_and_score_completions")):
+        if not hasattr(owner, name):
+            raise _anchor_error(f"`{name}`")
+    found = installed_version("unsloth")
+    if found not in SUPPORTED["unsloth"]:
+        warnings.warn(f"unsloth_adaptive_kl is tested with unsloth{SUPPORTED['unsloth']}, found unsloth=={found}.",
+                      stacklevel=2)
+    _AdaptiveEfficientGRPO.upstream = module.UnslothEfficientGRPO
+    # grpo_accumulated_loss (inlined from unsloth_zoo.rl_replacements) calls UnslothEfficientGRPO.apply.
+    _replace(module, "UnslothEfficientGRPO", _AdaptiveEfficientGRPO)
+    # The generated trainer's own methods, copied from TRL's source: TRL-side patches do not reach them.
+    _replace(trainer_class, "__init__", wrap_init(trainer_class.__init__))
+    _replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
+    _replace(trainer_class, "_generate_and_score_completions",
+             wrap_generate_and_score(trainer_class._generate_and_score_completions, _anchor_error))
+    _replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
+    _replace(trainer_class, "_load_optimizer_and_scheduler",
+             wrap_load_optimizer_and_scheduler(trainer_class._load_optimizer_and_scheduler))
+    _replace(trainer_class, "current_beta", property(current_beta))
+
+
+def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
+    # Replaces unsloth.models.rl._patch_trl_rl_trainers (wraps it: hooks the trainer it generates).
+    @functools.wraps(upstream)
+    def _patch_trl_rl_trainers(trainer_file: str = "grpo_trainer", *args: Any, **kwargs: Any) -> Any:
+        result = upstream(trainer_file, *args, **kwargs)
+        if trainer_file == "grpo_trainer":
+            generated = generated_grpo_trainer()
+            if generated is None:
+                warnings.warn(
+                    "Unsloth did not generate UnslothGRPOTrainer (see its warning above): trl.GRPOTrainer stays TRL's "
+                    "own trainer. unsloth_adaptive_kl's TRL integration applies to it, without Unsloth's GRPO "
+                    f"optimisations ({_versions()}).",
+                    stacklevel=2,
+                )
+            else:
+                _install(generated)
+        return result
+
+    return _patch_trl_rl_trainers
+
+
+def _hook_rl_module(module: Any) -> None:
+    if not hasattr(module, "_patch_trl_rl_trainers"):
+        raise _anchor_error("`unsloth.models.rl._patch_trl_rl_trainers`")
+    _replace(module, "_patch_trl_rl_trainers", _wrap_patch_trl_rl_trainers(module._patch_trl_rl_trainers))
+
+
+class _RLModuleFinder(importlib.abc.MetaPathFinder):
+    """Import hook: after `unsloth.models.rl` executes (and before it generates anything), wrap its generator."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != RL_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        upstream_exec = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            upstream_exec(module)
+            _hook_rl_module(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_FINDER = _RLModuleFinder()
+
+
+def check_import_order() -> None:
+    """Raise ImportError when Unsloth already generated its GRPO trainer: too late to patch it correctly."""
+    if generated_grpo_trainer() is not None or GENERATED_CLASS in sys.modules:
+        raise ImportError(
+            "unsloth_adaptive_kl was imported after unsloth, which has already generated UnslothGRPOTrainer from "
+            "TRL's GRPOTrainer, so the adaptive-KL fields and loss cannot reach it. Import unsloth_adaptive_kl "
+            "first:\n    import unsloth_adaptive_kl\n    import unsloth"
+        )
+
+
+def patch() -> None:
+    """Hook Unsloth's GRPO trainer generation, now if `unsloth.models.rl` is loaded, else when it loads."""
+    if _FINDER in sys.meta_path or any(name == "_patch_trl_rl_trainers" for _, name, _ in _originals):
+        return
+    module = sys.modules.get(RL_MODULE)
+    if module is not None:
+        _hook_rl_module(module)
+    else:
+        sys.meta_path.insert(0, _FINDER)
+
+
+def unpatch() -> None:
+    """Remove the import hook and restore every Unsloth object replaced. Idempotent."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    while _originals:
+        owner, name, original = _originals.pop()
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
