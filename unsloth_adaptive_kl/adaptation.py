@@ -56,7 +56,7 @@ register_reduction = registrar(_REDUCTIONS)
 
 def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # `where`, not `x * mask`: a non-finite value at a padded position must not leak into the sum as NaN.
-    return torch.where(mask.bool(), x, torch.zeros_like(x))
+    return torch.where(mask.bool(), x, 0.0)
 
 
 @register_reduction("sequence_mean")
@@ -160,9 +160,12 @@ def adapted_kl_term(
     kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str, ctx: ReductionContext
 ) -> KLTerm:
     """shaping -> length normalisation (reduction); the caller multiplies `adapted` by the current beta."""
-    raw = reduce_kl(kl.detach(), mask, loss_type_reduction(loss_type), ctx)
-    adapted = reduce_kl(shape_kl(kl, config), mask, kl_reduction(config, loss_type), ctx)
-    return KLTerm(raw=raw, adapted=adapted)
+    raw_reduction, adapted_reduction = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
+    shaped = shape_kl(kl, config)
+    adapted = reduce_kl(shaped, mask, adapted_reduction, ctx)
+    if shaped is kl and adapted_reduction == raw_reduction:  # nothing adapted: the same number, reduced once
+        return KLTerm(raw=adapted.detach(), adapted=adapted)
+    return KLTerm(raw=reduce_kl(kl.detach(), mask, raw_reduction, ctx), adapted=adapted)
 
 
 @dataclass
