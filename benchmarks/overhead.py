@@ -15,12 +15,14 @@ Prints a table, writes JSON, and ends with one line `max_step_overhead_ratio=X.X
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -148,6 +150,21 @@ def peak_rss(variant: str, argv: list[str]) -> int:
     return json.loads(output.strip().splitlines()[-1])["peak_rss_bytes"]
 
 
+def unsloth_timing(smoke: bool) -> dict[str, Any] | None:
+    """Unsloth's generated trainer on CPU (tests/unsloth_cpu.py, in a fresh process), when Unsloth is installed."""
+    if importlib.util.find_spec("unsloth") is None:
+        return None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with tempfile.TemporaryDirectory() as folder:
+        output = os.path.join(folder, "timing.json")
+        env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1",
+               "ADAPTIVE_KL_BENCH_REPEATS": "1" if smoke else "3"}
+        subprocess.run([sys.executable, os.path.join(root, "tests", "unsloth_cpu.py"), "timing", output],
+                       cwd=folder, env=env, check=True, capture_output=True, text=True)
+        with open(output) as f:
+            return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -190,12 +207,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['variant']:<27}{row['median_step_s']:>9.4f}{row['step_ratio']:>9.3f}"
               f"{'/'.join(map(str, row['forwards_per_step'])):>10}{row['extra_forwards']:>6}"
               f"{row['peak_memory_bytes'] / 2**20:>10.1f}{row['memory_ratio']:>9.3f}{core_ratio:>11}")
+    unsloth = unsloth_timing(args.smoke)
+    unsloth_rows = []
+    if unsloth is not None:
+        print(f"\nUnsloth generated trainer (CPU, tiny model){'':<4}{'s/step':>9}{'x stock':>9}{'fwd/step':>10}{'new graphs':>12}")
+        for variant, row in unsloth.items():
+            row = {"variant": f"unsloth:{variant}", **row,
+                   "step_ratio": row["median_step_s"] / unsloth["stock"]["median_step_s"]}
+            unsloth_rows.append(row)
+            print(f"{row['variant']:<47}{row['median_step_s']:>9.4f}{row['step_ratio']:>9.3f}"
+                  f"{'/'.join(map(str, row['forwards_per_step'])):>10}{row['graphs_added_per_run']:>12}")
     report = {"settings": vars(args), "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
-              "core_seconds": core, "step_seconds": times}
+              "unsloth_rows": unsloth_rows, "core_seconds": core, "step_seconds": times}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"max_step_overhead_ratio={max(row['step_ratio'] for row in rows[1:]):.3f}")
+    ratios = [row["step_ratio"] for row in rows[1:] + unsloth_rows if not row["variant"].endswith(":stock")]
+    print(f"max_step_overhead_ratio={max(ratios):.3f}")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,6 +21,12 @@ def test_overhead_benchmark_smoke(tmp_path) -> None:
     report = json.loads(report_path.read_text())
     assert [row["variant"] for row in report["rows"]][0] == "stock"
     assert len(report["rows"]) == 7
-    assert float(last_line.split("=")[1]) == round(max(row["step_ratio"] for row in report["rows"][1:]), 3)
+    measured = report["rows"][1:] + [row for row in report["unsloth_rows"] if row["variant"] != "unsloth:stock"]
+    assert float(last_line.split("=")[1]) == round(max(row["step_ratio"] for row in measured), 3)
     assert all(row["extra_forwards"] == 0 for row in report["rows"])  # same forwards as stock, none extra
     assert all(row["peak_memory_bytes"] > 0 for row in report["rows"])
+    if importlib.util.find_spec("unsloth") is not None:
+        unsloth = {row["variant"]: row for row in report["unsloth_rows"]}
+        assert set(unsloth) == {f"unsloth:{v}" for v in ("stock", "none", "clip", "length_normalized", "dynamic")}
+        assert all(row["forwards_per_step"] == unsloth["unsloth:stock"]["forwards_per_step"] for row in unsloth.values())
+        assert all(row["graphs_added_per_run"] == 0 for row in unsloth.values())  # dynamic: beta moves every step

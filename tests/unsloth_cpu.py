@@ -279,16 +279,40 @@ def beta_recompiles(trainer: Any, out: str) -> dict:
 
 
 def scenario_timing(out: str) -> dict:
-    """Per-step seconds of stock Unsloth (hooks bypassed) and each method, interleaved, same seed."""
-    times: dict[str, list[float]] = {}
-    for repeat in range(2):
-        for method in ("stock", "none", "clip", "length_normalized", "dynamic"):
-            overrides = {} if method == "stock" else {"kl_adaptation_method": method}
-            trainer = make_trainer(f"{out}/{method}{repeat}", max_steps=5, **overrides)
-            with stock_unsloth(trainer) if method == "stock" else contextlib.nullcontext():
+    """Per variant (stock Unsloth with the hooks bypassed, and each method), interleaved over repeats with the same
+    seed, after one untimed warm-up pass (first compiles): median seconds per optimizer step after the first, model
+    forwards per step, and compiled graphs added during a run (recompiles; `dynamic` changes beta every step)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    variants = ["stock", "none", "clip", "length_normalized", "dynamic"]
+    results: dict[str, dict[str, list]] = {v: {"step_s": [], "forwards": [], "graphs_added": []} for v in variants}
+    for repeat in range(1 + int(os.environ.get("ADAPTIVE_KL_BENCH_REPEATS", "3"))):
+        for variant in variants[repeat % len(variants):] + variants[: repeat % len(variants)]:
+            overrides = {} if variant == "stock" else {"kl_adaptation_method": variant, "reward_threshold": 0.0}
+            trainer = make_trainer(f"{out}/{variant}{repeat}", max_steps=6, gradient_accumulation_steps=1,
+                                   generation_kwargs={"min_new_tokens": 8}, **overrides)
+            forwards, graphs = [0], [int(dynamo_utils.counters["stats"]["unique_graphs"])]
+            trainer.model.get_base_model().register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+            class Counter(TrainerCallback):
+                def on_step_begin(self, *_: Any, **__: Any) -> None:
+                    self.forwards = forwards[0]
+
+                def on_step_end(self, *_: Any, **__: Any) -> None:
+                    results[variant]["forwards"].append(forwards[0] - self.forwards)
+                    graphs.append(int(dynamo_utils.counters["stats"]["unique_graphs"]))
+
+            trainer.add_callback(Counter())
+            with stock_unsloth(trainer) if variant == "stock" else contextlib.nullcontext():
                 trainer.train()
-            times.setdefault(method, []).extend(trainer.step_timer.times[1:])
-    return {method: sorted(values)[len(values) // 2] for method, values in times.items()}
+            if repeat == 0:  # warm-up: compiles each variant's graphs once
+                results[variant]["forwards"].clear()
+                continue
+            results[variant]["step_s"].extend(trainer.step_timer.times[1:])
+            results[variant]["graphs_added"].append(graphs[-1] - graphs[0])
+    return {variant: {"median_step_s": sorted(r["step_s"])[len(r["step_s"]) // 2],
+                      "forwards_per_step": sorted(set(r["forwards"])),
+                      "graphs_added_per_run": max(r["graphs_added"])} for variant, r in results.items()}
 
 
 SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing}
