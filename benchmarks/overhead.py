@@ -38,8 +38,8 @@ VARIANTS = ["stock", "none", "clip", "sigmoid", "length_normalized", "dynamic", 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: 1 repeat, 2 steps")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run; the first is warm-up")
+    parser.add_argument("--repeats", type=int, default=7, help="timed passes over all variants, after one untimed")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run; the first is not timed")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--completion-length", type=int, default=32)
@@ -121,21 +121,18 @@ def core_microbenchmark(repeats: int = 200) -> dict[str, float]:
         delta = ref - logp
         return torch.exp(delta) - delta - 1
 
-    def timed(function: Any) -> float:
-        for _ in range(10):
-            function()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            function()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    results = {"stock_k3": timed(stock)}
+    functions = {"stock_k3": stock}
     for method in VARIANTS[1:]:
         config = AdaptiveKLConfig(kl_adaptation_method=method)
-        results[method] = timed(lambda: adapted_kl_term(stock(), mask, config, "dapo", ctx))
-    return results
+        functions[method] = lambda config=config: adapted_kl_term(stock(), mask, config, "dapo", ctx)
+    samples: dict[str, list[float]] = {name: [] for name in functions}
+    for iteration in range(repeats + 20):  # round-robin, so that drift and allocator warm-up hit all alike
+        for name, function in functions.items():
+            start = time.perf_counter()
+            function()
+            if iteration >= 20:
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def memory_child(variant: str, args: argparse.Namespace) -> None:
@@ -176,16 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
     forwards: dict[str, list[int]] = {variant: [] for variant in VARIANTS}
     cuda_peak: dict[str, Any] = {}
-    for repeat in range(args.repeats):
+    for repeat in range(args.repeats + 1):  # pass 0 warms caches and allocators for every variant, untimed
         order = VARIANTS[repeat % len(VARIANTS):] + VARIANTS[: repeat % len(VARIANTS)]
         for variant in order:
             result = run(variant, args, os.path.join("/tmp", f"adaptive_kl_bench_{variant}"))
+            if repeat == 0:
+                continue
             times[variant].append(result["median_step_s"])
             forwards[variant].extend(result["forwards_per_step"])
             cuda_peak[variant] = result["cuda_peak_bytes"]
     set_stock(False)
     memory = cuda_peak if torch.cuda.is_available() else {variant: peak_rss(variant, argv) for variant in VARIANTS}
-    core = core_microbenchmark()
+    core = core_microbenchmark(50 if args.smoke else 300)
 
     stock_time = statistics.median(times["stock"])
     rows = []

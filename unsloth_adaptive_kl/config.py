@@ -7,6 +7,7 @@ and on the command line.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -49,6 +50,12 @@ def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
     if sum(name in BETA_METHODS for name in names) > 1:
         raise _reject("kl_adaptation_method", value, allowed + ", with at most one of dynamic/target")
     return tuple(name for name in METHODS if name in names)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_canonical(value: str) -> tuple[str, ...]:
+    # Read on every loss call: parse each stored string once.
+    return parse_methods(value)
 
 
 def _is_real(value: Any) -> bool:
@@ -157,7 +164,7 @@ class AdaptiveKLConfig:
     @property
     def kl_methods(self) -> tuple[str, ...]:
         """The active methods in application order; empty for 'none'."""
-        return parse_methods(self.kl_adaptation_method)
+        return _parse_canonical(self.kl_adaptation_method)
 
     @property
     def is_stock_kl(self) -> bool:
