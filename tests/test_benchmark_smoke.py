@@ -20,8 +20,8 @@ def test_overhead_benchmark_smoke(tmp_path) -> None:
     assert last_line.startswith("max_step_overhead_ratio=")
     report = json.loads(report_path.read_text())
     assert [row["variant"] for row in report["rows"]][0] == "stock"
-    assert len(report["rows"]) == 7
-    measured = report["rows"][1:] + [row for row in report["unsloth_rows"] if row["variant"] != "unsloth:stock"]
+    assert len(report["rows"]) == 8
+    measured = report["rows"][2:] + [row for row in report["unsloth_rows"] if row["variant"] != "unsloth:stock"]
     assert float(last_line.split("=")[1]) == round(max(row["step_ratio"] for row in measured), 3)
     assert all(row["extra_forwards"] == 0 for row in report["rows"])  # same forwards as stock, none extra
     assert all(row["peak_memory_bytes"] > 0 for row in report["rows"])

@@ -46,6 +46,16 @@ def policy_logps(model, inputs: dict) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
+def shaped_by_hand(k: torch.Tensor, args) -> torch.Tensor:
+    """SPEC 3.2/3.3: min(k, kl_clip_threshold) or sigmoid(k - kl_target) * k, per token."""
+    methods = args.kl_adaptation_method.split("+")
+    if "clip" in methods:
+        return torch.minimum(k, torch.full_like(k, args.kl_clip_threshold))
+    if "sigmoid" in methods:
+        return torch.sigmoid(k - args.kl_target) * k
+    return k
+
+
 def expected_kl_part(trainer, inputs: dict, logp: torch.Tensor) -> torch.Tensor:
     """beta * KL term / GA, written out per method and loss_type from the SPEC's formulas."""
     args = trainer.args
@@ -62,10 +72,7 @@ def expected_kl_part(trainer, inputs: dict, logp: torch.Tensor) -> torch.Tensor:
         k2 = 0.5 * (logp - ref) ** 2
         k = k2 + (k - k2).detach()
     methods = args.kl_adaptation_method.split("+")
-    if "clip" in methods:
-        k = torch.minimum(k, torch.full_like(k, args.kl_clip_threshold))
-    if "sigmoid" in methods:
-        k = torch.sigmoid(k - args.kl_target) * k
+    k = shaped_by_hand(k, args)
     m = inputs["completion_mask"].float()
     lengths = m.sum(-1)
     per_completion_sum = (k * m).sum(-1)

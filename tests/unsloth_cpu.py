@@ -58,6 +58,8 @@ from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E40
 
 from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
+from tests.test_trl_loss import policy_logps, shaped_by_hand  # noqa: E402  (the same plain forward pass as the TRL tests)
+
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
 TOKENIZER = build_tokenizer()
 
@@ -148,14 +150,6 @@ def stock_loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.
         return loss_and_grads(trainer, inputs)
 
 
-def policy_logps(model: Any, inputs: dict) -> torch.Tensor:
-    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits
-    logits = logits[:, inputs["prompt_ids"].size(1) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
-
-
 def independent_kl_part(trainer: Any, inputs: dict) -> float:
     """beta * KL term / GA from the SPEC formulas and Unsloth's clamped k3 on a plain forward pass."""
     args = trainer.args
@@ -164,10 +158,7 @@ def independent_kl_part(trainer: Any, inputs: dict) -> float:
     r = torch.clamp(inputs["ref_per_token_logps"] - logp, -20, 20)
     k = torch.clamp(torch.expm1(r) - r, -10, 10)
     methods = args.kl_adaptation_method.split("+")
-    if "clip" in methods:
-        k = torch.minimum(k, torch.full_like(k, args.kl_clip_threshold))
-    if "sigmoid" in methods:
-        k = torch.sigmoid(k - args.kl_target) * k
+    k = shaped_by_hand(k, args)
     m = inputs["completion_mask"].float()
     sums, lengths = (k * m).sum(-1), m.sum(-1)
     if "length_normalized" in methods or args.loss_type == "grpo":

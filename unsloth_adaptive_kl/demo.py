@@ -54,6 +54,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--backend", choices=["unsloth", "trl", "auto"], default="auto",
                         help="with --model: Unsloth FastLanguageModel (4-bit + LoRA) or transformers + PEFT")
     parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--kl-target", type=float, default=0.1, help="kl_target (sigmoid, target)")
+    parser.add_argument("--kl-horizon", type=float, default=10000.0, help="kl_horizon (target)")
     parser.add_argument("--loss-type", default="dapo")
     parser.add_argument("--learning-rate", type=float, default=None)
     parser.add_argument("--pretrain-steps", type=int, default=300, help="tiny model: reference pretraining steps")
@@ -70,7 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.loss_type not in LOSS_TYPE_REDUCTIONS:
         parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(LOSS_TYPE_REDUCTIONS))}")
     for method in args.methods:  # bad names fail here, before any training
-        AdaptiveKLConfig(**{k: v for k, v in variant_settings(method, args.beta).items() if k != "beta"})
+        AdaptiveKLConfig(kl_target=args.kl_target, kl_horizon=args.kl_horizon,
+                         **{k: v for k, v in variant_settings(method, args.beta).items() if k != "beta"})
     return args
 
 
@@ -220,7 +223,8 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace, on_ste
         output_dir=os.path.join(args.output_dir, "runs", f"{method}-seed{seed}"),
         **variant, loss_type=args.loss_type, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=seed, data_seed=seed, temperature=1.0,
-        reward_threshold=0.8, beta_schedule_steps=None, **settings,
+        reward_threshold=0.8, beta_schedule_steps=None, kl_target=args.kl_target, kl_horizon=args.kl_horizon,
+        **settings,
     )
     set_seed(seed)
     trainer = trl.GRPOTrainer(model=task.make_policy(seed), processing_class=task.tokenizer,

@@ -23,6 +23,7 @@ from packaging.version import Version
 from .adaptation import ReductionContext, adapted_kl_term
 from .config import AdaptiveKLConfig
 from .estimators import estimate_kl
+from .patching import PatchSet
 from .trainer_hooks import (
     current_beta,
     record_metrics,
@@ -33,8 +34,6 @@ from .trainer_hooks import (
 )
 from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 from .versions import SUPPORTED, check_versions, installed_version
-
-_MISSING = object()
 
 StockGRPOConfig = trl_grpo_config.GRPOConfig
 StockGRPOTrainer = trl_grpo_trainer.GRPOTrainer
@@ -184,30 +183,22 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
     return points
 
 
-_originals: list[tuple[Any, str, Any]] = []
+_patches = PatchSet()
 
 
 def is_patched() -> bool:
-    return bool(_originals)
+    return bool(_patches)
 
 
 def patch() -> None:
     """Install the adaptive KL into TRL in place. Idempotent."""
-    if _originals:
+    if _patches:
         return
     check_versions()
     for owner, name, replacement in _patch_points():
-        _originals.append((owner, name, vars(owner).get(name, _MISSING)))
-        setattr(owner, name, replacement)
+        _patches.replace(owner, name, replacement)
 
 
 def unpatch() -> None:
     """Restore every stock TRL object. Idempotent."""
-    while _originals:
-        owner, name, original = _originals.pop()
-        if original is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
-
-
+    _patches.restore()

@@ -27,6 +27,7 @@ import trl.trainer.grpo_trainer as trl_grpo_trainer
 
 from .adaptation import ReductionContext, adapted_kl_term
 from .estimators import estimate_kl, unsloth_k3
+from .patching import PatchSet
 from .trainer_hooks import (
     current_beta,
     record_metrics,
@@ -39,10 +40,9 @@ from .versions import SUPPORTED, installed_version
 
 RL_MODULE = "unsloth.models.rl"
 GENERATED_CLASS = "UnslothGRPOTrainer"
-_MISSING = object()
 # (trainer, calls) of the compute_loss running now; the shim appends (kl, mask, term) for it.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("adaptive_kl_unsloth_compute_loss", default=None)
-_originals: list[tuple[Any, str, Any]] = []
+_patches = PatchSet()
 
 
 def _versions() -> str:
@@ -167,11 +167,6 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
     return compute_loss
 
 
-def _replace(owner: Any, name: str, replacement: Any) -> None:
-    _originals.append((owner, name, vars(owner).get(name, _MISSING)))
-    setattr(owner, name, replacement)
-
-
 def _install(trainer_class: type) -> None:
     """Hook the generated trainer class and its module. Idempotent."""
     module = sys.modules.get(trainer_class.__module__)
@@ -187,16 +182,16 @@ def _install(trainer_class: type) -> None:
                       stacklevel=2)
     _AdaptiveEfficientGRPO.upstream = module.UnslothEfficientGRPO
     # grpo_accumulated_loss (inlined from unsloth_zoo.rl_replacements) calls UnslothEfficientGRPO.apply.
-    _replace(module, "UnslothEfficientGRPO", _AdaptiveEfficientGRPO)
+    _patches.replace(module, "UnslothEfficientGRPO", _AdaptiveEfficientGRPO)
     # The generated trainer's own methods, copied from TRL's source: TRL-side patches do not reach them.
-    _replace(trainer_class, "__init__", wrap_init(trainer_class.__init__))
-    _replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
-    _replace(trainer_class, "_generate_and_score_completions",
+    _patches.replace(trainer_class, "__init__", wrap_init(trainer_class.__init__))
+    _patches.replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
+    _patches.replace(trainer_class, "_generate_and_score_completions",
              wrap_generate_and_score(trainer_class._generate_and_score_completions, _anchor_error))
-    _replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
-    _replace(trainer_class, "_load_optimizer_and_scheduler",
+    _patches.replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
+    _patches.replace(trainer_class, "_load_optimizer_and_scheduler",
              wrap_load_optimizer_and_scheduler(trainer_class._load_optimizer_and_scheduler))
-    _replace(trainer_class, "current_beta", property(current_beta))
+    _patches.replace(trainer_class, "current_beta", property(current_beta))
 
 
 def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
@@ -223,7 +218,7 @@ def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
 def _hook_rl_module(module: Any) -> None:
     if not hasattr(module, "_patch_trl_rl_trainers"):
         raise _anchor_error("`unsloth.models.rl._patch_trl_rl_trainers`")
-    _replace(module, "_patch_trl_rl_trainers", _wrap_patch_trl_rl_trainers(module._patch_trl_rl_trainers))
+    _patches.replace(module, "_patch_trl_rl_trainers", _wrap_patch_trl_rl_trainers(module._patch_trl_rl_trainers))
 
 
 class _RLModuleFinder(importlib.abc.MetaPathFinder):
@@ -260,7 +255,7 @@ def check_import_order() -> None:
 
 def patch() -> None:
     """Hook Unsloth's GRPO trainer generation, now if `unsloth.models.rl` is loaded, else when it loads."""
-    if _FINDER in sys.meta_path or any(name == "_patch_trl_rl_trainers" for _, name, _ in _originals):
+    if _FINDER in sys.meta_path or _patches.replaced(sys.modules.get(RL_MODULE), "_patch_trl_rl_trainers"):
         return
     module = sys.modules.get(RL_MODULE)
     if module is not None:
@@ -273,9 +268,4 @@ def unpatch() -> None:
     """Remove the import hook and restore every Unsloth object replaced. Idempotent."""
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
-    while _originals:
-        owner, name, original = _originals.pop()
-        if original is _MISSING:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, original)
+    _patches.restore()

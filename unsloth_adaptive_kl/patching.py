@@ -1,0 +1,33 @@
+"""The record of what a patch replaced, so that it can be restored exactly (attributes that were inherited or absent
+are deleted again rather than copied in)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_MISSING = object()
+
+
+class PatchSet:
+    """Replacements made on objects (modules, classes), undone in reverse order by `restore`."""
+
+    def __init__(self) -> None:
+        self._originals: list[tuple[Any, str, Any]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._originals)
+
+    def replaced(self, owner: Any, name: str) -> bool:
+        return any(o is owner and n == name for o, n, _ in self._originals)
+
+    def replace(self, owner: Any, name: str, replacement: Any) -> None:
+        self._originals.append((owner, name, vars(owner).get(name, _MISSING)))
+        setattr(owner, name, replacement)
+
+    def restore(self) -> None:
+        while self._originals:
+            owner, name, original = self._originals.pop()
+            if original is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
