@@ -132,3 +132,18 @@ def test_diagnostics_against_numpy() -> None:
     corr = pearson_correlation(diagnostics.lengths.double(), diagnostics.sequence_kl.double()).item()
     assert corr == pytest.approx(np.corrcoef(lengths, sequence)[0, 1], rel=1e-6)  # float32 sums
     assert math.isnan(pearson_correlation(torch.ones(4), torch.rand(4)).item())
+
+
+@pytest.mark.parametrize("name", list(estimator_names()))
+def test_every_builtin_estimator_and_adaptation_traces_with_fullgraph(name: str) -> None:
+    """No graph breaks (no .item(), no data-dependent Python branching): what Unsloth's compiled loss requires."""
+    torch._dynamo.reset()
+    config = AdaptiveKLConfig(kl_estimator=name, kl_adaptation_method="sigmoid+length_normalized")
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    ctx = ReductionContext(max_completion_length=3, token_normalizer=torch.tensor(3.0))
+
+    def adapted(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        return adapted_kl_term(estimate_kl(logp, ref, mask, config), mask, config, "dapo", ctx).adapted
+
+    compiled = torch.compile(adapted, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(LOGP, REF), adapted(LOGP, REF))

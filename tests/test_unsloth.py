@@ -22,7 +22,8 @@ HAS_UNSLOTH = importlib.util.find_spec("unsloth") is not None
 if os.environ.get("ADAPTIVE_KL_REQUIRE_UNSLOTH") == "1" and not HAS_UNSLOTH:
     raise RuntimeError("ADAPTIVE_KL_REQUIRE_UNSLOTH=1 but unsloth is not installed")
 needs_unsloth = pytest.mark.skipif(not HAS_UNSLOTH, reason="unsloth not installed (CI installs it)")
-METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic"]
+METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic",
+           "k2/sequence_sum"]  # the last: clip with kl_estimator k2 and kl_reduction sequence_sum
 
 
 def run_scenario(scenario: str, tmp_path: Path, extra_path: str = "") -> dict:

@@ -157,11 +157,15 @@ def independent_kl_part(trainer: Any, inputs: dict) -> float:
         logp = policy_logps(trainer.model, inputs)
     r = torch.clamp(inputs["ref_per_token_logps"] - logp, -20, 20)
     k = torch.clamp(torch.expm1(r) - r, -10, 10)
+    if args.kl_estimator == "k2":
+        k = 0.5 * (logp - inputs["ref_per_token_logps"]) ** 2
     methods = args.kl_adaptation_method.split("+")
     k = shaped_by_hand(k, args)
     m = inputs["completion_mask"].float()
     sums, lengths = (k * m).sum(-1), m.sum(-1)
-    if "length_normalized" in methods or args.loss_type == "grpo":
+    if args.kl_reduction == "sequence_sum":
+        term = sums.mean()
+    elif "length_normalized" in methods or args.loss_type == "grpo":
         term = (sums / lengths.clamp(min=1)).mean()
     elif args.loss_type == "dr_grpo":
         term = sums.sum() / (k.size(0) * args.max_completion_length)
@@ -210,12 +214,16 @@ def scenario_losses(out: str) -> dict:
         trainer.beta = 0.0
         policy, _ = loss_and_grads(trainer, inputs)
         trainer.beta = 0.04
-        for method in ("none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic"):
-            trainer.args.kl_adaptation_method = method
+        setups = [(method, method, "k3", "loss_type") for method in
+                  ("none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic")]
+        setups.append(("k2/sequence_sum", "clip", "k2", "sequence_sum"))
+        for label, method, estimator, reduction in setups:
+            trainer.args.kl_adaptation_method, trainer.args.kl_estimator = method, estimator
+            trainer.args.kl_reduction = reduction
             trainer.args.kl_clip_threshold, trainer.args.kl_target = 0.3, 0.2
             unsloth_adaptive_kl.trainer_hooks.attach_runtime(trainer)
             total, _ = loss_and_grads(trainer, inputs)
-            entry[method] = {"kl_part": total - policy, "expected": independent_kl_part(trainer, inputs),
+            entry[label] = {"kl_part": total - policy, "expected": independent_kl_part(trainer, inputs),
                              "metric_product": trainer._metrics["train"]["adaptive_kl/current_beta"][-1]
                              * trainer._metrics["train"]["adaptive_kl/adapted_kl"][-1]}
         results[loss_type] = entry
