@@ -6,10 +6,10 @@ adaptive-KL fields (see `AdaptiveKLConfig`) and the trainer applies the adapted 
 hooks the `UnslothGRPOTrainer` that Unsloth generates. `unpatch()` restores the stock objects.
 """
 
+from . import trl_patch, unsloth_patch
 from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
 from .config import AdaptiveKLConfig, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, make_beta_controller
-from . import trl_patch, unsloth_patch
 from .trl_patch import GRPOConfig, is_patched
 
 __version__ = "0.1.0"

@@ -276,13 +276,13 @@ def print_table(summary: list[dict]) -> None:
     table = Table(title="Adaptive KL: last 10% of steps, mean +/- std over seeds")
     for column in ["method", "reward", "completion length", "raw KL", "adapted KL", "final beta", "s/step"]:
         table.add_column(column, justify="left" if column == "method" else "right")
-    for item in summary:
-        def cell(key: str, digits: int = 3) -> str:
-            mean, std = item[key]
-            return f"{mean:.{digits}f} +/- {std:.{digits}f}"
+    def cell(item: dict, key: str, digits: int) -> str:
+        mean, std = item[key]
+        return f"{mean:.{digits}f} +/- {std:.{digits}f}"
 
-        table.add_row(item["method"], cell("reward", 2), cell("completions/mean_length", 1),
-                      cell("adaptive_kl/raw_kl", 4), cell("adaptive_kl/adapted_kl", 4),
+    for item in summary:
+        table.add_row(item["method"], cell(item, "reward", 2), cell(item, "completions/mean_length", 1),
+                      cell(item, "adaptive_kl/raw_kl", 4), cell(item, "adaptive_kl/adapted_kl", 4),
                       f"{item['adaptive_kl/current_beta'][0]:.3g}", f"{item['step_time'][0]:.3f}")
     Console(width=140).print(table)
 

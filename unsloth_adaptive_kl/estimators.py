@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from .registry import registrar
+
 Estimator = Callable[..., torch.Tensor]
 _ESTIMATORS: dict[str, Estimator] = {}
 

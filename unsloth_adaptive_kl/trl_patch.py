@@ -61,7 +61,7 @@ class _KLTermProbe(float):
 
     captured: list
 
-    def __new__(cls, beta: float, keep_stock_term: bool) -> "_KLTermProbe":
+    def __new__(cls, beta: float, keep_stock_term: bool) -> _KLTermProbe:
         probe = super().__new__(cls, beta)
         probe.keep_stock_term = keep_stock_term
         probe.captured = []
