@@ -46,10 +46,20 @@ class AdaptiveKLRuntime:
         """Metrics of one micro-batch (averaged over processes), and, at the end of an optimizer step in training,
         the controller update from the step's global KL. Returns the metrics with their `adaptive_kl/` names."""
         diagnostics = kl_diagnostics(kl, mask, self.config)
-        scalars = torch.stack([term.raw, term.adapted.detach(), diagnostics.at_threshold, diagnostics.tokens]).float()
-        scalars = gather(scalars).view(-1, 4)
-        lengths, sequence_kl = gather(diagnostics.lengths.float()), gather(diagnostics.sequence_kl.float())
-        raw_kl, adapted_kl = scalars[:, :2].mean(0).tolist()
+        # One gather (a row per process) and one host transfer per micro-batch: this runs on every loss call.
+        size = diagnostics.lengths.numel()
+        row = torch.cat([
+            torch.stack([term.raw, term.adapted.detach(), diagnostics.at_threshold, diagnostics.tokens]),
+            diagnostics.lengths, diagnostics.sequence_kl,
+        ]).float()
+        table = gather(row).view(-1, row.numel())
+        lengths, sequence_kl = table[:, 4 : 4 + size].flatten(), table[:, 4 + size :].flatten()
+        summary = torch.stack([
+            table[:, 0].mean(), table[:, 1].mean(), sequence_kl.mean(),
+            pearson_correlation(lengths.double(), sequence_kl.double()).float(),
+            table[:, 2].sum() / table[:, 3].sum().clamp(min=1), sequence_kl.sum(), lengths.sum(),
+        ]).tolist()
+        raw_kl, adapted_kl, mean_sequence_kl, correlation, clip_fraction, kl_sum, tokens = summary
         if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
             raise FloatingPointError(
                 f"adaptive KL: non-finite KL at step {completed_steps}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
@@ -59,13 +69,13 @@ class AdaptiveKLRuntime:
             "raw_kl": raw_kl,
             "adapted_kl": adapted_kl,
             "current_beta": self.current_beta,
-            "sequence_kl": sequence_kl.mean().item(),
-            "length_kl_corr": pearson_correlation(lengths.double(), sequence_kl.double()).item(),
+            "sequence_kl": mean_sequence_kl,
+            "length_kl_corr": correlation,
         }
         if "clip" in self.config.kl_methods:
-            metrics["clip_fraction"] = (scalars[:, 2].sum() / scalars[:, 3].sum().clamp(min=1)).item()
+            metrics["clip_fraction"] = clip_fraction
         if train:
-            totals = torch.stack([sequence_kl.sum(), lengths.sum(), torch.tensor(float(lengths.numel()))]).cpu()
+            totals = torch.tensor([kl_sum, tokens, float(sequence_kl.numel())], dtype=torch.float64)
             self._window = totals if self._window is None else self._window + totals
             if end_of_step:
                 self._end_step(completed_steps)
