@@ -13,7 +13,9 @@ RANK_REWARD = {0: 1.0, 1: 0.6}
 
 
 def rank_reward(completions: list[str], **kwargs: Any) -> list[float]:
-    return [RANK_REWARD[int(os.environ["RANK"])]] * len(completions)
+    """The rank's mean reward, +/- 0.2 alternately within each group (so advantages, and the KL, are not zero)."""
+    mean = RANK_REWARD[int(os.environ["RANK"])]
+    return [mean + (0.2 if index % 2 else -0.2) for index in range(len(completions))]
 
 
 def main(output_dir: str) -> None:
@@ -34,6 +36,8 @@ def main(output_dir: str) -> None:
         runs[threshold] = {
             "reward": logged(trainer, "reward"),
             "betas": logged(trainer, "adaptive_kl/current_beta"),
+            "raw_kl": logged(trainer, "adaptive_kl/raw_kl"),
+            "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"),
             "final_beta": trainer.current_beta,
         }
     with open(os.path.join(output_dir, f"rank{os.environ['RANK']}.json"), "w") as f:
