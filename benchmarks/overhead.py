@@ -58,7 +58,8 @@ def set_stock(stock: bool) -> None:
     """Stock TRL (keeping the CPU log-prob path stock trl 1.15 lacks) or the patched one."""
     if stock:
         unsloth_adaptive_kl.unpatch()
-        trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
+        if trl_patch.kernel_lacks_cpu_path():
+            trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
     else:
         unsloth_adaptive_kl.patch()
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -17,9 +16,8 @@ import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 import unsloth_adaptive_kl  # noqa: E402
-from unsloth_adaptive_kl import trl_patch  # noqa: E402
 from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
-from unsloth_adaptive_kl.trl_cpu_fallback import ChunkedLogProbWithCPUFallback  # noqa: E402
+from unsloth_adaptive_kl.selfcheck import stock_trl  # noqa: E402,F401  (stock TRL inside the block)
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
 
@@ -85,20 +83,6 @@ def make_trainer(
         args=args,
         train_dataset=dataset,
     )
-
-
-@contextlib.contextmanager
-def stock_trl() -> Iterator[None]:
-    """Stock TRL inside the block (plus the CPU log-prob fallback, without which stock trl 1.15 cannot run a
-    forward on CPU at all); patched again afterwards."""
-    unsloth_adaptive_kl.unpatch()
-    stock_kernel = trl_patch.trl_utils._ChunkedLogProbFunction
-    trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
-    try:
-        yield
-    finally:
-        trl_patch.trl_utils._ChunkedLogProbFunction = stock_kernel
-        unsloth_adaptive_kl.patch()
 
 
 def logged(trainer: Any, key: str) -> list[float]:

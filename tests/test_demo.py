@@ -69,3 +69,71 @@ def test_a_failed_run_is_reported_and_makes_the_exit_code_non_zero(tmp_path, mon
     assert "FAILED sigmoid seed 0: RuntimeError: boom" in capsys.readouterr().err
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert {row["method"] for row in rows} == {"none"} and len(rows) == 4
+
+
+# ----- mixed precision on a GPU: bf16 only where the GPU has it natively (a Colab T4 does not) ------------------
+
+def fake_device(monkeypatch, cuda: bool, bf16: bool) -> list[dict]:
+    """Fakes torch.cuda's answers; returns the keyword arguments each is_bf16_supported call got."""
+    calls: list[dict] = []
+
+    def is_bf16_supported(**kwargs) -> bool:
+        calls.append(kwargs)
+        return bf16
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    monkeypatch.setattr("torch.cuda.is_bf16_supported", is_bf16_supported)
+    return calls
+
+
+def test_mixed_precision_is_bf16_on_a_gpu_with_bf16(monkeypatch) -> None:
+    from unsloth_adaptive_kl import demo
+
+    calls = fake_device(monkeypatch, cuda=True, bf16=True)
+    assert demo.mixed_precision() == {"bf16": True, "fp16": False}
+    assert calls == [{"including_emulation": False}]  # emulated bf16 (torch's default answer on a T4) does not count
+
+
+def test_mixed_precision_is_fp16_on_a_t4_like_gpu(monkeypatch) -> None:
+    from unsloth_adaptive_kl import demo
+
+    fake_device(monkeypatch, cuda=True, bf16=False)
+    assert demo.mixed_precision() == {"bf16": False, "fp16": True}
+
+
+def test_mixed_precision_is_neither_on_cpu(monkeypatch) -> None:
+    from unsloth_adaptive_kl import demo
+
+    fake_device(monkeypatch, cuda=False, bf16=True)  # is_bf16_supported is not even asked without CUDA
+    assert demo.mixed_precision() == {"bf16": False, "fp16": False}
+
+
+def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> None:
+    """model_task (the GPU path) -> task.grpo_settings -> run_one -> trl.GRPOConfig, faking a T4; no download."""
+    import transformers
+    import trl
+
+    from unsloth_adaptive_kl import demo
+
+    fake_device(monkeypatch, cuda=True, bf16=False)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kwargs: f"tokenizer:{name}")
+    args = demo.parse_args(["--model", "org/some-model", "--backend", "trl", "--steps", "1", "--seeds", "1"])
+    task = demo.model_task(args)
+    assert task.tokenizer == "tokenizer:org/some-model"
+    assert (task.grpo_settings["bf16"], task.grpo_settings["fp16"]) == (False, True)
+
+    class Built(Exception):
+        pass
+
+    def grpo_config(**kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(trl, "GRPOConfig", grpo_config)
+    try:
+        demo.run_one(task, "clip", 0, args, on_step=lambda: None)
+    except Built as built:
+        kwargs = built.args[0]
+    else:
+        raise AssertionError("run_one did not build a GRPOConfig")
+    assert (kwargs["bf16"], kwargs["fp16"]) == (False, True)
+    assert kwargs["kl_adaptation_method"] == "clip" and "answers" not in kwargs

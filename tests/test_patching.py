@@ -43,7 +43,11 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
             trl_patch._stock_save_checkpoint, trl_patch._stock_load_optimizer_and_scheduler,
         )
         assert stock["current_beta"] is False
-        assert stock["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback.upstream
+        if trl_patch.kernel_lacks_cpu_path():  # trl 1.15 only: the fallback stands in for the kernel
+            assert stock["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback.upstream
+            assert patched["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback
+        else:
+            assert stock["kernel"] is patched["kernel"]
         assert not hasattr(trl.GRPOConfig(output_dir="x", use_cpu=True), "kl_adaptation_method")
     finally:
         unsloth_adaptive_kl.patch()
@@ -56,27 +60,71 @@ def fake_version(monkeypatch, package: str, version: str) -> None:
     unsloth_adaptive_kl.unpatch()
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda p: Version(version) if p == package else real(p))
+    monkeypatch.setattr(versions, "_warned", set())
 
 
-def test_unsupported_trl_version_is_refused_naming_both_versions(monkeypatch) -> None:
-    fake_version(monkeypatch, "trl", "1.16.0")
+def test_newer_untested_trl_whose_anchors_hold_warns_once_and_is_patched(monkeypatch) -> None:
+    fake_version(monkeypatch, "trl", "1.99.0")
     try:
-        with pytest.raises(ImportError, match=r"supports trl==1.15.0, found trl==1.16.0"):
+        with pytest.warns(versions.UntestedVersionWarning) as caught:
             unsloth_adaptive_kl.patch()
-        assert not unsloth_adaptive_kl.is_patched()
+            unsloth_adaptive_kl.unpatch()
+            unsloth_adaptive_kl.patch()
+        assert len(caught) == 1
+        assert str(caught[0].message).startswith(
+            f"unsloth_adaptive_kl is untested with trl==1.99.0 (tested: trl{versions.tested_range('trl')}); every "
+            "anchor it relies on was found, so it is applied."
+        )
+        assert unsloth_adaptive_kl.is_patched()
     finally:
         monkeypatch.undo()
         unsloth_adaptive_kl.patch()
 
 
-def test_unsupported_transformers_version_warns(monkeypatch) -> None:
-    fake_version(monkeypatch, "transformers", "5.18.0")
+def compute_loss_without_the_kl_line(self, model, inputs):
+    """A changed trl: the KL is added to the loss some other way."""
+    return model(inputs)
+
+
+def test_missing_anchor_is_refused_naming_anchor_version_and_tested_range(monkeypatch) -> None:
+    unsloth_adaptive_kl.unpatch()
+    real = trl_patch._stock_function
+    monkeypatch.setattr(trl_patch, "_stock_function",
+                        lambda name: compute_loss_without_the_kl_line if name == "GRPOTrainer._compute_loss" else real(name))
     try:
-        with pytest.warns(UserWarning, match=r"supports transformers<=5.17.0,>=4.56.2, found transformers==5.18.0"):
+        with pytest.raises(versions.IncompatibleVersionError) as caught:
             unsloth_adaptive_kl.patch()
+        message = str(caught.value)
+        assert "the anchor `per_token_loss = per_token_loss + self.beta * per_token_kl`" in message
+        assert f"trl=={versions.installed_version('trl')} (tested: trl{versions.tested_range('trl')})" in message
+        assert "GRPOTrainer._compute_loss" in message
+        assert not unsloth_adaptive_kl.is_patched()
     finally:
         monkeypatch.undo()
+        unsloth_adaptive_kl.patch()
     assert unsloth_adaptive_kl.is_patched()
+
+
+def test_every_trl_anchor_is_found_in_the_installed_trl() -> None:
+    assert versions.missing_anchors(versions.TRL_ANCHORS, trl_patch._stock_function) == []
+
+
+@pytest.mark.parametrize(("package", "version"), [("torch", "2.15.0"), ("transformers", "5.23.0"), ("trl", "1.16.0"),
+                                                  ("datasets", "5.2.0")])
+def test_base_dependencies_admit_the_newest_releases(package: str, version: str) -> None:
+    """A TRL user on the newest torch / transformers / trl installs this package without a downgrade: Unsloth's
+    caps live in the `unsloth` extra only."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    assert requirements[package].specifier.contains(version)
+    extra = [Requirement(r) for r in project["optional-dependencies"]["unsloth"]]
+    assert {r.name for r in extra} == {"unsloth", "unsloth_zoo"}
+    assert all(r.specifier.contains("2026.10.9") and r.specifier.contains("2026.10.7") for r in extra)
 
 
 def test_missing_kl_anchor_is_an_error_not_a_silent_stock_fallback(tokenizer, tmp_path, monkeypatch) -> None:
@@ -84,5 +132,6 @@ def test_missing_kl_anchor_is_an_error_not_a_silent_stock_fallback(tokenizer, tm
     trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip")
 
     monkeypatch.setattr(trl_patch, "_stock_compute_loss", lambda self, model, inputs: 0.0)
-    with pytest.raises(RuntimeError, match=r"anchor `per_token_loss \+ self.beta \* per_token_kl`.*trl==1.15.0"):
+    with pytest.raises(versions.IncompatibleVersionError,
+                       match=r"cannot patch trl==\d.*the anchor `per_token_loss = per_token_loss \+ self.beta \* per_token_kl`"):
         trainer._compute_loss(trainer.model, {"completion_mask": torch.ones(1, 2)})

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from unsloth_adaptive_kl.tolerance import reordered_sum_tolerance, two_path_logp_tolerance
+
 ROOT = Path(__file__).parents[1]
 HARNESS = ROOT / "tests" / "unsloth_cpu.py"
 HAS_UNSLOTH = importlib.util.find_spec("unsloth") is not None
@@ -57,21 +59,79 @@ def test_import_after_unsloth_raises_import_error(tmp_path) -> None:
     assert "import unsloth_adaptive_kl\n    import unsloth" in error
 
 
+# The harness's micro-batch: 4 completions of at most 8 tokens.
+TOKENS = 4 * 8
+
+
 @needs_unsloth
 def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> None:
     results = run_scenario("losses", tmp_path)
     assert set(results) == {"grpo", "bnpo", "dr_grpo", "dapo"}
     for loss_type, entry in results.items():
-        assert entry["none_loss"] == pytest.approx(entry["stock_loss"], rel=1e-6, abs=1e-7), loss_type
-        assert entry["none_grad_diff"] <= 1e-6, loss_type
+        # `none` runs the stock compiled loss: the same operations, so equal up to summation order.
+        assert abs(entry["none_loss"] - entry["stock_loss"]) <= reordered_sum_tolerance(TOKENS, abs(entry["stock_loss"]))
+        # Gradients: each token's upstream gradient may round differently (2 EPS32 relative), and one parameter's
+        # gradient sums TOKENS of them.
+        assert entry["stock_grad_max"] > 0
+        assert entry["none_grad_diff"] <= 2 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"]), loss_type
         for method in METHODS:
             part = entry[method]
-            assert part["kl_part"] == pytest.approx(part["expected"], rel=1e-4, abs=1e-8), (loss_type, method)
+            # The formula takes log-probs from a plain forward + log_softmax, Unsloth from its fused path: they
+            # differ by <= logp_error per token (max logit < 20 for this tiny model, vocabulary 20). For log ratios
+            # within +/-1.5 the KL's derivative |1 - e^r| and its second derivative e^r are below e^1.5 < 4.5, and
+            # every reduction weights a token by at most beta (beta * max_completion_length for sequence_sum).
+            logp_error = two_path_logp_tolerance(20.0, 20)
+            weight = 0.04 * (8 if method == "k2/sequence_sum" else 1)
+            assert abs(part["kl_part"] - part["expected"]) <= weight * 4.5 * logp_error, (loss_type, method)
+            assert part["grad_max"] > 0
+            # Its gradient: each of the TOKENS per-token terms moves by <= 4.5 * logp_error relative to the largest,
+            # plus the reordering error of the two backward passes whose difference it is (total - policy).
+            grad_tolerance = (TOKENS * 4.5 * logp_error * part["grad_max"]
+                              + 4 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"]))
+            assert part["grad_diff"] <= grad_tolerance, (loss_type, method, part["grad_diff"], grad_tolerance)
             # SPEC 4: current_beta * adapted_kl is the KL part of the loss, without the GA factor (2 here)
             assert part["metric_product"] == pytest.approx(2 * part["kl_part"], rel=1e-4), (loss_type, method)
         assert entry["clip"]["kl_part"] < entry["none"]["kl_part"]
-    assert results["grpo"]["length_normalized"]["kl_part"] == pytest.approx(results["grpo"]["none"]["kl_part"], rel=1e-6)
+    grpo = results["grpo"]
+    # grpo already averages per completion: length normalisation sums the same terms in another order.
+    assert abs(grpo["length_normalized"]["kl_part"] - grpo["none"]["kl_part"]) <= reordered_sum_tolerance(
+        TOKENS, grpo["none"]["kl_part"])
     assert results["dapo"]["length_normalized"]["kl_part"] != pytest.approx(results["dapo"]["none"]["kl_part"], rel=1e-3)
+
+
+@needs_unsloth
+def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(tmp_path) -> None:
+    """SPEC 3.8: the KL the adapted path shapes is the installed grpo_compute_loss's own (its clamps in its order,
+    its masking, its rejected tokens), so adaptations that change nothing give stock Unsloth's loss and gradients,
+    on-policy and off-policy, with per-token KL past the [-10, 10] clamp."""
+    results = run_scenario("drift", tmp_path)
+    rejected = results.pop("rejected_tokens")
+    bnpo_rule = results.pop("bnpo_rule")
+    assert set(results) == {f"{lt}/{policy}" for lt in ("grpo", "bnpo", "dr_grpo", "dapo") for policy in ("on_policy", "off_policy")}
+    for case, entry in results.items():
+        expected = {"clip_above_every_kl", "dynamic_before_decay"}
+        if case.startswith("grpo") or (case.startswith("bnpo") and bnpo_rule == "micro_batch"):
+            expected.add("same_reduction")
+        assert set(entry) - {"stock_loss", "stock_grad_max"} == expected, case
+        assert entry["stock_grad_max"] > 0
+        for label in expected:
+            variant = entry[label]
+            # Both bounds are below the issue's 1e-6 here (loss < 0.5, gradients < 0.05).
+            loss_tolerance = reordered_sum_tolerance(TOKENS, abs(entry["stock_loss"]))
+            assert abs(variant["loss"] - entry["stock_loss"]) <= min(loss_tolerance, 1e-6), (case, label)
+            grad_tolerance = 2 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"])
+            assert variant["grad_diff"] <= min(grad_tolerance, 1e-6), (case, label)
+            assert variant["max_kl"] > 5  # the reduced KL: most tokens sit at the clamp of 10
+    # Rejected tokens: about half rejected; where the installed version drops them from the KL (2026.10.9) the
+    # stock loss changes with them, and the hooked loss follows it either way.
+    assert 0.3 < rejected["rejected_fraction"] < 0.7
+    stock, hooked = rejected["stock"], rejected["hooked"]
+    assert abs(hooked["loss"] - stock["loss"]) <= reordered_sum_tolerance(TOKENS, abs(stock["loss"]))
+    grad_scale = max(abs(g) for g in stock["grad"])
+    assert grad_scale > 0
+    assert max(abs(a - b) for a, b in zip(hooked["grad"], stock["grad"])) <= 2 * reordered_sum_tolerance(TOKENS, grad_scale)
+    if rejected["rejected_tokens_leave_kl"]:
+        assert stock["loss"] != pytest.approx(rejected["stock_without_rejection"]["loss"], rel=1e-3)
 
 
 @needs_unsloth
@@ -131,9 +191,10 @@ def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> No
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     if mode == "changed":
-        assert "ERROR unsloth_adaptive_kl: the anchor `UnslothEfficientGRPO` was not found" in result.stdout
-        assert re.search(r"\(found unsloth(==[\w.]+| \(not installed\)), unsloth_zoo(==[\w.]+| \(not installed\)); "
-                         r"supported unsloth<2026.11,>=2026.10.7\)", result.stdout)
+        assert "ERROR unsloth_adaptive_kl cannot patch unsloth" in result.stdout
+        assert "the anchor `UnslothEfficientGRPO` (a name the integration hooks) was not found" in result.stdout
+        assert re.search(r"unsloth(==[\w.]+| \(not installed\)) \(tested: unsloth>=2026\.10\.7,<=2026\.10\.9\)",
+                         result.stdout)
     else:
         assert "IMPORTED" in result.stdout
         assert "WARNING Unsloth did not generate UnslothGRPOTrainer" in result.stdout

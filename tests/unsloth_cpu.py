@@ -11,13 +11,14 @@ shape (10-60 s each on CPU); the GRPO loss itself stays compiled (torch_compile_
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import math
 import os
 import pickle
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
 os.environ.setdefault("UNSLOTH_COMPILE_DISABLE", "1")
@@ -49,6 +50,15 @@ import unsloth_adaptive_kl  # noqa: E402  (first)
 assert "unsloth" not in sys.modules and "unsloth_zoo" not in sys.modules
 import unsloth  # noqa: E402,F401
 import unsloth.models.rl as rl  # noqa: E402
+import unsloth_zoo.rl_replacements as zoo_rl  # noqa: E402
+import unsloth_zoo.temporary_patches.utils as zoo_utils  # noqa: E402
+
+if "if UNSLOTH_COMPILE_DISABLE:" in inspect.getsource(zoo_utils.torch_compile_with_fallback):
+    # unsloth_zoo 2026.10.9's torch_compile_with_fallback honours the flag too (2026.10.7's does not): keep the
+    # GRPO loss compiled, as on a GPU, while the `_maybe_compile` helpers stay off.
+    zoo_utils.UNSLOTH_COMPILE_DISABLE = False
+# How the installed grpo_compute_loss reduces bnpo given num_items_in_batch, read here independently of the package.
+BNPO_MICRO_BATCH = 'elif loss_type == "bnpo":\n' in inspect.getsource(zoo_rl.grpo_compute_loss)
 
 rl._patch_trl_rl_trainers("grpo_trainer")
 
@@ -56,6 +66,7 @@ import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E402
 
+from unsloth_adaptive_kl.selfcheck import stock_unsloth  # noqa: E402
 from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
 from tests.test_trl_loss import policy_logps, shaped_by_hand  # noqa: E402  (the same plain forward pass as the TRL tests)
@@ -125,24 +136,31 @@ def capture_inputs(trainer: Any) -> dict:
     return captured[0]
 
 
+def trained_params(trainer: Any) -> list[torch.Tensor]:
+    return [p for p in trainer.model.parameters() if p.requires_grad]
+
+
+def backward_grads(trainer: Any, loss: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients the way training takes them: `backward()` into `.grad` (under Unsloth's reentrant gradient
+    checkpointing `torch.autograd.grad` returns None for every LoRA parameter). Every trained parameter must get
+    one, and not all of them may be zero, so a comparison of gradients cannot pass by comparing zeros."""
+    params = trained_params(trainer)
+    for p in params:
+        p.grad = None
+    loss.backward()
+    missing = sum(p.grad is None for p in params)
+    assert missing == 0, f"{missing} of {len(params)} trained parameters got no gradient"
+    grads = [p.grad.detach().clone() for p in params]
+    assert any(torch.count_nonzero(g) > 0 for g in grads), "every gradient is zero"
+    for p in params:
+        p.grad = None
+    return grads
+
+
 def loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor]]:
     trainer.model.train()
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
     loss = trainer.compute_loss(trainer.model, dict(inputs))
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
-    return loss.item(), [torch.zeros_like(p) if g is None else g.detach().clone() for p, g in zip(params, grads)]
-
-
-@contextlib.contextmanager
-def stock_unsloth(trainer: Any) -> Iterator[None]:
-    """Unsloth's own loss path inside the block: the shim and the compute_loss wrapper bypassed."""
-    module, cls = sys.modules[type(trainer).__module__], type(trainer)
-    shim, hooked = module.UnslothEfficientGRPO, cls.compute_loss
-    module.UnslothEfficientGRPO, cls.compute_loss = shim.upstream, hooked.__wrapped__
-    try:
-        yield
-    finally:
-        module.UnslothEfficientGRPO, cls.compute_loss = shim, hooked
+    return loss.item(), backward_grads(trainer, loss)
 
 
 def stock_loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor]]:
@@ -150,13 +168,16 @@ def stock_loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.
         return loss_and_grads(trainer, inputs)
 
 
-def independent_kl_part(trainer: Any, inputs: dict) -> float:
-    """beta * KL term / GA from the SPEC formulas and Unsloth's clamped k3 on a plain forward pass."""
+def independent_kl_part(trainer: Any, inputs: dict) -> torch.Tensor:
+    """beta * KL term / GA from the SPEC formulas and Unsloth's clamped k3 on a plain forward pass (on-policy, log
+    ratios within +/-1.5: no clamp acts, so the clamp order of the installed version does not matter here)."""
     args = trainer.args
-    with torch.no_grad():
-        logp = policy_logps(trainer.model, inputs)
+    trainer.model.train()
+    logp = policy_logps(trainer.model, inputs)
     r = torch.clamp(inputs["ref_per_token_logps"] - logp, -20, 20)
     k = torch.clamp(torch.expm1(r) - r, -10, 10)
+    if args.use_bias_correction_kl:  # times the importance ratio: 1 on-policy, but it carries k's own gradient
+        k = k * torch.exp(logp - logp.detach())
     if args.kl_estimator == "k2":
         k = 0.5 * (logp - inputs["ref_per_token_logps"]) ** 2
     methods = args.kl_adaptation_method.split("+")
@@ -169,14 +190,20 @@ def independent_kl_part(trainer: Any, inputs: dict) -> float:
         term = (sums / lengths.clamp(min=1)).mean()
     elif args.loss_type == "dr_grpo":
         term = sums.sum() / (k.size(0) * args.max_completion_length)
-    else:  # dapo and, in unsloth_zoo, bnpo: num_items_in_batch / processes * GA / steps_per_generation
+    elif args.loss_type == "bnpo" and BNPO_MICRO_BATCH:  # unsloth_zoo 2026.10.9: the micro-batch's token mean
+        term = sums.sum() / lengths.sum()
+    else:  # dapo and, in unsloth_zoo 2026.10.7, bnpo: num_items_in_batch / processes * GA / steps_per_generation
         term = sums.sum() / (inputs["num_items_in_batch"] * args.gradient_accumulation_steps / args.steps_per_generation)
-        return float(args.beta * term)
-    return float(args.beta * term / args.gradient_accumulation_steps)
+        return args.beta * term
+    return args.beta * term / args.gradient_accumulation_steps
 
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def max_abs(grads: list[torch.Tensor]) -> float:
+    return max(g.abs().max().item() for g in grads)
 
 
 def scenario_config(out: str) -> dict:
@@ -210,9 +237,10 @@ def scenario_losses(out: str) -> dict:
                 -1.5, 1.5, inputs["completion_ids"].numel()).view_as(inputs["completion_ids"])
         loss, grads = loss_and_grads(trainer, inputs)
         stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
-        entry: dict[str, Any] = {"none_loss": loss, "stock_loss": stock_loss, "none_grad_diff": max_abs_diff(grads, stock_grads)}
+        entry: dict[str, Any] = {"none_loss": loss, "stock_loss": stock_loss, "none_grad_diff": max_abs_diff(grads, stock_grads),
+                                 "stock_grad_max": max_abs(stock_grads)}
         trainer.beta = 0.0
-        policy, _ = loss_and_grads(trainer, inputs)
+        policy, policy_grads = loss_and_grads(trainer, inputs)
         trainer.beta = 0.04
         setups = [(method, method, "k3", "loss_type") for method in
                   ("none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic")]
@@ -222,8 +250,12 @@ def scenario_losses(out: str) -> dict:
             trainer.args.kl_reduction = reduction
             trainer.args.kl_clip_threshold, trainer.args.kl_target = 0.3, 0.2
             unsloth_adaptive_kl.trainer_hooks.attach_runtime(trainer)
-            total, _ = loss_and_grads(trainer, inputs)
-            entry[label] = {"kl_part": total - policy, "expected": independent_kl_part(trainer, inputs),
+            total, total_grads = loss_and_grads(trainer, inputs)
+            kl_grads = [t - p for t, p in zip(total_grads, policy_grads)]
+            expected = independent_kl_part(trainer, inputs)
+            expected_grads = backward_grads(trainer, expected)
+            entry[label] = {"kl_part": total - policy, "expected": expected.item(),
+                             "grad_diff": max_abs_diff(kl_grads, expected_grads), "grad_max": max_abs(expected_grads),
                              "metric_product": trainer._metrics["train"]["adaptive_kl/current_beta"][-1]
                              * trainer._metrics["train"]["adaptive_kl/adapted_kl"][-1]}
         results[loss_type] = entry
@@ -314,7 +346,103 @@ def scenario_timing(out: str) -> dict:
                       "graphs_added_per_run": max(r["graphs_added"])} for variant, r in results.items()}
 
 
-SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing}
+NO_OP_ADAPTATIONS = {
+    # kl_clip_threshold above every per-token KL (unsloth_zoo caps it at 10, times an importance ratio <= e^0.3)
+    "clip_above_every_kl": dict(kl_adaptation_method="clip", kl_clip_threshold=1e3),
+    "dynamic_before_decay": dict(kl_adaptation_method="dynamic"),
+}
+# The kl_reduction that equals each loss_type's own reduction, where one exists for the installed version.
+SAME_REDUCTION = {"grpo": "sequence_mean", "bnpo": "token_mean"}
+
+
+def drift_inputs(trainer: Any, inputs: dict, off_policy: bool) -> dict:
+    """Per-token log ratios ref - logp from -25 to 25 (so the [-20, 20] log-ratio clamp and the [-10, 10] KL clamp
+    both act), and off-policy old log-probs 0.3 away from the policy's (importance ratios e^-0.3 to e^0.3)."""
+    inputs = dict(inputs)
+    with torch.no_grad():
+        logp = policy_logps(trainer.model, inputs)
+    ids = inputs["completion_ids"]
+    inputs["ref_per_token_logps"] = logp + torch.linspace(-25.0, 25.0, ids.numel()).view_as(ids)
+    if off_policy:
+        inputs["old_per_token_logps"] = logp + torch.linspace(0.3, -0.3, ids.numel()).view_as(ids)
+    return inputs
+
+
+def scenario_drift(out: str) -> dict:
+    """Adaptations that change nothing, through the hooked loss (the compiled loss with beta=0.0 plus the adapted
+    term), against stock Unsloth's loss and gradients (the compiled loss with beta): every loss_type, on-policy and
+    off-policy (num_iterations=2, so the importance ratio is not 1)."""
+    results: dict[str, Any] = {"bnpo_rule": unsloth_adaptive_kl.unsloth_patch._AdaptiveEfficientGRPO.bnpo_rule}
+    for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        for off_policy in (False, True):
+            trainer = make_trainer(f"{out}/{loss_type}{off_policy}", loss_type=loss_type, max_steps=1,
+                                   num_iterations=2 if off_policy else 1)
+            inputs = drift_inputs(trainer, capture_inputs(trainer), off_policy)
+            assert ("old_per_token_logps" in inputs) == off_policy
+            stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
+            adaptations = dict(NO_OP_ADAPTATIONS)
+            if loss_type in SAME_REDUCTION and not (loss_type == "bnpo" and results["bnpo_rule"] == "global"):
+                adaptations["same_reduction"] = dict(kl_reduction=SAME_REDUCTION[loss_type])
+            entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_grad_max": max_abs(stock_grads)}
+            for label, settings in adaptations.items():
+                for name, value in {"kl_adaptation_method": "none", "kl_reduction": "loss_type", **settings}.items():
+                    setattr(trainer.args, name, value)
+                unsloth_adaptive_kl.trainer_hooks.attach_runtime(trainer)
+                loss, grads = loss_and_grads(trainer, inputs)
+                entry[label] = {"loss": loss, "grad_diff": max_abs_diff(grads, stock_grads),
+                                "max_kl": float(trainer._metrics["train"]["adaptive_kl/raw_kl"][-1])}
+            results[f"{loss_type}/{'off' if off_policy else 'on'}_policy"] = entry
+    results["rejected_tokens"] = rejected_tokens_drift(out)
+    return results
+
+
+def rejected_tokens_drift(out: str) -> dict:
+    """unsloth_zoo's rollout rejection (UNSLOTH_GRPO_ROLLOUT_RS, reached with vLLM or rollout log-probs as old):
+    the hooked loss against the stock compiled loss, called directly with one real micro-batch's arguments plus
+    `rollout_rs` and `rollout_logps_as_old`, which reject about half of the tokens."""
+    shim = unsloth_adaptive_kl.unsloth_patch._AdaptiveEfficientGRPO
+    trainer = make_trainer(f"{out}/rs", loss_type="grpo", max_steps=1, num_iterations=2,
+                           kl_adaptation_method="clip", kl_clip_threshold=1e3)
+    recorded: list = []
+    apply = shim.apply
+
+    def record(*args):
+        recorded.append(args)
+        return apply(*args)
+
+    shim.apply = record
+    try:
+        capture_inputs(trainer)  # one training step, through the shim
+    finally:
+        shim.apply = apply
+    new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler, n_chunks, kwargs, scale = recorded[0]
+    rejecting = {**kwargs, "rollout_rs": [("token_k3", None, 0.01)], "rollout_logps_as_old": True}
+    new = new.detach()
+    old = new + torch.linspace(0.3, -0.3, new.numel()).view_as(new)
+    ref = new + torch.linspace(-25.0, 25.0, new.numel()).view_as(new)
+    results = {}
+    for label in ("stock", "hooked", "stock_without_rejection"):
+        leaf = new.clone().requires_grad_(True)
+        options = kwargs if label == "stock_without_rejection" else rejecting
+        args = (leaf, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler, n_chunks, options, scale)
+        if label != "hooked":
+            loss = shim.upstream.apply(*args)[0]
+        else:
+            token = unsloth_adaptive_kl.unsloth_patch._ACTIVE.set((trainer, []))
+            try:
+                loss = shim.apply(*args)[0]
+            finally:
+                unsloth_adaptive_kl.unsloth_patch._ACTIVE.reset(token)
+        loss.backward()
+        results[label] = {"loss": loss.item(), "grad": leaf.grad.flatten().tolist()}
+    log_ratio = torch.clamp(new - old, -20, 20)
+    results["rejected_tokens_leave_kl"] = shim.rejected_tokens_leave_kl
+    results["rejected_fraction"] = float(((torch.expm1(log_ratio) - log_ratio) > 0.01)[mask.bool()].float().mean())
+    return results
+
+
+SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
+             "drift": scenario_drift}
 
 if __name__ == "__main__":
     output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")

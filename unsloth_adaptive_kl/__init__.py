@@ -4,6 +4,7 @@
 adaptive-KL fields (see `AdaptiveKLConfig`) and the trainer applies the adapted KL term and logs
 `adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl` and `adaptive_kl/current_beta`. Imported before `unsloth`, it also
 hooks the `UnslothGRPOTrainer` that Unsloth generates. `unpatch()` restores the stock objects.
+`python -m unsloth_adaptive_kl` checks the installed versions and anchors on this machine.
 """
 
 from . import trl_patch, unsloth_patch
@@ -11,13 +12,15 @@ from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, sh
 from .config import AdaptiveKLConfig, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, make_beta_controller
 from .trl_patch import GRPOConfig, is_patched
+from .versions import IncompatibleVersionError, UntestedVersionWarning
 
 __version__ = "0.1.0"
 
 
 def patch() -> None:
     """Patch TRL and hook Unsloth's trainer generation. Idempotent. Raises ImportError when Unsloth already
-    generated its GRPO trainer (import this package before unsloth)."""
+    generated its GRPO trainer (import this package before unsloth), and IncompatibleVersionError when an anchor
+    the integration relies on is missing from the installed trl."""
     unsloth_patch.check_import_order()
     trl_patch.patch()
     unsloth_patch.patch()
@@ -36,6 +39,7 @@ __all__ = [
     "ConstantBeta",
     "DynamicBeta",
     "GRPOConfig",
+    "IncompatibleVersionError",
     "KLTerm",
     "ReductionContext",
     "adapted_kl_term",
@@ -46,4 +50,5 @@ __all__ = [
     "reduce_kl",
     "shape_kl",
     "unpatch",
+    "UntestedVersionWarning",
 ]

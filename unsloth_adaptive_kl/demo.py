@@ -23,6 +23,7 @@ import random
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -170,6 +171,18 @@ def arithmetic_reward(completions: list[str], answer: list[str], **kwargs: Any) 
     return rewards
 
 
+def mixed_precision() -> dict[str, bool]:
+    """The GRPOConfig precision flags for this machine: ``{"bf16": ..., "fp16": ...}``.
+
+    Rule: bf16 where CUDA is available and the GPU has native bf16 (Ampere or newer, e.g. A100, L4, H100); fp16
+    where CUDA is available without it (e.g. a Colab T4, where bf16=True fails); neither on a CPU. The check passes
+    ``including_emulation=False``: torch's default also counts bf16 that a T4 only emulates.
+    """
+    cuda = torch.cuda.is_available()
+    bf16 = cuda and torch.cuda.is_bf16_supported(including_emulation=False)
+    return {"bf16": bf16, "fp16": cuda and not bf16}
+
+
 def model_task(args: argparse.Namespace) -> Task:
     backend = args.backend
     if backend == "auto":
@@ -198,7 +211,7 @@ def model_task(args: argparse.Namespace) -> Task:
     prompts = [[{"role": "user", "content": f"What is {a} + {b}? Reply with the number."}] for a, b in pairs]
     task = Task(make_policy, tokenizer, prompts, arithmetic_reward,
                 dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=128,
-                     learning_rate=args.learning_rate or 5e-6, bf16=torch.cuda.is_available()))
+                     learning_rate=args.learning_rate or 5e-6, **mixed_precision()))
     task.grpo_settings["answers"] = [str(a + b) for a, b in pairs]
     return task
 
@@ -318,6 +331,8 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    # transformers >= 5.2x warns at every trainer that TRL's gradient_checkpointing names will go in v6: upstream's.
+    warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6", category=FutureWarning)
     torch.set_num_threads(min(torch.get_num_threads(), 2))
     os.makedirs(args.output_dir, exist_ok=True)
     from rich.progress import Progress

@@ -49,14 +49,6 @@ def low_var_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config
     return torch.clamp(torch.exp(r) - r - 1, min=-10.0, max=10.0)
 
 
-def unsloth_k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """What unsloth_zoo's grpo_compute_loss computes as k3: with padded positions zeroed, r clamped to [-20, 20],
-    expm1(r) - r clamped to [-10, 10] (before its optional importance-ratio correction)."""
-    keep = mask.bool()
-    r = torch.clamp(torch.where(keep, ref, 0.0) - torch.where(keep, logp, 0.0), min=-20.0, max=20.0)
-    return torch.clamp(torch.expm1(r) - r, min=-10.0, max=10.0)
-
-
 def straight_through(value: torch.Tensor, gradient_of: torch.Tensor) -> torch.Tensor:
     """The value of `value` with the gradient of `gradient_of`."""
     return gradient_of + (value - gradient_of).detach()

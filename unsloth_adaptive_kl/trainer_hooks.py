@@ -9,8 +9,11 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import warnings
 from typing import Any, Callable
+
+import torch
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -19,7 +22,44 @@ from .config import adaptive_kl_config_from
 from .runtime import AdaptiveKLRuntime
 
 STATE_FILE = "adaptive_kl_state.json"
-AnchorError = Callable[[str], Exception]
+AnchorError = Callable[[], Exception]
+
+
+class KLTermProbe(float):
+    """Stands in for beta during one call of the trainer's own loss function.
+
+    It equals beta, so the stock `if beta != 0.0` branches behave as before. At the stock KL line (`... + beta *
+    per_token_kl`) it records the per-token KL exactly as the trainer computed it, and the named locals of that
+    function at that line (`read_locals`, e.g. Unsloth's rejected-token mask), and returns the stock product
+    (`keep_stock_term`) or zeros (the adapted term is then added after the stock reduction instead)."""
+
+    captured: list
+    locals_at_kl_line: dict
+
+    def __new__(cls, beta: float, keep_stock_term: bool, read_locals: tuple[str, ...] = ()) -> "KLTermProbe":
+        probe = super().__new__(cls, beta)
+        probe.keep_stock_term = keep_stock_term
+        probe.read_locals = read_locals
+        probe.captured = []
+        probe.locals_at_kl_line = {}
+        return probe
+
+    def __mul__(self, other: Any) -> Any:
+        if not isinstance(other, torch.Tensor):
+            return float(self) * other
+        self.captured.append(other)
+        if self.read_locals:
+            caller = sys._getframe(1).f_locals
+            self.locals_at_kl_line = {name: caller.get(name) for name in self.read_locals}
+        return float(self) * other if self.keep_stock_term else torch.zeros_like(other)
+
+    __rmul__ = __mul__
+
+    def single_capture(self, missing: AnchorError) -> torch.Tensor:
+        """The one per-token KL recorded; `missing()` is raised when the KL line was not reached exactly once."""
+        if len(self.captured) != 1:
+            raise missing()
+        return self.captured[0]
 
 
 def attach_runtime(trainer: Any) -> AdaptiveKLRuntime:
@@ -50,8 +90,9 @@ def wrap_init(upstream: Callable) -> Callable:
     return __init__
 
 
-def wrap_generate_and_score(upstream: Callable, anchor_error: AnchorError) -> Callable:
-    """_generate_and_score_completions: read the global mean reward it appends to `_metrics["train"]["reward"]`."""
+def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorError) -> Callable:
+    """_generate_and_score_completions: read the global mean reward it appends to `_metrics["train"]["reward"]`
+    (`missing_reward_metric()` is raised when it appended none)."""
 
     @functools.wraps(upstream)
     def _generate_and_score_completions(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -60,7 +101,7 @@ def wrap_generate_and_score(upstream: Callable, anchor_error: AnchorError) -> Ca
         output = upstream(self, *args, **kwargs)
         if self.model.training:
             if len(rewards) != logged + 1:
-                raise anchor_error('`self._metrics[mode]["reward"].append(...)` in _generate_and_score_completions')
+                raise missing_reward_metric()
             self.adaptive_kl.observe_rewards(rewards[-1])
         return output
 

@@ -1,7 +1,7 @@
-"""Integration with trl 1.15's `GRPOConfig` / `GRPOTrainer`: translate trainer tensors to the core and back.
+"""Integration with trl's `GRPOConfig` / `GRPOTrainer`: translate trainer tensors to the core and back.
 
 `patch()` is the one place that changes TRL and `unpatch()` restores every stock object; both are idempotent.
-Data flows one way: `_compute_loss` hands the per-token KL it computed (caught by `_KLTermProbe`), the mask and
+Data flows one way: `_compute_loss` hands the per-token KL it computed (caught by `KLTermProbe`), the mask and
 the loss-type normalisers to `adaptation.adapted_kl_term`; the adapted term goes back into the loss and the
 metrics into `trainer._metrics`. No extra forward pass is made.
 """
@@ -9,8 +9,9 @@ metrics into `trainer._metrics`. No extra forward pass is made.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import trl
@@ -18,13 +19,13 @@ import trl.trainer
 import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
-from packaging.version import Version
 
 from .adaptation import ReductionContext, adapted_kl_term
 from .config import AdaptiveKLConfig
 from .estimators import estimate_kl
 from .patching import PatchSet
 from .trainer_hooks import (
+    KLTermProbe,
     current_beta,
     record_metrics,
     wrap_generate_and_score,
@@ -33,7 +34,16 @@ from .trainer_hooks import (
     wrap_save_checkpoint,
 )
 from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
-from .versions import SUPPORTED, check_versions, installed_version
+from .versions import (
+    TRL_ANCHORS,
+    TRL_KERNEL_WITHOUT_CPU_PATH,
+    TRL_KL_LINE,
+    TRL_LOGPS_CALL,
+    TRL_REWARD_METRIC,
+    Anchor,
+    anchor_error,
+    check_anchors,
+)
 
 StockGRPOConfig = trl_grpo_config.GRPOConfig
 StockGRPOTrainer = trl_grpo_trainer.GRPOTrainer
@@ -51,36 +61,14 @@ class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
     __doc__ = (StockGRPOConfig.__doc__ or "") + "\n" + (AdaptiveKLConfig.__doc__ or "")
 
 
-class _KLTermProbe(float):
-    """Stands in for `trainer.beta` during one stock `_compute_loss` call.
-
-    It equals beta, so the stock `if self.beta != 0.0` branches behave as before. At the stock line
-    `per_token_loss = per_token_loss + self.beta * per_token_kl` it records `per_token_kl` exactly as the trainer
-    computed it and returns the stock product (method 'none') or zeros (the adapted term is added after the stock
-    reduction instead)."""
-
-    captured: list
-
-    def __new__(cls, beta: float, keep_stock_term: bool) -> _KLTermProbe:
-        probe = super().__new__(cls, beta)
-        probe.keep_stock_term = keep_stock_term
-        probe.captured = []
-        return probe
-
-    def __mul__(self, other: Any) -> Any:
-        if not isinstance(other, torch.Tensor):
-            return float(self) * other
-        self.captured.append(other)
-        return float(self) * other if self.keep_stock_term else torch.zeros_like(other)
-
-    __rmul__ = __mul__
+def _missing(anchor: Anchor) -> Callable[[], Exception]:
+    """For an anchor found in the source at patch time but not reached while training."""
+    return lambda: anchor_error("trl", anchor)
 
 
-def _anchor_error(anchor: str) -> RuntimeError:
-    return RuntimeError(
-        f"unsloth_adaptive_kl: the anchor {anchor} was not found in trl=={installed_version('trl')}'s GRPOTrainer; "
-        f"supported is trl{SUPPORTED['trl']}. Adaptive KL cannot be applied."
-    )
+def _stock_function(name: str) -> Any:
+    """The stock GRPOTrainer function an anchor names ('GRPOTrainer._compute_loss'), None if trl has no such one."""
+    return getattr(StockGRPOTrainer, name.split(".", 1)[1], None)
 
 
 def _reduction_context(trainer: Any, inputs: dict, mode: str) -> ReductionContext:
@@ -110,7 +98,7 @@ class _PolicyLogpsProbe:
 
 def _stock_loss_and_kl(trainer: Any, model: Any, inputs: dict, config: AdaptiveKLConfig, mask: torch.Tensor):
     """Run the stock `_compute_loss` with the probes in place; return its loss and the per-token KL to adapt."""
-    probe = _KLTermProbe(trainer.beta, keep_stock_term=config.is_stock_kl)
+    probe = KLTermProbe(trainer.beta, keep_stock_term=config.is_stock_kl)
     logps_probe = None if config.kl_estimator == "k3" else _PolicyLogpsProbe(trainer._get_per_token_logps_and_entropies)
     trainer.beta = probe
     if logps_probe is not None:
@@ -121,12 +109,11 @@ def _stock_loss_and_kl(trainer: Any, model: Any, inputs: dict, config: AdaptiveK
         trainer.beta = float(probe)
         if logps_probe is not None:
             del trainer._get_per_token_logps_and_entropies
-    if len(probe.captured) != 1:
-        raise _anchor_error("`per_token_loss + self.beta * per_token_kl` in GRPOTrainer._compute_loss")
+    kl = probe.single_capture(_missing(TRL_KL_LINE))
     if logps_probe is None:
-        return loss, probe.captured[0]
+        return loss, kl
     if not logps_probe.logps:
-        raise _anchor_error("`self._get_per_token_logps_and_entropies(...)` in GRPOTrainer._compute_loss")
+        raise _missing(TRL_LOGPS_CALL)()
     return loss, estimate_kl(logps_probe.logps[0], inputs["ref_per_token_logps"], mask, config)
 
 
@@ -152,10 +139,15 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
 
 # Built once, so that patch() after unpatch() installs the very same objects.
 _init = wrap_init(_stock_init)
-_generate_and_score_completions = wrap_generate_and_score(_stock_generate_and_score, _anchor_error)
+_generate_and_score_completions = wrap_generate_and_score(_stock_generate_and_score, _missing(TRL_REWARD_METRIC))
 _save_checkpoint = wrap_save_checkpoint(_stock_save_checkpoint)
 _load_optimizer_and_scheduler = wrap_load_optimizer_and_scheduler(_stock_load_optimizer_and_scheduler)
 _current_beta = property(current_beta)
+
+
+def kernel_lacks_cpu_path() -> bool:
+    """Whether the installed trl's chunked log-prob kernel is Triton-only (trl 1.15), so CPU needs the fallback."""
+    return TRL_KERNEL_WITHOUT_CPU_PATH in inspect.getsource(trl_utils)
 
 
 def _patch_points() -> list[tuple[Any, str, Any]]:
@@ -176,8 +168,8 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         (StockGRPOTrainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
         (StockGRPOTrainer, "current_beta", _current_beta),
     ]
-    if installed_version("trl") < Version("1.16.0"):
-        # trl.trainer.utils._ChunkedLogProbFunction: the Triton kernel has no CPU path before trl 1.16.
+    if kernel_lacks_cpu_path():
+        # trl.trainer.utils._ChunkedLogProbFunction: trl 1.15's Triton kernel has no CPU path.
         ChunkedLogProbWithCPUFallback.upstream = trl_utils._ChunkedLogProbFunction
         points.append((trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbWithCPUFallback))
     return points
@@ -194,7 +186,7 @@ def patch() -> None:
     """Install the adaptive KL into TRL in place. Idempotent."""
     if _patches:
         return
-    check_versions()
+    check_anchors("trl", TRL_ANCHORS, _stock_function)
     for owner, name, replacement in _patch_points():
         _patches.replace(owner, name, replacement)
 

@@ -14,6 +14,7 @@ its `_patch_trl_rl_trainers`; once that has generated the trainer, `_install` ho
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import importlib.abc
@@ -26,9 +27,10 @@ import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 
 from .adaptation import ReductionContext, adapted_kl_term
-from .estimators import estimate_kl, unsloth_k3
+from .estimators import estimate_kl
 from .patching import PatchSet
 from .trainer_hooks import (
+    KLTermProbe,
     current_beta,
     record_metrics,
     wrap_generate_and_score,
@@ -36,7 +38,20 @@ from .trainer_hooks import (
     wrap_load_optimizer_and_scheduler,
     wrap_save_checkpoint,
 )
-from .versions import SUPPORTED, installed_version
+from .versions import (
+    UNSLOTH_ANCHORS,
+    UNSLOTH_KL_LINE,
+    UNSLOTH_LOSS_CALL,
+    UNSLOTH_REJECTED_TOKENS_LEAVE_KL,
+    UNSLOTH_REWARD_METRIC,
+    Anchor,
+    anchor_error,
+    check_anchors,
+    describe,
+    source,
+    unsloth_bnpo_rule,
+    warn_if_untested,
+)
 
 RL_MODULE = "unsloth.models.rl"
 GENERATED_CLASS = "UnslothGRPOTrainer"
@@ -45,21 +60,8 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("adaptive_kl_unsloth_co
 _patches = PatchSet()
 
 
-def _versions() -> str:
-    found = []
-    for package in ("unsloth", "unsloth_zoo"):
-        try:
-            found.append(f"{package}=={installed_version(package)}")
-        except Exception:  # not installed: nothing to name
-            found.append(f"{package} (not installed)")
-    return f"found {', '.join(found)}; supported unsloth{SUPPORTED['unsloth']}"
-
-
-def _anchor_error(anchor: str) -> RuntimeError:
-    return RuntimeError(
-        f"unsloth_adaptive_kl: the anchor {anchor} was not found in Unsloth's generated GRPO trainer ({_versions()}). "
-        "Adaptive KL cannot be applied to it."
-    )
+def _missing(package: str, anchor: Anchor) -> Callable[[], Exception]:
+    return lambda: anchor_error(package, anchor, "Unsloth's generated trainer: ")
 
 
 def generated_grpo_trainer() -> Optional[type]:
@@ -68,28 +70,10 @@ def generated_grpo_trainer() -> Optional[type]:
     return trainer if trainer.__name__ == GENERATED_CLASS else None
 
 
-def _importance_log_ratio(new: torch.Tensor, old: Optional[torch.Tensor], mask: torch.Tensor, level: str) -> torch.Tensor:
-    """log(coef_1) of unsloth_zoo's grpo_compute_loss: new - old (new - new.detach() on-policy), averaged over
-    each completion at importance_sampling_level 'sequence'."""
-    log_ratio = new - (old if old is not None else new.detach())
-    if level == "sequence":
-        weights = mask.to(log_ratio.dtype)
-        log_ratio = ((log_ratio * weights).sum(-1) / weights.sum(-1).clamp(min=1.0)).unsqueeze(-1)
-    return log_ratio
-
-
-def _unsloth_mean_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The trainer's own `kl` metric (grpo_compute_loss's masked_batch_mean): per-completion mean, empty rows
-    left out. Recomputed because the compiled loss runs with beta=0.0 and so reports 0."""
-    weights = mask.to(torch.float32)
-    lengths = weights.sum(1)
-    per_row = (kl * weights).sum(1) / lengths.clamp(min=1.0)
-    return per_row.sum() / (lengths > 0).sum().clamp(min=1)
-
-
-def _reduction(kwargs: dict) -> tuple[str, ReductionContext]:
-    """Unsloth's loss_type reduction and normalisers. Unlike TRL, unsloth_zoo reduces bnpo by the global token
-    count when num_items_in_batch is given, like dapo: num_items / num_processes * GA / steps_per_generation."""
+def _reduction(kwargs: dict, bnpo_rule: str) -> tuple[str, ReductionContext]:
+    """The installed grpo_compute_loss's loss_type reduction and normalisers, from the kwargs the trainer passes it.
+    dapo/cispo/vespo divide by num_items_in_batch / num_processes * GA / steps_per_generation (the GA factor is
+    below); bnpo too where `bnpo_rule` is 'global' (see versions.UNSLOTH_BNPO_RULES)."""
     loss_type = kwargs.get("loss_type", "grpo")
     items = kwargs.get("num_items_in_batch")
     token_normalizer = None
@@ -98,7 +82,7 @@ def _reduction(kwargs: dict) -> tuple[str, ReductionContext]:
         token_normalizer = token_normalizer / kwargs.get("num_processes", 1)
         if kwargs.get("steps_per_generation"):
             token_normalizer = token_normalizer / kwargs["steps_per_generation"]
-        if loss_type == "bnpo":
+        if loss_type == "bnpo" and bnpo_rule == "global":
             loss_type = "dapo"
     ctx = ReductionContext(max_completion_length=kwargs.get("max_completion_length"), token_normalizer=token_normalizer)
     return loss_type, ctx
@@ -106,9 +90,27 @@ def _reduction(kwargs: dict) -> tuple[str, ReductionContext]:
 
 class _AdaptiveEfficientGRPO:
     """Stands in for the generated module's `UnslothEfficientGRPO` (only `.apply` is called, from the inlined
-    unsloth_zoo `grpo_accumulated_loss`)."""
+    unsloth_zoo `grpo_accumulated_loss`). Set by `_install` from the generated module: `upstream` (the compiled
+    loss), `compute_loss` (the installed, uncompiled `grpo_compute_loss`), `bnpo_rule` and
+    `rejected_tokens_leave_kl` (the installed version's rules, read from its source)."""
 
     upstream: Any = None
+    compute_loss: Any = None
+    bnpo_rule: str = "micro_batch"
+    rejected_tokens_leave_kl: bool = False
+
+    @classmethod
+    def trainer_kl(cls, new, old, ref, sampling, input_ids, mask, advantages, beta, kwargs) -> tuple[Any, Any]:
+        """The per-token KL and the `kl` metric exactly as the installed grpo_compute_loss computes them (its clamps
+        in its order, its bias correction, its masking), taken at its KL line by running it eagerly with a probe
+        for beta; where that version drops rejected tokens from the KL, they are dropped here too."""
+        probe = KLTermProbe(beta, keep_stock_term=True, read_locals=("rs_keep",))
+        outputs = cls.compute_loss(ref, new, old, sampling, input_ids, mask, probe, advantages, **kwargs)
+        kl = probe.single_capture(_missing("unsloth_zoo", UNSLOTH_KL_LINE))
+        keep = probe.locals_at_kl_line.get("rs_keep")
+        if cls.rejected_tokens_leave_kl and keep is not None:
+            kl = torch.where(keep, kl, 0.0)
+        return kl, outputs[2]
 
     @classmethod
     def apply(cls, new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler=None, n_chunks=1,
@@ -128,21 +130,16 @@ class _AdaptiveEfficientGRPO:
         stock = config.is_stock_kl
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
                                           beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
-        if config.kl_estimator == "k3":  # what grpo_compute_loss computes, bias correction included
-            kl = unsloth_k3(new, ref, mask)
-            if kwargs.get("use_bias_correction_kl"):
-                level = kwargs.get("importance_sampling_level", "token")
-                kl = kl * torch.exp(_importance_log_ratio(new, old, mask, level))
-        else:
+        with torch.no_grad() if stock else contextlib.nullcontext():
+            kl, mean_kl = cls.trainer_kl(new, old, ref, sampling, input_ids, mask, advantages, beta, kwargs)
+        if config.kl_estimator != "k3":
             kl = estimate_kl(new, ref, mask, config)
-        if stock:
-            kl = kl.detach()
-        loss_type, ctx = _reduction(kwargs)
+        loss_type, ctx = _reduction(kwargs, cls.bnpo_rule)
         term = adapted_kl_term(kl, mask, config, loss_type, ctx)
         if not stock:
             accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
             outputs[0] = outputs[0] + trainer.adaptive_kl.current_beta * term.adapted / accumulation
-            outputs[2] = _unsloth_mean_kl(kl.detach(), mask)
+            outputs[2] = mean_kl  # the compiled loss ran with beta=0.0, so it reported a KL of 0
         calls.append((kl, mask, term))
         return tuple(outputs)
 
@@ -160,26 +157,40 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
         finally:
             _ACTIVE.reset(token)
         if len(calls) != 1:
-            raise _anchor_error(f"`UnslothEfficientGRPO.apply(...)` in grpo_accumulated_loss (reached {len(calls)} times)")
+            raise _missing("unsloth_zoo", UNSLOTH_LOSS_CALL)()
         record_metrics(self, *calls[0])
         return loss
 
     return compute_loss
 
 
+def anchor_resolver(trainer_class: type) -> Callable[[str], Any]:
+    """Maps an Unsloth anchor's function name to the generated object: 'UnslothGRPOTrainer.x' to the trainer's
+    method, a bare name to the generated module's function."""
+    module = sys.modules[trainer_class.__module__]
+
+    def resolve(name: str) -> Any:
+        owner, _, attribute = name.rpartition(".")
+        return getattr(trainer_class if owner else module, attribute, None)
+
+    return resolve
+
+
 def _install(trainer_class: type) -> None:
-    """Hook the generated trainer class and its module. Idempotent."""
+    """Check the anchors in the generated trainer and its module, then hook them. Idempotent."""
     module = sys.modules.get(trainer_class.__module__)
     if module is None or module.__dict__.get("UnslothEfficientGRPO") is _AdaptiveEfficientGRPO:
         return
-    for owner, name in ((module, "UnslothEfficientGRPO"), (module, "grpo_accumulated_loss"), (trainer_class, "compute_loss"),
-                        (trainer_class, "_generate_and_score_completions")):
+    for owner, name in ((module, "UnslothEfficientGRPO"), (module, "grpo_compute_loss"), (trainer_class, "compute_loss")):
         if not hasattr(owner, name):
-            raise _anchor_error(f"`{name}`")
-    found = installed_version("unsloth")
-    if found not in SUPPORTED["unsloth"]:
-        warnings.warn(f"unsloth_adaptive_kl is tested with unsloth{SUPPORTED['unsloth']}, found unsloth=={found}.",
-                      stacklevel=2)
+            raise _missing("unsloth", Anchor(name, name, "a name the integration hooks"))()
+
+    check_anchors("unsloth_zoo", UNSLOTH_ANCHORS, anchor_resolver(trainer_class), "Unsloth's generated trainer: ")
+    warn_if_untested("unsloth")
+    installed = source(module.grpo_compute_loss)
+    _AdaptiveEfficientGRPO.compute_loss = module.grpo_compute_loss
+    _AdaptiveEfficientGRPO.bnpo_rule = unsloth_bnpo_rule(installed)
+    _AdaptiveEfficientGRPO.rejected_tokens_leave_kl = UNSLOTH_REJECTED_TOKENS_LEAVE_KL in installed
     _AdaptiveEfficientGRPO.upstream = module.UnslothEfficientGRPO
     # grpo_accumulated_loss (inlined from unsloth_zoo.rl_replacements) calls UnslothEfficientGRPO.apply.
     _patches.replace(module, "UnslothEfficientGRPO", _AdaptiveEfficientGRPO)
@@ -187,7 +198,8 @@ def _install(trainer_class: type) -> None:
     _patches.replace(trainer_class, "__init__", wrap_init(trainer_class.__init__))
     _patches.replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
     _patches.replace(trainer_class, "_generate_and_score_completions",
-             wrap_generate_and_score(trainer_class._generate_and_score_completions, _anchor_error))
+             wrap_generate_and_score(trainer_class._generate_and_score_completions,
+                                     _missing("unsloth", UNSLOTH_REWARD_METRIC)))
     _patches.replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
     _patches.replace(trainer_class, "_load_optimizer_and_scheduler",
              wrap_load_optimizer_and_scheduler(trainer_class._load_optimizer_and_scheduler))
@@ -205,7 +217,7 @@ def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
                 warnings.warn(
                     "Unsloth did not generate UnslothGRPOTrainer (see its warning above): trl.GRPOTrainer stays TRL's "
                     "own trainer. unsloth_adaptive_kl's TRL integration applies to it, without Unsloth's GRPO "
-                    f"optimisations ({_versions()}).",
+                    f"optimisations ({describe('unsloth')}).",
                     stacklevel=2,
                 )
             else:
@@ -217,7 +229,8 @@ def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
 
 def _hook_rl_module(module: Any) -> None:
     if not hasattr(module, "_patch_trl_rl_trainers"):
-        raise _anchor_error("`unsloth.models.rl._patch_trl_rl_trainers`")
+        raise _missing("unsloth", Anchor("unsloth.models.rl._patch_trl_rl_trainers", "_patch_trl_rl_trainers",
+                                         "the function that generates Unsloth's trainer"))()
     _patches.replace(module, "_patch_trl_rl_trainers", _wrap_patch_trl_rl_trainers(module._patch_trl_rl_trainers))
 
 

@@ -1,42 +1,211 @@
-"""The dependency versions this package is built and tested against, and the check made before patching.
+"""Everything version-specific, in one place: the versions the CI matrix tests, and the source anchors each
+integration relies on.
 
-`trl` is patched at named internal anchors, so a trl outside the range is an error; transformers and datasets
-outside theirs only warn. The ranges are those the newest installable Unsloth release accepts.
+Compatibility is decided by the anchors, never by a version number alone. At patch time each anchor (an exact
+line of the installed upstream source, or a method signature) is looked up: a missing anchor is an
+`IncompatibleVersionError` naming the anchor, the version found and the tested range; a version outside the tested
+range whose anchors all hold gets one `UntestedVersionWarning` and is patched.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-SUPPORTED = {
-    "trl": SpecifierSet("==1.15.0"),
-    "transformers": SpecifierSet(">=4.56.2,<=5.17.0"),
-    "datasets": SpecifierSet(">=4.7.0,<5.0.0"),
-    # Optional: checked when Unsloth generates its GRPO trainer (unsloth_patch).
-    "unsloth": SpecifierSet(">=2026.10.7,<2026.11"),
+# What the CI matrix runs (.ci/run): the README's compatibility table lists the exact sets.
+TESTED: dict[str, SpecifierSet] = {
+    "trl": SpecifierSet(">=1.9.1,<=1.16.0"),
+    "transformers": SpecifierSet(">=5.17.0,<=5.23.0"),
+    "torch": SpecifierSet(">=2.13.0,<=2.14.1"),
+    "unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
+    "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"),
 }
-REQUIRED = ("trl", "transformers", "datasets")
+
+
+class IncompatibleVersionError(RuntimeError):
+    """An anchor the integration relies on is missing from the installed upstream source."""
+
+
+class UntestedVersionWarning(UserWarning):
+    """The installed version is outside the tested range, but every anchor holds, so the patch applies."""
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """`text` must occur in the source of `function` (or, for `signature=True`, equal its parameter list)."""
+
+    function: str
+    text: str
+    reason: str
+    signature: bool = False
+
+
+# trl.GRPOTrainer (trl_patch). The KL line is where the per-token KL is taken from; the normaliser lines are the
+# reductions `adaptation.LOSS_TYPE_REDUCTIONS` reproduces for the adapted KL.
+TRL_KL_LINE = Anchor("GRPOTrainer._compute_loss", "per_token_loss = per_token_loss + self.beta * per_token_kl",
+                     "the trainer's own per-token KL is taken at this line")
+TRL_LOGPS_CALL = Anchor("GRPOTrainer._compute_loss", "= self._get_per_token_logps_and_entropies(",
+                        "the policy log-probs, for a non-default kl_estimator")
+TRL_REWARD_METRIC = Anchor("GRPOTrainer._generate_and_score_completions", 'self._metrics[mode]["reward"].append(',
+                           "the mean reward the dynamic beta reads")
+TRL_ANCHORS = (
+    TRL_KL_LINE,
+    TRL_LOGPS_CALL,
+    TRL_REWARD_METRIC,
+    Anchor("GRPOTrainer._compute_loss",
+           'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]',
+           "the loss mask"),
+    Anchor("GRPOTrainer._compute_loss", "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+           "the grpo/sapo reduction"),
+    Anchor("GRPOTrainer._compute_loss", "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+           "the bnpo reduction"),
+    Anchor("GRPOTrainer._compute_loss",
+           "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
+           "the dr_grpo reduction"),
+    Anchor("GRPOTrainer._compute_loss",
+           'normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
+           "the dapo/cispo/vespo normaliser"),
+    Anchor("GRPOTrainer._compute_loss",
+           "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation",
+           "the dapo/cispo/vespo normaliser's accumulation window"),
+    Anchor("GRPOTrainer._save_checkpoint", "self, model, trial", "the beta state saved with checkpoints",
+           signature=True),
+    Anchor("GRPOTrainer._load_optimizer_and_scheduler", "self, checkpoint", "the beta state restored on resume",
+           signature=True),
+)
+# trl 1.15 imports its Triton log-prob kernel with a None fallback and has no CPU path: trl_cpu_fallback serves CPU.
+TRL_KERNEL_WITHOUT_CPU_PATH = "_ChunkedLogProbFunction = None"
+
+# unsloth_zoo's grpo_compute_loss, as inlined into Unsloth's generated trainer module (unsloth_patch).
+UNSLOTH_KL_LINE = Anchor("grpo_compute_loss", "loss_i = loss_i + beta * kl_i",
+                         "the trainer's own per-token KL is taken at this line")
+UNSLOTH_LOSS_CALL = Anchor("grpo_accumulated_loss", "UnslothEfficientGRPO.apply(",
+                           "the compiled loss, which the adaptive loss wraps")
+UNSLOTH_REWARD_METRIC = Anchor("UnslothGRPOTrainer._generate_and_score_completions",
+                               'self._metrics[mode]["reward"].append(', "the mean reward the dynamic beta reads")
+UNSLOTH_ANCHORS = (
+    UNSLOTH_KL_LINE,
+    UNSLOTH_LOSS_CALL,
+    UNSLOTH_REWARD_METRIC,
+    Anchor("grpo_compute_loss", "return loss, completion_length, mean_kl",
+           "the trainer's own KL metric"),
+    Anchor("grpo_compute_loss", "loss = ((loss_i * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+           "the grpo/sapo reduction"),
+    Anchor("grpo_compute_loss", "loss = (loss_i * mask).sum() / (loss_i.size(0) * max_completion_length)",
+           "the dr_grpo reduction"),
+    Anchor("grpo_compute_loss", "normalizer = normalizer * current_gradient_accumulation_steps / steps_per_generation",
+           "the dapo/cispo/vespo normaliser's accumulation window"),
+)
+# unsloth_zoo 2026.10.9 drops rollout_rs's rejected tokens from every loss term, the KL included (2026.10.7 only
+# from the policy term): where this line is present, the KL is masked by the function's `rs_keep` at the KL line.
+UNSLOTH_REJECTED_TOKENS_LEAVE_KL = "loss_i = torch.where(rs_keep, loss_i, 0.0)"
+# How unsloth_zoo reduces bnpo when the trainer passes num_items_in_batch: like dapo, by the global token count
+# (2026.10.7), or by the micro-batch's own tokens, like TRL (2026.10.9).
+UNSLOTH_BNPO_RULES = {
+    'elif loss_type in ["bnpo", "cispo", "dapo", "vespo"]:': "global",
+    'elif loss_type in ["cispo", "dapo", "vespo"]:': "micro_batch",
+}
+
+_warned: set[tuple[str, str]] = set()
 
 
 def installed_version(package: str) -> Version:
     return Version(importlib.metadata.version(package))
 
 
-def check_versions() -> None:
-    """Raise ImportError for an unsupported trl; warn for unsupported transformers/datasets."""
-    for package in REQUIRED:
-        supported = SUPPORTED[package]
-        found = installed_version(package)
-        if found in supported:
+def tested_range(package: str) -> str:
+    """'>=1.9.1,<=1.16.0': the tested range, lower bound first."""
+    return ",".join(sorted((str(spec) for spec in TESTED[package]), key=lambda spec: not spec.startswith(">")))
+
+
+def describe(package: str) -> str:
+    """'trl==1.16.0 (tested: >=1.9.1,<=1.16.0)', or '... (not installed)'."""
+    try:
+        found = f"{package}=={installed_version(package)}"
+    except importlib.metadata.PackageNotFoundError:
+        found = f"{package} (not installed)"
+    return f"{found} (tested: {package}{tested_range(package)})"
+
+
+def is_tested(package: str) -> Optional[bool]:
+    """Whether the installed version is in the tested range; None when the package is not installed."""
+    try:
+        return installed_version(package) in TESTED[package]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def source(function: Any, depth: int = 3) -> str:
+    """The installed source of `function` and of the functions it wraps (a wrapper's closure: Unsloth wraps some
+    generated methods without functools.wraps); '' when it has none (built-in, or generated without a file)."""
+    try:
+        text = inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+    cells = getattr(function, "__closure__", None) or ()
+    wrapped = [cell.cell_contents for cell in cells if inspect.isfunction(cell.cell_contents)]
+    return "\n".join([text, *(source(inner, depth - 1) for inner in wrapped if depth > 0)])
+
+
+def _text(function: Any, signature: bool) -> str:
+    return ", ".join(inspect.signature(function).parameters) if signature else source(function)
+
+
+def missing_anchors(anchors: tuple[Anchor, ...], resolve: Callable[[str], Any]) -> list[Anchor]:
+    """The anchors whose text is not in the installed source; `resolve` maps an anchor's function name to the
+    object (None when that function itself is gone)."""
+    missing = []
+    for anchor in anchors:
+        function = resolve(anchor.function)
+        if function is None:
+            missing.append(anchor)
             continue
-        message = (
-            f"unsloth_adaptive_kl supports {package}{supported}, found {package}=={found}. "
-            f"Install a supported version: pip install '{package}{supported}'."
+        text = _text(function, anchor.signature)
+        if (text != anchor.text) if anchor.signature else (anchor.text not in text):
+            missing.append(anchor)
+    return missing
+
+
+def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleVersionError:
+    found = describe(package)
+    return IncompatibleVersionError(
+        f"unsloth_adaptive_kl cannot patch {found}: the anchor `{anchor.text}` ({anchor.reason}) was not found in "
+        f"{where}{anchor.function}. Adaptive KL cannot be applied; install a tested version: "
+        f"pip install '{package}{tested_range(package)}'."
+    )
+
+
+def check_anchors(package: str, anchors: tuple[Anchor, ...], resolve: Callable[[str], Any], where: str = "") -> None:
+    """Raise IncompatibleVersionError for the first missing anchor; warn once per version outside the tested range."""
+    missing = missing_anchors(anchors, resolve)
+    if missing:
+        raise anchor_error(package, missing[0], where)
+    warn_if_untested(package)
+
+
+def warn_if_untested(package: str) -> None:
+    """One UntestedVersionWarning per (package, version) outside the tested range."""
+    found = str(installed_version(package))
+    if Version(found) not in TESTED[package] and (package, found) not in _warned:
+        _warned.add((package, found))
+        warnings.warn(
+            f"unsloth_adaptive_kl is untested with {package}=={found} (tested: {package}{tested_range(package)}); every "
+            "anchor it relies on was found, so it is applied. `python -m unsloth_adaptive_kl` checks it on this machine.",
+            UntestedVersionWarning,
+            stacklevel=4,
         )
-        if package == "trl":
-            raise ImportError(message)
-        warnings.warn(message, stacklevel=3)
+
+
+def unsloth_bnpo_rule(installed_source: str) -> str:
+    """'global' or 'micro_batch': how the installed grpo_compute_loss reduces bnpo given num_items_in_batch."""
+    for text, rule in UNSLOTH_BNPO_RULES.items():
+        if text in installed_source:
+            return rule
+    raise anchor_error("unsloth_zoo", Anchor("grpo_compute_loss", " or ".join(UNSLOTH_BNPO_RULES), "the bnpo reduction"),
+                       "Unsloth's generated trainer: ")

@@ -1,0 +1,68 @@
+"""`python -m unsloth_adaptive_kl`, the self-check users run before a long run: exit code 0 on a working install,
+non-zero naming the anchor when one is missing."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+
+
+def run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_self_check_passes_on_this_install(tmp_path) -> None:
+    result = run(["-m", "unsloth_adaptive_kl"], tmp_path)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    out = result.stdout
+    for package in ("trl", "transformers", "torch"):
+        assert f"] {package} version: {package}==" in out
+    assert "[ok] trl anchors: 11 of 11 found" in out
+    assert "[ok] trl patched" in out
+    assert "[ok] TRL GRPOTrainer on cpu: none == stock" in out
+    assert "[ok] TRL GRPOTrainer on cpu: clip above every KL == stock" in out
+    if importlib.util.find_spec("unsloth") is not None:
+        assert "[ok] unsloth anchors: 7 of 7 found" in out
+        assert "[ok] Unsloth's generated trainer on cpu: none == stock" in out
+        assert "[ok] Unsloth's generated trainer on cpu: clip above every KL == stock" in out
+    assert "[FAIL]" not in out
+    assert "self-check passed" in out.splitlines()[-1]
+
+
+def test_self_check_names_a_missing_anchor_and_fails(tmp_path) -> None:
+    """A trl whose GRPOTrainer._compute_loss no longer has the KL line."""
+    script = tmp_path / "changed_trl.py"
+    script.write_text(textwrap.dedent('''
+        import runpy
+        import trl.trainer.grpo_trainer as grpo_trainer
+
+        def _compute_loss(self, model, inputs):
+            return model(inputs).loss
+
+        grpo_trainer.GRPOTrainer._compute_loss = _compute_loss
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    '''))
+    result = run([str(script)], tmp_path)
+    assert result.returncode != 0
+    assert "IncompatibleVersionError: unsloth_adaptive_kl cannot patch trl==" in result.stderr
+    assert ("the anchor `per_token_loss = per_token_loss + self.beta * per_token_kl` (the trainer's own per-token KL is "
+            "taken at this line) was not found in GRPOTrainer._compute_loss") in result.stderr
+
+
+def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:
+    from packaging.version import Version
+
+    from unsloth_adaptive_kl import selfcheck, versions
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda p: Version("1.99.0") if p == "trl" else real(p))
+    trl_line = next(check for check in selfcheck.version_checks() if check.name == "trl version")
+    assert trl_line.ok
+    assert trl_line.line() == f"[untested] trl version: trl==1.99.0 (tested: trl{versions.tested_range('trl')})"

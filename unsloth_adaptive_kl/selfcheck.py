@@ -1,0 +1,236 @@
+"""`python -m unsloth_adaptive_kl`: the self-check a user runs on their own machine before a long run.
+
+It reports the installed trl / transformers / torch / unsloth versions against the tested ranges (an untested
+version is reported, not failed: the runs below check it on this machine), looks up every
+source anchor the integrations rely on and whether the patches are in place, and, on a tiny in-process model on
+this machine's device (CUDA when present, else CPU), compares the hooked loss with the stock trainer's: `none` and a
+`clip` whose threshold no KL reaches must both give the stock loss and gradients, within the float32
+summation bound. TRL is checked first; then, when Unsloth is installed, Unsloth is imported (after this package,
+as users must) and its generated trainer is checked the same way. Exit code 0 only if every check holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from . import trl_patch, unsloth_patch, versions
+from .tolerance import reordered_sum_tolerance
+from .trainer_hooks import attach_runtime
+
+PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
+NO_OP_CLIP = dict(kl_adaptation_method="clip", kl_clip_threshold=1e6)  # above every per-token KL of the check
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str = ""
+    untested: bool = False  # a version outside the tested range: reported, and proven by the runs below instead
+
+    def line(self) -> str:
+        status = "FAIL" if not self.ok else "untested" if self.untested else "ok"
+        return f"[{status}] {self.name}" + (f": {self.detail}" if self.detail else "")
+
+
+def version_checks() -> list[Check]:
+    return [Check(f"{package} version", True, versions.describe(package), untested=versions.is_tested(package) is False)
+            for package in ("trl", "transformers", "torch", "unsloth", "unsloth_zoo")]
+
+
+def anchor_checks(package: str, anchors: tuple, resolve: Callable[[str], Any]) -> list[Check]:
+    missing = versions.missing_anchors(anchors, resolve)
+    checks = [Check(f"{package} anchors", not missing, f"{len(anchors) - len(missing)} of {len(anchors)} found")]
+    checks += [Check(f"{package} anchor missing", False, f"`{a.text}` in {a.function} ({a.reason})") for a in missing]
+    return checks
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def tiny_trainer(output_dir: str, **overrides: Any) -> Any:
+    """A GRPO trainer (whichever `trl.GRPOTrainer` is now: TRL's, or Unsloth's generated one) on a tiny LoRA model."""
+    import trl
+    from datasets import Dataset
+    from transformers import PrinterCallback, set_seed
+
+    from .tiny import add_lora, build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    settings: dict[str, Any] = dict(
+        output_dir=output_dir, use_cpu=device() == "cpu", bf16=False, fp16=False, report_to="none",
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=1, logging_steps=1,
+        learning_rate=5e-3, beta=0.04, save_strategy="no", seed=0, disable_tqdm=True, loss_type="dapo",
+    )
+    settings.update(overrides)
+    set_seed(0)
+    model = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
+    for name in ("for_training", "for_inference"):  # what Unsloth's FastLanguageModel models have
+        setattr(model, name, lambda *a, **k: None)
+    model._unsloth_user_float32 = True  # keeps Unsloth from switching a float32 model to fp16
+    trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, args=trl.GRPOConfig(**settings),
+                              reward_funcs=[lambda completions, **kw: [0.1 * (len(c) % 5) for c in completions]],
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def captured_inputs(trainer: Any, compute: str) -> dict:
+    """One real micro-batch of prepared inputs from a training step, with a reference 1 nat away per token."""
+    captured: list = []
+    upstream = getattr(type(trainer), compute)
+
+    def capture(model: Any, inputs: dict, *args: Any, **kwargs: Any) -> Any:
+        if not captured:
+            captured.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        return upstream(trainer, model, inputs, *args, **kwargs)
+
+    setattr(trainer, compute, capture)
+    trainer.train()
+    delattr(trainer, compute)
+    inputs = captured[0]
+    inputs["ref_per_token_logps"] = inputs["ref_per_token_logps"] + torch.linspace(
+        -1.0, 1.0, inputs["ref_per_token_logps"].numel(), device=inputs["ref_per_token_logps"].device
+    ).view_as(inputs["ref_per_token_logps"])
+    return inputs
+
+
+def loss_and_grads(trainer: Any, compute: str, inputs: dict) -> tuple[float, list[torch.Tensor]]:
+    """The loss and gradients the way training takes them (`backward()` into `.grad`)."""
+    trainer.model.train()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = None
+    loss = getattr(trainer, compute)(trainer.model, dict(inputs))
+    loss.backward()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+    for p in params:
+        p.grad = None
+    return loss.item(), grads
+
+
+def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[], Any]) -> list[Check]:
+    """`none` and the no-op clip against the stock loss on one captured batch."""
+    inputs = captured_inputs(trainer, compute)
+    with stock():
+        stock_loss, stock_grads = loss_and_grads(trainer, compute, inputs)
+    tokens = int(inputs["completion_mask"].sum())
+    grad_scale = max(g.abs().max().item() for g in stock_grads)
+    checks = [Check(f"{name}: stock gradients", grad_scale > 0, f"max |grad| {grad_scale:.3g}")]
+    for label, settings in (("none", {}), ("clip above every KL", NO_OP_CLIP)):
+        for field, value in {"kl_adaptation_method": "none", **settings}.items():
+            setattr(trainer.args, field, value)
+        attach_runtime(trainer)
+        loss, grads = loss_and_grads(trainer, compute, inputs)
+        loss_diff = abs(loss - stock_loss)
+        grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))
+        ok = (loss_diff <= reordered_sum_tolerance(tokens, abs(stock_loss))
+              and grad_diff <= 2 * reordered_sum_tolerance(tokens, grad_scale))
+        logged = "adaptive_kl/adapted_kl" in trainer._metrics["train"]
+        checks.append(Check(f"{name}: {label} == stock", ok and logged,
+                            f"loss {loss:.6g} vs {stock_loss:.6g}, max grad diff {grad_diff:.2g}"
+                            + ("" if logged else ", adaptive_kl metrics not logged")))
+    return checks
+
+
+@contextlib.contextmanager
+def stock_trl() -> Iterator[None]:
+    from . import patch, unpatch
+    from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+
+    unpatch()
+    kernel = trl_patch.trl_utils._ChunkedLogProbFunction
+    if trl_patch.kernel_lacks_cpu_path():  # stock trl 1.15 cannot run on a CPU at all without it
+        trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
+    try:
+        yield
+    finally:
+        trl_patch.trl_utils._ChunkedLogProbFunction = kernel
+        patch()
+
+
+@contextlib.contextmanager
+def stock_unsloth(trainer: Any) -> Iterator[None]:
+    """Unsloth's own loss path inside the block: the shim and the compute_loss wrapper bypassed."""
+    module, cls = sys.modules[type(trainer).__module__], type(trainer)
+    shim, hooked = module.UnslothEfficientGRPO, cls.compute_loss
+    module.UnslothEfficientGRPO, cls.compute_loss = shim.upstream, hooked.__wrapped__
+    try:
+        yield
+    finally:
+        module.UnslothEfficientGRPO, cls.compute_loss = shim, hooked
+
+
+def trl_checks(output_dir: str) -> list[Check]:
+    checks = anchor_checks("trl", versions.TRL_ANCHORS, trl_patch._stock_function)
+    checks.append(Check("trl patched", trl_patch.is_patched()))
+    if all(check.ok for check in checks):
+        checks += compare_with_stock(f"TRL GRPOTrainer on {device()}", tiny_trainer(output_dir), "_compute_loss", stock_trl)
+    return checks
+
+
+def generate_unsloth_trainer() -> Optional[str]:
+    """Import Unsloth after this package, as users must; on a CPU-only machine with Unsloth's CPU switch and its
+    trainer generation called directly, as Unsloth's PatchFastRL does on a GPU. Returns an error, or None."""
+    if device() == "cpu":
+        os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
+        os.environ.setdefault("UNSLOTH_COMPILE_DISABLE", "1")
+    try:
+        import unsloth  # noqa: F401
+        import unsloth.models.rl as rl
+
+        if unsloth_patch.generated_grpo_trainer() is None:
+            rl._patch_trl_rl_trainers("grpo_trainer")
+    except Exception as error:  # reported, and the exit code says so
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def unsloth_checks(output_dir: str) -> list[Check]:
+    error = generate_unsloth_trainer()
+    if error is not None:
+        return [Check("Unsloth trainer generated and hooked", False, error)]
+    generated = unsloth_patch.generated_grpo_trainer()
+    if generated is None:
+        return [Check("Unsloth trainer generated", False, "Unsloth fell back to TRL's trainer (see its warning)")]
+    module = sys.modules[generated.__module__]
+    hooked = module.__dict__.get("UnslothEfficientGRPO") is unsloth_patch._AdaptiveEfficientGRPO
+
+    checks = anchor_checks("unsloth", versions.UNSLOTH_ANCHORS, unsloth_patch.anchor_resolver(generated))
+    checks.append(Check("Unsloth trainer hooked", hooked))
+    if all(check.ok for check in checks):
+        trainer = tiny_trainer(output_dir + "/unsloth", optim="adamw_torch", warmup_steps=0)
+
+        checks += compare_with_stock(f"Unsloth's generated trainer on {device()}", trainer, "compute_loss",
+                                     lambda: stock_unsloth(trainer))
+    return checks
+
+
+def main() -> int:
+    import tempfile
+
+    start = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = False  # the summation bounds are float32's
+    print(f"unsloth_adaptive_kl self-check (device: {device()})")
+    checks = version_checks()
+    for check in checks:
+        print(check.line(), flush=True)
+    with tempfile.TemporaryDirectory() as output_dir:
+        for part in (trl_checks, *((unsloth_checks,) if importlib.util.find_spec("unsloth") else ())):
+            for check in part(output_dir):
+                checks.append(check)
+                print(check.line(), flush=True)
+    failed = [check for check in checks if not check.ok]
+    seconds = time.perf_counter() - start
+    print(f"self-check {'passed' if not failed else 'FAILED'}: {len(checks) - len(failed)} of {len(checks)} checks "
+          f"hold ({seconds:.0f} s)")
+    return 1 if failed else 0
