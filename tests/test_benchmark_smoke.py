@@ -17,12 +17,12 @@ def test_overhead_benchmark_smoke(tmp_path) -> None:
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     last_line = result.stdout.strip().splitlines()[-1]
-    assert last_line.startswith("max_step_overhead_ratio=")
     report = json.loads(report_path.read_text())
     assert [row["variant"] for row in report["rows"]][0] == "stock"
     assert len(report["rows"]) == 8
     measured = report["rows"][2:] + [row for row in report["unsloth_rows"] if row["variant"] != "unsloth:stock"]
-    assert float(last_line.split("=")[1]) == round(max(row["step_ratio"] for row in measured), 3)
+    assert last_line.startswith("extra_forwards=0 max_memory_ratio=")
+    assert f"max_step_ratio={max(row['step_ratio'] for row in measured):.3f} aa=[" in last_line
     assert all(row["extra_forwards"] == 0 for row in report["rows"])  # same forwards as stock, none extra
     assert all(row["peak_memory_bytes"] > 0 for row in report["rows"])
     if importlib.util.find_spec("unsloth") is not None:
@@ -30,3 +30,26 @@ def test_overhead_benchmark_smoke(tmp_path) -> None:
         assert set(unsloth) == {f"unsloth:{v}" for v in ("stock", "none", "clip", "length_normalized", "dynamic")}
         assert all(row["forwards_per_step"] == unsloth["unsloth:stock"]["forwards_per_step"] for row in unsloth.values())
         assert all(row["graphs_added_per_run"] == 0 for row in unsloth.values())  # dynamic: beta moves every step
+
+
+LOSS_SCRIPT = Path(__file__).parents[1] / "benchmarks" / "loss_overhead.py"
+
+
+def test_loss_overhead_benchmark_smoke(tmp_path) -> None:
+    """The decomposition runs for every method on both trainers and reports its headline from its own rows."""
+    report_path = tmp_path / "loss_overhead.json"
+    result = subprocess.run([sys.executable, str(LOSS_SCRIPT), "--smoke", "--json", str(report_path)],
+                            capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    last_line = result.stdout.strip().splitlines()[-1]
+    report = json.loads(report_path.read_text())
+    trainers = ["trl"] + (["unsloth"] if importlib.util.find_spec("unsloth") is not None else [])
+    rows = [row for trainer in trainers for row in report[trainer]["rows"]]
+    assert len(rows) == 13 * len(trainers)
+    worst = max(rows, key=lambda row: row["ratio"])
+    assert last_line.startswith(f"max_loss_overhead_ratio={worst['ratio']:.3f} ci=[{worst['ci'][0]:.3f},")
+    assert f"ops_added={worst['ops_added']}" in last_line
+    # the adaptation adds work, and the profiler counts it: every method adds aten ops over the stock KL line
+    assert all(row["ops_added"] > 0 for row in rows)
+    core = {row["method"]: row for row in report["core_op"]}
+    assert core["stock k3"]["ops"] == 0 and all(core[m]["ops"] > 0 for m in core if m != "stock k3")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
-from unsloth_adaptive_kl.adaptation import kl_diagnostics, pearson_correlation
+from unsloth_adaptive_kl.adaptation import pearson_correlation
 from unsloth_adaptive_kl.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 
 from .test_core import CTX, HAND_REDUCTIONS, KL, MASK
@@ -122,13 +122,15 @@ def test_diagnostics_against_numpy() -> None:
     kl = torch.rand(6, 7, generator=generator) * 2
     lengths = [7, 2, 5, 1, 6, 3]
     mask = torch.tensor([[1 if t < n else 0 for t in range(7)] for n in lengths])
-    diagnostics = kl_diagnostics(kl, mask, AdaptiveKLConfig(kl_clip_threshold=1.5))
+    diagnostics = adapted_kl_term(kl, mask, AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=1.5), "bnpo",
+                                  ReductionContext())
     k, m = kl.numpy(), mask.numpy()
     sequence = (k * m).sum(1)
     np.testing.assert_allclose(diagnostics.sequence_kl.numpy(), sequence, rtol=1e-6)
     np.testing.assert_allclose(diagnostics.lengths.numpy(), lengths)
     assert diagnostics.at_threshold.item() == ((k >= 1.5) & (m == 1)).sum()
-    assert diagnostics.tokens.item() == sum(lengths)
+    assert diagnostics.raw.item() == pytest.approx(sequence.sum() / sum(lengths), rel=1e-6)
+    assert diagnostics.adapted.item() == pytest.approx((np.minimum(k, 1.5) * m).sum() / sum(lengths), rel=1e-6)
     corr = pearson_correlation(diagnostics.lengths.double(), diagnostics.sequence_kl.double()).item()
     assert corr == pytest.approx(np.corrcoef(lengths, sequence)[0, 1], rel=1e-6)  # float32 sums
     assert math.isnan(pearson_correlation(torch.ones(4), torch.rand(4)).item())

@@ -1,14 +1,14 @@
-"""Per-trainer adaptive-KL state shared by both integrations: the beta controller, the step's KL window and the
-metrics of each micro-batch. Trainer-agnostic: the integration passes the cross-process `gather` it has."""
+"""Per-trainer adaptive-KL state shared by both integrations: the beta controller, the step's queued micro-batch
+statistics and their metrics. Trainer-agnostic: the integration passes the cross-process `gather` it has."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
-from .adaptation import KLTerm, kl_diagnostics, pearson_correlation
+from .adaptation import KLTerm, pearson_correlation
 from .config import AdaptiveKLConfig
 from .controllers import WindowKL, make_beta_controller
 
@@ -17,12 +17,16 @@ Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
 class AdaptiveKLRuntime:
-    """Holds the live beta (`current_beta`) and turns each micro-batch's KL into metrics and controller updates."""
+    """Holds the live beta (`current_beta`) and turns each micro-batch's KL into metrics and controller updates.
+
+    Nothing is read back from the device per micro-batch: each micro-batch's statistics stay a device tensor until
+    the optimizer step ends (or, in evaluation, the call ends), where the step's micro-batches are gathered over
+    processes and transferred to the host once, for the metrics and the controller together."""
 
     def __init__(self, config: AdaptiveKLConfig, beta: float) -> None:
         self.config = config
         self.controller = make_beta_controller(beta, config)
-        self._window: Optional[torch.Tensor] = None  # [sum of sequence KL, tokens, completions] so far this step
+        self._pending: list[torch.Tensor] = []  # one row per micro-batch of this step, on the device
 
     @property
     def current_beta(self) -> float:
@@ -33,33 +37,37 @@ class AdaptiveKLRuntime:
         self.controller.observe_rewards(mean_reward)
 
     def record(
-        self,
-        kl: torch.Tensor,
-        mask: torch.Tensor,
-        term: KLTerm,
-        *,
-        gather: Gather,
-        train: bool,
-        end_of_step: bool,
-        completed_steps: int,
-    ) -> dict[str, float]:
-        """Metrics of one micro-batch (averaged over processes), and, at the end of an optimizer step in training,
-        the controller update from the step's global KL. Returns the metrics with their `adaptive_kl/` names."""
-        diagnostics = kl_diagnostics(kl, mask, self.config)
-        # One gather (a row per process) and one host transfer per micro-batch: this runs on every loss call.
-        size = diagnostics.lengths.numel()
-        row = torch.cat([
-            torch.stack([term.raw, term.adapted.detach(), diagnostics.at_threshold, diagnostics.tokens]),
-            diagnostics.lengths, diagnostics.sequence_kl,
-        ]).float()
-        table = gather(row).view(-1, row.numel())
-        lengths, sequence_kl = table[:, 4 : 4 + size].flatten(), table[:, 4 + size :].flatten()
-        summary = torch.stack([
-            table[:, 0].mean(), table[:, 1].mean(), sequence_kl.mean(),
-            pearson_correlation(lengths.double(), sequence_kl.double()).float(),
-            table[:, 2].sum() / table[:, 3].sum().clamp(min=1), sequence_kl.sum(), lengths.sum(),
-        ]).tolist()
-        raw_kl, adapted_kl, mean_sequence_kl, correlation, clip_fraction, kl_sum, tokens = summary
+        self, term: KLTerm, *, gather: Gather, train: bool, end_of_step: bool, completed_steps: int
+    ) -> list[dict[str, float]]:
+        """Queue one micro-batch's statistics; at the end of an optimizer step in training (every call in
+        evaluation) return the metrics of each queued micro-batch (averaged over processes, `adaptive_kl/` names)
+        and, in training, update the controller from the step's global KL."""
+        self._pending.append(torch.cat([
+            torch.stack([term.raw, term.adapted.detach(), term.at_threshold, term.lengths.sum()]),
+            term.lengths, term.sequence_kl,
+        ]).float())
+        if train and not end_of_step:
+            return []
+        rows, self._pending = self._pending, []
+        sizes = [row.numel() for row in rows]
+        table = gather(torch.cat(rows)).view(-1, sum(sizes))  # one collective and one transfer per step
+        summaries, totals = [], torch.zeros(3, dtype=torch.float64, device=table.device)
+        for block in table.split(sizes, dim=1):
+            size = (block.size(1) - 4) // 2
+            lengths, sequence_kl = block[:, 4 : 4 + size].flatten(), block[:, 4 + size :].flatten()
+            summaries.append(torch.stack([
+                block[:, 0].mean(), block[:, 1].mean(), sequence_kl.mean(),
+                pearson_correlation(lengths.double(), sequence_kl.double()).float(),
+                block[:, 2].sum() / block[:, 3].sum().clamp(min=1),
+            ]))
+            totals += torch.stack([sequence_kl.sum(), lengths.sum(), sequence_kl.new_tensor(float(sequence_kl.numel()))]).double()
+        metrics = [self._metrics(summary, completed_steps) for summary in torch.stack(summaries).tolist()]
+        if train:
+            self._end_step(completed_steps, *totals.tolist())
+        return metrics
+
+    def _metrics(self, summary: list[float], completed_steps: int) -> dict[str, float]:
+        raw_kl, adapted_kl, mean_sequence_kl, correlation, clip_fraction = summary
         if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
             raise FloatingPointError(
                 f"adaptive KL: non-finite KL at step {completed_steps}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
@@ -74,16 +82,9 @@ class AdaptiveKLRuntime:
         }
         if "clip" in self.config.kl_methods:
             metrics["clip_fraction"] = clip_fraction
-        if train:
-            totals = torch.tensor([kl_sum, tokens, float(sequence_kl.numel())], dtype=torch.float64)
-            self._window = totals if self._window is None else self._window + totals
-            if end_of_step:
-                self._end_step(completed_steps)
         return {METRIC_PREFIX + name: value for name, value in metrics.items()}
 
-    def _end_step(self, completed_steps: int) -> None:
-        kl_sum, tokens, completions = self._window.tolist()
-        self._window = None
+    def _end_step(self, completed_steps: int, kl_sum: float, tokens: float, completions: float) -> None:
         window = WindowKL(
             token_mean=kl_sum / max(tokens, 1.0), sequence_sum=kl_sum / max(completions, 1.0), completions=int(completions)
         )

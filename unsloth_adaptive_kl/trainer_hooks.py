@@ -141,13 +141,15 @@ def current_beta(self: Any) -> float:
     return self.adaptive_kl.current_beta
 
 
-def record_metrics(trainer: Any, kl: Any, mask: Any, term: Any) -> None:
-    """Log one micro-batch's adaptive-KL metrics and, at an optimizer-step boundary in training, update beta
-    (like TRL's adaptive entropy controller: once per optimizer step, effective from the next step)."""
+def record_metrics(trainer: Any, term: Any) -> None:
+    """Queue one micro-batch's adaptive-KL statistics; at an optimizer-step boundary in training (every call in
+    evaluation) log the queued micro-batches' metrics and update beta (like TRL's adaptive entropy controller: once
+    per optimizer step, effective from the next step)."""
     mode = "train" if trainer.model.training else "eval"
-    metrics = trainer.adaptive_kl.record(
-        kl, mask, term, gather=trainer.accelerator.gather, train=mode == "train",
+    logged = trainer.adaptive_kl.record(
+        term, gather=trainer.accelerator.gather, train=mode == "train",
         end_of_step=trainer.accelerator.sync_gradients, completed_steps=trainer.state.global_step + 1,
     )
-    for name, value in metrics.items():
-        trainer._metrics[mode][name].append(value)
+    for metrics in logged:
+        for name, value in metrics.items():
+            trainer._metrics[mode][name].append(value)

@@ -133,7 +133,7 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     if not config.is_stock_kl:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         loss = loss + self.adaptive_kl.current_beta * term.adapted / accumulation
-    record_metrics(self, kl, mask, term)
+    record_metrics(self, term)
     return loss
 
 

@@ -55,7 +55,7 @@ from .versions import (
 
 RL_MODULE = "unsloth.models.rl"
 GENERATED_CLASS = "UnslothGRPOTrainer"
-# (trainer, calls) of the compute_loss running now; the shim appends (kl, mask, term) for it.
+# (trainer, calls) of the compute_loss running now; the shim appends its KLTerm for it.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("adaptive_kl_unsloth_compute_loss", default=None)
 _patches = PatchSet()
 
@@ -140,7 +140,7 @@ class _AdaptiveEfficientGRPO:
             accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
             outputs[0] = outputs[0] + trainer.adaptive_kl.current_beta * term.adapted / accumulation
             outputs[2] = mean_kl  # the compiled loss ran with beta=0.0, so it reported a KL of 0
-        calls.append((kl, mask, term))
+        calls.append(term)
         return tuple(outputs)
 
 
@@ -158,7 +158,7 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
             _ACTIVE.reset(token)
         if len(calls) != 1:
             raise _missing("unsloth_zoo", UNSLOTH_LOSS_CALL)()
-        record_metrics(self, *calls[0])
+        record_metrics(self, calls[0])
         return loss
 
     return compute_loss

@@ -1,0 +1,400 @@
+"""The loss-path overhead of adaptive KL, resolved by decomposition (only ratios measured side by side count).
+
+    python benchmarks/loss_overhead.py            # TRL, and Unsloth's generated trainer when installed (< 12 min, 2 cores)
+    python benchmarks/loss_overhead.py --smoke    # tiny repetition counts: checks that it runs and reports
+
+Timing whole loss calls cannot resolve 1 % on a noisy CPU (an A/A pair of loss calls spreads by several per cent).
+So, per trainer, on one captured real generation batch:
+(a) stock: the trainer's own loss, forward + backward, with the patches bypassed, `--stock-repeats` times;
+(b) adaptation: what the integration adds to that loss, on the same captured tensors and shapes: the patched loss
+    with the trainer's loss function replaced by a stub that only does its KL line (TRL: `per_token_loss + beta *
+    per_token_kl`; Unsloth: the compiled loss call), minus that stub alone, forward + backward, interleaved,
+    `--core-repeats` times per method; this includes the wrapper, the probes, the core and the metric queue
+    (flushed at every call here, as at the end of every optimizer step: an upper bound with gradient accumulation);
+(c) overhead = 1 + (b) / (a), with a bootstrap 95 % interval (both resampled);
+(d) deterministic counts from torch.profiler: aten ops and bytes allocated that each method adds per micro-batch;
+(e) a sanity row: stock against the heaviest method end to end, interleaved, with an A/A control (stock against
+    stock): the difference must be consistent with (c) within the A/A interval.
+It also times the core op alone (64 x 4096 per-token KL, every method) against the stock k3 expression.
+Writes JSON and ends with `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_added=N`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # torch.profiler's per-session log lines
+import torch  # noqa: E402
+
+METHODS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "clip": {"kl_adaptation_method": "clip"},
+    "sigmoid": {"kl_adaptation_method": "sigmoid"},
+    "length_normalized": {"kl_adaptation_method": "length_normalized"},
+    "dynamic": {"kl_adaptation_method": "dynamic"},
+    "target": {"kl_adaptation_method": "target"},
+    "sigmoid+length_normalized+dynamic": {"kl_adaptation_method": "sigmoid+length_normalized+dynamic"},
+    "estimator=k2": {"kl_estimator": "k2"},
+    "estimator=low_var_kl": {"kl_estimator": "low_var_kl"},
+    "estimator=k3+": {"kl_estimator": "k3+"},
+    "estimator=k3_bottom_percentile": {"kl_estimator": "k3_bottom_percentile"},
+    "kl_reduction=sequence_sum": {"kl_reduction": "sequence_sum"},
+    "kl_reduction=token_mean": {"kl_reduction": "token_mean"},
+}
+FIELDS = ("kl_adaptation_method", "kl_estimator", "kl_reduction")
+DEFAULTS = {"kl_adaptation_method": "none", "kl_estimator": "k3", "kl_reduction": "loss_type"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--stock-repeats", type=int, default=40)
+    parser.add_argument("--core-repeats", type=int, default=300)
+    parser.add_argument("--e2e-repeats", type=int, default=40)
+    parser.add_argument("--completions", type=int, default=8)
+    parser.add_argument("--completion-length", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--json", default="benchmarks/loss_overhead.json")
+    parser.add_argument("--trainer", choices=["trl", "unsloth"], default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.stock_repeats, args.core_repeats, args.e2e_repeats, args.completion_length = 3, 5, 3, 8
+    return args
+
+
+def bootstrap_ratio(numerator: list[float], denominator: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """95 % interval of median(numerator) / median(denominator), both resampled with replacement."""
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.median(rng.choices(numerator, k=len(numerator)))
+        / statistics.median(rng.choices(denominator, k=len(denominator)))
+        for _ in range(resamples)
+    )
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def overhead_interval(added: list[float], stock: list[float], resamples: int = 2000) -> tuple[float, float]:
+    """95 % interval of 1 + median(added) / median(stock), both resampled."""
+    rng = random.Random(1)
+    values = sorted(
+        1 + statistics.median(rng.choices(added, k=len(added))) / statistics.median(rng.choices(stock, k=len(stock)))
+        for _ in range(resamples)
+    )
+    return values[int(0.025 * resamples)], values[int(0.975 * resamples) - 1]
+
+
+def timed(function: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    function()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def interleaved(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Round-robin in a rotating order, so that drift and cache effects hit every variant alike."""
+    names = list(functions)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for iteration in range(repeats + warmup):
+        order = names[iteration % len(names):] + names[: iteration % len(names)]
+        for name in order:
+            elapsed = timed(functions[name])
+            if iteration >= warmup:
+                samples[name].append(elapsed)
+    return samples
+
+
+def profile_counts(function: Callable[[], Any]) -> tuple[int, int]:
+    """(aten ops, bytes allocated) of one call, from torch.profiler: deterministic, unlike time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True) as prof:
+        function()
+    events = [event for event in prof.events() if event.name.startswith("aten::")]
+    allocated = sum(max(event.cpu_memory_usage, 0) for event in prof.events() if event.name == "[memory]")
+    return len(events), allocated
+
+
+def apply_method(trainer: Any, settings: dict[str, Any]) -> None:
+    from unsloth_adaptive_kl.trainer_hooks import attach_runtime
+
+    for field in FIELDS:
+        setattr(trainer.args, field, settings.get(field, DEFAULTS[field]))
+    attach_runtime(trainer)
+
+
+def backward(loss_function: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
+    """forward + backward of `loss_function`, then the gradients of `leaves` cleared."""
+
+    def call() -> None:
+        loss_function().backward()
+        for leaf in leaves:
+            leaf.grad = None
+
+    return call
+
+
+def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
+    from unsloth_adaptive_kl import selfcheck, trl_patch
+
+    trainer = selfcheck.tiny_trainer(output_dir, max_completion_length=args.completion_length,
+                                     generation_kwargs={"min_new_tokens": args.completion_length},
+                                     per_device_train_batch_size=args.completions)
+    inputs = selfcheck.captured_inputs(trainer, "_compute_loss")
+    trainer.model.train()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    # Stock: trl's own _compute_loss (the patched state only adds trl 1.15's CPU log-prob path, which stock needs).
+    stock_loss = backward(lambda: trl_patch._stock_compute_loss(trainer, trainer.model, dict(inputs)), params)
+    patched_loss = backward(lambda: trl_patch._compute_loss(trainer, trainer.model, dict(inputs)), params)
+    stock = interleaved({"stock": stock_loss}, args.stock_repeats)["stock"]
+
+    # The stub: trl's KL line and reduction on captured-shape tensors (leaves, so the backward stops there), and the
+    # policy log-prob call a non-default kl_estimator reads, answered from a tensor.
+    mask = inputs["completion_mask"].float()
+    generator = torch.Generator().manual_seed(0)
+    policy = torch.randn(mask.shape, generator=generator).requires_grad_(True)
+    kl = (torch.rand(mask.shape, generator=generator) * 0.5).requires_grad_(True)
+    logps = (-torch.rand(mask.shape, generator=generator) * 3).requires_grad_(True)
+    leaves = [policy, kl, logps]
+
+    def stub(self: Any, model: Any, inputs: dict) -> torch.Tensor:
+        per_token_logps = self._get_per_token_logps_and_entropies(model, inputs)[0]
+        per_token_loss = policy + per_token_logps * 0.0 + self.beta * kl
+        return (per_token_loss * mask).sum() / mask.sum()
+
+    cls = type(trainer)
+    upstream, logps_method = trl_patch._stock_compute_loss, cls._get_per_token_logps_and_entropies
+    trl_patch._stock_compute_loss = stub
+    cls._get_per_token_logps_and_entropies = lambda self, *a, **k: (logps, None)
+    try:
+        rows = method_rows(args, trainer, stock, {
+            False: backward(lambda: stub(trainer, trainer.model, inputs), leaves),
+            True: backward(lambda: trl_patch._compute_loss(trainer, trainer.model, inputs), leaves),
+        })
+    finally:
+        trl_patch._stock_compute_loss, cls._get_per_token_logps_and_entropies = upstream, logps_method
+    return report(args, trainer, stock, rows, stock_loss, patched_loss)
+
+
+def unsloth_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
+    from unsloth_adaptive_kl import selfcheck, unsloth_patch
+
+    error = selfcheck.generate_unsloth_trainer()
+    if error is not None:
+        raise RuntimeError(error)
+    trainer = selfcheck.tiny_trainer(output_dir, optim="adamw_torch", warmup_steps=0,
+                                     max_completion_length=args.completion_length,
+                                     generation_kwargs={"min_new_tokens": args.completion_length},
+                                     per_device_train_batch_size=args.completions)
+    shim = unsloth_patch._AdaptiveEfficientGRPO
+    recorded: list = []
+    apply = shim.apply
+
+    def record(*call_args: Any) -> Any:
+        recorded.append(call_args)
+        return apply(*call_args)
+
+    shim.apply = record
+    try:
+        inputs = selfcheck.captured_inputs(trainer, "compute_loss")
+    finally:
+        shim.apply = apply
+    trainer.model.train()
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+
+    def stock_compute_loss() -> torch.Tensor:
+        with selfcheck.stock_unsloth(trainer):  # two attribute swaps
+            return trainer.compute_loss(trainer.model, dict(inputs))
+
+    stock_loss = backward(stock_compute_loss, params)
+    patched_loss = backward(lambda: trainer.compute_loss(trainer.model, dict(inputs)), params)
+    stock = interleaved({"stock": stock_loss}, args.stock_repeats)["stock"]
+
+    # The stub: the compiled loss replaced by one linear in the log-probs; the captured call's other arguments.
+    new, *rest = recorded[-1]
+    new = new.detach().requires_grad_(True)
+
+    class StubLoss:
+        """Stands in for the compiled UnslothEfficientGRPO: its 6 outputs, at almost no cost."""
+
+        @staticmethod
+        def apply(new_logps: torch.Tensor, *_: Any) -> tuple:
+            loss = new_logps.sum() * 1e-3
+            return loss, loss.detach(), loss.detach(), None, None, new_logps.detach()
+
+    def shim_loss() -> torch.Tensor:
+        token = unsloth_patch._ACTIVE.set((trainer, []))
+        try:
+            return shim.apply(new, *rest)[0]
+        finally:
+            unsloth_patch._ACTIVE.reset(token)
+
+    upstream = shim.upstream
+    shim.upstream = StubLoss
+    try:
+        rows = method_rows(args, trainer, stock, {
+            False: backward(lambda: StubLoss.apply(new, *rest)[0], [new]), True: backward(shim_loss, [new]),
+        })
+    finally:
+        shim.upstream = upstream
+    return report(args, trainer, stock, rows, stock_loss, patched_loss)
+
+
+def method_rows(args: argparse.Namespace, trainer: Any, stock: list[float], stubbed: dict[bool, Callable[[], None]]
+                ) -> list[dict[str, Any]]:
+    """(b)-(d) per method: the patched call with the stub against the stub alone."""
+    rows = []
+    base_ops, base_bytes = profile_counts(stubbed[False])
+    for name, settings in METHODS.items():
+        apply_method(trainer, settings)
+        samples = interleaved({"stub": stubbed[False], "patched": stubbed[True]}, args.core_repeats)
+        added = [p - s for p, s in zip(samples["patched"], samples["stub"])]
+        ops, allocated = profile_counts(stubbed[True])
+        low, high = overhead_interval(added, stock)
+        rows.append({
+            "method": name, "added_s": statistics.median(added),
+            "ratio": 1 + statistics.median(added) / statistics.median(stock), "ci": [low, high],
+            "ops_added": ops - base_ops, "bytes_added": allocated - base_bytes,
+        })
+    return rows
+
+
+def report(args: argparse.Namespace, trainer: Any, stock: list[float], rows: list[dict[str, Any]],
+           stock_loss: Callable[[], None], patched_loss: Callable[[], None]) -> dict[str, Any]:
+    """(e): the heaviest method end to end against stock, interleaved, with an A/A control."""
+    heaviest = max(rows, key=lambda row: row["ratio"])
+    apply_method(trainer, METHODS[heaviest["method"]])
+    e2e = interleaved({"stock": stock_loss, "stock (A/A)": stock_loss, heaviest["method"]: patched_loss},
+                      args.e2e_repeats)
+    ratio = statistics.median(e2e[heaviest["method"]]) / statistics.median(e2e["stock"])
+    aa = statistics.median(e2e["stock (A/A)"]) / statistics.median(e2e["stock"])
+    aa_ci = bootstrap_ratio(e2e["stock (A/A)"], e2e["stock"])
+    return {
+        "stock_loss_s": {"median": statistics.median(stock), "min": min(stock), "max": max(stock), "n": len(stock)},
+        "rows": rows,
+        "end_to_end": {
+            "method": heaviest["method"], "ratio": ratio,
+            "ci": list(bootstrap_ratio(e2e[heaviest["method"]], e2e["stock"])), "aa": aa, "aa_ci": list(aa_ci),
+            # the end-to-end ratio lies within the A/A interval's half-width of the decomposed one
+            "consistent": abs(ratio - heaviest["ratio"]) <= (aa_ci[1] - aa_ci[0]) / 2,
+        },
+    }
+
+
+def core_op(repeats: int) -> list[dict[str, Any]]:
+    """The core op alone on a 64 x 4096 per-token KL (90 % valid tokens), eager: the stock k3 expression, and k3 plus
+    each method's adaptation (shaping, reductions, diagnostics), with its aten op count."""
+    from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
+    from unsloth_adaptive_kl.estimators import estimate_kl
+
+    generator = torch.Generator().manual_seed(0)
+    logp = -torch.rand(64, 4096, generator=generator) * 5
+    ref = logp + torch.randn(64, 4096, generator=generator) * 0.3
+    mask = (torch.rand(64, 4096, generator=generator) < 0.9).float()
+    ctx = ReductionContext(max_completion_length=4096, token_normalizer=mask.sum())
+
+    def stock() -> torch.Tensor:
+        delta = ref - logp
+        return torch.exp(delta) - delta - 1
+
+    functions: dict[str, Callable[[], Any]] = {"stock k3": stock}
+    for name, settings in METHODS.items():
+        config = AdaptiveKLConfig(**settings)
+        if config.kl_estimator == "k3":
+            functions[name] = lambda config=config: adapted_kl_term(stock(), mask, config, "dapo", ctx)
+        else:
+            functions[name] = lambda config=config: adapted_kl_term(estimate_kl(logp, ref, mask, config), mask, config,
+                                                                    "dapo", ctx)
+    samples = interleaved(functions, repeats, warmup=20)
+    base = statistics.median(samples["stock k3"])
+    base_ops = profile_counts(stock)[0]
+    return [{"method": name, "median_ms": statistics.median(values) * 1e3,
+             "x_k3": statistics.median(values) / base, "ops": profile_counts(functions[name])[0] - base_ops}
+            for name, values in samples.items()]
+
+
+def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Each trainer in its own process: importing Unsloth rewrites TRL for the whole process."""
+    with tempfile.TemporaryDirectory() as folder:
+        output = os.path.join(folder, "result.json")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        subprocess.run([sys.executable, __file__, *argv, "--trainer", trainer, "--json", output], check=True, env=env,
+                       cwd=folder)
+        with open(output) as f:
+            return json.load(f)
+
+
+def child(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    import unsloth_adaptive_kl  # noqa: F401  (first, as users must)
+
+    with tempfile.TemporaryDirectory() as folder:
+        result = (trl_bench if args.trainer == "trl" else unsloth_bench)(args, folder)
+    with open(args.json, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+def print_table(title: str, result: dict[str, Any]) -> None:
+    stock = result["stock_loss_s"]
+    print(f"\n{title}: stock loss forward + backward {stock['median'] * 1e3:.1f} ms "
+          f"(min {stock['min'] * 1e3:.1f}, max {stock['max'] * 1e3:.1f}, n={stock['n']})")
+    print(f"{'method':36s} {'added ms':>9s} {'overhead':>9s} {'95% interval':>19s} {'ops added':>10s} {'bytes added':>12s}")
+    for row in result["rows"]:
+        print(f"{row['method']:36s} {row['added_s'] * 1e3:9.3f} {row['ratio']:9.4f} "
+              f"[{row['ci'][0]:.4f}, {row['ci'][1]:.4f}] {row['ops_added']:10d} {row['bytes_added']:12d}")
+    e2e = result["end_to_end"]
+    print(f"end to end, {e2e['method']} / stock: {e2e['ratio']:.3f} [{e2e['ci'][0]:.3f}, {e2e['ci'][1]:.3f}]; "
+          f"A/A {e2e['aa']:.3f} [{e2e['aa_ci'][0]:.3f}, {e2e['aa_ci'][1]:.3f}]; consistent with the decomposition: "
+          f"{'yes' if e2e['consistent'] else 'NO'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.trainer is not None:
+        return child(args)
+    started = time.perf_counter()
+    passthrough = [a for a in argv if not a.startswith("--json")]
+    if "--json" in argv:
+        index = argv.index("--json")
+        passthrough = argv[:index] + argv[index + 2:]
+    torch.set_num_threads(1)
+    core = core_op(20 if args.smoke else 300)
+    print("core op, 64 x 4096 per-token KL, eager (ms; x the stock k3 expression; aten ops added)")
+    for row in core:
+        print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}  +{row['ops']} ops")
+    results = {"core_op": core, "trl": run_trainer("trl", args, passthrough)}
+    print_table("TRL GRPOTrainer", results["trl"])
+    if importlib.util.find_spec("unsloth") is not None:
+        results["unsloth"] = run_trainer("unsloth", args, passthrough)
+        print_table("Unsloth's generated trainer", results["unsloth"])
+    rows = [(trainer, row) for trainer in ("trl", "unsloth") if trainer in results for row in results[trainer]["rows"]]
+    trainer, worst = max(rows, key=lambda item: item[1]["ratio"])
+    aa = results[trainer]["end_to_end"]["aa_ci"]
+    results["headline"] = {"trainer": trainer, "method": worst["method"], "ratio": worst["ratio"], "ci": worst["ci"],
+                           "aa": aa, "ops_added": worst["ops_added"], "seconds": time.perf_counter() - started}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"\n{time.perf_counter() - started:.0f} s; JSON in {args.json}")
+    print(f"max_loss_overhead_ratio={worst['ratio']:.3f} ci=[{worst['ci'][0]:.3f},{worst['ci'][1]:.3f}] "
+          f"aa=[{aa[0]:.3f},{aa[1]:.3f}] ops_added={worst['ops_added']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
