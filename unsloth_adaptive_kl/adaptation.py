@@ -199,9 +199,3 @@ def adapted_kl_term(
     else:
         at_threshold = lengths.new_zeros(())
     return KLTerm(raw=raw, adapted=adapted, sequence_kl=raw_sums, lengths=lengths, at_threshold=at_threshold)
-
-
-def pearson_correlation(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """sum((x - mean x)(y - mean y)) / sqrt(sum (x - mean x)^2 * sum (y - mean y)^2); NaN when either is constant."""
-    dx, dy = x - x.mean(), y - y.mean()
-    return (dx * dy).sum() / torch.sqrt((dx * dx).sum() * (dy * dy).sum())

@@ -4,16 +4,25 @@ statistics and their metrics. Trainer-agnostic: the integration passes the cross
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any, Callable
 
 import torch
 
-from .adaptation import KLTerm, pearson_correlation
+from .adaptation import KLTerm
 from .config import AdaptiveKLConfig
 from .controllers import WindowKL, make_beta_controller
 
 METRIC_PREFIX = "adaptive_kl/"
 Gather = Callable[[torch.Tensor], torch.Tensor]
+
+
+def pearson_correlation(x: list[float], y: list[float]) -> float:
+    """sum((x - mean x)(y - mean y)) / sqrt(sum (x - mean x)^2 * sum (y - mean y)^2); NaN when either is constant."""
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    dx, dy = [a - mx for a in x], [b - my for b in y]
+    denominator = math.sqrt(sum(a * a for a in dx) * sum(b * b for b in dy))
+    return sum(a * b for a, b in zip(dx, dy)) / denominator if denominator > 0 else math.nan
 
 
 class AdaptiveKLRuntime:
@@ -50,20 +59,25 @@ class AdaptiveKLRuntime:
             return []
         rows, self._pending = self._pending, []
         sizes = [row.numel() for row in rows]
-        table = gather(torch.cat(rows)).view(-1, sum(sizes))  # one collective and one transfer per step
-        summaries, totals = [], torch.zeros(3, dtype=torch.float64, device=table.device)
-        for block in table.split(sizes, dim=1):
-            size = (block.size(1) - 4) // 2
-            lengths, sequence_kl = block[:, 4 : 4 + size].flatten(), block[:, 4 + size :].flatten()
-            summaries.append(torch.stack([
-                block[:, 0].mean(), block[:, 1].mean(), sequence_kl.mean(),
-                pearson_correlation(lengths.double(), sequence_kl.double()).float(),
-                block[:, 2].sum() / block[:, 3].sum().clamp(min=1),
-            ]))
-            totals += torch.stack([sequence_kl.sum(), lengths.sum(), sequence_kl.new_tensor(float(sequence_kl.numel()))]).double()
-        metrics = [self._metrics(summary, completed_steps) for summary in torch.stack(summaries).tolist()]
+        # One collective and one transfer per step; the rest is O(B) arithmetic on the host.
+        table = gather(torch.cat(rows)).view(-1, sum(sizes)).double().tolist()
+        metrics, kl_sum, tokens, completions = [], 0.0, 0.0, 0
+        start = 0
+        for size in sizes:
+            blocks = [row[start : start + size] for row in table]  # this micro-batch, one block per process
+            start += size
+            completions_here = (size - 4) // 2
+            lengths = [x for block in blocks for x in block[4 : 4 + completions_here]]
+            sequence_kl = [x for block in blocks for x in block[4 + completions_here :]]
+            summary = [
+                statistics.fmean(block[0] for block in blocks), statistics.fmean(block[1] for block in blocks),
+                statistics.fmean(sequence_kl), pearson_correlation(lengths, sequence_kl),
+                sum(block[2] for block in blocks) / max(sum(block[3] for block in blocks), 1.0),
+            ]
+            metrics.append(self._metrics(summary, completed_steps))
+            kl_sum, tokens, completions = kl_sum + sum(sequence_kl), tokens + sum(lengths), completions + len(lengths)
         if train:
-            self._end_step(completed_steps, *totals.tolist())
+            self._end_step(completed_steps, kl_sum, tokens, completions)
         return metrics
 
     def _metrics(self, summary: list[float], completed_steps: int) -> dict[str, float]:
