@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term, trl_patch
+from unsloth_adaptive_kl import trl_patch
 from unsloth_adaptive_kl.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loss_overhead import bootstrap_ratio  # noqa: E402
+from loss_overhead import bootstrap_ratio, core_op  # noqa: E402
 
 # "stock (A/A)" is stock again: its ratio to stock is the noise floor of this machine.
 VARIANTS = ["stock", "stock (A/A)", "none", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
@@ -118,32 +118,6 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
     }
 
 
-def core_microbenchmark(repeats: int = 200) -> dict[str, float]:
-    """Median seconds of the stock k3 expression vs k3 + each method's adaptation and reductions (64 x 4096)."""
-    generator = torch.Generator().manual_seed(0)
-    logp = -torch.rand(64, 4096, generator=generator) * 5
-    ref = logp + torch.randn(64, 4096, generator=generator) * 0.3
-    mask = (torch.rand(64, 4096, generator=generator) < 0.9).float()
-    ctx = ReductionContext(max_completion_length=4096, token_normalizer=mask.sum())
-
-    def stock() -> torch.Tensor:
-        delta = ref - logp
-        return torch.exp(delta) - delta - 1
-
-    functions = {"stock_k3": stock}
-    for method in VARIANTS[2:]:
-        config = AdaptiveKLConfig(kl_adaptation_method=method)
-        functions[method] = lambda config=config: adapted_kl_term(stock(), mask, config, "dapo", ctx)
-    samples: dict[str, list[float]] = {name: [] for name in functions}
-    for iteration in range(repeats + 20):  # round-robin, so that drift and allocator warm-up hit all alike
-        for name, function in functions.items():
-            start = time.perf_counter()
-            function()
-            if iteration >= 20:
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
 def memory_child(variant: str, args: argparse.Namespace) -> None:
     """Run one variant in this fresh process and print its peak RSS (bytes) as JSON."""
     run(variant, args, os.path.join("/tmp", "adaptive_kl_bench_memory"))
@@ -193,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             cuda_peak[variant] = result["cuda_peak_bytes"]
     set_stock(False)
     memory = cuda_peak if torch.cuda.is_available() else {variant: peak_rss(variant, argv) for variant in VARIANTS}
-    core = core_microbenchmark(50 if args.smoke else 300)
+    core = {row["method"]: row["x_k3"] for row in core_op(50 if args.smoke else 300)}
 
     stock_time = statistics.median(times["stock"])
     rows = []
@@ -207,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "extra_forwards": sum(forwards[variant]) - sum(forwards["stock"]),
             "peak_memory_bytes": memory[variant],
             "memory_ratio": memory[variant] / memory["stock"],
-            "core_ratio": core[variant] / core["stock_k3"] if variant in core else None,
+            "core_ratio": core.get(variant),
         })
     print(f"{'variant':<27}{'s/step':>9}{'x stock':>9}{'fwd/step':>10}{'+fwd':>6}{'peak MiB':>10}{'x stock':>9}{'core x k3':>11}")
     for row in rows:
@@ -226,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['variant']:<47}{row['median_step_s']:>9.4f}{row['step_ratio']:>9.3f}"
                   f"{'/'.join(map(str, row['forwards_per_step'])):>10}{row['graphs_added_per_run']:>12}")
     report = {"settings": vars(args), "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
-              "unsloth_rows": unsloth_rows, "core_seconds": core, "step_seconds": times}
+              "unsloth_rows": unsloth_rows, "core_x_k3": core, "step_seconds": times}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
