@@ -132,3 +132,21 @@ def test_log_ratio_of_plus_minus_50_gives_finite_term_and_gradient(method: str) 
 def test_unknown_loss_type_is_rejected_with_the_allowed_values() -> None:
     with pytest.raises(ValueError, match=r"loss_type='nope'.*allowed is one of bnpo, cispo, dapo"):
         loss_type_reduction("nope")
+
+
+def test_infinite_kl_at_a_valid_position_raises_at_the_end_of_the_step_naming_it() -> None:
+    """A NaN at a valid position contributes 0 (stock would turn the loss NaN); an inf makes the reduced KL inf,
+    and the runtime raises when it reads the step's statistics, before the optimizer step."""
+    from unsloth_adaptive_kl.runtime import AdaptiveKLRuntime
+
+    with_nan = KL.clone()
+    with_nan[0, 1] = float("nan")  # valid: row 0 keeps 0.5 + 0.1
+    assert adapted_kl_term(with_nan, MASK, config("none"), "bnpo", CTX).adapted.item() == pytest.approx(3.6 / 4, rel=1e-6)
+    with_inf = KL.clone()
+    with_inf[1, 0] = float("inf")  # valid
+    runtime = AdaptiveKLRuntime(config("none"), beta=0.04)
+    term = adapted_kl_term(with_inf, MASK, config("none"), "bnpo", CTX)
+    identity = lambda tensor: tensor  # noqa: E731  (one process)
+    assert runtime.record(term, gather=identity, train=True, end_of_step=False, completed_steps=7) == []
+    with pytest.raises(FloatingPointError, match=r"non-finite KL at step 7: raw_kl=inf, adapted_kl=inf"):
+        runtime.record(term, gather=identity, train=True, end_of_step=True, completed_steps=7)

@@ -60,8 +60,9 @@ register_reduction = registrar(_REDUCTIONS)
 
 def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """m x, with the NaN that a non-finite value at a padded position gives (inf * 0) set to 0, so it cannot leak
-    into a sum; an infinite value at a valid position stays infinite (and the runtime reports it). A multiply and
-    nan_to_num: on a CPU `torch.where` / `masked_fill` with a bool mask cost 6x a multiply (measured)."""
+    into a sum; an infinite value at a valid position stays infinite (and the runtime reports it), a NaN there
+    becomes 0. A multiply and nan_to_num: on a CPU `torch.where` / `masked_fill` with a bool mask cost 6x a multiply
+    (measured)."""
     return torch.nan_to_num(x * mask, nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
@@ -136,7 +137,7 @@ def loss_type_reduction(loss_type: str) -> str:
 
 def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
     """Apply the named reduction to a per-token tensor."""
-    return _REDUCTIONS[reduction](row_sums(x, mask), mask.sum(-1).to(x.dtype), ctx)
+    return _REDUCTIONS[reduction](row_sums(x, mask), mask.sum(-1, dtype=x.dtype), ctx)
 
 
 def shape_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
