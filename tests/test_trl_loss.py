@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from unsloth_adaptive_kl.selfcheck import backward_grads, loss_and_grads
 from unsloth_adaptive_kl.trainer_hooks import attach_runtime
 
 from .conftest import logged, make_trainer, stock_trl
@@ -92,21 +93,6 @@ def expected_kl_part(trainer, inputs: dict, logp: torch.Tensor) -> torch.Tensor:
     elif args.loss_type == "dapo":  # TRL: num_items_in_batch / processes * GA / steps_per_generation
         term = per_completion_sum.sum() / (inputs["num_items_in_batch"] * GA / args.steps_per_generation) * GA
     return args.beta * term / GA
-
-
-def backward_grads(trainer, loss: torch.Tensor) -> list[torch.Tensor]:
-    """Gradients the way training takes them: `backward()` into `.grad`. None may be missing, and not all zero, so
-    that comparing them cannot pass by comparing zeros."""
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    loss.backward()
-    assert all(p.grad is not None for p in params)
-    grads = [p.grad.detach().clone() for p in params]
-    for p in params:
-        p.grad = None
-    assert any(torch.count_nonzero(g) > 0 for g in grads)
-    return grads
 
 
 def kl_part_and_grads(trainer, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -291,20 +277,6 @@ NO_OP_ADAPTATIONS = {
 SAME_REDUCTION = {"grpo": "sequence_mean", "bnpo": "token_mean"}  # TRL's bnpo: the micro-batch's token mean
 
 
-def loss_and_backward_grads(trainer, inputs: dict) -> tuple[float, list[torch.Tensor]]:
-    """The loss and gradients the way training takes them (`backward()` into `.grad`); none may be missing and
-    not all zero, so that comparing them cannot pass by comparing zeros."""
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    for p in params:
-        p.grad = None
-    loss = trainer._compute_loss(trainer.model, inputs)
-    loss.backward()
-    assert all(p.grad is not None for p in params)
-    grads = [p.grad.detach().clone() for p in params]
-    assert any(torch.count_nonzero(g) > 0 for g in grads)
-    return loss.item(), grads
-
-
 @pytest.mark.parametrize("off_policy", [False, True], ids=["on_policy", "off_policy"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp_path, loss_type, off_policy) -> None:
@@ -319,7 +291,7 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
     if off_policy:
         inputs["old_per_token_logps"] = logp + torch.linspace(0.3, -0.3, logp.numel()).view_as(logp)
     with stock_trl():
-        stock_loss, stock_grads = loss_and_backward_grads(trainer, inputs)
+        stock_loss, stock_grads = loss_and_grads(trainer, "_compute_loss", inputs)
     adaptations = dict(NO_OP_ADAPTATIONS)
     if loss_type in SAME_REDUCTION:
         adaptations["same_reduction"] = dict(kl_reduction=SAME_REDUCTION[loss_type])
@@ -329,7 +301,7 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
         for name, value in {"kl_adaptation_method": "none", "kl_reduction": "loss_type", **settings}.items():
             setattr(trainer.args, name, value)
         attach_runtime(trainer)
-        loss, grads = loss_and_backward_grads(trainer, inputs)
+        loss, grads = loss_and_grads(trainer, "_compute_loss", inputs)
         # The same per-token terms, reduced in another order (the KL on its own, then added).
         assert abs(loss - stock_loss) <= reordered_sum_tolerance(tokens, abs(stock_loss)), label
         grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))

@@ -66,7 +66,8 @@ import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E402
 
-from unsloth_adaptive_kl.selfcheck import stock_unsloth  # noqa: E402
+from unsloth_adaptive_kl.selfcheck import backward_grads, captured_inputs, stock_unsloth  # noqa: E402
+from unsloth_adaptive_kl.selfcheck import loss_and_grads as selfcheck_loss_and_grads  # noqa: E402
 from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
 from tests.test_trl_loss import policy_logps, shaped_by_hand  # noqa: E402  (the same plain forward pass as the TRL tests)
@@ -121,46 +122,11 @@ def logged(trainer: Any, key: str) -> list[Any]:
 
 
 def capture_inputs(trainer: Any) -> dict:
-    """One real micro-batch of prepared inputs, from a training step."""
-    captured: list = []
-    upstream = type(trainer).compute_loss
-
-    def compute_loss(model, inputs, *args, **kwargs):
-        if not captured:
-            captured.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
-        return upstream(trainer, model, inputs, *args, **kwargs)
-
-    trainer.compute_loss = compute_loss
-    trainer.train()
-    del trainer.compute_loss
-    return captured[0]
-
-
-def trained_params(trainer: Any) -> list[torch.Tensor]:
-    return [p for p in trainer.model.parameters() if p.requires_grad]
-
-
-def backward_grads(trainer: Any, loss: torch.Tensor) -> list[torch.Tensor]:
-    """Gradients the way training takes them: `backward()` into `.grad` (under Unsloth's reentrant gradient
-    checkpointing `torch.autograd.grad` returns None for every LoRA parameter). Every trained parameter must get
-    one, and not all of them may be zero, so a comparison of gradients cannot pass by comparing zeros."""
-    params = trained_params(trainer)
-    for p in params:
-        p.grad = None
-    loss.backward()
-    missing = sum(p.grad is None for p in params)
-    assert missing == 0, f"{missing} of {len(params)} trained parameters got no gradient"
-    grads = [p.grad.detach().clone() for p in params]
-    assert any(torch.count_nonzero(g) > 0 for g in grads), "every gradient is zero"
-    for p in params:
-        p.grad = None
-    return grads
+    return captured_inputs(trainer, "compute_loss")
 
 
 def loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor]]:
-    trainer.model.train()
-    loss = trainer.compute_loss(trainer.model, dict(inputs))
-    return loss.item(), backward_grads(trainer, loss)
+    return selfcheck_loss_and_grads(trainer, "compute_loss", inputs)
 
 
 def stock_loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor]]:

@@ -85,7 +85,7 @@ def tiny_trainer(output_dir: str, **overrides: Any) -> Any:
 
 
 def captured_inputs(trainer: Any, compute: str) -> dict:
-    """One real micro-batch of prepared inputs from a training step, with a reference 1 nat away per token."""
+    """One real micro-batch of prepared inputs, from a training step (`compute`: the trainer's loss method name)."""
     captured: list = []
     upstream = getattr(type(trainer), compute)
 
@@ -97,40 +97,61 @@ def captured_inputs(trainer: Any, compute: str) -> dict:
     setattr(trainer, compute, capture)
     trainer.train()
     delattr(trainer, compute)
-    inputs = captured[0]
-    inputs["ref_per_token_logps"] = inputs["ref_per_token_logps"] + torch.linspace(
-        -1.0, 1.0, inputs["ref_per_token_logps"].numel(), device=inputs["ref_per_token_logps"].device
-    ).view_as(inputs["ref_per_token_logps"])
-    return inputs
+    return captured[0]
 
 
-def loss_and_grads(trainer: Any, compute: str, inputs: dict) -> tuple[float, list[torch.Tensor]]:
-    """The loss and gradients the way training takes them (`backward()` into `.grad`)."""
-    trainer.model.train()
+class MissingGradients(RuntimeError):
+    """A trained parameter got no gradient, or every gradient is zero: a comparison would compare nothing."""
+
+
+def backward_grads(trainer: Any, loss: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients the way training takes them: `backward()` into `.grad` (under Unsloth's reentrant gradient
+    checkpointing `torch.autograd.grad` returns None for every LoRA parameter). Every trained parameter must get one
+    and not all may be zero, so that comparing gradients cannot pass by comparing zeros; `.grad` is cleared after."""
     params = [p for p in trainer.model.parameters() if p.requires_grad]
     for p in params:
         p.grad = None
-    loss = getattr(trainer, compute)(trainer.model, dict(inputs))
     loss.backward()
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in params]
+    missing = sum(p.grad is None for p in params)
+    if missing:
+        raise MissingGradients(f"{missing} of {len(params)} trained parameters got no gradient")
+    grads = [p.grad.detach().clone() for p in params]
     for p in params:
         p.grad = None
-    return loss.item(), grads
+    if not any(torch.count_nonzero(g) > 0 for g in grads):
+        raise MissingGradients("every gradient is zero")
+    return grads
+
+
+def loss_and_grads(trainer: Any, compute: str, inputs: dict) -> tuple[float, list[torch.Tensor]]:
+    """The trainer's loss (`compute`: its loss method name) on `inputs`, and its gradients (`backward_grads`)."""
+    trainer.model.train()
+    loss = getattr(trainer, compute)(trainer.model, dict(inputs))
+    return loss.item(), backward_grads(trainer, loss)
 
 
 def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[], Any]) -> list[Check]:
-    """`none` and the no-op clip against the stock loss on one captured batch."""
+    """`none` and the no-op clip against the stock loss on one captured batch, its reference 1 nat away per token."""
     inputs = captured_inputs(trainer, compute)
-    with stock():
-        stock_loss, stock_grads = loss_and_grads(trainer, compute, inputs)
+    ref = inputs["ref_per_token_logps"]
+    inputs["ref_per_token_logps"] = ref + torch.linspace(-1.0, 1.0, ref.numel(), device=ref.device).view_as(ref)
+    try:
+        with stock():
+            stock_loss, stock_grads = loss_and_grads(trainer, compute, inputs)
+    except MissingGradients as error:
+        return [Check(f"{name}: stock gradients", False, str(error))]
     tokens = int(inputs["completion_mask"].sum())
     grad_scale = max(g.abs().max().item() for g in stock_grads)
-    checks = [Check(f"{name}: stock gradients", grad_scale > 0, f"max |grad| {grad_scale:.3g}")]
+    checks = [Check(f"{name}: stock gradients", True, f"max |grad| {grad_scale:.3g}")]
     for label, settings in (("none", {}), ("clip above every KL", NO_OP_CLIP)):
         for field, value in {"kl_adaptation_method": "none", **settings}.items():
             setattr(trainer.args, field, value)
         attach_runtime(trainer)
-        loss, grads = loss_and_grads(trainer, compute, inputs)
+        try:
+            loss, grads = loss_and_grads(trainer, compute, inputs)
+        except MissingGradients as error:
+            checks.append(Check(f"{name}: {label} == stock", False, str(error)))
+            continue
         loss_diff = abs(loss - stock_loss)
         grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))
         ok = (loss_diff <= reordered_sum_tolerance(tokens, abs(stock_loss))

@@ -130,7 +130,9 @@ class _AdaptiveEfficientGRPO:
         stock = config.is_stock_kl
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
                                           beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
-        with torch.no_grad() if stock else contextlib.nullcontext():
+        # The trainer's own KL carries the gradient only where the adapted term is built from it.
+        metrics_only = stock or config.kl_estimator != "k3"
+        with torch.no_grad() if metrics_only else contextlib.nullcontext():
             kl, mean_kl = cls.trainer_kl(new, old, ref, sampling, input_ids, mask, advantages, beta, kwargs)
         if config.kl_estimator != "k3":
             kl = estimate_kl(new, ref, mask, config)
