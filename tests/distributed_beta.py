@@ -1,4 +1,5 @@
-"""Run by test_dynamic_beta under `torchrun --nproc_per_node 2`: each rank writes the betas it used."""
+"""Run by test_dynamic_beta under `torchrun --nproc_per_node 2`: each rank writes the betas (and, with the KL in the
+reward, the penalties) it used."""
 
 from __future__ import annotations
 
@@ -21,23 +22,26 @@ def rank_reward(completions: list[str], **kwargs: Any) -> list[float]:
 def main(output_dir: str) -> None:
     tokenizer = build_tokenizer()
     runs = {}
-    for threshold in (0.7, 0.9):
+    for placement, threshold in (("loss", 0.7), ("loss", 0.9), ("reward", 0.7)):
         trainer = make_trainer(
             tokenizer,
-            os.path.join(output_dir, f"threshold{threshold}"),
+            os.path.join(output_dir, f"{placement}{threshold}"),
             rank_reward,
             kl_adaptation_method="dynamic",
             reward_threshold=threshold,
             dynamic_beta_decay=0.5,
             gradient_accumulation_steps=1,
             max_steps=3,
+            kl_placement=placement,
+            kl_reduction="sequence_sum" if placement == "reward" else "loss_type",
         )
         trainer.train()
-        runs[threshold] = {
+        runs[f"{placement} {threshold}"] = {
             "reward": logged(trainer, "reward"),
             "betas": logged(trainer, "adaptive_kl/current_beta"),
             "raw_kl": logged(trainer, "adaptive_kl/raw_kl"),
             "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"),
+            "reward_penalty": logged(trainer, "adaptive_kl/reward_penalty"),
             "final_beta": trainer.current_beta,
         }
     with open(os.path.join(output_dir, f"rank{os.environ['RANK']}.json"), "w") as f:

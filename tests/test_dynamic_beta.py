@@ -90,10 +90,15 @@ def test_two_processes_share_the_globally_averaged_beta(tmp_path) -> None:
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert ranks[0] == ranks[1]  # beta and the KL metrics: averaged over both processes, so identical on each
-    assert max(ranks[0]["0.7"]["raw_kl"]) > 0 and max(ranks[0]["0.7"]["sequence_kl"]) > 0
-    for threshold, run in ranks[0].items():
-        assert run["reward"] == pytest.approx([0.8, 0.8, 0.8])
+    assert ranks[0] == ranks[1]  # beta, the KL metrics and the penalties: over both processes, identical on each
+    assert max(ranks[0]["loss 0.7"]["raw_kl"]) > 0 and max(ranks[0]["loss 0.7"]["sequence_kl"]) > 0
+    # with the KL in the reward: the penalty is beta * the summed KL per completion, over both ranks' completions
+    in_reward = ranks[0]["reward 0.7"]
+    assert in_reward["reward_penalty"] == pytest.approx([b * kl for b, kl in zip(in_reward["betas"], in_reward["sequence_kl"])])
+    assert max(in_reward["reward_penalty"]) > 0
+    for name, run in ranks[0].items():
+        threshold = float(name.split()[1])
+        assert run["reward"] == pytest.approx([0.8, 0.8, 0.8])  # un-penalised, as stock logs it
         decay = 0.5 if float(threshold) < 0.8 else 1.0
         assert run["betas"] == pytest.approx([0.04, 0.04 * decay, 0.04 * decay**2])
         assert run["final_beta"] == pytest.approx(0.04 * decay**3)

@@ -200,3 +200,46 @@ def adapted_kl_term(
     else:
         at_threshold = lengths.new_zeros(())
     return KLTerm(raw=raw, adapted=adapted, sequence_kl=raw_sums, lengths=lengths, at_threshold=at_threshold)
+
+
+# ----- the KL in the reward (kl_placement="reward") -------------------------------------------------------------
+
+# KL_i from the per-completion sums S_i and lengths L_i; with the KL in the reward "loss_type" means the sum.
+COMPLETION_KL_REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "sequence_sum": lambda sums, lengths: sums,  # KL_i = S_i, the sequence-level KL: every extra token adds k >= 0
+    "sequence_mean": lambda sums, lengths: sums / lengths.clamp(min=1.0),  # KL_i = S_i / L_i, the per-token mean
+}
+COMPLETION_KL_REDUCTIONS["loss_type"] = COMPLETION_KL_REDUCTIONS["sequence_sum"]
+
+
+@dataclass
+class CompletionKL:
+    """One generation batch's per-completion KL, for the reward penalty r_i - beta * adapted_i.
+
+    raw: KL_i of the un-shaped per-token KL. adapted: KL_i of the shaped (clip/sigmoid) per-token KL.
+    sequence_kl: S_i = sum_t m k (un-shaped). lengths: L_i. at_threshold: valid tokens with k >= kl_clip_threshold
+    (`clip` only; 0 otherwise). All detached: the penalty enters the advantages, not the gradient."""
+
+    raw: torch.Tensor
+    adapted: torch.Tensor
+    sequence_kl: torch.Tensor
+    lengths: torch.Tensor
+    at_threshold: torch.Tensor
+
+
+@torch.no_grad()
+def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig) -> CompletionKL:
+    """KL_i = reduce_t(shape(k_i,t)) per completion: shaping (clip/sigmoid) per token, then `kl_reduction`
+    (`sequence_sum`: S_i = sum_t m k'; `sequence_mean`: S_i / max(L_i, 1)). One masked pass, as `adapted_kl_term`."""
+    reduce = COMPLETION_KL_REDUCTIONS[config.kl_reduction]
+    valid_kl = masked(kl, mask)
+    lengths = mask.sum(-1, dtype=kl.dtype)
+    shaped = shape_kl(valid_kl, config)
+    sums = valid_kl.sum(-1)
+    raw = reduce(sums, lengths)
+    adapted = raw if shaped is valid_kl else reduce(shaped.sum(-1), lengths)
+    if "clip" in config.kl_methods:
+        at_threshold = (valid_kl >= config.kl_clip_threshold).sum(dtype=kl.dtype)
+    else:
+        at_threshold = lengths.new_zeros(())
+    return CompletionKL(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold)

@@ -22,6 +22,9 @@ METHODS = SHAPING_METHODS + LENGTH_METHODS + BETA_METHODS
 METHOD_SEPARATOR = "+"
 KL_REDUCTIONS = ("loss_type", "sequence_mean", "token_mean", "sequence_sum")
 TARGET_MEASURES = ("token_mean", "sequence_sum")
+KL_PLACEMENTS = ("loss", "reward")
+# With the KL in the reward each completion gets one KL_i: reductions that give one per completion.
+REWARD_KL_REDUCTIONS = ("loss_type", "sequence_sum", "sequence_mean")
 
 
 def _reject(name: str, value: Any, allowed: str) -> ValueError:
@@ -152,6 +155,13 @@ class AdaptiveKLConfig:
         metadata={"help": "`target`: the KL compared with kl_target: 'token_mean' (per-token) or 'sequence_sum' "
                   "(per completion)."},
     )
+    kl_placement: str = field(
+        default="loss",
+        metadata={"help": "Where beta * KL acts: 'loss' (stock: a KL term in the loss) or 'reward' (each "
+                  "completion's reward becomes r_i - beta * KL_i before the advantages; the KL loss term is off). "
+                  "With 'reward', kl_reduction picks KL_i: 'sequence_sum' (also what 'loss_type' means there) or "
+                  "'sequence_mean'."},
+    )
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -159,7 +169,8 @@ class AdaptiveKLConfig:
             parent_post_init()
         # Stored canonically so to_dict()/YAML/CLI round-trip it as one string.
         self.kl_adaptation_method = "+".join(parse_methods(self.kl_adaptation_method)) or "none"
-        self.validate_adaptive_kl(beta=getattr(self, "beta", None))
+        self.validate_adaptive_kl(beta=getattr(self, "beta", None),
+                                  multi_objective_aggregation=getattr(self, "multi_objective_aggregation", None))
 
     @property
     def kl_methods(self) -> tuple[str, ...]:
@@ -169,9 +180,16 @@ class AdaptiveKLConfig:
     @property
     def is_stock_kl(self) -> bool:
         """True when the KL term is the trainer's own: no method, stock estimator and reduction."""
-        return not self.kl_methods and self.kl_estimator == "k3" and self.kl_reduction == "loss_type"
+        return (not self.kl_methods and self.kl_estimator == "k3" and self.kl_reduction == "loss_type"
+                and self.kl_placement == "loss")
 
-    def validate_adaptive_kl(self, beta: Optional[float] = None) -> None:
+    @property
+    def kl_in_reward(self) -> bool:
+        """True when beta * KL_i is subtracted from each completion's reward instead of added to the loss."""
+        return self.kl_placement == "reward"
+
+    def validate_adaptive_kl(self, beta: Optional[float] = None,
+                             multi_objective_aggregation: Optional[str] = None) -> None:
         """Raise ValueError naming the field, the value and what is allowed for the first bad field."""
         methods = parse_methods(self.kl_adaptation_method)
         _check_real("kl_clip_threshold", self.kl_clip_threshold,
@@ -211,9 +229,28 @@ class AdaptiveKLConfig:
             raise _reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
         if "target" in methods and not self.kl_target > 0:
             raise _reject("kl_target", self.kl_target, "a finite number > 0 with kl_adaptation_method target")
+        self._validate_placement(methods, multi_objective_aggregation)
         steps = self.beta_schedule_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise _reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")
+
+
+    def _validate_placement(self, methods: tuple[str, ...], multi_objective_aggregation: Optional[str]) -> None:
+        if self.kl_placement not in KL_PLACEMENTS:
+            raise _reject("kl_placement", self.kl_placement, f"one of {', '.join(KL_PLACEMENTS)}")
+        if self.kl_placement != "reward":
+            return
+        if "length_normalized" in methods:
+            raise _reject("kl_adaptation_method", self.kl_adaptation_method,
+                          "methods without length_normalized with kl_placement='reward' (there each completion's KL "
+                          "is already one number per completion: choose it with kl_reduction='sequence_mean')")
+        if self.kl_reduction not in REWARD_KL_REDUCTIONS:
+            raise _reject("kl_reduction", self.kl_reduction,
+                          f"one of {', '.join(REWARD_KL_REDUCTIONS)} with kl_placement='reward' (one KL per completion)")
+        if multi_objective_aggregation not in (None, "sum_then_normalize"):
+            raise _reject("multi_objective_aggregation", multi_objective_aggregation,
+                          "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
+                          "reward before the group statistics)")
 
 
 ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)
@@ -224,5 +261,6 @@ def adaptive_kl_config_from(args: Any) -> AdaptiveKLConfig:
     stock `GRPOConfig` built before patching means 'none')."""
     values = {name: getattr(args, name) for name in ADAPTIVE_KL_FIELDS if hasattr(args, name)}
     config = AdaptiveKLConfig(**values)
-    config.validate_adaptive_kl(beta=getattr(args, "beta", None))
+    config.validate_adaptive_kl(beta=getattr(args, "beta", None),
+                                multi_objective_aggregation=getattr(args, "multi_objective_aggregation", None))
     return config

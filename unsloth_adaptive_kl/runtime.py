@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from .adaptation import KLTerm
+from .adaptation import CompletionKL, KLTerm
 from .config import AdaptiveKLConfig
 from .controllers import WindowKL, make_beta_controller
 
@@ -36,6 +36,7 @@ class AdaptiveKLRuntime:
         self.config = config
         self.controller = make_beta_controller(beta, config)
         self._pending: list[torch.Tensor] = []  # one row per micro-batch of this step, on the device
+        self._generation_window: WindowKL | None = None  # kl_placement="reward": the KL of the batch being scored
 
     @property
     def current_beta(self) -> float:
@@ -80,7 +81,42 @@ class AdaptiveKLRuntime:
             self._end_step(completed_steps, kl_sum, tokens, completions)
         return metrics
 
-    def _metrics(self, summary: list[float], completed_steps: int) -> dict[str, float]:
+    def reward_penalty(
+        self, term: CompletionKL, *, gather: Gather, train: bool, completed_steps: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """kl_placement="reward": the penalty beta_t * KL_i of every completion of a generation batch, over all
+        processes in process order (as the trainer gathers its rewards), and its metrics. beta_t is the beta after
+        `completed_steps` optimizer steps (the schedule cut-off applied); `end_generation` then updates it from this
+        batch. One collective and one host transfer."""
+        if train:  # no new generation batch has been observed: only the beta_schedule_steps cut-off can apply
+            self.controller.step(completed_steps)
+        beta = self.current_beta
+        penalty = beta * term.adapted
+        n = penalty.numel()
+        row = torch.cat([penalty, term.raw, term.adapted, term.lengths, term.sequence_kl, term.at_threshold.view(1)])
+        table = gather(row.float()).view(-1, row.numel())
+        columns: list[list[float]] = [[], [], [], [], []]  # penalty, raw, adapted, L_i, S_i; one block per process
+        at_threshold = 0.0
+        for block in table.double().tolist():
+            for index, column in enumerate(columns):
+                column.extend(block[index * n : (index + 1) * n])
+            at_threshold += block[5 * n]
+        penalties, raws, adapteds, lengths, sequence_kl = columns
+        summary = [statistics.fmean(raws), statistics.fmean(adapteds), statistics.fmean(sequence_kl),
+                   pearson_correlation(lengths, sequence_kl), at_threshold / max(sum(lengths), 1.0)]
+        metrics = self._metrics(summary, completed_steps, reward_penalty=statistics.fmean(penalties))
+        self._generation_window = WindowKL(token_mean=sum(sequence_kl) / max(sum(lengths), 1.0),
+                                           sequence_sum=statistics.fmean(sequence_kl), completions=len(lengths))
+        return table[:, :n].reshape(-1), metrics
+
+    def end_generation(self, mean_reward: float, completed_steps: int) -> None:
+        """kl_placement="reward": after a training generation batch is scored, the controller reads its un-penalised
+        mean reward (`dynamic`) and its KL (`target`); the new beta penalises the next batch."""
+        self.controller.observe_rewards(mean_reward)
+        window, self._generation_window = self._generation_window, None
+        self.controller.step(completed_steps, window)
+
+    def _metrics(self, summary: list[float], completed_steps: int, **extra: float) -> dict[str, float]:
         raw_kl, adapted_kl, mean_sequence_kl, correlation, clip_fraction = summary
         if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
             raise FloatingPointError(
@@ -93,6 +129,7 @@ class AdaptiveKLRuntime:
             "current_beta": self.current_beta,
             "sequence_kl": mean_sequence_kl,
             "length_kl_corr": correlation,
+            **extra,
         }
         if "clip" in self.config.kl_methods:
             metrics["clip_fraction"] = clip_fraction

@@ -6,20 +6,24 @@ Each keeps the upstream signature and source visible (`functools.wraps`): Unslot
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import math
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .adaptation import kl_reduction, loss_type_reduction
+from .adaptation import completion_kl, kl_reduction, loss_type_reduction
 from .config import adaptive_kl_config_from
+from .estimators import estimate_kl
 from .runtime import AdaptiveKLRuntime
+from .versions import GENERATION_LOCALS
 
 STATE_FILE = "adaptive_kl_state.json"
 AnchorError = Callable[[], Exception]
@@ -90,19 +94,117 @@ def wrap_init(upstream: Callable) -> Callable:
     return __init__
 
 
+class _CallRecorder:
+    """Stands in for `trainer._get_per_token_logps_and_entropies` during one generation: records each call's
+    arguments, so the reference forward can be replayed with the policy."""
+
+    def __init__(self, method: Callable) -> None:
+        self.method = method
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append((args, kwargs))
+        return self.method(*args, **kwargs)
+
+    def replay_with(self, model: Any) -> torch.Tensor:
+        """The log-probs of the last call's sequences under `model` (the policy), without gradient."""
+        args, kwargs = self.calls[-1]
+        if args:
+            args = (model, *args[1:])
+        else:
+            kwargs = {**kwargs, "model": model}
+        with torch.no_grad():
+            return self.method(*args, **kwargs)[0]
+
+
+@contextlib.contextmanager
+def _overridden(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """`owner.name = value` for the block (an instance attribute), then the previous state exactly."""
+    previous = vars(owner).get(name, _overridden)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        if previous is _overridden:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+
+
+def _policy_logps(trainer: Any, found: dict, recorder: _CallRecorder) -> torch.Tensor:
+    """The policy's log-probs of the sampled tokens: the trainer's old log-probs where it computed them, vLLM's
+    sampling log-probs where present, otherwise one no-grad forward (the reference forward replayed with the policy)."""
+    for name in ("old_per_token_logps", "sampling_per_token_logps"):
+        if found[name] is not None:
+            return found[name]
+    return recorder.replay_with(trainer.model)
+
+
+def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], Exception]) -> Callable:
+    """_calculate_rewards, for kl_placement="reward": the rewards it returns (all processes) gain a column,
+    -beta_t * KL_i, which the trainer's weighted reward sum (its weight is 1 for the call, see
+    `wrap_generate_and_score`) subtracts before the group statistics and advantages. KL_i comes from the caller's
+    reference and policy log-probs; unscored completions (every reward NaN) stay unscored."""
+
+    @functools.wraps(upstream)
+    def _calculate_rewards(self: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rewards_per_func = upstream(self, *args, **kwargs)
+        scoring = getattr(self, "_adaptive_kl_scoring", None)
+        if scoring is None:
+            return rewards_per_func
+        caller = sys._getframe(1).f_locals
+        absent = [name for name in GENERATION_LOCALS if name not in caller]
+        if absent:
+            raise missing_locals(absent[0])
+        found = {name: caller[name] for name in GENERATION_LOCALS}
+        mask = found["completion_mask"] if found["tool_mask"] is None else found["completion_mask"] * found["tool_mask"]
+        config = self.adaptive_kl.config
+        policy = _policy_logps(self, found, scoring["recorder"])
+        kl = estimate_kl(policy, found["ref_per_token_logps"], mask, config)
+        penalty, metrics = self.adaptive_kl.reward_penalty(
+            completion_kl(kl, mask, config), gather=self.accelerator.gather, train=scoring["train"],
+            completed_steps=self.state.global_step,
+        )
+        column = -penalty.to(rewards_per_func.device, rewards_per_func.dtype)
+        column = column.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)
+        scoring.update(metrics=metrics, mean_penalty=-torch.nanmean(column).nan_to_num(0.0).item())
+        self.reward_weights = torch.cat([self.reward_weights, self.reward_weights.new_ones(1)])
+        return torch.cat([rewards_per_func, column[:, None]], dim=1)
+
+    return _calculate_rewards
+
+
 def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorError) -> Callable:
     """_generate_and_score_completions: read the global mean reward it appends to `_metrics["train"]["reward"]`
-    (`missing_reward_metric()` is raised when it appended none)."""
+    (`missing_reward_metric()` is raised when it appended none). With kl_placement="reward" it scores with the KL
+    penalty (`wrap_calculate_rewards`) and leaves the stock `reward` metric un-penalised: the mean penalty over the
+    scored completions is added back to it."""
 
     @functools.wraps(upstream)
     def _generate_and_score_completions(self: Any, *args: Any, **kwargs: Any) -> Any:
-        rewards = self._metrics["train"]["reward"]
+        mode = "train" if self.model.training else "eval"
+        rewards = self._metrics[mode]["reward"]
         logged = len(rewards)
-        output = upstream(self, *args, **kwargs)
-        if self.model.training:
-            if len(rewards) != logged + 1:
-                raise missing_reward_metric()
-            self.adaptive_kl.observe_rewards(rewards[-1])
+        runtime = self.adaptive_kl
+        if not (runtime.config.kl_in_reward and self.beta != 0.0):
+            output = upstream(self, *args, **kwargs)
+            if mode == "train":
+                if len(rewards) != logged + 1:
+                    raise missing_reward_metric()
+                runtime.observe_rewards(rewards[-1])
+            return output
+        scoring = {"train": mode == "train", "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
+        with _overridden(self, "_adaptive_kl_scoring", scoring), \
+                _overridden(self, "_get_per_token_logps_and_entropies", scoring["recorder"]), \
+                _overridden(self, "reward_weights", self.reward_weights):
+            output = upstream(self, *args, **kwargs)
+        if len(rewards) != logged + 1 or "metrics" not in scoring:
+            raise missing_reward_metric()
+        rewards[-1] += scoring["mean_penalty"]
+        for name, value in scoring["metrics"].items():
+            self._metrics[mode][name].append(value)
+        if mode == "train":
+            runtime.end_generation(rewards[-1], self.state.global_step)
         return output
 
     return _generate_and_score_completions

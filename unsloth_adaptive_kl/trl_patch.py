@@ -28,6 +28,7 @@ from .trainer_hooks import (
     KLTermProbe,
     current_beta,
     record_metrics,
+    wrap_calculate_rewards,
     wrap_generate_and_score,
     wrap_init,
     wrap_load_optimizer_and_scheduler,
@@ -43,6 +44,7 @@ from .versions import (
     Anchor,
     anchor_error,
     check_anchors,
+    generation_local,
 )
 
 StockGRPOConfig = trl_grpo_config.GRPOConfig
@@ -51,6 +53,7 @@ StockGRPOTrainer = trl_grpo_trainer.GRPOTrainer
 _stock_init = StockGRPOTrainer.__init__
 _stock_compute_loss = StockGRPOTrainer._compute_loss
 _stock_generate_and_score = StockGRPOTrainer._generate_and_score_completions
+_stock_calculate_rewards = StockGRPOTrainer._calculate_rewards
 _stock_save_checkpoint = StockGRPOTrainer._save_checkpoint
 _stock_load_optimizer_and_scheduler = StockGRPOTrainer._load_optimizer_and_scheduler
 
@@ -117,12 +120,26 @@ def _stock_loss_and_kl(trainer: Any, model: Any, inputs: dict, config: AdaptiveK
     return loss, estimate_kl(logps_probe.logps[0], inputs["ref_per_token_logps"], mask, config)
 
 
+def _stock_loss_without_kl_term(trainer: Any, model: Any, inputs: dict) -> torch.Tensor:
+    """The stock `_compute_loss` with its `beta * per_token_kl` term set to 0 (its `kl` metric still logged)."""
+    probe = KLTermProbe(trainer.beta, keep_stock_term=False)
+    trainer.beta = probe
+    try:
+        loss = _stock_compute_loss(trainer, model, inputs)
+    finally:
+        trainer.beta = float(probe)
+    probe.single_capture(_missing(TRL_KL_LINE))
+    return loss
+
+
 # Replaces trl.GRPOTrainer._compute_loss (wraps it; the loss is then its policy part + beta_t * adapted KL).
 @functools.wraps(_stock_compute_loss)
 def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     if self.beta == 0.0:
         return _stock_compute_loss(self, model, inputs)
     config = self.adaptive_kl.config
+    if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term
+        return _stock_loss_without_kl_term(self, model, inputs)
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
@@ -140,6 +157,7 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
 # Built once, so that patch() after unpatch() installs the very same objects.
 _init = wrap_init(_stock_init)
 _generate_and_score_completions = wrap_generate_and_score(_stock_generate_and_score, _missing(TRL_REWARD_METRIC))
+_calculate_rewards = wrap_calculate_rewards(_stock_calculate_rewards, lambda name: anchor_error("trl", generation_local(name)))
 _save_checkpoint = wrap_save_checkpoint(_stock_save_checkpoint)
 _load_optimizer_and_scheduler = wrap_load_optimizer_and_scheduler(_stock_load_optimizer_and_scheduler)
 _current_beta = property(current_beta)
@@ -163,6 +181,8 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         (StockGRPOTrainer, "_compute_loss", _compute_loss),
         # GRPOTrainer._generate_and_score_completions: reads the mean reward for the beta controller.
         (StockGRPOTrainer, "_generate_and_score_completions", _generate_and_score_completions),
+        # GRPOTrainer._calculate_rewards: kl_placement="reward" adds the KL penalty column to the rewards.
+        (StockGRPOTrainer, "_calculate_rewards", _calculate_rewards),
         # GRPOTrainer._save_checkpoint / _load_optimizer_and_scheduler: the controller state in checkpoints.
         (StockGRPOTrainer, "_save_checkpoint", _save_checkpoint),
         (StockGRPOTrainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),

@@ -8,8 +8,8 @@ its `_patch_trl_rl_trainers`; once that has generated the trainer, `_install` ho
 - the module global `UnslothEfficientGRPO` (used by the inlined `grpo_accumulated_loss`) becomes
   `_AdaptiveEfficientGRPO`, which runs Unsloth's compiled loss with beta=0.0 (a constant: no recompiles, however
   beta moves) and adds beta_t * adapted KL, computed eagerly from the same log-probs, outside the compiled region;
-- `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_save_checkpoint` and
-  `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration.
+- `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_calculate_rewards`,
+  `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from .trainer_hooks import (
     KLTermProbe,
     current_beta,
     record_metrics,
+    wrap_calculate_rewards,
     wrap_generate_and_score,
     wrap_init,
     wrap_load_optimizer_and_scheduler,
@@ -48,6 +49,7 @@ from .versions import (
     anchor_error,
     check_anchors,
     describe,
+    generation_local,
     source,
     unsloth_bnpo_rule,
     warn_if_untested,
@@ -131,9 +133,13 @@ class _AdaptiveEfficientGRPO:
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
                                           beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
         # The trainer's own KL carries the gradient only where the adapted term is built from it.
-        metrics_only = stock or config.kl_estimator != "k3"
+        metrics_only = stock or config.kl_estimator != "k3" or config.kl_in_reward
         with torch.no_grad() if metrics_only else contextlib.nullcontext():
             kl, mean_kl = cls.trainer_kl(new, old, ref, sampling, input_ids, mask, advantages, beta, kwargs)
+        if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term
+            outputs[2] = mean_kl
+            calls.append(None)
+            return tuple(outputs)
         if config.kl_estimator != "k3":
             kl = estimate_kl(new, ref, mask, config)
         loss_type, ctx = _reduction(kwargs, cls.bnpo_rule)
@@ -160,7 +166,8 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
             _ACTIVE.reset(token)
         if len(calls) != 1:
             raise _missing("unsloth_zoo", UNSLOTH_LOSS_CALL)()
-        record_metrics(self, calls[0])
+        if calls[0] is not None:
+            record_metrics(self, calls[0])
         return loss
 
     return compute_loss
@@ -202,6 +209,9 @@ def _install(trainer_class: type) -> None:
     _patches.replace(trainer_class, "_generate_and_score_completions",
              wrap_generate_and_score(trainer_class._generate_and_score_completions,
                                      _missing("unsloth", UNSLOTH_REWARD_METRIC)))
+    _patches.replace(trainer_class, "_calculate_rewards",
+             wrap_calculate_rewards(trainer_class._calculate_rewards,
+                                    lambda name: anchor_error("unsloth", generation_local(name), "Unsloth's generated trainer: ")))
     _patches.replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
     _patches.replace(trainer_class, "_load_optimizer_and_scheduler",
              wrap_load_optimizer_and_scheduler(trainer_class._load_optimizer_and_scheduler))

@@ -54,6 +54,32 @@ TRL_LOGPS_CALL = Anchor("GRPOTrainer._compute_loss", "= self._get_per_token_logp
                         "the policy log-probs, for a non-default kl_estimator")
 TRL_REWARD_METRIC = Anchor("GRPOTrainer._generate_and_score_completions", 'self._metrics[mode]["reward"].append(',
                            "the mean reward the dynamic beta reads")
+
+
+def reward_placement_anchors(function: str) -> tuple[Anchor, ...]:
+    """kl_placement="reward" in a `_generate_and_score_completions` (TRL's, or Unsloth's copy of it): the call whose
+    rewards gain the penalty column, the weighted sum that subtracts it before the advantages, the unscored rows that
+    keep no penalty, and the log-prob locals read at the call."""
+    reason = "read where it calls _calculate_rewards, for the KL in the reward"
+    return (
+        Anchor(function, "rewards_per_func = self._calculate_rewards(", "the rewards the KL penalty joins"),
+        Anchor(function, "rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)",
+               "the weighted reward sum that subtracts the KL penalty before the advantages"),
+        Anchor(function, "unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)",
+               "unscored completions, which take no KL penalty"),
+        *(Anchor(function, f"{name} = ", reason) for name in GENERATION_LOCALS),
+    )
+
+
+def generation_local(name: str) -> Anchor:
+    """The anchor of a `_generate_and_score_completions` local that was absent at the `_calculate_rewards` call."""
+    return Anchor("_generate_and_score_completions", f"{name} = ",
+                  "read where it calls _calculate_rewards, for the KL in the reward")
+
+
+# The locals of `_generate_and_score_completions` read where it calls `_calculate_rewards` (kl_placement="reward").
+GENERATION_LOCALS = ("old_per_token_logps", "sampling_per_token_logps", "ref_per_token_logps", "completion_mask",
+                     "tool_mask")
 TRL_ANCHORS = (
     TRL_KL_LINE,
     TRL_LOGPS_CALL,
@@ -78,6 +104,7 @@ TRL_ANCHORS = (
            signature=True),
     Anchor("GRPOTrainer._load_optimizer_and_scheduler", "self, checkpoint", "the beta state restored on resume",
            signature=True),
+    *reward_placement_anchors("GRPOTrainer._generate_and_score_completions"),
 )
 # trl 1.15 imports its Triton log-prob kernel with a None fallback and has no CPU path: trl_cpu_fallback serves CPU.
 TRL_KERNEL_WITHOUT_CPU_PATH = "_ChunkedLogProbFunction = None"
@@ -101,6 +128,7 @@ UNSLOTH_ANCHORS = (
            "the dr_grpo reduction"),
     Anchor("grpo_compute_loss", "normalizer = normalizer * current_gradient_accumulation_steps / steps_per_generation",
            "the dapo/cispo/vespo normaliser's accumulation window"),
+    *reward_placement_anchors("UnslothGRPOTrainer._generate_and_score_completions"),
 )
 # unsloth_zoo 2026.10.9 drops rollout_rs's rejected tokens from every loss term, the KL included (2026.10.7 only
 # from the policy term): where this line is present, the KL is masked by the function's `rs_keep` at the KL line.

@@ -1,0 +1,210 @@
+"""kl_placement="reward" with TRL's GRPOTrainer (SPEC 3.9): each completion's reward becomes r_i - beta_t * KL_i before
+the group statistics and advantages; the KL loss term is off; controllers act on that beta."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import trl
+
+from unsloth_adaptive_kl import AdaptiveKLConfig
+
+from .conftest import constant_reward, hash_reward, logged, make_trainer
+from .test_trl_loss import TIMING_KEYS, policy_logps, run_and_params
+
+REWARD = dict(kl_placement="reward", gradient_accumulation_steps=1)
+
+
+def expected_advantages(rewards: torch.Tensor, kl: torch.Tensor, beta: float, group: int, scale_rewards: str) -> torch.Tensor:
+    """GRPO's advantages of the penalised rewards p_i = r_i - beta * KL_i, written out: p_i minus its group's mean,
+    divided by (std + 1e-4) with the unbiased std of its group ('group') or of the whole batch ('batch'), or not
+    divided ('none')."""
+    penalised = (rewards - beta * kl).double()
+    groups = penalised.view(-1, group)
+    centred = (groups - groups.mean(1, keepdim=True)).reshape(-1)
+    if scale_rewards == "none":
+        return centred
+    std = groups.std(1).repeat_interleave(group) if scale_rewards == "group" else penalised.std().expand_as(penalised)
+    return centred / (std + 1e-4)
+
+
+def completion_kl_by_hand(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
+    """KL_i = sum_t m (exp(ref - logp) - (ref - logp) - 1), divided by L_i for 'sequence_mean'."""
+    delta = (ref - logp).double()
+    sums = ((torch.exp(delta) - delta - 1) * mask).sum(-1)
+    return sums / mask.sum(-1).clamp(min=1) if reduction == "sequence_mean" else sums
+
+
+def recording(reward: Callable[..., list[float]], seen: list[float]) -> Callable[..., list[float]]:
+    def recorded(completions: list[str], **kwargs: Any) -> list[float]:
+        values = reward(completions, **kwargs)
+        seen.extend(values)
+        return values
+
+    recorded.__name__ = reward.__name__
+    return recorded
+
+
+def perturb_adapters(model: Any, scale: float = 0.3) -> None:
+    """LoRA starts with B = 0 (policy == reference, KL 0): random B makes the KL visible from the first batch."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
+
+
+def scored_batch(trainer: Any) -> dict:
+    """The first generation batch as `_generate_and_score_completions` returns it, with the policy's log-probs from a
+    plain forward pass taken right then (before any optimizer step)."""
+    upstream = trainer._generate_and_score_completions
+    captured: dict = {}
+
+    def capture(*args: Any, **kwargs: Any) -> dict:
+        output = upstream(*args, **kwargs)
+        if not captured:
+            captured.update(output)
+            with torch.no_grad():
+                captured["policy_logps"] = policy_logps(trainer.model, output)
+        return output
+
+    trainer._generate_and_score_completions = capture
+    trainer.train()
+    del trainer._generate_and_score_completions
+    return captured
+
+
+@pytest.mark.parametrize(("scale_rewards", "reduction"),
+                         [("group", "sequence_sum"), ("batch", "sequence_sum"), ("none", "sequence_sum"),
+                          ("group", "sequence_mean"), ("group", "loss_type")])
+def test_advantages_are_the_formula_of_penalised_rewards(tokenizer, tmp_path, scale_rewards: str, reduction: str) -> None:
+    rewards: list[float] = []
+    beta = 0.5
+    trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
+                           max_steps=1, beta=beta, scale_rewards=scale_rewards, kl_reduction=reduction, **REWARD)
+    perturb_adapters(trainer.model)
+    batch = scored_batch(trainer)
+    r = torch.tensor(rewards[:8], dtype=torch.float64)
+    kl = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"],
+                               reduction)
+    expected = expected_advantages(r, kl, beta, group=4, scale_rewards=scale_rewards)
+    unpenalised = expected_advantages(r, torch.zeros_like(kl), beta, group=4, scale_rewards=scale_rewards)
+    # float32 log-probs through two paths (TRL's and a plain forward): ~1e-6 per token, amplified by 1/std
+    assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=2e-4)
+    assert (expected - unpenalised).abs().max() > 0.05  # the penalty really moves the advantages
+    assert kl.min() > 0.01  # every completion carries a KL
+    assert logged(trainer, "adaptive_kl/reward_penalty")[0] == pytest.approx(beta * kl.mean().item(), rel=1e-4)
+    assert logged(trainer, "adaptive_kl/raw_kl")[0] == pytest.approx(kl.mean().item(), rel=1e-4)
+    assert logged(trainer, "reward")[0] == pytest.approx(r.mean().item(), abs=1e-6)  # the stock metric: un-penalised
+    assert logged(trainer, "adaptive_kl/current_beta") == [beta]
+
+
+def test_clip_shapes_each_token_before_the_completion_sum(tokenizer, tmp_path) -> None:
+    rewards: list[float] = []
+    trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
+                           max_steps=1, beta=0.5, kl_adaptation_method="clip", kl_clip_threshold=0.05,
+                           kl_reduction="sequence_sum", **REWARD)
+    perturb_adapters(trainer.model)
+    batch = scored_batch(trainer)
+    delta = (batch["ref_per_token_logps"] - batch["policy_logps"]).double()
+    k = torch.exp(delta) - delta - 1
+    mask = batch["completion_mask"]
+    clipped = (torch.clamp(k, max=0.05) * mask).sum(-1)
+    assert (k * mask).sum(-1).sub(clipped).max() > 0.05  # the threshold binds
+    expected = expected_advantages(torch.tensor(rewards[:8], dtype=torch.float64), clipped, 0.5, 4, "group")
+    assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=2e-4)
+    assert logged(trainer, "adaptive_kl/adapted_kl")[0] == pytest.approx(clipped.mean().item(), rel=1e-4)
+    assert logged(trainer, "adaptive_kl/raw_kl")[0] == pytest.approx((k * mask).sum(-1).mean().item(), rel=1e-4)
+
+
+def test_loss_has_no_kl_term_and_keeps_the_stock_kl_metric(tokenizer, tmp_path) -> None:
+    """With the KL in the reward the loss is the stock loss at beta=0 on the same inputs; `kl` is still logged."""
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, beta=0.5, **REWARD)
+    perturb_adapters(trainer.model)
+    batch = scored_batch(trainer)
+    inputs = {key: value for key, value in batch.items() if key != "policy_logps"}
+    trainer.model.train()
+    loss = trainer._compute_loss(trainer.model, dict(inputs))
+    trainer.beta = 0.0
+    without_kl = trainer._compute_loss(trainer.model, dict(inputs))
+    trainer.beta = 0.5
+    assert loss.item() == pytest.approx(without_kl.item(), rel=1e-6, abs=1e-8)
+    assert trainer._metrics["train"]["kl"][-1] > 0.01
+
+
+def test_loss_placement_is_stock_over_a_real_run(tokenizer, tmp_path) -> None:
+    """kl_placement='loss' (the default) logs what stock TRL logs and ends with the same weights."""
+    from unsloth_adaptive_kl.selfcheck import stock_trl
+
+    patched_log, patched_params = run_and_params(tokenizer, str(tmp_path / "patched"), kl_placement="loss")
+    with stock_trl():
+        stock_log, stock_params = run_and_params(tokenizer, str(tmp_path / "stock"))
+    for patched, stock in zip(patched_log, stock_log, strict=True):
+        for key in set(stock) - TIMING_KEYS:
+            assert patched[key] == pytest.approx(stock[key], rel=1e-6, abs=1e-6), key
+    for name, value in stock_params.items():
+        torch.testing.assert_close(patched_params[name], value, rtol=0, atol=1e-6)
+
+
+def test_dynamic_reads_the_unpenalised_reward(tokenizer, tmp_path) -> None:
+    """Rewards 0.82 > 0.8 every batch while the penalty takes the penalised mean below 0.8: beta still decays."""
+    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(0.82), max_steps=3, beta=1.0,
+                           kl_adaptation_method="dynamic", dynamic_beta_decay=0.5, kl_reduction="sequence_sum", **REWARD)
+    perturb_adapters(trainer.model)
+    trainer.train()
+    penalties = logged(trainer, "adaptive_kl/reward_penalty")
+    assert min(penalties) > 0.02
+    assert logged(trainer, "reward") == pytest.approx([0.82] * 3, abs=1e-6)
+    assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([1.0, 0.5, 0.25])
+    assert trainer.current_beta == pytest.approx(0.125)
+
+
+def test_target_reads_the_measured_kl(tokenizer, tmp_path) -> None:
+    """Ziegler et al.'s controller once per generation batch, n = its 4 completions, on the summed KL per completion."""
+    from .test_dynamic_beta import expected_target_betas
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=5, beta=0.2, kl_adaptation_method="target",
+                           kl_target=0.5, kl_horizon=10.0, kl_target_measure="sequence_sum", **REWARD)
+    perturb_adapters(trainer.model, scale=0.1)
+    trainer.train()
+    measured, betas = logged(trainer, "adaptive_kl/sequence_kl"), logged(trainer, "adaptive_kl/current_beta")
+    assert betas == pytest.approx(expected_target_betas(measured, 0.2, 0.5, 10.0, 4, 0.0, math.inf), rel=1e-9)
+    assert len(set(betas)) == 5
+
+
+def test_resume_restores_beta(tokenizer, tmp_path) -> None:
+    settings = dict(max_steps=6, beta=0.04, kl_adaptation_method="dynamic", dynamic_beta_decay=0.8,
+                    save_strategy="steps", save_steps=3, **REWARD)
+    full = make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **settings)
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    assert json.loads((checkpoint / "adaptive_kl_state.json").read_text())["value"] == pytest.approx(0.04 * 0.8**3)
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), constant_reward(1.0), **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(resumed, "adaptive_kl/current_beta")[-3:] == pytest.approx([0.04 * 0.8**k for k in range(3, 6)])
+    assert resumed.current_beta == pytest.approx(full.current_beta, rel=1e-12) == pytest.approx(0.04 * 0.8**6)
+
+
+@pytest.mark.parametrize(("fields", "named", "allowed"), [
+    (dict(kl_placement="middle"), "kl_placement='middle'", "one of loss, reward"),
+    (dict(kl_adaptation_method="length_normalized"), "kl_adaptation_method='length_normalized'", "kl_placement='reward'"),
+    (dict(kl_reduction="token_mean"), "kl_reduction='token_mean'", "kl_placement='reward'"),
+    (dict(multi_objective_aggregation="normalize_then_sum"), "multi_objective_aggregation='normalize_then_sum'",
+     "'sum_then_normalize' with kl_placement='reward'"),
+])
+def test_bad_combinations_are_rejected_at_config_time(tmp_path, fields: dict, named: str, allowed: str) -> None:
+    settings = {"kl_placement": "reward", "output_dir": str(tmp_path), "use_cpu": True, **fields}
+    with pytest.raises(ValueError) as error:
+        trl.GRPOConfig(**settings)
+    assert str(error.value).startswith(named + " is invalid") and allowed in str(error.value)
+
+
+def test_placement_field_round_trips_and_means_nothing_stock(tmp_path) -> None:
+    config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, kl_placement="reward", kl_reduction="sequence_mean")
+    assert config.to_dict()["kl_placement"] == "reward" and not config.is_stock_kl
+    assert AdaptiveKLConfig().kl_placement == "loss" and AdaptiveKLConfig().is_stock_kl
