@@ -59,9 +59,13 @@ def perturb_adapters(model: Any, scale: float = 0.3) -> None:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
 
 
-def scored_batch(trainer: Any) -> dict:
-    """The first generation batch as `_generate_and_score_completions` returns it, with the policy's log-probs from a
-    plain forward pass taken right then (before any optimizer step)."""
+def plain_policy_logps(trainer: Any, batch: dict) -> torch.Tensor:
+    return policy_logps(trainer.model, batch)
+
+
+def scored_batch(trainer: Any, logps: Callable[[Any, dict], torch.Tensor] = plain_policy_logps) -> dict:
+    """The first generation batch as `_generate_and_score_completions` returns it, with the policy's log-probs taken
+    right then (before any optimizer step), by default from a plain forward pass."""
     upstream = trainer._generate_and_score_completions
     captured: dict = {}
 
@@ -70,7 +74,7 @@ def scored_batch(trainer: Any) -> dict:
         if not captured:
             captured.update(output)
             with torch.no_grad():
-                captured["policy_logps"] = policy_logps(trainer.model, output)
+                captured["policy_logps"] = logps(trainer, output)
         return output
 
     trainer._generate_and_score_completions = capture

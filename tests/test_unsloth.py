@@ -198,3 +198,23 @@ def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> No
     else:
         assert "IMPORTED" in result.stdout
         assert "WARNING Unsloth did not generate UnslothGRPOTrainer" in result.stdout
+
+
+@needs_unsloth
+def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_path) -> None:
+    """kl_placement='reward' in Unsloth's generated trainer: advantages are the formula of r_i - beta * KL_i (summed
+    KL per completion), the loss has no KL term, the stock reward metric is un-penalised, dynamic beta decays."""
+    results = run_scenario("reward", tmp_path)
+    for scale_rewards in ("group", "batch"):
+        entry = results[scale_rewards]
+        assert entry["advantages"] == pytest.approx(entry["expected"], abs=2e-4)
+        assert max(abs(a - b) for a, b in zip(entry["expected"], entry["unpenalised"])) > 0.05
+        assert entry["penalty_metric"][0] == pytest.approx(0.5 * sum(entry["kl"]) / 8, rel=1e-4)
+        assert entry["reward_metric"][0] == pytest.approx(sum(entry["rewards"]) / 8, abs=1e-6)
+        assert entry["loss"] == pytest.approx(entry["loss_without_kl"], rel=1e-6, abs=1e-9)
+        assert entry["kl_metric"][0] > 0.01  # the stock `kl` metric is still logged
+    dynamic = results["dynamic"]
+    assert dynamic["trainer_class"] == "UnslothGRPOTrainer"
+    assert dynamic["betas"] == pytest.approx([1.0, 0.5, 0.25]) and dynamic["final_beta"] == pytest.approx(0.125)
+    assert dynamic["penalties"] == pytest.approx([b * kl for b, kl in zip(dynamic["betas"], dynamic["sequence_kl"])])
+    assert dynamic["reward"] == pytest.approx([1.0] * 3, abs=1e-6)

@@ -71,6 +71,13 @@ from unsloth_adaptive_kl.selfcheck import loss_and_grads as selfcheck_loss_and_g
 from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
 from tests.test_trl_loss import policy_logps, shaped_by_hand  # noqa: E402  (the same plain forward pass as the TRL tests)
+from tests.test_kl_in_reward import (  # noqa: E402  (the same advantage formula as the TRL tests)
+    completion_kl_by_hand,
+    expected_advantages,
+    perturb_adapters,
+    recording,
+    scored_batch,
+)
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
 TOKENIZER = build_tokenizer()
@@ -407,8 +414,56 @@ def rejected_tokens_drift(out: str) -> dict:
     return results
 
 
+def trainer_policy_logps(trainer: Any, batch: dict) -> torch.Tensor:
+    """The policy's log-probs by the generated trainer's own forward: Unsloth packs left-padded rows with their own
+    positions, so a plain forward (positions counted from the padding) differs on those rows."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    return trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention, batch["completion_ids"].size(1),
+                                                      batch_size=input_ids.size(0))[0]
+
+
+def scenario_reward(out: str) -> dict:
+    """kl_placement='reward' in the generated trainer: the first batch's advantages against the formula (scale_rewards
+    group and batch), the loss without its KL term, and a short dynamic run."""
+    results: dict[str, Any] = {}
+    for scale_rewards in ("group", "batch"):
+        rewards: list[float] = []
+        trainer = make_trainer(f"{out}/{scale_rewards}", recording(hash_reward, rewards), per_device_train_batch_size=8,
+                               gradient_accumulation_steps=1, max_steps=1, beta=0.5, scale_rewards=scale_rewards,
+                               kl_placement="reward", kl_reduction="sequence_sum")
+        perturb_adapters(trainer.model)
+        batch = scored_batch(trainer, trainer_policy_logps)
+        r = torch.tensor(rewards[:8], dtype=torch.float64)
+        kl = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"],
+                                   "sequence_sum")
+        inputs = {key: value for key, value in batch.items() if key != "policy_logps"}
+        inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+        loss, _ = loss_and_grads(trainer, inputs)
+        trainer.beta = 0.0
+        loss_without_kl, _ = loss_and_grads(trainer, inputs)
+        results[scale_rewards] = {
+            "advantages": batch["advantages"].tolist(),
+            "expected": expected_advantages(r, kl, 0.5, 4, scale_rewards).tolist(),
+            "unpenalised": expected_advantages(r, torch.zeros_like(kl), 0.5, 4, scale_rewards).tolist(),
+            "kl": kl.tolist(), "rewards": r.tolist(),
+            "penalty_metric": logged(trainer, "adaptive_kl/reward_penalty"), "reward_metric": logged(trainer, "reward"),
+            "loss": loss, "loss_without_kl": loss_without_kl, "kl_metric": logged(trainer, "kl"),
+        }
+    trainer = make_trainer(f"{out}/dynamic", constant_reward, gradient_accumulation_steps=1, max_steps=3, beta=1.0,
+                           kl_placement="reward", kl_reduction="sequence_sum", kl_adaptation_method="dynamic",
+                           dynamic_beta_decay=0.5)
+    perturb_adapters(trainer.model)
+    trainer.train()
+    results["dynamic"] = {"betas": logged(trainer, "adaptive_kl/current_beta"), "final_beta": trainer.current_beta,
+                          "penalties": logged(trainer, "adaptive_kl/reward_penalty"),
+                          "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"), "reward": logged(trainer, "reward"),
+                          "trainer_class": type(trainer).__name__}
+    return results
+
+
 SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
-             "drift": scenario_drift}
+             "drift": scenario_drift, "reward": scenario_reward}
 
 if __name__ == "__main__":
     output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")
