@@ -6,7 +6,8 @@
 Per method and for `none`, against the unpatched stock GRPOTrainer:
 - median seconds per optimizer step, methods interleaved over repeats (rotated order, same seed, fixed-length
   generation via min_new_tokens so every variant trains on equally long completions);
-- model forward calls per step (forward hook on the causal LM): must equal stock;
+- model forward calls per step (forward hook on the causal LM): must equal stock with the KL in the loss; the KL in
+  the reward (`kl_in_reward`) adds one no-grad policy forward per generation batch;
 - peak memory: RSS of a fresh process per variant on CPU, torch.cuda.max_memory_allocated on GPU;
 - the core op on a 64 x 4096 per-token KL against the stock k3 expression alone.
 Prints a table, writes JSON, and ends with one line `extra_forwards=N max_memory_ratio=X graphs_added=N
@@ -39,8 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loss_overhead import bootstrap_ratio, core_op  # noqa: E402
 
 # "stock (A/A)" is stock again: its ratio to stock is the noise floor of this machine.
-VARIANTS = ["stock", "stock (A/A)", "none", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
+VARIANTS = ["stock", "stock (A/A)", "none", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized",
+            "kl_in_reward"]
 STOCK = ("stock", "stock (A/A)")
+# kl_placement="reward" needs the policy's log-probs before the advantages: one no-grad forward per generation batch
+# where the trainer computes no old log-probs (as here), counted in its own column, not in the loss-placement headline.
+KL_IN_REWARD = {"kl_placement": "reward", "kl_reduction": "sequence_sum"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -94,7 +99,12 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
             step_times.append(time.perf_counter() - self.start)
             step_forwards.append(forwards[0] - self.forwards)
 
-    method = {} if variant in STOCK else {"kl_adaptation_method": variant, "reward_threshold": 0.0}
+    if variant in STOCK:
+        method = {}
+    elif variant == "kl_in_reward":
+        method = dict(KL_IN_REWARD)
+    else:
+        method = {"kl_adaptation_method": variant, "reward_threshold": 0.0}
     config = trl.GRPOConfig(
         output_dir=output_dir, use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",
         disable_tqdm=True, per_device_train_batch_size=args.batch, num_generations=4,
@@ -213,7 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     # resolves the loss path's overhead by decomposition). Forwards, memory and recompiles are exact.
     print(f"step time: every ratio in [{min(ratios):.3f}, {max(ratios):.3f}], A/A interval [{aa[0]:.3f}, {aa[1]:.3f}]")
     graphs = max([row["graphs_added_per_run"] for row in unsloth_rows], default=0)
-    print(f"extra_forwards={max(row['extra_forwards'] for row in rows)} "
+    in_reward = next(row for row in rows if row["variant"] == "kl_in_reward")
+    print(f"kl_in_reward: {in_reward['extra_forwards']} extra forwards over {args.repeats} runs of {args.steps} steps "
+          "(one no-grad policy forward per generation batch)")
+    print(f"extra_forwards={max(row['extra_forwards'] for row in rows if row is not in_reward)} "
           f"max_memory_ratio={max(row['memory_ratio'] for row in rows):.3f} graphs_added={graphs} "
           f"max_step_ratio={max(ratios):.3f} aa=[{aa[0]:.3f},{aa[1]:.3f}]")
     return 0

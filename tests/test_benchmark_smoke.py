@@ -19,11 +19,16 @@ def test_overhead_benchmark_smoke(tmp_path) -> None:
     last_line = result.stdout.strip().splitlines()[-1]
     report = json.loads(report_path.read_text())
     assert [row["variant"] for row in report["rows"]][0] == "stock"
-    assert len(report["rows"]) == 8
+    assert len(report["rows"]) == 9
     measured = report["rows"][2:] + [row for row in report["unsloth_rows"] if row["variant"] != "unsloth:stock"]
     assert last_line.startswith("extra_forwards=0 max_memory_ratio=")
     assert f"max_step_ratio={max(row['step_ratio'] for row in measured):.3f} aa=[" in last_line
-    assert all(row["extra_forwards"] == 0 for row in report["rows"])  # same forwards as stock, none extra
+    loss_rows, (in_reward,) = report["rows"][:-1], report["rows"][-1:]
+    assert all(row["extra_forwards"] == 0 for row in loss_rows)  # the KL in the loss: same forwards as stock
+    # the KL in the reward: one policy forward per generation batch (one per step here)
+    stock_forwards = report["rows"][0]["forwards_per_step"]
+    assert len(stock_forwards) == 1 and in_reward["variant"] == "kl_in_reward"
+    assert in_reward["forwards_per_step"] == [stock_forwards[0] + 1] and in_reward["extra_forwards"] > 0
     assert all(row["peak_memory_bytes"] > 0 for row in report["rows"])
     if importlib.util.find_spec("unsloth") is not None:
         unsloth = {row["variant"]: row for row in report["unsloth_rows"]}

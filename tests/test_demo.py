@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 DEMO = Path(__file__).parents[1] / "blackwell" / "test_adaptive_kl_grpo.py"
 
 
@@ -36,6 +38,35 @@ def test_quick_demo_writes_table_plot_and_metrics(tmp_path) -> None:
     assert all(math.isnan(row["adaptive_kl/raw_kl"]) for row in by_method["beta=0"])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [item["method"] for item in summary["summary"]] == list(by_method)
+
+
+def test_quick_kl_in_reward_comparison(tmp_path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
+    result = subprocess.run([sys.executable, str(DEMO), "--quick", "--kl-in-reward", "--output-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    variants = ["none", "reward:sequence_mean", "reward:sequence_sum", "reward:sequence_sum:target", "beta=0"]
+    for variant in variants:
+        assert f"│ {variant} " in result.stdout
+    rows = [{k: (v if k == "method" else float(v)) for k, v in row.items()}
+            for row in csv.DictReader((tmp_path / "metrics.csv").open())]
+    assert [row["method"] for row in rows] == [v for v in variants for _ in range(4)]
+    for row in rows:
+        if row["method"].startswith("reward:"):  # the penalty is beta * the mean KL_i of the batch
+            assert row["adaptive_kl/reward_penalty"] == pytest.approx(
+                row["adaptive_kl/current_beta"] * row["adaptive_kl/adapted_kl"], rel=1e-5, abs=1e-12)
+        else:  # the KL as a loss term, or off: no penalty in the reward
+            assert math.isnan(row["adaptive_kl/reward_penalty"])
+    summed = [row for row in rows if row["method"] == "reward:sequence_sum"]
+    assert all(row["adaptive_kl/raw_kl"] == pytest.approx(row["adaptive_kl/sequence_kl"], rel=1e-6) for row in summed)
+
+
+def test_bad_kl_in_reward_variant_fails_before_training(tmp_path) -> None:
+    result = subprocess.run([sys.executable, str(DEMO), "--quick", "--methods", "reward:token_mean",
+                             "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "kl_reduction='token_mean' is invalid" in result.stderr and "kl_placement='reward'" in result.stderr
+    assert not (tmp_path / "metrics.csv").exists()
 
 
 def test_bad_method_fails_before_training(tmp_path) -> None:

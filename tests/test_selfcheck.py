@@ -24,12 +24,12 @@ def test_self_check_passes_on_this_install(tmp_path) -> None:
     out = result.stdout
     for package in ("trl", "transformers", "torch"):
         assert f"] {package} version: {package}==" in out
-    assert "[ok] trl anchors: 11 of 11 found" in out
+    assert "[ok] trl anchors: 19 of 19 found" in out
     assert "[ok] trl patched" in out
     assert "[ok] TRL GRPOTrainer on cpu: none == stock" in out
     assert "[ok] TRL GRPOTrainer on cpu: clip above every KL == stock" in out
     if importlib.util.find_spec("unsloth") is not None:
-        assert "[ok] unsloth anchors: 7 of 7 found" in out
+        assert "[ok] unsloth anchors: 15 of 15 found" in out
         assert "[ok] Unsloth's generated trainer on cpu: none == stock" in out
         assert "[ok] Unsloth's generated trainer on cpu: clip above every KL == stock" in out
     assert "[FAIL]" not in out

@@ -5,6 +5,7 @@ notebook `blackwell/adaptive_kl_grpo.ipynb` calls the same functions. With no ar
 
     python blackwell/test_adaptive_kl_grpo.py             # embedded tiny model, 7 methods x 3 seeds
     python blackwell/test_adaptive_kl_grpo.py --quick     # smoke run, under a minute
+    python blackwell/test_adaptive_kl_grpo.py --kl-in-reward --kl-target 0.2 --kl-horizon 100   # KL in the reward
     python blackwell/test_adaptive_kl_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --backend auto   # GPU users
 
 Default task: a character vocabulary a-h plus '#' and ':'. The reference policy (the tiny model, briefly
@@ -33,9 +34,13 @@ from .adaptation import LOSS_TYPE_REDUCTIONS
 from .config import AdaptiveKLConfig
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
+# --kl-in-reward: the KL as a loss term (stock) against the KL in the reward, per-token mean and summed, and the
+# target controller on the reward placement; beta=0 for the unregularised drift.
+KL_IN_REWARD_VARIANTS = ["none", "reward:sequence_mean", "reward:sequence_sum", "reward:sequence_sum:target", "beta=0"]
 QUICK = {"steps": 4, "seeds": 1, "pretrain_steps": 60}
 LOGGED = ["reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
-          "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr", "completions/mean_length", "step_time"]
+          "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr", "adaptive_kl/reward_penalty", "completions/mean_length",
+          "step_time"]
 ALPHABET = "abcdefgh"
 
 
@@ -48,6 +53,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma-separated kl_estimator values, each run as its own variant 'estimator=NAME'")
     parser.add_argument("--kl-reductions", default="",
                         help="comma-separated kl_reduction values, each run as its own variant 'kl_reduction=NAME'")
+    parser.add_argument("--kl-in-reward", action="store_true",
+                        help="compare the KL as a loss term with the KL in the reward: runs the variants "
+                        + ", ".join(KL_IN_REWARD_VARIANTS) + " ('reward:REDUCTION[:METHOD]' is kl_placement='reward' "
+                        "with that kl_reduction and kl_adaptation_method)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds per method")
     parser.add_argument("--output-dir", default="adaptive_kl_demo_output")
@@ -66,7 +75,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     def listed(value: str, prefix: str = "") -> list[str]:
         return [prefix + item.strip() for item in value.split(",") if item.strip()]
 
-    args.methods = listed(args.methods) + listed(args.estimators, "estimator=") + listed(args.kl_reductions, "kl_reduction=")
+    methods = KL_IN_REWARD_VARIANTS if args.kl_in_reward else listed(args.methods)
+    args.methods = methods + listed(args.estimators, "estimator=") + listed(args.kl_reductions, "kl_reduction=")
     for name, value in (("--steps", args.steps), ("--seeds", args.seeds)):
         if value < 1:
             parser.error(f"{name}={value} is invalid: allowed is an integer >= 1")
@@ -79,10 +89,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def variant_settings(label: str, beta: float) -> dict[str, Any]:
-    """The GRPOConfig fields of a variant label: a kl_adaptation_method, 'beta=0', 'estimator=NAME' or
-    'kl_reduction=NAME'."""
+    """The GRPOConfig fields of a variant label: a kl_adaptation_method, 'beta=0', 'estimator=NAME',
+    'kl_reduction=NAME' or 'reward:REDUCTION[:METHOD]' (the KL in the reward)."""
     if label == "beta=0":
         return {"kl_adaptation_method": "none", "beta": 0.0}
+    if label.startswith("reward:"):
+        _, reduction, *method = label.split(":")
+        return {"kl_placement": "reward", "kl_reduction": reduction, "kl_adaptation_method": method[0] if method else "none",
+                "beta": beta}
     for field_name in ("estimator", "kl_reduction"):
         if label.startswith(field_name + "="):
             key = "kl_estimator" if field_name == "estimator" else field_name
@@ -287,7 +301,8 @@ def print_table(summary: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="Adaptive KL: last 10% of steps, mean +/- std over seeds")
-    for column in ["method", "reward", "completion length", "raw KL", "adapted KL", "final beta", "s/step"]:
+    for column in ["method", "reward", "completion length", "raw KL", "adapted KL", "KL per completion", "final beta",
+                   "s/step"]:
         table.add_column(column, justify="left" if column == "method" else "right")
     def cell(item: dict, key: str, digits: int) -> str:
         mean, std = item[key]
@@ -296,8 +311,9 @@ def print_table(summary: list[dict]) -> None:
     for item in summary:
         table.add_row(item["method"], cell(item, "reward", 2), cell(item, "completions/mean_length", 1),
                       cell(item, "adaptive_kl/raw_kl", 4), cell(item, "adaptive_kl/adapted_kl", 4),
-                      f"{item['adaptive_kl/current_beta'][0]:.3g}", f"{item['step_time'][0]:.3f}")
-    Console(width=140).print(table)
+                      cell(item, "adaptive_kl/sequence_kl", 3), f"{item['adaptive_kl/current_beta'][0]:.3g}",
+                      f"{item['step_time'][0]:.3f}")
+    Console(width=160).print(table)
 
 
 def plot(rows: list[dict], methods: list[str], path: str) -> None:
@@ -306,24 +322,27 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "reward"), ("adaptive_kl/raw_kl", "raw KL"), ("adaptive_kl/current_beta", "beta"),
-              ("completions/mean_length", "completion length")]
-    figure, axes = plt.subplots(2, 2, figsize=(13, 8.5))
+    panels = [("reward", "reward"), ("completions/mean_length", "completion length"),
+              ("adaptive_kl/current_beta", "beta"), ("adaptive_kl/sequence_kl", "summed KL per completion"),
+              ("adaptive_kl/reward_penalty", "reward penalty (KL in the reward)"),
+              ("adaptive_kl/length_kl_corr", "corr(length, summed KL)")]
+    figure, axes = plt.subplots(2, 3, figsize=(18, 8.5))
     for axis, (key, title) in zip(axes.flat, panels):
-        for method in methods:
+        for color, method in enumerate(methods):  # one colour per method in every panel
             seeds = sorted({r["seed"] for r in rows if r["method"] == method})
             curves = [[r[key] for r in rows if r["method"] == method and r["seed"] == s] for s in seeds]
-            if not curves:
+            if not curves or all(math.isnan(value) for curve in curves for value in curve):
                 continue
             length = min(map(len, curves))
             steps = list(range(1, length + 1))
             values = torch.tensor([curve[:length] for curve in curves], dtype=torch.float64)
             mean, low, high = values.nanmean(0), values.amin(0), values.amax(0)
-            axis.plot(steps, mean.tolist(), label=method)
-            axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15)
-        axis.set_title(f"{title} (mean over seeds, band: min-max)")
+            axis.plot(steps, mean.tolist(), label=method, color=f"C{color}")
+            axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15, color=f"C{color}")
+        axis.set_title(title)
         axis.set_xlabel("step")
     axes.flat[0].legend(fontsize=8)
+    figure.suptitle("mean over seeds, band: min-max")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
