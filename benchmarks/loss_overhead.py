@@ -294,10 +294,17 @@ def report(args: argparse.Namespace, trainer: Any, stock: list[float], rows: lis
 
 
 def core_op(repeats: int) -> list[dict[str, Any]]:
-    """The core op alone on a 64 x 4096 per-token KL (90 % valid tokens), eager: the stock k3 expression, and k3 plus
-    each method's adaptation (shaping, reductions, diagnostics), with its aten op count."""
+    """The core op alone on a 64 x 4096 per-token KL (90 % valid tokens): the stock k3 expression, and k3 plus each
+    method's adaptation (shaping, reductions, diagnostics), eager with its aten op count, and as the `kl_compile`
+    graph (`x_k3_compiled`; the estimator stays eager, as in the integrations)."""
+    import torch._dynamo
+
     from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
     from unsloth_adaptive_kl.estimators import estimate_kl
+
+    # one compiled graph per method's config: more than dynamo's default recompile limit in one process
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(METHODS))
+    compiled_term = torch.compile(adapted_kl_term)
 
     generator = torch.Generator().manual_seed(0)
     logp = -torch.rand(64, 4096, generator=generator) * 5
@@ -309,20 +316,21 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
         delta = ref - logp
         return torch.exp(delta) - delta - 1
 
+    def per_token(config: Any) -> torch.Tensor:
+        return stock() if config.kl_estimator == "k3" else estimate_kl(logp, ref, mask, config)
+
     functions: dict[str, Callable[[], Any]] = {"stock k3": stock}
     for name, settings in METHODS.items():
         config = AdaptiveKLConfig(**settings)
-        if config.kl_estimator == "k3":
-            functions[name] = lambda config=config: adapted_kl_term(stock(), mask, config, "dapo", ctx)
-        else:
-            functions[name] = lambda config=config: adapted_kl_term(estimate_kl(logp, ref, mask, config), mask, config,
-                                                                    "dapo", ctx)
+        functions[name] = lambda config=config: adapted_kl_term(per_token(config), mask, config, "dapo", ctx)
+        functions[name + " (compiled)"] = lambda config=config: compiled_term(per_token(config), mask, config, "dapo", ctx)
     samples = interleaved(functions, repeats, warmup=20)
     base = statistics.median(samples["stock k3"])
     base_ops = profile_counts(stock)[0]
-    return [{"method": name, "median_ms": statistics.median(values) * 1e3,
-             "x_k3": statistics.median(values) / base, "ops": profile_counts(functions[name])[0] - base_ops}
-            for name, values in samples.items()]
+    return [{"method": name, "median_ms": statistics.median(samples[name]) * 1e3,
+             "x_k3": statistics.median(samples[name]) / base, "ops": profile_counts(functions[name])[0] - base_ops,
+             **({} if name == "stock k3" else {"x_k3_compiled": statistics.median(samples[name + " (compiled)"]) / base})}
+            for name in ["stock k3", *METHODS]]
 
 
 def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -374,9 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         passthrough = argv[:index] + argv[index + 2:]
     torch.set_num_threads(1)
     core = core_op(20 if args.smoke else 300)
-    print("core op, 64 x 4096 per-token KL, eager (ms; x the stock k3 expression; aten ops added)")
+    print("core op, 64 x 4096 per-token KL (eager ms; x the stock k3 expression, eager and kl_compile; aten ops added)")
     for row in core:
-        print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}  +{row['ops']} ops")
+        compiled = f"  compiled x{row['x_k3_compiled']:.2f}" if "x_k3_compiled" in row else ""
+        print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}{compiled}  +{row['ops']} ops")
     results = {"core_op": core, "trl": run_trainer("trl", args, passthrough)}
     print_table("TRL GRPOTrainer", results["trl"])
     if importlib.util.find_spec("unsloth") is not None:

@@ -30,6 +30,7 @@ DEFAULTS = {
     "kl_horizon": 10000.0,
     "beta_max": None,
     "kl_target_measure": "token_mean",
+    "kl_compile": False,
     "kl_placement": "loss",
 }
 

@@ -108,6 +108,58 @@ def test_advantages_are_the_formula_of_penalised_rewards(tokenizer, tmp_path, sc
     assert logged(trainer, "adaptive_kl/current_beta") == [beta]
 
 
+def replays(monkeypatch) -> list[int]:
+    """Counts the extra no-grad policy forwards (the reference forward replayed with the policy)."""
+    from unsloth_adaptive_kl.trainer_hooks import _CallRecorder
+
+    calls: list[int] = []
+    upstream = _CallRecorder.replay_with
+
+    def counted(self: Any, model: Any) -> torch.Tensor:
+        calls.append(1)
+        return upstream(self, model)
+
+    monkeypatch.setattr(_CallRecorder, "replay_with", counted)
+    return calls
+
+
+def test_one_extra_forward_per_generation_batch_without_old_logps(tokenizer, tmp_path, monkeypatch) -> None:
+    calls = replays(monkeypatch)
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=3, **REWARD)
+    trainer.train()
+    assert len(calls) == 3  # one generation batch per step (steps_per_generation = GA = 1)
+
+
+def test_the_trainers_old_logps_are_used_where_it_computes_them(tokenizer, tmp_path, monkeypatch) -> None:
+    """num_iterations=2: TRL computes old log-probs at generation; the penalty uses them, with no extra forward."""
+    calls = replays(monkeypatch)
+    rewards: list[float] = []
+    trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
+                           max_steps=1, beta=0.5, num_iterations=2, kl_reduction="sequence_sum", **REWARD)
+    perturb_adapters(trainer.model)
+    batch = scored_batch(trainer, lambda trainer, batch: batch["old_per_token_logps"])
+    assert calls == []
+    kl = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"],
+                               "sequence_sum")
+    expected = expected_advantages(torch.tensor(rewards[:8], dtype=torch.float64), kl, 0.5, 4, "group")
+    assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=1e-5)  # the very same log-probs
+
+
+def test_evaluation_scores_with_the_penalty_and_logs_it(tokenizer, tmp_path) -> None:
+    from datasets import Dataset
+
+    from .conftest import PROMPTS
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, beta=0.5, kl_adaptation_method="dynamic", **REWARD)
+    trainer.eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
+    perturb_adapters(trainer.model)
+    metrics = trainer.evaluate()
+    assert metrics["eval_adaptive_kl/reward_penalty"] == pytest.approx(
+        metrics["eval_adaptive_kl/current_beta"] * metrics["eval_adaptive_kl/adapted_kl"], rel=1e-5)
+    assert metrics["eval_adaptive_kl/reward_penalty"] > 0.01
+    assert trainer.current_beta == 0.5  # evaluation never moves the controller
+
+
 def test_clip_shapes_each_token_before_the_completion_sum(tokenizer, tmp_path) -> None:
     rewards: list[float] = []
     trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,

@@ -8,6 +8,7 @@ L_i = sum_t m[i, t]. Every function is traceable torch (no `.item()`), so it als
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -62,7 +63,7 @@ def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """m x, with the NaN that a non-finite value at a padded position gives (inf * 0) set to 0, so it cannot leak
     into a sum; an infinite value at a valid position stays infinite (and the runtime reports it), a NaN there
     becomes 0. A multiply and nan_to_num: on a CPU `torch.where` / `masked_fill` with a bool mask cost 6x a multiply
-    (measured)."""
+    (measured). Not in place: autograd would clone the product to keep nan_to_num's input for its backward."""
     return torch.nan_to_num(x * mask, nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
@@ -159,6 +160,14 @@ def kl_reduction(config: AdaptiveKLConfig, loss_type: str) -> str:
     return loss_type_reduction(loss_type)
 
 
+def clipped_tokens(valid_kl: torch.Tensor, config: AdaptiveKLConfig, lengths: torch.Tensor) -> torch.Tensor:
+    """`clip`: how many valid tokens have k >= kl_clip_threshold (padded positions are 0 < kl_clip_threshold), in the
+    dtype of `lengths`; 0 otherwise."""
+    if "clip" not in config.kl_methods:
+        return lengths.new_zeros(())
+    return (valid_kl >= config.kl_clip_threshold).sum(dtype=lengths.dtype)
+
+
 @dataclass
 class KLTerm:
     """One micro-batch's KL term and diagnostics.
@@ -195,11 +204,31 @@ def adapted_kl_term(
         raw = adapted.detach()
     else:
         raw = _REDUCTIONS[raw_reduction](raw_sums, lengths, ctx)
-    if "clip" in config.kl_methods:  # padded positions are 0 < kl_clip_threshold
-        at_threshold = (valid_kl.detach() >= config.kl_clip_threshold).sum(dtype=kl.dtype)
-    else:
-        at_threshold = lengths.new_zeros(())
+    at_threshold = clipped_tokens(valid_kl.detach(), config, lengths)
     return KLTerm(raw=raw, adapted=adapted, sequence_kl=raw_sums, lengths=lengths, at_threshold=at_threshold)
+
+
+_compiled_term: Optional[Callable[..., KLTerm]] = None
+_compile_failed = False
+
+
+def kl_term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
+            ctx: ReductionContext) -> KLTerm:
+    """`adapted_kl_term`, as one `torch.compile` graph when `config.kl_compile` (compiled once per process; shapes
+    turn dynamic after the first change). Where compiling or running the graph fails, eager from then on, after one
+    warning naming the error: the result is the same, only slower."""
+    global _compiled_term, _compile_failed
+    if not config.kl_compile or _compile_failed:
+        return adapted_kl_term(kl, mask, config, loss_type, ctx)
+    if _compiled_term is None:
+        _compiled_term = torch.compile(adapted_kl_term)
+    try:
+        return _compiled_term(kl, mask, config, loss_type, ctx)
+    except Exception as error:  # no compiler toolchain, an unsupported backend: the eager core computes the same
+        _compile_failed = True
+        warnings.warn(f"kl_compile=True: torch.compile failed ({type(error).__name__}: {error}); the KL adaptation "
+                      "runs eagerly.", RuntimeWarning, stacklevel=2)
+        return adapted_kl_term(kl, mask, config, loss_type, ctx)
 
 
 # ----- the KL in the reward (kl_placement="reward") -------------------------------------------------------------
@@ -238,8 +267,5 @@ def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig
     sums = valid_kl.sum(-1)
     raw = reduce(sums, lengths)
     adapted = raw if shaped is valid_kl else reduce(shaped.sum(-1), lengths)
-    if "clip" in config.kl_methods:
-        at_threshold = (valid_kl >= config.kl_clip_threshold).sum(dtype=kl.dtype)
-    else:
-        at_threshold = lengths.new_zeros(())
+    at_threshold = clipped_tokens(valid_kl, config, lengths)
     return CompletionKL(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold)

@@ -155,6 +155,12 @@ class AdaptiveKLConfig:
         metadata={"help": "`target`: the KL compared with kl_target: 'token_mean' (per-token) or 'sequence_sum' "
                   "(per completion)."},
     )
+    kl_compile: bool = field(
+        default=False,
+        metadata={"help": "Run the KL adaptation (shaping, reductions, diagnostics) as one torch.compile graph; where "
+                  "compiling fails it runs eagerly, after one warning. For GPUs: on a CPU the compiled graph's guards "
+                  "cost more than the fusion saves at these sizes (measured)."},
+    )
     kl_placement: str = field(
         default="loss",
         metadata={"help": "Where beta * KL acts: 'loss' (stock: a KL term in the loss) or 'reward' (each "
@@ -229,6 +235,8 @@ class AdaptiveKLConfig:
             raise _reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
         if "target" in methods and not self.kl_target > 0:
             raise _reject("kl_target", self.kl_target, "a finite number > 0 with kl_adaptation_method target")
+        if not isinstance(self.kl_compile, bool):
+            raise _reject("kl_compile", self.kl_compile, "True or False")
         self._validate_placement(methods, multi_objective_aggregation)
         steps = self.beta_schedule_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):

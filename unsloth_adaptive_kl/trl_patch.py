@@ -20,7 +20,7 @@ import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 
-from .adaptation import ReductionContext, adapted_kl_term
+from .adaptation import ReductionContext, kl_term
 from .config import AdaptiveKLConfig
 from .estimators import estimate_kl
 from .patching import PatchSet
@@ -146,7 +146,7 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     loss, kl = _stock_loss_and_kl(self, model, inputs, config, mask)
 
     mode = "train" if self.model.training else "eval"
-    term = adapted_kl_term(kl, mask, config, self.loss_type, _reduction_context(self, inputs, mode))
+    term = kl_term(kl, mask, config, self.loss_type, _reduction_context(self, inputs, mode))
     if not config.is_stock_kl:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         loss = loss + self.adaptive_kl.current_beta * term.adapted / accumulation

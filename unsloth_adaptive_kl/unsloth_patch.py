@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 
-from .adaptation import ReductionContext, adapted_kl_term
+from .adaptation import ReductionContext, kl_term
 from .estimators import estimate_kl
 from .patching import PatchSet
 from .trainer_hooks import (
@@ -143,7 +143,7 @@ class _AdaptiveEfficientGRPO:
         if config.kl_estimator != "k3":
             kl = estimate_kl(new, ref, mask, config)
         loss_type, ctx = _reduction(kwargs, cls.bnpo_rule)
-        term = adapted_kl_term(kl, mask, config, loss_type, ctx)
+        term = kl_term(kl, mask, config, loss_type, ctx)
         if not stock:
             accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
             outputs[0] = outputs[0] + trainer.adaptive_kl.current_beta * term.adapted / accumulation
