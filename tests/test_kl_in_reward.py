@@ -160,6 +160,29 @@ def test_evaluation_scores_with_the_penalty_and_logs_it(tokenizer, tmp_path) -> 
     assert trainer.current_beta == 0.5  # evaluation never moves the controller
 
 
+def test_unscored_completions_stay_unscored(tokenizer, tmp_path) -> None:
+    """A completion no reward function scored (None) gets no penalty either: advantage 0, and its group's statistics
+    come from the scored completions only."""
+    rewards: list[float] = []
+
+    def partly_unscored(completions: list[str], **kwargs: Any) -> list[Any]:
+        return [None if index % 4 == 0 else value for index, value in enumerate(hash_reward(completions))]
+
+    trainer = make_trainer(tokenizer, str(tmp_path), recording(partly_unscored, rewards), per_device_train_batch_size=8,
+                           max_steps=1, beta=0.5, kl_reduction="sequence_sum", **REWARD)
+    perturb_adapters(trainer.model)
+    batch = scored_batch(trainer)
+    kl = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"],
+                               "sequence_sum")
+    expected = torch.zeros(8, dtype=torch.float64)
+    for group in range(2):
+        scored = [group * 4 + i for i in (1, 2, 3)]
+        penalised = torch.tensor([rewards[i] for i in scored], dtype=torch.float64) - 0.5 * kl[scored]
+        expected[scored] = (penalised - penalised.mean()) / (penalised.std() + 1e-4)
+    assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=2e-4)
+    assert batch["advantages"][[0, 4]].tolist() == [0.0, 0.0]
+
+
 def test_clip_shapes_each_token_before_the_completion_sum(tokenizer, tmp_path) -> None:
     rewards: list[float] = []
     trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,

@@ -184,6 +184,17 @@ class KLTerm:
     at_threshold: torch.Tensor
 
 
+def masked_row_sums(
+    kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one masked pass: (m k with padded positions 0, L_i, S_i = sum_t m k, sum_t m k'), k' the shaped KL; the last
+    is S_i itself (the same tensor) when no shaping is configured. Every shaping maps 0 to 0, so padded positions stay 0."""
+    valid_kl = masked(kl, mask)
+    shaped = shape_kl(valid_kl, config)
+    sums = valid_kl.sum(-1)
+    return valid_kl, mask.sum(-1, dtype=kl.dtype), sums, sums if shaped is valid_kl else shaped.sum(-1)
+
+
 def adapted_kl_term(
     kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str, ctx: ReductionContext
 ) -> KLTerm:
@@ -193,14 +204,10 @@ def adapted_kl_term(
     shaping runs on that tensor, and each of the raw and the adapted KL is summed per completion once; the reductions and
     the diagnostics are then O(B) functions of those sums."""
     raw_reduction, adapted_reduction = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
-    valid_kl = masked(kl, mask)
-    lengths = mask.sum(-1, dtype=kl.dtype)
-    shaped = shape_kl(valid_kl, config)
-    sums = valid_kl.sum(-1)
-    adapted_sums = sums if shaped is valid_kl else shaped.sum(-1)
+    valid_kl, lengths, sums, adapted_sums = masked_row_sums(kl, mask, config)
     raw_sums = sums.detach()
     adapted = _REDUCTIONS[adapted_reduction](adapted_sums, lengths, ctx)
-    if shaped is valid_kl and adapted_reduction == raw_reduction:  # nothing adapted: the same number
+    if adapted_sums is sums and adapted_reduction == raw_reduction:  # nothing adapted: the same number
         raw = adapted.detach()
     else:
         raw = _REDUCTIONS[raw_reduction](raw_sums, lengths, ctx)
@@ -261,11 +268,8 @@ def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig
     """KL_i = reduce_t(shape(k_i,t)) per completion: shaping (clip/sigmoid) per token, then `kl_reduction`
     (`sequence_sum`: S_i = sum_t m k'; `sequence_mean`: S_i / max(L_i, 1)). One masked pass, as `adapted_kl_term`."""
     reduce = COMPLETION_KL_REDUCTIONS[config.kl_reduction]
-    valid_kl = masked(kl, mask)
-    lengths = mask.sum(-1, dtype=kl.dtype)
-    shaped = shape_kl(valid_kl, config)
-    sums = valid_kl.sum(-1)
+    valid_kl, lengths, sums, adapted_sums = masked_row_sums(kl, mask, config)
     raw = reduce(sums, lengths)
-    adapted = raw if shaped is valid_kl else reduce(shaped.sum(-1), lengths)
+    adapted = raw if adapted_sums is sums else reduce(adapted_sums, lengths)
     at_threshold = clipped_tokens(valid_kl, config, lengths)
     return CompletionKL(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold)
