@@ -115,9 +115,9 @@ def replays(monkeypatch) -> list[int]:
     calls: list[int] = []
     upstream = _CallRecorder.replay_with
 
-    def counted(self: Any, model: Any) -> torch.Tensor:
+    def counted(self: Any, model: Any, missing: Any) -> torch.Tensor:
         calls.append(1)
-        return upstream(self, model)
+        return upstream(self, model, missing)
 
     monkeypatch.setattr(_CallRecorder, "replay_with", counted)
     return calls

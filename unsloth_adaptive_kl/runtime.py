@@ -25,6 +25,26 @@ def pearson_correlation(x: list[float], y: list[float]) -> float:
     return sum(a * b for a, b in zip(dx, dy)) / denominator if denominator > 0 else math.nan
 
 
+def split_columns(blocks: list[list[float]], widths: list[int]) -> list[list[float]]:
+    """Gathered rows, one per process, each laid out as consecutive columns of the given widths -> each column with
+    every process's values in process order."""
+    columns: list[list[float]] = [[] for _ in widths]
+    for block in blocks:
+        start = 0
+        for column, width in zip(columns, widths):
+            column.extend(block[start : start + width])
+            start += width
+    return columns
+
+
+def summarize(raws: list[float], adapteds: list[float], at_threshold: list[float], lengths: list[float],
+              sequence_kl: list[float]) -> list[float]:
+    """[mean raw KL, mean adapted KL, mean S_i, corr(L_i, S_i), clipped tokens / sum L_i] over every process's
+    values (the raw and adapted entries are per micro-batch or per completion, as the caller recorded them)."""
+    return [statistics.fmean(raws), statistics.fmean(adapteds), statistics.fmean(sequence_kl),
+            pearson_correlation(lengths, sequence_kl), sum(at_threshold) / max(sum(lengths), 1.0)]
+
+
 class AdaptiveKLRuntime:
     """Holds the live beta (`current_beta`) and turns each micro-batch's KL into metrics and controller updates.
 
@@ -53,8 +73,7 @@ class AdaptiveKLRuntime:
         evaluation) return the metrics of each queued micro-batch (averaged over processes, `adaptive_kl/` names)
         and, in training, update the controller from the step's global KL."""
         self._pending.append(torch.cat([
-            torch.stack([term.raw, term.adapted.detach(), term.at_threshold, term.lengths.sum()]),
-            term.lengths, term.sequence_kl,
+            torch.stack([term.raw, term.adapted.detach(), term.at_threshold]), term.lengths, term.sequence_kl,
         ]).float())
         if train and not end_of_step:
             return []
@@ -65,17 +84,11 @@ class AdaptiveKLRuntime:
         metrics, kl_sum, tokens, completions = [], 0.0, 0.0, 0
         start = 0
         for size in sizes:
+            n = (size - 3) // 2
             blocks = [row[start : start + size] for row in table]  # this micro-batch, one block per process
             start += size
-            completions_here = (size - 4) // 2
-            lengths = [x for block in blocks for x in block[4 : 4 + completions_here]]
-            sequence_kl = [x for block in blocks for x in block[4 + completions_here :]]
-            summary = [
-                statistics.fmean(block[0] for block in blocks), statistics.fmean(block[1] for block in blocks),
-                statistics.fmean(sequence_kl), pearson_correlation(lengths, sequence_kl),
-                sum(block[2] for block in blocks) / max(sum(block[3] for block in blocks), 1.0),
-            ]
-            metrics.append(self._metrics(summary, completed_steps))
+            raws, adapteds, at_threshold, lengths, sequence_kl = split_columns(blocks, [1, 1, 1, n, n])
+            metrics.append(self._metrics(summarize(raws, adapteds, at_threshold, lengths, sequence_kl), completed_steps))
             kl_sum, tokens, completions = kl_sum + sum(sequence_kl), tokens + sum(lengths), completions + len(lengths)
         if train:
             self._end_step(completed_steps, kl_sum, tokens, completions)
@@ -91,23 +104,17 @@ class AdaptiveKLRuntime:
         if train:  # no new generation batch has been observed: only the beta_schedule_steps cut-off can apply
             self.controller.step(completed_steps)
         beta = self.current_beta
-        penalty = beta * term.adapted
-        n = penalty.numel()
-        row = torch.cat([penalty, term.raw, term.adapted, term.lengths, term.sequence_kl, term.at_threshold.view(1)])
+        n = term.adapted.numel()
+        row = torch.cat([term.raw, term.adapted, term.at_threshold.view(1), term.lengths, term.sequence_kl,
+                         beta * term.adapted])
         table = gather(row.float()).view(-1, row.numel())
-        columns: list[list[float]] = [[], [], [], [], []]  # penalty, raw, adapted, L_i, S_i; one block per process
-        at_threshold = 0.0
-        for block in table.double().tolist():
-            for index, column in enumerate(columns):
-                column.extend(block[index * n : (index + 1) * n])
-            at_threshold += block[5 * n]
-        penalties, raws, adapteds, lengths, sequence_kl = columns
-        summary = [statistics.fmean(raws), statistics.fmean(adapteds), statistics.fmean(sequence_kl),
-                   pearson_correlation(lengths, sequence_kl), at_threshold / max(sum(lengths), 1.0)]
-        metrics = self._metrics(summary, completed_steps, reward_penalty=statistics.fmean(penalties))
+        raws, adapteds, at_threshold, lengths, sequence_kl, penalties = split_columns(
+            table.double().tolist(), [n, n, 1, n, n, n])
+        metrics = self._metrics(summarize(raws, adapteds, at_threshold, lengths, sequence_kl), completed_steps,
+                                reward_penalty=statistics.fmean(penalties))
         self._generation_window = WindowKL(token_mean=sum(sequence_kl) / max(sum(lengths), 1.0),
                                            sequence_sum=statistics.fmean(sequence_kl), completions=len(lengths))
-        return table[:, :n].reshape(-1), metrics
+        return table[:, -n:].reshape(-1), metrics
 
     def end_generation(self, mean_reward: float, completed_steps: int) -> None:
         """kl_placement="reward": after a training generation batch is scored, the controller reads its un-penalised

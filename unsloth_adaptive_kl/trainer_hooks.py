@@ -95,20 +95,23 @@ def wrap_init(upstream: Callable) -> Callable:
 
 
 class _CallRecorder:
-    """Stands in for `trainer._get_per_token_logps_and_entropies` during one generation: records each call's
-    arguments, so the reference forward can be replayed with the policy."""
+    """Stands in for `trainer._get_per_token_logps_and_entropies` during one generation: keeps the last call's
+    arguments (the reference forward's, which comes last), so that forward can be replayed with the policy."""
 
     def __init__(self, method: Callable) -> None:
         self.method = method
-        self.calls: list[tuple[tuple, dict]] = []
+        self.last_call: tuple[tuple, dict] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.calls.append((args, kwargs))
+        self.last_call = (args, kwargs)
         return self.method(*args, **kwargs)
 
-    def replay_with(self, model: Any) -> torch.Tensor:
-        """The log-probs of the last call's sequences under `model` (the policy), without gradient."""
-        args, kwargs = self.calls[-1]
+    def replay_with(self, model: Any, missing: Callable[[], Exception]) -> torch.Tensor:
+        """The log-probs of the last call's sequences under `model` (the policy), without gradient; `missing()` is
+        raised when the generation made no log-prob call."""
+        if self.last_call is None:
+            raise missing()
+        args, kwargs = self.last_call
         if args:
             args = (model, *args[1:])
         else:
@@ -118,26 +121,26 @@ class _CallRecorder:
 
 
 @contextlib.contextmanager
-def _overridden(owner: Any, name: str, value: Any) -> Iterator[None]:
+def overridden(owner: Any, name: str, value: Any) -> Iterator[None]:
     """`owner.name = value` for the block (an instance attribute), then the previous state exactly."""
-    previous = vars(owner).get(name, _overridden)
+    previous = vars(owner).get(name, overridden)
     setattr(owner, name, value)
     try:
         yield
     finally:
-        if previous is _overridden:
+        if previous is overridden:
             delattr(owner, name)
         else:
             setattr(owner, name, previous)
 
 
-def _policy_logps(trainer: Any, found: dict, recorder: _CallRecorder) -> torch.Tensor:
+def _policy_logps(trainer: Any, found: dict, recorder: _CallRecorder, missing: Callable[[], Exception]) -> torch.Tensor:
     """The policy's log-probs of the sampled tokens: the trainer's old log-probs where it computed them, vLLM's
     sampling log-probs where present, otherwise one no-grad forward (the reference forward replayed with the policy)."""
     for name in ("old_per_token_logps", "sampling_per_token_logps"):
         if found[name] is not None:
             return found[name]
-    return recorder.replay_with(trainer.model)
+    return recorder.replay_with(trainer.model, missing)
 
 
 def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], Exception]) -> Callable:
@@ -159,7 +162,7 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         found = {name: caller[name] for name in GENERATION_LOCALS}
         mask = found["completion_mask"] if found["tool_mask"] is None else found["completion_mask"] * found["tool_mask"]
         config = self.adaptive_kl.config
-        policy = _policy_logps(self, found, scoring["recorder"])
+        policy = _policy_logps(self, found, scoring["recorder"], lambda: missing_locals("ref_per_token_logps"))
         kl = estimate_kl(policy, found["ref_per_token_logps"], mask, config)
         penalty, metrics = self.adaptive_kl.reward_penalty(
             completion_kl(kl, mask, config), gather=self.accelerator.gather, train=scoring["train"],
@@ -194,9 +197,9 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
                 runtime.observe_rewards(rewards[-1])
             return output
         scoring = {"train": mode == "train", "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
-        with _overridden(self, "_adaptive_kl_scoring", scoring), \
-                _overridden(self, "_get_per_token_logps_and_entropies", scoring["recorder"]), \
-                _overridden(self, "reward_weights", self.reward_weights):
+        with overridden(self, "_adaptive_kl_scoring", scoring), \
+                overridden(self, "_get_per_token_logps_and_entropies", scoring["recorder"]), \
+                overridden(self, "reward_weights", self.reward_weights):
             output = upstream(self, *args, **kwargs)
         if len(rewards) != logged + 1 or "metrics" not in scoring:
             raise missing_reward_metric()

@@ -8,6 +8,7 @@ metrics into `trainer._metrics`. No extra forward pass is made.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from .estimators import estimate_kl
 from .patching import PatchSet
 from .trainer_hooks import (
     KLTermProbe,
+    overridden,
     current_beta,
     record_metrics,
     wrap_calculate_rewards,
@@ -99,37 +101,18 @@ class _PolicyLogpsProbe:
         return output
 
 
-def _stock_loss_and_kl(trainer: Any, model: Any, inputs: dict, config: AdaptiveKLConfig, mask: torch.Tensor):
-    """Run the stock `_compute_loss` with the probes in place; return its loss and the per-token KL to adapt."""
-    probe = KLTermProbe(trainer.beta, keep_stock_term=config.is_stock_kl)
-    logps_probe = None if config.kl_estimator == "k3" else _PolicyLogpsProbe(trainer._get_per_token_logps_and_entropies)
-    trainer.beta = probe
-    if logps_probe is not None:
-        trainer._get_per_token_logps_and_entropies = logps_probe
-    try:
+def _stock_loss_and_kl(
+    trainer: Any, model: Any, inputs: dict, keep_stock_term: bool, logps_probe: _PolicyLogpsProbe | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the stock `_compute_loss` with the KL-term probe (and the policy log-prob probe, when given) in place;
+    return its loss and the per-token KL its KL line computed. Without `keep_stock_term` the loss has no KL term."""
+    probe = KLTermProbe(trainer.beta, keep_stock_term=keep_stock_term)
+    with overridden(trainer, "beta", probe), (
+        contextlib.nullcontext() if logps_probe is None
+        else overridden(trainer, "_get_per_token_logps_and_entropies", logps_probe)
+    ):
         loss = _stock_compute_loss(trainer, model, inputs)
-    finally:
-        trainer.beta = float(probe)
-        if logps_probe is not None:
-            del trainer._get_per_token_logps_and_entropies
-    kl = probe.single_capture(_missing(TRL_KL_LINE))
-    if logps_probe is None:
-        return loss, kl
-    if not logps_probe.logps:
-        raise _missing(TRL_LOGPS_CALL)()
-    return loss, estimate_kl(logps_probe.logps[0], inputs["ref_per_token_logps"], mask, config)
-
-
-def _stock_loss_without_kl_term(trainer: Any, model: Any, inputs: dict) -> torch.Tensor:
-    """The stock `_compute_loss` with its `beta * per_token_kl` term set to 0 (its `kl` metric still logged)."""
-    probe = KLTermProbe(trainer.beta, keep_stock_term=False)
-    trainer.beta = probe
-    try:
-        loss = _stock_compute_loss(trainer, model, inputs)
-    finally:
-        trainer.beta = float(probe)
-    probe.single_capture(_missing(TRL_KL_LINE))
-    return loss
+    return loss, probe.single_capture(_missing(TRL_KL_LINE))
 
 
 # Replaces trl.GRPOTrainer._compute_loss (wraps it; the loss is then its policy part + beta_t * adapted KL).
@@ -139,11 +122,16 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
         return _stock_compute_loss(self, model, inputs)
     config = self.adaptive_kl.config
     if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term
-        return _stock_loss_without_kl_term(self, model, inputs)
+        return _stock_loss_and_kl(self, model, inputs, keep_stock_term=False)[0]
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
-    loss, kl = _stock_loss_and_kl(self, model, inputs, config, mask)
+    logps_probe = None if config.kl_estimator == "k3" else _PolicyLogpsProbe(self._get_per_token_logps_and_entropies)
+    loss, kl = _stock_loss_and_kl(self, model, inputs, config.is_stock_kl, logps_probe)
+    if logps_probe is not None:  # a non-stock estimator: its per-token KL from the policy log-probs the loss computed
+        if not logps_probe.logps:
+            raise _missing(TRL_LOGPS_CALL)()
+        kl = estimate_kl(logps_probe.logps[0], inputs["ref_per_token_logps"], mask, config)
 
     mode = "train" if self.model.training else "eval"
     term = kl_term(kl, mask, config, self.loss_type, _reduction_context(self, inputs, mode))
