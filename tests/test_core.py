@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
-from unsloth_adaptive_kl.adaptation import LOSS_TYPE_REDUCTIONS, loss_type_reduction
+from unsloth_adaptive_kl.adaptation import LOSS_TYPE_REDUCTIONS, kl_term, loss_type_reduction
 
 # Two completions: lengths 3 and 1 (T = 4).
 KL = torch.tensor([[0.5, 2.0, 0.1, 9.0], [3.0, 7.0, 7.0, 7.0]])
@@ -113,6 +113,36 @@ def test_non_finite_values_at_padded_positions_do_not_leak() -> None:
         assert reduce_kl(kl, MASK, loss_type_reduction(loss_type), CTX).item() == pytest.approx(
             HAND_REDUCTIONS[loss_type], rel=1e-6
         )
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_padded_non_finite_values_leave_the_input_untouched_and_get_no_gradient(requires_grad: bool) -> None:
+    """The masking runs in place on its own product where nothing needs a gradient: never on the caller's KL."""
+    kl = KL.clone()
+    kl[0, 3] = float("inf")
+    kl[1, 2] = float("nan")
+    kl.requires_grad_(requires_grad)
+    before = kl.detach().clone()
+    term = adapted_kl_term(kl, MASK, config("sigmoid", kl_target=0.1), "grpo", CTX)
+    assert torch.equal(kl.detach().isnan(), before.isnan()) and torch.equal(kl.detach().nan_to_num(), before.nan_to_num())
+    # grpo: mean over completions of the per-token mean of sigmoid(k - 0.1) * k over the valid tokens.
+    rows = [[0.5, 2.0, 0.1], [3.0]]
+    expected = sum(sum(sig(k - 0.1) * k for k in row) / len(row) for row in rows) / 2
+    assert term.adapted.item() == pytest.approx(expected, rel=1e-6)
+    if requires_grad:
+        term.adapted.backward()
+        assert torch.isfinite(kl.grad).all() and kl.grad[0, 3].item() == 0.0 and kl.grad[1, 2].item() == 0.0
+
+
+def test_the_stock_term_records_no_autograd_graph() -> None:
+    """With the trainer's own KL term the adapted value only feeds the metrics: kl_term builds no graph for it,
+    and its numbers are the eager core's."""
+    kl = KL.clone().requires_grad_(True)
+    stock = kl_term(kl, MASK, config("none"), "grpo", CTX)
+    eager = adapted_kl_term(kl, MASK, config("none"), "grpo", CTX)
+    assert stock.adapted.grad_fn is None and stock.adapted.item() == eager.adapted.item()
+    assert eager.adapted.grad_fn is not None
+    assert kl_term(kl, MASK, config("clip"), "grpo", CTX).adapted.grad_fn is not None
 
 
 @pytest.mark.parametrize("method", ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+dynamic"])

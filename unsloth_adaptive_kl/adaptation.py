@@ -7,6 +7,7 @@ L_i = sum_t m[i, t]. Every function is traceable torch (no `.item()`), so it als
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -32,8 +33,9 @@ def clip_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
 
 @register_shaping("sigmoid")
 def sigmoid_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
-    """k' = sigmoid(k - kl_target) * k."""
-    return torch.sigmoid(kl - config.kl_target) * kl
+    """k' = sigmoid(k - kl_target) * k. The sigmoid runs in place on the difference (a temporary whose backward needs
+    nothing of it): one full-size allocation fewer."""
+    return torch.sub(kl, config.kl_target).sigmoid_() * kl
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,12 @@ def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """m x, with the NaN that a non-finite value at a padded position gives (inf * 0) set to 0, so it cannot leak
     into a sum; an infinite value at a valid position stays infinite (and the runtime reports it), a NaN there
     becomes 0. A multiply and nan_to_num: on a CPU `torch.where` / `masked_fill` with a bool mask cost 6x a multiply
-    (measured). Not in place: autograd would clone the product to keep nan_to_num's input for its backward."""
-    return torch.nan_to_num(x * mask, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    (measured). nan_to_num runs in place on the product where nothing needs its gradient; where something does,
+    autograd would clone the product to keep nan_to_num's input for its backward, so it allocates its own result."""
+    product = x * mask
+    if product.requires_grad:
+        return torch.nan_to_num(product, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    return product.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
 
 
 def row_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -162,10 +168,12 @@ def kl_reduction(config: AdaptiveKLConfig, loss_type: str) -> str:
 
 def clipped_tokens(valid_kl: torch.Tensor, config: AdaptiveKLConfig, lengths: torch.Tensor) -> torch.Tensor:
     """`clip`: how many valid tokens have k >= kl_clip_threshold (padded positions are 0 < kl_clip_threshold), in the
-    dtype of `lengths`; 0 otherwise."""
+    dtype of `lengths`; 0 otherwise. The comparison writes its 0/1 straight into a tensor of that dtype: a bool
+    result summed as floats costs 4x as much on a CPU (0.29 against 0.07 ms at 64 x 4096, measured)."""
     if "clip" not in config.kl_methods:
         return lengths.new_zeros(())
-    return (valid_kl >= config.kl_clip_threshold).sum(dtype=lengths.dtype)
+    indicator = torch.empty_like(valid_kl, dtype=lengths.dtype)
+    return torch.ge(valid_kl, config.kl_clip_threshold, out=indicator).sum()
 
 
 @dataclass
@@ -223,7 +231,14 @@ def kl_term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss
             ctx: ReductionContext) -> KLTerm:
     """`adapted_kl_term`, as one `torch.compile` graph when `config.kl_compile` (compiled once per process; shapes
     turn dynamic after the first change). Where compiling or running the graph fails, eager from then on, after one
-    warning naming the error: the result is the same, only slower."""
+    warning naming the error: the result is the same, only slower. Where the KL term is the trainer's own
+    (`is_stock_kl`) it only feeds the metrics, so no autograd graph is recorded for it."""
+    with torch.no_grad() if config.is_stock_kl else contextlib.nullcontext():
+        return _term(kl, mask, config, loss_type, ctx)
+
+
+def _term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
+          ctx: ReductionContext) -> KLTerm:
     global _compiled_term, _compile_failed
     if not config.kl_compile or _compile_failed:
         return adapted_kl_term(kl, mask, config, loss_type, ctx)
@@ -234,7 +249,7 @@ def kl_term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss
     except Exception as error:  # no compiler toolchain, an unsupported backend: the eager core computes the same
         _compile_failed = True
         warnings.warn(f"kl_compile=True: torch.compile failed ({type(error).__name__}: {error}); the KL adaptation "
-                      "runs eagerly.", RuntimeWarning, stacklevel=2)
+                      "runs eagerly.", RuntimeWarning, stacklevel=3)
         return adapted_kl_term(kl, mask, config, loss_type, ctx)
 
 
