@@ -5,13 +5,15 @@
 
 Timing whole loss calls cannot resolve 1 % on a noisy CPU (an A/A pair of loss calls spreads by several per cent).
 So, per trainer, on one captured real generation batch:
-(a) stock: the trainer's own loss, forward + backward, with the patches bypassed, `--stock-repeats` times;
+(a) stock: the trainer's own loss, forward + backward, with the patches bypassed: `--stock-repeats` times up front
+    (the table's header), and again within each method's rounds of (b), every 8th round, for that row's ratio (the
+    machine's speed drifts by tens of per cent between minutes; a shared denominator would carry that drift);
 (b) adaptation: what the integration adds to that loss, on the same captured tensors and shapes: the patched loss
     with the trainer's loss function replaced by a stub that only does its KL line (TRL: `per_token_loss + beta *
     per_token_kl`; Unsloth: the compiled loss call), minus that stub alone, forward + backward, interleaved,
     `--core-repeats` times per method; this includes the wrapper, the probes, the core and the metric queue
     (flushed at every call here, as at the end of every optimizer step: an upper bound with gradient accumulation);
-(c) overhead = 1 + (b) / (a), with a bootstrap 95 % interval (both resampled);
+(c) overhead = 1 + (b) / (a) per row, with a bootstrap 95 % interval (both resampled);
 (d) deterministic counts from torch.profiler: aten ops and bytes allocated that each method adds per micro-batch;
 (e) a sanity row: stock against the heaviest method end to end, interleaved, with an A/A control (stock against
     stock): the difference must be consistent with (c) within the A/A interval.
@@ -52,6 +54,7 @@ METHODS: dict[str, dict[str, Any]] = {
     "kl_reduction=token_mean": {"kl_reduction": "token_mean"},
 }
 FIELDS = ("kl_adaptation_method", "kl_estimator", "kl_reduction")
+STOCK_EVERY = 8  # the stock loss (30-60 ms) is sampled in every 8th round of the sub-millisecond stub/patched pair
 DEFAULTS = {"kl_adaptation_method": "none", "kl_estimator": "k3", "kl_reduction": "loss_type"}
 
 
@@ -102,13 +105,18 @@ def timed(function: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def interleaved(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int = 3) -> dict[str, list[float]]:
-    """Round-robin in a rotating order, so that drift and cache effects hit every variant alike."""
+def interleaved(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int = 3,
+                every: dict[str, int] | None = None) -> dict[str, list[float]]:
+    """Round-robin in a rotating order, so that drift and cache effects hit every variant alike; a function named
+    in `every` runs only on every n-th timed round, the first included (a slow one sampled alongside fast ones)."""
     names = list(functions)
+    every = every or {}
     samples: dict[str, list[float]] = {name: [] for name in names}
     for iteration in range(repeats + warmup):
         order = names[iteration % len(names):] + names[: iteration % len(names)]
         for name in order:
+            if iteration >= warmup and (iteration - warmup) % every.get(name, 1):
+                continue
             elapsed = timed(functions[name])
             if iteration >= warmup:
                 samples[name].append(elapsed)
@@ -146,6 +154,22 @@ def backward(loss_function: Callable[[], torch.Tensor], leaves: list[torch.Tenso
     return call
 
 
+def with_stubs(stubs: list[tuple[Any, str, Any]], function: Callable[[], None]) -> Callable[[], None]:
+    """`function` run with each (owner, name, stub) set, the previous attributes restored after it."""
+
+    def call() -> None:
+        previous = [getattr(owner, name) for owner, name, _ in stubs]
+        for owner, name, stub in stubs:
+            setattr(owner, name, stub)
+        try:
+            function()
+        finally:
+            for (owner, name, _), value in zip(stubs, previous):
+                setattr(owner, name, value)
+
+    return call
+
+
 def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
     from unsloth_adaptive_kl import selfcheck, trl_patch
 
@@ -174,17 +198,13 @@ def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
         per_token_loss = policy + per_token_logps * 0.0 + self.beta * kl
         return (per_token_loss * mask).sum() / mask.sum()
 
-    cls = type(trainer)
-    upstream, logps_method = trl_patch._stock_compute_loss, cls._get_per_token_logps_and_entropies
-    trl_patch._stock_compute_loss = stub
-    cls._get_per_token_logps_and_entropies = lambda self, *a, **k: (logps, None)
-    try:
-        rows = method_rows(args, trainer, stock, {
-            False: backward(lambda: stub(trainer, trainer.model, inputs), leaves),
-            True: backward(lambda: trl_patch._compute_loss(trainer, trainer.model, inputs), leaves),
-        })
-    finally:
-        trl_patch._stock_compute_loss, cls._get_per_token_logps_and_entropies = upstream, logps_method
+    # Swapped in for each stubbed call only, so the stock loss sampled between them runs trl's own functions.
+    stubs = [(trl_patch, "_stock_compute_loss", stub),
+             (type(trainer), "_get_per_token_logps_and_entropies", lambda self, *a, **k: (logps, None))]
+    rows = method_rows(args, trainer, stock_loss, {
+        False: with_stubs(stubs, backward(lambda: stub(trainer, trainer.model, inputs), leaves)),
+        True: with_stubs(stubs, backward(lambda: trl_patch._compute_loss(trainer, trainer.model, inputs), leaves)),
+    })
     return report(args, trainer, stock, rows, stock_loss, patched_loss)
 
 
@@ -241,31 +261,30 @@ def unsloth_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
         finally:
             unsloth_patch._ACTIVE.reset(token)
 
-    upstream = shim.upstream
-    shim.upstream = StubLoss
-    try:
-        rows = method_rows(args, trainer, stock, {
-            False: backward(lambda: StubLoss.apply(new, *rest)[0], [new]), True: backward(shim_loss, [new]),
-        })
-    finally:
-        shim.upstream = upstream
+    stubs = [(shim, "upstream", StubLoss)]  # both sides, so that the swap's own cost cancels
+    rows = method_rows(args, trainer, stock_loss, {
+        False: with_stubs(stubs, backward(lambda: StubLoss.apply(new, *rest)[0], [new])),
+        True: with_stubs(stubs, backward(shim_loss, [new])),
+    })
     return report(args, trainer, stock, rows, stock_loss, patched_loss)
 
 
-def method_rows(args: argparse.Namespace, trainer: Any, stock: list[float], stubbed: dict[bool, Callable[[], None]]
-                ) -> list[dict[str, Any]]:
-    """(b)-(d) per method: the patched call with the stub against the stub alone."""
+def method_rows(args: argparse.Namespace, trainer: Any, stock_loss: Callable[[], None],
+                stubbed: dict[bool, Callable[[], None]]) -> list[dict[str, Any]]:
+    """(b)-(d) per method: the patched call with the stub against the stub alone, with the stock loss sampled in the
+    same rounds (every `STOCK_EVERY`-th), so that the ratio's numerator and denominator share the machine's state."""
     rows = []
     base_ops, base_bytes = profile_counts(stubbed[False])
     for name, settings in METHODS.items():
         apply_method(trainer, settings)
-        samples = interleaved({"stub": stubbed[False], "patched": stubbed[True]}, args.core_repeats)
+        samples = interleaved({"stub": stubbed[False], "patched": stubbed[True], "stock": stock_loss},
+                              args.core_repeats, every={"stock": STOCK_EVERY})
         added = [p - s for p, s in zip(samples["patched"], samples["stub"])]
         ops, allocated = profile_counts(stubbed[True])
-        low, high = overhead_interval(added, stock)
+        low, high = overhead_interval(added, samples["stock"])
         rows.append({
-            "method": name, "added_s": statistics.median(added),
-            "ratio": 1 + statistics.median(added) / statistics.median(stock), "ci": [low, high],
+            "method": name, "added_s": statistics.median(added), "stock_s": statistics.median(samples["stock"]),
+            "ratio": 1 + statistics.median(added) / statistics.median(samples["stock"]), "ci": [low, high],
             "ops_added": ops - base_ops, "bytes_added": allocated - base_bytes,
         })
     return rows
@@ -296,7 +315,8 @@ def report(args: argparse.Namespace, trainer: Any, stock: list[float], rows: lis
 def core_op(repeats: int) -> list[dict[str, Any]]:
     """The core op alone on a 64 x 4096 per-token KL (90 % valid tokens): the stock k3 expression, and k3 plus each
     method's adaptation (shaping, reductions, diagnostics), eager with its aten op count, and as the `kl_compile`
-    graph (`x_k3_compiled`; the estimator stays eager, as in the integrations)."""
+    graph (`x_k3_compiled`; the estimator stays eager, as in the integrations); each method against the stock k3
+    timed in the same rounds."""
     import torch._dynamo
 
     from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
@@ -319,18 +339,24 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
     def per_token(config: Any) -> torch.Tensor:
         return stock() if config.kl_estimator == "k3" else estimate_kl(logp, ref, mask, config)
 
-    functions: dict[str, Callable[[], Any]] = {"stock k3": stock}
+    base_ops = profile_counts(stock)[0]
+    rows = []
+    stock_samples: list[float] = []
     for name, settings in METHODS.items():
         config = AdaptiveKLConfig(**settings)
-        functions[name] = lambda config=config: adapted_kl_term(per_token(config), mask, config, "dapo", ctx)
-        functions[name + " (compiled)"] = lambda config=config: compiled_term(per_token(config), mask, config, "dapo", ctx)
-    samples = interleaved(functions, repeats, warmup=20)
-    base = statistics.median(samples["stock k3"])
-    base_ops = profile_counts(stock)[0]
-    return [{"method": name, "median_ms": statistics.median(samples[name]) * 1e3,
-             "x_k3": statistics.median(samples[name]) / base, "ops": profile_counts(functions[name])[0] - base_ops,
-             **({} if name == "stock k3" else {"x_k3_compiled": statistics.median(samples[name + " (compiled)"]) / base})}
-            for name in ["stock k3", *METHODS]]
+        eager = lambda config=config: adapted_kl_term(per_token(config), mask, config, "dapo", ctx)  # noqa: E731
+        compiled = lambda config=config: compiled_term(per_token(config), mask, config, "dapo", ctx)  # noqa: E731
+        # Each variant interleaved with the stock k3 alone, in its own rounds: no other method's (or the compiled
+        # graph's) allocations shift the heap under its ratio.
+        ratios = {}
+        for variant, function in (("eager", eager), ("compiled", compiled)):
+            samples = interleaved({"stock": stock, variant: function}, repeats, warmup=20)
+            stock_samples += samples["stock"]
+            ratios[variant] = (statistics.median(samples[variant]), statistics.median(samples["stock"]))
+        rows.append({"method": name, "median_ms": ratios["eager"][0] * 1e3, "x_k3": ratios["eager"][0] / ratios["eager"][1],
+                     "ops": profile_counts(eager)[0] - base_ops,
+                     "x_k3_compiled": ratios["compiled"][0] / ratios["compiled"][1]})
+    return [{"method": "stock k3", "median_ms": statistics.median(stock_samples) * 1e3, "x_k3": 1.0, "ops": 0}, *rows]
 
 
 def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -360,9 +386,10 @@ def print_table(title: str, result: dict[str, Any]) -> None:
     stock = result["stock_loss_s"]
     print(f"\n{title}: stock loss forward + backward {stock['median'] * 1e3:.1f} ms "
           f"(min {stock['min'] * 1e3:.1f}, max {stock['max'] * 1e3:.1f}, n={stock['n']})")
-    print(f"{'method':36s} {'added ms':>9s} {'overhead':>9s} {'95% interval':>19s} {'ops added':>10s} {'bytes added':>12s}")
+    print(f"{'method':36s} {'added ms':>9s} {'stock ms':>9s} {'overhead':>9s} {'95% interval':>19s} {'ops added':>10s} "
+          f"{'bytes added':>12s}")
     for row in result["rows"]:
-        print(f"{row['method']:36s} {row['added_s'] * 1e3:9.3f} {row['ratio']:9.4f} "
+        print(f"{row['method']:36s} {row['added_s'] * 1e3:9.3f} {row['stock_s'] * 1e3:9.1f} {row['ratio']:9.4f} "
               f"[{row['ci'][0]:.4f}, {row['ci'][1]:.4f}] {row['ops_added']:10d} {row['bytes_added']:12d}")
     e2e = result["end_to_end"]
     print(f"end to end, {e2e['method']} / stock: {e2e['ratio']:.3f} [{e2e['ci'][0]:.3f}, {e2e['ci'][1]:.3f}]; "

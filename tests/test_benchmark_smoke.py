@@ -54,6 +54,8 @@ def test_loss_overhead_benchmark_smoke(tmp_path) -> None:
     worst = max(rows, key=lambda row: row["ratio"])
     assert last_line.startswith(f"max_loss_overhead_ratio={worst['ratio']:.3f} ci=[{worst['ci'][0]:.3f},")
     assert f"ops_added={worst['ops_added']}" in last_line
+    # each row's ratio has its own stock loss, timed in the same rounds as its added time
+    assert all(row["stock_s"] > 0 and abs(row["ratio"] - (1 + row["added_s"] / row["stock_s"])) < 1e-12 for row in rows)
     # the adaptation adds work, and the profiler counts it: every method adds aten ops over the stock KL line
     assert all(row["ops_added"] > 0 for row in rows)
     core = {row["method"]: row for row in report["core_op"]}

@@ -36,6 +36,8 @@ def test_compiled_core_equals_eager_over_changing_shapes(settings: dict) -> None
         ctx = ReductionContext(max_completion_length=length, token_normalizer=mask.sum())
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a fallback to eager would not test the compiled graph
+            # nor may dynamo warn of tracing through a cache wrapper (possible silent incorrectness)
+            warnings.filterwarnings("error", message=".*lru_cache", category=UserWarning)
             compiled = adaptation.kl_term(per_token_kl(logp, ref), mask, config, "dapo", ctx)
         (compiled_grad,) = torch.autograd.grad(compiled.adapted, logp)
         eager = adaptation.adapted_kl_term(per_token_kl(logp, ref), mask, config, "dapo", ctx)

@@ -7,7 +7,6 @@ and on the command line.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -55,10 +54,15 @@ def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
     return tuple(name for name in METHODS if name in names)
 
 
-@functools.lru_cache(maxsize=64)
+_PARSED_METHODS: dict[str, tuple[str, ...]] = {}
+
+
 def _parse_canonical(value: str) -> tuple[str, ...]:
-    # Read on every loss call: parse each stored string once.
-    return parse_methods(value)
+    # Read on every loss call: parse each stored string once. A plain dict, not functools.lru_cache: torch.compile
+    # (kl_compile=True) traces through lru_cache wrappers with a warning of possible silent incorrectness.
+    if value not in _PARSED_METHODS:
+        _PARSED_METHODS[value] = parse_methods(value)
+    return _PARSED_METHODS[value]
 
 
 def _is_real(value: Any) -> bool:

@@ -137,7 +137,7 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     term = kl_term(kl, mask, config, self.loss_type, _reduction_context(self, inputs, mode))
     if not config.is_stock_kl:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        loss = loss + self.adaptive_kl.current_beta * term.adapted / accumulation
+        loss = loss + term.adapted * (self.adaptive_kl.current_beta / accumulation)  # one autograd node, not two
     record_metrics(self, term)
     return loss
 

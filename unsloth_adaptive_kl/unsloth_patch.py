@@ -146,7 +146,7 @@ class _AdaptiveEfficientGRPO:
         term = kl_term(kl, mask, config, loss_type, ctx)
         if not stock:
             accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
-            outputs[0] = outputs[0] + trainer.adaptive_kl.current_beta * term.adapted / accumulation
+            outputs[0] = outputs[0] + term.adapted * (trainer.adaptive_kl.current_beta / accumulation)
             outputs[2] = mean_kl  # the compiled loss ran with beta=0.0, so it reported a KL of 0
         calls.append(term)
         return tuple(outputs)
