@@ -145,6 +145,35 @@ def test_the_trainers_old_logps_are_used_where_it_computes_them(tokenizer, tmp_p
     assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=1e-5)  # the very same log-probs
 
 
+def test_policy_logps_prefer_old_then_vllm_sampling_then_one_replayed_forward() -> None:
+    """The source order of the policy log-probs for KL_i: the trainer's old log-probs, else vLLM's sampling log-probs
+    (no vLLM on CPU, so the choice is exercised here with stand-in tensors), else the reference forward replayed with
+    the policy; a generation that made no log-prob call is reported, not replayed from nothing."""
+    from unsloth_adaptive_kl.trainer_hooks import _CallRecorder, _policy_logps
+
+    class Trainer:
+        model = "policy"
+
+    forwards: list[tuple] = []
+    recorder = _CallRecorder(lambda model, ids: (torch.full((1, 2), float(len(forwards))), forwards.append((model, ids))))
+    old, sampling = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -4.0]])
+
+    def missing() -> Exception:
+        return RuntimeError("no reference forward")
+
+    assert _policy_logps(Trainer(), {"old_per_token_logps": old, "sampling_per_token_logps": sampling}, recorder,
+                         missing) is old
+    assert _policy_logps(Trainer(), {"old_per_token_logps": None, "sampling_per_token_logps": sampling}, recorder,
+                         missing) is sampling
+    with pytest.raises(RuntimeError, match="no reference forward"):
+        _policy_logps(Trainer(), {"old_per_token_logps": None, "sampling_per_token_logps": None}, recorder, missing)
+    recorder("reference", "ids-1")
+    recorder("reference", "ids-2")  # the last call is the one replayed
+    replayed = _policy_logps(Trainer(), {"old_per_token_logps": None, "sampling_per_token_logps": None}, recorder,
+                             missing)
+    assert forwards[-1] == ("policy", "ids-2") and replayed.tolist() == [[2.0, 2.0]] and len(forwards) == 3
+
+
 def test_evaluation_scores_with_the_penalty_and_logs_it(tokenizer, tmp_path) -> None:
     from datasets import Dataset
 
