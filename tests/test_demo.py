@@ -22,6 +22,9 @@ def test_quick_demo_writes_table_plot_and_metrics(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     for method in ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]:
         assert f"│ {method} " in result.stdout
+    # beta=0 has no KL to measure: its KL cells read "(off)", and no cell reads nan
+    beta0_line = next(line for line in result.stdout.splitlines() if "│ beta=0 " in line)
+    assert beta0_line.count("(off)") == 3 and "nan" not in result.stdout
     png = (tmp_path / "adaptive_kl_comparison.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))

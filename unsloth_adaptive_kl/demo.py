@@ -306,6 +306,8 @@ def print_table(summary: list[dict]) -> None:
         table.add_column(column, justify="left" if column == "method" else "right")
     def cell(item: dict, key: str, digits: int) -> str:
         mean, std = item[key]
+        if math.isnan(mean):  # never logged: beta=0 has no KL term (and no reference model) to measure
+            return "(off)"
         return f"{mean:.{digits}f} +/- {std:.{digits}f}"
 
     for item in summary:
@@ -339,6 +341,8 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
             mean, low, high = values.nanmean(0), values.amin(0), values.amax(0)
             axis.plot(steps, mean.tolist(), label=method, color=f"C{color}")
             axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15, color=f"C{color}")
+        if not axis.lines:  # e.g. the reward penalty when no variant puts the KL in the reward
+            axis.text(0.5, 0.5, "not logged by these variants", ha="center", va="center", transform=axis.transAxes)
         axis.set_title(title)
         axis.set_xlabel("step")
     axes.flat[0].legend(fontsize=8)
