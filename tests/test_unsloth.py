@@ -203,7 +203,8 @@ def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> No
 @needs_unsloth
 def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_path) -> None:
     """kl_placement='reward' in Unsloth's generated trainer: advantages are the formula of r_i - beta * KL_i (summed
-    KL per completion), the loss has no KL term, the stock reward metric is un-penalised, dynamic beta decays."""
+    KL per completion), the loss has no KL term, the stock reward metric is un-penalised, dynamic beta decays, and a
+    resumed run takes beta back from its checkpoint."""
     results = run_scenario("reward", tmp_path)
     for scale_rewards in ("group", "batch"):
         entry = results[scale_rewards]
@@ -218,3 +219,9 @@ def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_pat
     assert dynamic["betas"] == pytest.approx([1.0, 0.5, 0.25]) and dynamic["final_beta"] == pytest.approx(0.125)
     assert dynamic["penalties"] == pytest.approx([b * kl for b, kl in zip(dynamic["betas"], dynamic["sequence_kl"])])
     assert dynamic["reward"] == pytest.approx([1.0] * 3, abs=1e-6)
+    # resumed at step 2 of 4: the checkpoint holds 1.0 * 0.5^2, the resumed steps penalise with 0.25 and 0.125
+    resume = results["resume"]
+    assert resume["trainer_class"] == "UnslothGRPOTrainer"
+    assert resume["saved_beta"] == pytest.approx(0.25)
+    assert resume["resumed_betas"][-2:] == pytest.approx([0.25, 0.125])
+    assert resume["resumed_final"] == pytest.approx(resume["full_final"], rel=1e-12) == pytest.approx(0.0625)

@@ -425,7 +425,7 @@ def trainer_policy_logps(trainer: Any, batch: dict) -> torch.Tensor:
 
 def scenario_reward(out: str) -> dict:
     """kl_placement='reward' in the generated trainer: the first batch's advantages against the formula (scale_rewards
-    group and batch), the loss without its KL term, and a short dynamic run."""
+    group and batch), the loss without its KL term, a short dynamic run, and its resume from a checkpoint."""
     results: dict[str, Any] = {}
     for scale_rewards in ("group", "batch"):
         rewards: list[float] = []
@@ -459,6 +459,19 @@ def scenario_reward(out: str) -> dict:
                           "penalties": logged(trainer, "adaptive_kl/reward_penalty"),
                           "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"), "reward": logged(trainer, "reward"),
                           "trainer_class": type(trainer).__name__}
+    # Resume: beta comes back from the checkpoint (the generated trainer's own save/load, hooked).
+    settings = dict(gradient_accumulation_steps=1, max_steps=4, beta=1.0, kl_placement="reward",
+                    kl_reduction="sequence_sum", kl_adaptation_method="dynamic", dynamic_beta_decay=0.5,
+                    save_strategy="steps", save_steps=2)
+    full = make_trainer(f"{out}/full", constant_reward, **settings)
+    full.train()
+    with open(f"{out}/full/checkpoint-2/adaptive_kl_state.json") as f:
+        saved = json.load(f)
+    resumed = make_trainer(f"{out}/resumed", constant_reward, **settings)
+    resumed.train(resume_from_checkpoint=f"{out}/full/checkpoint-2")
+    results["resume"] = {"saved_beta": saved["value"], "full_final": full.current_beta,
+                         "resumed_betas": logged(resumed, "adaptive_kl/current_beta"),
+                         "resumed_final": resumed.current_beta, "trainer_class": type(resumed).__name__}
     return results
 
 
