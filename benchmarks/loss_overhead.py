@@ -24,6 +24,7 @@ Writes JSON and ends with `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -156,16 +157,13 @@ def backward(loss_function: Callable[[], torch.Tensor], leaves: list[torch.Tenso
 
 def with_stubs(stubs: list[tuple[Any, str, Any]], function: Callable[[], None]) -> Callable[[], None]:
     """`function` run with each (owner, name, stub) set, the previous attributes restored after it."""
+    from unsloth_adaptive_kl.trainer_hooks import overridden
 
     def call() -> None:
-        previous = [getattr(owner, name) for owner, name, _ in stubs]
-        for owner, name, stub in stubs:
-            setattr(owner, name, stub)
-        try:
+        with contextlib.ExitStack() as stack:
+            for owner, name, stub in stubs:
+                stack.enter_context(overridden(owner, name, stub))
             function()
-        finally:
-            for (owner, name, _), value in zip(stubs, previous):
-                setattr(owner, name, value)
 
     return call
 
