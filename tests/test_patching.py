@@ -135,3 +135,24 @@ def test_missing_kl_anchor_is_an_error_not_a_silent_stock_fallback(tokenizer, tm
     with pytest.raises(versions.IncompatibleVersionError,
                        match=r"cannot patch trl==\d.*the anchor `per_token_loss = per_token_loss \+ self.beta \* per_token_kl`"):
         trainer._compute_loss(trainer.model, {"completion_mask": torch.ones(1, 2)})
+
+
+def test_overridden_restores_instance_inherited_and_absent_attributes_even_on_error() -> None:
+    """The per-call overrides (the probe beta, the recorder, the reward weights) leave the trainer exactly as found:
+    an inherited attribute must not be frozen onto the instance, an absent one must not appear."""
+    from unsloth_adaptive_kl.trainer_hooks import overridden
+
+    class Owner:
+        inherited = "class value"
+
+    owner = Owner()
+    owner.own = "instance value"
+    for name in ("own", "inherited", "absent"):
+        before = dict(vars(owner))
+        with pytest.raises(RuntimeError), overridden(owner, name, "override"):
+            assert getattr(owner, name) == "override"
+            raise RuntimeError("the block failed")
+        assert vars(owner) == before, name
+    assert Owner.inherited == "class value" and owner.inherited == "class value"
+    Owner.inherited = "changed on the class"
+    assert owner.inherited == "changed on the class"  # still read through the class, not a frozen copy

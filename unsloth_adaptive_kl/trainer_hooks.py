@@ -122,7 +122,8 @@ class _CallRecorder:
 
 @contextlib.contextmanager
 def overridden(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """`owner.name = value` for the block (an instance attribute), then the previous state exactly."""
+    """`owner.name = value` for the block, then the previous state exactly: an attribute `owner` did not hold in its
+    own `__dict__` (absent, or inherited from its class) is deleted again, not copied onto it."""
     previous = vars(owner).get(name, overridden)
     setattr(owner, name, value)
     try:
