@@ -22,7 +22,7 @@ from packaging.version import Version
 TESTED: dict[str, SpecifierSet] = {
     "trl": SpecifierSet(">=1.9.1,<=1.16.0"),
     "transformers": SpecifierSet(">=5.17.0,<=5.23.0"),
-    "torch": SpecifierSet(">=2.13.0,<=2.14.1"),
+    "torch": SpecifierSet(">=2.13.0,<=2.15.0"),
     "unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
     "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"),
 }
