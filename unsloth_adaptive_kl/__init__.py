@@ -2,7 +2,9 @@
 
 `import unsloth_adaptive_kl` patches `trl.GRPOConfig` / `trl.GRPOTrainer` in place: the config gains the
 adaptive-KL fields (see `AdaptiveKLConfig`) and the trainer applies the adapted KL term and logs
-`adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl` and `adaptive_kl/current_beta`. Imported before `unsloth`, it also
+`adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl`, `adaptive_kl/current_beta`, `adaptive_kl/sequence_kl` and
+`adaptive_kl/length_kl_corr`, with `adaptive_kl/clip_fraction` for `clip` and `adaptive_kl/reward_penalty` for the
+KL in the reward (the docs' metrics page has each formula). Imported before `unsloth`, it also
 hooks the `UnslothGRPOTrainer` that Unsloth generates. `unpatch()` restores the stock objects.
 `python -m unsloth_adaptive_kl` checks the installed versions and anchors on this machine.
 """

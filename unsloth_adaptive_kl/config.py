@@ -93,8 +93,9 @@ class AdaptiveKLConfig:
         default="none",
         metadata={
             "help": "How the KL term is adapted: 'none' (stock), or one or more of 'clip', 'sigmoid', "
-            "'length_normalized', 'dynamic' joined by '+' (e.g. 'dynamic+length_normalized'); at most one of "
-            "clip/sigmoid. Applied in the order shaping -> length normalisation -> beta."
+            "'length_normalized', 'dynamic', 'target' joined by '+' (e.g. 'dynamic+length_normalized'); at most "
+            "one of clip/sigmoid and one of dynamic/target. Applied in the order shaping -> length normalisation -> "
+            "beta."
         },
     )
     kl_clip_threshold: float = field(
@@ -103,23 +104,27 @@ class AdaptiveKLConfig:
     )
     kl_target: float = field(
         default=0.1,
-        metadata={"help": "`sigmoid`: per-token KL is sigmoid(KL - kl_target) * KL. >= 0."},
+        metadata={"help": "`sigmoid`: per-token KL is sigmoid(KL - kl_target) * KL. `target`: the KL the controller "
+                  "steers to (> 0 there). >= 0."},
     )
     dynamic_beta_decay: float = field(
         default=0.9,
-        metadata={"help": "`dynamic`: beta is multiplied by this after a step whose mean reward > reward_threshold."},
+        metadata={"help": "`dynamic`: beta is multiplied by this after a step whose mean reward > reward_threshold. "
+                  "0 < x <= 1."},
     )
     reward_threshold: float = field(
         default=0.8,
-        metadata={"help": "`dynamic`: mean reward above which beta decays."},
+        metadata={"help": "`dynamic`: mean reward above which beta decays. A finite number."},
     )
     beta_min: float = field(
         default=0.0,
-        metadata={"help": "`dynamic`: lower bound of beta, and its value from beta_schedule_steps on. 0 <= beta_min <= beta."},
+        metadata={"help": "`dynamic`: lower bound of beta, and its value from beta_schedule_steps on. `target`: lower "
+                  "bound of beta. 0 <= beta_min <= beta."},
     )
     beta_schedule_steps: Optional[int] = field(
         default=1000,
-        metadata={"help": "`dynamic`: once this many optimizer steps are done, beta = beta_min. None: no cut-off."},
+        metadata={"help": "`dynamic`: once this many optimizer steps are done, beta = beta_min. An integer >= 1, or "
+                  "None: no cut-off."},
     )
 
     kl_estimator: str = field(
@@ -127,23 +132,26 @@ class AdaptiveKLConfig:
         metadata={
             "help": "Per-token KL estimator: 'k3' (what the trainer computes), 'k1', 'k2', 'low_var_kl', 'k1+', "
             "'k3+' (value of k1/k3, gradient of k2), 'k3_bottom_percentile'; or, programmatically, a callable "
-            "(logp, ref_logp, mask) -> per-token KL."
+            "(logp, ref_logp, mask) -> per-token KL. Every method reads the KL it gives."
         },
     )
     kl_percentile: float = field(
         default=0.2,
-        metadata={"help": "`k3_bottom_percentile`: fraction of tokens (lowest reference log-prob) that carry KL. 0 < x <= 1."},
+        metadata={"help": "kl_estimator `k3_bottom_percentile`: fraction of tokens (lowest reference log-prob) that carry "
+                  "KL; every method reads the KL it gives. 0 < x <= 1."},
     )
     kl_percentile_scale: float = field(
         default=5.0,
-        metadata={"help": "`k3_bottom_percentile`: factor on the selected tokens' k3. > 0."},
+        metadata={"help": "kl_estimator `k3_bottom_percentile`: factor on the selected tokens' k3; every method reads "
+                  "the KL it gives. > 0."},
     )
     kl_reduction: str = field(
         default="loss_type",
         metadata={
             "help": "How each completion's KL enters the loss: 'loss_type' (stock), 'sequence_mean' (mean "
             "per-token KL per completion, as length_normalized), 'token_mean' (over all tokens of the batch) or "
-            "'sequence_sum' (summed KL per completion: the sequence-level KL, which grows with length)."
+            "'sequence_sum' (summed KL per completion: the sequence-level KL, which grows with length). Every "
+            "method; with length_normalized only 'loss_type' or 'sequence_mean'."
         },
     )
     kl_horizon: float = field(
@@ -163,14 +171,14 @@ class AdaptiveKLConfig:
         default=False,
         metadata={"help": "Run the KL adaptation (shaping, reductions, diagnostics) as one torch.compile graph; where "
                   "compiling fails it runs eagerly, after one warning. For GPUs: on a CPU the compiled graph's guards "
-                  "cost more than the fusion saves at these sizes (measured)."},
+                  "cost more than the fusion saves at these sizes (measured). Every method."},
     )
     kl_placement: str = field(
         default="loss",
         metadata={"help": "Where beta * KL acts: 'loss' (stock: a KL term in the loss) or 'reward' (each "
                   "completion's reward becomes r_i - beta * KL_i before the advantages; the KL loss term is off). "
                   "With 'reward', kl_reduction picks KL_i: 'sequence_sum' (also what 'loss_type' means there) or "
-                  "'sequence_mean'."},
+                  "'sequence_mean'. Every method but length_normalized."},
     )
 
     def __post_init__(self) -> None:
@@ -266,6 +274,28 @@ class AdaptiveKLConfig:
 
 
 ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)
+
+EVERY_METHOD = "every method"
+# Which methods read each field: the configuration reference prints it and a test holds each field's help text to it.
+# (Kept beside the dataclass, not in its metadata: HfArgumentParser passes metadata on to argparse as keywords.)
+READ_BY: dict[str, tuple[str, ...]] = {
+    "kl_adaptation_method": (EVERY_METHOD,),
+    "kl_clip_threshold": ("clip",),
+    "kl_target": ("sigmoid", "target"),
+    "dynamic_beta_decay": ("dynamic",),
+    "reward_threshold": ("dynamic",),
+    "beta_min": ("dynamic", "target"),
+    "beta_schedule_steps": ("dynamic",),
+    "kl_estimator": (EVERY_METHOD,),
+    "kl_percentile": (EVERY_METHOD,),
+    "kl_percentile_scale": (EVERY_METHOD,),
+    "kl_reduction": (EVERY_METHOD,),
+    "kl_horizon": ("target",),
+    "beta_max": ("target",),
+    "kl_target_measure": ("target",),
+    "kl_compile": (EVERY_METHOD,),
+    "kl_placement": (EVERY_METHOD,),
+}
 
 
 def adaptive_kl_config_from(args: Any) -> AdaptiveKLConfig:
