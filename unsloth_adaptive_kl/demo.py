@@ -44,7 +44,8 @@ LOGGED = ["reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adapt
 ALPHABET = "abcdefgh"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's command line (the docs' flag list is generated from it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 1 seed")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
@@ -57,18 +58,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="compare the KL as a loss term with the KL in the reward: runs the variants "
                         + ", ".join(KL_IN_REWARD_VARIANTS) + " ('reward:REDUCTION[:METHOD]' is kl_placement='reward' "
                         "with that kl_reduction and kl_adaptation_method)")
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds per method")
-    parser.add_argument("--output-dir", default="adaptive_kl_demo_output")
+    parser.add_argument("--output-dir", default="adaptive_kl_demo_output",
+                        help="where the plot, metrics.csv, metrics.json and summary.json go")
     parser.add_argument("--model", default=None, help="a model name or path (GPU users); default: the embedded tiny model")
     parser.add_argument("--backend", choices=["unsloth", "trl", "auto"], default="auto",
                         help="with --model: Unsloth FastLanguageModel (4-bit + LoRA) or transformers + PEFT")
-    parser.add_argument("--beta", type=float, default=0.04)
+    parser.add_argument("--beta", type=float, default=0.04, help="beta of every variant but beta=0")
     parser.add_argument("--kl-target", type=float, default=0.1, help="kl_target (sigmoid, target)")
     parser.add_argument("--kl-horizon", type=float, default=10000.0, help="kl_horizon (target)")
-    parser.add_argument("--loss-type", default="dapo")
-    parser.add_argument("--learning-rate", type=float, default=None)
+    parser.add_argument("--loss-type", default="dapo", help="GRPOConfig loss_type")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="default: 5e-3 for the tiny model, 5e-6 with --model")
     parser.add_argument("--pretrain-steps", type=int, default=300, help="tiny model: reference pretraining steps")
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.seeds, args.pretrain_steps = QUICK["steps"], QUICK["seeds"], QUICK["pretrain_steps"]
@@ -328,7 +336,14 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
               ("adaptive_kl/current_beta", "beta"), ("adaptive_kl/sequence_kl", "summed KL per completion"),
               ("adaptive_kl/reward_penalty", "reward penalty (KL in the reward)"),
               ("adaptive_kl/length_kl_corr", "corr(length, summed KL)")]
-    figure, axes = plt.subplots(2, 3, figsize=(18, 8.5))
+    # A panel no variant logs (e.g. the reward penalty when no variant puts the KL in the reward) is left out.
+    panels = [(key, title) for key, title in panels
+              if any(r["method"] in methods and not math.isnan(r[key]) for r in rows)]
+    columns = min(3, max(1, len(panels)))
+    rows_of_panels = max(1, math.ceil(len(panels) / columns))
+    figure, axes = plt.subplots(rows_of_panels, columns, figsize=(6 * columns, 4.25 * rows_of_panels), squeeze=False)
+    for axis in axes.flat[len(panels):]:
+        axis.remove()
     for axis, (key, title) in zip(axes.flat, panels):
         for color, method in enumerate(methods):  # one colour per method in every panel
             seeds = sorted({r["seed"] for r in rows if r["method"] == method})
@@ -341,8 +356,6 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
             mean, low, high = values.nanmean(0), values.amin(0), values.amax(0)
             axis.plot(steps, mean.tolist(), label=method, color=f"C{color}")
             axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15, color=f"C{color}")
-        if not axis.lines:  # e.g. the reward penalty when no variant puts the KL in the reward
-            axis.text(0.5, 0.5, "not logged by these variants", ha="center", va="center", transform=axis.transAxes)
         axis.set_title(title)
         axis.set_xlabel("step")
     axes.flat[0].legend(fontsize=8)
@@ -398,4 +411,34 @@ def write_outputs(rows: list[dict], summary: list[dict], args: argparse.Namespac
         json.dump(rows, f)
     settings = {k: v for k, v in vars(args).items()}
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump({"settings": settings, "wall_seconds": seconds, "summary": summary}, f, indent=1)
+        json.dump({"settings": settings, "wall_seconds": seconds, "window": max(1, args.steps // 10),
+                   "environment": environment(), "summary": summary}, f, indent=1)
+
+
+def environment() -> dict[str, Any]:
+    """What produced a run: the command line, the installed versions and the hardware."""
+    import importlib.metadata
+    import platform
+
+    versions = {}
+    for package in ("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth", "unsloth_zoo"):
+        try:
+            versions[package] = importlib.metadata.version(package.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    if torch.cuda.is_available():
+        hardware = torch.cuda.get_device_name(0)
+    else:
+        cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
+                    if line.startswith("model name")), platform.processor() or platform.machine())
+        hardware = f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    command = " ".join(["python", "blackwell/test_adaptive_kl_grpo.py", *sys.argv[1:]])
+    return {"command": command, "versions": versions, "hardware": hardware, "python": platform.python_version()}
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
