@@ -22,3 +22,13 @@ def test_notebook_executes_on_cpu(tmp_path) -> None:
     assert "dynamic+length_normalized seed 0" in text
     assert (tmp_path / "adaptive_kl_notebook_output" / "adaptive_kl_comparison.png").stat().st_size > 20_000
     assert any("image/png" in output.get("data", {}) for output in outputs)
+
+
+def test_install_cell_installs_the_package_by_name_without_editing() -> None:
+    """On Colab the install cell works as it is: the published name (with the tested Unsloth), no placeholder; a
+    wheel path is the commented alternative."""
+    install = next(cell.source for cell in nbformat.read(NOTEBOOK, as_version=4).cells
+                   if cell.cell_type == "code" and "ADAPTIVE_KL_SPEC" in cell.source)
+    active = [line for line in install.splitlines() if line.startswith("ADAPTIVE_KL_SPEC")]
+    assert active == ['ADAPTIVE_KL_SPEC = "unsloth-adaptive-kl[unsloth,demo]"']
+    assert "# ADAPTIVE_KL_SPEC = \"/content/unsloth_adaptive_kl-" in install and "OWNER" not in install

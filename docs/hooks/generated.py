@@ -1,0 +1,211 @@
+"""MkDocs hook: the parts of the docs that code can produce are generated at build time, so they cannot drift.
+
+A page asks for one with a line of its own, `<!-- generated: NAME [ARGUMENT] -->`; the hook replaces that line with
+the Markdown that `GENERATORS[NAME](ARGUMENT)` returns. An unknown name fails the build. Sources:
+- `configuration`: `AdaptiveKLConfig`'s fields (type, default, help), what its validation allows (the text of the
+  ValueError it raises for a bad value) and `config.READ_BY`;
+- `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
+- `demo_flags`: the demo's argparse parser;
+- `loss_overhead`, `core_op`, `steps`, `unsloth_steps`, `benchmark_headline`: `benchmarks/*.json`;
+- `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import typing
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = re.compile(r"^<!-- generated: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->$", re.MULTILINE)
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _type_name(annotation: Any) -> str:
+    return annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+
+
+def allowed_values(name: str) -> str:
+    """What validation allows for `name`: the 'allowed is ...' part of the ValueError a bad value raises."""
+    from unsloth_adaptive_kl.config import AdaptiveKLConfig
+
+    try:
+        AdaptiveKLConfig(**{name: object()})
+    except ValueError as error:
+        message = str(error)
+        if message.startswith(f"{name}="):
+            return message.split("allowed is ", 1)[1].rstrip(".")
+    raise AssertionError(f"AdaptiveKLConfig accepted a bad value for {name}: no allowed values to document")
+
+
+def configuration(_: Optional[str] = None) -> str:
+    """One row per `AdaptiveKLConfig` field, in declaration order."""
+    from unsloth_adaptive_kl.config import READ_BY, AdaptiveKLConfig
+
+    hints = typing.get_type_hints(AdaptiveKLConfig)
+    rows = []
+    for field in dataclasses.fields(AdaptiveKLConfig):
+        rows.append([f"`{field.name}`", f"`{_type_name(hints[field.name])}`", f"`{field.default!r}`",
+                     allowed_values(field.name), ", ".join(READ_BY[field.name]), field.metadata["help"]])
+    return _table(["field", "type", "default", "allowed", "read by", "help"], rows)
+
+
+def tested_versions(_: Optional[str] = None) -> str:
+    from unsloth_adaptive_kl.versions import TESTED, tested_range
+
+    return _table(["package", "tested range"], [[f"`{name}`", f"`{tested_range(name)}`"] for name in TESTED])
+
+
+def anchors(which: Optional[str] = None) -> str:
+    """The source anchors of one integration (`trl` or `unsloth`): where each is looked up, its text, why."""
+    from unsloth_adaptive_kl import versions
+
+    found = {"trl": versions.TRL_ANCHORS, "unsloth": versions.UNSLOTH_ANCHORS}[which or "trl"]
+    return _table(["in", "anchor", "why"],
+                  [[f"`{a.function}`", f"`{a.text}`" + (" (signature)" if a.signature else ""), a.reason]
+                   for a in found])
+
+
+def demo_flags(_: Optional[str] = None) -> str:
+    from unsloth_adaptive_kl.demo import build_parser
+
+    rows = []
+    for action in build_parser()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        default = "" if action.default in (None, "", False) else f"`{action.default}`"
+        choices = f" One of {', '.join(map(str, action.choices))}." if action.choices else ""
+        rows.append([", ".join(f"`{flag}`" for flag in action.option_strings), default,
+                     (action.help or "") + choices])
+    return _table(["flag", "default", "what it does"], rows)
+
+
+def _benchmark(name: str) -> dict:
+    return json.loads((ROOT / "benchmarks" / name).read_text())
+
+
+def loss_overhead(_: Optional[str] = None) -> str:
+    data = _benchmark("loss_overhead.json")
+    trainers = [name for name in ("trl", "unsloth") if data.get(name)]
+    by_method: dict[str, dict[str, dict]] = {}
+    for trainer in trainers:
+        for row in data[trainer]["rows"]:
+            by_method.setdefault(row["method"], {})[trainer] = row
+    header = ["method"]
+    for trainer in trainers:
+        label = {"trl": "TRL", "unsloth": "Unsloth"}[trainer]
+        header += [f"{label}: added ms", f"{label}: stock ms", f"{label}: overhead [95 %]", f"{label}: ops added"]
+    rows = []
+    for method, cells in by_method.items():
+        row = [f"`{method}`"]
+        for trainer in trainers:
+            r = cells.get(trainer)
+            row += (["", "", "", ""] if r is None else
+                    [f"{r['added_s'] * 1e3:.3f}", f"{r['stock_s'] * 1e3:.1f}",
+                     f"{r['ratio']:.4f} [{r['ci'][0]:.4f}, {r['ci'][1]:.4f}]", r["ops_added"]])
+        rows.append(row)
+    return _table(header, rows)
+
+
+def benchmark_headline(_: Optional[str] = None) -> str:
+    h = _benchmark("loss_overhead.json")["headline"]
+    return (f"`max_loss_overhead_ratio={h['ratio']:.3f} ci=[{h['ci'][0]:.3f},{h['ci'][1]:.3f}] "
+            f"aa=[{h['aa'][0]:.3f},{h['aa'][1]:.3f}] ops_added={h['ops_added']}` "
+            f"({h['trainer']}, `{h['method']}`; {h['seconds']:.0f} s for the whole run)")
+
+
+def core_op(_: Optional[str] = None) -> str:
+    rows = _benchmark("loss_overhead.json")["core_op"]
+    stock = next(r for r in rows if r["method"] == "stock k3")
+    body = [[f"`{r['method']}`", f"{r['median_ms']:.3f}", f"{r['x_k3']:.2f}", r["ops"],
+             f"{r['x_k3_compiled']:.2f}" if "x_k3_compiled" in r else ""] for r in rows if r is not stock]
+    return (_table(["method", "k3 + adaptation, median ms", "x stock k3", "aten ops added",
+                    "`kl_compile=True`: x stock k3"], body)
+            + f"\n\nStock k3 expression alone: {stock['median_ms']:.3f} ms.")
+
+
+def steps(_: Optional[str] = None) -> str:
+    data = _benchmark("overhead_cpu.json")
+    rows = [[r["variant"], f"{r['median_step_s']:.4f}", f"{r['step_ratio']:.3f}",
+             "/".join(map(str, r["forwards_per_step"])), r["extra_forwards"],
+             f"{r['peak_memory_bytes'] / 2 ** 20:.1f}", f"{r['memory_ratio']:.3f}",
+             "" if r["core_ratio"] is None else f"{r['core_ratio']:.2f}"] for r in data["rows"]]
+    aa = data["aa_interval"]
+    s = data["settings"]
+    return (_table(["variant", "s/step", "x stock", "forwards/step", "extra forwards", "peak RSS MiB", "x stock",
+                    "core op x k3"], rows)
+            + f"\n\nA/A interval of the step ratio (stock against stock): [{aa[0]:.3f}, {aa[1]:.3f}]. Settings: "
+            f"hidden {s['hidden']}, {s['layers']} layers, batch {s['batch']}, {s['completion_length']}-token "
+            f"completions, {s['steps']} steps x {s['repeats']} timed passes, device `{data['device']}`.")
+
+
+def unsloth_steps(_: Optional[str] = None) -> str:
+    rows = [[r["variant"], f"{r['median_step_s']:.4f}", f"{r['step_ratio']:.3f}",
+             "/".join(map(str, r["forwards_per_step"])), r["graphs_added_per_run"]]
+            for r in _benchmark("overhead_cpu.json")["unsloth_rows"]]
+    return _table(["variant", "s/step", "x stock", "forwards/step", "compiled graphs added during a run"], rows)
+
+
+RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completion length", 1),
+                  ("adaptive_kl/raw_kl", "raw KL", 3), ("adaptive_kl/adapted_kl", "adapted KL", 3),
+                  ("adaptive_kl/sequence_kl", "KL per completion", 2))
+
+
+def demo_results(name: Optional[str] = None) -> str:
+    """The demo's summary table of one committed run, with the command, versions and hardware that produced it."""
+    data = json.loads((ROOT / "docs" / "results" / str(name) / "summary.json").read_text())
+    rows = []
+    for item in data["summary"]:
+        row = [f"`{item['method']}`"]
+        for key, _, digits in RESULT_COLUMNS:
+            mean, std = item.get(key, (float("nan"), float("nan")))
+            row.append("(off)" if mean != mean and item.get("beta") == 0 else f"{mean:.{digits}f} +/- {std:.{digits}f}")
+        row.append(f"{item['final_beta']:.2g}")
+        rows.append(row)
+    table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "final beta"], rows)
+    env = data.get("environment", {})
+    versions = ", ".join(f"{package} {version}" for package, version in env.get("versions", {}).items())
+    return (f"{table}\n\nCommand: `{env.get('command', '')}`. Versions: {versions}. Hardware: "
+            f"{env.get('hardware', '')}. Wall time: {data['wall_seconds']:.0f} s. Values: mean +/- std over "
+            f"{data['settings']['seeds']} seeds of each seed's mean over the last {data.get('window', 12)} steps.")
+
+
+GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
+    "configuration": configuration,
+    "tested_versions": tested_versions,
+    "anchors": anchors,
+    "demo_flags": demo_flags,
+    "loss_overhead": loss_overhead,
+    "benchmark_headline": benchmark_headline,
+    "core_op": core_op,
+    "steps": steps,
+    "unsloth_steps": unsloth_steps,
+    "demo_results": demo_results,
+}
+
+
+def render(markdown: str) -> str:
+    """Replace every generated-content marker of a page; an unknown name is an error."""
+    def replace(match: re.Match) -> str:
+        name = match["name"]
+        if name not in GENERATORS:
+            raise KeyError(f"unknown generated block {name!r}: known are {', '.join(GENERATORS)}")
+        return GENERATORS[name](match["argument"])
+
+    return MARKER.sub(replace, markdown)
+
+
+def on_page_markdown(markdown: str, **_: Any) -> str:  # MkDocs hook
+    return render(markdown)
