@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import typing
 from pathlib import Path
@@ -170,11 +171,13 @@ def demo_results(name: Optional[str] = None) -> str:
     for item in data["summary"]:
         row = [f"`{item['method']}`"]
         for key, _, digits in RESULT_COLUMNS:
-            mean, std = item.get(key, (float("nan"), float("nan")))
-            row.append("(off)" if mean != mean and item.get("beta") == 0 else f"{mean:.{digits}f} +/- {std:.{digits}f}")
-        row.append(f"{item['final_beta']:.2g}")
+            mean, std = item[key]
+            # never logged: beta=0 has no KL term (and no reference model) to measure
+            row.append("(off)" if math.isnan(mean) else f"{mean:.{digits}f} +/- {std:.{digits}f}")
+        beta = item["adaptive_kl/current_beta"][0]
+        row.append("0 (off)" if math.isnan(beta) else f"{beta:.2g}")
         rows.append(row)
-    table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "final beta"], rows)
+    table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "beta at the end"], rows)
     env = data.get("environment", {})
     versions = ", ".join(f"{package} {version}" for package, version in env.get("versions", {}).items())
     return (f"{table}\n\nCommand: `{env.get('command', '')}`. Versions: {versions}. Hardware: "
