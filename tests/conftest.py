@@ -16,7 +16,7 @@ import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 
 import unsloth_adaptive_kl  # noqa: E402
-from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
+from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer, lora_config  # noqa: E402
 from unsloth_adaptive_kl.selfcheck import stock_trl  # noqa: E402,F401  (stock TRL inside the block)
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
@@ -68,13 +68,26 @@ def make_trainer(
     tokenizer: Any,
     output_dir: str,
     reward: Optional[Callable[..., list[float]]] = None,
+    model_kind: str = "peft_model",
     **overrides: Any,
 ) -> Any:
+    """A GRPO trainer on the tiny model: `peft_model` passes a LoRA PeftModel (TRL then adds its frozen "ref" adapter
+    copy as the reference), `peft_config` the base model and the LoRA config (the trainer wraps it; the reference is
+    the adapter disabled), `full` the base model alone, saved to a folder it loads from (so does its `ref_model`)."""
     args = grpo_args(output_dir, **overrides)
     from transformers import set_seed
 
     set_seed(0)
-    model = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
+    model = build_tiny_model(tokenizer, seed=0)
+    peft_config = None
+    if model_kind == "peft_model":
+        model = add_lora(model, seed=0)
+    elif model_kind == "peft_config":
+        torch.manual_seed(0)
+        peft_config = lora_config()
+    else:  # TRL loads its ref_model from the policy's path: the model goes by a folder
+        model.save_pretrained(os.path.join(output_dir, "tiny-model"))
+        model = os.path.join(output_dir, "tiny-model")
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
     return trl.GRPOTrainer(
         model=model,
@@ -82,6 +95,7 @@ def make_trainer(
         reward_funcs=[reward or hash_reward],
         args=args,
         train_dataset=dataset,
+        peft_config=peft_config,
     )
 
 

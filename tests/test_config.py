@@ -32,6 +32,8 @@ DEFAULTS = {
     "kl_target_measure": "token_mean",
     "kl_compile": False,
     "kl_placement": "loss",
+    "ref_model_sync_kl": None,
+    "ref_model_sync_reset_optimizer": False,
 }
 
 BAD_VALUES = [

@@ -180,6 +180,17 @@ class AdaptiveKLConfig:
                   "With 'reward', kl_reduction picks KL_i: 'sequence_sum' (also what 'loss_type' means there) or "
                   "'sequence_mean'. Every method but length_normalized."},
     )
+    ref_model_sync_kl: Optional[float] = field(
+        default=None,
+        metadata={"help": "With sync_ref_model=True: a due reference sync (every ref_model_sync_steps optimizer steps) "
+                  "happens only if the last step's raw KL (adaptive_kl/raw_kl, mean over all processes) exceeded this. "
+                  "None (sync on schedule) or a finite number > 0. Every method."},
+    )
+    ref_model_sync_reset_optimizer: bool = field(
+        default=False,
+        metadata={"help": "With sync_ref_model=True: each reference sync also clears the optimizer state (Adam moments "
+                  "and step counts), as ProRL does; the learning-rate schedule goes on. Every method."},
+    )
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
@@ -189,6 +200,7 @@ class AdaptiveKLConfig:
         self.kl_adaptation_method = "+".join(parse_methods(self.kl_adaptation_method)) or "none"
         self.validate_adaptive_kl(beta=getattr(self, "beta", None),
                                   multi_objective_aggregation=getattr(self, "multi_objective_aggregation", None))
+        self.validate_ref_sync(**trl_sync_fields(self))
 
     @property
     def kl_methods(self) -> tuple[str, ...]:
@@ -255,6 +267,29 @@ class AdaptiveKLConfig:
             raise _reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")
 
 
+    def validate_ref_sync(self, sync_ref_model: bool = False, ref_model_sync_steps: Any = 512,
+                          ref_model_mixup_alpha: Any = 0.6, beta: Optional[float] = None) -> None:
+        """Reference syncing (TRL's `sync_ref_model`, `ref_model_sync_steps`, `ref_model_mixup_alpha`, checked when
+        syncing is on, and this config's `ref_model_sync_kl` and `ref_model_sync_reset_optimizer`): raise ValueError
+        naming the first bad field, its value and what is allowed."""
+        if self.ref_model_sync_kl is not None:
+            _check_real("ref_model_sync_kl", self.ref_model_sync_kl,
+                        _is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,
+                        "None or a finite number > 0")
+        if not isinstance(self.ref_model_sync_reset_optimizer, bool):
+            raise _reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
+        if not sync_ref_model:
+            return
+        _check_real("ref_model_mixup_alpha", ref_model_mixup_alpha,
+                    _is_real(ref_model_mixup_alpha) and 0 < ref_model_mixup_alpha <= 1,
+                    "a number with 0 < x <= 1 with sync_ref_model=True")
+        if not isinstance(ref_model_sync_steps, int) or isinstance(ref_model_sync_steps, bool) or ref_model_sync_steps < 1:
+            raise _reject("ref_model_sync_steps", ref_model_sync_steps, "an integer >= 1 with sync_ref_model=True")
+        if beta == 0:
+            raise _reject("sync_ref_model", sync_ref_model,
+                          "False with beta=0.0 (beta=0 turns the KL term off, so there is no reference to sync); set "
+                          "beta > 0 to sync the reference")
+
     def _validate_placement(self, methods: tuple[str, ...], multi_objective_aggregation: Optional[str]) -> None:
         if self.kl_placement not in KL_PLACEMENTS:
             raise _reject("kl_placement", self.kl_placement, f"one of {', '.join(KL_PLACEMENTS)}")
@@ -295,7 +330,16 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "kl_target_measure": ("target",),
     "kl_compile": (EVERY_METHOD,),
     "kl_placement": (EVERY_METHOD,),
+    "ref_model_sync_kl": (EVERY_METHOD,),
+    "ref_model_sync_reset_optimizer": (EVERY_METHOD,),
 }
+# TRL's own reference-sync fields (on trl.GRPOConfig), validated beside this config's.
+TRL_SYNC_FIELDS = ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", "beta")
+
+
+def trl_sync_fields(args: Any) -> dict[str, Any]:
+    """The TRL reference-sync fields (and beta) that `args` has, for `AdaptiveKLConfig.validate_ref_sync`."""
+    return {name: getattr(args, name) for name in TRL_SYNC_FIELDS if hasattr(args, name)}
 
 
 def adaptive_kl_config_from(args: Any) -> AdaptiveKLConfig:
@@ -305,4 +349,5 @@ def adaptive_kl_config_from(args: Any) -> AdaptiveKLConfig:
     config = AdaptiveKLConfig(**values)
     config.validate_adaptive_kl(beta=getattr(args, "beta", None),
                                 multi_objective_aggregation=getattr(args, "multi_objective_aggregation", None))
+    config.validate_ref_sync(**trl_sync_fields(args))
     return config

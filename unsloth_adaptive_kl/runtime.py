@@ -57,6 +57,9 @@ class AdaptiveKLRuntime:
         self.controller = make_beta_controller(beta, config)
         self._pending: list[torch.Tensor] = []  # one row per micro-batch of this step, on the device
         self._generation_window: WindowKL | None = None  # kl_placement="reward": the KL of the batch being scored
+        # The raw KL (all processes) of the last training step (kl_placement="reward": of the last generation batch
+        # scored for training), which a KL-triggered reference sync reads; NaN before the first.
+        self.last_raw_kl = math.nan
 
     @property
     def current_beta(self) -> float:
@@ -91,6 +94,7 @@ class AdaptiveKLRuntime:
             metrics.append(self._metrics(summarize(raws, adapteds, at_threshold, lengths, sequence_kl), completed_steps))
             kl_sum, tokens, completions = kl_sum + sum(sequence_kl), tokens + sum(lengths), completions + len(lengths)
         if train:
+            self.last_raw_kl = statistics.fmean(m[METRIC_PREFIX + "raw_kl"] for m in metrics)
             self._end_step(completed_steps, kl_sum, tokens, completions)
         return metrics
 
@@ -114,6 +118,8 @@ class AdaptiveKLRuntime:
                                 reward_penalty=statistics.fmean(penalties))
         self._generation_window = WindowKL(token_mean=sum(sequence_kl) / max(sum(lengths), 1.0),
                                            sequence_sum=statistics.fmean(sequence_kl), completions=len(lengths))
+        if train:
+            self.last_raw_kl = metrics[METRIC_PREFIX + "raw_kl"]
         return table[:, -n:].reshape(-1), metrics
 
     def end_generation(self, mean_reward: float, completed_steps: int) -> None:

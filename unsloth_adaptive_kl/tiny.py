@@ -50,10 +50,17 @@ def build_tiny_model(tokenizer: Any, hidden_size: int = 64, num_layers: int = 2,
     return model
 
 
+def lora_config(rank: int = 8) -> Any:
+    """LoRA adapters of rank `rank` on the attention and MLP projections."""
+    from peft import LoraConfig
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0)
+
+
 def add_lora(model: Any, rank: int = 8, seed: int = 0) -> Any:
-    """Wrap the model with LoRA adapters on the attention and MLP projections."""
-    from peft import LoraConfig, get_peft_model
+    """Wrap the model with the LoRA adapters of `lora_config`."""
+    from peft import get_peft_model
 
     torch.manual_seed(seed)
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0))
+    return get_peft_model(model, lora_config(rank))

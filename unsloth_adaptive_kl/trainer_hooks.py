@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
@@ -22,6 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .adaptation import completion_kl, kl_reduction, loss_type_reduction
 from .config import adaptive_kl_config_from
 from .estimators import estimate_kl
+from .ref_sync import attach_reference_sync, reference_for_generation
 from .runtime import AdaptiveKLRuntime
 from .versions import GENERATION_LOCALS
 
@@ -84,12 +86,21 @@ def attach_runtime(trainer: Any) -> AdaptiveKLRuntime:
 
 
 def wrap_init(upstream: Callable) -> Callable:
-    """__init__: validate the settings and build the beta controller before any training starts."""
+    """__init__: validate the settings and build the beta controller before any training starts. With
+    `sync_ref_model=True` (and beta != 0), the stock __init__ runs with it off, so that it neither refuses a PEFT model
+    nor adds TRL's own sync callback; the trainer gets this package's syncing instead (`ref_sync`), for full and PEFT
+    models alike."""
+    signature = inspect.signature(upstream)
 
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        upstream(self, *args, **kwargs)
+        config = signature.bind(self, *args, **kwargs).arguments.get("args")
+        syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
+        with overridden(config, "sync_ref_model", False) if syncing else contextlib.nullcontext():
+            upstream(self, *args, **kwargs)
         attach_runtime(self)
+        if syncing:
+            attach_reference_sync(self)
 
     return __init__
 
@@ -186,6 +197,10 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
 
     @functools.wraps(upstream)
     def _generate_and_score_completions(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with reference_for_generation(self):  # the reference log-probs with the synced reference, once there is one
+            return generate_and_score(self, *args, **kwargs)
+
+    def generate_and_score(self: Any, *args: Any, **kwargs: Any) -> Any:
         mode = "train" if self.model.training else "eval"
         rewards = self._metrics[mode]["reward"]
         logged = len(rewards)
@@ -215,29 +230,38 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
 
 
 def wrap_save_checkpoint(upstream: Callable) -> Callable:
-    """_save_checkpoint: save the beta controller's state with every checkpoint."""
+    """_save_checkpoint: save the beta controller's state, and with syncing the reference, with every checkpoint."""
 
     @functools.wraps(upstream)
     def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
         upstream(self, model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
             with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump(self.adaptive_kl.state_dict(), f)
+        sync = getattr(self, "adaptive_kl_reference", None)
+        if sync is not None:  # every process takes part (FSDP2 gathers the reference); the saving one writes
+            sync.save(folder, write=self.args.should_save)
 
     return _save_checkpoint
 
 
 def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
-    """_load_optimizer_and_scheduler: restore the beta controller's state on resume."""
+    """_load_optimizer_and_scheduler: restore the beta controller's state, and with syncing the reference, on
+    resume."""
 
     @functools.wraps(upstream)
     def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> None:
         upstream(self, checkpoint)
-        path = os.path.join(checkpoint, STATE_FILE) if checkpoint is not None else None
-        if path is not None and os.path.exists(path):
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, STATE_FILE)
+        if os.path.exists(path):
             with open(path) as f:
                 self.adaptive_kl.load_state_dict(json.load(f))
+        sync = getattr(self, "adaptive_kl_reference", None)
+        if sync is not None:
+            sync.load(checkpoint)
 
     return _load_optimizer_and_scheduler
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 import trl
 import trl.trainer
+import trl.trainer.callbacks as trl_callbacks
 import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
@@ -25,6 +26,7 @@ from .adaptation import ReductionContext, kl_term
 from .config import AdaptiveKLConfig
 from .estimators import estimate_kl
 from .patching import PatchSet
+from .ref_sync import use_reference
 from .trainer_hooks import (
     KLTermProbe,
     overridden,
@@ -72,8 +74,10 @@ def _missing(anchor: Anchor) -> Callable[[], Exception]:
 
 
 def _stock_function(name: str) -> Any:
-    """The stock GRPOTrainer function an anchor names ('GRPOTrainer._compute_loss'), None if trl has no such one."""
-    return getattr(StockGRPOTrainer, name.split(".", 1)[1], None)
+    """The stock function an anchor names ('GRPOTrainer._compute_loss', 'SyncRefModelCallback._sync_target_model'),
+    None if trl has no such one."""
+    owner, _, attribute = name.partition(".")
+    return getattr(StockGRPOTrainer if owner == "GRPOTrainer" else getattr(trl_callbacks, owner, None), attribute, None)
 
 
 def _reduction_context(trainer: Any, inputs: dict, mode: str) -> ReductionContext:
@@ -163,7 +167,8 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         (trl.trainer, "GRPOConfig", GRPOConfig),
         (trl_grpo_config, "GRPOConfig", GRPOConfig),
         (trl_grpo_trainer, "GRPOConfig", GRPOConfig),
-        # GRPOTrainer.__init__: validates the settings and builds the beta controller.
+        # GRPOTrainer.__init__: validates the settings and builds the beta controller; with sync_ref_model=True it
+        # lifts TRL's refusal of PEFT models and syncs the reference itself (ref_sync).
         (StockGRPOTrainer, "__init__", _init),
         # GRPOTrainer._compute_loss: the adapted KL term (above).
         (StockGRPOTrainer, "_compute_loss", _compute_loss),
@@ -171,7 +176,11 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         (StockGRPOTrainer, "_generate_and_score_completions", _generate_and_score_completions),
         # GRPOTrainer._calculate_rewards: kl_placement="reward" adds the KL penalty column to the rewards.
         (StockGRPOTrainer, "_calculate_rewards", _calculate_rewards),
-        # GRPOTrainer._save_checkpoint / _load_optimizer_and_scheduler: the controller state in checkpoints.
+        # trl.trainer.utils.use_adapter, as GRPOTrainer._generate_and_score_completions calls it for a PEFT model's
+        # reference forward: the synced reference after the first reference sync (ref_sync), else TRL's own.
+        (trl_grpo_trainer, "use_adapter", use_reference),
+        # GRPOTrainer._save_checkpoint / _load_optimizer_and_scheduler: the controller state and the synced
+        # reference in checkpoints.
         (StockGRPOTrainer, "_save_checkpoint", _save_checkpoint),
         (StockGRPOTrainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
         (StockGRPOTrainer, "current_beta", _current_beta),

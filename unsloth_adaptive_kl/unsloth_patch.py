@@ -9,7 +9,8 @@ its `_patch_trl_rl_trainers`; once that has generated the trainer, `_install` ho
   `_AdaptiveEfficientGRPO`, which runs Unsloth's compiled loss with beta=0.0 (a constant: no recompiles, however
   beta moves) and adds beta_t * adapted KL, computed eagerly from the same log-probs, outside the compiled region;
 - `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_calculate_rewards`,
-  `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration.
+  `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration, and the
+  module's `use_adapter` the same stand-in (`ref_sync.use_reference`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import trl.trainer.grpo_trainer as trl_grpo_trainer
 from .adaptation import ReductionContext, kl_term
 from .estimators import estimate_kl
 from .patching import PatchSet
+from .ref_sync import use_reference
 from .trainer_hooks import (
     KLTermProbe,
     current_beta,
@@ -216,6 +218,9 @@ def _install(trainer_class: type) -> None:
     _patches.replace(trainer_class, "_load_optimizer_and_scheduler",
              wrap_load_optimizer_and_scheduler(trainer_class._load_optimizer_and_scheduler))
     _patches.replace(trainer_class, "current_beta", property(current_beta))
+    # The generated module's `use_adapter` (imported from trl.trainer.grpo_trainer when Unsloth generated it, so
+    # already ours when TRL was patched then), as its _generate_and_score_completions calls it for the reference forward.
+    _patches.replace(module, "use_adapter", use_reference)
 
 
 def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:

@@ -77,6 +77,17 @@ def generation_local(name: str) -> Anchor:
                   "read where it calls _calculate_rewards, for the KL in the reward")
 
 
+def reference_forward_anchor(function: str) -> Anchor:
+    """The PEFT reference forward in a `_generate_and_score_completions` (TRL's, or Unsloth's copy of it): its
+    `use_adapter` is replaced by `ref_sync.use_reference`, which exchanges in a synced reference."""
+    return Anchor(function, 'with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):',
+                  "the PEFT reference forward, which runs with the synced reference after a sync")
+
+
+# TRL's reference mix, which `ref_sync` calls for full and PEFT references alike.
+TRL_SYNC_MIX = Anchor("SyncRefModelCallback._sync_target_model",
+                      "target_param.data.mul_(1.0 - alpha).add_(copy_param.data, alpha=alpha)",
+                      "the reference mix alpha * policy + (1 - alpha) * reference")
 # The locals of `_generate_and_score_completions` read where it calls `_calculate_rewards` (kl_placement="reward").
 GENERATION_LOCALS = ("old_per_token_logps", "sampling_per_token_logps", "ref_per_token_logps", "completion_mask",
                      "tool_mask")
@@ -105,6 +116,8 @@ TRL_ANCHORS = (
     Anchor("GRPOTrainer._load_optimizer_and_scheduler", "self, checkpoint", "the beta state restored on resume",
            signature=True),
     *reward_placement_anchors("GRPOTrainer._generate_and_score_completions"),
+    reference_forward_anchor("GRPOTrainer._generate_and_score_completions"),
+    TRL_SYNC_MIX,
 )
 # trl 1.15 imports its Triton log-prob kernel with a None fallback and has no CPU path: trl_cpu_fallback serves CPU.
 TRL_KERNEL_WITHOUT_CPU_PATH = "_ChunkedLogProbFunction = None"
@@ -129,6 +142,7 @@ UNSLOTH_ANCHORS = (
     Anchor("grpo_compute_loss", "normalizer = normalizer * current_gradient_accumulation_steps / steps_per_generation",
            "the dapo/cispo/vespo normaliser's accumulation window"),
     *reward_placement_anchors("UnslothGRPOTrainer._generate_and_score_completions"),
+    reference_forward_anchor("UnslothGRPOTrainer._generate_and_score_completions"),
 )
 # unsloth_zoo 2026.10.9 drops rollout_rs's rejected tokens from every loss term, the KL included (2026.10.7 only
 # from the policy term): where this line is present, the KL is masked by the function's `rs_keep` at the KL line.

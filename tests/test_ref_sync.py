@@ -1,0 +1,195 @@
+"""Reference syncing (SPEC 3.10): TRL's sync_ref_model for PEFT and full models, the KL trigger, the optimizer reset,
+checkpoints and resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+import shutil
+from typing import Any
+
+import pytest
+import torch
+import trl
+from transformers import TrainerCallback
+
+import unsloth_adaptive_kl
+from unsloth_adaptive_kl.ref_sync import STATE_FILE, AdapterReference
+
+from .conftest import PROMPTS, grpo_args, logged, make_trainer
+
+HARD_SYNC = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=1.0)
+
+
+class AfterSync(TrainerCallback):
+    """Added after the trainer's own callbacks, so it sees each step end after the sync: records the policy's
+    trainable tensors, the reference's and the optimizer state there (and the reference when training starts)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.steps: list[dict[str, Any]] = []
+
+    def reference(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.trainer.adaptive_kl_reference.reference.tensors]
+
+    def on_train_begin(self, *_: Any, **__: Any) -> None:
+        self.initial = self.reference()
+        self.initial_policy = [p.detach().clone() for p in self.trainer.adaptive_kl_reference.reference.policy]
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        optimizer = self.trainer.optimizer
+        self.steps.append({
+            "policy": [p.detach().clone() for p in self.trainer.adaptive_kl_reference.reference.policy],
+            "reference": self.reference(),
+            "optimizer_state_size": len(optimizer.state),
+            "adam_steps": sorted({float(s["step"]) for s in optimizer.state.values()}),
+        })
+
+
+def recorded_run(tokenizer: Any, output_dir: str, **overrides: Any) -> tuple[Any, AfterSync]:
+    trainer = make_trainer(tokenizer, output_dir, model_kind="peft_config", **overrides)
+    recorder = AfterSync(trainer)
+    trainer.add_callback(recorder)
+    trainer.train()
+    return trainer, recorder
+
+
+# ----- validation ---------------------------------------------------------------------------------------------------
+
+BAD_SYNC_VALUES = [
+    (dict(ref_model_mixup_alpha=0.0), "ref_model_mixup_alpha=0.0 is invalid: allowed is a number with 0 < x <= 1"),
+    (dict(ref_model_mixup_alpha=1.5), "ref_model_mixup_alpha=1.5 is invalid: allowed is a number with 0 < x <= 1"),
+    (dict(ref_model_mixup_alpha=math.nan), "ref_model_mixup_alpha=nan is invalid"),
+    (dict(ref_model_sync_steps=0), "ref_model_sync_steps=0 is invalid: allowed is an integer >= 1"),
+    (dict(ref_model_sync_steps=2.5), "ref_model_sync_steps=2.5 is invalid: allowed is an integer >= 1"),
+    (dict(ref_model_sync_steps=True), "ref_model_sync_steps=True is invalid: allowed is an integer >= 1"),
+    (dict(ref_model_sync_kl=0.0), "ref_model_sync_kl=0.0 is invalid: allowed is None or a finite number > 0"),
+    (dict(ref_model_sync_kl=-1.0), "ref_model_sync_kl=-1.0 is invalid: allowed is None or a finite number > 0"),
+    (dict(ref_model_sync_kl=math.inf), "ref_model_sync_kl=inf is invalid: allowed is None or a finite number > 0"),
+    (dict(ref_model_sync_kl="0.1"), "ref_model_sync_kl='0.1' is invalid: allowed is None or a finite number > 0"),
+    (dict(ref_model_sync_reset_optimizer="yes"), "ref_model_sync_reset_optimizer='yes' is invalid: allowed is True or False"),
+    (dict(beta=0.0), "sync_ref_model=True is invalid: allowed is False with beta=0.0"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), BAD_SYNC_VALUES, ids=[str(o) for o, _ in BAD_SYNC_VALUES])
+def test_bad_sync_values_rejected_at_construction(tmp_path, overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        grpo_args(str(tmp_path), **{**HARD_SYNC, **overrides})
+    assert str(error.value).startswith(message)
+
+
+def test_trl_sync_fields_are_checked_only_while_syncing(tmp_path) -> None:
+    args = grpo_args(str(tmp_path), ref_model_mixup_alpha=2.0, ref_model_sync_steps=0, beta=0.0)  # unused: stock
+    assert (args.ref_model_mixup_alpha, args.ref_model_sync_steps) == (2.0, 0)
+    assert (args.ref_model_sync_kl, args.ref_model_sync_reset_optimizer) == (None, False)
+    grpo_args(str(tmp_path), **{**HARD_SYNC, "ref_model_sync_steps": 1, "ref_model_sync_kl": 1e-3})
+
+
+def test_unpatch_restores_trls_refusal_of_peft_models(tokenizer, tmp_path) -> None:
+    unsloth_adaptive_kl.unpatch()
+    try:
+        with pytest.raises(NotImplementedError, match="sync_ref_model=True` while using a PEFT model"):
+            make_trainer(tokenizer, str(tmp_path), **HARD_SYNC)
+    finally:
+        unsloth_adaptive_kl.patch()
+    trainer = make_trainer(tokenizer, str(tmp_path), **HARD_SYNC)
+    assert trainer.args.sync_ref_model is True
+    assert not any(type(c).__name__ == "SyncRefModelCallback" for c in trainer.callback_handler.callbacks)
+
+
+# ----- TRL + PEFT ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_kind", ["peft_config", "peft_model", "full"])
+def test_hard_sync_brings_the_kl_back_to_the_policy_equals_reference_floor(tokenizer, tmp_path, model_kind: str) -> None:
+    """On-policy (one generation per optimizer step), a hard sync after steps 2 and 4: steps 3 and 5 compute their
+    reference log-probs with the policy that generates, so their KL is the policy == reference floor of step 1 (0 in
+    TRL); unsynced, the same steps' KL is well above it. Before the first sync the reference is the stock one."""
+    synced = make_trainer(tokenizer, str(tmp_path / "synced"), model_kind=model_kind, max_steps=5, **HARD_SYNC)
+    synced.train()
+    stock = make_trainer(tokenizer, str(tmp_path / "stock"), model_kind=model_kind, max_steps=5)
+    stock.train()
+    raw, stock_raw = logged(synced, "adaptive_kl/raw_kl"), logged(stock, "adaptive_kl/raw_kl")
+    assert raw[:2] == stock_raw[:2]  # the stock reference until the first sync, bit for bit
+    assert raw[0] == 0.0 and raw[2] == 0.0 and raw[4] == 0.0  # measured: exactly 0.0 in TRL
+    assert min(stock_raw[2], stock_raw[4]) > 5e-4  # measured (peft_config): 8.0e-4 and 3.0e-3
+    assert logged(synced, "adaptive_kl/ref_syncs") == [0.0, 1.0, 1.0, 2.0, 2.0]
+    assert logged(stock, "adaptive_kl/ref_syncs") == []
+
+
+def test_mix_is_alpha_policy_plus_one_minus_alpha_reference_on_the_tensors(tokenizer, tmp_path) -> None:
+    """alpha = 0.5, a sync after every step: each LoRA A and B factor of the reference is 0.5 * policy + 0.5 * previous
+    reference, exactly (TRL's formula, factor by factor), starting from the policy's tensors when training starts."""
+    trainer, recorder = recorded_run(tokenizer, str(tmp_path), max_steps=3, sync_ref_model=True, ref_model_sync_steps=1,
+                                     ref_model_mixup_alpha=0.5)
+    names = trainer.adaptive_kl_reference.reference.names
+    assert len(names) == 28 and all(".lora_A.default." in n or ".lora_B.default." in n for n in names)
+    assert all(torch.equal(r, p) for r, p in zip(recorder.initial, recorder.initial_policy))
+    previous = recorder.initial
+    for step in recorder.steps:
+        expected = [0.5 * p + 0.5 * r for p, r in zip(step["policy"], previous)]
+        assert all(torch.equal(e, r) for e, r in zip(expected, step["reference"]))
+        previous = step["reference"]
+    last = recorder.steps[-1]
+    assert max((p - r).abs().max().item() for p, r in zip(last["policy"], last["reference"])) > 1e-3  # a real mix
+    assert logged(trainer, "adaptive_kl/ref_syncs") == [1.0, 2.0, 3.0]
+
+
+def logps_by_hand(trainer: Any, values: list[torch.Tensor], output: dict) -> torch.Tensor:
+    """The completion log-probs by a plain forward and log_softmax of the policy with its trainable tensors set to
+    `values` (and set back afterwards)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    own = [p.detach().clone() for p in trainable]
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad():
+        for p, value in zip(trainable, values, strict=True):
+            p.copy_(value)
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -output["completion_ids"].size(1) - 1 : -1]
+        for p, value in zip(trainable, own):
+            p.copy_(value)
+    logps = torch.log_softmax(logits.float() / trainer.temperature, dim=-1)
+    return logps.gather(-1, output["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def test_reference_forward_uses_the_synced_reference_and_leaves_the_policy_untouched(tokenizer, tmp_path) -> None:
+    """After a sync with alpha = 0.5 (reference != policy), one generation: its reference log-probs are those of the
+    synced reference, and the policy's weights, gradients and optimizer state are bit-for-bit what they were."""
+    trainer, recorder = recorded_run(tokenizer, str(tmp_path), max_steps=2, sync_ref_model=True, ref_model_sync_steps=2,
+                                     ref_model_mixup_alpha=0.5)
+    reference = trainer.adaptive_kl_reference.reference
+    policy = reference.policy
+    torch.manual_seed(1)
+    for p in policy:
+        p.grad = torch.randn_like(p)
+    before = ([p.detach().clone() for p in policy], [p.grad.clone() for p in policy],
+              copy.deepcopy(trainer.optimizer.state_dict()))
+    assert before[2]["state"]  # the optimizer has moments to keep
+    trainer.model.train()
+    output = trainer._generate_and_score_completions([{"prompt": prompt} for prompt in PROMPTS[:4]])
+    assert all(torch.equal(a, p) for a, p in zip(before[0], policy))
+    assert all(torch.equal(a, p.grad) for a, p in zip(before[1], policy))
+    state = trainer.optimizer.state_dict()["state"]
+    assert state.keys() == before[2]["state"].keys()
+    assert all(torch.equal(state[k][n], before[2]["state"][k][n]) for k in state for n in state[k])
+    # the reference log-probs: the synced reference's (not the policy's, not the base model's)
+    expected = logps_by_hand(trainer, reference.tensors, output)
+    policy_logps = logps_by_hand(trainer, before[0], output)
+    mask = output["completion_mask"].bool()
+    assert torch.allclose(output["ref_per_token_logps"][mask], expected[mask], atol=1e-5)
+    assert (output["ref_per_token_logps"][mask] - policy_logps[mask]).abs().max() > 1e-4
+
+
+def test_exchange_is_undone_when_the_reference_forward_raises() -> None:
+    layer = torch.nn.Linear(3, 2)
+    reference = AdapterReference(layer)
+    with torch.no_grad():
+        for r in reference.tensors:
+            r.add_(1.0)
+    weights = [p.detach().clone() for p in layer.parameters()]
+    with pytest.raises(RuntimeError, match="forward failed"), reference.swapped_in():
+        assert torch.equal(layer.weight, weights[0] + 1.0)
+        raise RuntimeError("forward failed")
+    assert all(torch.equal(w, p) for w, p in zip(weights, layer.parameters()))
+    assert all(torch.equal(r, w + 1.0) for r, w in zip(reference.tensors, weights))
