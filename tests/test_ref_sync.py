@@ -193,3 +193,40 @@ def test_exchange_is_undone_when_the_reference_forward_raises() -> None:
         raise RuntimeError("forward failed")
     assert all(torch.equal(w, p) for w, p in zip(weights, layer.parameters()))
     assert all(torch.equal(r, w + 1.0) for r, w in zip(reference.tensors, weights))
+
+
+# ----- beyond TRL: the KL trigger and the optimizer reset -----------------------------------------------------------
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_kl_trigger_syncs_only_after_steps_whose_raw_kl_exceeded_it(tokenizer, tmp_path, placement: str) -> None:
+    """A sync is due after every step; with ref_model_sync_kl = 1e-3 it happens only after the steps whose logged raw KL
+    (one process: the all-process mean) exceeded 1e-3, and each such hard sync brings the next step's KL to 0."""
+    extra = dict(kl_placement="reward", kl_reduction="sequence_sum") if placement == "reward" else {}
+    trainer = make_trainer(tokenizer, str(tmp_path), model_kind="peft_config", max_steps=8, sync_ref_model=True,
+                           ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, ref_model_sync_kl=1e-3, **extra)
+    trainer.train()
+    raw, syncs = logged(trainer, "adaptive_kl/raw_kl"), logged(trainer, "adaptive_kl/ref_syncs")
+    triggered = [kl > 1e-3 for kl in raw]
+    assert syncs == [float(sum(triggered[: step + 1])) for step in range(8)]
+    assert 2 <= sum(triggered) < 8
+    assert all(raw[step + 1] == 0.0 for step in range(7) if triggered[step])
+    if placement == "loss":  # measured: steps 4 and 7 (KL 3.1e-4 and 4.8e-4) were due but stayed below the trigger
+        assert any(0.0 < kl <= 1e-3 for kl in raw)
+
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_optimizer_reset_empties_the_optimizer_state_at_each_sync(tokenizer, tmp_path, reset: bool) -> None:
+    """Syncs after steps 2 and 4: with the reset, the optimizer state is empty right after each sync and Adam counts
+    its steps from the sync; without it the state is kept. The learning-rate schedule is the same either way."""
+    trainer, recorder = recorded_run(tokenizer, str(tmp_path), max_steps=5, ref_model_sync_reset_optimizer=reset,
+                                     **HARD_SYNC)
+    sizes = [step["optimizer_state_size"] for step in recorder.steps]
+    adam_steps = [step["adam_steps"] for step in recorder.steps]
+    if reset:
+        assert sizes == [28, 0, 28, 0, 28]
+        assert adam_steps == [[1.0], [], [1.0], [], [1.0]]
+    else:
+        assert sizes == [28] * 5
+        assert adam_steps == [[1.0], [2.0], [3.0], [4.0], [5.0]]
+    assert logged(trainer, "learning_rate") == pytest.approx([5e-3 * (1 - step / 5) for step in range(5)])
+    assert logged(trainer, "adaptive_kl/ref_syncs") == [0.0, 1.0, 1.0, 2.0, 2.0]
