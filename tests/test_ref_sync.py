@@ -230,3 +230,36 @@ def test_optimizer_reset_empties_the_optimizer_state_at_each_sync(tokenizer, tmp
         assert adam_steps == [[1.0], [2.0], [3.0], [4.0], [5.0]]
     assert logged(trainer, "learning_rate") == pytest.approx([5e-3 * (1 - step / 5) for step in range(5)])
     assert logged(trainer, "adaptive_kl/ref_syncs") == [0.0, 1.0, 1.0, 2.0, 2.0]
+
+
+# ----- checkpoints ----------------------------------------------------------------------------------------------------
+
+RESUMED_METRICS = ("loss", "reward", "adaptive_kl/raw_kl", "adaptive_kl/ref_syncs", "kl")
+
+
+@pytest.mark.parametrize("model_kind", ["peft_config", "full"])
+def test_resume_after_a_sync_continues_as_the_uninterrupted_run(tokenizer, tmp_path, model_kind: str) -> None:
+    """alpha = 0.5, syncs after steps 2, 4 and 6, a checkpoint after step 3: resumed from it, steps 4-6 log what the
+    uninterrupted run logged. The same checkpoint without the saved reference resumes with the initial reference (no
+    sync yet), and its KL differs: the synced reference comes from the checkpoint."""
+    settings = dict(max_steps=6, save_strategy="steps", save_steps=3, sync_ref_model=True, ref_model_sync_steps=2,
+                    ref_model_mixup_alpha=0.5, model_kind=model_kind)
+    full = make_trainer(tokenizer, str(tmp_path / "full"), **settings)
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-3"
+    saved = torch.load(checkpoint / STATE_FILE, weights_only=True)
+    assert (saved["syncs"], saved["last_sync_step"]) == (1, 2)
+    reference = full.adaptive_kl_reference.reference
+    expected_keys = reference.names if model_kind == "peft_config" else list(full.ref_model.state_dict())
+    assert list(saved["reference"]) == expected_keys
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), **settings)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for name in RESUMED_METRICS:  # the resumed run's log history starts with the checkpoint's 3 steps
+        assert logged(resumed, name) == pytest.approx(logged(full, name), rel=1e-6, abs=1e-9), name
+    assert logged(full, "adaptive_kl/ref_syncs") == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0]
+    assert (resumed.adaptive_kl_reference.syncs, resumed.adaptive_kl_reference.last_sync_step) == (3, 6)
+
+    (checkpoint / STATE_FILE).unlink()
+    without = make_trainer(tokenizer, str(tmp_path / "without"), **settings)
+    without.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(without, "adaptive_kl/raw_kl")[3] != pytest.approx(logged(full, "adaptive_kl/raw_kl")[3], rel=1e-3)
