@@ -225,3 +225,33 @@ def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_pat
     assert resume["saved_beta"] == pytest.approx(0.25)
     assert resume["resumed_betas"][-2:] == pytest.approx([0.25, 0.125])
     assert resume["resumed_final"] == pytest.approx(resume["full_final"], rel=1e-12) == pytest.approx(0.0625)
+
+
+@needs_unsloth
+def test_generated_trainer_syncs_the_reference_of_its_peft_model(tmp_path) -> None:
+    """sync_ref_model=True in Unsloth's generated trainer (which refuses it stock, and keeps no "ref" adapter)."""
+    results = run_scenario("ref_sync", tmp_path)
+    floor = results["floor"]
+    assert floor["trainer_class"] == "UnslothGRPOTrainer" and floor["has_ref_adapter"] is False
+    assert floor["synced_raw"][:2] == floor["stock_raw"][:2]  # the stock reference until the first sync
+    # Hard syncs after steps 2 and 4: steps 3 and 5 score the reference with the very weights and path of the policy
+    # (measured 4e-15 and 1e-15), the same steps unsynced 8e-4 and 2e-3. Step 1's 3.7e-3 is Unsloth's own gap between
+    # the adapter-disabled reference forward and the policy's, at equal weights.
+    assert max(floor["synced_raw"][2], floor["synced_raw"][4]) <= 1e-12
+    assert min(floor["stock_raw"][2], floor["stock_raw"][4]) > 5e-4
+    assert floor["syncs"] == [0.0, 1.0, 1.0, 2.0, 2.0] and floor["stock_syncs"] == []
+    # alpha = 0.5 after every step: each LoRA factor of the reference is 0.5 * policy + 0.5 * previous, exactly
+    mix = results["mix"]
+    assert len(mix["names"]) == 28 and all(".lora_A.default." in n or ".lora_B.default." in n for n in mix["names"])
+    assert mix["initial_is_policy"] is True and mix["exact"] == [True, True, True]
+    assert mix["policy_reference_gap"] > 1e-3
+    # one generation after the syncs: the reference log-probs are the synced reference's (the trainer's own log-prob
+    # function with the reference set by hand: equal), not the policy's; the policy is left bit for bit as it was
+    forward = results["forward"]
+    assert forward["weights_kept"] and forward["grads_kept"] and forward["optimizer_kept"]
+    assert forward["gap_to_reference"] <= 1e-6 < 1e-2 < forward["gap_to_policy"]
+    # resumed from checkpoint-3 (after the sync of step 2; alpha = 0.5): steps 4-6 log what the uninterrupted run did
+    resume = results["resume"]
+    for name, values in resume["full"].items():
+        assert resume["resumed"][name] == pytest.approx(values, rel=1e-6, abs=1e-9), name
+    assert resume["full"]["adaptive_kl/ref_syncs"] == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0]

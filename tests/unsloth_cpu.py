@@ -475,8 +475,83 @@ def scenario_reward(out: str) -> dict:
     return results
 
 
+def trainer_logps(trainer: Any, values: list[torch.Tensor], output: dict) -> torch.Tensor:
+    """The trainer's own log-probs of a generated batch (in its layout) under the policy with its trainable tensors set to
+    `values` by hand (and set back afterwards)."""
+    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
+    own = [p.detach().clone() for p in trainable]
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad():
+        for p, value in zip(trainable, values, strict=True):
+            p.copy_(value)
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, output["completion_ids"].size(1),
+                                                           batch_size=ids.size(0))[0]
+        for p, value in zip(trainable, own):
+            p.copy_(value)
+    return logps
+
+
+def scenario_ref_sync(out: str) -> dict:
+    """Reference syncing in the generated trainer (16-bit base; its PEFT model has no "ref" adapter): a hard sync after
+    steps 2 and 4 against no syncing, an alpha = 0.5 mix checked on the tensors, one generation after a sync (its
+    reference log-probs, and the policy's weights, gradients and optimizer state around it), and a resume after a sync."""
+    from tests.test_ref_sync import AfterSync
+
+    hard = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=1.0, max_steps=5)
+    synced = make_trainer(f"{out}/synced", **hard)
+    synced.train()
+    stock = make_trainer(f"{out}/stock", max_steps=5)
+    stock.train()
+    results: dict[str, Any] = {"floor": {
+        "trainer_class": type(synced).__name__, "has_ref_adapter": "ref" in synced.model.peft_config,
+        "synced_raw": logged(synced, "adaptive_kl/raw_kl"), "stock_raw": logged(stock, "adaptive_kl/raw_kl"),
+        "syncs": logged(synced, "adaptive_kl/ref_syncs"), "stock_syncs": logged(stock, "adaptive_kl/ref_syncs")}}
+
+    mixed = make_trainer(f"{out}/mix", max_steps=3, sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5)
+    recorder = AfterSync(mixed)
+    mixed.add_callback(recorder)
+    mixed.train()
+    reference = mixed.adaptive_kl_reference.reference
+    previous, exact = recorder.initial, []
+    for step in recorder.steps:
+        exact.append(all(torch.equal(0.5 * p + 0.5 * r, s) for p, r, s in zip(step["policy"], previous, step["reference"])))
+        previous = step["reference"]
+    results["mix"] = {"names": reference.names, "exact": exact,
+                      "initial_is_policy": all(torch.equal(r, p) for r, p in zip(recorder.initial, recorder.initial_policy)),
+                      "policy_reference_gap": max((p - r).abs().max().item() for p, r in zip(reference.policy, reference.tensors))}
+
+    policy = reference.policy
+    for p in policy:
+        p.grad = torch.randn_like(p)
+    weights, grads = [p.detach().clone() for p in policy], [p.grad.clone() for p in policy]
+    optimizer_state = {k: {n: v.clone() for n, v in s.items()} for k, s in mixed.optimizer.state_dict()["state"].items()}
+    mixed.model.train()
+    output = mixed._generate_and_score_completions([{"prompt": prompt} for prompt in PROMPTS[:4]])
+    state = mixed.optimizer.state_dict()["state"]
+    ref_logps = output["ref_per_token_logps"]
+    results["forward"] = {
+        "weights_kept": all(torch.equal(a, p) for a, p in zip(weights, policy)),
+        "grads_kept": all(torch.equal(a, p.grad) for a, p in zip(grads, policy)),
+        "optimizer_kept": bool(state) and all(torch.equal(state[k][n], v) for k, s in optimizer_state.items() for n, v in s.items()),
+        "gap_to_reference": (ref_logps - trainer_logps(mixed, reference.tensors, output)).abs().max().item(),
+        "gap_to_policy": (ref_logps - trainer_logps(mixed, weights, output)).abs().max().item(),
+    }
+
+    settings = dict(max_steps=6, save_strategy="steps", save_steps=3, sync_ref_model=True, ref_model_sync_steps=2,
+                    ref_model_mixup_alpha=0.5)
+    full = make_trainer(f"{out}/full", **settings)
+    full.train()
+    resumed = make_trainer(f"{out}/resumed", **settings)
+    resumed.train(resume_from_checkpoint=f"{out}/full/checkpoint-3")
+    names = ("loss", "reward", "adaptive_kl/raw_kl", "adaptive_kl/ref_syncs")
+    results["resume"] = {"full": {n: logged(full, n) for n in names}, "resumed": {n: logged(resumed, n) for n in names}}
+    return results
+
+
 SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
-             "drift": scenario_drift, "reward": scenario_reward}
+             "drift": scenario_drift, "reward": scenario_reward,
+             "ref_sync": scenario_ref_sync}
 
 if __name__ == "__main__":
     output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import json
 import math
 import os
@@ -18,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .adaptation import completion_kl, kl_reduction, loss_type_reduction
@@ -90,11 +90,11 @@ def wrap_init(upstream: Callable) -> Callable:
     `sync_ref_model=True` (and beta != 0), the stock __init__ runs with it off, so that it neither refuses a PEFT model
     nor adds TRL's own sync callback; the trainer gets this package's syncing instead (`ref_sync`), for full and PEFT
     models alike."""
-    signature = inspect.signature(upstream)
 
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        config = signature.bind(self, *args, **kwargs).arguments.get("args")
+        # The config among the arguments, by type: Unsloth wraps its generated __init__ as (self, *args, **kwargs).
+        config = next((value for value in (*args, *kwargs.values()) if isinstance(value, TrainingArguments)), None)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
         with overridden(config, "sync_ref_model", False) if syncing else contextlib.nullcontext():
             upstream(self, *args, **kwargs)
