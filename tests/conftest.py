@@ -87,6 +87,8 @@ def make_trainer(
         peft_config = lora_config()
     else:  # TRL loads its ref_model from the policy's path: the model goes by a folder
         model.save_pretrained(os.path.join(output_dir, "tiny-model"))
+        if torch.distributed.is_initialized():  # process 0 wrote it: the others wait for it
+            torch.distributed.barrier()
         model = os.path.join(output_dir, "tiny-model")
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
     return trl.GRPOTrainer(

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import copy
 import math
-import shutil
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import trl
 from transformers import TrainerCallback
 
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.ref_sync import STATE_FILE, AdapterReference
+from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model
 
 from .conftest import PROMPTS, grpo_args, logged, make_trainer
 
@@ -263,3 +266,62 @@ def test_resume_after_a_sync_continues_as_the_uninterrupted_run(tokenizer, tmp_p
     without = make_trainer(tokenizer, str(tmp_path / "without"), **settings)
     without.train(resume_from_checkpoint=str(checkpoint))
     assert logged(without, "adaptive_kl/raw_kl")[3] != pytest.approx(logged(full, "adaptive_kl/raw_kl")[3], rel=1e-3)
+
+
+# ----- two processes ------------------------------------------------------------------------------------------------
+
+def run_two_processes(mode: str, output_dir: Path) -> list[dict]:
+    script = Path(__file__).with_name("distributed_ref_sync.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), mode, str(output_dir)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [torch.load(output_dir / f"{mode}-rank{rank}.pt", weights_only=False) for rank in (0, 1)]
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_ddp_ranks_sync_at_the_same_steps_and_hold_the_same_reference(tmp_path) -> None:
+    """Two DDP processes: the PEFT run (alpha 0.5, a sync due after every step, ref_model_sync_kl = 1e-3 on the
+    all-process raw KL) and the full-model run (a hard sync every 2 steps) log the same KL and sync counts on both
+    ranks, and both ranks end with the same reference, bit for bit, which is what the checkpoint holds."""
+    ranks = run_two_processes("ddp", tmp_path)
+    for run in ("peft", "full"):
+        first, second = ranks[0][run], ranks[1][run]
+        assert first["raw_kl"] == second["raw_kl"] and first["syncs"] == second["syncs"]
+        assert (first["count"], first["last_sync_step"]) == (second["count"], second["last_sync_step"])
+        assert same_tensors(first["reference"], second["reference"]) and same_tensors(first["policy"], second["policy"])
+    peft = ranks[0]["peft"]
+    triggered = [kl > 1e-3 for kl in peft["raw_kl"]]
+    assert peft["syncs"] == [float(sum(triggered[: step + 1])) for step in range(4)]
+    assert 1 <= sum(triggered) < 4  # measured: only step 3 (3.8e-3) of 0, 7.8e-4, 3.8e-3, 8.2e-4
+    saved = torch.load(tmp_path / "peft" / "checkpoint-4" / STATE_FILE, weights_only=True)
+    assert same_tensors(saved["reference"], peft["reference"]) and saved["syncs"] == peft["count"]
+    full = ranks[0]["full"]
+    assert full["syncs"] == [0.0, 1.0, 1.0] and full["raw_kl"][2] == 0.0 < full["raw_kl"][1]
+
+
+def test_fsdp2_sharded_reference_mixes_exchanges_and_checkpoints_whole_tensors(tokenizer, tmp_path) -> None:
+    """A LoRA model sharded by FSDP2 over two CPU processes (accelerate runs no FSDP on CPUs, so this drives the
+    reference directly): each rank holds a shard of every reference tensor; gathered, the mix is exactly
+    0.5 * policy + 0.5 * initial and the same on both ranks; the forward with the reference exchanged in gives the
+    logits of an unsharded model holding those tensors, and the policy's own values come back exactly; the saved
+    reference (gathered) loads back into the shards exactly."""
+    ranks = run_two_processes("fsdp2", tmp_path)
+    first, second = ranks
+    assert first["sharded"] and second["sharded"]
+    for name in ("policy", "initial", "mixed", "restored", "reloaded"):
+        assert same_tensors(first[name], second[name]), name
+    assert all(torch.equal(0.5 * first["policy"][n] + 0.5 * first["initial"][n], first["mixed"][n]) for n in first["mixed"])
+    assert same_tensors(first["restored"], first["policy"]) and same_tensors(first["reloaded"], first["mixed"])
+    assert torch.equal(first["after_logits"], first["policy_logits"])
+    unsharded = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
+    with torch.no_grad():
+        for name, p in unsharded.named_parameters():
+            if p.requires_grad:
+                p.copy_(first["mixed"][name])
+        expected = unsharded(input_ids=torch.arange(2, 8).view(1, 6)).logits
+    assert torch.allclose(first["reference_logits"], expected, atol=1e-6)
+    assert (first["reference_logits"] - first["policy_logits"]).abs().max() > 1e-2
