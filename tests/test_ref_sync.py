@@ -19,7 +19,7 @@ import unsloth_adaptive_kl
 from unsloth_adaptive_kl.ref_sync import STATE_FILE, AdapterReference
 from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model
 
-from .conftest import PROMPTS, grpo_args, logged, make_trainer
+from .conftest import PROMPTS, constant_reward, grpo_args, logged, make_trainer
 
 HARD_SYNC = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=1.0)
 
@@ -233,6 +233,17 @@ def test_optimizer_reset_empties_the_optimizer_state_at_each_sync(tokenizer, tmp
         assert adam_steps == [[1.0], [2.0], [3.0], [4.0], [5.0]]
     assert logged(trainer, "learning_rate") == pytest.approx([5e-3 * (1 - step / 5) for step in range(5)])
     assert logged(trainer, "adaptive_kl/ref_syncs") == [0.0, 1.0, 1.0, 2.0, 2.0]
+
+
+def test_dynamic_beta_carries_across_syncs(tokenizer, tmp_path) -> None:
+    """A sync moves the reference, not beta: with a constant reward above the threshold, `dynamic` halves beta after
+    every step as without syncing, while a hard sync happens after every step."""
+    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), model_kind="peft_config", max_steps=4,
+                           kl_adaptation_method="dynamic", dynamic_beta_decay=0.5, sync_ref_model=True,
+                           ref_model_sync_steps=1, ref_model_mixup_alpha=1.0)
+    trainer.train()
+    assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.02, 0.01, 0.005])
+    assert logged(trainer, "adaptive_kl/ref_syncs") == [1.0, 2.0, 3.0, 4.0]
 
 
 # ----- checkpoints ----------------------------------------------------------------------------------------------------
