@@ -15,6 +15,8 @@ Pinned, for the installed unsloth / unsloth_zoo:
     own attention on a GPU, is built to equal) Unsloth's log-probs are the model's, and the step-1 `kl` is 0.
   * With a pad token the model cannot generate and PG off, the reference log-probs of a real training step match a
     plain forward and the step-1 `kl` metric is 0.
+  * Ours (the package, expected to fail until fixed): kl_placement="reward" under Unsloth raises on a generation batch
+    whose prompts differ in length, as Unsloth's log-probs then have max_left_pad more columns than TRL's mask.
 """
 
 from __future__ import annotations
@@ -92,6 +94,18 @@ def test_training_step_reference_matches_plain_forward_without_pad_and_prefix_gr
     assert step["kl"] == [pytest.approx(0.0, abs=1e-9)]
 
 
+@needs_unsloth
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue #18: trainer_hooks._calculate_rewards masks Unsloth's left-packed (B, C + max_left_pad) "
+                          "log-probs with TRL's (B, C) completion mask and raises; remove this marker with the fix")
+def test_kl_in_reward_on_a_left_padded_unsloth_batch_is_the_formula(measured) -> None:
+    entry = measured["reward_left_padded"]
+    assert entry["prompt_pads"] == [0, 4]  # left padding in the batch: max_left_pad = 4
+    assert entry["error"] is None, entry["error"]
+    # per completion a sum of 8 k3 terms, each moved by <= 2 SAME (|dk3/dlogp| = |1 - e^r| < 1 here), times beta 0.5
+    assert entry["penalty"] == [pytest.approx(entry["expected"], abs=8 * SAME)]
+
+
 # ---------------------------------------------------------------- the subprocess (python this_file OUTPUT_JSON)
 
 
@@ -99,6 +113,7 @@ def _scenario(out: str) -> dict[str, Any]:
     sys.argv = [str(ROOT / "tests" / "unsloth_cpu.py"), "ref_logps", out]  # the harness reads its scenario at import
     import tests.unsloth_cpu as H  # noqa: E402  (imports this package first, then unsloth, generates the trainer)
     import torch
+    from datasets import Dataset
 
     trainer = H.make_trainer(os.path.dirname(out) + "/runs/direct", max_steps=1)
     generated = sys.modules[type(trainer).__module__]
@@ -224,6 +239,43 @@ def _scenario(out: str) -> dict[str, Any]:
                        "pad_id_sampled": bool((output["completion_ids"].eq(pad) & mask).any()),
                        "ref_vs_plain": (ref - captured["plain"])[mask].abs().max().item(),
                        "kl": H.logged(step, "kl")}
+
+    # 4. kl_placement="reward" on a left-padded generation batch (two prompts of different lengths): the reward
+    # penalty against the formula on plain forwards. Unsloth hands its log-probs over left-packed, (B, C + max_left_pad).
+    reward = H.make_trainer(os.path.dirname(out) + "/runs/reward", max_steps=1, per_device_train_batch_size=8,
+                            gradient_accumulation_steps=1, kl_placement="reward", kl_reduction="sequence_sum", beta=0.5,
+                            generation_kwargs={"suppress_tokens": [pad]})
+    reward.train_dataset = Dataset.from_dict({"prompt": ["ab:", "cdefgh:"]})
+    H.perturb_adapters(reward.model)
+    weights = {name: p.detach().clone() for name, p in reward.model.named_parameters()}  # scored with these
+    captured: dict = {}
+    scoring = reward._get_per_token_logps_and_entropies
+
+    def record(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, *args: Any,
+               **kwargs: Any) -> Any:
+        """The first scoring call's ids and masks, in TRL's layout."""
+        captured.setdefault("batch", {
+            "prompt_ids": input_ids[:, :-logits_to_keep], "prompt_mask": attention_mask[:, :-logits_to_keep],
+            "completion_ids": input_ids[:, -logits_to_keep:], "completion_mask": attention_mask[:, -logits_to_keep:]})
+        return scoring(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    reward._get_per_token_logps_and_entropies = record
+    try:
+        reward.train()
+        error = None
+    except RuntimeError as caught:
+        error = str(caught)
+    split = captured["batch"]
+    with torch.no_grad():
+        for name, p in reward.model.named_parameters():  # back to the weights before the optimizer step
+            p.copy_(weights[name])
+        policy = H.policy_logps(reward.model, split)
+        with reward.model.disable_adapter():
+            reference = H.policy_logps(reward.model, split)
+    sums = H.completion_kl_by_hand(policy, reference, split["completion_mask"], "sequence_sum")
+    results["reward_left_padded"] = {"prompt_pads": sorted(set((split["prompt_mask"] == 0).sum(1).tolist())),
+                                     "error": error, "penalty": H.logged(reward, "adaptive_kl/reward_penalty"),
+                                     "expected": 0.5 * sums.mean().item()}
     return results
 
 
