@@ -3,13 +3,14 @@ checkpoints and resume."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -138,20 +139,30 @@ def test_mix_is_alpha_policy_plus_one_minus_alpha_reference_on_the_tensors(token
     assert logged(trainer, "adaptive_kl/ref_syncs") == [1.0, 2.0, 3.0]
 
 
-def logps_by_hand(trainer: Any, values: list[torch.Tensor], output: dict) -> torch.Tensor:
-    """The completion log-probs by a plain forward and log_softmax of the policy with its trainable tensors set to
-    `values` (and set back afterwards)."""
-    model = trainer.accelerator.unwrap_model(trainer.model)
+@contextlib.contextmanager
+def trainable_set_to(model: torch.nn.Module, values: list[torch.Tensor]) -> Iterator[None]:
+    """The model's trainable tensors hold `values` for the block, set by hand (not by the package's exchange)."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     own = [p.detach().clone() for p in trainable]
-    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
     with torch.no_grad():
         for p, value in zip(trainable, values, strict=True):
             p.copy_(value)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(trainable, own):
+                p.copy_(value)
+
+
+def logps_by_hand(trainer: Any, values: list[torch.Tensor], output: dict) -> torch.Tensor:
+    """The completion log-probs by a plain forward and log_softmax of the policy with its trainable tensors set to
+    `values`."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad(), trainable_set_to(model, values):
         logits = model(input_ids=ids, attention_mask=mask).logits[:, -output["completion_ids"].size(1) - 1 : -1]
-        for p, value in zip(trainable, own):
-            p.copy_(value)
     logps = torch.log_softmax(logits.float() / trainer.temperature, dim=-1)
     return logps.gather(-1, output["completion_ids"].unsqueeze(-1)).squeeze(-1)
 

@@ -477,19 +477,14 @@ def scenario_reward(out: str) -> dict:
 
 def trainer_logps(trainer: Any, values: list[torch.Tensor], output: dict) -> torch.Tensor:
     """The trainer's own log-probs of a generated batch (in its layout) under the policy with its trainable tensors set to
-    `values` by hand (and set back afterwards)."""
-    trainable = [p for p in trainer.model.parameters() if p.requires_grad]
-    own = [p.detach().clone() for p in trainable]
+    `values` by hand."""
+    from tests.test_ref_sync import trainable_set_to
+
     ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
     mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-    with torch.no_grad():
-        for p, value in zip(trainable, values, strict=True):
-            p.copy_(value)
-        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, output["completion_ids"].size(1),
-                                                           batch_size=ids.size(0))[0]
-        for p, value in zip(trainable, own):
-            p.copy_(value)
-    return logps
+    with torch.no_grad(), trainable_set_to(trainer.model, values):
+        return trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, output["completion_ids"].size(1),
+                                                          batch_size=ids.size(0))[0]
 
 
 def scenario_ref_sync(out: str) -> dict:
