@@ -14,10 +14,12 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+import trl.trainer.grpo_trainer as trl_grpo_trainer
+import trl.trainer.utils as trl_utils
 from transformers import TrainerCallback
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl.ref_sync import STATE_FILE, AdapterReference
+from unsloth_adaptive_kl.ref_sync import STATE_FILE, AdapterReference, use_reference
 from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model
 
 from .conftest import PROMPTS, constant_reward, grpo_args, logged, make_trainer
@@ -93,10 +95,12 @@ def test_trl_sync_fields_are_checked_only_while_syncing(tmp_path) -> None:
 def test_unpatch_restores_trls_refusal_of_peft_models(tokenizer, tmp_path) -> None:
     unsloth_adaptive_kl.unpatch()
     try:
+        assert trl_grpo_trainer.use_adapter is trl_utils.use_adapter
         with pytest.raises(NotImplementedError, match="sync_ref_model=True` while using a PEFT model"):
             make_trainer(tokenizer, str(tmp_path), **HARD_SYNC)
     finally:
         unsloth_adaptive_kl.patch()
+    assert trl_grpo_trainer.use_adapter is use_reference
     trainer = make_trainer(tokenizer, str(tmp_path), **HARD_SYNC)
     assert trainer.args.sync_ref_model is True
     assert not any(type(c).__name__ == "SyncRefModelCallback" for c in trainer.callback_handler.callbacks)
