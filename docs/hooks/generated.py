@@ -127,6 +127,23 @@ def benchmark_headline(_: Optional[str] = None) -> str:
             f"({h['trainer']}, `{h['method']}`; {h['seconds']:.0f} s for the whole run)")
 
 
+def loss_overhead_sanity(_: Optional[str] = None) -> str:
+    """Each trainer's stock loss timing and its end-to-end sanity row (heaviest method against stock, with A/A)."""
+    data = _benchmark("loss_overhead.json")
+    rows = []
+    for trainer, label in (("trl", "TRL"), ("unsloth", "Unsloth's generated trainer")):
+        if not data.get(trainer):
+            continue
+        stock, e2e = data[trainer]["stock_loss_s"], data[trainer]["end_to_end"]
+        rows.append([label, f"{stock['median'] * 1e3:.1f} (min {stock['min'] * 1e3:.1f}, max {stock['max'] * 1e3:.1f}, "
+                     f"n={stock['n']})", f"`{e2e['method']}`",
+                     f"{e2e['ratio']:.3f} [{e2e['ci'][0]:.3f}, {e2e['ci'][1]:.3f}]",
+                     f"{e2e['aa']:.3f} [{e2e['aa_ci'][0]:.3f}, {e2e['aa_ci'][1]:.3f}]",
+                     "yes" if e2e["consistent"] else "no"])
+    return _table(["trainer", "stock loss ms, forward + backward", "heaviest method", "end to end x stock [95 %]",
+                   "A/A [95 %]", "consistent with the decomposition"], rows)
+
+
 def core_op(_: Optional[str] = None) -> str:
     rows = _benchmark("loss_overhead.json")["core_op"]
     stock = next(r for r in rows if r["method"] == "stock k3")
@@ -180,7 +197,8 @@ def demo_results(name: Optional[str] = None) -> str:
     table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "beta at the end"], rows)
     env = data.get("environment", {})
     versions = ", ".join(f"{package} {version}" for package, version in env.get("versions", {}).items())
-    return (f"{table}\n\nCommand: `{env.get('command', '')}`. Versions: {versions}. Hardware: "
+    command = re.sub(r" --output-dir \S+", "", env.get("command", ""))  # where it wrote is not what it measured
+    return (f"{table}\n\nCommand: `{command}`. Versions: {versions}. Hardware: "
             f"{env.get('hardware', '')}. Wall time: {data['wall_seconds']:.0f} s. Values: mean +/- std over "
             f"{data['settings']['seeds']} seeds of each seed's mean over the last {data.get('window', 12)} steps.")
 
@@ -192,6 +210,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "demo_flags": demo_flags,
     "loss_overhead": loss_overhead,
     "benchmark_headline": benchmark_headline,
+    "loss_overhead_sanity": loss_overhead_sanity,
     "core_op": core_op,
     "steps": steps,
     "unsloth_steps": unsloth_steps,

@@ -1,0 +1,259 @@
+"""The docs cannot rot: every Python block of README.md and docs/ runs (or, where it needs a GPU and a download, is
+compiled and its imports checked), the metrics page lists exactly the keys a real run logs, every config field's
+help names the methods that read it, and the strict site build passes, with every generated reference in it, and
+fails on a broken anchor."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+from .conftest import make_trainer
+from unsloth_adaptive_kl.config import EVERY_METHOD, METHODS, READ_BY, AdaptiveKLConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+FENCE = re.compile(r"^```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^```$", re.MULTILINE | re.DOTALL)
+NO_RUN = re.compile(r"<!-- no-run: (?P<reason>.+) -->\s*$")
+# Unsloth insists on being imported first and takes over the process: its blocks' imports are checked in a child.
+SEPARATE_PROCESS_MODULES = {"unsloth", "unsloth_zoo", "vllm"}
+
+
+class Block(NamedTuple):
+    path: Path
+    line: int
+    code: str
+    no_run: str  # the reason, or "" for a block that runs
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def doc_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if "hooks" not in p.parts)]
+
+
+def python_blocks(path: Path) -> list[Block]:
+    text = path.read_text()
+    blocks = []
+    for match in FENCE.finditer(text):
+        if match["lang"] not in ("python", "py"):
+            continue
+        line = text.count("\n", 0, match.start()) + 1
+        before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        reason = NO_RUN.search(before)
+        blocks.append(Block(path, line, match["body"], reason["reason"] if reason else ""))
+    return blocks
+
+
+BLOCKS = [block for path in doc_files() for block in python_blocks(path)]
+
+
+def test_the_docs_have_python_blocks_to_check() -> None:
+    """The collection above finds the blocks: README's TRL quickstart runs, its Unsloth quickstart is no-run."""
+    readme = [block for block in BLOCKS if block.path.name == "README.md"]
+    assert any(not b.no_run and "GRPOTrainer(" in b.code for b in readme)
+    assert any(b.no_run and "FastLanguageModel" in b.code for b in readme)
+    assert len({block.path for block in BLOCKS}) >= 5
+
+
+@pytest.mark.parametrize("block", [b for b in BLOCKS if not b.no_run], ids=lambda b: b.id)
+def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.code, block.id, "exec"), {"__name__": "__main__"})
+
+
+def imported_names(code: str) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every import statement of a block."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append((node.module, [alias.name for alias in node.names]))
+    return found
+
+
+NO_RUN_BLOCKS = [b for b in BLOCKS if b.no_run]
+
+
+@pytest.mark.parametrize("block", NO_RUN_BLOCKS, ids=lambda b: b.id)
+def test_no_run_block_compiles_and_its_imports_resolve(block: Block) -> None:
+    """A block that needs a GPU and a download still compiles, and everything it imports exists (Unsloth's names
+    are checked in a child process below)."""
+    compile(block.code, block.id, "exec")
+    for module, names in imported_names(block.code):
+        if module.split(".")[0] in SEPARATE_PROCESS_MODULES:
+            continue
+        imported = importlib.import_module(module)
+        missing = [name for name in names if not hasattr(imported, name)
+                   and importlib.util.find_spec(f"{module}.{name}") is None]
+        assert not missing, f"{block.id}: {module} has no {missing}"
+
+
+def test_unsloth_names_the_no_run_blocks_import_exist(tmp_path: Path) -> None:
+    """`from unsloth import FastLanguageModel` and the like, imported after this package as the docs say, in a child
+    process on the CPU path of the test harness."""
+    statements = sorted({f"from {module} import {', '.join(names)}" if names else f"import {module}"
+                         for block in NO_RUN_BLOCKS for module, names in imported_names(block.code)
+                         if module.split(".")[0] in SEPARATE_PROCESS_MODULES})
+    assert statements, "the Unsloth quickstart imports unsloth"
+    if importlib.util.find_spec("unsloth") is None:
+        if os.environ.get("ADAPTIVE_KL_REQUIRE_UNSLOTH"):
+            pytest.fail("Unsloth is not installed")
+        pytest.skip("Unsloth is not installed (the TRL-only rows of the CI matrix)")
+    script = "import unsloth_adaptive_kl\n" + "\n".join(statements) + "\nprint('imported')\n"
+    env = dict(os.environ, UNSLOTH_ALLOW_CPU="1", UNSLOTH_COMPILE_DISABLE="1", UNSLOTH_DISABLE_STATISTICS="1")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "imported" in result.stdout, result.stderr[-3000:]
+
+
+# ----- facts the docs state, held to the code ---------------------------------------------------------------------
+
+def documented_metric_keys() -> set[str]:
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    return set(re.findall(r"^\| `(adaptive_kl/[a-z_]+)`", text, re.MULTILINE))
+
+
+def test_metrics_page_lists_exactly_the_keys_real_runs_log(tokenizer: Any, tmp_path: Path) -> None:
+    """One run per way of logging (clip in the loss; KL in the reward; reference syncing where the package has it)
+    logs the union of every adaptive_kl/ key; the metrics page's table lists that set, no more, no less."""
+    runs = [dict(kl_adaptation_method="clip"), dict(kl_placement="reward", kl_reduction="sequence_sum")]
+    if "ref_model_sync_kl" in {f.name for f in dataclasses.fields(AdaptiveKLConfig)}:
+        runs.append(dict(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=1.0))
+    keys: set[str] = set()
+    for index, overrides in enumerate(runs):
+        trainer = make_trainer(tokenizer, str(tmp_path / str(index)), **overrides)
+        trainer.train()
+        keys |= {key for entry in trainer.state.log_history for key in entry if key.startswith("adaptive_kl/")}
+    assert keys and documented_metric_keys() == keys
+
+
+def test_every_config_field_has_help_naming_the_methods_that_read_it() -> None:
+    fields = {field.name: field for field in dataclasses.fields(AdaptiveKLConfig)}
+    assert set(READ_BY) == set(fields), "READ_BY has one entry per field"
+    for name, field in fields.items():
+        help_text = field.metadata.get("help", "")
+        assert len(help_text) > 20, f"{name} has no help text"
+        for reader in READ_BY[name]:
+            if reader == EVERY_METHOD:
+                assert "every method" in help_text.lower() or all(f"'{m}'" in help_text for m in METHODS), name
+            else:
+                assert f"`{reader}`" in help_text, f"{name}'s help does not name `{reader}`, which reads it"
+
+
+# ----- the site ---------------------------------------------------------------------------------------------------
+
+def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    site = tmp_path_factory.mktemp("site")
+    result = mkdocs_build(ROOT / "mkdocs.yml", site)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return site
+
+
+def test_site_has_every_page_of_the_nav(site: Path) -> None:
+    pages = re.findall(r":\s+(\S+\.md)\s*$", (ROOT / "mkdocs.yml").read_text(), re.MULTILINE)
+    required = {"install", "quickstart-unsloth", "quickstart-trl", "choosing-a-setting", "methods", "estimators",
+                "kl-in-reward", "metrics", "configuration", "results", "compatibility", "scaling-out", "benchmarks",
+                "troubleshooting", "papers", "contributing", "changelog"}
+    assert required <= {page[:-3] for page in pages}
+    for page in pages:
+        built = site / ("index.html" if page == "index.md" else page[:-3] + "/index.html")
+        assert built.is_file(), page
+
+
+def test_configuration_reference_lists_every_field_with_its_default(site: Path) -> None:
+    html = (site / "configuration" / "index.html").read_text()
+    for field in dataclasses.fields(AdaptiveKLConfig):
+        row = re.search(rf"<tr>\s*<td><code>{field.name}</code></td>(.*?)</tr>", html, re.DOTALL)
+        assert row, f"{field.name} is missing from the configuration reference"
+        assert f"<code>{field.default!r}</code>".replace("'", "&#39;") in row[1] or \
+            f"<code>{field.default!r}</code>" in row[1], f"{field.name}: default {field.default!r} not shown"
+
+
+def test_no_generated_marker_survives_the_build(site: Path) -> None:
+    leftovers = [page for page in site.rglob("*.html") if "<!-- generated:" in page.read_text()]
+    assert not leftovers
+
+
+def test_strict_build_fails_on_a_broken_anchor(tmp_path: Path) -> None:
+    for folder in ("docs", "benchmarks"):  # the pages and what they generate from
+        shutil.copytree(ROOT / folder, tmp_path / folder)
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    page = tmp_path / "docs" / "methods.md"
+    page.write_text(page.read_text() + "\nSee [nowhere](metrics.md#no-such-heading).\n")
+    result = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert result.returncode != 0 and "no-such-heading" in result.stderr
+
+
+# ----- the README ---------------------------------------------------------------------------------------------------
+
+REPOSITORY = "https://github.com/unsloth-adaptive-kl/unsloth-adaptive-kl"
+DOCS_SITE = "https://unsloth-adaptive-kl.github.io/unsloth-adaptive-kl/"
+RAW = "https://raw.githubusercontent.com/unsloth-adaptive-kl/unsloth-adaptive-kl/main/"
+
+
+def readme_bash_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    return [m["body"].strip() for m in FENCE.finditer(text) if m["lang"] == "bash"]
+
+
+def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
+    """At most 150 lines; its test command is the one `.ci/run` runs (row a: install split from pytest so that its
+    exit status can be read), and its demo command installs torch as row e does."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 150
+    commands = readme_bash_commands()
+    test = next(c for c in commands if "pytest" in c)
+    demo = next(c for c in commands if "blackwell/test_adaptive_kl_grpo.py" in c)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test == ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.14.1 torchvision==0.29.1 && "
+                    'pip install -e ".[test,unsloth]" && ADAPTIVE_KL_REQUIRE_UNSLOTH=1 python -m pytest -q')
+    assert "pip install -q torch==2.14.1 torchvision==0.29.1" in ci and 'pip install -q -e ".[test,unsloth]"' in ci
+    assert "export ADAPTIVE_KL_REQUIRE_UNSLOTH=1" in ci and "python -m pytest -q" in ci
+    assert demo.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && ")
+    assert "pip install -q torch==2.13.0" in ci
+
+
+def test_readme_links_are_absolute_and_resolve() -> None:
+    """The README is also the package index page, where relative links break: every link is absolute, and each one
+    into this project names a file of the repository or a page of the docs site that exists."""
+    readme = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", readme) + re.findall(r"(https://\S+?)[)\s]", readme)
+    assert links
+    for link in links:
+        assert link.startswith("https://"), f"relative link {link}"
+        if link.startswith(RAW):
+            assert (ROOT / link[len(RAW):]).is_file(), link
+        elif link.startswith(REPOSITORY + "/tree/main/") or link.startswith(REPOSITORY + "/blob/main/"):
+            assert (ROOT / link.split("/main/", 1)[1]).exists(), link
+        elif link.startswith(DOCS_SITE):
+            page = link[len(DOCS_SITE):].split("#")[0].strip("/") or "index"
+            assert (ROOT / "docs" / f"{page}.md").is_file(), link
+    urls = (ROOT / "pyproject.toml").read_text()
+    assert f'Repository = "{REPOSITORY}"' in urls and f'Documentation = "{DOCS_SITE}"' in urls
+
+
+def test_readme_quickstarts_are_the_quickstart_pages_blocks() -> None:
+    """The README's quickstarts are the docs pages' own, so one cannot drift from the other."""
+    readme = {block.code for block in python_blocks(ROOT / "README.md")}
+    for page in ("quickstart-unsloth.md", "quickstart-trl.md"):
+        assert readme & {block.code for block in python_blocks(ROOT / "docs" / page)}, page
