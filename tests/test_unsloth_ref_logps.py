@@ -96,8 +96,9 @@ def test_training_step_reference_matches_plain_forward_without_pad_and_prefix_gr
 
 @needs_unsloth
 @pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue #18: trainer_hooks._calculate_rewards masks Unsloth's left-packed (B, C + max_left_pad) "
-                          "log-probs with TRL's (B, C) completion mask and raises; remove this marker with the fix")
+                   reason="issue #18: trainer_hooks._calculate_rewards masks Unsloth's left-packed "
+                          "(B, C + max_left_pad) log-probs with TRL's (B, C) completion mask and raises; "
+                          "remove this marker with the fix")
 def test_kl_in_reward_on_a_left_padded_unsloth_batch_is_the_formula(measured) -> None:
     entry = measured["reward_left_padded"]
     assert entry["prompt_pads"] == [0, 4]  # left padding in the batch: max_left_pad = 4
@@ -164,7 +165,8 @@ def _scenario(out: str) -> dict[str, Any]:
     eos = H.TOKENIZER.eos_token_id
     pad_batch = batch(["ab:", "cdefgh:"], [[a, b_, c, eos], [d, e, pad, f, a, eos]])
     reference = plain(pad_batch)
-    row = torch.cat([pad_batch["prompt_ids"][1][pad_batch["prompt_mask"][1].bool()], pad_batch["completion_ids"][1][:6]])
+    prompt_1 = pad_batch["prompt_ids"][1][pad_batch["prompt_mask"][1].bool()]
+    row = torch.cat([prompt_1, pad_batch["completion_ids"][1][:6]])
     kept = row[row != pad]
     shifted = token_logps(kept)[-5:]  # the 5 completion tokens left, scored without the pad-id token
     results["pad"] = {}
@@ -213,7 +215,8 @@ def _scenario(out: str) -> dict[str, Any]:
 
     # 3. A training step, the pad token not generatable, PrefixGrouper off (no-grad path here, grad path in the zoo
     # loss, memoised on the function): the first generation batch's reference log-probs and the logged kl.
-    step = H.make_trainer(os.path.dirname(out) + "/runs/step", max_steps=1, generation_kwargs={"suppress_tokens": [pad]})
+    step = H.make_trainer(os.path.dirname(out) + "/runs/step", max_steps=1,
+                          generation_kwargs={"suppress_tokens": [pad]})
     step_module = sys.modules[type(step).__module__]
     step_module.UNSLOTH_GRPO_PREFIX_GROUPER_ON = False
     step_module.grpo_accumulated_loss._pg_funcs = ()
@@ -241,7 +244,8 @@ def _scenario(out: str) -> dict[str, Any]:
                        "kl": H.logged(step, "kl")}
 
     # 4. kl_placement="reward" on a left-padded generation batch (two prompts of different lengths): the reward
-    # penalty against the formula on plain forwards. Unsloth hands its log-probs over left-packed, (B, C + max_left_pad).
+    # penalty against the formula on plain forwards. Unsloth hands its log-probs over left-packed,
+    # (B, C + max_left_pad).
     reward = H.make_trainer(os.path.dirname(out) + "/runs/reward", max_steps=1, per_device_train_batch_size=8,
                             gradient_accumulation_steps=1, kl_placement="reward", kl_reduction="sequence_sum", beta=0.5,
                             generation_kwargs={"suppress_tokens": [pad]})
