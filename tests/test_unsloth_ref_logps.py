@@ -95,10 +95,6 @@ def test_training_step_reference_matches_plain_forward_without_pad_and_prefix_gr
 
 
 @needs_unsloth
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue #18: trainer_hooks._calculate_rewards masks Unsloth's left-packed "
-                          "(B, C + max_left_pad) log-probs with TRL's (B, C) completion mask and raises; "
-                          "remove this marker with the fix")
 def test_kl_in_reward_on_a_left_padded_unsloth_batch_is_the_formula(measured) -> None:
     entry = measured["reward_left_padded"]
     assert entry["prompt_pads"] == [0, 4]  # left padding in the batch: max_left_pad = 4

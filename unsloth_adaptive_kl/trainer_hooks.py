@@ -25,7 +25,7 @@ from .config import adaptive_kl_config_from
 from .estimators import estimate_kl
 from .ref_sync import attach_reference_sync, reference_for_generation
 from .runtime import AdaptiveKLRuntime
-from .versions import GENERATION_LOCALS
+from .versions import GENERATION_LOCALS, UNSLOTH_LEFT_PAD_LOCAL
 
 STATE_FILE = "adaptive_kl_state.json"
 AnchorError = Callable[[], Exception]
@@ -155,6 +155,19 @@ def _policy_logps(trainer: Any, found: dict, recorder: _CallRecorder, missing: C
     return recorder.replay_with(trainer.model, missing)
 
 
+def trl_layout(logps: torch.Tensor, caller: dict, width: int, missing: Callable[[str], Exception]) -> torch.Tensor:
+    """Per-token log-probs in TRL's (B, width) layout, the layout of its completion mask. TRL's (and vLLM's sampling)
+    log-probs are in it already; Unsloth's generated trainer keeps its reference and old log-probs left-packed,
+    (B, width + max_left_pad), row i's completion starting at column max_left_pad - left_pad_i (`missing(name)` is
+    raised when its left-padding local is absent)."""
+    if logps.size(1) == width:
+        return logps
+    if UNSLOTH_LEFT_PAD_LOCAL not in caller:
+        raise missing(UNSLOTH_LEFT_PAD_LOCAL)
+    start = logps.size(1) - width - caller[UNSLOTH_LEFT_PAD_LOCAL].to(logps.device)
+    return logps.gather(1, start[:, None] + torch.arange(width, device=logps.device)[None])
+
+
 def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], Exception]) -> Callable:
     """_calculate_rewards, for kl_placement="reward": the rewards it returns (all processes) gain a column,
     -beta_t * KL_i, which the trainer's weighted reward sum (its weight is 1 for the call, see
@@ -175,7 +188,9 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         mask = found["completion_mask"] if found["tool_mask"] is None else found["completion_mask"] * found["tool_mask"]
         config = self.adaptive_kl.config
         policy = _policy_logps(self, found, scoring["recorder"], lambda: missing_locals("ref_per_token_logps"))
-        kl = estimate_kl(policy, found["ref_per_token_logps"], mask, config)
+        policy, ref = (trl_layout(logps, caller, mask.size(1), missing_locals)
+                       for logps in (policy, found["ref_per_token_logps"]))
+        kl = estimate_kl(policy, ref, mask, config)
         penalty, metrics = self.adaptive_kl.reward_penalty(
             completion_kl(kl, mask, config), gather=self.accelerator.gather, train=scoring["train"],
             completed_steps=self.state.global_step,

@@ -129,10 +129,16 @@ UNSLOTH_LOSS_CALL = Anchor("grpo_accumulated_loss", "UnslothEfficientGRPO.apply(
                            "the compiled loss, which the adaptive loss wraps")
 UNSLOTH_REWARD_METRIC = Anchor("UnslothGRPOTrainer._generate_and_score_completions",
                                'self._metrics[mode]["reward"].append(', "the mean reward the dynamic beta reads")
+# Unsloth's generated _generate_and_score_completions keeps its reference and old log-probs left-packed,
+# (B, C + max_left_pad): this local, each row's left padding, puts them back in TRL's (B, C) layout for the KL in the
+# reward (trainer_hooks.trl_layout).
+UNSLOTH_LEFT_PAD_LOCAL = "left_pad_tokens_per_prompt"
 UNSLOTH_ANCHORS = (
     UNSLOTH_KL_LINE,
     UNSLOTH_LOSS_CALL,
     UNSLOTH_REWARD_METRIC,
+    Anchor("UnslothGRPOTrainer._generate_and_score_completions", f"{UNSLOTH_LEFT_PAD_LOCAL} = ",
+           "each row's left padding: Unsloth's left-packed log-probs in TRL's layout, for the KL in the reward"),
     Anchor("grpo_compute_loss", "return loss, completion_length, mean_kl",
            "the trainer's own KL metric"),
     Anchor("grpo_compute_loss", "loss = ((loss_i * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
