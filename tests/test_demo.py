@@ -171,3 +171,52 @@ def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> 
         raise AssertionError("run_one did not build a GRPOConfig")
     assert (kwargs["bf16"], kwargs["fp16"]) == (False, True)
     assert kwargs["kl_adaptation_method"] == "clip" and "answers" not in kwargs
+
+
+# ----- the moving reference: 'ref_sync:STEPS[:reset]' and --ref-sync ---------------------------------------------
+
+def test_ref_sync_variant_syncs_on_schedule(tmp_path) -> None:
+    """A hard reset every 2 of 4 steps on the demo's LoRA model: the sync count follows the schedule, and the step
+    after each sync is on-policy against the new reference, so its KL is exactly 0 (stock's is not)."""
+    from unsloth_adaptive_kl import demo
+
+    code = demo.main(["--quick", "--methods", "none,ref_sync:2,ref_sync:2:reset", "--pretrain-steps", "5",
+                      "--output-dir", str(tmp_path)])
+    assert code == 0
+    rows = json.loads((tmp_path / "metrics.json").read_text())
+    by_method = {m: [r for r in rows if r["method"] == m] for m in ("none", "ref_sync:2", "ref_sync:2:reset")}
+    assert all(len(v) == 4 for v in by_method.values())
+    assert all(math.isnan(r["adaptive_kl/ref_syncs"]) for r in by_method["none"])  # syncing off: not logged
+    stock = [r["adaptive_kl/raw_kl"] for r in by_method["none"]]
+    assert stock[0] == 0.0 and all(kl > 0 for kl in stock[1:])
+    for method in ("ref_sync:2", "ref_sync:2:reset"):
+        synced = by_method[method]
+        assert [r["adaptive_kl/ref_syncs"] for r in synced] == [0.0, 1.0, 1.0, 2.0]  # after steps 2 and 4
+        raw = [r["adaptive_kl/raw_kl"] for r in synced]
+        assert raw[:2] == stock[:2]  # before the first sync: the stock reference, the same run
+        assert raw[2] == 0.0 and raw[3] > 0  # step 3: the reference is the policy that generated it
+        assert [r["kl"] for r in synced] == raw
+    # The optimizer reset changes nothing until the step after the sync (step 3) has updated the weights.
+    plain, reset = by_method["ref_sync:2"], by_method["ref_sync:2:reset"]
+    keys = [k for k in demo.LOGGED if k != "step_time"]
+    assert [[r[k] for k in keys] for r in plain[:3]] == [[r[k] for k in keys] for r in reset[:3]]
+    assert plain[3]["adaptive_kl/raw_kl"] != reset[3]["adaptive_kl/raw_kl"]
+
+
+def test_ref_sync_labels_and_flag() -> None:
+    from unsloth_adaptive_kl import demo
+
+    assert demo.variant_settings("ref_sync:30:reset", 0.04) == {
+        "sync_ref_model": True, "ref_model_sync_steps": 30, "ref_model_mixup_alpha": 1.0,
+        "ref_model_sync_reset_optimizer": True, "beta": 0.04}
+    assert demo.variant_settings("ref_sync:30", 0.04)["ref_model_sync_reset_optimizer"] is False
+    assert demo.parse_args(["--ref-sync"]).methods == ["none", "ref_sync:30", "ref_sync:30:reset"]
+    for label in ("ref_sync:x", "ref_sync:2:soft", "ref_sync:"):
+        with pytest.raises(ValueError, match="'ref_sync:STEPS' or 'ref_sync:STEPS:reset'"):
+            demo.parse_args(["--methods", label])
+    with pytest.raises(ValueError, match="ref_model_sync_steps=0 is invalid"):
+        demo.parse_args(["--methods", "ref_sync:0"])
+    with pytest.raises(ValueError, match="sync_ref_model=True is invalid.*beta=0"):
+        demo.parse_args(["--methods", "ref_sync:30", "--beta", "0"])
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--ref-sync", "--kl-in-reward"])

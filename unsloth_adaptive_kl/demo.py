@@ -6,6 +6,7 @@ notebook `blackwell/adaptive_kl_grpo.ipynb` calls the same functions. With no ar
     python blackwell/test_adaptive_kl_grpo.py             # embedded tiny model, 7 methods x 3 seeds
     python blackwell/test_adaptive_kl_grpo.py --quick     # smoke run, under a minute
     python blackwell/test_adaptive_kl_grpo.py --kl-in-reward --kl-target 0.2 --kl-horizon 100   # KL in the reward
+    python blackwell/test_adaptive_kl_grpo.py --ref-sync   # a moving reference: a hard sync every 30 steps
     python blackwell/test_adaptive_kl_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --backend auto   # GPU users
 
 Default task: a character vocabulary a-h plus '#' and ':'. The reference policy (the tiny model, briefly
@@ -31,16 +32,19 @@ from typing import Any, Callable
 import torch
 
 from .adaptation import LOSS_TYPE_REDUCTIONS
-from .config import AdaptiveKLConfig
+from .config import TRL_SYNC_FIELDS, AdaptiveKLConfig
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
 # --kl-in-reward: the KL as a loss term (stock) against the KL in the reward, per-token mean and summed, and the
 # target controller on the reward placement; beta=0 for the unregularised drift.
 KL_IN_REWARD_VARIANTS = ["none", "reward:sequence_mean", "reward:sequence_sum", "reward:sequence_sum:target", "beta=0"]
+# --ref-sync: stock against a hard reference reset (ref_model_mixup_alpha=1) every 30 steps, without and with the
+# optimizer reset (ProRL's recipe).
+REF_SYNC_VARIANTS = ["none", "ref_sync:30", "ref_sync:30:reset"]
 QUICK = {"steps": 4, "seeds": 1, "pretrain_steps": 60}
 LOGGED = ["reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
           "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr", "adaptive_kl/reward_penalty", "completions/mean_length",
-          "step_time"]
+          "adaptive_kl/ref_syncs", "step_time"]
 ALPHABET = "abcdefgh"
 
 
@@ -58,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="compare the KL as a loss term with the KL in the reward: runs the variants "
                         + ", ".join(KL_IN_REWARD_VARIANTS) + " ('reward:REDUCTION[:METHOD]' is kl_placement='reward' "
                         "with that kl_reduction and kl_adaptation_method)")
+    parser.add_argument("--ref-sync", action="store_true",
+                        help="compare stock with a moving reference: runs the variants " + ", ".join(REF_SYNC_VARIANTS)
+                        + " ('ref_sync:STEPS' is sync_ref_model=True with a hard reset, ref_model_mixup_alpha=1.0, "
+                        "every STEPS optimizer steps; ':reset' adds ref_model_sync_reset_optimizer=True)")
     parser.add_argument("--steps", type=int, default=120, help="optimizer steps per run")
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds per method")
     parser.add_argument("--output-dir", default="adaptive_kl_demo_output",
@@ -83,7 +91,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     def listed(value: str, prefix: str = "") -> list[str]:
         return [prefix + item.strip() for item in value.split(",") if item.strip()]
 
-    methods = KL_IN_REWARD_VARIANTS if args.kl_in_reward else listed(args.methods)
+    if args.kl_in_reward and args.ref_sync:
+        parser.error("--kl-in-reward and --ref-sync each select a list of variants: use one of them")
+    methods = (KL_IN_REWARD_VARIANTS if args.kl_in_reward else REF_SYNC_VARIANTS if args.ref_sync
+               else listed(args.methods))
     args.methods = methods + listed(args.estimators, "estimator=") + listed(args.kl_reductions, "kl_reduction=")
     for name, value in (("--steps", args.steps), ("--seeds", args.seeds)):
         if value < 1:
@@ -91,16 +102,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.loss_type not in LOSS_TYPE_REDUCTIONS:
         parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(LOSS_TYPE_REDUCTIONS))}")
     for method in args.methods:  # bad names fail here, before any training
+        settings = variant_settings(method, args.beta)
+        trl_fields = {k: settings.pop(k) for k in TRL_SYNC_FIELDS if k in settings}  # TRL's, not AdaptiveKLConfig's
         AdaptiveKLConfig(kl_target=args.kl_target, kl_horizon=args.kl_horizon,
-                         **{k: v for k, v in variant_settings(method, args.beta).items() if k != "beta"})
+                         **settings).validate_ref_sync(**trl_fields)
     return args
 
 
 def variant_settings(label: str, beta: float) -> dict[str, Any]:
     """The GRPOConfig fields of a variant label: a kl_adaptation_method, 'beta=0', 'estimator=NAME',
-    'kl_reduction=NAME' or 'reward:REDUCTION[:METHOD]' (the KL in the reward)."""
+    'kl_reduction=NAME', 'reward:REDUCTION[:METHOD]' (the KL in the reward) or 'ref_sync:STEPS[:reset]' (a hard
+    reference reset every STEPS optimizer steps, with ':reset' also the optimizer's)."""
     if label == "beta=0":
         return {"kl_adaptation_method": "none", "beta": 0.0}
+    if label.startswith("ref_sync:"):
+        _, steps, *rest = label.split(":")
+        if not steps.lstrip("-").isdigit() or rest not in ([], ["reset"]):
+            raise ValueError(f"variant {label!r} is invalid: allowed is 'ref_sync:STEPS' or 'ref_sync:STEPS:reset' "
+                             "with STEPS an integer >= 1")
+        return {"sync_ref_model": True, "ref_model_sync_steps": int(steps), "ref_model_mixup_alpha": 1.0,
+                "ref_model_sync_reset_optimizer": rest == ["reset"], "beta": beta}
     if label.startswith("reward:"):
         _, reduction, *method = label.split(":")
         return {"kl_placement": "reward", "kl_reduction": reduction, "kl_adaptation_method": method[0] if method else "none",
@@ -335,7 +356,8 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
     panels = [("reward", "reward"), ("completions/mean_length", "completion length"),
               ("adaptive_kl/current_beta", "beta"), ("adaptive_kl/sequence_kl", "summed KL per completion"),
               ("adaptive_kl/reward_penalty", "reward penalty (KL in the reward)"),
-              ("adaptive_kl/length_kl_corr", "corr(length, summed KL)")]
+              ("adaptive_kl/length_kl_corr", "corr(length, summed KL)"),
+              ("adaptive_kl/ref_syncs", "reference syncs so far")]
     # A panel no variant logs (e.g. the reward penalty when no variant puts the KL in the reward) is left out.
     panels = [(key, title) for key, title in panels
               if any(r["method"] in methods and not math.isnan(r[key]) for r in rows)]
