@@ -9,10 +9,16 @@ Per method and for `none`, against the unpatched stock GRPOTrainer:
 - model forward calls per step (forward hook on the causal LM): must equal stock with the KL in the loss; the KL in
   the reward (`kl_in_reward`) adds one no-grad policy forward per generation batch;
 - peak memory: RSS of a fresh process per variant on CPU, torch.cuda.max_memory_allocated on GPU;
-- the core op on a 64 x 4096 per-token KL against the stock k3 expression alone.
+- the core op on a 64 x 4096 per-token KL against the stock k3 expression alone;
+- reference syncing on (`ref_sync`: `sync_ref_model=True`, a hard reset, alpha 1, after every step), interleaved with
+  the others but kept out of the rows: its forwards per step against stock (0 extra: the reference forward with the
+  exchanged tensors replaces the stock one), the bytes of its private reference copy against the LoRA adapter's
+  bytes (exact, numel x element size), and, timed directly with many repetitions, one sync (the mix) and one
+  exchange (swap in + swap back around each reference forward), each as a ratio of stock's median step time.
 Prints a table, writes JSON, and ends with one line `extra_forwards=N max_memory_ratio=X graphs_added=N
-max_step_ratio=X aa=[a,b]`: step time includes generation, so its ratios are resolved only outside the A/A interval
-(stock against stock); benchmarks/loss_overhead.py resolves the loss path's overhead.
+max_step_ratio=X aa=[a,b] ref_sync_extra_forwards=N ref_sync_bytes=N sync_step_ratio=X`: step time includes
+generation, so its ratios are resolved only outside the A/A interval (stock against stock);
+benchmarks/loss_overhead.py resolves the loss path's overhead.
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ STOCK = ("stock", "stock (A/A)")
 # kl_placement="reward" needs the policy's log-probs before the advantages: one no-grad forward per generation batch
 # where the trainer computes no old log-probs (as here), counted in its own column, not in the loss-placement headline.
 KL_IN_REWARD = {"kl_placement": "reward", "kl_reduction": "sequence_sum"}
+# Reference syncing on: a hard reset (ProRL) after every optimizer step, so every step after the first runs its
+# reference forward with the synced copy exchanged in. Timed with the variants, reported in its own JSON object.
+REF_SYNC = "ref_sync"
+REF_SYNC_CONFIG = {"kl_adaptation_method": "none", "sync_ref_model": True, "ref_model_sync_steps": 1,
+                   "ref_model_mixup_alpha": 1.0}
+TIMED = VARIANTS + [REF_SYNC]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,10 +70,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--completion-length", type=int, default=32)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--json", default="benchmarks/overhead.json")
+    parser.add_argument("--sync-repeats", type=int, default=200, help="timed syncs and exchanges per ref_sync run")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.repeats, args.steps, args.hidden, args.layers, args.completion_length, args.batch = 1, 3, 32, 1, 4, 4
+        args.sync_repeats = 20
     return args
 
 
@@ -73,6 +87,56 @@ def set_stock(stock: bool) -> None:
             trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
     else:
         unsloth_adaptive_kl.patch()
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Exact bytes of the tensors' elements: sum of numel x element size."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def median_seconds(fn: Any, repeats: int) -> float:
+    """Median wall time of `fn()` over `repeats` calls (after 3 untimed), each timed on its own."""
+    def synced() -> None:
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    for _ in range(3):
+        synced()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        synced()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def sync_costs(trainer: Any, model: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """After a ref_sync run: the private copy's exact bytes against the adapter's, and one sync (the mix), one
+    exchange (swap in + swap back) and the initial copy, each timed directly (median of `--sync-repeats`)."""
+    from peft import get_peft_model_state_dict
+
+    from unsloth_adaptive_kl.ref_sync import AdapterReference
+
+    sync = trainer.adaptive_kl_reference
+    reference = sync.bind()
+    assert isinstance(reference, AdapterReference)
+
+    def exchange() -> None:
+        with reference.swapped_in():
+            pass
+
+    return {
+        "syncs_per_run": sync.syncs,
+        "copy_tensors": len(reference.tensors),
+        "copy_bytes": tensor_bytes(reference.tensors),
+        "adapter_bytes": tensor_bytes(get_peft_model_state_dict(model).values()),
+        "exchange_temp_bytes": max(tensor_bytes([t]) for t in reference.tensors),
+        "sync_s": median_seconds(lambda: reference.mix(sync.schedule.alpha), args.sync_repeats),
+        "exchange_s": median_seconds(exchange, args.sync_repeats),
+        "copy_s": median_seconds(lambda: AdapterReference(trainer.accelerator.unwrap_model(trainer.model)),
+                                 args.sync_repeats),
+    }
 
 
 def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
@@ -103,6 +167,8 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
         method = {}
     elif variant == "kl_in_reward":
         method = dict(KL_IN_REWARD)
+    elif variant == REF_SYNC:
+        method = dict(REF_SYNC_CONFIG)
     else:
         method = {"kl_adaptation_method": variant, "reward_threshold": 0.0}
     config = trl.GRPOConfig(
@@ -119,13 +185,31 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
     trainer.remove_callback(PrinterCallback)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    exchanges = [0]
+    if variant == REF_SYNC:  # count the reference forwards that ran with the synced copy exchanged in
+        from unsloth_adaptive_kl.ref_sync import AdapterReference
+
+        stock_swapped_in = AdapterReference.swapped_in
+
+        def counted(self: Any) -> Any:
+            exchanges[0] += 1
+            return stock_swapped_in(self)
+
+        AdapterReference.swapped_in = counted
+    try:
+        trainer.train()
+    finally:
+        if variant == REF_SYNC:
+            AdapterReference.swapped_in = stock_swapped_in
     measured = step_times[1:] or step_times
-    return {
+    result = {
         "median_step_s": statistics.median(measured),
         "forwards_per_step": step_forwards[1:] or step_forwards,
         "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
     }
+    if variant == REF_SYNC:
+        result.update(sync_costs(trainer, model, args), exchanges_per_run=exchanges[0])
+    return result
 
 
 def memory_child(variant: str, args: argparse.Namespace) -> None:
@@ -163,11 +247,12 @@ def main(argv: list[str] | None = None) -> int:
         memory_child(args.memory_child, args)
         return 0
 
-    times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-    forwards: dict[str, list[int]] = {variant: [] for variant in VARIANTS}
+    times: dict[str, list[float]] = {variant: [] for variant in TIMED}
+    forwards: dict[str, list[int]] = {variant: [] for variant in TIMED}
     cuda_peak: dict[str, Any] = {}
+    sync_runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats + 1):  # pass 0 warms caches and allocators for every variant, untimed
-        order = VARIANTS[repeat % len(VARIANTS):] + VARIANTS[: repeat % len(VARIANTS)]
+        order = TIMED[repeat % len(TIMED):] + TIMED[: repeat % len(TIMED)]
         for variant in order:
             result = run(variant, args, os.path.join("/tmp", "adaptive_kl_bench"))
             if repeat == 0:
@@ -175,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
             times[variant].append(result["median_step_s"])
             forwards[variant].extend(result["forwards_per_step"])
             cuda_peak[variant] = result["cuda_peak_bytes"]
+            if variant == REF_SYNC:
+                sync_runs.append(result)
+    ref_sync_steps = times.pop(REF_SYNC)
+    ref_sync_forwards = forwards.pop(REF_SYNC)
     set_stock(False)
     memory = cuda_peak if torch.cuda.is_available() else {variant: peak_rss(variant, argv) for variant in VARIANTS}
     core = {row["method"]: row["x_k3"] for row in core_op(50 if args.smoke else 300)}
@@ -209,8 +298,17 @@ def main(argv: list[str] | None = None) -> int:
             unsloth_rows.append(row)
             print(f"{row['variant']:<47}{row['median_step_s']:>9.4f}{row['step_ratio']:>9.3f}"
                   f"{'/'.join(map(str, row['forwards_per_step'])):>10}{row['graphs_added_per_run']:>12}")
+    ref_sync = ref_sync_report(sync_runs, ref_sync_steps, ref_sync_forwards, times, forwards, args)
+    print(f"\nref_sync (sync_ref_model=True, alpha {ref_sync['alpha']}, every {ref_sync['sync_steps']} step): "
+          f"{ref_sync['step_seconds_median']:.4f} s/step ({ref_sync['step_ratio']:.3f} x stock), forwards/step "
+          f"{'/'.join(map(str, ref_sync['forwards_per_step']))}, {ref_sync['extra_forwards']} extra; copy "
+          f"{ref_sync['copy_bytes']} B ({ref_sync['copy_tensors']} tensors) against the adapter's "
+          f"{ref_sync['adapter_bytes']} B; one sync {ref_sync['sync_seconds_median'] * 1e6:.1f} us "
+          f"({ref_sync['sync_to_step_ratio']:.2e} of a stock step), one exchange "
+          f"{ref_sync['exchange_seconds_median'] * 1e6:.1f} us ({ref_sync['exchange_to_step_ratio']:.2e}), "
+          f"{ref_sync['exchanges_per_run']} exchanges and {ref_sync['syncs_per_run']} syncs per run")
     report = {"settings": vars(args), "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
-              "unsloth_rows": unsloth_rows, "core_x_k3": core, "step_seconds": times}
+              "unsloth_rows": unsloth_rows, "core_x_k3": core, "step_seconds": times, "ref_sync": ref_sync}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
@@ -228,8 +326,46 @@ def main(argv: list[str] | None = None) -> int:
           "(one no-grad policy forward per generation batch)")
     print(f"extra_forwards={max(row['extra_forwards'] for row in rows if row is not in_reward)} "
           f"max_memory_ratio={max(row['memory_ratio'] for row in rows):.3f} graphs_added={graphs} "
-          f"max_step_ratio={max(ratios):.3f} aa=[{aa[0]:.3f},{aa[1]:.3f}]")
+          f"max_step_ratio={max(ratios):.3f} aa=[{aa[0]:.3f},{aa[1]:.3f}] "
+          f"ref_sync_extra_forwards={ref_sync['extra_forwards']} ref_sync_bytes={ref_sync['copy_bytes']} "
+          f"sync_step_ratio={ref_sync['sync_to_step_ratio']:.2e}")
     return 0
+
+
+def ref_sync_report(runs: list[dict[str, Any]], step_seconds: list[float], step_forwards: list[int],
+                    times: dict[str, list[float]], forwards: dict[str, list[int]],
+                    args: argparse.Namespace) -> dict[str, Any]:
+    """The `ref_sync` JSON object: flat keys, medians over the timed passes (each pass's own median)."""
+    stock_step = statistics.median(times["stock"])
+    sync_s = statistics.median(run["sync_s"] for run in runs)
+    exchange_s = statistics.median(run["exchange_s"] for run in runs)
+    # identical in every run (same model): the first run's
+    exact = {key: runs[0][key] for key in ("copy_tensors", "copy_bytes", "adapter_bytes", "exchange_temp_bytes",
+                                            "syncs_per_run", "exchanges_per_run")}
+    assert all(run[key] == value for run in runs for key, value in exact.items())
+    exchanges_per_step = exact["exchanges_per_run"] / args.steps
+    syncs_per_step = exact["syncs_per_run"] / args.steps
+    return {
+        "sync_steps": REF_SYNC_CONFIG["ref_model_sync_steps"],
+        "alpha": REF_SYNC_CONFIG["ref_model_mixup_alpha"],
+        "kl_adaptation_method": REF_SYNC_CONFIG["kl_adaptation_method"],
+        "forwards_per_step": sorted(set(step_forwards)),
+        "stock_forwards_per_step": sorted(set(forwards["stock"])),
+        "extra_forwards": sum(step_forwards) - sum(forwards["stock"]),
+        **exact,
+        "bytes_to_adapter_ratio": exact["copy_bytes"] / exact["adapter_bytes"],
+        "step_seconds_median": statistics.median(step_seconds),
+        "stock_step_seconds_median": stock_step,
+        "step_ratio": statistics.median(step_seconds) / stock_step,
+        "sync_seconds_median": sync_s,
+        "sync_to_step_ratio": sync_s / stock_step,
+        "exchange_seconds_median": exchange_s,
+        "exchange_to_step_ratio": exchange_s / stock_step,
+        "copy_seconds_median": statistics.median(run["copy_s"] for run in runs),
+        "added_seconds_per_step": syncs_per_step * sync_s + exchanges_per_step * exchange_s,
+        "added_to_step_ratio": (syncs_per_step * sync_s + exchanges_per_step * exchange_s) / stock_step,
+        "step_seconds": step_seconds,
+    }
 
 
 if __name__ == "__main__":

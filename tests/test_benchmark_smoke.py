@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,18 @@ from pathlib import Path
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "overhead.py"
 
 
+def smoke_adapter_bytes() -> int:
+    """Bytes of the trainable parameters of the smoke run's model (hidden 32, 1 layer, LoRA), built here."""
+    from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer
+
+    model = add_lora(build_tiny_model(build_tokenizer(), hidden_size=32, num_layers=1))
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def test_overhead_benchmark_smoke(tmp_path) -> None:
     report_path = tmp_path / "overhead.json"
     result = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(report_path)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=850)
     assert result.returncode == 0, result.stderr[-3000:]
     last_line = result.stdout.strip().splitlines()[-1]
     report = json.loads(report_path.read_text())
@@ -30,6 +39,18 @@ def test_overhead_benchmark_smoke(tmp_path) -> None:
     assert len(stock_forwards) == 1 and in_reward["variant"] == "kl_in_reward"
     assert in_reward["forwards_per_step"] == [stock_forwards[0] + 1] and in_reward["extra_forwards"] > 0
     assert all(row["peak_memory_bytes"] > 0 for row in report["rows"])
+    # reference syncing on (a hard reset after every step): the stock forwards, a copy the size of the adapter
+    sync = report["ref_sync"]
+    assert sync["extra_forwards"] == 0 and sync["forwards_per_step"] == stock_forwards
+    assert sync["syncs_per_run"] == 3 and sync["exchanges_per_run"] == 2  # every step syncs; steps 2-3 exchange
+    assert sync["copy_bytes"] == sync["adapter_bytes"] == smoke_adapter_bytes()
+    assert 0 < sync["exchange_temp_bytes"] < sync["copy_bytes"]
+    for key in ("sync_seconds_median", "exchange_seconds_median", "copy_seconds_median", "step_seconds_median",
+                "sync_to_step_ratio", "exchange_to_step_ratio", "added_to_step_ratio", "step_ratio"):
+        assert math.isfinite(sync[key]) and sync[key] > 0, key
+    assert sync["sync_to_step_ratio"] == sync["sync_seconds_median"] / sync["stock_step_seconds_median"]
+    assert last_line.endswith(f" ref_sync_extra_forwards=0 ref_sync_bytes={sync['copy_bytes']} "
+                              f"sync_step_ratio={sync['sync_to_step_ratio']:.2e}")
     if importlib.util.find_spec("unsloth") is not None:
         unsloth = {row["variant"]: row for row in report["unsloth_rows"]}
         assert set(unsloth) == {f"unsloth:{v}" for v in ("stock", "none", "clip", "length_normalized", "dynamic")}
