@@ -6,7 +6,8 @@ the Markdown that `GENERATORS[NAME](ARGUMENT)` returns. An unknown name fails th
   ValueError it raises for a bad value) and `config.READ_BY`;
 - `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
 - `demo_flags`: the demo's argparse parser;
-- `loss_overhead`, `core_op`, `steps`, `unsloth_steps`, `benchmark_headline`: `benchmarks/*.json`;
+- `loss_overhead`, `loss_overhead_sanity`, `core_op`, `steps`, `unsloth_steps`, `ref_sync_cost`,
+  `benchmark_headline`: `benchmarks/*.json`;
 - `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo.
 """
 
@@ -176,6 +177,27 @@ def unsloth_steps(_: Optional[str] = None) -> str:
     return _table(["variant", "s/step", "x stock", "forwards/step", "compiled graphs added during a run"], rows)
 
 
+def ref_sync_cost(_: Optional[str] = None) -> str:
+    """Reference sync on against off, measured side by side in the step benchmark's run."""
+    r = _benchmark("overhead_cpu.json")["ref_sync"]
+    rows = [
+        ["extra forwards per step (sync on against stock)", r["extra_forwards"]],
+        ["memory of the reference copy", f"{r['copy_bytes']:,} bytes in {r['copy_tensors']} tensors "
+         f"(the adapter: {r['adapter_bytes']:,} bytes; ratio {r['bytes_to_adapter_ratio']:.3f})"],
+        ["extra memory during an exchange (largest tensor)", f"{r['exchange_temp_bytes']:,} bytes"],
+        ["one sync (alpha = 1), median", f"{r['sync_seconds_median'] * 1e3:.3f} ms = "
+         f"{r['sync_to_step_ratio']:.2e} x the stock step ({r['stock_step_seconds_median']:.3f} s)"],
+        ["one exchange (swap in + swap back), median", f"{r['exchange_seconds_median'] * 1e3:.3f} ms = "
+         f"{r['exchange_to_step_ratio']:.2e} x the stock step"],
+        ["initial copy (once, when training starts)", f"{r['copy_seconds_median'] * 1e3:.2f} ms"],
+        [f"added per step ({r['syncs_per_run']} syncs, {r['exchanges_per_run']} exchanges per run)",
+         f"{r['added_seconds_per_step'] * 1e3:.3f} ms = {r['added_to_step_ratio']:.2e} x the stock step"],
+        ["whole step, sync on against stock (inside the A/A interval: not resolved)",
+         f"{r['step_seconds_median']:.3f} s / {r['stock_step_seconds_median']:.3f} s = {r['step_ratio']:.3f}"],
+    ]
+    return _table(["measured (`ref_model_sync_steps=1`, alpha 1.0, LoRA)", "value"], rows)
+
+
 RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completion length", 1),
                   ("adaptive_kl/raw_kl", "raw KL", 3), ("adaptive_kl/adapted_kl", "adapted KL", 3),
                   ("adaptive_kl/sequence_kl", "KL per completion", 2))
@@ -214,6 +236,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "core_op": core_op,
     "steps": steps,
     "unsloth_steps": unsloth_steps,
+    "ref_sync_cost": ref_sync_cost,
     "demo_results": demo_results,
 }
 
