@@ -187,6 +187,7 @@ def test_configuration_reference_lists_every_field_with_its_default(site: Path) 
         assert row, f"{field.name} is missing from the configuration reference"
         assert f"<code>{field.default!r}</code>".replace("'", "&#39;") in row[1] or \
             f"<code>{field.default!r}</code>" in row[1], f"{field.name}: default {field.default!r} not shown"
+        assert f'id="{field.name}"' in html, f"{field.name} has no section of its own (help, allowed values)"
 
 
 def test_no_generated_marker_survives_the_build(site: Path) -> None:

@@ -57,11 +57,14 @@ def configuration(_: Optional[str] = None) -> str:
     from unsloth_adaptive_kl.config import READ_BY, AdaptiveKLConfig
 
     hints = typing.get_type_hints(AdaptiveKLConfig)
-    rows = []
-    for field in dataclasses.fields(AdaptiveKLConfig):
-        rows.append([f"`{field.name}`", f"`{_type_name(hints[field.name])}`", f"`{field.default!r}`",
-                     allowed_values(field.name), ", ".join(READ_BY[field.name]), field.metadata["help"]])
-    return _table(["field", "type", "default", "allowed", "read by", "help"], rows)
+    fields = dataclasses.fields(AdaptiveKLConfig)
+    summary = _table(["field", "type", "default", "read by"],
+                     [[f"`{f.name}`", f"`{_type_name(hints[f.name])}`", f"`{f.default!r}`", ", ".join(READ_BY[f.name])]
+                      for f in fields])
+    sections = [f"### `{f.name}`\n\n{f.metadata['help']}\n\n- type: `{_type_name(hints[f.name])}`, default "
+                f"`{f.default!r}`\n- allowed: {allowed_values(f.name)}\n- read by: {', '.join(READ_BY[f.name])}"
+                for f in fields]
+    return "\n\n".join([summary, *sections])
 
 
 def tested_versions(_: Optional[str] = None) -> str:
