@@ -137,7 +137,7 @@ def profile_counts(function: Callable[[], Any]) -> tuple[int, int]:
 
 
 def apply_method(trainer: Any, settings: dict[str, Any]) -> None:
-    from unsloth_adaptive_kl.trainer_hooks import attach_runtime
+    from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 
     for field in FIELDS:
         setattr(trainer.args, field, settings.get(field, DEFAULTS[field]))
@@ -157,7 +157,7 @@ def backward(loss_function: Callable[[], torch.Tensor], leaves: list[torch.Tenso
 
 def with_stubs(stubs: list[tuple[Any, str, Any]], function: Callable[[], None]) -> Callable[[], None]:
     """`function` run with each (owner, name, stub) set, the previous attributes restored after it."""
-    from unsloth_adaptive_kl.trainer_hooks import overridden
+    from unsloth_adaptive_kl.integrations.trainer_hooks import overridden
 
     def call() -> None:
         with contextlib.ExitStack() as stack:
@@ -169,7 +169,8 @@ def with_stubs(stubs: list[tuple[Any, str, Any]], function: Callable[[], None]) 
 
 
 def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
-    from unsloth_adaptive_kl import selfcheck, trl_patch
+    from unsloth_adaptive_kl.tools import selfcheck
+    from unsloth_adaptive_kl.integrations import trl as trl_patch
 
     trainer = selfcheck.tiny_trainer(output_dir, max_completion_length=args.completion_length,
                                      generation_kwargs={"min_new_tokens": args.completion_length},
@@ -207,7 +208,8 @@ def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
 
 
 def unsloth_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
-    from unsloth_adaptive_kl import selfcheck, unsloth_patch
+    from unsloth_adaptive_kl.tools import selfcheck
+    from unsloth_adaptive_kl.integrations import unsloth as unsloth_patch
 
     error = selfcheck.generate_unsloth_trainer()
     if error is not None:
@@ -318,7 +320,7 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
     import torch._dynamo
 
     from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
-    from unsloth_adaptive_kl.estimators import estimate_kl
+    from unsloth_adaptive_kl.core.estimators import estimate_kl
 
     # one compiled graph per method's config: more than dynamo's default recompile limit in one process
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(METHODS))

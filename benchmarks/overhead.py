@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import trl_patch
-from unsloth_adaptive_kl.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+from unsloth_adaptive_kl.integrations import trl as trl_patch
+from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loss_overhead import bootstrap_ratio, core_op  # noqa: E402
@@ -116,7 +116,7 @@ def sync_costs(trainer: Any, model: Any, args: argparse.Namespace) -> dict[str, 
     exchange (swap in + swap back) and the initial copy, each timed directly (median of `--sync-repeats`)."""
     from peft import get_peft_model_state_dict
 
-    from unsloth_adaptive_kl.ref_sync import AdapterReference
+    from unsloth_adaptive_kl.integrations.ref_sync import AdapterReference
 
     sync = trainer.adaptive_kl_reference
     reference = sync.bind()
@@ -144,7 +144,7 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
     from datasets import Dataset
     from transformers import PrinterCallback, TrainerCallback, set_seed
 
-    from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer
+    from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
 
     set_stock(variant in STOCK)
     tokenizer = build_tokenizer()
@@ -187,7 +187,7 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
         torch.cuda.reset_peak_memory_stats()
     exchanges = [0]
     if variant == REF_SYNC:  # count the reference forwards that ran with the synced copy exchanged in
-        from unsloth_adaptive_kl.ref_sync import AdapterReference
+        from unsloth_adaptive_kl.integrations.ref_sync import AdapterReference
 
         stock_swapped_in = AdapterReference.swapped_in
 

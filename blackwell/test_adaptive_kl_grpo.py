@@ -4,13 +4,13 @@
     python blackwell/test_adaptive_kl_grpo.py --quick    # smoke run, under a minute
     python blackwell/test_adaptive_kl_grpo.py --help     # all flags (--model NAME_OR_PATH for GPU users)
 
-Not a pytest file: pytest collects only tests/. The implementation is `unsloth_adaptive_kl.demo`.
+Not a pytest file: pytest collects only tests/. The implementation is `unsloth_adaptive_kl.tools.demo`.
 """
 
 import sys
 
 import unsloth_adaptive_kl  # noqa: F401  (first: patches trl, and Unsloth when imported after it)
-from unsloth_adaptive_kl.demo import main
+from unsloth_adaptive_kl.tools.demo import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny offline model, a GRPO trainer factory and fixed loss inputs."""
+"""Shared fixtures: a tiny offline model, a GRPO trainer factory and fixed loss inputs. Imports torch alone: the
+core's tests run where trl is not installed (CI row g); the trainer helpers import trl when called."""
 
 from __future__ import annotations
 
@@ -12,12 +13,8 @@ import torch
 
 torch.set_num_threads(1)  # on 2 cores thread oversubscription makes each step 30-100x slower
 
-import trl  # noqa: E402
-from datasets import Dataset  # noqa: E402
-
-import unsloth_adaptive_kl  # noqa: E402
-from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer, lora_config  # noqa: E402
-from unsloth_adaptive_kl.selfcheck import stock_trl  # noqa: E402,F401  (stock TRL inside the block)
+import unsloth_adaptive_kl  # noqa: E402,F401  (patches TRL where it is installed)
+from unsloth_adaptive_kl.tools.selfcheck import stock_trl  # noqa: E402,F401  (stock TRL inside the block)
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
 
@@ -37,11 +34,15 @@ def constant_reward(value: float) -> Callable[..., list[float]]:
 
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
+    from unsloth_adaptive_kl.tools.tiny import build_tokenizer
+
     return build_tokenizer()
 
 
 def grpo_args(output_dir: str, **overrides: Any) -> Any:
     """A small CPU GRPOConfig; `trl.GRPOConfig` is looked up at call time so it follows patch/unpatch."""
+    import trl
+
     settings: dict[str, Any] = dict(
         output_dir=output_dir,
         use_cpu=True,
@@ -74,8 +75,13 @@ def make_trainer(
     """A GRPO trainer on the tiny model: `peft_model` passes a LoRA PeftModel (TRL then adds its frozen "ref" adapter
     copy as the reference), `peft_config` the base model and the LoRA config (the trainer wraps it; the reference is
     the adapter disabled), `full` the base model alone, saved to a folder it loads from (so does its `ref_model`)."""
-    args = grpo_args(output_dir, **overrides)
+    import trl
+    from datasets import Dataset
     from transformers import set_seed
+
+    from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, lora_config
+
+    args = grpo_args(output_dir, **overrides)
 
     set_seed(0)
     model = build_tiny_model(tokenizer, seed=0)

@@ -15,7 +15,7 @@ import torch
 import unsloth_adaptive_kl  # noqa: F401  (first: patches trl)
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
-from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer
+from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
 
 RANK_REWARD = {0: 1.0, 1: 0.6}  # all-process mean 0.8: above the 0.7 threshold, though rank 1's own 0.6 is below
 

@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).parents[1] / "benchmarks" / "overhead.py"
 
 def smoke_adapter_bytes() -> int:
     """Bytes of the trainable parameters of the smoke run's model (hidden 32, 1 layer, LoRA), built here."""
-    from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer
+    from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
 
     model = add_lora(build_tiny_model(build_tokenizer(), hidden_size=32, num_layers=1))
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

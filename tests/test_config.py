@@ -11,7 +11,7 @@ from trl import TrlParser
 
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import AdaptiveKLConfig, parse_methods
-from unsloth_adaptive_kl.config import ADAPTIVE_KL_FIELDS
+from unsloth_adaptive_kl.core.config import ADAPTIVE_KL_FIELDS
 
 from .conftest import grpo_args
 

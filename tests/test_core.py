@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
-from unsloth_adaptive_kl.adaptation import LOSS_TYPE_REDUCTIONS, kl_term, loss_type_reduction
+from unsloth_adaptive_kl.core.adaptation import LOSS_TYPE_REDUCTIONS, kl_term, loss_type_reduction
 
 # Two completions: lengths 3 and 1 (T = 4).
 KL = torch.tensor([[0.5, 2.0, 0.1, 9.0], [3.0, 7.0, 7.0, 7.0]])
@@ -167,14 +167,14 @@ def test_unknown_loss_type_is_rejected_with_the_allowed_values() -> None:
 def test_infinite_kl_at_a_valid_position_raises_at_the_end_of_the_step_naming_it() -> None:
     """A NaN at a valid position contributes 0 (stock would turn the loss NaN); an inf makes the reduced KL inf,
     and the runtime raises when it reads the step's statistics, before the optimizer step."""
-    from unsloth_adaptive_kl.runtime import AdaptiveKLRuntime
+    from unsloth_adaptive_kl.core.adaptive_kl import AdaptiveKL
 
     with_nan = KL.clone()
     with_nan[0, 1] = float("nan")  # valid: row 0 keeps 0.5 + 0.1
     assert adapted_kl_term(with_nan, MASK, config("none"), "bnpo", CTX).adapted.item() == pytest.approx(3.6 / 4, rel=1e-6)
     with_inf = KL.clone()
     with_inf[1, 0] = float("inf")  # valid
-    runtime = AdaptiveKLRuntime(config("none"), beta=0.04)
+    runtime = AdaptiveKL(config("none"), beta=0.04, loss_type="bnpo")
     term = adapted_kl_term(with_inf, MASK, config("none"), "bnpo", CTX)
     identity = lambda tensor: tensor  # noqa: E731  (one process)
     assert runtime.record(term, gather=identity, train=True, end_of_step=False, completed_steps=7) == []

@@ -88,7 +88,7 @@ def test_bad_loss_type_fails_before_training(tmp_path) -> None:
 
 
 def test_a_failed_run_is_reported_and_makes_the_exit_code_non_zero(tmp_path, monkeypatch, capsys) -> None:
-    from unsloth_adaptive_kl import demo
+    from unsloth_adaptive_kl.tools import demo
 
     real_run_one = demo.run_one
 
@@ -121,7 +121,7 @@ def fake_device(monkeypatch, cuda: bool, bf16: bool) -> list[dict]:
 
 
 def test_mixed_precision_is_bf16_on_a_gpu_with_bf16(monkeypatch) -> None:
-    from unsloth_adaptive_kl import demo
+    from unsloth_adaptive_kl.tools import demo
 
     calls = fake_device(monkeypatch, cuda=True, bf16=True)
     assert demo.mixed_precision() == {"bf16": True, "fp16": False}
@@ -129,14 +129,14 @@ def test_mixed_precision_is_bf16_on_a_gpu_with_bf16(monkeypatch) -> None:
 
 
 def test_mixed_precision_is_fp16_on_a_t4_like_gpu(monkeypatch) -> None:
-    from unsloth_adaptive_kl import demo
+    from unsloth_adaptive_kl.tools import demo
 
     fake_device(monkeypatch, cuda=True, bf16=False)
     assert demo.mixed_precision() == {"bf16": False, "fp16": True}
 
 
 def test_mixed_precision_is_neither_on_cpu(monkeypatch) -> None:
-    from unsloth_adaptive_kl import demo
+    from unsloth_adaptive_kl.tools import demo
 
     fake_device(monkeypatch, cuda=False, bf16=True)  # is_bf16_supported is not even asked without CUDA
     assert demo.mixed_precision() == {"bf16": False, "fp16": False}
@@ -147,7 +147,7 @@ def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> 
     import transformers
     import trl
 
-    from unsloth_adaptive_kl import demo
+    from unsloth_adaptive_kl.tools import demo
 
     fake_device(monkeypatch, cuda=True, bf16=False)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kwargs: f"tokenizer:{name}")
@@ -178,7 +178,7 @@ def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> 
 def test_ref_sync_variant_syncs_on_schedule(tmp_path) -> None:
     """A hard reset every 2 of 4 steps on the demo's LoRA model: the sync count follows the schedule, and the step
     after each sync is on-policy against the new reference, so its KL is exactly 0 (stock's is not)."""
-    from unsloth_adaptive_kl import demo
+    from unsloth_adaptive_kl.tools import demo
 
     code = demo.main(["--quick", "--methods", "none,ref_sync:2,ref_sync:2:reset", "--pretrain-steps", "5",
                       "--output-dir", str(tmp_path)])
@@ -204,7 +204,7 @@ def test_ref_sync_variant_syncs_on_schedule(tmp_path) -> None:
 
 
 def test_ref_sync_labels_and_flag() -> None:
-    from unsloth_adaptive_kl import demo
+    from unsloth_adaptive_kl.tools import demo
 
     assert demo.variant_settings("ref_sync:30:reset", 0.04) == {
         "sync_ref_model": True, "ref_model_sync_steps": 30, "ref_model_mixup_alpha": 1.0,

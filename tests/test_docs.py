@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from .conftest import make_trainer
-from unsloth_adaptive_kl.config import EVERY_METHOD, METHODS, READ_BY, AdaptiveKLConfig
+from unsloth_adaptive_kl.core.config import EVERY_METHOD, METHODS, READ_BY, AdaptiveKLConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^```$", re.MULTILINE | re.DOTALL)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
-from unsloth_adaptive_kl.runtime import pearson_correlation
-from unsloth_adaptive_kl.estimators import bottom_percentile_mask, estimate_kl, estimator_names
+from unsloth_adaptive_kl.core.adaptive_kl import pearson_correlation
+from unsloth_adaptive_kl.core.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 
 from .test_core import CTX, HAND_REDUCTIONS, KL, MASK
 

@@ -110,7 +110,7 @@ def test_advantages_are_the_formula_of_penalised_rewards(tokenizer, tmp_path, sc
 
 def replays(monkeypatch) -> list[int]:
     """Counts the extra no-grad policy forwards (the reference forward replayed with the policy)."""
-    from unsloth_adaptive_kl.trainer_hooks import _CallRecorder
+    from unsloth_adaptive_kl.integrations.trainer_hooks import _CallRecorder
 
     calls: list[int] = []
     upstream = _CallRecorder.replay_with
@@ -145,11 +145,37 @@ def test_the_trainers_old_logps_are_used_where_it_computes_them(tokenizer, tmp_p
     assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=1e-5)  # the very same log-probs
 
 
+@pytest.mark.parametrize(("method", "reduction"), [("none", "sequence_sum"), ("clip", "sequence_sum"),
+                                                  ("sigmoid", "sequence_mean"), ("dynamic", "loss_type")])
+def test_adaptive_kl_reward_penalty_is_what_the_trainer_subtracts(tokenizer, tmp_path, method: str,
+                                                                  reduction: str) -> None:
+    """SPEC 3.11: the public AdaptiveKL's reward_penalty on the trainer's log-probs (num_iterations=2: the old
+    log-probs the trainer computes) is the penalty the trainer subtracts, and its metrics are the ones logged."""
+    from unsloth_adaptive_kl import AdaptiveKL
+
+    rewards: list[float] = []
+    settings = dict(kl_adaptation_method=method, kl_reduction=reduction, kl_clip_threshold=0.05, kl_target=0.05)
+    trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
+                           max_steps=1, beta=0.5, num_iterations=2, **settings, **REWARD)
+    perturb_adapters(trainer.model)
+    batch = scored_batch(trainer, lambda trainer, batch: batch["old_per_token_logps"])
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", **settings), 0.5)
+    penalty = akl.reward_penalty(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"].float())
+    expected = expected_advantages(torch.tensor(rewards[:8], dtype=torch.float64), penalty.double() / 0.5, 0.5, 4,
+                                   "group")
+    assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=1e-5)
+    for name, value in akl.last_metrics.items():
+        if math.isnan(value):  # length_kl_corr with every completion of one length; trl logs an all-NaN mean as None
+            assert logged(trainer, name)[0] is None, name
+        else:
+            assert logged(trainer, name)[0] == pytest.approx(value, rel=1e-6), name
+
+
 def test_policy_logps_prefer_old_then_vllm_sampling_then_one_replayed_forward() -> None:
     """The source order of the policy log-probs for KL_i: the trainer's old log-probs, else vLLM's sampling log-probs
     (no vLLM on CPU, so the choice is exercised here with stand-in tensors), else the reference forward replayed with
     the policy; a generation that made no log-prob call is reported, not replayed from nothing."""
-    from unsloth_adaptive_kl.trainer_hooks import _CallRecorder, _policy_logps
+    from unsloth_adaptive_kl.integrations.trainer_hooks import _CallRecorder, _policy_logps
 
     class Trainer:
         model = "policy"
@@ -247,7 +273,7 @@ def test_loss_has_no_kl_term_and_keeps_the_stock_kl_metric(tokenizer, tmp_path) 
 
 def test_loss_placement_is_stock_over_a_real_run(tokenizer, tmp_path) -> None:
     """kl_placement='loss' (the default) logs what stock TRL logs and ends with the same weights."""
-    from unsloth_adaptive_kl.selfcheck import stock_trl
+    from unsloth_adaptive_kl.tools.selfcheck import stock_trl
 
     patched_log, patched_params = run_and_params(tokenizer, str(tmp_path / "patched"), kl_placement="loss")
     with stock_trl():

@@ -9,7 +9,8 @@ import trl.trainer.utils as trl_utils
 from packaging.version import Version
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import trl_patch, versions
+from unsloth_adaptive_kl.integrations import trl as trl_patch
+from unsloth_adaptive_kl.integrations import versions
 
 from .conftest import make_trainer
 
@@ -140,7 +141,7 @@ def test_missing_kl_anchor_is_an_error_not_a_silent_stock_fallback(tokenizer, tm
 def test_overridden_restores_instance_inherited_and_absent_attributes_even_on_error() -> None:
     """The per-call overrides (the probe beta, the recorder, the reward weights) leave the trainer exactly as found:
     an inherited attribute must not be frozen onto the instance, an absent one must not appear."""
-    from unsloth_adaptive_kl.trainer_hooks import overridden
+    from unsloth_adaptive_kl.integrations.trainer_hooks import overridden
 
     class Owner:
         inherited = "class value"

@@ -19,8 +19,8 @@ import trl.trainer.utils as trl_utils
 from transformers import TrainerCallback
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl.ref_sync import STATE_FILE, AdapterReference, use_reference
-from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model
+from unsloth_adaptive_kl.integrations.ref_sync import STATE_FILE, AdapterReference, use_reference
+from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
 
 from .conftest import PROMPTS, constant_reward, grpo_args, logged, make_trainer
 

@@ -10,7 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from unsloth_adaptive_kl import versions
+from unsloth_adaptive_kl.integrations import versions
 
 ROOT = Path(__file__).parents[1]
 
@@ -62,7 +62,8 @@ def test_self_check_names_a_missing_anchor_and_fails(tmp_path) -> None:
 def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:
     from packaging.version import Version
 
-    from unsloth_adaptive_kl import selfcheck, versions
+    from unsloth_adaptive_kl.integrations import versions
+    from unsloth_adaptive_kl.tools import selfcheck
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda p: Version("1.99.0") if p == "trl" else real(p))

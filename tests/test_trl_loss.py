@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 
-from unsloth_adaptive_kl.selfcheck import backward_grads, loss_and_grads
-from unsloth_adaptive_kl.trainer_hooks import attach_runtime
+from unsloth_adaptive_kl.tools.selfcheck import backward_grads, loss_and_grads
+from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 
 from .conftest import logged, make_trainer, stock_trl
-from unsloth_adaptive_kl.tolerance import reordered_sum_tolerance, two_path_logp_tolerance
+from unsloth_adaptive_kl.core.tolerance import EPS32, reordered_sum_tolerance, two_path_logp_tolerance
 
 GA = 2
 LENGTHS = [5, 3, 1, 4]
@@ -262,7 +262,7 @@ def test_beta_zero_warns_and_logs_no_adaptive_metrics(tokenizer, tmp_path) -> No
 
 def test_unknown_loss_type_for_a_method_is_rejected_before_training(tokenizer, tmp_path, monkeypatch) -> None:
     trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip")
-    from unsloth_adaptive_kl import adaptation
+    from unsloth_adaptive_kl.core import adaptation
 
     monkeypatch.delitem(adaptation.LOSS_TYPE_REDUCTIONS, "dapo")
     with pytest.raises(ValueError, match=r"loss_type='dapo' is not supported by adaptive KL: allowed is one of"):
@@ -307,3 +307,88 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
         grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))
         assert grad_diff <= 2 * reordered_sum_tolerance(tokens, stock_grad_max), (label, grad_diff)
         assert max(trainer._metrics["train"]["adaptive_kl/raw_kl"]) > 1.0
+
+
+class _LogpsRecorder:
+    """Stands in for `trainer._get_per_token_logps_and_entropies` during one `_compute_loss`: keeps the log-probs the
+    trainer itself computed for the policy."""
+
+    def __init__(self, method) -> None:
+        self.method, self.logps = method, []
+
+    def __call__(self, *args, **kwargs):
+        output = self.method(*args, **kwargs)
+        self.logps.append(output[0].detach())
+        return output
+
+
+@pytest.mark.parametrize(
+    ("method", "estimator", "reduction", "loss_type"),
+    [(method, "k3", "loss_type", loss_type) for method in METHODS + ["target"] for loss_type in ("grpo", "dapo")]
+    + [("none", estimator, "loss_type", "bnpo") for estimator in ("k1", "k2", "low_var_kl", "k1+", "k3+",
+                                                                    "k3_bottom_percentile")]
+    + [("clip", "k3", reduction, "dr_grpo") for reduction in ("sequence_mean", "token_mean", "sequence_sum")],
+)
+def test_adaptive_kl_object_returns_what_the_trl_integration_computes(tokenizer, tmp_path, monkeypatch, method,
+                                                                      estimator, reduction, loss_type) -> None:
+    """SPEC 3.11: the public AdaptiveKL, given the trainer's own log-probs, reference log-probs and mask, returns the
+    KL part the patched trainer adds to its loss (times the accumulation factor) and the metrics it logs."""
+    from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
+    from unsloth_adaptive_kl.core.config import ADAPTIVE_KL_FIELDS
+
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method=method,
+                               kl_estimator=estimator, kl_reduction=reduction, kl_clip_threshold=0.3, kl_target=0.2)
+    inputs = fixed_inputs(trainer, tokenizer)
+    recorder = _LogpsRecorder(trainer._get_per_token_logps_and_entropies)
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", recorder)
+    kl_part, _ = kl_part_and_grads(trainer, inputs)
+    logged_metrics = {name: values[0] for name, values in trainer._metrics["train"].items()
+                      if name.startswith("adaptive_kl/")}
+
+    config = AdaptiveKLConfig(**{name: getattr(trainer.args, name) for name in ADAPTIVE_KL_FIELDS})
+    akl = AdaptiveKL(config, trainer.args.beta, loss_type)
+    term, metrics = akl.kl_loss(recorder.logps[0], inputs["ref_per_token_logps"], inputs["completion_mask"].float(),
+                                max_completion_length=trainer.args.max_completion_length,
+                                token_normalizer=inputs["num_items_in_batch"] / trainer.args.steps_per_generation)
+    # The trainer's k3 carries TRL's bias-correction factor (on-policy exactly 1). kl_part is the difference of two
+    # float32 losses below 1 in size, each within EPS32 of its exact value: GA * 2 * EPS32 after the factor GA.
+    assert term.item() == pytest.approx(kl_part.item() * GA, abs=GA * 2 * EPS32)
+    assert term.item() == pytest.approx(logged_metrics["adaptive_kl/current_beta"]
+                                        * logged_metrics["adaptive_kl/adapted_kl"], rel=1e-6)
+    assert metrics.keys() == logged_metrics.keys()
+    for name, value in metrics.items():
+        assert value == pytest.approx(logged_metrics[name], rel=1e-6, abs=1e-9), name
+
+
+def user_three_k2(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A user's own estimator: 3 * 0.5 * (logp - ref)^2."""
+    return 1.5 * (logp - ref_logp) ** 2
+
+
+def test_a_user_registered_estimator_trains_and_changes_the_loss_by_its_formula(tokenizer, tmp_path) -> None:
+    """register_kl_estimator makes kl_estimator='name' work in GRPOConfig, on the command line and in training."""
+    import trl
+
+    from unsloth_adaptive_kl import register_kl_estimator
+
+    if "test_user_three_k2" not in unsloth_adaptive_kl_estimators():
+        register_kl_estimator("test_user_three_k2")(user_three_k2)
+    (parsed,) = trl.TrlParser(trl.GRPOConfig).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--use_cpu", "True", "--bf16", "False", "--kl_estimator", "test_user_three_k2"])
+    assert parsed.kl_estimator == "test_user_three_k2"
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_estimator="test_user_three_k2")
+    inputs = fixed_inputs(trainer, tokenizer)
+    kl_part, grads = kl_part_and_grads(trainer, inputs)
+    logp, m = policy_logps(trainer.model, inputs), inputs["completion_mask"].float()
+    expected = trainer.args.beta * (user_three_k2(logp, inputs["ref_per_token_logps"], m) * m).sum() / m.sum() / GA
+    assert_matches_formula(trainer, kl_part, grads, expected)
+    trained = make_trainer(tokenizer, str(tmp_path / "train"), kl_estimator="test_user_three_k2", max_steps=2)
+    trained.train()
+    raw = logged(trained, "adaptive_kl/raw_kl")
+    assert len(raw) == 2 and all(math.isfinite(value) for value in raw)
+
+
+def unsloth_adaptive_kl_estimators() -> tuple[str, ...]:
+    from unsloth_adaptive_kl.core.estimators import estimator_names
+
+    return estimator_names()

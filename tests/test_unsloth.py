@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from unsloth_adaptive_kl.tolerance import reordered_sum_tolerance, two_path_logp_tolerance
+from unsloth_adaptive_kl.core.tolerance import reordered_sum_tolerance, two_path_logp_tolerance
 
 ROOT = Path(__file__).parents[1]
 HARNESS = ROOT / "tests" / "unsloth_cpu.py"
@@ -25,7 +25,8 @@ if os.environ.get("ADAPTIVE_KL_REQUIRE_UNSLOTH") == "1" and not HAS_UNSLOTH:
     raise RuntimeError("ADAPTIVE_KL_REQUIRE_UNSLOTH=1 but unsloth is not installed")
 needs_unsloth = pytest.mark.skipif(not HAS_UNSLOTH, reason="unsloth not installed (CI installs it)")
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic",
-           "k2/sequence_sum"]  # the last: clip with kl_estimator k2 and kl_reduction sequence_sum
+           "k2/sequence_sum", "user_three_k2"]  # k2/sequence_sum: clip with kl_estimator k2 and kl_reduction
+# sequence_sum; user_three_k2: an estimator the harness registers with register_kl_estimator (1.5 (logp - ref)^2)
 
 
 def run_scenario(scenario: str, tmp_path: Path, extra_path: str = "") -> dict:
@@ -44,7 +45,7 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     assert result["trainer_class"] == "UnslothGRPOTrainer"
     # Unsloth's generated config subclasses ours, and Unsloth renames it after the class it replaced (for pickle)
     assert result["is_ours_subclassed"] is True
-    assert result["config_class"] == "unsloth_adaptive_kl.trl_patch.GRPOConfig"
+    assert result["config_class"] == "unsloth_adaptive_kl.integrations.trl.GRPOConfig"
     assert result["config_mro"][:3] == ["GRPOConfig", "GRPOConfig", "AdaptiveKLConfig"]
     assert result["restored_same_class"] is True
     assert (result["method"], result["threshold"]) == ("clip+dynamic", 0.5)

@@ -71,9 +71,9 @@ import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E402
 
-from unsloth_adaptive_kl.selfcheck import backward_grads, captured_inputs, stock_unsloth  # noqa: E402
-from unsloth_adaptive_kl.selfcheck import loss_and_grads as selfcheck_loss_and_grads  # noqa: E402
-from unsloth_adaptive_kl.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
+from unsloth_adaptive_kl.tools.selfcheck import backward_grads, captured_inputs, stock_unsloth  # noqa: E402
+from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads as selfcheck_loss_and_grads  # noqa: E402
+from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
 from tests.test_trl_loss import policy_logps, shaped_by_hand  # noqa: E402  (the same plain forward pass as the TRL tests)
 from tests.test_kl_in_reward import (  # noqa: E402  (the same advantage formula as the TRL tests)
@@ -85,6 +85,13 @@ from tests.test_kl_in_reward import (  # noqa: E402  (the same advantage formula
 )
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
+
+
+@unsloth_adaptive_kl.register_kl_estimator("user_three_k2")
+def user_three_k2(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A user's own estimator, registered by name as a user would: 3 * 0.5 * (logp - ref)^2."""
+    return 1.5 * (logp - ref_logp) ** 2
+
 TOKENIZER = build_tokenizer()
 
 
@@ -158,6 +165,8 @@ def independent_kl_part(trainer: Any, inputs: dict) -> torch.Tensor:
         k = k * torch.exp(logp - logp.detach())
     if args.kl_estimator == "k2":
         k = 0.5 * (logp - inputs["ref_per_token_logps"]) ** 2
+    elif args.kl_estimator == "user_three_k2":
+        k = 1.5 * (logp - inputs["ref_per_token_logps"]) ** 2
     methods = args.kl_adaptation_method.split("+")
     k = shaped_by_hand(k, args)
     m = inputs["completion_mask"].float()
@@ -223,11 +232,12 @@ def scenario_losses(out: str) -> dict:
         setups = [(method, method, "k3", "loss_type") for method in
                   ("none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic")]
         setups.append(("k2/sequence_sum", "clip", "k2", "sequence_sum"))
+        setups.append(("user_three_k2", "none", "user_three_k2", "loss_type"))  # a user-registered estimator
         for label, method, estimator, reduction in setups:
             trainer.args.kl_adaptation_method, trainer.args.kl_estimator = method, estimator
             trainer.args.kl_reduction = reduction
             trainer.args.kl_clip_threshold, trainer.args.kl_target = 0.3, 0.2
-            unsloth_adaptive_kl.trainer_hooks.attach_runtime(trainer)
+            unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
             total, total_grads = loss_and_grads(trainer, inputs)
             kl_grads = [t - p for t, p in zip(total_grads, policy_grads)]
             expected = independent_kl_part(trainer, inputs)
@@ -350,7 +360,7 @@ def scenario_drift(out: str) -> dict:
     """Adaptations that change nothing, through the hooked loss (the compiled loss with beta=0.0 plus the adapted
     term), against stock Unsloth's loss and gradients (the compiled loss with beta): every loss_type, on-policy and
     off-policy (num_iterations=2, so the importance ratio is not 1)."""
-    results: dict[str, Any] = {"bnpo_rule": unsloth_adaptive_kl.unsloth_patch._AdaptiveEfficientGRPO.bnpo_rule}
+    results: dict[str, Any] = {"bnpo_rule": unsloth_adaptive_kl.integrations.unsloth._AdaptiveEfficientGRPO.bnpo_rule}
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
         for off_policy in (False, True):
             trainer = make_trainer(f"{out}/{loss_type}{off_policy}", loss_type=loss_type, max_steps=1,
@@ -365,7 +375,7 @@ def scenario_drift(out: str) -> dict:
             for label, settings in adaptations.items():
                 for name, value in {"kl_adaptation_method": "none", "kl_reduction": "loss_type", **settings}.items():
                     setattr(trainer.args, name, value)
-                unsloth_adaptive_kl.trainer_hooks.attach_runtime(trainer)
+                unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
                 loss, grads = loss_and_grads(trainer, inputs)
                 entry[label] = {"loss": loss, "grad_diff": max_abs_diff(grads, stock_grads),
                                 "max_kl": float(trainer._metrics["train"]["adaptive_kl/raw_kl"][-1])}
@@ -378,7 +388,7 @@ def rejected_tokens_drift(out: str) -> dict:
     """unsloth_zoo's rollout rejection (UNSLOTH_GRPO_ROLLOUT_RS, reached with vLLM or rollout log-probs as old):
     the hooked loss against the stock compiled loss, called directly with one real micro-batch's arguments plus
     `rollout_rs` and `rollout_logps_as_old`, which reject about half of the tokens."""
-    shim = unsloth_adaptive_kl.unsloth_patch._AdaptiveEfficientGRPO
+    shim = unsloth_adaptive_kl.integrations.unsloth._AdaptiveEfficientGRPO
     trainer = make_trainer(f"{out}/rs", loss_type="grpo", max_steps=1, num_iterations=2,
                            kl_adaptation_method="clip", kl_clip_threshold=1e3)
     recorded: list = []
@@ -406,11 +416,11 @@ def rejected_tokens_drift(out: str) -> dict:
         if label != "hooked":
             loss = shim.upstream.apply(*args)[0]
         else:
-            token = unsloth_adaptive_kl.unsloth_patch._ACTIVE.set((trainer, []))
+            token = unsloth_adaptive_kl.integrations.unsloth._ACTIVE.set((trainer, []))
             try:
                 loss = shim.apply(*args)[0]
             finally:
-                unsloth_adaptive_kl.unsloth_patch._ACTIVE.reset(token)
+                unsloth_adaptive_kl.integrations.unsloth._ACTIVE.reset(token)
         loss.backward()
         results[label] = {"loss": loss.item(), "grad": leaf.grad.flatten().tolist()}
     log_ratio = torch.clamp(new - old, -20, 20)

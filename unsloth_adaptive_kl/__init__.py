@@ -1,56 +1,96 @@
-"""Adaptive KL regularisation for GRPO in TRL and Unsloth.
+"""Adaptive KL regularisation for GRPO, in any training loop.
 
-`import unsloth_adaptive_kl` patches `trl.GRPOConfig` / `trl.GRPOTrainer` in place: the config gains the
-adaptive-KL fields (see `AdaptiveKLConfig`) and the trainer applies the adapted KL term and logs
-`adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl`, `adaptive_kl/current_beta`, `adaptive_kl/sequence_kl` and
-`adaptive_kl/length_kl_corr`, with `adaptive_kl/clip_fraction` for `clip` and `adaptive_kl/reward_penalty` for the
-KL in the reward (the docs' metrics page has each formula). Imported before `unsloth`, it also
-hooks the `UnslothGRPOTrainer` that Unsloth generates. `unpatch()` restores the stock objects.
-`python -m unsloth_adaptive_kl` checks the installed versions and anchors on this machine.
+The core (`unsloth_adaptive_kl.core`, pure torch) is the `AdaptiveKL` object: per-token estimators, shaping (clip,
+sigmoid), length normalisation and reductions, beta controllers (dynamic, target), the KL in the reward, metrics
+`adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl`, `adaptive_kl/current_beta`, `adaptive_kl/sequence_kl`,
+`adaptive_kl/length_kl_corr` (with `adaptive_kl/clip_fraction` for `clip` and `adaptive_kl/reward_penalty` for the
+KL in the reward; the docs' metrics page has each formula), and checkpointable state.
+
+Where TRL is installed, `import unsloth_adaptive_kl` also patches `trl.GRPOConfig` / `trl.GRPOTrainer` in place (the
+config gains the adaptive-KL fields, the trainer drives an `AdaptiveKL`), and, imported before `unsloth`, hooks the
+`UnslothGRPOTrainer` Unsloth generates. `unpatch()` restores the stock objects. With neither installed it is the core
+alone, silently. `python -m unsloth_adaptive_kl` checks the installed versions and anchors on this machine.
 """
 
-from . import trl_patch, unsloth_patch
-from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
-from .config import AdaptiveKLConfig, parse_methods
-from .controllers import ConstantBeta, DynamicBeta, make_beta_controller
-from .trl_patch import GRPOConfig, is_patched
-from .versions import IncompatibleVersionError, UntestedVersionWarning
+import importlib.util
+
+from .core import (
+    AdaptiveKL,
+    AdaptiveKLConfig,
+    ConstantBeta,
+    DynamicBeta,
+    KLTerm,
+    ReductionContext,
+    TargetKL,
+    adapted_kl_term,
+    make_beta_controller,
+    parse_methods,
+    reduce_kl,
+    register_kl_estimator,
+    shape_kl,
+)
+from .integrations.versions import IncompatibleVersionError, UntestedVersionWarning
 
 __version__ = "0.1.0"
 
+TRL_INSTALLED = importlib.util.find_spec("trl") is not None
+
 
 def patch() -> None:
-    """Patch TRL and hook Unsloth's trainer generation. Idempotent. Raises ImportError when Unsloth already
-    generated its GRPO trainer (import this package before unsloth), and IncompatibleVersionError when an anchor
-    the integration relies on is missing from the installed trl."""
-    unsloth_patch.check_import_order()
-    trl_patch.patch()
-    unsloth_patch.patch()
+    """Patch TRL and hook Unsloth's trainer generation. Idempotent. Raises ImportError when TRL is not installed or
+    when Unsloth already generated its GRPO trainer (import this package before unsloth), and
+    IncompatibleVersionError when an anchor the integration relies on is missing from the installed trl."""
+    if not TRL_INSTALLED:
+        raise ImportError("unsloth_adaptive_kl.patch() patches TRL, which is not installed: "
+                          "pip install 'unsloth-adaptive-kl[trl]' (or [unsloth]).")
+    from .integrations import trl, unsloth
+
+    unsloth.check_import_order()
+    trl.patch()
+    unsloth.patch()
 
 
 def unpatch() -> None:
-    """Restore every stock TRL and Unsloth object. Idempotent."""
-    unsloth_patch.unpatch()
-    trl_patch.unpatch()
+    """Restore every stock TRL and Unsloth object. Idempotent (nothing to do without TRL)."""
+    if TRL_INSTALLED:
+        from .integrations import trl, unsloth
+
+        unsloth.unpatch()
+        trl.unpatch()
 
 
-patch()
+def is_patched() -> bool:
+    """Whether TRL is patched now."""
+    if not TRL_INSTALLED:
+        return False
+    from .integrations import trl
+
+    return trl.is_patched()
+
 
 __all__ = [
+    "AdaptiveKL",
     "AdaptiveKLConfig",
     "ConstantBeta",
     "DynamicBeta",
-    "GRPOConfig",
     "IncompatibleVersionError",
     "KLTerm",
     "ReductionContext",
+    "TargetKL",
+    "UntestedVersionWarning",
     "adapted_kl_term",
     "is_patched",
     "make_beta_controller",
     "parse_methods",
     "patch",
     "reduce_kl",
+    "register_kl_estimator",
     "shape_kl",
     "unpatch",
-    "UntestedVersionWarning",
 ]
+
+if TRL_INSTALLED:
+    patch()
+    from .integrations.trl import GRPOConfig  # noqa: E402  (trl.GRPOConfig with the adaptive-KL fields)
+
+    __all__.append("GRPOConfig")

@@ -1,7 +1,7 @@
-"""`python -m unsloth_adaptive_kl`: the self-check (see selfcheck.py)."""
+"""`python -m unsloth_adaptive_kl`: the self-check (see tools/selfcheck.py)."""
 
 import sys
 
-from .selfcheck import main
+from .tools.selfcheck import main
 
 sys.exit(main())

@@ -41,7 +41,7 @@ def _type_name(annotation: Any) -> str:
 
 def allowed_values(name: str) -> str:
     """What validation allows for `name`: the 'allowed is ...' part of the ValueError a bad value raises."""
-    from unsloth_adaptive_kl.config import AdaptiveKLConfig
+    from unsloth_adaptive_kl.core.config import AdaptiveKLConfig
 
     try:
         AdaptiveKLConfig(**{name: object()})
@@ -54,7 +54,7 @@ def allowed_values(name: str) -> str:
 
 def configuration(_: Optional[str] = None) -> str:
     """One row per `AdaptiveKLConfig` field, in declaration order."""
-    from unsloth_adaptive_kl.config import READ_BY, AdaptiveKLConfig
+    from unsloth_adaptive_kl.core.config import READ_BY, AdaptiveKLConfig
 
     hints = typing.get_type_hints(AdaptiveKLConfig)
     fields = dataclasses.fields(AdaptiveKLConfig)
@@ -68,14 +68,14 @@ def configuration(_: Optional[str] = None) -> str:
 
 
 def tested_versions(_: Optional[str] = None) -> str:
-    from unsloth_adaptive_kl.versions import TESTED, tested_range
+    from unsloth_adaptive_kl.integrations.versions import TESTED, tested_range
 
     return _table(["package", "tested range"], [[f"`{name}`", f"`{tested_range(name)}`"] for name in TESTED])
 
 
 def anchors(which: Optional[str] = None) -> str:
     """The source anchors of one integration (`trl` or `unsloth`): where each is looked up, its text, why."""
-    from unsloth_adaptive_kl import versions
+    from unsloth_adaptive_kl.integrations import versions
 
     found = {"trl": versions.TRL_ANCHORS, "unsloth": versions.UNSLOTH_ANCHORS}[which or "trl"]
     return _table(["in", "anchor", "why"],
@@ -84,7 +84,7 @@ def anchors(which: Optional[str] = None) -> str:
 
 
 def demo_flags(_: Optional[str] = None) -> str:
-    from unsloth_adaptive_kl.demo import build_parser
+    from unsloth_adaptive_kl.tools.demo import build_parser
 
     rows = []
     for action in build_parser()._actions:

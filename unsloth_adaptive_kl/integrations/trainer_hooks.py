@@ -20,12 +20,12 @@ import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from .adaptation import completion_kl, kl_reduction, loss_type_reduction
-from .config import adaptive_kl_config_from
-from .estimators import estimate_kl
+from ..core.adaptation import completion_kl
+from ..core.adaptive_kl import AdaptiveKL
+from ..core.config import adaptive_kl_config_from
+from ..core.estimators import estimate_kl
 from .ref_sync import attach_reference_sync, reference_for_generation
-from .runtime import AdaptiveKLRuntime
-from .versions import GENERATION_LOCALS, UNSLOTH_LEFT_PAD_LOCAL
+from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
 
 STATE_FILE = "adaptive_kl_state.json"
 AnchorError = Callable[[], Exception]
@@ -68,21 +68,41 @@ class KLTermProbe(float):
         return self.captured[0]
 
 
-def attach_runtime(trainer: Any) -> AdaptiveKLRuntime:
-    """Validate the trainer's adaptive-KL settings and give it its runtime (`trainer.adaptive_kl`)."""
+def attach_runtime(trainer: Any) -> AdaptiveKL:
+    """Validate the trainer's adaptive-KL settings and give it its `AdaptiveKL` (`trainer.adaptive_kl`)."""
     config = adaptive_kl_config_from(trainer.args)
-    if trainer.beta != 0.0:
-        loss_type_reduction(trainer.loss_type)
-        kl_reduction(config, trainer.loss_type)
-    elif not config.is_stock_kl:
+    if trainer.beta == 0.0 and not config.is_stock_kl:
         warnings.warn(
             f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL term off "
             "(and the trainer loads no reference model). Set beta > 0 to regularise.",
             UserWarning,
             stacklevel=3,
         )
-    trainer.adaptive_kl = AdaptiveKLRuntime(config, trainer.beta)
+    trainer.adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type)
     return trainer.adaptive_kl
+
+
+def check_loss_not_replaced(trainer_class: type, args: Any) -> None:
+    """Refuse, before anything is built, a non-stock setting where the installed trainer would never run the adapted
+    loss: trl 1.9.1 - 1.13.0 with `use_liger_kernel=True` hand the whole loss to Liger's fused GRPO loss
+    (`compute_liger_loss`), which computes its own beta * k3, so the adaptation, its metrics and the beta controller
+    would silently do nothing, and with kl_placement="reward" the KL would be counted twice. `none` stays stock."""
+    if args is None or not getattr(args, "use_liger_kernel", False) or getattr(args, "beta", 0.0) == 0.0:
+        return
+    config = adaptive_kl_config_from(args)
+    syncing = bool(getattr(args, "sync_ref_model", False))
+    if (config.is_stock_kl and not syncing) or TRL_LIGER_LOSS_CALL not in source(trainer_class.compute_loss):
+        return
+    setting = (f"kl_adaptation_method={config.kl_adaptation_method!r}, kl_estimator={config.kl_estimator!r}, "
+               f"kl_reduction={config.kl_reduction!r}, kl_placement={config.kl_placement!r}, "
+               f"sync_ref_model={syncing}")
+    raise ValueError(
+        f"use_liger_kernel=True is invalid with adaptive KL ({setting}) on {describe('trl')}: this trl hands the "
+        "GRPO loss to Liger's fused loss (GRPOTrainer.compute_liger_loss), which computes its own beta * k3 KL, so the "
+        "adapted KL, its metrics and the beta controller would be silently dropped (and with kl_placement='reward' the "
+        "KL counted twice). Allowed: use_liger_kernel=False, or trl>=1.14, where use_liger_kernel only swaps layer "
+        "kernels and the loss keeps the adapted KL; kl_adaptation_method='none' with the stock estimator stays stock."
+    )
 
 
 def wrap_init(upstream: Callable) -> Callable:
@@ -95,6 +115,7 @@ def wrap_init(upstream: Callable) -> Callable:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         # The config among the arguments, by type: Unsloth wraps its generated __init__ as (self, *args, **kwargs).
         config = next((value for value in (*args, *kwargs.values()) if isinstance(value, TrainingArguments)), None)
+        check_loss_not_replaced(type(self), config)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
         with overridden(config, "sync_ref_model", False) if syncing else contextlib.nullcontext():
             upstream(self, *args, **kwargs)
@@ -191,7 +212,7 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         policy, ref = (trl_layout(logps, caller, mask.size(1), missing_locals)
                        for logps in (policy, found["ref_per_token_logps"]))
         kl = estimate_kl(policy, ref, mask, config)
-        penalty, metrics = self.adaptive_kl.reward_penalty(
+        penalty, metrics = self.adaptive_kl.penalize(
             completion_kl(kl, mask, config), gather=self.accelerator.gather, train=scoring["train"],
             completed_steps=self.state.global_step,
         )

@@ -121,6 +121,10 @@ TRL_ANCHORS = (
 )
 # trl 1.15 imports its Triton log-prob kernel with a None fallback and has no CPU path: trl_cpu_fallback serves CPU.
 TRL_KERNEL_WITHOUT_CPU_PATH = "_ChunkedLogProbFunction = None"
+# trl 1.9.1 - 1.13.0: with use_liger_kernel=True, GRPOTrainer.compute_loss hands the whole loss to Liger's fused GRPO
+# loss, which computes its own beta * k3, and `_compute_loss` (where the adapted KL goes) never runs. Not an anchor:
+# its presence in the installed compute_loss is what makes a non-stock setting with Liger an error.
+TRL_LIGER_LOSS_CALL = "self.compute_liger_loss"
 
 # unsloth_zoo's grpo_compute_loss, as inlined into Unsloth's generated trainer module (unsloth_patch).
 UNSLOTH_KL_LINE = Anchor("grpo_compute_loss", "loss_i = loss_i + beta * kl_i",

@@ -6,43 +6,63 @@ mask m marks completion tokens. Every estimator maps (logp, ref, mask) to a (B, 
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
 
-from .registry import registrar
-
 Estimator = Callable[..., torch.Tensor]
 _ESTIMATORS: dict[str, Estimator] = {}
+_TAKES_CONFIG: set[str] = set()  # estimators called with the config as a 4th argument
 
 
-register_estimator = registrar(_ESTIMATORS)
+def register_kl_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    """Decorator: make `kl_estimator=name` mean the decorated function, everywhere the field is read (GRPOConfig in
+    TRL and Unsloth, the command line, `AdaptiveKL`). The function maps (logp, ref_logp, mask), (B, T) tensors of
+    policy and reference log-probs of the sampled tokens and the completion mask, to a (B, T) per-token KL; a 4th
+    parameter, if it has one, receives the `AdaptiveKLConfig` (for settings of its own). Every method then reads the
+    KL it gives (shaping, length normalisation, reductions, the KL in the reward). Register before the config is
+    built: the name is validated there. A registered name cannot be registered again."""
+    if not isinstance(name, str) or not name or name in _ESTIMATORS:
+        taken = f" (registered: {', '.join(_ESTIMATORS)})" if name in _ESTIMATORS else ""
+        raise ValueError(f"register_kl_estimator({name!r}): allowed is a new, non-empty name{taken}.")
+
+    def add(function: Estimator) -> Estimator:
+        if not callable(function):
+            raise TypeError(f"register_kl_estimator({name!r}) decorates a function, not {type(function).__name__}")
+        _ESTIMATORS[name] = function
+        if len(inspect.signature(function).parameters) >= 4:
+            _TAKES_CONFIG.add(name)
+        return function
+
+    return add
 
 
 def estimator_names() -> tuple[str, ...]:
+    """Every registered estimator name, built-in first."""
     return tuple(_ESTIMATORS)
 
 
-@register_estimator("k1")
+@register_kl_estimator("k1")
 def k1(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
     """k1 = logp - ref = -r (unbiased, high variance, can be negative)."""
     return logp - ref
 
 
-@register_estimator("k2")
+@register_kl_estimator("k2")
 def k2(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
     """k2 = 0.5 * (logp - ref)^2 (biased, low variance; its gradient is the unbiased reverse-KL gradient)."""
     return 0.5 * (logp - ref) ** 2
 
 
-@register_estimator("k3")
+@register_kl_estimator("k3")
 def k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
     """k3 = exp(r) - r - 1 (unbiased, >= 0): the estimator TRL and Unsloth use."""
     r = ref - logp
     return torch.exp(r) - r - 1
 
 
-@register_estimator("low_var_kl")
+@register_kl_estimator("low_var_kl")
 def low_var_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
     """verl's low_var_kl: k3 of r clamped to [-20, 20], the result clamped to [-10, 10]."""
     r = torch.clamp(ref - logp, min=-20.0, max=20.0)
@@ -54,13 +74,13 @@ def straight_through(value: torch.Tensor, gradient_of: torch.Tensor) -> torch.Te
     return gradient_of + (value - gradient_of).detach()
 
 
-@register_estimator("k1+")
+@register_kl_estimator("k1+")
 def k1_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
     """Value of k1, gradient of k2."""
     return straight_through(k1(logp, ref, mask), k2(logp, ref, mask))
 
 
-@register_estimator("k3+")
+@register_kl_estimator("k3+")
 def k3_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
     """Value of k3, gradient of k2."""
     return straight_through(k3(logp, ref, mask), k2(logp, ref, mask))
@@ -78,7 +98,7 @@ def bottom_percentile_mask(ref: torch.Tensor, mask: torch.Tensor, fraction: floa
     return (valid & (ref <= threshold)).to(ref.dtype)
 
 
-@register_estimator("k3_bottom_percentile")
+@register_kl_estimator("k3_bottom_percentile")
 def k3_bottom_percentile(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
     """k3 only on the tokens in the bottom `kl_percentile` fraction of reference log-probs, times
     `kl_percentile_scale` (the reference is least confident there); 0 elsewhere."""
@@ -91,4 +111,6 @@ def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, confi
     estimator = config.kl_estimator
     if callable(estimator):
         return estimator(logp, ref, mask)
-    return _ESTIMATORS[estimator](logp, ref, mask, config)
+    if estimator in _TAKES_CONFIG:
+        return _ESTIMATORS[estimator](logp, ref, mask, config)
+    return _ESTIMATORS[estimator](logp, ref, mask)

@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 
-from .adaptation import ReductionContext, kl_term
-from .estimators import estimate_kl
+from ..core.adaptation import ReductionContext
+from ..core.estimators import estimate_kl
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
@@ -145,7 +145,7 @@ class _AdaptiveEfficientGRPO:
         if config.kl_estimator != "k3":
             kl = estimate_kl(new, ref, mask, config)
         loss_type, ctx = _reduction(kwargs, cls.bnpo_rule)
-        term = kl_term(kl, mask, config, loss_type, ctx)
+        term = trainer.adaptive_kl.term(kl, mask, ctx, loss_type)
         if not stock:
             accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
             outputs[0] = outputs[0] + term.adapted * (trainer.adaptive_kl.current_beta / accumulation)

@@ -2,8 +2,8 @@
 
 `patch()` is the one place that changes TRL and `unpatch()` restores every stock object; both are idempotent.
 Data flows one way: `_compute_loss` hands the per-token KL it computed (caught by `KLTermProbe`), the mask and
-the loss-type normalisers to `adaptation.adapted_kl_term`; the adapted term goes back into the loss and the
-metrics into `trainer._metrics`. No extra forward pass is made.
+the loss-type normalisers to the trainer's `AdaptiveKL` (`trainer.adaptive_kl`, the core object); the adapted term
+goes back into the loss and the metrics into `trainer._metrics`. No extra forward pass is made.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 
-from .adaptation import ReductionContext, kl_term
-from .config import AdaptiveKLConfig
-from .estimators import estimate_kl
+from ..core.adaptation import ReductionContext
+from ..core.config import AdaptiveKLConfig
+from ..core.estimators import estimate_kl
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
@@ -138,7 +138,7 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
         kl = estimate_kl(logps_probe.logps[0], inputs["ref_per_token_logps"], mask, config)
 
     mode = "train" if self.model.training else "eval"
-    term = kl_term(kl, mask, config, self.loss_type, _reduction_context(self, inputs, mode))
+    term = self.adaptive_kl.term(kl, mask, _reduction_context(self, inputs, mode))
     if not config.is_stock_kl:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         loss = loss + term.adapted * (self.adaptive_kl.current_beta / accumulation)  # one autograd node, not two

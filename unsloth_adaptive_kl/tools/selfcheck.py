@@ -5,7 +5,8 @@ version is reported, not failed: the runs below check it on this machine), looks
 source anchor the integrations rely on and whether the patches are in place, and, on a tiny in-process model on
 this machine's device (CUDA when present, else CPU), compares the hooked loss with the stock trainer's: `none` and a
 `clip` whose threshold no KL reaches must both give the stock loss and gradients, within the float32
-summation bound. TRL is checked first; then, when Unsloth is installed, Unsloth is imported (after this package,
+summation bound. The core (`AdaptiveKL`, torch alone) is checked first against the hand-written k3 penalty; then,
+when trl is installed, TRL; then, when Unsloth is installed, Unsloth is imported (after this package,
 as users must) and its generated trainer is checked the same way. Exit code 0 only if every check holds.
 """
 
@@ -21,9 +22,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from . import trl_patch, unsloth_patch, versions
-from .tolerance import reordered_sum_tolerance
-from .trainer_hooks import attach_runtime
+from ..integrations import versions
+from ..core.tolerance import reordered_sum_tolerance
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
 NO_OP_CLIP = dict(kl_adaptation_method="clip", kl_clip_threshold=1e6)  # above every per-token KL of the check
@@ -55,6 +55,26 @@ def anchor_checks(package: str, anchors: tuple, resolve: Callable[[str], Any]) -
 
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def core_checks() -> list[Check]:
+    """The core alone (no trainer): `AdaptiveKL` with `none` on random log-probs against the hand-written k3 penalty
+    beta * mean_i (sum_t m (exp(r) - r - 1)) / L_i, r = ref - logp, value and gradient."""
+    from ..core import AdaptiveKL
+
+    generator = torch.Generator().manual_seed(0)
+    logps = torch.randn(4, 6, generator=generator, dtype=torch.float64).requires_grad_(True)
+    ref = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    mask = (torch.arange(6)[None] < torch.tensor([[6], [3], [1], [5]])).double()
+    term, _ = AdaptiveKL(None, beta=0.04).kl_loss(logps, ref, mask)
+    (grad,) = torch.autograd.grad(term, logps)
+    r = ref - logps
+    hand = 0.04 * (((torch.exp(r) - r - 1) * mask).sum(-1) / mask.sum(-1)).mean()
+    (hand_grad,) = torch.autograd.grad(hand, logps)
+    grad_diff = (grad - hand_grad).abs().max().item()
+    ok = abs(term.item() - hand.item()) <= 1e-12 and grad_diff <= 1e-12
+    return [Check("core AdaptiveKL (torch alone): none == k3 formula", ok,
+                  f"loss {term.item():.8g} vs {hand.item():.8g}, max grad diff {grad_diff:.2g}")]
 
 
 def tiny_trainer(output_dir: str, **overrides: Any) -> Any:
@@ -143,6 +163,8 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
     tokens = int(inputs["completion_mask"].sum())
     grad_scale = max(g.abs().max().item() for g in stock_grads)
     checks = [Check(f"{name}: stock gradients", True, f"max |grad| {grad_scale:.3g}")]
+    from ..integrations.trainer_hooks import attach_runtime
+
     for label, settings in (("none", {}), ("clip above every KL", NO_OP_CLIP)):
         for field, value in {"kl_adaptation_method": "none", **settings}.items():
             setattr(trainer.args, field, value)
@@ -165,8 +187,9 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
 
 @contextlib.contextmanager
 def stock_trl() -> Iterator[None]:
-    from . import patch, unpatch
-    from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+    from .. import patch, unpatch
+    from ..integrations import trl as trl_patch
+    from ..integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 
     unpatch()
     kernel = trl_patch.trl_utils._ChunkedLogProbFunction
@@ -192,6 +215,8 @@ def stock_unsloth(trainer: Any) -> Iterator[None]:
 
 
 def trl_checks(output_dir: str) -> list[Check]:
+    from ..integrations import trl as trl_patch
+
     checks = anchor_checks("trl", versions.TRL_ANCHORS, trl_patch._stock_function)
     checks.append(Check("trl patched", trl_patch.is_patched()))
     if all(check.ok for check in checks):
@@ -202,6 +227,8 @@ def trl_checks(output_dir: str) -> list[Check]:
 def generate_unsloth_trainer() -> Optional[str]:
     """Import Unsloth after this package, as users must; on a CPU-only machine with Unsloth's CPU switch and its
     trainer generation called directly, as Unsloth's PatchFastRL does on a GPU. Returns an error, or None."""
+    from ..integrations import unsloth as unsloth_patch
+
     if device() == "cpu":
         os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
         os.environ.setdefault("UNSLOTH_COMPILE_DISABLE", "1")
@@ -217,6 +244,8 @@ def generate_unsloth_trainer() -> Optional[str]:
 
 
 def unsloth_checks(output_dir: str) -> list[Check]:
+    from ..integrations import unsloth as unsloth_patch
+
     error = generate_unsloth_trainer()
     if error is not None:
         return [Check("Unsloth trainer generated and hooked", False, error)]
@@ -246,7 +275,12 @@ def main() -> int:
     for check in checks:
         print(check.line(), flush=True)
     with tempfile.TemporaryDirectory() as output_dir:
-        for part in (trl_checks, *((unsloth_checks,) if importlib.util.find_spec("unsloth") else ())):
+        parts = [lambda _: core_checks()]  # the core needs torch alone; the trainers' checks need their packages
+        if importlib.util.find_spec("trl"):
+            parts.append(trl_checks)
+            if importlib.util.find_spec("unsloth"):
+                parts.append(unsloth_checks)
+        for part in parts:
             for check in part(output_dir):
                 checks.append(check)
                 print(check.line(), flush=True)

@@ -31,8 +31,8 @@ from typing import Any, Callable
 
 import torch
 
-from .adaptation import LOSS_TYPE_REDUCTIONS
-from .config import TRL_SYNC_FIELDS, AdaptiveKLConfig
+from ..core.adaptation import LOSS_TYPE_REDUCTIONS
+from ..core.config import TRL_SYNC_FIELDS, AdaptiveKLConfig
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
 # --kl-in-reward: the KL as a loss term (stock) against the KL in the reward, per-token mean and summed, and the

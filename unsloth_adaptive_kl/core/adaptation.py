@@ -228,12 +228,13 @@ _compile_failed = False
 
 
 def kl_term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
-            ctx: ReductionContext) -> KLTerm:
+            ctx: ReductionContext, with_grad: Optional[bool] = None) -> KLTerm:
     """`adapted_kl_term`, as one `torch.compile` graph when `config.kl_compile` (compiled once per process; shapes
     turn dynamic after the first change). Where compiling or running the graph fails, eager from then on, after one
-    warning naming the error: the result is the same, only slower. Where the KL term is the trainer's own
-    (`is_stock_kl`) it only feeds the metrics, so no autograd graph is recorded for it."""
-    with torch.no_grad() if config.is_stock_kl else contextlib.nullcontext():
+    warning naming the error: the result is the same, only slower. By default, where the KL term is the trainer's
+    own (`is_stock_kl`) it only feeds the metrics, so no autograd graph is recorded for it; `with_grad` decides."""
+    with_grad = not config.is_stock_kl if with_grad is None else with_grad
+    with contextlib.nullcontext() if with_grad else torch.no_grad():
         return _term(kl, mask, config, loss_type, ctx)
 
 

@@ -1,0 +1,182 @@
+"""The public `AdaptiveKL` object on its own (torch alone: this file runs where trl is not installed), against hand
+formulas: the KL term per loss_type, the reward penalty, the controllers' steps, exact resume, validation, and a
+user-registered estimator (SPEC 3.11)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, register_kl_estimator
+from unsloth_adaptive_kl.core.estimators import estimator_names
+
+BETA = 0.04
+LENGTHS = torch.tensor([4.0, 2.0, 1.0])
+MASK = (torch.arange(4)[None] < LENGTHS[:, None]).double()
+
+
+def batch(seed: int = 0, requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logps = (-torch.rand(3, 4, generator=generator, dtype=torch.float64) * 3).requires_grad_(requires_grad)
+    ref = -torch.rand(3, 4, generator=generator, dtype=torch.float64) * 3
+    return logps, ref
+
+
+def k3_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    r = ref - logps
+    return (torch.exp(r) - r - 1) * MASK
+
+
+# loss_type -> the KL term from the per-completion sums S_i and lengths L_i, written out (B = 3, T = 4).
+HAND = {
+    "grpo": lambda s, ctx: (s / LENGTHS).mean(),
+    "bnpo": lambda s, ctx: s.sum() / LENGTHS.sum(),
+    "dr_grpo": lambda s, ctx: s.sum() / (3 * ctx["max_completion_length"]),
+    "dapo": lambda s, ctx: s.sum() / ctx["token_normalizer"],
+    "luspo": lambda s, ctx: s.mean(),
+}
+
+
+@pytest.mark.parametrize("loss_type", sorted(HAND))
+def test_none_is_beta_times_the_k3_term_of_the_loss_type(loss_type: str) -> None:
+    logps, ref = batch()
+    ctx = {"max_completion_length": 4, "token_normalizer": 5.0}
+    term, metrics = AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **ctx)
+    want = BETA * HAND[loss_type](k3_by_hand(logps, ref).sum(-1), ctx)
+    assert term.item() == pytest.approx(want.item(), rel=1e-12)
+    (grad,) = torch.autograd.grad(term, logps)
+    (want_grad,) = torch.autograd.grad(want, logps)
+    assert torch.allclose(grad, want_grad, rtol=1e-12, atol=0)
+    assert metrics["adaptive_kl/raw_kl"] == metrics["adaptive_kl/adapted_kl"] == pytest.approx(want.item() / BETA)
+    assert metrics["adaptive_kl/current_beta"] == BETA
+    assert metrics["adaptive_kl/sequence_kl"] == pytest.approx(k3_by_hand(logps, ref).sum(-1).mean().item())
+
+
+def test_clip_sigmoid_and_length_normalisation_follow_their_formulas() -> None:
+    logps, ref = batch(requires_grad=False)
+    k = k3_by_hand(logps, ref)
+    clip = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3), BETA, "bnpo")
+    term, metrics = clip.kl_loss(logps, ref, MASK)
+    assert term.item() == pytest.approx(BETA * (k.clamp(max=0.3) * MASK).sum().item() / 7, rel=1e-12)
+    assert metrics["adaptive_kl/clip_fraction"] == pytest.approx(((k >= 0.3) & (MASK > 0)).sum().item() / 7)
+    sigmoid = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="sigmoid+length_normalized", kl_target=0.2), BETA, "dapo")
+    term, _ = sigmoid.kl_loss(logps, ref, MASK, token_normalizer=5.0)  # length_normalized: dapo's normaliser unused
+    shaped = torch.sigmoid(k - 0.2) * k * MASK
+    assert term.item() == pytest.approx(BETA * (shaped.sum(-1) / LENGTHS).mean().item(), rel=1e-12)
+
+
+def test_reward_penalty_is_beta_times_each_completions_shaped_kl() -> None:
+    logps, ref = batch(requires_grad=False)
+    k = k3_by_hand(logps, ref)
+    summed = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.3),
+                        BETA)
+    penalty = summed.reward_penalty(logps, ref, MASK)
+    assert penalty.dtype == torch.float32  # as trainers gather rewards
+    assert torch.allclose(penalty.double(), BETA * (k.clamp(max=0.3) * MASK).sum(-1), rtol=1e-6, atol=0)
+    assert summed.last_metrics["adaptive_kl/reward_penalty"] == pytest.approx(penalty.mean().item())
+    mean = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_reduction="sequence_mean"), BETA)
+    assert torch.allclose(mean.reward_penalty(logps, ref, MASK).double(), BETA * k.sum(-1) / LENGTHS, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="kl_placement='reward' puts beta \\* KL into the rewards"):
+        summed.kl_loss(logps, ref, MASK)
+
+
+def test_dynamic_decays_once_per_generation_batch_and_cuts_off() -> None:
+    config = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5, dynamic_beta_decay=0.5,
+                              beta_min=0.005, beta_schedule_steps=5)
+    akl = AdaptiveKL(config, BETA)
+    betas = [akl.step(mean_reward=0.9), akl.step(), akl.step(mean_reward=0.4), akl.step(mean_reward=0.6),
+             akl.step(mean_reward=0.9)]
+    # decay, same batch (no decay), reward below threshold, decay, then step 5 >= beta_schedule_steps: beta_min
+    assert betas == pytest.approx([0.02, 0.02, 0.02, 0.01, 0.005])
+    logps, ref = batch()
+    assert akl.kl_loss(logps, ref, MASK)[1]["adaptive_kl/current_beta"] == 0.005
+
+
+def test_target_steers_beta_from_the_steps_kl() -> None:
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0)
+    akl = AdaptiveKL(config, BETA)
+    logps, ref = batch()
+    akl.kl_loss(logps, ref, MASK)
+    akl.kl_loss(*batch(1), MASK)  # two micro-batches in one optimizer step
+    k = torch.cat([k3_by_hand(logps, ref), k3_by_hand(*batch(1), )]).detach()
+    token_mean = k.sum().item() / (2 * LENGTHS.sum().item())
+    error = min(max(token_mean / 0.1 - 1, -0.2), 0.2)
+    assert akl.step() == pytest.approx(BETA * (1 + error * 6 / 30.0), rel=1e-12)
+
+
+def test_state_dict_resumes_exactly() -> None:
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.05, kl_horizon=10.0, beta_max=0.1)
+
+    def run(akl: AdaptiveKL, steps: range) -> list[float]:
+        betas = []
+        for step in steps:
+            logps, ref = batch(step)
+            term, metrics = akl.kl_loss(logps, ref, MASK)
+            betas.append(metrics["adaptive_kl/current_beta"])
+            akl.step(mean_reward=0.1 * step)
+        return betas
+
+    uninterrupted = run(AdaptiveKL(config, BETA), range(6))
+    first = AdaptiveKL(config, BETA)
+    head = run(first, range(3))
+    saved = json.loads(json.dumps(first.state_dict()))  # what a checkpoint holds
+    resumed = AdaptiveKL(config, BETA)
+    resumed.load_state_dict(saved)
+    assert resumed.completed_steps == 3
+    assert head + run(resumed, range(3, 6)) == uninterrupted
+    assert len(set(uninterrupted)) == 6  # beta moved every step
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(config=AdaptiveKLConfig(beta_min=0.5), beta=0.1), "beta_min=0.5 is invalid: allowed is a number with "
+                                                                "0 <= beta_min <= beta=0.1."),
+        (dict(config=None, beta=math.nan), "beta=nan is invalid: allowed is a finite number >= 0."),
+        (dict(config=None, beta=-0.1), "beta=-0.1 is invalid: allowed is a finite number >= 0."),
+        (dict(config=None, beta=0.1, loss_type="ppo"), "loss_type='ppo' is not supported by adaptive KL: allowed is one "
+                                                       "of bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo."),
+    ],
+)
+def test_bad_input_names_field_value_and_what_is_allowed(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(**kwargs)
+    assert str(raised.value) == message
+
+
+def test_config_errors_are_the_grpo_config_messages() -> None:
+    with pytest.raises(ValueError, match=r"^kl_clip_threshold=-1 is invalid: allowed is a finite number > 0\.$"):
+        AdaptiveKLConfig(kl_clip_threshold=-1)
+
+
+def least_confident_k3(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 on the valid tokens whose reference log-prob is in the lowest 50 %, x 2; 0 elsewhere."""
+    r = ref_logp - logp
+    valid = ref_logp.masked_fill(mask == 0, math.inf)
+    threshold = valid.flatten().kthvalue(max(1, int(mask.sum().item() * 0.5))).values
+    return (torch.exp(r) - r - 1) * (ref_logp <= threshold) * mask * 2.0
+
+
+register_kl_estimator("test_least_confident_half")(least_confident_k3)
+
+
+def test_a_registered_estimator_is_used_by_name() -> None:
+    logps, ref = batch()
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_estimator="test_least_confident_half"), BETA, "bnpo")
+    term, _ = akl.kl_loss(logps, ref, MASK)
+    want = BETA * least_confident_k3(logps, ref, MASK).sum() / LENGTHS.sum()
+    assert term.item() == pytest.approx(want.item(), rel=1e-12)
+    assert 0 < term.item() < AdaptiveKL(None, BETA, "bnpo").kl_loss(logps, ref, MASK)[0].item()
+
+
+def test_registering_names_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"register_kl_estimator\('k3'\): allowed is a new, non-empty name "
+                                         r"\(registered: k1, k2, k3, "):
+        register_kl_estimator("k3")
+    with pytest.raises(ValueError, match=r"kl_estimator='k4' is invalid: allowed is one of k1, k2, k3, .*"
+                                         r"test_least_confident_half, or a callable"):
+        AdaptiveKLConfig(kl_estimator="k4")
+    assert "test_least_confident_half" in estimator_names()

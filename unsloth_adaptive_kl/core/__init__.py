@@ -1,0 +1,26 @@
+"""The pure-torch core: configuration, per-token estimators, shaping and reductions, beta controllers, and the
+`AdaptiveKL` object every loop drives. Imports with torch alone; never imports a trainer."""
+
+from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
+from .adaptive_kl import AdaptiveKL
+from .config import AdaptiveKLConfig, parse_methods
+from .controllers import ConstantBeta, DynamicBeta, TargetKL, make_beta_controller
+from .estimators import estimate_kl, estimator_names, register_kl_estimator
+
+__all__ = [
+    "AdaptiveKL",
+    "AdaptiveKLConfig",
+    "ConstantBeta",
+    "DynamicBeta",
+    "KLTerm",
+    "ReductionContext",
+    "TargetKL",
+    "adapted_kl_term",
+    "estimate_kl",
+    "estimator_names",
+    "make_beta_controller",
+    "parse_methods",
+    "reduce_kl",
+    "register_kl_estimator",
+    "shape_kl",
+]

@@ -1,0 +1,4 @@
+"""Thin translators between a training loop and the core's `AdaptiveKL`, one module per loop, each behind its own
+extra: `trl` (TRL's GRPOTrainer, patched in place), `unsloth` (the trainer Unsloth generates from TRL's), `tinker`
+(Tinker's custom and built-in losses), `verl` (verl's actor loss and reward KL). Importing this package imports none
+of them."""
