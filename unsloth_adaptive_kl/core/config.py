@@ -131,8 +131,9 @@ class AdaptiveKLConfig:
         default="k3",
         metadata={
             "help": "Per-token KL estimator: 'k3' (what the trainer computes), 'k1', 'k2', 'low_var_kl', 'k1+', "
-            "'k3+' (value of k1/k3, gradient of k2), 'k3_bottom_percentile'; or, programmatically, a callable "
-            "(logp, ref_logp, mask) -> per-token KL. Every method reads the KL it gives."
+            "'k3+' (value of k1/k3, gradient of k2), 'k3_bottom_percentile', or a name registered with "
+            "register_kl_estimator; programmatically also a callable (logp, ref_logp, mask) -> per-token KL. Every "
+            "method reads the KL it gives."
         },
     )
     kl_percentile: float = field(
@@ -238,7 +239,8 @@ class AdaptiveKLConfig:
                     f"a number with 0 <= beta_min <= {beta_bound}")
         if not callable(self.kl_estimator) and self.kl_estimator not in estimator_names():
             raise _reject("kl_estimator", self.kl_estimator,
-                          f"one of {', '.join(estimator_names())}, or a callable (logp, ref_logp, mask) -> per-token KL")
+                          f"one of {', '.join(estimator_names())} (register your own with register_kl_estimator), or "
+                          "a callable (logp, ref_logp, mask) -> per-token KL")
         _check_real("kl_percentile", self.kl_percentile,
                     _is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
         _check_real("kl_percentile_scale", self.kl_percentile_scale,

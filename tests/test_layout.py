@@ -1,0 +1,109 @@
+"""The package's layers (SPEC 1): the core imports with torch alone and never a trainer; module-level imports form no
+cycle; with no trainer package importable, `import unsloth_adaptive_kl` is the core, silently. Torch alone: this
+file runs where trl is not installed."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).parents[1] / "unsloth_adaptive_kl"
+TRAINER_PACKAGES = ("trl", "transformers", "peft", "accelerate", "datasets", "unsloth", "unsloth_zoo", "tinker", "verl")
+STDLIB = set(sys.stdlib_module_names)
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """Absolute names of what a module imports at its top level (not inside functions: those run when called)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                prefix = f"{base}.{node.module}" if node.module else base
+                # `from . import x` may import a submodule x
+                names.update({prefix, *(f"{prefix}.{alias.name}" for alias in node.names)})
+            else:
+                names.add(node.module)
+    return names
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def own_imports(name: str) -> set[str]:
+    return {imported for imported in top_level_imports(MODULES[name]) if imported in MODULES and imported != name}
+
+
+def test_the_tree_shows_core_integrations_and_tools() -> None:
+    packages = sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py"))
+    assert packages == ["core", "integrations", "tools"]
+    assert sorted(path.name for path in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py"]
+
+
+def test_the_core_imports_only_torch_the_standard_library_and_itself() -> None:
+    for name, path in MODULES.items():
+        if not name.startswith("unsloth_adaptive_kl.core"):
+            continue
+        outside = {imported.split(".")[0] for imported in top_level_imports(path)} - STDLIB - {"torch", "unsloth_adaptive_kl"}
+        assert not outside, (name, outside)
+        assert all(i.startswith("unsloth_adaptive_kl.core") or not i.startswith("unsloth_adaptive_kl")
+                   for i in top_level_imports(path)), name
+
+
+def test_no_import_cycles() -> None:
+    """Depth-first search over module-level imports within the package: a back edge would be a cycle."""
+    state: dict[str, str] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = "open"
+        for imported in sorted(own_imports(name)):
+            assert state.get(imported) != "open", f"import cycle: {' -> '.join(trail + [name, imported])}"
+            if imported not in state:
+                visit(imported, trail + [name])
+        state[name] = "done"
+
+    for name in sorted(MODULES):
+        if name not in state:
+            visit(name, [])
+    assert len(state) == len(MODULES) > 15
+
+
+def test_the_core_imports_and_runs_with_no_trainer_package_importable() -> None:
+    """Each trainer package is made unimportable (sys.modules[name] = None, so import raises ModuleNotFoundError and
+    find_spec returns None); warnings are errors, so 'silently' is checked too."""
+    code = f"""
+import sys, warnings
+warnings.simplefilter("error")
+for name in {TRAINER_PACKAGES!r}:
+    sys.modules[name] = None
+import torch
+import unsloth_adaptive_kl
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, register_kl_estimator
+logps = torch.zeros(2, 3, requires_grad=True)
+akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=1.0), 0.04)
+term, metrics = akl.kl_loss(logps, logps.detach() + 2.0, torch.ones(2, 3))  # k3 = e^2 - 3 = 4.39: clipped to 1
+assert abs(term.item() - 0.04) < 1e-8 and metrics["adaptive_kl/raw_kl"] > 4.38, (term.item(), metrics)
+assert not unsloth_adaptive_kl.is_patched() and not hasattr(unsloth_adaptive_kl, "GRPOConfig")
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in {TRAINER_PACKAGES!r} and sys.modules[m] is not None)
+assert loaded == [], loaded
+try:
+    unsloth_adaptive_kl.patch()
+except ImportError as error:
+    print(error)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == ("unsloth_adaptive_kl.patch() patches TRL, which is not installed: "
+                                     "pip install 'unsloth-adaptive-kl[trl]' (or [unsloth]).")
+    assert result.stderr == ""

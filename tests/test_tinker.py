@@ -1,0 +1,601 @@
+"""The Tinker integration against the real Tinker SDK, with only the network replaced.
+
+`tinker.ServiceClient(base_url=<loopback>, api_key=...)` builds everything the real way (InternalClientHolder,
+AsyncTinker over httpx, the resources, the protobuf encoders, `retrieve_future` polling, seq_id ordering,
+`TrainingClient.forward_backward_custom`, `ServiceClient.create_custom_loss`); the server at the other end of the
+socket is `FakeTinkerService` below: it speaks the Tinker wire protocol and holds a tiny torch language model, so the
+gradients that reach the model can be compared with direct autograd of the same loss on a copy of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from tinker import types  # noqa: E402
+from tinker.lib.public_interfaces.custom_loss import trace_loss  # noqa: E402
+from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
+
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig  # noqa: E402
+from unsloth_adaptive_kl.integrations import tinker as integration  # noqa: E402
+
+VOCAB = 13
+PROTO = "application/x-protobuf"
+TIGHT = dict(rtol=1e-5, atol=1e-6)
+
+
+# ----- the fake service ---------------------------------------------------------------------------------------------
+
+class TinyLM(nn.Module):
+    """logits_t = W tanh(E[token_t]) + b: a bigram language model."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.head = nn.Linear(8, VOCAB)
+        with torch.no_grad():
+            for parameter in self.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5)
+
+    def target_logprobs(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """(T,) input tokens and targets -> (T,) log p(target_t | token_t)."""
+        logits = self.head(torch.tanh(self.embed(tokens)))
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _decode_tensor(message: Any) -> torch.Tensor:
+    """A wire Tensor (dense or sparse CSR), decoded here rather than by the SDK's own decoder."""
+    dtype = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64}[message.dtype]
+    shape = list(message.shape)
+    if message.HasField("sparse_csr"):
+        values = np.frombuffer(message.sparse_csr.values, dtype=dtype)
+        crow = np.frombuffer(message.sparse_csr.crow_indices, dtype=np.int64)
+        col = np.frombuffer(message.sparse_csr.col_indices, dtype=np.int64)
+        dense = np.zeros(shape, dtype=dtype)
+        for row in range(len(crow) - 1):
+            dense[row, col[crow[row]:crow[row + 1]]] = values[crow[row]:crow[row + 1]]
+        return torch.from_numpy(dense)
+    return torch.from_numpy(np.frombuffer(message.dense, dtype=dtype).copy().reshape(shape))
+
+
+def _encode_output(logprobs: list[torch.Tensor], metrics: dict[str, float]) -> bytes:
+    """A ForwardBackwardOutput as the service sends it: one ArrayRecord, per-datum `logprobs` at byte offsets."""
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    for key, value in metrics.items():
+        out.metrics[key] = value
+    record = out.loss_fn_outputs.add()
+    record.num_datums = len(logprobs)
+    arrays = [lp.detach().to(torch.float32).numpy() for lp in logprobs]
+    field = record.fields["logprobs"]
+    field.dtype = pb.DTYPE_FLOAT32
+    field.data = b"".join(a.tobytes() for a in arrays)
+    field.offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64).tobytes()
+    return out.SerializeToString()
+
+
+# What each loss reads: a request with anything else fails, so the tests see exactly what went on the wire.
+LOSS_INPUTS = {"cross_entropy": {"target_tokens", "weights"},
+               "importance_sampling": {"target_tokens", "logprobs", "advantages"}}
+
+
+class FakeTinkerService:
+    """The remote end of the Tinker API on 127.0.0.1.
+
+    forward_backward: logprob_t = log p(target_t | input_t) from `model`; cross_entropy L = -sum_t weights_t
+    logprob_t, importance_sampling L = -sum_t exp(logprob_t - logprobs_t) advantages_t, summed over datums; with
+    forward_only under no_grad, else L.backward() accumulates into the model's .grad. It answers the per-datum
+    logprobs and loss:sum (protobuf). optim_step: AdamW with the request's AdamParams, then zero_grad. Requests run
+    in seq_id order (a gap in the SDK's reserved ids would stall, not pass); retrieve_future long-polls."""
+
+    session_id, model_id = "fake-session", "fake-model"
+
+    def __init__(self, model: TinyLM, *, fwdbwd_max_chunk_len: int = 1024) -> None:
+        self.model = model
+        self.client_config = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False,
+                              "proto_compress_fwdbwd": False, "custom_loss_server_side": False,
+                              "fwdbwd_max_chunk_len": fwdbwd_max_chunk_len, "parallel_fwdbwd_chunks": True}
+        self.lock = threading.Condition()
+        self.results: dict[str, tuple[str, Any]] = {}
+        self.pending: dict[int, tuple[str, Callable[[], tuple[str, Any]]]] = {}
+        self.next_seq_id, self.counter = 1, 0
+        self.log: list[tuple[str, Any]] = []
+        self.unexpected: list[str] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.server: ThreadingHTTPServer | None = None
+
+    def start(self) -> str:
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                status, content_type, payload = service.handle(self.path, self.headers.get("Content-Type", ""), body)
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, name="fake-tinker", daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+
+    def _future(self, seq_id: int | None, job: Callable[[], tuple[str, Any]]) -> dict[str, Any]:
+        def run() -> tuple[str, Any]:
+            try:
+                return job()
+            except Exception as error:  # a failed request, as the service reports one
+                return "json", {"error": f"{type(error).__name__}: {error}", "category": "user"}
+
+        with self.lock:
+            self.counter += 1
+            request_id = f"req-{self.counter}"
+            if seq_id is None:
+                self.results[request_id] = run()
+            else:
+                self.pending[seq_id] = (request_id, run)
+                while self.next_seq_id in self.pending:
+                    queued_id, queued = self.pending.pop(self.next_seq_id)
+                    self.results[queued_id] = queued()
+                    self.next_seq_id += 1
+            self.lock.notify_all()
+        return {"request_id": request_id, "model_id": self.model_id}
+
+    def handle(self, path: str, content_type: str, body: bytes) -> tuple[int, str, bytes]:
+        def ok(obj: Any) -> tuple[int, str, bytes]:
+            return 200, "application/json", json.dumps(obj).encode()
+
+        route = path.split("?")[0].removeprefix("/api/v1/")
+        request: Any = pb.ForwardBackwardRequest.FromString(body) if content_type.startswith(PROTO) else (
+            json.loads(body) if body else {})
+        self.log.append((route, request))
+        if route == "client/config":
+            return ok(self.client_config)
+        if route in ("client/dynamic_config", f"sessions/{self.session_id}/finish"):
+            return ok({})
+        if route == "create_session":
+            return ok({"type": "create_session", "session_id": self.session_id})
+        if route == "session_heartbeat":
+            return ok({"type": "session_heartbeat"})
+        if route == "telemetry":
+            return ok({"status": "accepted"})
+        if route == "create_model":
+            return ok(self._future(None, lambda: ("json", {"type": "create_model", "model_id": self.model_id})))
+        if route == "get_info":
+            return ok({"type": "get_info", "model_id": self.model_id, "is_lora": True, "lora_rank": 1,
+                       "model_data": {"arch": "tiny", "model_name": "fake/tiny-lm"}})
+        if route == "forward_backward":
+            return ok(self._future(request.seq_id, lambda: ("proto", self.forward_backward(request))))
+        if route == "optim_step":
+            return ok(self._future(request["seq_id"], lambda: ("json", self.optim_step(request["adam_params"]))))
+        if route == "retrieve_future":
+            with self.lock:
+                self.lock.wait_for(lambda: request["request_id"] in self.results, timeout=5.0)
+                result = self.results.get(request["request_id"])
+            if result is None:
+                return ok({"type": "try_again"})
+            kind, payload = result
+            return (200, PROTO, payload) if kind == "proto" else ok(payload)
+        self.unexpected.append(route)
+        return 404, "application/json", json.dumps({"detail": f"no route {route}"}).encode()
+
+    def forward_backward(self, request: Any) -> bytes:
+        assert request.model_id == self.model_id
+        outputs, total = [], torch.zeros(())
+        with torch.set_grad_enabled(not request.forward_only):
+            for datum in request.data:
+                inputs = {name: _decode_tensor(t) for name, t in datum.loss_fn_inputs.items()}
+                if set(inputs) != LOSS_INPUTS[request.loss_fn]:
+                    raise ValueError(f"{request.loss_fn} takes {sorted(LOSS_INPUTS[request.loss_fn])}, got "
+                                     f"{sorted(inputs)}")
+                tokens = torch.tensor([t for chunk in datum.model_input
+                                       for t in np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32)])
+                logprobs = self.model.target_logprobs(tokens, inputs["target_tokens"])
+                if request.loss_fn == "cross_entropy":
+                    loss = -(inputs["weights"] * logprobs).sum()
+                else:
+                    loss = -(torch.exp(logprobs - inputs["logprobs"]) * inputs["advantages"]).sum()
+                total = total + loss
+                outputs.append(logprobs)
+            if not request.forward_only:
+                total.backward()
+        return _encode_output(outputs, {"loss:sum": float(total.detach())})
+
+    def optim_step(self, adam: dict[str, Any]) -> dict[str, Any]:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=adam["learning_rate"],
+                                               betas=(adam["beta1"], adam["beta2"]), eps=adam["eps"],
+                                               weight_decay=adam["weight_decay"])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"metrics": {}}
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        with self.lock:
+            return {name: p.grad.clone() for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self) -> None:
+        with self.lock:
+            self.model.zero_grad(set_to_none=True)
+
+    def requests(self, route: str) -> list[Any]:
+        return [request for path, request in self.log if path == route]
+
+
+class Tinker:
+    """What a test gets: the real SDK clients, the fake service, and `initial`, a copy of the model before any step."""
+
+    def __init__(self, client: Any, training: Any, service: FakeTinkerService, initial: TinyLM) -> None:
+        self.client, self.training, self.service, self.initial = client, training, service, initial
+
+
+@pytest.fixture
+def fake_tinker(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Any:
+    """A real `tinker.ServiceClient` and `TrainingClient` talking to a `FakeTinkerService` on loopback
+    (param: the SDK's fwdbwd_max_chunk_len, which the service hands out in its client config)."""
+    torch.set_num_threads(1)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.delenv("TINKER_BASE_URL", raising=False)
+    model = TinyLM()
+    service = FakeTinkerService(model, fwdbwd_max_chunk_len=getattr(request, "param", 1024))
+    base_url = service.start()
+    client = tinker.ServiceClient(base_url=base_url, api_key="tml-fake-key")
+    try:
+        training = client.create_lora_training_client(base_model="fake/tiny-lm", rank=1).result(timeout=30)
+        yield Tinker(client, training, service, copy.deepcopy(model))
+    finally:
+        client.close("success").result(timeout=30)
+        service.stop()
+    assert service.unexpected == []
+
+
+# ----- batches and independent formulas ------------------------------------------------------------------------------
+
+def make_data(initial: TinyLM, n: int = 4, seed: int = 0) -> list[Any]:
+    """n completions (prompts of 2-3 tokens, completions of 3.. tokens), the sampler's log-probs near the model's and
+    the reference's further off (so ratios clip and the KL is not small)."""
+    generator = torch.Generator().manual_seed(seed)
+    data = []
+    for i in range(n):
+        prompt = torch.randint(0, VOCAB, (2 + i % 2,), generator=generator).tolist()
+        completion = torch.randint(0, VOCAB, (3 + i,), generator=generator).tolist()
+        tokens = prompt + completion
+        with torch.no_grad():
+            logprobs = initial.target_logprobs(torch.tensor(tokens[:-1]), torch.tensor(tokens[1:]))[len(prompt) - 1:]
+        sampling = logprobs + 0.3 * torch.randn(logprobs.shape, generator=generator)
+        reference = logprobs + 0.8 * torch.randn(logprobs.shape, generator=generator)
+        data.append(integration.completion_datum(prompt, completion, sampling, reference))
+    return data
+
+
+def with_advantages(data: list[Any], advantages: list[float]) -> list[Any]:
+    out = []
+    for datum, advantage in zip(data, advantages):
+        mask = datum.loss_fn_inputs["mask"].to_torch()
+        out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs={
+            **datum.loss_fn_inputs, "advantages": types.TensorData.from_torch(advantage * mask)}))
+    return out
+
+
+ADVANTAGES = [1.0, -0.5, 0.25, -0.75]
+
+
+def stacked(data: list[Any], key: str) -> torch.Tensor:
+    return torch.nn.utils.rnn.pad_sequence([d.loss_fn_inputs[key].to_torch().float() for d in data], batch_first=True)
+
+
+def policy_logprobs(model: TinyLM, data: list[Any]) -> torch.Tensor:
+    """(B, T) log-probs of the targets under `model`, with autograd to its parameters."""
+    rows = [model.target_logprobs(torch.tensor(d.model_input.to_ints()), d.loss_fn_inputs["target_tokens"].to_torch())
+            for d in data]
+    return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+
+
+def hand_k3(logps: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k3 = exp(r) - r - 1, r = ref - logp, on the completion tokens (0 elsewhere)."""
+    r = torch.where(mask > 0, ref - logps, torch.zeros_like(logps))
+    return (torch.exp(r) - r - 1) * mask
+
+
+def sequence_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GRPO's reduction: mean over completions of sum_t m x / L_i."""
+    return ((x * mask).sum(-1) / mask.sum(-1)).mean()
+
+
+def hand_pg(logps: torch.Tensor, data: list[Any], eps: float = 0.2) -> torch.Tensor:
+    old, adv, mask = (stacked(data, key) for key in ("logprobs", "advantages", "mask"))
+    ratio = torch.exp(logps - old)
+    return sequence_mean(-torch.minimum(ratio * adv, torch.clamp(ratio, 1 - eps, 1 + eps) * adv), mask)
+
+
+def assert_model_grads(fake: Tinker, loss: torch.Tensor) -> None:
+    """The gradients the service accumulated equal direct autograd of `loss` on the initial model."""
+    fake.initial.zero_grad(set_to_none=True)
+    loss.backward()
+    got = fake.service.grads()
+    assert set(got) == {name for name, _ in fake.initial.named_parameters()}
+    for name, parameter in fake.initial.named_parameters():
+        torch.testing.assert_close(got[name], parameter.grad, **TIGHT)
+        assert parameter.grad.abs().sum() > 0
+
+
+# ----- 1. the KL in the loss: forward_backward_custom --------------------------------------------------------------
+
+@pytest.mark.parametrize(("fake_tinker", "variant"), [(1024, "sync"), (2, "async")], indirect=["fake_tinker"])
+def test_custom_loss_gradients_equal_direct_autograd(fake_tinker: Tinker, variant: str) -> None:
+    """forward + custom loss on the SDK's thread + cross_entropy backward with weights = -dL/dlogprobs: the model's
+    gradients are those of L itself (also split into 2-datum chunks, and through the awaitable future)."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3), beta=0.5, loss_type="grpo")
+    data = with_advantages(make_data(fake_tinker.initial), ADVANTAGES)
+    loss_fn = integration.grpo_kl_loss(akl)
+    threads: list[str] = []
+
+    def recorded(batch: list[Any], logprobs: list[torch.Tensor]) -> Any:
+        threads.append(threading.current_thread().name)
+        assert all(lp.is_leaf and lp.requires_grad for lp in logprobs)
+        return loss_fn(batch, logprobs)
+
+    future = fake_tinker.training.forward_backward_custom(data, recorded)
+    result = future.result(timeout=30) if variant == "sync" else asyncio.run(_awaited(future))
+
+    logps = policy_logprobs(fake_tinker.initial, data)
+    ref, mask = stacked(data, "ref_logprobs"), stacked(data, "mask")
+    expected = hand_pg(logps, data) + 0.5 * sequence_mean(torch.clamp(hand_k3(logps, ref, mask), max=0.3), mask)
+    assert_model_grads(fake_tinker, expected)
+    assert result.metrics["loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert threads == ["tinker-custom-loss"]
+    # The forward chunks (forward_only) took the first seq_ids, the cross_entropy backward chunks the next ones.
+    forwards = fake_tinker.service.requests("forward_backward")
+    chunks = 1 if variant == "sync" else 2
+    assert len(forwards) == 2 * chunks and all(r.loss_fn == "cross_entropy" for r in forwards)
+    assert sorted(r.seq_id for r in forwards if r.forward_only) == list(range(1, chunks + 1))
+    assert sorted(r.seq_id for r in forwards if not r.forward_only) == list(range(chunks + 1, 2 * chunks + 1))
+
+
+async def _awaited(future: Any) -> Any:
+    return await future
+
+
+def test_custom_loss_metrics_arrive_in_result(fake_tinker: Tinker) -> None:
+    """The loss's metrics (the core's adaptive_kl/* and grpo/*) come back in the result, with their values."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3), beta=0.5, loss_type="grpo")
+    data = with_advantages(make_data(fake_tinker.initial), ADVANTAGES)
+    result = fake_tinker.training.forward_backward_custom(data, integration.grpo_kl_loss(akl)).result(timeout=30)
+    with torch.no_grad():
+        logps = policy_logprobs(fake_tinker.initial, data)
+    ref, mask = stacked(data, "ref_logprobs"), stacked(data, "mask")
+    k3 = hand_k3(logps, ref, mask)
+    adapted = float(sequence_mean(torch.clamp(k3, max=0.3), mask))
+    metrics = result.metrics
+    assert metrics["adaptive_kl/current_beta"] == 0.5
+    assert metrics["adaptive_kl/raw_kl"] == pytest.approx(float(sequence_mean(k3, mask)), rel=1e-5)
+    assert metrics["adaptive_kl/adapted_kl"] == pytest.approx(adapted, rel=1e-5)
+    clipped = float(((k3 >= 0.3) & (mask > 0)).sum() / mask.sum())
+    assert 0 < clipped < 1 and metrics["adaptive_kl/clip_fraction"] == pytest.approx(clipped)
+    assert metrics["grpo/pg_loss"] == pytest.approx(float(hand_pg(logps, data)), rel=1e-5)
+    assert metrics["grpo/kl_term"] == pytest.approx(0.5 * adapted, rel=1e-5)
+    assert metrics["loss:sum"] == pytest.approx(metrics["grpo/pg_loss"] + metrics["grpo/kl_term"], rel=1e-5)
+    assert "surrogate_loss:sum" in metrics  # the server's loss of the cross_entropy backward, kept aside by the SDK
+
+
+def test_none_kl_part_is_plain_k3(fake_tinker: Tinker) -> None:
+    """kl_adaptation_method='none', loss_type grpo: the KL part is beta * mean_i (sum_t m k3 / L_i), by hand; with
+    zero advantages it is the whole loss, and its gradient reaches the model."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.3, loss_type="grpo")
+    data = with_advantages(make_data(fake_tinker.initial, seed=3), [0.0] * 4)
+    result = fake_tinker.training.forward_backward_custom(data, integration.grpo_kl_loss(akl)).result(timeout=30)
+    logps = policy_logprobs(fake_tinker.initial, data)
+    ref, mask = stacked(data, "ref_logprobs"), stacked(data, "mask")
+    kl = torch.stack([((hand_k3(logps, ref, mask)[i]).sum() / mask[i].sum()) for i in range(len(data))]).mean()
+    assert result.metrics["grpo/kl_term"] == pytest.approx(0.3 * float(kl.detach()), rel=1e-5)
+    assert result.metrics["grpo/pg_loss"] == 0.0
+    assert result.metrics["loss:sum"] == pytest.approx(0.3 * float(kl.detach()), rel=1e-5)
+    assert_model_grads(fake_tinker, 0.3 * kl)
+
+
+def test_dynamic_beta_steps_and_is_captured_when_built(fake_tinker: Tinker) -> None:
+    """dynamic: after akl.step(mean_reward=0.9) > reward_threshold 0.8 the next loss uses beta * decay (gradients
+    included); a loss built before a step keeps the beta it was built with."""
+    config = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.8, dynamic_beta_decay=0.5)
+    akl = AdaptiveKL(config, beta=0.2, loss_type="grpo")
+    data = with_advantages(make_data(fake_tinker.initial, seed=5), ADVANTAGES)
+    training, service = fake_tinker.training, fake_tinker.service
+    logps = policy_logprobs(fake_tinker.initial, data)
+    ref, mask = stacked(data, "ref_logprobs"), stacked(data, "mask")
+    kl = sequence_mean(hand_k3(logps, ref, mask), mask)
+
+    first = training.forward_backward_custom(data, integration.grpo_kl_loss(akl)).result(timeout=30)
+    assert first.metrics["grpo/kl_term"] == pytest.approx(0.2 * float(kl.detach()), rel=1e-5)
+    assert akl.step(mean_reward=0.9) == pytest.approx(0.1)
+    service.zero_grad()
+    second = training.forward_backward_custom(data, integration.grpo_kl_loss(akl)).result(timeout=30)
+    assert second.metrics["adaptive_kl/current_beta"] == pytest.approx(0.1)
+    assert second.metrics["grpo/kl_term"] == pytest.approx(0.1 * float(kl.detach()), rel=1e-5)
+    assert_model_grads(fake_tinker, hand_pg(logps, data) + 0.1 * kl)
+
+    assert akl.step(mean_reward=0.5) == pytest.approx(0.1)  # not above the threshold: no decay
+    built = integration.grpo_kl_loss(akl)  # beta 0.1 read here, on this thread
+    assert akl.step(mean_reward=0.95) == pytest.approx(0.05)  # the loop moves on before the SDK runs the loss
+    third = training.forward_backward_custom(data, built).result(timeout=30)
+    assert third.metrics["adaptive_kl/current_beta"] == pytest.approx(0.1)
+    assert third.metrics["grpo/kl_term"] == pytest.approx(0.1 * float(kl.detach()), rel=1e-5)
+
+
+def test_record_step_kl_feeds_the_target_controller(fake_tinker: Tinker) -> None:
+    """`target` reads the step's KL: record_step_kl hands it over on the caller's thread, and the next beta is
+    beta * (1 + clip(KL / kl_target - 1, -0.2, 0.2) * n / kl_horizon), KL the token-mean k3, by hand."""
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.05, kl_horizon=20.0)
+    akl = AdaptiveKL(config, beta=0.1, loss_type="grpo")
+    data = with_advantages(make_data(fake_tinker.initial, seed=7), ADVANTAGES)
+    result = fake_tinker.training.forward_backward_custom(data, integration.grpo_kl_loss(akl)).result(timeout=30)
+    metrics = integration.record_step_kl(akl, data, result)
+    assert metrics["adaptive_kl/raw_kl"] == pytest.approx(result.metrics["adaptive_kl/raw_kl"], rel=1e-5)
+    with torch.no_grad():
+        logps = policy_logprobs(fake_tinker.initial, data)
+    mask = stacked(data, "mask")
+    token_mean = float(hand_k3(logps, stacked(data, "ref_logprobs"), mask).sum() / mask.sum())
+    error = min(max(token_mean / 0.05 - 1.0, -0.2), 0.2)
+    assert akl.step() == pytest.approx(0.1 * (1 + error * len(data) / 20.0), rel=1e-5)
+    assert akl.current_beta != 0.1
+
+
+# ----- 2. the KL in the reward: the built-in importance_sampling loss ------------------------------------------------
+
+def test_reward_penalty_route(fake_tinker: Tinker) -> None:
+    """P_i = beta * KL_i (KL_i = sum_t m min(k3, threshold), the sequence-level clipped KL, by hand) comes off each
+    reward before the group-centred advantages; the Datums carry them aligned as float32 TensorData; the built-in
+    importance_sampling loss gets only its own inputs and its gradients are those of -sum exp(lp - lp_old) A."""
+    config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3, kl_placement="reward")
+    akl = AdaptiveKL(config, beta=0.1, loss_type="grpo")
+    data = make_data(fake_tinker.initial, seed=11)
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    datums, metrics = integration.kl_penalized_data(akl, data, rewards, group_size=2)
+
+    sampled, ref, mask = (stacked(data, key) for key in ("logprobs", "ref_logprobs", "mask"))
+    penalty = 0.1 * (torch.clamp(hand_k3(sampled, ref, mask), max=0.3) * mask).sum(-1)
+    penalized = (rewards - penalty).view(2, 2)
+    advantages = (penalized - penalized.mean(1, keepdim=True)).flatten()
+    assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(float(penalty.mean()), rel=1e-5)
+    assert metrics["reward/mean"] == pytest.approx(0.5)
+    assert advantages[2] != 0  # equal rewards, different KL: the penalty alone separates them
+    for datum, advantage in zip(datums, advantages):
+        inputs = datum.loss_fn_inputs
+        assert all(isinstance(v, types.TensorData) for v in inputs.values())
+        assert {k: v.dtype for k, v in inputs.items()} == {
+            "target_tokens": "int64", "logprobs": "float32", "ref_logprobs": "float32", "mask": "float32",
+            "advantages": "float32"}
+        assert len({tuple(v.shape) for v in inputs.values()}) == 1  # aligned with target_tokens
+        torch.testing.assert_close(inputs["advantages"].to_torch(), advantage * inputs["mask"].to_torch(), **TIGHT)
+
+    result = fake_tinker.training.forward_backward(integration.builtin_loss_data(datums), "importance_sampling")
+    result = result.result(timeout=30)
+    sent = fake_tinker.service.requests("forward_backward")[0]
+    assert sent.loss_fn == "importance_sampling" and set(sent.data[0].loss_fn_inputs) == {
+        "target_tokens", "logprobs", "advantages"}
+    logps = policy_logprobs(fake_tinker.initial, datums)
+    expected = -(torch.exp(logps - sampled) * stacked(datums, "advantages") * mask).sum()
+    assert result.metrics["loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert_model_grads(fake_tinker, expected)
+
+
+def test_tensor_inputs_not_lists() -> None:
+    """Why every input is a TensorData: the SDK turns a plain list into a tensor only for keys it knows."""
+    with pytest.raises(KeyError, match="ref_logprobs"):
+        types.Datum(model_input=types.ModelInput.from_ints([1, 2]),
+                    loss_fn_inputs={"target_tokens": [2, 3], "ref_logprobs": [-1.0, -2.0]})
+    datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
+    assert datum.model_input.to_ints() == [1, 2, 3, 4]
+    assert datum.loss_fn_inputs["target_tokens"].tolist() == [2, 3, 4, 5]
+    assert datum.loss_fn_inputs["mask"].tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert datum.loss_fn_inputs["logprobs"].tolist() == [0.0, 0.0, -0.5, -1.5]
+    assert datum.loss_fn_inputs["ref_logprobs"].tolist() == pytest.approx([0.0, 0.0, -0.7, -1.0])
+
+
+# ----- 3. the traced per-datum loss (create_custom_loss) -----------------------------------------------------------
+
+TRACED = [
+    ("none", "grpo", {}),
+    ("clip", "grpo", {}),
+    ("sigmoid+length_normalized", "bnpo", {}),
+    ("clip", "dr_grpo", {"max_completion_length": 8}),
+]
+
+
+@pytest.mark.parametrize(("method", "loss_type", "context"), TRACED)
+def test_traced_loss_equals_eager(fake_tinker: Tinker, method: str, loss_type: str, context: dict[str, Any]) -> None:
+    """The loss create_custom_loss traces (torch.fx) gives, per datum, what the eager function gives; summed over
+    datums it is grpo_kl_loss's loss; run by forward_backward_custom its gradients are grpo_kl_loss's."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method=method, kl_clip_threshold=0.3, kl_target=0.2),
+                     beta=0.4, loss_type=loss_type)
+    data = with_advantages(make_data(fake_tinker.initial, seed=13), ADVANTAGES)
+    fn, ranks = integration.traceable_grpo_loss(akl)
+    handle = fake_tinker.client.create_custom_loss(fn, ranks).result(timeout=30)
+    traced = integration.traced_loss_data(akl, data, **context)
+
+    logps = policy_logprobs(fake_tinker.initial, data)
+    eager_total = 0.0
+    for i, datum in enumerate(traced):
+        row = logps[i, : len(datum.loss_fn_inputs["target_tokens"].tolist())].detach()
+        inputs = [datum.loss_fn_inputs[name].to_torch() for name in handle.input_names]
+        graph_loss, graph_metrics = handle.graph(row, *inputs)
+        eager_loss, eager_metrics = fn(row, *inputs)
+        torch.testing.assert_close(graph_loss, eager_loss, rtol=0, atol=0)
+        for key in eager_metrics:
+            torch.testing.assert_close(graph_metrics[key], eager_metrics[key], rtol=0, atol=0)
+        eager_total += float(eager_loss)
+
+    loss_fn = integration.grpo_kl_loss(akl, **context)
+    rows = [logps[i, : len(d.loss_fn_inputs["target_tokens"].tolist())] for i, d in enumerate(data)]
+    expected, expected_metrics = loss_fn(data, rows)
+    assert eager_total == pytest.approx(float(expected.detach()), rel=1e-5)
+
+    result = fake_tinker.training.forward_backward_custom(traced, handle).result(timeout=30)
+    assert result.metrics["loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert result.metrics["custom/adaptive_kl/adapted_kl:sum"] == pytest.approx(
+        expected_metrics["adaptive_kl/adapted_kl"], rel=1e-5)
+    assert result.metrics["custom/grpo/kl_term:sum"] == pytest.approx(expected_metrics["grpo/kl_term"], rel=1e-5)
+    assert_model_grads(fake_tinker, expected)
+
+
+def test_traceable_loss_limits() -> None:
+    """Settings a per-datum traced loss cannot represent are refused up front; torch.fx itself refuses a Python
+    branch on a tensor attribute (the core's `masked` has one: `if product.requires_grad:`)."""
+    for config in (AdaptiveKLConfig(kl_estimator="k3_bottom_percentile"), AdaptiveKLConfig(kl_placement="reward")):
+        with pytest.raises(ValueError):
+            integration.traceable_grpo_loss(AdaptiveKL(config, beta=0.1))
+
+    def branches(logprobs, mask):
+        product = logprobs * mask
+        if product.requires_grad:
+            return product.sum(), {}
+        return -product.sum(), {}
+
+    with pytest.raises(ValueError, match="cannot be traced by torch.fx"):
+        trace_loss(branches, {"logprobs": 1, "mask": 1}, "session")
+
+
+def test_the_tinker_pages_blocks_compile_and_their_names_exist() -> None:
+    """docs/tinker.md's blocks need the service (no-run): here, with the SDK installed, each compiles and every name it
+    imports exists in tinker and in this integration."""
+    import ast
+    import importlib
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "tinker.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) == 2
+    for code in blocks:
+        tree = ast.parse(code)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                module = importlib.import_module(node.module)
+                assert all(hasattr(module, alias.name) for alias in node.names), node.module
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tinker":
+                assert hasattr(tinker, node.attr), f"tinker.{node.attr}"

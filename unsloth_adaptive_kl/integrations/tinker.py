@@ -1,0 +1,378 @@
+"""Adaptive KL for GRPO on Tinker (the `tinker` SDK): thin translators between Tinker's data (`tinker.Datum`, the
+per-datum log-probs `TrainingClient.forward_backward_custom` hands a loss function, the `ForwardBackwardOutput` it
+returns) and the core's `AdaptiveKL`. No KL formula lives here: the estimator, shaping, reductions, beta and metrics
+are the core's. Three routes, one per way Tinker trains:
+
+1. `grpo_kl_loss(akl)`: a `loss_fn` for `forward_backward_custom` (KL in the loss). The SDK runs it client-side on
+   its own thread ("tinker-custom-loss") on the log-probs of a forward pass, differentiates it, and sends
+   weights = -dL/dlogprobs back as a second, `cross_entropy` forward_backward; its metrics come back in the result.
+   beta_t is read once, on your thread, when the loss is built.
+2. `kl_penalized_data(akl, data, rewards, group_size)`: the KL in the reward for Tinker's built-in
+   `importance_sampling` loss (one forward_backward, no custom pass): r_i - beta_t * KL_i before the group advantages.
+3. `traceable_grpo_loss(akl)` + `traced_loss_data(akl, data)`: the route-1 loss as a per-datum function that
+   `ServiceClient.create_custom_loss` traces with torch.fx (beta and the reduction weights are inputs, so one traced
+   loss serves every step).
+
+Datum layout (the Tinker cookbook's, plus the reference): one `tinker.Datum` per completion, its `model_input` the
+prompt and completion tokens but the last, and `loss_fn_inputs` aligned one-to-one with `target_tokens` (shape (T,)):
+`target_tokens` (int64), `logprobs` (float32: the sampler's log-probs of the targets, 0 on prompt positions),
+`advantages` (float32), `ref_logprobs` (float32: the reference model's log-probs of the targets) and `mask` (float32:
+1 on completion tokens, 0 on prompt tokens). `completion_datum` builds it. Every input is a `TensorData` (a plain
+Python list is only accepted by the SDK for the keys it knows, and `ref_logprobs`/`mask` are not among them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+
+try:
+    from tinker import types
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError("unsloth_adaptive_kl.integrations.tinker needs the Tinker SDK: pip install tinker") from error
+
+from ..core import AdaptiveKL, ReductionContext, estimate_kl, reduce_kl, shape_kl
+from ..core.adaptation import kl_reduction, loss_type_reduction
+
+__all__ = [
+    "BUILTIN_LOSS_INPUTS",
+    "GRPOKLLoss",
+    "builtin_loss_data",
+    "completion_datum",
+    "grpo_kl_loss",
+    "kl_penalized_data",
+    "record_step_kl",
+    "traceable_grpo_loss",
+    "traced_loss_data",
+]
+
+TARGET_TOKENS, SAMPLING_LOGPROBS, ADVANTAGES, REF_LOGPROBS, MASK = (
+    "target_tokens", "logprobs", "advantages", "ref_logprobs", "mask")
+# What Tinker's built-in policy losses (importance_sampling, ppo, cispo) read; the cookbook strips the rest ("mask")
+# before every forward_backward, and so does `builtin_loss_data`.
+BUILTIN_LOSS_INPUTS: tuple[str, ...] = (TARGET_TOKENS, SAMPLING_LOGPROBS, ADVANTAGES)
+Number = Union[float, torch.Tensor]
+
+
+# ----- Datums ---------------------------------------------------------------------------------------------------------
+
+def _tensor_data(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> "types.TensorData":
+    return types.TensorData.from_torch(values.detach().to("cpu", dtype).contiguous())
+
+
+def completion_datum(
+    prompt_tokens: Sequence[int],
+    completion_tokens: Sequence[int],
+    sampling_logprobs: Union[Sequence[float], torch.Tensor],
+    ref_logprobs: Union[Sequence[float], torch.Tensor],
+) -> "types.Datum":
+    """One completion as a `tinker.Datum`, every input aligned with `target_tokens`.
+
+    With tokens x = prompt + completion (P + C tokens): model_input = x[:-1], target_tokens = x[1:] (T = P + C - 1);
+    the last C positions are the completion: logprobs / ref_logprobs there are `sampling_logprobs` / `ref_logprobs`
+    (C values each: the sampler's and the reference model's log-probs of the completion tokens), 0 before;
+    mask = 0 on the first P - 1 positions, 1 on the last C."""
+    prompt, completion = [int(t) for t in prompt_tokens], [int(t) for t in completion_tokens]
+    if not prompt or not completion:
+        raise ValueError("completion_datum needs at least one prompt token and one completion token")
+    sampled = torch.as_tensor(sampling_logprobs, dtype=torch.float32).flatten()
+    ref = torch.as_tensor(ref_logprobs, dtype=torch.float32).flatten()
+    if sampled.numel() != len(completion) or ref.numel() != len(completion):
+        raise ValueError(f"completion_datum: {len(completion)} completion tokens but {sampled.numel()} sampling and "
+                         f"{ref.numel()} reference log-probs")
+    tokens = prompt + completion
+    pad = torch.zeros(len(prompt) - 1)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            TARGET_TOKENS: _tensor_data(torch.tensor(tokens[1:]), torch.int64),
+            SAMPLING_LOGPROBS: _tensor_data(torch.cat([pad, sampled])),
+            REF_LOGPROBS: _tensor_data(torch.cat([pad, ref])),
+            MASK: _tensor_data(torch.cat([pad, torch.ones(len(completion))])),
+        },
+    )
+
+
+def _input(datum: "types.Datum", key: str) -> torch.Tensor:
+    """loss_fn_inputs[key] as a float32 (T,) tensor, checked to align with target_tokens."""
+    inputs = datum.loss_fn_inputs
+    if key not in inputs:
+        raise KeyError(f"Datum has no loss_fn_inputs[{key!r}] (it has {', '.join(sorted(inputs))}); build it with "
+                       "completion_datum (or add it as a TensorData aligned with target_tokens)")
+    value = inputs[key].to_torch().to(torch.float32)
+    targets = inputs[TARGET_TOKENS].shape or [len(inputs[TARGET_TOKENS].data)]
+    if list(value.shape) != list(targets) or value.dim() != 1:
+        raise ValueError(f"loss_fn_inputs[{key!r}] has shape {list(value.shape)}, target_tokens {list(targets)}: "
+                         "each input holds one value per target token")
+    return value
+
+
+def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(T_i,) tensors -> (B, max T_i), zero-padded (differentiable; padded positions have mask 0)."""
+    return torch.nn.utils.rnn.pad_sequence([row.to(torch.float32) for row in rows], batch_first=True)
+
+
+def _batch(data: Sequence["types.Datum"], key: str) -> torch.Tensor:
+    return _stack([_input(datum, key) for datum in data])
+
+
+def _finite_reference(ref: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """ref where mask is 1, the (detached) policy log-prob elsewhere: the per-token KL of a prompt or padded position
+    is then an estimator at r = 0 (finite, no gradient) instead of a 0 placeholder against any log-prob (whose k3 may
+    overflow to inf and turn the masked-out gradient into 0 * inf = NaN). Masked positions count 0 either way."""
+    return torch.where(mask > 0, ref, logps.detach())
+
+
+def builtin_loss_data(data: Sequence["types.Datum"], keys: Sequence[str] = BUILTIN_LOSS_INPUTS) -> list["types.Datum"]:
+    """The Datums with only `keys` in loss_fn_inputs (default: what importance_sampling / ppo / cispo read), for
+    `TrainingClient.forward_backward(..., "importance_sampling")`: the built-in losses get no `ref_logprobs`/`mask`."""
+    return [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in keys})
+            for d in data]
+
+
+# ----- 1. the KL in the loss: a loss_fn for forward_backward_custom ---------------------------------------------------
+
+class GRPOKLLoss:
+    """`loss_fn(data, logprobs) -> (loss, metrics)` for `TrainingClient.forward_backward_custom`:
+
+        loss = PG + beta_t * K
+
+    with logprobs the per-datum (T_i,) log-probs of the forward pass, stacked to (B, T) with the Datums' `logprobs`
+    (old, the sampler's) o, `advantages` A, `ref_logprobs` and `mask` m:
+
+        ratio = exp(logprobs - o);  PG = reduce_loss_type(-min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), m)
+        beta_t * K = AdaptiveKL.kl_loss(logprobs, ref_logprobs, m)
+
+    reduce_loss_type is the core's reduction of `akl.loss_type` (grpo: mean_i sum_t m x / L_i), and K the core's
+    adapted KL (estimator, clip/sigmoid shaping, reduction). beta_t is `akl.current_beta` read once, here, on the
+    caller's thread, when the loss is built: the SDK calls the loss later on its own thread, possibly after
+    `akl.step()` moved beta on (a pipelined loop). Build one loss per optimizer step.
+
+    metrics (floats, merged by the SDK into the result's metrics): the core's `adaptive_kl/*` of this batch (their
+    `adaptive_kl/current_beta` is the captured beta), `grpo/pg_loss` (PG) and `grpo/kl_term` (beta_t * K).
+
+    The SDK thread only touches this object: a private `AdaptiveKL` fixed at the captured beta computes K, so `akl`
+    itself is never read or written off the caller's thread. A `target` controller reads the step's KL: call
+    `record_step_kl(akl, data, result)` on your thread before `akl.step()`."""
+
+    def __init__(
+        self,
+        akl: AdaptiveKL,
+        *,
+        clip_epsilon: float = 0.2,
+        clip_epsilon_high: Optional[float] = None,
+        max_completion_length: Optional[int] = None,
+        token_normalizer: Optional[Number] = None,
+    ) -> None:
+        if akl.config.kl_in_reward:
+            raise ValueError("kl_placement='reward' puts beta * KL into the rewards: use kl_penalized_data(...) with "
+                             "the built-in importance_sampling loss instead of grpo_kl_loss(...)")
+        if not 0 <= clip_epsilon < 1 or (clip_epsilon_high is not None and not clip_epsilon_high >= 0):
+            raise ValueError(f"clip_epsilon={clip_epsilon!r} / clip_epsilon_high={clip_epsilon_high!r}: allowed is "
+                             "0 <= clip_epsilon < 1 and clip_epsilon_high >= 0 (None: clip_epsilon)")
+        self.beta = akl.current_beta
+        self.loss_type = akl.loss_type
+        self.clip_low = 1.0 - clip_epsilon
+        self.clip_high = 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
+        self.context = ReductionContext(max_completion_length, token_normalizer)
+        self._kl = AdaptiveKL(akl.config, beta=self.beta, loss_type=akl.loss_type)
+        self._kl.completed_steps = akl.completed_steps
+
+    def __call__(
+        self, data: list["types.Datum"], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        if len(data) != len(logprobs):
+            raise ValueError(f"{len(data)} Datums but {len(logprobs)} log-prob tensors")
+        logps = _stack(logprobs)
+        old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
+        ref = _finite_reference(_batch(data, REF_LOGPROBS), logps, mask)
+        ratio = torch.exp(logps - old)
+        surrogate = -torch.minimum(ratio * advantages, torch.clamp(ratio, self.clip_low, self.clip_high) * advantages)
+        pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
+        kl_term, metrics = self._kl.kl_loss(logps, ref, mask, max_completion_length=self.context.max_completion_length,
+                                            token_normalizer=self.context.token_normalizer)
+        metrics["grpo/pg_loss"] = float(pg.detach())
+        metrics["grpo/kl_term"] = float(kl_term.detach())
+        return pg + kl_term, metrics
+
+
+def grpo_kl_loss(
+    akl: AdaptiveKL,
+    *,
+    clip_epsilon: float = 0.2,
+    clip_epsilon_high: Optional[float] = None,
+    max_completion_length: Optional[int] = None,
+    token_normalizer: Optional[Number] = None,
+) -> GRPOKLLoss:
+    """The `loss_fn` of one optimizer step for `TrainingClient.forward_backward_custom(data, loss_fn)`: the GRPO
+    PPO-clip surrogate plus beta_t * the adapted KL, beta_t captured now (see `GRPOKLLoss`). Per step:
+
+        loss_fn = grpo_kl_loss(akl)
+        result = training_client.forward_backward_custom(data, loss_fn).result()
+        training_client.optim_step(adam).result()
+        record_step_kl(akl, data, result)          # only a `target` controller needs it
+        akl.step(mean_reward=...)
+
+    max_completion_length: dr_grpo's divisor; token_normalizer: dapo/cispo/vespo's active-token count."""
+    return GRPOKLLoss(akl, clip_epsilon=clip_epsilon, clip_epsilon_high=clip_epsilon_high,
+                      max_completion_length=max_completion_length, token_normalizer=token_normalizer)
+
+
+def record_step_kl(
+    akl: AdaptiveKL,
+    data: Sequence["types.Datum"],
+    result: "types.ForwardBackwardOutput",
+    *,
+    max_completion_length: Optional[int] = None,
+    token_normalizer: Optional[Number] = None,
+) -> dict[str, float]:
+    """On the caller's thread, after a custom forward_backward: hand the batch's KL to `akl` as `akl.kl_loss` would
+    (without gradient), so the next `akl.step()` sees it (the `target` controller reads it; the others ignore it).
+    The log-probs are the ones the result carries (`loss_fn_outputs[i]["logprobs"]`, the policy the loss saw).
+    Returns the core's `adaptive_kl/*` metrics of the batch. Call it once per forward_backward_custom."""
+    if len(result.loss_fn_outputs) != len(data):
+        raise ValueError(f"{len(data)} Datums but the result has {len(result.loss_fn_outputs)} outputs")
+    logps = _stack([output[SAMPLING_LOGPROBS].to_torch().flatten() for output in result.loss_fn_outputs])
+    mask = _batch(data, MASK)
+    with torch.no_grad():
+        _, metrics = akl.kl_loss(logps, _finite_reference(_batch(data, REF_LOGPROBS), logps, mask), mask,
+                                 max_completion_length=max_completion_length, token_normalizer=token_normalizer)
+    return metrics
+
+
+# ----- 2. the KL in the reward: Datums for the built-in importance_sampling loss --------------------------------------
+
+def kl_penalized_data(
+    akl: AdaptiveKL,
+    data: Sequence["types.Datum"],
+    rewards: Union[Sequence[float], torch.Tensor],
+    group_size: int,
+    *,
+    scale_by_std: bool = False,
+    std_epsilon: float = 1e-4,
+) -> tuple[list["types.Datum"], dict[str, float]]:
+    """The KL in the reward, for Tinker's built-in `importance_sampling` loss (one forward_backward, no custom pass):
+
+        r'_i = r_i - P_i,  P_i = akl.reward_penalty(logprobs, ref_logprobs, mask)_i = beta_t * KL_i   (no gradient)
+        A_i = r'_i - mean_{j in group(i)} r'_j   (/ (std_group r' + std_epsilon) with scale_by_std)
+
+    `data`: one Datum per completion (see `completion_datum`), groups of `group_size` consecutive completions of the
+    same prompt; `logprobs` are the sampler's (the policy the completions came from). `rewards`: (N,) un-penalised.
+    KL_i is the core's (estimator, shaping, `kl_reduction`: sequence_sum by default); configure
+    `AdaptiveKLConfig(kl_placement="reward")`. beta_t is read here, on the caller's thread.
+
+    Returns the Datums with `advantages` = A_i on the completion tokens (mask), 0 elsewhere, as a float32 TensorData
+    (the other inputs unchanged), and the metrics: the core's `adaptive_kl/*` (with `adaptive_kl/reward_penalty`,
+    the mean P_i), `reward/mean` (un-penalised: pass it to `akl.step(mean_reward=...)`) and `reward/penalized_mean`.
+    Send `builtin_loss_data(datums)` to `forward_backward(..., "importance_sampling")`."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if len(data) != rewards.numel():
+        raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
+    if group_size < 1 or len(data) % group_size:
+        raise ValueError(f"group_size={group_size!r} must be >= 1 and divide the {len(data)} completions")
+    logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
+    penalty = akl.reward_penalty(logps, _finite_reference(ref, logps, mask), mask)
+    penalized = (rewards - penalty.to(torch.float32)).view(-1, group_size)
+    advantages = penalized - penalized.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        advantages = advantages / (penalized.std(dim=1, keepdim=True) + std_epsilon)
+    out = []
+    for datum, advantage in zip(data, advantages.flatten()):
+        inputs = dict(datum.loss_fn_inputs)
+        inputs[ADVANTAGES] = _tensor_data(advantage * _input(datum, MASK))
+        out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
+    metrics = {**akl.last_metrics, "reward/mean": float(rewards.mean()),
+               "reward/penalized_mean": float(penalized.mean())}
+    return out, metrics
+
+
+# ----- 3. a per-datum loss for ServiceClient.create_custom_loss (traced with torch.fx) --------------------------------
+
+PG_WEIGHTS, KL_WEIGHTS, BETA, OLD_LOGPROBS = "pg_weights", "kl_weights", "beta", "sampling_logprobs"
+# Estimators of batch statistics: per datum they would compute another KL.
+_BATCH_ESTIMATORS = frozenset({"k3_bottom_percentile"})
+
+
+def traceable_grpo_loss(
+    akl: AdaptiveKL, *, clip_epsilon: float = 0.2, clip_epsilon_high: Optional[float] = None
+) -> tuple[Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]], dict[str, int]]:
+    """(fn, input_ranks) for `ServiceClient.create_custom_loss(fn, input_ranks)`: route 1's loss, per datum. The SDK
+    runs fn once per datum and sums; with the per-token weights of `traced_loss_data` the sum is
+
+        loss = sum_t w_pg,t * (-min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t))
+               + beta * sum_t w_kl,t * shape(k_t m_t),   ratio_t = exp(logprobs_t - sampling_logprobs_t)
+
+    k the core's estimator of (logprobs, ref_logprobs) (at r = 0 where m = 0), shape the core's clip/sigmoid, and
+    w_pg, w_kl the core's `loss_type` / KL reductions as per-token weights (each reduction is linear in the
+    per-completion sums S_i, so sum_i sum_t w_t x_t is exactly the reduced batch value). It equals `grpo_kl_loss`.
+
+    fn's inputs: logprobs, then the Datum keys sampling_logprobs, advantages, ref_logprobs, mask, pg_weights,
+    kl_weights (rank 1) and beta (rank 0): beta is data, so the one traced loss (created once per session) serves
+    every step. Its metrics (summed over datums): custom/grpo/pg_loss:sum, custom/adaptive_kl/adapted_kl:sum (K) and
+    custom/grpo/kl_term:sum (beta K).
+
+    Supported: kl_placement='loss'; every shaping (none, clip, sigmoid), length_normalized, every kl_reduction and
+    loss_type (dr_grpo / dapo / cispo / vespo via `traced_loss_data`'s max_completion_length / token_normalizer),
+    every controller (beta is an input; `target` needs `record_step_kl`); the per-token estimators k1, k2, k3,
+    low_var_kl, k1+, k3+ and registered callables torch.fx can trace. Not: k3_bottom_percentile (a batch statistic)."""
+    config = akl.config
+    if config.kl_in_reward:
+        raise ValueError("kl_placement='reward': there is no KL in the loss to trace; use kl_penalized_data(...)")
+    if isinstance(config.kl_estimator, str) and config.kl_estimator in _BATCH_ESTIMATORS:
+        raise ValueError(f"kl_estimator={config.kl_estimator!r} selects tokens by a batch-wide percentile, which a "
+                         "per-datum loss cannot see: use grpo_kl_loss(...) (the whole batch) instead")
+    low = 1.0 - clip_epsilon
+    high = 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
+
+    def adaptive_kl_grpo(logprobs, sampling_logprobs, advantages, ref_logprobs, mask, pg_weights, kl_weights, beta):
+        ratio = torch.exp(logprobs - sampling_logprobs)
+        surrogate = -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+        pg = (pg_weights * surrogate).sum()
+        ref = torch.where(mask > 0, ref_logprobs, logprobs.detach())
+        kl = shape_kl(estimate_kl(logprobs, ref, mask, config) * mask, config)
+        adapted = (kl_weights * kl).sum()
+        kl_term = beta * adapted
+        return pg + kl_term, {"custom/grpo/pg_loss:sum": pg, "custom/adaptive_kl/adapted_kl:sum": adapted,
+                              "custom/grpo/kl_term:sum": kl_term}
+
+    ranks = {"logprobs": 1, OLD_LOGPROBS: 1, ADVANTAGES: 1, REF_LOGPROBS: 1, MASK: 1, PG_WEIGHTS: 1, KL_WEIGHTS: 1,
+             BETA: 0}
+    return adaptive_kl_grpo, ranks
+
+
+def _reduction_weights(mask: torch.Tensor, reduction: str, context: ReductionContext) -> torch.Tensor:
+    """d reduce(x) / d x_t for the core's named reduction: m_t * w_i (each reduction is linear in x)."""
+    x = torch.zeros_like(mask, requires_grad=True)
+    with torch.enable_grad():
+        (weights,) = torch.autograd.grad(reduce_kl(x, mask, reduction, context), x)
+    return weights
+
+
+def traced_loss_data(
+    akl: AdaptiveKL,
+    data: Sequence["types.Datum"],
+    *,
+    beta: Optional[float] = None,
+    max_completion_length: Optional[int] = None,
+    token_normalizer: Optional[Number] = None,
+) -> list["types.Datum"]:
+    """The Datums of one batch with the inputs `traceable_grpo_loss` reads added: sampling_logprobs (a copy of
+    `logprobs`: the per-datum loss's own first parameter is named logprobs), pg_weights / kl_weights (the per-token
+    weights of the core's `akl.loss_type` reduction and of its KL reduction over this batch: m_t / (B L_i) for grpo's
+    sequence_mean) and beta (rank 0; default `akl.current_beta`, read here, on the caller's thread)."""
+    mask = _batch(data, MASK)
+    context = ReductionContext(max_completion_length, token_normalizer)
+    pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context)
+    kl_weights = _reduction_weights(mask, kl_reduction(akl.config, akl.loss_type), context)
+    beta_value = torch.tensor(akl.current_beta if beta is None else float(beta), dtype=torch.float32)
+    out = []
+    for i, datum in enumerate(data):
+        length = _input(datum, MASK).numel()
+        inputs = dict(datum.loss_fn_inputs)
+        inputs[OLD_LOGPROBS] = inputs[SAMPLING_LOGPROBS]
+        inputs[PG_WEIGHTS] = _tensor_data(pg_weights[i, :length])
+        inputs[KL_WEIGHTS] = _tensor_data(kl_weights[i, :length])
+        inputs[BETA] = _tensor_data(beta_value)
+        out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
+    return out
