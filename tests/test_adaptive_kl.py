@@ -81,6 +81,9 @@ def test_reward_penalty_is_beta_times_each_completions_shaped_kl() -> None:
     assert torch.allclose(mean.reward_penalty(logps, ref, MASK).double(), BETA * k.sum(-1) / LENGTHS, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="kl_placement='reward' puts beta \\* KL into the rewards"):
         summed.kl_loss(logps, ref, MASK)
+    with pytest.raises(ValueError, match=r"^kl_reduction='token_mean' is invalid: allowed is one of loss_type, "
+                                         r"sequence_sum, sequence_mean for reward_penalty"):
+        AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA).reward_penalty(logps, ref, MASK)
 
 
 def test_dynamic_decays_once_per_generation_batch_and_cuts_off() -> None:

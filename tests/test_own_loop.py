@@ -212,12 +212,9 @@ def test_the_none_kl_term_of_the_pages_loop_is_beta_times_the_k3_formula(page: R
         assert log["adaptive_kl/current_beta"] == BETA and log["adaptive_kl/raw_kl"] == log["adaptive_kl/adapted_kl"]
 
 
-def test_a_step_of_the_kl_in_the_loss_replayed_by_hand(page: RunPage) -> None:
-    """From the page's checkpoint (after step 12): step 13 sampled with the saved RNG state, rewards, advantages,
-    policy loss and KL term computed by hand give the loss the run logged for step 13."""
-    program = page.program
-    checkpoint = torch.load(page.program_folder / "checkpoint.pt")
-    assert checkpoint["step"] == 12 and checkpoint["adaptive_kl"]["completed_steps"] == 12
+def replay_from(program: dict, checkpoint: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The next step's batch from a checkpoint of the page's program: completions and mask sampled with the saved RNG
+    state, and the policy's and the reference's log-probs of them."""
     policy, reference = program["TinyLM"](), program["TinyLM"]()
     policy.load_state_dict(checkpoint["policy"])
     reference.load_state_dict(checkpoint["reference"])
@@ -225,8 +222,17 @@ def test_a_step_of_the_kl_in_the_loss_replayed_by_hand(page: RunPage) -> None:
     generator.set_state(checkpoint["rng"])
     completions, mask = program["sample"](policy, generator)
     with torch.no_grad():
-        logps = program["completion_logps"](policy, completions)
-        ref_logps = program["completion_logps"](reference, completions)
+        return (completions, mask, program["completion_logps"](policy, completions),
+                program["completion_logps"](reference, completions))
+
+
+def test_a_step_of_the_kl_in_the_loss_replayed_by_hand(page: RunPage) -> None:
+    """From the page's checkpoint (after step 12): step 13 sampled with the saved RNG state, rewards, advantages,
+    policy loss and KL term computed by hand give the loss the run logged for step 13."""
+    program = page.program
+    checkpoint = torch.load(page.program_folder / "checkpoint.pt")
+    assert checkpoint["step"] == 12 and checkpoint["adaptive_kl"]["completed_steps"] == 12
+    completions, mask, logps, ref_logps = replay_from(program, checkpoint)
     rewards = hand_reward(completions, mask, program["HASH"])
     beta = checkpoint["adaptive_kl"]["value"]
     loss = hand_policy_loss(logps, hand_advantages(rewards, program["G"]), mask) + \
@@ -262,15 +268,7 @@ def test_a_step_of_the_kl_in_the_reward_replayed_by_hand(page: RunPage, tmp_path
         history = program["train"](program["in_reward_config"], steps=7, save_at=6)
     assert [log["loss"] for log in history] == [log["loss"] for log in program["in_reward"][:7]]
     checkpoint = torch.load(tmp_path / "checkpoint.pt")
-    policy, reference = program["TinyLM"](), program["TinyLM"]()
-    policy.load_state_dict(checkpoint["policy"])
-    reference.load_state_dict(checkpoint["reference"])
-    generator = torch.Generator()
-    generator.set_state(checkpoint["rng"])
-    completions, mask = program["sample"](policy, generator)
-    with torch.no_grad():
-        logps = program["completion_logps"](policy, completions)
-        ref_logps = program["completion_logps"](reference, completions)
+    completions, mask, logps, ref_logps = replay_from(program, checkpoint)
     rewards = hand_reward(completions, mask, program["HASH"])
     beta = checkpoint["adaptive_kl"]["value"]
     penalised = rewards - beta * (k3(logps, ref_logps) * mask).sum(1)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .adaptation import CompletionKL, KLTerm, ReductionContext, completion_kl, kl_reduction, kl_term, loss_type_reduction
-from .config import AdaptiveKLConfig, _check_real, _is_real
+from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, _check_real, _is_real, _reject
 from .controllers import WindowKL, make_beta_controller
 from .estimators import estimate_kl
 
@@ -147,6 +147,9 @@ class AdaptiveKL:
         `kl_reduction` ('sequence_sum' / 'loss_type': sum_t m k'; 'sequence_mean': that over L_i). With `gather`, the
         penalties of every process in process order (float32, as trainers gather rewards). Its metrics are in
         `last_metrics`; `step` reads its KL."""
+        if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
+            raise _reject("kl_reduction", self.config.kl_reduction,
+                          f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
         kl = per_token_kl if per_token_kl is not None else estimate_kl(logps, ref_logps, mask, self.config)
         penalty, self.last_metrics = self.penalize(
             completion_kl(kl, mask, self.config), gather=gather or _local, train=True,
