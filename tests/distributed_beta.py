@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any
 
-from tests.conftest import build_tokenizer, logged, make_trainer
+from tests.conftest import logged, make_trainer
+from unsloth_adaptive_kl.tools.tiny import build_tokenizer
 
 RANK_REWARD = {0: 1.0, 1: 0.6}
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.conftest import build_tokenizer, logged, make_trainer
+from tests.conftest import logged, make_trainer
 from unsloth_adaptive_kl.integrations.ref_sync import STATE_FILE, AdapterReference, _full, _load_into
-from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
+from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
 
 RANK_THRESHOLD = 1e-3  # ref_model_sync_kl of the PEFT run
 

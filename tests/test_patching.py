@@ -121,10 +121,11 @@ def test_base_dependencies_admit_the_newest_releases(package: str, version: str)
     from packaging.requirements import Requirement
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    requirements = {Requirement(r).name: Requirement(r)
+                    for r in project["dependencies"] + project["optional-dependencies"]["trl"]}
     assert requirements[package].specifier.contains(version)
     extra = [Requirement(r) for r in project["optional-dependencies"]["unsloth"]]
-    assert {r.name for r in extra} == {"unsloth", "unsloth_zoo"}
+    assert {r.name for r in extra} == {"unsloth-adaptive-kl", "unsloth", "unsloth_zoo"}  # [trl] + Unsloth's caps
     assert all(r.specifier.contains("2026.10.9") and r.specifier.contains("2026.10.7") for r in extra)
 
 
