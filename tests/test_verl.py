@@ -1,0 +1,411 @@
+"""verl integration: adaptive KL in verl's own actor loss (`ppo_loss`), reward KL (`apply_kl_penalty`), training
+worker and end-to-end trainer (`python -m verl.trainer.main_ppo`), on CPU.
+
+The loss and reward tests call verl's real functions on real TensorDicts / DataProtos in this process. The worker and
+end-to-end tests run in a subprocess each (tests/verl_cpu.py: a CPU platform and engine registered through verl's own
+registries, one gloo process group, and an HF-generate rollout), so this process keeps no process group or Ray."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl")
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from verl.protocol import DataProto  # noqa: E402
+from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import ActorConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from unsloth_adaptive_kl import AdaptiveKLConfig  # noqa: E402
+from unsloth_adaptive_kl.integrations import verl as verl_kl  # noqa: E402
+from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError  # noqa: E402
+
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KL_TYPES = ["low_var_kl", "k1", "k2", "k3+"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----- verl's ppo_loss on real TensorDicts --------------------------------------------------------------------------
+
+
+def _nested(rows):
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
+def make_batch(batch_size=8, seed=0, response_lengths=None, kl_scale=2.0):
+    """A batch as verl's actor update sees it: nested prompts/responses and per-response-token fields, plus the
+    policy log-probs over prompt + response (the model output, left-shifted by verl's no_padding_2_padding)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(2, 6, (batch_size,), generator=g).tolist()
+    responses = response_lengths or torch.randint(1, 9, (batch_size,), generator=g).tolist()
+    td = TensorDict({
+        "prompts": _nested([torch.randint(0, 50, (n,), generator=g) for n in prompts]),
+        "responses": _nested([torch.randint(0, 50, (n,), generator=g) for n in responses]),
+        "response_mask": _nested([torch.ones(n, dtype=torch.int64) for n in responses]),
+        "old_log_probs": _nested([-torch.rand(n, generator=g) * kl_scale for n in responses]),
+        "ref_log_prob": _nested([-torch.rand(n, generator=g) * kl_scale for n in responses]),
+        "advantages": _nested([torch.full((n,), float(torch.randn(1, generator=g))) for n in responses]),
+    }, batch_size=[batch_size])
+    log_probs = -torch.rand(sum(prompts) + sum(responses), generator=g) * kl_scale
+    return td, log_probs, prompts, responses
+
+
+def actor_config(mode="token-mean", kl_type="low_var_kl", coef=0.05, use_kl=True):
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, use_kl_loss=use_kl,
+                       kl_loss_coef=coef, kl_loss_type=kl_type, loss_agg_mode=mode, entropy_coeff=0.0,
+                       loss_scale_factor=16 if mode.endswith("norm") else None)
+
+
+def run_loss(loss_fn, batch, micro_batches, beta=None):
+    """Forward + backward over `micro_batches` micro-batches as verl's engine does (global batch info in the
+    non-tensor data, chunked with verl's chunk_tensordict): (total loss, gradient of the log-probs, metrics)."""
+    td, log_probs0, prompts, responses = batch
+    log_probs = log_probs0.clone().requires_grad_(True)
+    td = td.clone()
+    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=sum(responses), global_batch_size=len(prompts))
+    if beta is not None:
+        tu.assign_non_tensor(td, **{verl_kl.BETA_KEY: beta})
+    lengths = [p + r for p, r in zip(prompts, responses)]
+    per = len(prompts) // micro_batches
+    total, start, metrics = torch.zeros(()), 0, []
+    for index, micro in enumerate(tu.chunk_tensordict(td, micro_batches)):
+        sizes = lengths[index * per:(index + 1) * per]
+        values = log_probs[start:start + sum(sizes)]
+        start += sum(sizes)
+        offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+        loss, m = loss_fn(model_output={"log_probs": torch.nested.nested_tensor_from_jagged(values, offsets)},
+                          data=micro)
+        loss.backward()
+        total = total + loss.detach()
+        metrics.append(m)
+    return total, log_probs.grad, metrics
+
+
+def adaptive(config, method="none", **fields):
+    return verl_kl.AdaptivePPOLoss(config, AdaptiveKLConfig(kl_adaptation_method=method, **fields))
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_none_is_stock_ppo_loss_bit_for_bit(mode):
+    batch = make_batch()
+    for kl_type in KL_TYPES:
+        config = actor_config(mode, kl_type)
+        for micro in (1, 2, 4):
+            stock_loss, stock_grad, stock_metrics = run_loss(lambda **kw: ppo_loss(copy.deepcopy(config), **kw),
+                                                             batch, micro)
+            ours_loss, ours_grad, ours_metrics = run_loss(adaptive(copy.deepcopy(config)), batch, micro, beta=0.05)
+            assert torch.equal(stock_loss, ours_loss), (mode, kl_type, micro)
+            assert torch.equal(stock_grad, ours_grad), (mode, kl_type, micro)
+            for stock, ours in zip(stock_metrics, ours_metrics):
+                assert stock["kl_loss"].values == ours["kl_loss"].values
+                assert stock["kl_coef"] == ours["kl_coef"]
+                assert stock["actor/pg_loss"].values == ours["actor/pg_loss"].values
+
+
+@pytest.mark.parametrize("method", ["none", "clip", "sigmoid", "length_normalized", "clip+length_normalized"])
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_total_gradient_same_for_1_2_4_micro_batches(mode, method):
+    batch = make_batch(seed=1)
+    loss_fn = adaptive(actor_config(mode), method, kl_clip_threshold=0.2, kl_target=0.1)
+    loss1, grad1, _ = run_loss(loss_fn, batch, 1, beta=0.3)
+    for micro in (2, 4):
+        loss, grad, _ = run_loss(loss_fn, batch, micro, beta=0.3)
+        torch.testing.assert_close(loss, loss1, rtol=1e-6, atol=1e-6)  # float32 sums in another order
+        torch.testing.assert_close(grad, grad1, rtol=1e-6, atol=1e-6)
+
+
+def kl_part(loss_fn, batch, beta=1.0):
+    """The KL part of the loss: loss(beta) - loss(0), and its gradient."""
+    with_kl, grad_kl, metrics = run_loss(loss_fn, batch, 1, beta=beta)
+    without, grad0, _ = run_loss(loss_fn, batch, 1, beta=0.0)
+    return with_kl - without, grad_kl - grad0, metrics[0]
+
+
+def per_token(batch, kl_type="low_var_kl"):
+    """verl's per-token KL of `batch` (padded) and its mask, by the same slicing verl uses."""
+    td, log_probs, prompts, responses = batch
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    offsets = torch.tensor([0, *torch.tensor([p + r for p, r in zip(prompts, responses)]).cumsum(0).tolist()])
+    lp = no_padding_2_padding(torch.nested.nested_tensor_from_jagged(log_probs, offsets), td)
+    padded = td.select("response_mask", "ref_log_prob").to_padded_tensor()
+    return core_algos.kl_penalty(lp, padded["ref_log_prob"], kl_type), padded["response_mask"].bool()
+
+
+def test_clip_follows_its_formula_and_has_no_gradient_above_the_threshold():
+    batch = make_batch(seed=2, kl_scale=3.0)
+    threshold = 0.3
+    kl_value, grad, metrics = kl_part(adaptive(actor_config(), "clip", kl_clip_threshold=threshold), batch)
+    k, mask = per_token(batch)
+    expected = torch.clamp(k, max=threshold)[mask].sum() / mask.sum()
+    torch.testing.assert_close(kl_value, expected, rtol=1e-5, atol=1e-6)
+    assert metrics[verl_kl.METRIC + "adapted_kl"].values[0] == pytest.approx(float(expected), rel=1e-6)
+    assert metrics[verl_kl.METRIC + "raw_kl"].values[0] == pytest.approx(float(k[mask].mean()), rel=1e-6)
+    # the response tokens' log-prob gradient from the KL term, in verl's left-shifted layout
+    td, log_probs, prompts, responses = batch
+    starts = torch.tensor([0, *torch.tensor([p + r for p, r in zip(prompts, responses)]).cumsum(0).tolist()])
+    token_grads = [grad[s + p - 1: s + p - 1 + r] for s, p, r in zip(starts.tolist(), prompts, responses)]
+    above = [k[i, :r] >= threshold for i, r in enumerate(responses)]
+    assert any(a.any() for a in above) and any((~a).any() for a in above)
+    for g, a in zip(token_grads, above):
+        assert torch.all(g[a] == 0)
+        assert torch.all(g[~a] != 0)
+
+
+def test_sigmoid_follows_its_formula():
+    batch = make_batch(seed=3)
+    kl_value, _, _ = kl_part(adaptive(actor_config(), "sigmoid", kl_target=0.2), batch)
+    k, mask = per_token(batch)
+    expected = (torch.sigmoid(k - 0.2) * k)[mask].sum() / mask.sum()
+    torch.testing.assert_close(kl_value, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_length_normalized_doubling_a_completion_leaves_its_kl_unchanged():
+    short = make_batch(batch_size=1, seed=4, response_lengths=[3])
+    td, lp, (p,), (r,) = short
+    response_lp = lp[p - 1:p - 1 + r]  # verl's left shift: token j's log-prob sits at p - 1 + j
+    doubled = lambda key: _nested([torch.cat([td[key][0]] * 2)])  # noqa: E731
+    long = (TensorDict({"prompts": td["prompts"], **{key: doubled(key) for key in
+                        ("responses", "response_mask", "old_log_probs", "ref_log_prob", "advantages")}},
+                       batch_size=[1]),
+            torch.cat([lp[:p - 1], response_lp, response_lp, lp[p - 1 + r:]]), [p], [2 * r])
+    for mode in AGG_MODES:
+        fn = adaptive(actor_config(mode), "length_normalized")
+        short_kl, _, _ = kl_part(fn, short)
+        long_kl, _, _ = kl_part(fn, long)
+        torch.testing.assert_close(short_kl, long_kl, rtol=1e-6, atol=1e-7)
+        if "token-sum" in mode:  # without length normalisation, verl's token sums double
+            stock_short, _, _ = kl_part(adaptive(actor_config(mode)), short)
+            stock_long, _, _ = kl_part(adaptive(actor_config(mode)), long)
+            assert not torch.allclose(stock_short, stock_long)
+
+
+def test_beta_used_is_the_beta_pushed_to_every_micro_batch():
+    batch = make_batch(seed=5)
+    fn = adaptive(actor_config(coef=0.05), "clip", kl_clip_threshold=0.5)
+    _, _, metrics = run_loss(fn, batch, 4, beta=0.37)
+    assert [m["kl_coef"] for m in metrics] == [0.37] * 4
+    assert [m[verl_kl.METRIC + "current_beta"] for m in metrics] == [0.37] * 4
+    one, _, m1 = kl_part(fn, batch, beta=1.0)
+    pushed, _, _ = kl_part(fn, batch, beta=0.37)
+    torch.testing.assert_close(pushed, 0.37 * one, rtol=1e-5, atol=1e-7)
+    # without a pushed beta (no driver), the configured kl_loss_coef
+    _, _, metrics = run_loss(fn, batch, 2)
+    assert [m["kl_coef"] for m in metrics] == [0.05, 0.05]
+
+
+def test_anchor_missing_is_an_error_naming_it(monkeypatch):
+    verl_kl.check_anchors()
+    bogus = (ppo_loss, "policy_loss += kl_loss * config.kl_coef_that_moved", "a moved line")
+    monkeypatch.setattr(verl_kl, "ANCHORS", (*verl_kl.ANCHORS, bogus))
+    with pytest.raises(IncompatibleVersionError, match="kl_coef_that_moved.*verl==0.9.1"):
+        verl_kl.check_anchors()
+
+
+def test_adaptive_kl_block_is_validated():
+    loss, reward = verl_kl.configs_from({"kl_adaptation_method": "clip", "kl_clip_threshold": 0.5,
+                                         "reward": {"kl_adaptation_method": "target", "beta_max": 0.2}})
+    assert loss.kl_methods == ("clip",) and reward.kl_methods == ("target",) and reward.kl_clip_threshold == 0.5
+    with pytest.raises(ValueError, match="kl_clip_threshold"):
+        verl_kl.configs_from({"kl_clip_threshold": -1})
+    with pytest.raises(ValueError, match="unknown field.*kl_clip"):
+        verl_kl.configs_from({"kl_clip": 1})
+    with pytest.raises(ValueError, match="kl_placement.*use_kl_in_reward"):
+        verl_kl.configs_from({"kl_placement": "reward"})
+
+
+# ----- verl's apply_kl_penalty with our controller -------------------------------------------------------------------
+
+
+def reward_batch(seed=0, batch_size=6, length=5, reward=1.0):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.arange(length)[None] < torch.randint(1, length + 1, (batch_size,), generator=g)[:, None]).float()
+    scores = torch.zeros(batch_size, length)
+    scores[torch.arange(batch_size), mask.sum(-1).long() - 1] = reward
+    return DataProto(batch=TensorDict({
+        "response_mask": mask, "token_level_scores": scores,
+        "old_log_probs": -torch.rand(batch_size, length, generator=g) * 2,
+        "ref_log_prob": -torch.rand(batch_size, length, generator=g) * 2}, batch_size=[batch_size]))
+
+
+class CountingController(verl_kl.RewardKLController):
+    def update(self, current_kl, n_steps):
+        self.calls = getattr(self, "calls", []) + [(current_kl, n_steps)]
+        super().update(current_kl=current_kl, n_steps=n_steps)
+
+
+@pytest.mark.parametrize("kl_type", ["kl", "low_var_kl", "k2"])
+def test_apply_kl_penalty_with_our_controller(kl_type):
+    ctrl = CountingController(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5,
+                                               dynamic_beta_decay=0.5, beta_min=0.03), beta=0.1)
+    betas = []
+    for step in range(4):
+        data = reward_batch(seed=step)
+        kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_type) \
+            * data.batch["response_mask"]
+        beta = ctrl.value
+        betas.append(beta)
+        ctrl.observe_rewards(1.0)
+        out, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=ctrl, kl_penalty=kl_type)
+        assert torch.equal(out.batch["token_level_rewards"], data.batch["token_level_scores"] - beta * kld)
+        assert metrics["actor/reward_kl_penalty_coeff"] == beta
+        assert len(ctrl.calls) == step + 1  # one update per batch
+    assert betas == [0.1, 0.05, 0.03, 0.03]  # decays while reward > threshold, never below beta_min
+
+
+def test_reward_target_controller_follows_verls_measure_within_bounds():
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1e-4, kl_horizon=10, beta_min=0.01,
+                              beta_max=0.2)
+    ctrl = verl_kl.RewardKLController(config, beta=0.1)
+    values = []
+    for step in range(8):
+        data = reward_batch(seed=step)
+        _, metrics = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="low_var_kl")
+        values.append(ctrl.value)
+    # KL far above target: e = +0.2 each batch, beta *= 1 + 0.2 * 6 / 10, capped at beta_max
+    assert values[0] == pytest.approx(0.1 * 1.12)
+    assert values[-1] == 0.2 and all(v <= 0.2 for v in values)
+    low = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=100.0, kl_horizon=1,
+                                                      beta_min=0.05, beta_max=0.2), beta=0.1)
+    for step in range(5):
+        verl_kl.apply_adaptive_kl_penalty(reward_batch(seed=step), low, kl_penalty="low_var_kl")
+    assert low.value == 0.05
+
+
+def test_reward_clip_shapes_the_per_token_kl():
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.1), beta=0.5)
+    data = reward_batch(seed=7)
+    mask = data.batch["response_mask"]
+    kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], "low_var_kl") * mask
+    scores = data.batch["token_level_scores"].clone()
+    out, metrics = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="low_var_kl")
+    torch.testing.assert_close(out.batch["token_level_rewards"], scores - 0.5 * torch.clamp(kld, max=0.1) * mask)
+    verl_kl_measure = float((kld.sum(-1) / mask.sum(-1)).mean())
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(verl_kl_measure)
+    assert metrics[verl_kl.REWARD_METRIC + "adapted_kl"] < metrics[verl_kl.REWARD_METRIC + "raw_kl"]
+    assert ctrl.updates == 1
+
+
+def test_reward_controller_state_dict_round_trips():
+    config = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5)
+    ctrl = verl_kl.RewardKLController(config, beta=0.1)
+    for step in range(3):
+        ctrl.observe_rewards(1.0)
+        ray_trainer.apply_kl_penalty(reward_batch(seed=step), kl_ctrl=ctrl, kl_penalty="kl")
+    state = json.loads(json.dumps(ctrl.state_dict()))
+    resumed = verl_kl.RewardKLController(config, beta=0.1)
+    resumed.load_state_dict(state)
+    assert resumed.value == ctrl.value == pytest.approx(0.1 * 0.9 ** 3)
+    for c in (ctrl, resumed):
+        c.observe_rewards(1.0)
+        ray_trainer.apply_kl_penalty(reward_batch(seed=9), kl_ctrl=c, kl_penalty="kl")
+    assert resumed.value == ctrl.value and resumed.state_dict() == ctrl.state_dict()
+    with pytest.raises(ValueError, match="length_normalized"):
+        verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), beta=0.1)
+
+
+# ----- verl's TrainingWorker (fsdp2, gloo, one process, tiny Llama), in a subprocess --------------------------------
+
+
+def run_cpu_scenario(scenario, tmp_path, timeout=600):
+    output = tmp_path / f"{scenario}.json"
+    env = {**os.environ, "VERL_PLATFORM": "cpu", "PYTHONPATH": os.pathsep.join(
+        [os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "verl_cpu.py"), scenario, str(output)],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(output.read_text())
+
+
+def test_training_worker_none_is_stock_and_beta_is_the_pushed_one(tmp_path):
+    out = run_cpu_scenario("worker", tmp_path)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        stock, none = out[f"stock/{mode}"], out[f"none/{mode}"]
+        assert none["loss"] == stock["loss"] and none["grad_norm"] == stock["grad_norm"], mode
+        for key in stock:
+            if key != "lr":
+                assert none[key] == stock[key], (mode, key)
+        assert none["adaptive_kl/raw_kl"] == none["adaptive_kl/adapted_kl"] == stock["kl_loss"]
+    clip = out["clip"]
+    assert clip["kl_coef"] == [0.37] * 4 and clip["adaptive_kl/current_beta"] == [0.37] * 4  # every micro-batch
+    assert clip["adaptive_kl/adapted_kl"][0] <= 0.5 < clip["adaptive_kl/raw_kl"][0]
+    assert out["weights_changed"] == out["weights"] > 0
+    for micro in (1, 2, 4):  # 8, 4 and 2 micro-batches of the same mini-batch: one total gradient
+        run = out[f"clip/micro{micro}"]
+        assert len(run["kl_coef"]) == 8 // micro
+        assert run["loss"][0] == pytest.approx(clip["loss"][0], rel=1e-5)
+        assert run["grad_norm"][0] == pytest.approx(clip["grad_norm"][0], rel=1e-4)
+
+
+# ----- python -m verl.trainer.main_ppo, end to end, with checkpoint and resume -------------------------------------
+
+LOSS_BETA, REWARD_BETA, KL_TARGET, HORIZON, BETA_MAX = 0.1, 0.1, 1e-4, 10.0, 0.2
+ADAPTIVE_RUN = [  # the integration on by configuration only: a trainer name and an `adaptive_kl` block
+    "trainer.v1.trainer_mode=adaptive_kl",
+    "actor_rollout_ref.actor.use_kl_loss=True", f"actor_rollout_ref.actor.kl_loss_coef={LOSS_BETA}",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "+adaptive_kl.kl_adaptation_method=dynamic", "+adaptive_kl.reward_threshold=-1",
+    "+adaptive_kl.dynamic_beta_decay=0.5",
+    "algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", "algorithm.kl_penalty=low_var_kl",
+    "+adaptive_kl.reward.kl_adaptation_method=target", f"+adaptive_kl.reward.kl_target={KL_TARGET}",
+    f"+adaptive_kl.reward.kl_horizon={HORIZON}", f"+adaptive_kl.reward.beta_max={BETA_MAX}",
+]
+
+
+def test_main_ppo_end_to_end_betas_follow_the_controllers_and_survive_resume(tmp_path):
+    sys.path.insert(0, HERE)
+    import verl_cpu
+
+    paths = verl_cpu.prepare_e2e(str(tmp_path))
+    ckpt = str(tmp_path / "ckpt")
+
+    def launch(name, steps, extra):
+        records, _ = verl_cpu.run_main_ppo(verl_cpu.e2e_overrides(paths, ckpt, steps) + extra,
+                                           str(tmp_path / f"{name}.jsonl"), str(tmp_path))
+        return {r["step"]: r["data"] for r in records}
+
+    first = launch("first", 2, ADAPTIVE_RUN)
+    with open(os.path.join(ckpt, "global_step_2", verl_kl.STATE_FILE)) as handle:
+        saved = json.load(handle)
+    resumed = launch("resumed", 3, ADAPTIVE_RUN)  # resume_mode=auto: from global_step_2
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3]
+    steps = {**first, **resumed}
+
+    # the loss beta: dynamic, every batch's reward > -1, so beta halves after every step
+    assert [steps[s]["adaptive_kl/current_beta"] for s in (1, 2, 3)] == [0.1, 0.05, 0.025]
+    assert [steps[s]["actor/kl_coef"] for s in (1, 2, 3)] == [0.1, 0.05, 0.025]  # what the workers used
+    # the reward beta: target on verl's KL measure, n = 2 prompts x 2 samples, within beta_max
+    beta = REWARD_BETA
+    for s in (1, 2, 3):
+        assert steps[s]["actor/reward_kl_penalty_coeff"] == pytest.approx(beta, rel=1e-12)
+        assert steps[s]["adaptive_kl/reward/current_beta"] == steps[s]["actor/reward_kl_penalty_coeff"]
+        error = min(max(steps[s]["actor/reward_kl_penalty"] / KL_TARGET - 1, -0.2), 0.2)
+        beta = min(beta * (1 + error * 4 / HORIZON), BETA_MAX)
+    # the first step after resume uses the saved betas
+    assert saved["global_steps"] == 2
+    assert steps[3]["adaptive_kl/current_beta"] == saved["loss"]["value"]
+    assert steps[3]["actor/reward_kl_penalty_coeff"] == saved["reward"]["value"] != REWARD_BETA
+    for s in (1, 2, 3):
+        for name in ("raw_kl", "adapted_kl"):
+            assert math.isfinite(steps[s]["adaptive_kl/" + name])
+
+    # stock verl beside it: its adaptive controller, resumed from the same checkpoint, restarts from kl_coef
+    # (verl issue #2653). If verl starts checkpointing it, this flips.
+    stock = launch("stock", 3, [
+        "trainer.v1.trainer_mode=sync", "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive",
+        f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", f"algorithm.kl_ctrl.target_kl={KL_TARGET}",
+        f"algorithm.kl_ctrl.horizon={HORIZON}", "algorithm.kl_penalty=low_var_kl", "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={os.path.join(ckpt, 'global_step_2')}",
+        f"trainer.default_local_dir={tmp_path / 'ckpt_stock'}"])
+    assert sorted(stock) == [3]
+    assert stock[3]["actor/reward_kl_penalty_coeff"] == REWARD_BETA
