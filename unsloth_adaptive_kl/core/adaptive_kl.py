@@ -167,8 +167,7 @@ class AdaptiveKL:
         window, self._generation_window = self._generation_window, None
         if window is None:
             kl_sum, tokens, completions = self._step_window
-            window = WindowKL(token_mean=kl_sum / max(tokens, 1.0), sequence_sum=kl_sum / max(completions, 1.0),
-                              completions=int(completions)) if completions else None
+            window = WindowKL.from_sums(kl_sum, tokens, completions) if completions else None
         self._step_window = [0.0, 0.0, 0.0]
         if window is not None:
             self.last_raw_kl = window.token_mean
@@ -210,9 +209,7 @@ class AdaptiveKL:
         metrics, (kl_sum, tokens, completions) = self._flush(rows, gather, completed_steps)
         if train:
             self.last_raw_kl = statistics.fmean(m[METRIC_PREFIX + "raw_kl"] for m in metrics)
-            window = WindowKL(token_mean=kl_sum / max(tokens, 1.0), sequence_sum=kl_sum / max(completions, 1.0),
-                              completions=int(completions))
-            self.controller.step(completed_steps, window)
+            self.controller.step(completed_steps, WindowKL.from_sums(kl_sum, tokens, completions))
             self.completed_steps = completed_steps
         return metrics
 

@@ -27,6 +27,12 @@ class WindowKL:
     sequence_sum: float
     completions: int
 
+    @classmethod
+    def from_sums(cls, kl_sum: float, tokens: float, completions: float) -> "WindowKL":
+        """From sum_i S_i, sum_i L_i and the completion count (each divisor at least 1)."""
+        return cls(token_mean=kl_sum / max(tokens, 1.0), sequence_sum=kl_sum / max(completions, 1.0),
+                   completions=int(completions))
+
 
 class ConstantBeta:
     """beta_k = beta_0 for every step.
