@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+import torch.distributed as dist
+
 from tests.conftest import logged, make_trainer
 from unsloth_adaptive_kl.tools.tiny import build_tokenizer
 
@@ -51,3 +53,7 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # accelerate started the process group; torch >= 2.15 aborts a process that exits with it still open
+    # ("terminate called without an active exception").
+    if dist.is_initialized():
+        dist.destroy_process_group()
