@@ -110,6 +110,20 @@ def test_target_steers_beta_from_the_steps_kl() -> None:
     assert akl.step() == pytest.approx(BETA * (1 + error * 6 / 30.0), rel=1e-12)
 
 
+def test_target_steps_from_a_kl_measured_by_the_loop() -> None:
+    """`step(kl=WindowKL(...))`: a loop that aggregates its own KL (verl) hands it over; it wins over what kl_loss saw
+    and is the raw KL a KL-triggered sync reads. 0.15 / 0.1 - 1 = 0.5 is clipped to 0.2; 0.09: e = -0.1."""
+    from unsloth_adaptive_kl import WindowKL
+
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=8.0), BETA)
+    akl.kl_loss(*batch(), MASK)  # its KL is replaced by the loop's own measure
+    assert akl.step(kl=WindowKL(token_mean=0.15, sequence_sum=0.4, completions=4)) == pytest.approx(
+        BETA * (1 + 0.2 * 4 / 8), rel=1e-12)
+    assert akl.last_raw_kl == 0.15 and akl.completed_steps == 1
+    assert akl.step(kl=WindowKL(token_mean=0.09, sequence_sum=0.3, completions=8)) == pytest.approx(
+        BETA * 1.1 * 0.9, rel=1e-12)
+    assert akl.step() == pytest.approx(BETA * 1.1 * 0.9, rel=1e-12)  # no KL seen: beta holds
+
 def test_state_dict_resumes_exactly() -> None:
     config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.05, kl_horizon=10.0, beta_max=0.1)
 

@@ -240,6 +240,22 @@ def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
     assert "pip install -q torch==2.13.0" in ci
 
 
+def test_verl_page_command_is_the_one_the_end_to_end_test_runs() -> None:
+    """docs/verl.md's command switches the integration on exactly as tests/test_verl.py's end-to-end run does: the
+    environment variable, the trainer name and every adaptive_kl and KL override it passes to main_ppo."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        from verl_cpu import ADAPTIVE_RUN, EXTERNAL_MODULE
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    page = (ROOT / "docs" / "verl.md").read_text()
+    block = re.search(r"<!-- verl-command: .+ -->\n```bash\n(?P<body>.*?)^```$", page, re.MULTILINE | re.DOTALL)
+    tokens = block["body"].replace("\\\n", " ").split()
+    assert tokens[:3] == [f"VERL_USE_EXTERNAL_MODULES={EXTERNAL_MODULE}", "python", "-m"]
+    assert tokens[3] == "verl.trainer.main_ppo"
+    assert [t for t in tokens if t in ADAPTIVE_RUN] == ADAPTIVE_RUN  # all of them, in the test's order
+
+
 def test_readme_links_are_absolute_and_resolve() -> None:
     """The README is also the package index page, where relative links break: every link is absolute, and each one
     into this project names a file of the repository or a page of the docs site that exists."""

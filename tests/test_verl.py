@@ -16,7 +16,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl")
+# Without verl these tests skip; `.ci/run` installs it in a row of its own and sets ADAPTIVE_KL_REQUIRE_VERL=1, so
+# there a missing verl is an error, not a skip.
+if os.environ.get("ADAPTIVE_KL_REQUIRE_VERL") != "1":
+    pytest.importorskip("verl")
 
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
@@ -28,11 +31,16 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from unsloth_adaptive_kl import AdaptiveKLConfig  # noqa: E402
 from unsloth_adaptive_kl.integrations import verl as verl_kl  # noqa: E402
+from unsloth_adaptive_kl.integrations import versions  # noqa: E402
 from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import verl_cpu  # noqa: E402
+from verl_cpu import ADAPTIVE_RUN, BETA_MAX, HORIZON, KL_TARGET, REWARD_BETA  # noqa: E402
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_TYPES = ["low_var_kl", "k1", "k2", "k3+"]
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ----- verl's ppo_loss on real TensorDicts --------------------------------------------------------------------------
@@ -206,9 +214,16 @@ def test_beta_used_is_the_beta_pushed_to_every_micro_batch():
 
 def test_anchor_missing_is_an_error_naming_it(monkeypatch):
     verl_kl.check_anchors()
-    bogus = (ppo_loss, "policy_loss += kl_loss * config.kl_coef_that_moved", "a moved line")
-    monkeypatch.setattr(verl_kl, "ANCHORS", (*verl_kl.ANCHORS, bogus))
-    with pytest.raises(IncompatibleVersionError, match="kl_coef_that_moved.*verl==0.9.1"):
+    assert all(verl_kl._resolve(a.function) is not None for a in versions.VERL_ANCHORS)
+    moved = versions.Anchor("workers.utils.losses.ppo_loss", "policy_loss += kl_loss * config.kl_coef_that_moved",
+                            "a moved line")
+    monkeypatch.setattr(versions, "VERL_ANCHORS", (*versions.VERL_ANCHORS, moved))
+    with pytest.raises(IncompatibleVersionError,
+                       match=r"verl==0\.9\.1 .*kl_coef_that_moved.*\(a moved line\).*verl\.workers\.utils\.losses\.ppo_loss"):
+        verl_kl.check_anchors()
+    gone = versions.Anchor("workers.utils.losses.ppo_loss_v2", "anything", "a renamed function")
+    monkeypatch.setattr(versions, "VERL_ANCHORS", (gone,))
+    with pytest.raises(IncompatibleVersionError, match="ppo_loss_v2"):
         verl_kl.check_anchors()
 
 
@@ -349,23 +364,7 @@ def test_training_worker_none_is_stock_and_beta_is_the_pushed_one(tmp_path):
 
 # ----- python -m verl.trainer.main_ppo, end to end, with checkpoint and resume -------------------------------------
 
-LOSS_BETA, REWARD_BETA, KL_TARGET, HORIZON, BETA_MAX = 0.1, 0.1, 1e-4, 10.0, 0.2
-ADAPTIVE_RUN = [  # the integration on by configuration only: a trainer name and an `adaptive_kl` block
-    "trainer.v1.trainer_mode=adaptive_kl",
-    "actor_rollout_ref.actor.use_kl_loss=True", f"actor_rollout_ref.actor.kl_loss_coef={LOSS_BETA}",
-    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-    "+adaptive_kl.kl_adaptation_method=dynamic", "+adaptive_kl.reward_threshold=-1",
-    "+adaptive_kl.dynamic_beta_decay=0.5",
-    "algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", "algorithm.kl_penalty=low_var_kl",
-    "+adaptive_kl.reward.kl_adaptation_method=target", f"+adaptive_kl.reward.kl_target={KL_TARGET}",
-    f"+adaptive_kl.reward.kl_horizon={HORIZON}", f"+adaptive_kl.reward.beta_max={BETA_MAX}",
-]
-
-
 def test_main_ppo_end_to_end_betas_follow_the_controllers_and_survive_resume(tmp_path):
-    sys.path.insert(0, HERE)
-    import verl_cpu
-
     paths = verl_cpu.prepare_e2e(str(tmp_path))
     ckpt = str(tmp_path / "ckpt")
 

@@ -467,6 +467,22 @@ def e2e_overrides(paths: dict, checkpoints: str, steps: int) -> list[str]:
     ]
 
 
+# The integration on by configuration only (docs/verl.md shows this command): the module verl imports in every
+# process, a trainer name and an `adaptive_kl` block, beside verl's own KL switches.
+EXTERNAL_MODULE = "unsloth_adaptive_kl.integrations.verl"
+LOSS_BETA, REWARD_BETA, KL_TARGET, HORIZON, BETA_MAX = 0.1, 0.1, 1e-4, 10.0, 0.2
+ADAPTIVE_RUN = [
+    "trainer.v1.trainer_mode=adaptive_kl",
+    "actor_rollout_ref.actor.use_kl_loss=True", f"actor_rollout_ref.actor.kl_loss_coef={LOSS_BETA}",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "+adaptive_kl.kl_adaptation_method=dynamic", "+adaptive_kl.reward_threshold=-1",
+    "+adaptive_kl.dynamic_beta_decay=0.5",
+    "algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", "algorithm.kl_penalty=low_var_kl",
+    "+adaptive_kl.reward.kl_adaptation_method=target", f"+adaptive_kl.reward.kl_target={KL_TARGET}",
+    f"+adaptive_kl.reward.kl_horizon={HORIZON}", f"+adaptive_kl.reward.beta_max={BETA_MAX}",
+]
+
+
 def run_main_ppo(overrides: list[str], log_path: str, cwd: str, timeout: int = 600) -> tuple[list[dict], str]:
     """`python -m verl.trainer.main_ppo` with this module and the integration imported in every verl process
     (VERL_USE_EXTERNAL_MODULES); verl's file logger's records and the output."""
@@ -474,7 +490,7 @@ def run_main_ppo(overrides: list[str], log_path: str, cwd: str, timeout: int = 6
 
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "VERL_PLATFORM": "cpu", "VERL_FILE_LOGGER_PATH": log_path,
-           "VERL_USE_EXTERNAL_MODULES": "verl_cpu,unsloth_adaptive_kl.integrations.verl",
+           "VERL_USE_EXTERNAL_MODULES": f"verl_cpu,{EXTERNAL_MODULE}",
            "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
            "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled"}
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", *overrides], cwd=cwd, env=env,

@@ -74,10 +74,11 @@ def tested_versions(_: Optional[str] = None) -> str:
 
 
 def anchors(which: Optional[str] = None) -> str:
-    """The source anchors of one integration (`trl` or `unsloth`): where each is looked up, its text, why."""
+    """The source anchors of one integration (`trl`, `unsloth` or `verl`): where each is looked up, its text, why."""
     from unsloth_adaptive_kl.integrations import versions
 
-    found = {"trl": versions.TRL_ANCHORS, "unsloth": versions.UNSLOTH_ANCHORS}[which or "trl"]
+    found = {"trl": versions.TRL_ANCHORS, "unsloth": versions.UNSLOTH_ANCHORS,
+             "verl": versions.VERL_ANCHORS}[which or "trl"]
     return _table(["in", "anchor", "why"],
                   [[f"`{a.function}`", f"`{a.text}`" + (" (signature)" if a.signature else ""), a.reason]
                    for a in found])

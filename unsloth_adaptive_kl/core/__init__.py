@@ -4,7 +4,7 @@
 from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
 from .adaptive_kl import AdaptiveKL
 from .config import AdaptiveKLConfig, parse_methods
-from .controllers import ConstantBeta, DynamicBeta, TargetKL, make_beta_controller
+from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller
 from .estimators import estimate_kl, estimator_names, register_kl_estimator
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "KLTerm",
     "ReductionContext",
     "TargetKL",
+    "WindowKL",
     "adapted_kl_term",
     "estimate_kl",
     "estimator_names",

@@ -156,16 +156,19 @@ class AdaptiveKL:
             completed_steps=self.completed_steps)
         return penalty
 
-    def step(self, mean_reward: Optional[float] = None) -> float:
+    def step(self, mean_reward: Optional[float] = None, *, kl: Optional[WindowKL] = None) -> float:
         """After each optimizer step: the beta controller's update from what the step saw, effective from the next
         step; returns the new beta. `mean_reward`: the mean (un-penalised) reward, over all processes, of a new
         generation batch (`dynamic` decays at most once per generation batch: pass None for further optimizer steps
-        on the same batch). `target` reads the step's KL (from `kl_loss`, or the last `reward_penalty`)."""
+        on the same batch). `target` reads the step's KL: `kl`, where the loop measured it itself (a `WindowKL`, as
+        an engine that aggregates its own loss does), else what `kl_loss` or the last `reward_penalty` saw."""
         if mean_reward is not None:
             self.controller.observe_rewards(mean_reward)
         self.completed_steps += 1
         window, self._generation_window = self._generation_window, None
-        if window is None:
+        if kl is not None:
+            window = kl
+        elif window is None:
             kl_sum, tokens, completions = self._step_window
             window = WindowKL.from_sums(kl_sum, tokens, completions) if completions else None
         self._step_window = [0.0, 0.0, 0.0]

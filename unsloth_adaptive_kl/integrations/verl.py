@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
+import importlib
 import json
 import logging
 import math
@@ -45,25 +45,20 @@ from typing import Any, Optional
 
 import torch
 
-from ..core import AdaptiveKL, AdaptiveKLConfig, estimate_kl, shape_kl
-from ..core.controllers import WindowKL
-from .versions import IncompatibleVersionError, UntestedVersionWarning
+from ..core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl, shape_kl
+from . import versions
 
-import verl  # noqa: E402  (the integration's own extra)
-from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402
+from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402  (verl: the integration's own extra)
 from verl.trainer.ppo.v1 import trainer_base  # noqa: E402
 from verl.trainer.ppo.v1.trainer_base import register_trainer  # noqa: E402
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.utils import transferqueue_utils  # noqa: E402
 from verl.utils.metric import AggregationType, Metric  # noqa: E402
-from verl.workers.engine_workers import ActorRolloutRefWorker  # noqa: E402
 from verl.workers.utils import losses  # noqa: E402
 from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-TESTED_VERL = ("0.9.1",)
 TRAINER_NAME = "adaptive_kl"
 BETA_KEY = "adaptive_kl_beta"  # the loss beta in the batch's meta info / each micro-batch's non-tensor data
 STATE_FILE = "adaptive_kl.json"
@@ -83,71 +78,28 @@ AGG_MODE_OF_KL_REDUCTION = {"sequence_mean": "seq-mean-token-mean", "token_mean"
                             "sequence_sum": "seq-mean-token-sum"}
 
 
-# ----- anchors --------------------------------------------------------------------------------------------------
-
-# (object, text that must occur in its source, why): each is a line of verl 0.9.1 this module relies on.
-ANCHORS = (
-    (losses.ppo_loss, "if config.use_kl_loss:", "ppo_loss's KL term, which AdaptivePPOLoss switches off"),
-    (losses.ppo_loss,
-     "kld = kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)",
-     "verl's per-token KL in the loss, which the adaptation shapes"),
-    (losses.ppo_loss, "policy_loss += kl_loss * config.kl_loss_coef", "where verl adds beta * KL to the loss"),
-    (losses.ppo_loss, 'config.global_batch_info["global_batch_size"] = data["global_batch_size"]',
-     "the global batch normalisation the adapted KL is aggregated with"),
-    (losses.ppo_loss, "log_prob = no_padding_2_padding(model_output[\"log_probs\"], data)",
-     "the policy log-probs of the response tokens"),
-    (core_algos.agg_loss, "batch_num_tokens: Optional[int] = None", "agg_loss's global normalisation arguments"),
-    (ray_trainer.apply_kl_penalty, "beta = kl_ctrl.value", "the reward KL reads the controller's value"),
-    (ray_trainer.apply_kl_penalty, "kl_ctrl.update(current_kl=current_kl, n_steps=batch_size)",
-     "the reward KL updates the controller once per batch"),
-    (trainer_base.PPOTrainer.__init__,
-     "self.kl_ctrl_in_reward = core_algos.get_kl_controller(self.config.algorithm.kl_ctrl)",
-     "the reward KL controller, which RewardKLController replaces"),
-    (trainer_base.PPOTrainer.__init__, "self.trainer_mode = self.config.trainer.v1.trainer_mode",
-     "the trainer mode the registered trainer runs as"),
-    (trainer_base.PPOTrainer._compute_advantage, "data, kl_metrics = apply_kl_penalty(",
-     "where the V1 trainer applies the reward KL"),
-    (trainer_base.PPOTrainer._update_actor, "batch.extra_info.update(extra_info)",
-     "the meta info that carries beta to every micro-batch"),
-    (trainer_base.PPOTrainer._update_actor, 'output = rename_dict(output["metrics"], "actor/")',
-     "the actor metrics the adaptive_kl/* metrics come back in"),
-    (trainer_base.PPOTrainer._setup, "self.actor_rollout_wg = all_wg[str(actor_role)]",
-     "the actor worker group whose loss is replaced (set_loss_fn)"),
-    (trainer_base.PPOTrainer._load_checkpoint,
-     'self.global_steps = int(global_step_folder.split("global_step_")[-1])', "the step resumed from"),
-    (trainer_base.PPOTrainer._save_checkpoint,
-     'f"global_step_{self.global_steps}"',
-     "the checkpoint folder the controller state is saved in"),
-    (transferqueue_utils._async_meta_to_realdata, "tu.assign_non_tensor_data(tensor_dict=tensordict, key=key, val=val)",
-     "the meta info reaches the workers as non-tensor data"),
-)
+# ----- anchors ----------------------------------------------------------------------------------------------------
 
 
-def _source(obj: Any) -> str:
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
+def _resolve(name: str) -> Any:
+    """An anchor's dotted name under `verl` ('trainer.ppo.core_algos.agg_loss', a class's method) -> the object, or
+    None where it is gone."""
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(["verl", *parts[:split]]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            obj = getattr(obj, attribute, None)
+        return obj
+    return None
 
 
 def check_anchors() -> None:
-    """Raise `IncompatibleVersionError` naming the first missing anchor; warn once on an untested verl whose anchors
-    all hold."""
-    found = getattr(verl, "__version__", "unknown")
-    for obj, text, why in ANCHORS:
-        if text not in _source(obj):
-            name = f"{obj.__module__}.{obj.__qualname__}"
-            raise IncompatibleVersionError(
-                f"unsloth_adaptive_kl's verl integration: anchor missing in {name}: {text!r} ({why}); found "
-                f"verl=={found} (tested: verl=={', '.join(TESTED_VERL)}).")
-    for name in ("set_loss_fn", "update_actor"):
-        if not hasattr(ActorRolloutRefWorker, name):
-            raise IncompatibleVersionError(
-                f"unsloth_adaptive_kl's verl integration: anchor missing: ActorRolloutRefWorker.{name}; found "
-                f"verl=={found} (tested: verl=={', '.join(TESTED_VERL)}).")
-    if found not in TESTED_VERL:
-        warnings.warn(f"verl=={found} is untested by unsloth_adaptive_kl (tested: {', '.join(TESTED_VERL)}); every "
-                      "anchor holds, so the integration is on.", UntestedVersionWarning, stacklevel=2)
+    """`IncompatibleVersionError` naming the first anchor missing from the installed verl; one
+    `UntestedVersionWarning` for an untested verl whose anchors all hold."""
+    versions.check_anchors("verl", versions.VERL_ANCHORS, _resolve, where="verl.")
 
 
 check_anchors()
@@ -297,13 +249,9 @@ class RewardKLController:
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """verl's call, once per batch: the controller's step from this batch's KL and reward."""
-        controller = self.akl.controller
-        if self._mean_reward is not None:
-            controller.observe_rewards(self._mean_reward)
-            self._mean_reward = None
-        self.akl.completed_steps += 1
-        controller.step(self.akl.completed_steps, WindowKL(token_mean=float(current_kl),
-                                                           sequence_sum=self.sequence_sum, completions=int(n_steps)))
+        mean_reward, self._mean_reward = self._mean_reward, None
+        self.akl.step(mean_reward, kl=WindowKL(token_mean=float(current_kl), sequence_sum=self.sequence_sum,
+                                               completions=int(n_steps)))
         self.updates += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -421,10 +369,7 @@ class AdaptiveKLTrainerMixin:
             completions = sum(not tag.get("is_padding", False) for tag in batch.tags)
             window = WindowKL(token_mean=float(metrics.pop(METRIC + "window_token_mean")),
                               sequence_sum=float(metrics.pop(METRIC + "window_sequence_sum")), completions=completions)
-        if self._mean_reward is not None:
-            self.loss_kl.controller.observe_rewards(self._mean_reward)
-        self.loss_kl.completed_steps += 1
-        self.loss_kl.controller.step(self.loss_kl.completed_steps, window)
+        self.loss_kl.step(self._mean_reward, kl=window)
         return batch
 
     # -- checkpoints

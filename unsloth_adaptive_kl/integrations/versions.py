@@ -25,6 +25,7 @@ TESTED: dict[str, SpecifierSet] = {
     "torch": SpecifierSet(">=2.13.0,<=2.15.0"),
     "unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
     "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"),
+    "verl": SpecifierSet("==0.9.1"),
 }
 
 
@@ -157,6 +158,48 @@ UNSLOTH_ANCHORS = (
 # unsloth_zoo 2026.10.9 drops rollout_rs's rejected tokens from every loss term, the KL included (2026.10.7 only
 # from the policy term): where this line is present, the KL is masked by the function's `rs_keep` at the KL line.
 UNSLOTH_REJECTED_TOKENS_LEAVE_KL = "loss_i = torch.where(rs_keep, loss_i, 0.0)"
+# verl's V1 trainer (integrations/verl.py, imported by verl itself through VERL_USE_EXTERNAL_MODULES). Names are
+# dotted paths under the `verl` package.
+VERL_ANCHORS = (
+    Anchor("workers.utils.losses.ppo_loss", "if config.use_kl_loss:", "ppo_loss's KL term, which AdaptivePPOLoss switches off"),
+    Anchor("workers.utils.losses.ppo_loss",
+           "kld = kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)",
+           "verl's per-token KL in the loss, which the adaptation shapes"),
+    Anchor("workers.utils.losses.ppo_loss", "policy_loss += kl_loss * config.kl_loss_coef",
+           "where verl adds beta * KL to the loss"),
+    Anchor("workers.utils.losses.ppo_loss", 'config.global_batch_info["global_batch_size"] = data["global_batch_size"]',
+           "the global batch normalisation the adapted KL is aggregated with"),
+    Anchor("workers.utils.losses.ppo_loss", 'log_prob = no_padding_2_padding(model_output["log_probs"], data)',
+           "the policy log-probs of the response tokens"),
+    Anchor("trainer.ppo.core_algos.agg_loss", "batch_num_tokens: Optional[int] = None",
+           "agg_loss's global normalisation arguments"),
+    Anchor("trainer.ppo.ray_trainer.apply_kl_penalty", "beta = kl_ctrl.value", "the reward KL reads the controller's value"),
+    Anchor("trainer.ppo.ray_trainer.apply_kl_penalty", "kl_ctrl.update(current_kl=current_kl, n_steps=batch_size)",
+           "the reward KL updates the controller once per batch"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer.__init__",
+           "self.kl_ctrl_in_reward = core_algos.get_kl_controller(self.config.algorithm.kl_ctrl)",
+           "the reward KL controller, which RewardKLController replaces"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer.__init__", "self.trainer_mode = self.config.trainer.v1.trainer_mode",
+           "the trainer mode the registered trainer runs as"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage", "data, kl_metrics = apply_kl_penalty(",
+           "where the V1 trainer applies the reward KL"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._update_actor", "batch.extra_info.update(extra_info)",
+           "the meta info that carries beta to every micro-batch"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._update_actor", 'output = rename_dict(output["metrics"], "actor/")',
+           "the actor metrics the adaptive_kl/* metrics come back in"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._setup", "self.actor_rollout_wg = all_wg[str(actor_role)]",
+           "the actor worker group whose loss is replaced (set_loss_fn)"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._load_checkpoint",
+           'self.global_steps = int(global_step_folder.split("global_step_")[-1])', "the step resumed from"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._save_checkpoint", 'f"global_step_{self.global_steps}"',
+           "the checkpoint folder the controller state is saved in"),
+    Anchor("utils.transferqueue_utils._async_meta_to_realdata",
+           "tu.assign_non_tensor_data(tensor_dict=tensordict, key=key, val=val)",
+           "the meta info reaches the workers as non-tensor data"),
+    Anchor("workers.engine_workers.ActorRolloutRefWorker.set_loss_fn", "def set_loss_fn(",
+           "how the driver installs the adaptive loss on the actor workers"),
+)
+
 # How unsloth_zoo reduces bnpo when the trainer passes num_items_in_batch: like dapo, by the global token count
 # (2026.10.7), or by the micro-batch's own tokens, like TRL (2026.10.9).
 UNSLOTH_BNPO_RULES = {
