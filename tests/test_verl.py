@@ -212,9 +212,28 @@ def test_beta_used_is_the_beta_pushed_to_every_micro_batch():
     assert [m["kl_coef"] for m in metrics] == [0.05, 0.05]
 
 
+@pytest.mark.parametrize("method", ["dynamic", "target"])
+def test_unshaped_methods_are_stock_ppo_loss_at_the_pushed_beta(method):
+    """Nothing shaped, verl's own KL and aggregation: verl's ppo_loss with kl_loss_coef = the pushed beta, bit for
+    bit; target's KL measure over the micro-batches is the token mean of verl's per-token KL."""
+    batch = make_batch(seed=6)
+    mode = "seq-mean-token-mean"
+    stock_loss, stock_grad, _ = run_loss(lambda **kw: ppo_loss(actor_config(mode, coef=0.37), **kw), batch, 2)
+    loss, grad, metrics = run_loss(adaptive(actor_config(mode, coef=0.05), method, kl_target=0.1), batch, 2,
+                                   beta=0.37)
+    assert torch.equal(loss, stock_loss) and torch.equal(grad, stock_grad)
+    for m in metrics:
+        assert m["kl_coef"] == m[verl_kl.METRIC + "current_beta"] == 0.37
+        assert m[verl_kl.METRIC + "raw_kl"].values == m[verl_kl.METRIC + "adapted_kl"].values == m["kl_loss"].values
+    if method == "target":
+        k, mask = per_token(batch)
+        window = sum(m[verl_kl.METRIC + "window_token_mean"].values[0] for m in metrics)  # SUM over micro-batches
+        assert window == pytest.approx(float(k[mask].mean()), rel=1e-6)
+
+
 def test_anchor_missing_is_an_error_naming_it(monkeypatch):
     verl_kl.check_anchors()
-    assert all(verl_kl._resolve(a.function) is not None for a in versions.VERL_ANCHORS)
+    assert all(versions.resolve_verl(a.function) is not None for a in versions.VERL_ANCHORS)
     moved = versions.Anchor("workers.utils.losses.ppo_loss", "policy_loss += kl_loss * config.kl_coef_that_moved",
                             "a moved line")
     monkeypatch.setattr(versions, "VERL_ANCHORS", (*versions.VERL_ANCHORS, moved))
@@ -408,3 +427,35 @@ def test_main_ppo_end_to_end_betas_follow_the_controllers_and_survive_resume(tmp
         f"trainer.default_local_dir={tmp_path / 'ckpt_stock'}"])
     assert sorted(stock) == [3]
     assert stock[3]["actor/reward_kl_penalty_coeff"] == REWARD_BETA
+
+
+def test_loss_benchmark_runs_and_reports(tmp_path):
+    """benchmarks/verl_loss.py at tiny sizes: every method and the A/A control reported (no timing is asserted)."""
+    output = tmp_path / "verl_loss.json"
+    result = subprocess.run([sys.executable, os.path.join(os.path.dirname(HERE), "benchmarks", "verl_loss.py"),
+                             "--smoke", "--json", str(output)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(output.read_text())
+    assert [row["method"] for row in data["rows"]] == ["stock (A/A)", "none", "clip", "sigmoid", "length_normalized",
+                                                       "target", "sigmoid+length_normalized"]
+    assert all(row["median_ms"] > 0 and row["ci"][0] <= row["ci"][1] for row in data["rows"])
+    assert "max_verl_loss_ratio=" in result.stdout
+
+
+def test_self_check_holds_verl_to_its_stock_loss(monkeypatch):
+    """`python -m unsloth_adaptive_kl` with verl installed: its version, every anchor, none == stock ppo_loss and
+    clip == its formula; a missing anchor fails it, naming the line, and the loss checks are not run."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    checks = selfcheck.verl_checks("")
+    assert [c.name for c in checks] == ["verl version", "verl anchors", "verl ppo_loss: none == stock",
+                                        "verl ppo_loss: clip == beta * mean min(k, threshold)"]
+    assert all(c.ok for c in checks), [c.line() for c in checks]
+    assert checks[1].detail == f"{len(versions.VERL_ANCHORS)} of {len(versions.VERL_ANCHORS)} found"
+    moved = versions.Anchor("workers.utils.losses.ppo_loss", "a line verl moved", "why it mattered")
+    monkeypatch.setattr(versions, "VERL_ANCHORS", (*versions.VERL_ANCHORS, moved))
+    failed = selfcheck.verl_checks("")
+    assert [c.line() for c in failed if not c.ok] == [
+        f"[FAIL] verl anchors: {len(versions.VERL_ANCHORS) - 1} of {len(versions.VERL_ANCHORS)} found",
+        "[FAIL] verl anchor missing: `a line verl moved` in workers.utils.losses.ppo_loss (why it mattered)"]
+    assert len(failed) == 3

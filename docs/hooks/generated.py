@@ -7,7 +7,7 @@ the Markdown that `GENERATORS[NAME](ARGUMENT)` returns. An unknown name fails th
 - `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
 - `demo_flags`: the demo's argparse parser;
 - `loss_overhead`, `loss_overhead_sanity`, `core_op`, `steps`, `unsloth_steps`, `ref_sync_cost`,
-  `benchmark_headline`: `benchmarks/*.json`;
+  `benchmark_headline`, `verl_loss`: `benchmarks/*.json`;
 - `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo.
 """
 
@@ -202,6 +202,18 @@ def ref_sync_cost(_: Optional[str] = None) -> str:
     return _table(["measured (`ref_model_sync_steps=1`, alpha 1.0, LoRA)", "value"], rows)
 
 
+def verl_loss(_: Optional[str] = None) -> str:
+    """verl's actor loss with adaptive KL against its stock loss (benchmarks/verl_loss.py)."""
+    data = _benchmark("verl_loss.json")
+    rows = [[f"`{r['method']}`", f"{r['median_ms']:.3f}", f"{r['ratio']:.3f}", f"[{r['ci'][0]:.3f}, {r['ci'][1]:.3f}]"]
+            for r in data["rows"]]
+    return (_table(["loss", "forward + backward, median ms", "x stock", "95 % interval"], rows)
+            + f"\n\nStock `ppo_loss` with its KL term: {data['stock_ms']:.3f} ms. One micro-batch of "
+            f"{data['responses']} responses of {data['response_length'] // 2} to {data['response_length']} tokens "
+            f"after {data['prompt_length']}-token prompts, {data['repeats']} interleaved rounds, one CPU thread "
+            f"(verl {data['verl']}, torch {data['torch']}).")
+
+
 RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completion length", 1),
                   ("adaptive_kl/raw_kl", "raw KL", 3), ("adaptive_kl/adapted_kl", "adapted KL", 3),
                   ("adaptive_kl/sequence_kl", "KL per completion", 2))
@@ -241,6 +253,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "steps": steps,
     "unsloth_steps": unsloth_steps,
     "ref_sync_cost": ref_sync_cost,
+    "verl_loss": verl_loss,
     "demo_results": demo_results,
 }
 

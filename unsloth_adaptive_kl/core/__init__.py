@@ -1,7 +1,7 @@
 """The pure-torch core: configuration, per-token estimators, shaping and reductions, beta controllers, and the
 `AdaptiveKL` object every loop drives. Imports with torch alone; never imports a trainer."""
 
-from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
+from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl, shapes_per_token
 from .adaptive_kl import AdaptiveKL
 from .config import AdaptiveKLConfig, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller
@@ -24,4 +24,5 @@ __all__ = [
     "reduce_kl",
     "register_kl_estimator",
     "shape_kl",
+    "shapes_per_token",
 ]

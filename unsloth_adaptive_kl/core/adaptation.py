@@ -147,6 +147,11 @@ def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: Reductio
     return _REDUCTIONS[reduction](row_sums(x, mask), mask.sum(-1, dtype=x.dtype), ctx)
 
 
+def shapes_per_token(config: AdaptiveKLConfig) -> bool:
+    """Whether a configured method shapes the per-token KL (clip, sigmoid, a registered shaping)."""
+    return any(method in _SHAPINGS for method in config.kl_methods)
+
+
 def shape_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
     """Per-token shaping k -> k' by the configured clip/sigmoid method (identity without one)."""
     for method in config.kl_methods:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import json
 import logging
 import math
@@ -45,7 +44,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl, shape_kl
+from ..core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl, shape_kl, shapes_per_token
 from . import versions
 
 from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402  (verl: the integration's own extra)
@@ -81,25 +80,10 @@ AGG_MODE_OF_KL_REDUCTION = {"sequence_mean": "seq-mean-token-mean", "token_mean"
 # ----- anchors ----------------------------------------------------------------------------------------------------
 
 
-def _resolve(name: str) -> Any:
-    """An anchor's dotted name under `verl` ('trainer.ppo.core_algos.agg_loss', a class's method) -> the object, or
-    None where it is gone."""
-    parts = name.split(".")
-    for split in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(["verl", *parts[:split]]))
-        except ImportError:
-            continue
-        for attribute in parts[split:]:
-            obj = getattr(obj, attribute, None)
-        return obj
-    return None
-
-
 def check_anchors() -> None:
     """`IncompatibleVersionError` naming the first anchor missing from the installed verl; one
     `UntestedVersionWarning` for an untested verl whose anchors all hold."""
-    versions.check_anchors("verl", versions.VERL_ANCHORS, _resolve, where="verl.")
+    versions.check_anchors("verl", versions.VERL_ANCHORS, versions.resolve_verl, where="verl.")
 
 
 check_anchors()
@@ -167,39 +151,51 @@ class AdaptivePPOLoss:
 
     loss = ppo_loss(KL off) + beta_t * agg_loss(shape(k), mask, mode, global batch info), k = verl's
     kl_penalty(log_prob, ref_log_prob, kl_loss_type), beta_t = the micro-batch's `adaptive_kl_beta` (the driver's
-    controller), mode = `loss_agg_mode` (length_normalized: seq-mean-token-mean)."""
+    controller), mode = `loss_agg_mode` (length_normalized: seq-mean-token-mean). Where nothing is shaped and verl's
+    own KL and aggregation apply (`none`, `dynamic`, `target`), that is verl's `ppo_loss` itself with
+    kl_loss_coef = beta_t: nothing is recomputed."""
 
     def __init__(self, actor_config: Any, config: AdaptiveKLConfig) -> None:
         self.actor_config = actor_config
         self.config = config
         self.agg_mode = kl_agg_mode(config, actor_config.loss_agg_mode)
-        self.stock_config = copy.copy(actor_config)  # shares global_batch_info, which ppo_loss fills in
-        object.__setattr__(self.stock_config, "use_kl_loss", False)
+        self.verl_term = (not shapes_per_token(config) and config.kl_estimator == "k3"
+                          and self.agg_mode == actor_config.loss_agg_mode)
+        # A copy sharing global_batch_info (which ppo_loss fills in): KL off for the adapted path, else beta_t.
+        self.stock_config = copy.copy(actor_config)
+        object.__setattr__(self.stock_config, "use_kl_loss", actor_config.use_kl_loss and self.verl_term)
 
     def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
         config = self.actor_config
         beta = tu.get_non_tensor_data(data=data, key=BETA_KEY, default=None)
         beta = float(config.kl_loss_coef if beta is None else beta)
+        object.__setattr__(self.stock_config, "kl_loss_coef", beta)
         loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
         if not config.use_kl_loss:
             return loss, metrics
-        log_prob = no_padding_2_padding(model_output["log_probs"], data)
-        padded = data.select("response_mask", "ref_log_prob").to_padded_tensor()
-        mask = padded["response_mask"].to(bool)
-        kld = _per_token_kl(self.config, log_prob, padded["ref_log_prob"], mask, config.kl_loss_type)
+        kld = mask = None
+        if not self.verl_term or "target" in self.config.kl_methods:
+            log_prob = no_padding_2_padding(model_output["log_probs"], data)
+            if self.verl_term:  # only the target's KL measure is needed
+                log_prob = log_prob.detach()
+            padded = data.select("response_mask", "ref_log_prob").to_padded_tensor()
+            mask = padded["response_mask"].to(bool)
+            kld = _per_token_kl(self.config, log_prob, padded["ref_log_prob"], mask, config.kl_loss_type)
         batch_info = self.stock_config.global_batch_info
-        raw = core_algos.agg_loss(loss_mat=kld, loss_mask=mask, loss_agg_mode=config.loss_agg_mode, **batch_info)
-        shaped = shape_kl(kld, self.config)
-        if shaped is kld and self.agg_mode == config.loss_agg_mode:
-            adapted = raw
-        else:
-            adapted = core_algos.agg_loss(loss_mat=shaped, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info)
-        loss += adapted * beta  # as ppo_loss: policy_loss += kl_loss * config.kl_loss_coef
         aggregation = _metric_aggregation(data, config)
-        metrics["kl_loss"] = Metric(value=raw, aggregation=aggregation)
-        metrics["kl_coef"] = beta
-        metrics[METRIC + "raw_kl"] = Metric(value=raw, aggregation=aggregation)
-        metrics[METRIC + "adapted_kl"] = Metric(value=adapted, aggregation=aggregation)
+        if self.verl_term:  # verl's kl_loss metric (a Metric holds floats: one copy per key)
+            adapted = metrics["kl_loss"]
+        else:
+            raw = core_algos.agg_loss(loss_mat=kld.detach(), loss_mask=mask, loss_agg_mode=config.loss_agg_mode,
+                                      **batch_info)
+            shaped = shape_kl(kld, self.config)
+            term = core_algos.agg_loss(loss_mat=shaped, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info)
+            loss = loss + term * beta  # as ppo_loss: policy_loss += kl_loss * config.kl_loss_coef
+            metrics["kl_loss"] = Metric(value=raw, aggregation=aggregation)
+            metrics["kl_coef"] = beta
+            adapted = Metric(value=term, aggregation=aggregation)
+        metrics[METRIC + "raw_kl"] = copy.deepcopy(metrics["kl_loss"])
+        metrics[METRIC + "adapted_kl"] = copy.deepcopy(adapted)
         metrics[METRIC + "current_beta"] = beta
         if "target" in self.config.kl_methods:  # the step's KL, for the driver's target controller
             detached = kld.detach()

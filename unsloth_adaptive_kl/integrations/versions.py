@@ -9,6 +9,7 @@ range whose anchors all hold gets one `UntestedVersionWarning` and is patched.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import inspect
 import warnings
@@ -250,6 +251,21 @@ def source(function: Any, depth: int = 3) -> str:
 
 def _text(function: Any, signature: bool) -> str:
     return ", ".join(inspect.signature(function).parameters) if signature else source(function)
+
+
+def resolve_verl(name: str) -> Any:
+    """A VERL_ANCHORS name ('trainer.ppo.core_algos.agg_loss', a class's method) -> verl's object, None where it is
+    gone: the longest importable module prefix under `verl`, then attributes."""
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(["verl", *parts[:split]]))
+        except ImportError:
+            continue
+        for attribute in parts[split:]:
+            obj = getattr(obj, attribute, None)
+        return obj
+    return None
 
 
 def missing_anchors(anchors: tuple[Anchor, ...], resolve: Callable[[str], Any]) -> list[Anchor]:

@@ -265,6 +265,51 @@ def unsloth_checks(output_dir: str) -> list[Check]:
     return checks
 
 
+def verl_checks(_: str) -> list[Check]:
+    """verl's version and anchors, then the adaptive loss against verl's own `ppo_loss` on one micro-batch: `none`
+    equals it (loss and gradient, exactly), and clip's KL part is beta * token-mean(min(k, threshold)) of verl's
+    per-token KL k (low_var_kl)."""
+    checks = [Check("verl version", True, versions.describe("verl"), untested=versions.is_tested("verl") is False)]
+    checks += anchor_checks("verl", versions.VERL_ANCHORS, versions.resolve_verl)
+    if not all(check.ok for check in checks):
+        return checks
+    from verl.trainer.ppo import core_algos
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from ..core import AdaptiveKLConfig
+    from ..integrations.verl import AdaptivePPOLoss
+    from .tiny import verl_loss_and_grad, verl_micro_batch
+
+    data, values, offsets = verl_micro_batch()
+    settings = dict(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, kl_loss_coef=0.04,
+                    kl_loss_type="low_var_kl", loss_agg_mode="token-mean", entropy_coeff=0.0)
+    actor, without_kl = ActorConfig(**settings, use_kl_loss=True), ActorConfig(**settings, use_kl_loss=False)
+
+    def run(loss_fn: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, grad, _ = verl_loss_and_grad(loss_fn, data, values, offsets)
+        return loss, grad
+
+    stock_loss, stock_grad = run(lambda **kw: ppo_loss(actor, **kw))
+    loss, grad = run(AdaptivePPOLoss(actor, AdaptiveKLConfig()))
+    grad_diff = (grad - stock_grad).abs().max().item()
+    checks.append(Check("verl ppo_loss: none == stock", torch.equal(loss, stock_loss) and grad_diff == 0,
+                        f"loss {loss.item():.8g} vs {stock_loss.item():.8g}, max grad diff {grad_diff:.2g}"))
+    threshold = 0.3
+    clip = AdaptivePPOLoss(actor, AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=threshold))
+    kl_part = run(clip)[0] - run(lambda **kw: ppo_loss(without_kl, **kw))[0]
+    log_prob = no_padding_2_padding(torch.nested.nested_tensor_from_jagged(values, offsets), data)
+    padded = data.select("response_mask", "ref_log_prob").to_padded_tensor()
+    mask = padded["response_mask"].bool()
+    k = core_algos.kl_penalty(log_prob, padded["ref_log_prob"], "low_var_kl")
+    hand = 0.04 * k.clamp(max=threshold)[mask].sum() / mask.sum()
+    checks.append(Check("verl ppo_loss: clip == beta * mean min(k, threshold)",
+                        abs(kl_part.item() - hand.item()) <= 1e-6 * max(1.0, abs(hand.item())),
+                        f"KL part {kl_part.item():.8g} vs {hand.item():.8g}"))
+    return checks
+
+
 def main() -> int:
     import tempfile
 
@@ -280,6 +325,8 @@ def main() -> int:
             parts.append(trl_checks)
             if importlib.util.find_spec("unsloth"):
                 parts.append(unsloth_checks)
+        if importlib.util.find_spec("verl"):
+            parts.append(verl_checks)
         for part in parts:
             for check in part(output_dir):
                 checks.append(check)

@@ -64,3 +64,43 @@ def add_lora(model: Any, rank: int = 8, seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     return get_peft_model(model, lora_config(rank))
+
+
+def verl_micro_batch(responses: int = 4, response_length: int = 8, prompt_length: int = 4,
+                     seed: int = 0) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """One micro-batch as verl's actor update sees it (needs verl): (TensorDict of nested prompts, responses, mask,
+    old / reference log-probs and advantages, with verl's global batch info; the flat policy log-probs of every
+    prompt + response token, as the model outputs them; their jagged offsets). Response lengths run from half to all
+    of `response_length`, so that the reductions see unequal completions."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.linspace(max(response_length // 2, 1), response_length, responses).long().tolist()
+
+    def jagged(make: Any, sizes: list[int]) -> torch.Tensor:
+        return torch.nested.as_nested_tensor([make(size) for size in sizes], layout=torch.jagged)
+
+    data = TensorDict({
+        "prompts": jagged(lambda k: torch.randint(0, 1000, (k,), generator=g), [prompt_length] * responses),
+        "responses": jagged(lambda k: torch.randint(0, 1000, (k,), generator=g), lengths),
+        "response_mask": jagged(lambda k: torch.ones(k, dtype=torch.int64), lengths),
+        "old_log_probs": jagged(lambda k: -torch.rand(k, generator=g) * 2, lengths),
+        "ref_log_prob": jagged(lambda k: -torch.rand(k, generator=g) * 2, lengths),
+        "advantages": jagged(lambda k: torch.randn(1, generator=g).expand(k).clone(), lengths),
+    }, batch_size=[responses])
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=sum(lengths), global_batch_size=responses)
+    totals = [prompt_length + length for length in lengths]
+    offsets = torch.tensor([0, *torch.tensor(totals).cumsum(0).tolist()])
+    return data, -torch.rand(sum(totals), generator=g) * 2, offsets
+
+
+def verl_loss_and_grad(loss_fn: Any, data: Any, values: torch.Tensor,
+                       offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """verl's loss call on a micro-batch from `verl_micro_batch`, forward and backward: (loss, the gradient of the
+    flat log-probs, the loss's metrics)."""
+    leaf = values.detach().requires_grad_(True)
+    loss, metrics = loss_fn(model_output={"log_probs": torch.nested.nested_tensor_from_jagged(leaf, offsets)},
+                            data=data)
+    loss.backward()
+    return loss.detach(), leaf.grad, metrics
