@@ -175,12 +175,12 @@ class AdaptivePPOLoss:
             return loss, metrics
         kld = mask = None
         if not self.verl_term or "target" in self.config.kl_methods:
-            log_prob = no_padding_2_padding(model_output["log_probs"], data)
-            if self.verl_term:  # only the target's KL measure is needed
-                log_prob = log_prob.detach()
-            padded = data.select("response_mask", "ref_log_prob").to_padded_tensor()
-            mask = padded["response_mask"].to(bool)
-            kld = _per_token_kl(self.config, log_prob, padded["ref_log_prob"], mask, config.kl_loss_type)
+            # verl's own term: only the target's KL measure is needed here, so no graph
+            with torch.set_grad_enabled(torch.is_grad_enabled() and not self.verl_term):
+                log_prob = no_padding_2_padding(model_output["log_probs"], data)
+                padded = data.select("response_mask", "ref_log_prob").to_padded_tensor()
+                mask = padded["response_mask"].to(bool)
+                kld = _per_token_kl(self.config, log_prob, padded["ref_log_prob"], mask, config.kl_loss_type)
         batch_info = self.stock_config.global_batch_info
         aggregation = _metric_aggregation(data, config)
         if self.verl_term:  # verl's kl_loss metric (a Metric holds floats: one copy per key)
