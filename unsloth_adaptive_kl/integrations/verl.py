@@ -46,6 +46,7 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl, shape_kl, shapes_per_token
 from . import versions
+from .patching import PatchSet
 
 from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402  (verl: the integration's own extra)
 from verl.trainer.ppo.v1 import trainer_base  # noqa: E402
@@ -343,12 +344,14 @@ class AdaptiveKLTrainerMixin:
         if self.reward_kl is None:
             return super()._compute_advantage(batch, metrics)
         self.reward_kl.observe_rewards(self._mean_reward)
-        original = trainer_base.apply_kl_penalty  # anchored: the V1 trainer's reference to verl's function
-        trainer_base.apply_kl_penalty = apply_adaptive_kl_penalty
+        # Replaces verl's apply_kl_penalty (ray_trainer), as the V1 trainer module references it (anchored), for
+        # this call only.
+        patches = PatchSet()
+        patches.replace(trainer_base, "apply_kl_penalty", apply_adaptive_kl_penalty)
         try:
             return super()._compute_advantage(batch, metrics)
         finally:
-            trainer_base.apply_kl_penalty = original
+            patches.restore()
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if self.loss_kl is None:
