@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import unsloth_adaptive_kl  # noqa: F401  (first: patches trl)
 from datasets import Dataset
@@ -57,3 +58,7 @@ def main(output_dir: str, device: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # accelerate started the process group; a process that exits with it still open can abort at exit ("terminate
+    # called without an active exception": SIGABRT on one rank, SIGTERM on the other; seen on torch 2.14.1 and 2.15).
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,15 +1,16 @@
 """The adaptive-KL configuration: one dataclass of fields, defaults and validation, reused everywhere.
 
 `AdaptiveKLConfig` is usable on its own (the pure core takes it) and is mixed into `trl.GRPOConfig` by
-`trl_patch`, so the same fields, help texts and checks appear on the TRL and Unsloth configs, in `to_dict()`
+`integrations/trl.py`, so the same fields, help texts and checks appear on the TRL and Unsloth configs, in `to_dict()`
 and on the command line.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from .estimators import estimator_names
 
@@ -24,6 +25,32 @@ TARGET_MEASURES = ("token_mean", "sequence_sum")
 KL_PLACEMENTS = ("loss", "reward")
 # With the KL in the reward each completion gets one KL_i: reductions that give one per completion.
 REWARD_KL_REDUCTIONS = ("loss_type", "sequence_sum", "sequence_mean")
+
+
+# Estimators whose value is not the log-ratio k1: as a reward their score-function gradient is not the KL's gradient
+# (the KL lab: k3 in the reward does not regularise at all), so with the KL in the reward they warn.
+NOT_LOG_RATIO_ESTIMATORS = ("k2", "k3", "low_var_kl", "k3+", "k3_bottom_percentile")
+
+
+class KLEstimatorWarning(UserWarning):
+    """An estimator that does not regularise where it is placed (the KL lab's exact figures: docs, Ground truth)."""
+
+
+def warn_estimator_placement(estimator: Any, placement: str) -> None:
+    """Warn (once per process and setting, Python's default warning filter) for an estimator that does not
+    regularise where it acts: 'k1' in the loss (its expected gradient is zero on-policy) and a k3-family estimator
+    in the reward (its value is not the log-ratio, so the reward's gradient is not the KL's)."""
+    if placement == "loss" and estimator == "k1":
+        warnings.warn("kl_estimator='k1' with kl_placement='loss': the expected gradient of k1 is zero on-policy, so "
+                      "the KL term does not regularise (the KL lab: the policy drifts as far as with beta=0). Use "
+                      "'k1_future' (the whole completion's KL gradient), 'k3' (the default) or 'k2', or put the KL in "
+                      "the reward (kl_placement='reward', where k1 is exact).", KLEstimatorWarning, stacklevel=2)
+    if placement == "reward" and estimator in NOT_LOG_RATIO_ESTIMATORS:
+        warnings.warn(f"kl_estimator={estimator!r} with kl_placement='reward': a KL in the reward must be the log-ratio "
+                      "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the KL's, and "
+                      "the KL lab measures k3 in the reward not regularising at all (the KL to the reference as large as "
+                      "with beta=0). Use kl_estimator='k1' (the reward placement's default: leave kl_estimator unset).",
+                      KLEstimatorWarning, stacklevel=2)
 
 
 def _reject(name: str, value: Any, allowed: str) -> ValueError:
@@ -127,13 +154,16 @@ class AdaptiveKLConfig:
                   "None: no cut-off."},
     )
 
-    kl_estimator: str = field(
-        default="k3",
+    kl_estimator: Optional[str] = field(
+        default=None,
         metadata={
-            "help": "Per-token KL estimator: 'k3' (what the trainer computes), 'k1', 'k2', 'low_var_kl', 'k1+', "
-            "'k3+' (value of k1/k3, gradient of k2), 'k3_bottom_percentile', or a name registered with "
-            "register_kl_estimator; programmatically also a callable (logp, ref_logp, mask) -> per-token KL. Every "
-            "method reads the KL it gives."
+            "help": "Per-token KL estimator. None (default): the placement's own, 'k3' (what the trainer computes) "
+            "with the KL in the loss and 'k1' (the log-ratio) with the KL in the reward. Or 'k1', 'k2', 'k3', "
+            "'low_var_kl', 'k1+', 'k3+' (value of k1/k3, gradient of k2), 'k1_future' (value of k1, gradient of the "
+            "whole completion's KL), 'k3_bottom_percentile', or a name registered with register_kl_estimator; "
+            "programmatically also a callable (logp, ref_logp, mask) -> per-token KL. 'k1' in the loss and a "
+            "k3-family estimator in the reward warn (they do not regularise: docs, Ground truth). Every method reads "
+            "the KL it gives."
         },
     )
     kl_percentile: float = field(
@@ -211,8 +241,17 @@ class AdaptiveKLConfig:
     @property
     def is_stock_kl(self) -> bool:
         """True when the KL term is the trainer's own: no method, stock estimator and reduction."""
-        return (not self.kl_methods and self.kl_estimator == "k3" and self.kl_reduction == "loss_type"
+        return (not self.kl_methods and self.estimator == "k3" and self.kl_reduction == "loss_type"
                 and self.kl_placement == "loss")
+
+    @property
+    def estimator(self) -> Union[str, Callable[..., Any]]:
+        """The estimator in effect: `kl_estimator`, or for None the placement's default: 'k3' (the trainer's own) with
+        the KL in the loss, 'k1' with the KL in the reward (where only an estimate whose value is the log-ratio gives
+        the regularised optimum: the KL lab's finding)."""
+        if self.kl_estimator is None:
+            return "k1" if self.kl_in_reward else "k3"
+        return self.kl_estimator
 
     @property
     def kl_in_reward(self) -> bool:
@@ -237,10 +276,10 @@ class AdaptiveKLConfig:
                     _is_real(self.beta_min) and 0 <= self.beta_min < math.inf
                     and (beta is None or self.beta_min <= beta),
                     f"a number with 0 <= beta_min <= {beta_bound}")
-        if not callable(self.kl_estimator) and self.kl_estimator not in estimator_names():
+        if not (self.kl_estimator is None or callable(self.kl_estimator) or self.kl_estimator in estimator_names()):
             raise _reject("kl_estimator", self.kl_estimator,
-                          f"one of {', '.join(estimator_names())} (register your own with register_kl_estimator), or "
-                          "a callable (logp, ref_logp, mask) -> per-token KL")
+                          f"None (the placement's default), one of {', '.join(estimator_names())} (register your own "
+                          "with register_kl_estimator), or a callable (logp, ref_logp, mask) -> per-token KL")
         _check_real("kl_percentile", self.kl_percentile,
                     _is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
         _check_real("kl_percentile_scale", self.kl_percentile_scale,
@@ -264,6 +303,7 @@ class AdaptiveKLConfig:
         if not isinstance(self.kl_compile, bool):
             raise _reject("kl_compile", self.kl_compile, "True or False")
         self._validate_placement(methods, multi_objective_aggregation)
+        warn_estimator_placement(self.estimator, self.kl_placement)
         steps = self.beta_schedule_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise _reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")

@@ -86,6 +86,21 @@ def k3_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: A
     return straight_through(k3(logp, ref, mask), k2(logp, ref, mask))
 
 
+@register_kl_estimator("k1_future")
+def k1_future(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+    """Value k1_t = logp_t - ref_t per token (so sums and metrics stay the completion's log-ratio); gradient
+    sg(G_t) * grad logp_t with G_t = sum_{s >= t} m_s k1_s, the KL-to-go of the completion. Summed over a
+    completion's tokens, that is the score-function gradient of the whole completion's reverse KL,
+    E[sum_t G_t grad logp_t] = grad KL(pi_theta || pi_ref) over sequences: the loss-side KL whose fixed point is the
+    KL-regularised optimum (a per-token k2 or k3 misses the KL of the tokens that follow). Padded positions (any value)
+    carry no KL-to-go and no gradient."""
+    valid = mask.bool()
+    value = logp - ref
+    to_go = torch.where(valid, value.detach(), 0.0).flip(-1).cumsum(-1).flip(-1)
+    surrogate = to_go * torch.where(valid, logp, 0.0)
+    return value.detach() + (surrogate - surrogate.detach())
+
+
 def bottom_percentile_mask(ref: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
     """1 on the valid tokens whose ref log-prob is <= the k-th smallest valid ref log-prob, k = max(1, floor(n *
     fraction)) over the n valid tokens of the batch (the value torch.kthvalue returns). Found by a sort, so n stays
@@ -107,8 +122,9 @@ def k3_bottom_percentile(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tens
 
 
 def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
-    """The configured `kl_estimator` (a registered name or a callable (logp, ref, mask) -> per-token KL)."""
-    estimator = config.kl_estimator
+    """The estimator in effect (`config.estimator`: `kl_estimator`, or the placement's default for None), a registered
+    name or a callable (logp, ref, mask) -> per-token KL."""
+    estimator = config.estimator
     if callable(estimator):
         return estimator(logp, ref, mask)
     if estimator in _TAKES_CONFIG:

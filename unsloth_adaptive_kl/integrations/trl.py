@@ -130,7 +130,7 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
-    logps_probe = None if config.kl_estimator == "k3" else _PolicyLogpsProbe(self._get_per_token_logps_and_entropies)
+    logps_probe = None if config.estimator == "k3" else _PolicyLogpsProbe(self._get_per_token_logps_and_entropies)
     loss, kl = _stock_loss_and_kl(self, model, inputs, config.is_stock_kl, logps_probe)
     if logps_probe is not None:  # a non-stock estimator: its per-token KL from the policy log-probs the loss computed
         if not logps_probe.logps:

@@ -135,14 +135,14 @@ class _AdaptiveEfficientGRPO:
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
                                           beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
         # The trainer's own KL carries the gradient only where the adapted term is built from it.
-        metrics_only = stock or config.kl_estimator != "k3" or config.kl_in_reward
+        metrics_only = stock or config.estimator != "k3" or config.kl_in_reward
         with torch.no_grad() if metrics_only else contextlib.nullcontext():
             kl, mean_kl = cls.trainer_kl(new, old, ref, sampling, input_ids, mask, advantages, beta, kwargs)
         if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term
             outputs[2] = mean_kl
             calls.append(None)
             return tuple(outputs)
-        if config.kl_estimator != "k3":
+        if config.estimator != "k3":
             kl = estimate_kl(new, ref, mask, config)
         loss_type, ctx = _reduction(kwargs, cls.bnpo_rule)
         term = trainer.adaptive_kl.term(kl, mask, ctx, loss_type)

@@ -138,7 +138,7 @@ def kl_agg_mode(config: AdaptiveKLConfig, loss_agg_mode: str) -> str:
 def _per_token_kl(config: AdaptiveKLConfig, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
                   mask: torch.Tensor, kl_type: str) -> torch.Tensor:
     """verl's own per-token KL (`kl_penalty` with its type) for the default estimator, else the configured one."""
-    if config.kl_estimator == "k3":  # the default: what the trainer computes
+    if config.estimator == "k3":  # the default: what the trainer computes
         return core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=kl_type)
     return estimate_kl(log_prob, ref_log_prob, mask.to(log_prob.dtype), config)
 
@@ -160,7 +160,7 @@ class AdaptivePPOLoss:
         self.actor_config = actor_config
         self.config = config
         self.agg_mode = kl_agg_mode(config, actor_config.loss_agg_mode)
-        self.verl_term = (not shapes_per_token(config) and config.kl_estimator == "k3"
+        self.verl_term = (not shapes_per_token(config) and config.estimator == "k3"
                           and self.agg_mode == actor_config.loss_agg_mode)
         # A copy sharing global_batch_info (which ppo_loss fills in): KL off for the adapted path, else beta_t.
         self.stock_config = copy.copy(actor_config)
