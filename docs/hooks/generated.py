@@ -8,7 +8,8 @@ the Markdown that `GENERATORS[NAME](ARGUMENT)` returns. An unknown name fails th
 - `demo_flags`: the demo's argparse parser;
 - `loss_overhead`, `loss_overhead_sanity`, `core_op`, `steps`, `unsloth_steps`, `ref_sync_cost`,
   `benchmark_headline`, `verl_loss`: `benchmarks/*.json`;
-- `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo.
+- `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo;
+- `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`: `docs/results/kl_lab.json`, written by the KL lab.
 """
 
 from __future__ import annotations
@@ -241,7 +242,42 @@ def demo_results(name: Optional[str] = None) -> str:
             f"{data['settings']['seeds']} seeds of each seed's mean over the last {data.get('window', 12)} steps.")
 
 
+def _kl_lab() -> dict:
+    return json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())
+
+
+def kl_lab(environment: Optional[str] = None) -> str:
+    """The KL lab's table for one environment (`docs/results/kl_lab.json`, written by the lab), one table a group."""
+    from unsloth_adaptive_kl.tools.kl_lab import HEADER, markdown, table_rows
+
+    table = _kl_lab()["tables"][environment]
+    return "\n\n".join(f"**{group}**\n\n{markdown(HEADER, rows)}" for group, rows in table_rows(table))
+
+
+def kl_lab_target(_: Optional[str] = None) -> str:
+    """The KL lab's `target` runs against beta*."""
+    from unsloth_adaptive_kl.tools.kl_lab import TARGET_HEADER, markdown, target_rows
+
+    result = _kl_lab()["target"]
+    return (f"tau = KL(pi*_beta || pi_ref) = {result['tau']:.4f}, so beta* = {result['beta_star']:.4f}; beta_0 = "
+            f"{result['beta_0']}, {result['training']['steps']} steps at a constant learning rate.\n\n"
+            + markdown(TARGET_HEADER, target_rows(result)))
+
+
+def kl_lab_run(_: Optional[str] = None) -> str:
+    """How the committed lab run was made."""
+    result = _kl_lab()
+    training = next(iter(result["tables"].values()))["training"]
+    return (f"Made by `{result['command']}` (torch {result['torch']}, {result['seconds']:.0f} s on a 2-core CPU): "
+            f"{training['groups']} groups of {training['group_size']} completions a step, {training['steps']} steps, "
+            f"Adam at {training['learning_rate']} decayed linearly to 0, seeds {result['seeds']} averaged "
+            "(a spread in KL(pi||pi*) above 0.05 between seeds is shown beside it).")
+
+
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
+    "kl_lab": kl_lab,
+    "kl_lab_target": kl_lab_target,
+    "kl_lab_run": kl_lab_run,
     "configuration": configuration,
     "tested_versions": tested_versions,
     "anchors": anchors,
