@@ -144,29 +144,10 @@ def optimum(tree: Tree, beta: float) -> torch.Tensor:
     return logits - torch.logsumexp(logits, 0)
 
 
-def frontier_reward(tree: Tree, kl_to_reference: float) -> float:
-    """The largest E[r] any policy reaches with KL(pi || pi_ref) <= kl_to_reference: that of pi*_beta with
-    KL(pi*_beta || pi_ref) = kl_to_reference (beta by bisection on log beta; KL falls as beta grows), or the largest
-    reward the reference can reach at all beyond the KL of beta -> 0."""
-    reference = tree.log_probs(tree.reference_table).double()
-    best = tree.rewards.max()
-    limit = reference.masked_fill(tree.rewards < best, -math.inf)
-    limit = limit - torch.logsumexp(limit, 0)
-    if kl_to_reference >= kl(limit, reference):
-        return float(best)
-    low, high = math.log(1e-6), math.log(1e6)
-    for _ in range(200):
-        middle = 0.5 * (low + high)
-        if kl(optimum(tree, math.exp(middle)), reference) > kl_to_reference:
-            low = middle
-        else:
-            high = middle
-    return float((optimum(tree, math.exp(high)).exp() * tree.rewards.double()).sum())
-
-
 def beta_for_kl(tree: Tree, kl_to_reference: float) -> float:
-    """beta* with KL(pi*_beta* || pi_ref) = kl_to_reference (bisection on log beta): what `target` must find."""
-    reference = tree.log_probs(tree.reference_table).double()
+    """beta* with KL(pi*_beta* || pi_ref) = kl_to_reference, by bisection on log beta in [1e-6, 1e6] (the KL of the
+    optimum falls as beta grows): the beta a `target` controller must find, and the frontier's point."""
+    reference = tree.log_probs(tree.reference_table)
     low, high = math.log(1e-6), math.log(1e6)
     for _ in range(200):
         middle = 0.5 * (low + high)
@@ -175,6 +156,19 @@ def beta_for_kl(tree: Tree, kl_to_reference: float) -> float:
         else:
             high = middle
     return math.exp(0.5 * (low + high))
+
+
+def frontier_reward(tree: Tree, kl_to_reference: float) -> float:
+    """The largest E[r] any policy reaches with KL(pi || pi_ref) <= kl_to_reference: that of pi*_beta* with
+    KL(pi*_beta* || pi_ref) = kl_to_reference, or, beyond the KL of beta -> 0 (the reference restricted to the
+    completions of the largest reward), that largest reward."""
+    reference = tree.log_probs(tree.reference_table)
+    best = tree.rewards.max()
+    limit = reference.masked_fill(tree.rewards < best, -math.inf)
+    if kl_to_reference >= kl(limit - torch.logsumexp(limit, 0), reference):
+        return float(best)
+    star = optimum(tree, beta_for_kl(tree, kl_to_reference))
+    return float((star.exp() * tree.rewards.double()).sum())
 
 
 @dataclass
