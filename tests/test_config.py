@@ -37,7 +37,7 @@ DEFAULTS = {
 }
 
 BAD_VALUES = [
-    ("kl_adaptation_method", "clipp", "one or more of clip, sigmoid, length_normalized, dynamic"),
+    ("kl_adaptation_method", "clipp", "one or more of clip, sigmoid, "),  # registered methods follow the built-ins
     ("kl_adaptation_method", "", "one or more of"),
     ("kl_adaptation_method", "clip+sigmoid", "at most one of clip/sigmoid"),
     ("kl_adaptation_method", ["sigmoid", "clip"], "at most one of clip/sigmoid"),

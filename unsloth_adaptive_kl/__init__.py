@@ -27,7 +27,9 @@ from .core import (
     make_beta_controller,
     parse_methods,
     reduce_kl,
+    register_beta_controller,
     register_kl_estimator,
+    register_kl_shaping,
     shape_kl,
 )
 from .integrations.versions import IncompatibleVersionError, UntestedVersionWarning
@@ -86,7 +88,9 @@ __all__ = [
     "parse_methods",
     "patch",
     "reduce_kl",
+    "register_beta_controller",
     "register_kl_estimator",
+    "register_kl_shaping",
     "shape_kl",
     "unpatch",
 ]

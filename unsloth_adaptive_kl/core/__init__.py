@@ -1,10 +1,11 @@
 """The pure-torch core: configuration, per-token estimators, shaping and reductions, beta controllers, and the
 `AdaptiveKL` object every loop drives. Imports with torch alone; never imports a trainer."""
 
-from .adaptation import KLTerm, ReductionContext, adapted_kl_term, reduce_kl, shape_kl, shapes_per_token
+from .adaptation import (KLTerm, ReductionContext, adapted_kl_term, reduce_kl, register_kl_shaping, shape_kl,
+                         shapes_per_token)
 from .adaptive_kl import AdaptiveKL
 from .config import AdaptiveKLConfig, parse_methods
-from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller
+from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller, register_beta_controller
 from .estimators import estimate_kl, estimator_names, register_kl_estimator
 
 __all__ = [
@@ -22,7 +23,9 @@ __all__ = [
     "make_beta_controller",
     "parse_methods",
     "reduce_kl",
+    "register_beta_controller",
     "register_kl_estimator",
+    "register_kl_shaping",
     "shape_kl",
     "shapes_per_token",
 ]

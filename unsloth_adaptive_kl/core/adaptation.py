@@ -16,22 +16,37 @@ from typing import Callable, Optional, Union
 import torch
 
 from .config import AdaptiveKLConfig
-from .registry import registrar
+from .registry import SHAPINGS as _SHAPINGS
+from .registry import new_method_name, registrar
 
 Shaping = Callable[[torch.Tensor, AdaptiveKLConfig], torch.Tensor]
-_SHAPINGS: dict[str, Shaping] = {}
 
 
-register_shaping = registrar(_SHAPINGS)
+def register_kl_shaping(name: str) -> Callable[[Shaping], Shaping]:
+    """Decorator: make `kl_adaptation_method=name` (alone or joined with others by '+') shape the per-token KL with
+    the decorated `fn(per_token_kl, config) -> shaped per-token KL`, in every loop (TRL, Unsloth, verl, Tinker, your
+    own, the KL lab). It runs where clip and sigmoid run: on the masked (B, T) KL (padded positions 0, which it must
+    map to 0), before length normalisation and the reduction; at most one shaping per setting. Inside Unsloth's
+    compiled loss it must be traceable torch (no `.item()`). Register before the config is built: the name is
+    validated there. A taken name is a ValueError."""
+    new_method_name("register_kl_shaping", name)
+
+    def add(function: Shaping) -> Shaping:
+        if not callable(function):
+            raise TypeError(f"register_kl_shaping({name!r}) decorates a function, not {type(function).__name__}")
+        _SHAPINGS[name] = function
+        return function
+
+    return add
 
 
-@register_shaping("clip")
+@register_kl_shaping("clip")
 def clip_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
     """k' = min(k, kl_clip_threshold). Above the threshold the KL gradient is zero."""
     return torch.clamp(kl, max=config.kl_clip_threshold)
 
 
-@register_shaping("sigmoid")
+@register_kl_shaping("sigmoid")
 def sigmoid_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
     """k' = sigmoid(k - kl_target) * k. The sigmoid runs in place on the difference (a temporary whose backward needs
     nothing of it): one full-size allocation fewer."""

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .estimators import estimator_names
+from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
+# The built-in methods; registered shapings and controllers join them (registry.method_names()). Application order
+# (SPEC 3.6): shaping -> length normalisation -> beta.
 SHAPING_METHODS = ("clip", "sigmoid")
-LENGTH_METHODS = ("length_normalized",)
 BETA_METHODS = ("dynamic", "target")
-# Application order (SPEC 3.6): shaping -> length normalisation -> beta.
 METHODS = SHAPING_METHODS + LENGTH_METHODS + BETA_METHODS
 METHOD_SEPARATOR = "+"
 KL_REDUCTIONS = ("loss_type", "sequence_mean", "token_mean", "sequence_sum")
@@ -60,7 +61,8 @@ def _reject(name: str, value: Any, allowed: str) -> ValueError:
 def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
     """Parse `kl_adaptation_method` ("none", "clip", "dynamic+length_normalized", or a list) into a tuple of
     method names in application order; `()` means "none"."""
-    allowed = f'"none", or one or more of {", ".join(METHODS)} joined by "{METHOD_SEPARATOR}" or given as a list'
+    known = method_names()
+    allowed = f'"none", or one or more of {", ".join(known)} joined by "{METHOD_SEPARATOR}" or given as a list'
     if isinstance(value, str):
         names = [part.strip() for part in value.split(METHOD_SEPARATOR)]
     elif isinstance(value, (list, tuple)) and all(isinstance(part, str) for part in value):
@@ -69,16 +71,16 @@ def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
         raise _reject("kl_adaptation_method", value, allowed)
     if names == ["none"]:
         return ()
-    unknown = [name for name in names if name not in METHODS]
+    unknown = [name for name in names if name not in known]
     if not names or unknown:
         raise _reject("kl_adaptation_method", value, allowed)
     if len(set(names)) != len(names):
         raise _reject("kl_adaptation_method", value, allowed + ", each method at most once")
-    if sum(name in SHAPING_METHODS for name in names) > 1:
-        raise _reject("kl_adaptation_method", value, allowed + ", with at most one of clip/sigmoid")
-    if sum(name in BETA_METHODS for name in names) > 1:
-        raise _reject("kl_adaptation_method", value, allowed + ", with at most one of dynamic/target")
-    return tuple(name for name in METHODS if name in names)
+    if sum(name in SHAPINGS for name in names) > 1:
+        raise _reject("kl_adaptation_method", value, f"{allowed}, with at most one of {'/'.join(SHAPINGS)}")
+    if sum(name in BETA_CONTROLLERS for name in names) > 1:
+        raise _reject("kl_adaptation_method", value, f"{allowed}, with at most one of {'/'.join(BETA_CONTROLLERS)}")
+    return tuple(name for name in known if name in names)
 
 
 _PARSED_METHODS: dict[str, tuple[str, ...]] = {}

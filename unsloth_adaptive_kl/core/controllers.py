@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from .config import AdaptiveKLConfig
+from .registry import BETA_CONTROLLERS as _CONTROLLERS
+from .registry import new_method_name
 
 
 @dataclass
@@ -61,10 +63,19 @@ class ConstantBeta:
             setattr(self, name, value)
 
 
+def reads_step_kl(config: AdaptiveKLConfig) -> bool:
+    """Whether the configured beta controller reads the step's KL (`window`): a registered controller does unless its
+    class says `reads_kl = False` (`dynamic`), so that a loop that measures the KL only for the controller (verl's
+    actor loss) measures it whenever one may read it."""
+    return any(getattr(_CONTROLLERS[method], "reads_kl", True) for method in config.kl_methods if method in _CONTROLLERS)
+
+
 class DynamicBeta(ConstantBeta):
     """After an optimizer step that trained on a generation batch with mean reward r > reward_threshold:
     beta <- max(beta * dynamic_beta_decay, beta_min), at most once per generation batch;
     once completed_steps >= beta_schedule_steps: beta = beta_min."""
+
+    reads_kl = False  # reads the rewards only
 
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         super().__init__(beta, config)
@@ -103,10 +114,32 @@ class TargetKL(ConstantBeta):
 
 
 BetaController = ConstantBeta
-_CONTROLLERS: dict[str, Callable[[float, AdaptiveKLConfig], BetaController]] = {
-    "dynamic": DynamicBeta,
-    "target": TargetKL,
-}
+
+
+def register_beta_controller(name: str) -> Callable[[type], type]:
+    """Decorator: make `kl_adaptation_method=name` (alone or joined by '+' with shapings and length normalisation)
+    move beta with the decorated class, in every loop. The class is built as `cls(beta, config)` (beta_0 and the
+    `AdaptiveKLConfig`) and follows the built-in controllers' protocol (subclassing `ConstantBeta` gives the rest):
+    `value` (beta_t, a float), `observe_rewards(mean_reward)` (a new generation batch's mean reward over all
+    processes), `step(completed_steps, window)` (after each optimizer step; `window` is the step's `WindowKL` or None),
+    `state_dict()` / `load_state_dict(state)` (JSON-able; saved in every checkpoint like the built-in ones). At most
+    one controller per setting. A taken name is a ValueError."""
+    new_method_name("register_beta_controller", name)
+
+    def add(cls: type) -> type:
+        missing = [attribute for attribute in ("observe_rewards", "step", "state_dict", "load_state_dict")
+                   if not callable(getattr(cls, attribute, None))]
+        if not isinstance(cls, type) or missing:
+            raise TypeError(f"register_beta_controller({name!r}) decorates a class with observe_rewards, step, "
+                            f"state_dict and load_state_dict (subclass ConstantBeta); missing: {', '.join(missing)}")
+        _CONTROLLERS[name] = cls
+        return cls
+
+    return add
+
+
+register_beta_controller("dynamic")(DynamicBeta)
+register_beta_controller("target")(TargetKL)
 
 
 def make_beta_controller(beta: float, config: AdaptiveKLConfig) -> BetaController:

@@ -3,6 +3,7 @@
     python -m unsloth_adaptive_kl.tools.kl_lab                   # the default tables (both environments)
     python -m unsloth_adaptive_kl.tools.kl_lab --env first_a --beta 0.2
     python -m unsloth_adaptive_kl.tools.kl_lab --import my_estimators --estimator my_k3   # your own estimator
+    python -m unsloth_adaptive_kl.tools.kl_lab --import my_methods --method my_beta      # your own method
 
 An exact toy. A tabular autoregressive policy over a few tokens and EOS writes completions of at most `max_length`
 tokens, so every completion can be enumerated. For a reward r and a reference pi_ref, the optimum of
@@ -52,6 +53,7 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig
 from ..core.estimators import estimator_names
+from ..core.registry import method_names
 
 # ----- environments -------------------------------------------------------------------------------------------------
 
@@ -324,9 +326,10 @@ ESTIMATOR_NOTES = {"k1": "log-ratio", "k2": "0.5 * log-ratio^2", "k3": "the trai
                    "k1_future": "k1, the completion's KL gradient", "k3_bottom_percentile": "k3 on 20 % of tokens x 5"}
 
 
-def default_settings(estimators: Sequence[str] = ()) -> list[Setting]:
+def default_settings(estimators: Sequence[str] = (), methods: Sequence[str] = ()) -> list[Setting]:
     """The default table: every estimator in both placements, the reductions, every method, and the loss types
-    dr_grpo/dapo/grpo with scale_rewards none and group; `estimators` adds rows for names a user registered."""
+    dr_grpo/dapo/grpo with scale_rewards none and group; `estimators` and `methods` add rows for names a user
+    registered (register_kl_estimator, register_kl_shaping, register_beta_controller)."""
     settings = [Setting("beta = 0 (no KL)", placement="off", group="reference points")]
     for name in [*ESTIMATOR_NOTES, *estimators]:
         for placement in ("reward", "loss"):
@@ -342,15 +345,15 @@ def default_settings(estimators: Sequence[str] = ()) -> list[Setting]:
                                  ("k1_future", "sequence_mean"), ("k1_future", "token_mean")):
         settings.append(Setting(f"{estimator} in the loss, {reduction}", "loss",
                                 (("kl_estimator", estimator), ("kl_reduction", reduction)), group=reductions))
-    methods = "methods (k3 in the loss, k1 in the reward)"
+    method_group = "methods (k3 in the loss, k1 in the reward)"
     for method, extra in (("clip", (("kl_clip_threshold", 0.1),)), ("sigmoid", (("kl_target", 0.05),)),
                           ("length_normalized", ()), ("dynamic", (("reward_threshold", 0.6),)),
-                          ("target", (("kl_target", 0.1),))):
+                          ("target", (("kl_target", 0.1),)), *((name, ()) for name in methods)):
         for placement in ("loss", "reward"):
             if placement == "reward" and method == "length_normalized":
                 continue  # refused there: each completion's KL is one number already (kl_reduction picks it)
             settings.append(Setting(f"{method} in the {placement}", placement,
-                                    (("kl_adaptation_method", method), *extra), group=methods))
+                                    (("kl_adaptation_method", method), *extra), group=method_group))
     grid = "loss types and reward scaling"
     for loss_type, scale in itertools.product(("dr_grpo", "dapo", "grpo"), ("none", "group")):
         if (loss_type, scale) == ("dr_grpo", "none"):
@@ -485,6 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="import MODULE first (it registers estimators with register_kl_estimator)")
     parser.add_argument("--estimator", action="append", default=[], metavar="NAME",
                         help="add rows for a registered estimator NAME (in the reward and in the loss)")
+    parser.add_argument("--method", action="append", default=[], metavar="NAME",
+                        help="add rows for a registered kl_adaptation_method NAME (a shaping or a beta controller)")
     parser.add_argument("--only", default="", help="only the settings whose label contains this text")
     parser.add_argument("--no-target", action="store_true", help="skip the target-controller experiment")
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
@@ -497,14 +502,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     for module in args.imports:
         sys.path.insert(0, os.getcwd())
         importlib.import_module(module)
-    unknown = [name for name in args.estimator if name not in estimator_names()]
-    if unknown:
-        raise SystemExit(f"--estimator {', '.join(unknown)}: not registered; registered are "
-                         f"{', '.join(estimator_names())} (register yours in a module named with --import)")
+    for flag, asked, registered in (("--estimator", args.estimator, estimator_names()),
+                                    ("--method", args.method, method_names())):
+        unknown = [name for name in asked if name not in registered]
+        if unknown:
+            raise SystemExit(f"{flag} {', '.join(unknown)}: not registered; registered are {', '.join(registered)} "
+                             "(register yours in a module named with --import)")
     torch.set_num_threads(1)
     start = time.perf_counter()
     training = replace(Training(), steps=args.steps)
-    settings = [s for s in default_settings(args.estimator) if args.only in s.label]
+    settings = [s for s in default_settings(args.estimator, args.method) if args.only in s.label]
     environments = list(ENVIRONMENTS) if args.env == "all" else [args.env]
     command = " ".join(["python -m unsloth_adaptive_kl.tools.kl_lab", *(argv if argv is not None else sys.argv[1:])])
     result: dict[str, Any] = {"command": command, "torch": torch.__version__, "seeds": args.seeds, "tables": {}}
