@@ -454,9 +454,11 @@ TARGET_HEADER = ["kl_horizon", "completions / kl_horizon", "final beta", "beta o
 
 
 def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table (the docs page is made of these)."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    """A Markdown table (the docs page is made of these); '|' and '*' in a cell are escaped."""
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(cell.replace("|", "\\|").replace("*", "\\*") for cell in cells) + " |"
+
+    return "\n".join([line(header), "|" + "---|" * len(header), *map(line, rows)])
 
 
 def show(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
