@@ -1,6 +1,7 @@
-"""`python -m unsloth_adaptive_kl --gpu` (tools/gpucheck.py): on this CPU machine it exits 2, and every scenario with
-a CPU equivalent runs here on the saved tiny Llama for 1-3 steps, so that the GPU check does not rot between GPU
-runs. The Unsloth 4-bit, Unsloth fp16 and vLLM scenarios need a CUDA GPU and run only there."""
+"""`python -m unsloth_adaptive_kl --gpu` (tools/gpucheck.py, tools/gpu_scenarios.py): on this CPU machine it exits
+2, and every scenario with a CPU equivalent runs here on the saved tiny Llama for 1-3 steps, so that the GPU check
+does not rot between GPU runs. The Unsloth 4-bit, Unsloth fp16 and vLLM scenarios need a CUDA GPU and run only
+there; the Unsloth scenario's per-method and beta-moving checks run here on TRL's trainer."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from unsloth_adaptive_kl.tools import gpu_scenarios as scenarios
 from unsloth_adaptive_kl.tools import gpucheck
 from unsloth_adaptive_kl.tools.selfcheck import Check
 
@@ -73,7 +75,7 @@ def test_the_tiny_llama_check_fails_when_head_dim_is_not_64(tmp_path, monkeypatc
 
 
 def test_trl_autocast_scenario_in_bf16_on_cpu(model_dir, tmp_path) -> None:
-    (check,) = gpucheck.trl_autocast(model_dir, str(tmp_path), device="cpu", precision="bf16", steps=2)
+    (check,) = scenarios.trl_autocast(model_dir, str(tmp_path), device="cpu", precision="bf16", steps=2)
     assert check.ok, check.line()
     assert check.name == "TRL GRPOTrainer, bf16 autocast on cpu"
     assert "accelerate mixed_precision=bf16, beta 0.04 -> 0.02" in check.detail
@@ -82,7 +84,7 @@ def test_trl_autocast_scenario_in_bf16_on_cpu(model_dir, tmp_path) -> None:
 
 def test_fp16_grad_scaler_scenario_runs_in_float32_on_cpu(model_dir, tmp_path) -> None:
     """accelerate has no fp16 on a CPU: the same scenario code in float32, no scaler expected."""
-    (check,) = gpucheck.fp16_grad_scaler(model_dir, str(tmp_path), device="cpu", precision="fp32", steps=2)
+    (check,) = scenarios.fp16_grad_scaler(model_dir, str(tmp_path), device="cpu", precision="fp32", steps=2)
     assert check.ok, check.line()
     assert check.name == "TRL, fp32 (no GradScaler) on cpu"
     assert check.detail.endswith("GradScaler: none, scale none, 2 of 2 optimizer steps applied")
@@ -103,7 +105,7 @@ def test_the_step_recorder_counts_the_steps_a_grad_scaler_skips() -> None:
         def add_callback(self, callback) -> None:
             pass
 
-    recorder = gpucheck.StepRecorder(Trainer())
+    recorder = scenarios.StepRecorder(Trainer())
     recorder.record()
     for value in (float("inf"), 1.0):  # an overflow, then a finite loss
         optimizer.zero_grad()
@@ -117,7 +119,7 @@ def test_the_step_recorder_counts_the_steps_a_grad_scaler_skips() -> None:
 
 def test_ref_sync_scenario_with_an_8bit_optimizer_on_cpu(model_dir, tmp_path) -> None:
     pytest.importorskip("bitsandbytes")
-    (check,) = gpucheck.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32",
+    (check,) = scenarios.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32",
                                       optim="adamw_8bit", steps=3)
     assert check.ok, check.line()
     assert "1 syncs in 3 steps" in check.detail and "uint8" in check.detail  # 8-bit state again after the reset
@@ -128,33 +130,33 @@ def test_the_unsloth_scenarios_method_and_recompile_checks_run_on_trl_on_cpu(mod
     method `_compute_loss`, nothing compiled) on the CPU, on a captured batch whose reference is 1 nat away."""
     from unsloth_adaptive_kl.tools.selfcheck import captured_inputs, shifted_reference
 
-    trainer = gpucheck.chat_trainer(model_dir, str(tmp_path), "trl", "cpu", "fp32")
+    trainer = scenarios.chat_trainer(model_dir, str(tmp_path), "trl", "cpu", "fp32")
     inputs = shifted_reference(captured_inputs(trainer, "_compute_loss"))
-    (clip,) = gpucheck.method_check("TRL", trainer, "clip+length_normalized+dynamic", inputs, "_compute_loss")
+    (clip,) = scenarios.method_check("TRL", trainer, "clip+length_normalized+dynamic", inputs, "_compute_loss")
     assert clip.ok, clip.line()
     raw, adapted = (float(clip.detail.split(f"{key} ")[1].split(",")[0]) for key in ("raw_kl", "adapted_kl"))
     assert 0 < adapted < raw  # some tokens' KL is above the 0.2 threshold
-    (moving,) = gpucheck.no_recompile_check("TRL", trainer, inputs, "_compute_loss")
+    (moving,) = scenarios.no_recompile_check("TRL", trainer, inputs, "_compute_loss")
     assert moving.line() == ("[ok] TRL: no recompile while beta moves: beta 0.02 -> 0.01 -> 0.005: 0 frames compiled, "
                              "0 new graphs")
 
 
 def test_a_missing_optional_package_is_a_fail_line_naming_the_install(model_dir, tmp_path, monkeypatch) -> None:
-    real = gpucheck.importlib.util.find_spec
-    monkeypatch.setattr(gpucheck.importlib.util, "find_spec",
+    real = scenarios.importlib.util.find_spec
+    monkeypatch.setattr(scenarios.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("vllm", "bitsandbytes") else real(name, *a))
-    checks = gpucheck.vllm_kl_in_reward(model_dir, str(tmp_path))  # one line per missing package, nothing run
+    checks = scenarios.vllm_kl_in_reward(model_dir, str(tmp_path))  # one line per missing package, nothing run
     assert [check.line().split(": ", 2)[:2] for check in checks] == [
         ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs bitsandbytes"],
         ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs vllm"]]
     assert checks[1].detail.startswith("vllm is not installed: pip install vllm")
-    (eight_bit,) = gpucheck.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32")
+    (eight_bit,) = scenarios.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32")
     assert not eight_bit.ok and eight_bit.detail == "bitsandbytes is not installed: pip install bitsandbytes"
 
 
 def test_demo_model_path_on_cpu(model_dir, tmp_path) -> None:
     """The demo's public entry point with --model on the saved tiny Llama (chat prompts, transformers + PEFT)."""
-    (check,) = gpucheck.demo_model(model_dir, str(tmp_path), backend="trl", steps=1, methods="dynamic")
+    (check,) = scenarios.demo_model(model_dir, str(tmp_path), backend="trl", steps=1, methods="dynamic")
     assert check.ok, check.line()
     assert check.name == "demo --model (backend trl)" and check.detail.startswith("exit 0; dynamic: reward ")
     rows = json.loads((tmp_path / "demo" / "metrics.json").read_text())
@@ -238,13 +240,13 @@ def test_run_isolated_reads_the_checks_back_and_reports_a_crash_or_a_hang(tmp_pa
 def test_metric_problems_allow_only_the_correlation_to_be_nan() -> None:
     row = {"adaptive_kl/raw_kl": 0.1, "adaptive_kl/adapted_kl": 0.1, "adaptive_kl/current_beta": 0.04,
            "adaptive_kl/length_kl_corr": None}
-    assert gpucheck.metric_problems([row]) == []
-    assert gpucheck.metric_problems([{**row, "adaptive_kl/adapted_kl": float("nan")}]) == [
+    assert scenarios.metric_problems([row]) == []
+    assert scenarios.metric_problems([{**row, "adaptive_kl/adapted_kl": float("nan")}]) == [
         "step 1: adaptive_kl/adapted_kl=nan"]
-    assert gpucheck.metric_problems([{**row, "adaptive_kl/sequence_kl": None}]) == [
+    assert scenarios.metric_problems([{**row, "adaptive_kl/sequence_kl": None}]) == [
         "step 1: adaptive_kl/sequence_kl=None"]
-    assert gpucheck.metric_problems([{"adaptive_kl/raw_kl": 0.1}])[0] == "step 1: adaptive_kl/adapted_kl not logged"
-    assert gpucheck.metric_problems([]) == ["no adaptive_kl metric logged"]
+    assert scenarios.metric_problems([{"adaptive_kl/raw_kl": 0.1}])[0] == "step 1: adaptive_kl/adapted_kl not logged"
+    assert scenarios.metric_problems([]) == ["no adaptive_kl metric logged"]
 
 
 def test_only_selects_scenarios_by_name() -> None:
