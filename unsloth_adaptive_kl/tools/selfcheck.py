@@ -77,15 +77,24 @@ def core_checks() -> list[Check]:
                   f"loss {term.item():.8g} vs {hand.item():.8g}, max grad diff {grad_diff:.2g}")]
 
 
-def tiny_trainer(output_dir: str, **overrides: Any) -> Any:
-    """A GRPO trainer (whichever `trl.GRPOTrainer` is now: TRL's, or Unsloth's generated one) on a tiny LoRA model."""
+def length_reward(completions: list, **kwargs: Any) -> list[float]:
+    """0.1 * (completion length mod 5): varies within a group, so advantages are non-zero. A conversational
+    completion (a list of messages) is measured by its last message's content."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [0.1 * (len(text) % 5) for text in texts]
+
+
+def tiny_trainer(output_dir: str, model: Any = None, tokenizer: Any = None, prompts: Optional[list] = None,
+                 **overrides: Any) -> Any:
+    """A GRPO trainer (whichever `trl.GRPOTrainer` is now: TRL's, or Unsloth's generated one) on a tiny LoRA model,
+    built in-process unless `model` and `tokenizer` (e.g. a FastLanguageModel and its tokenizer) are given; `prompts`:
+    the dataset's prompts (plain text or conversations), `PROMPTS` by default; `overrides`: GRPOConfig fields."""
     import trl
     from datasets import Dataset
     from transformers import PrinterCallback, set_seed
 
     from .tiny import add_lora, build_tiny_model, build_tokenizer
 
-    tokenizer = build_tokenizer()
     settings: dict[str, Any] = dict(
         output_dir=output_dir, use_cpu=device() == "cpu", bf16=False, fp16=False, report_to="none",
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=1, logging_steps=1,
@@ -93,13 +102,15 @@ def tiny_trainer(output_dir: str, **overrides: Any) -> Any:
     )
     settings.update(overrides)
     set_seed(0)
-    model = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
-    for name in ("for_training", "for_inference"):  # what Unsloth's FastLanguageModel models have
-        setattr(model, name, lambda *a, **k: None)
-    model._unsloth_user_float32 = True  # keeps Unsloth from switching a float32 model to fp16
+    if model is None:
+        tokenizer = build_tokenizer()
+        model = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
+        for name in ("for_training", "for_inference"):  # what Unsloth's FastLanguageModel models have
+            setattr(model, name, lambda *a, **k: None)
+        model._unsloth_user_float32 = True  # keeps Unsloth from switching a float32 model to fp16
     trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, args=trl.GRPOConfig(**settings),
-                              reward_funcs=[lambda completions, **kw: [0.1 * (len(c) % 5) for c in completions]],
-                              train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+                              reward_funcs=[length_reward],
+                              train_dataset=Dataset.from_dict({"prompt": PROMPTS if prompts is None else prompts}))
     trainer.remove_callback(PrinterCallback)
     return trainer
 
@@ -150,11 +161,19 @@ def loss_and_grads(trainer: Any, compute: str, inputs: dict) -> tuple[float, lis
     return loss.item(), backward_grads(trainer, loss)
 
 
-def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[], Any]) -> list[Check]:
-    """`none` and the no-op clip against the stock loss on one captured batch, its reference 1 nat away per token."""
-    inputs = captured_inputs(trainer, compute)
+def shifted_reference(inputs: dict) -> dict:
+    """A copy of captured inputs whose reference log-probs are moved by -1 to +1 nat across the tokens, so that the
+    KL and its gradient are not zero (at the first step the policy is the reference)."""
     ref = inputs["ref_per_token_logps"]
-    inputs["ref_per_token_logps"] = ref + torch.linspace(-1.0, 1.0, ref.numel(), device=ref.device).view_as(ref)
+    shift = torch.linspace(-1.0, 1.0, ref.numel(), device=ref.device).view_as(ref)
+    return {**inputs, "ref_per_token_logps": ref + shift}
+
+
+def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[], Any],
+                       inputs: Optional[dict] = None) -> list[Check]:
+    """`none` and the no-op clip against the stock loss on one captured batch (`inputs`, or one captured here), its
+    reference 1 nat away per token."""
+    inputs = shifted_reference(captured_inputs(trainer, compute) if inputs is None else inputs)
     try:
         with stock():
             stock_loss, stock_grads = loss_and_grads(trainer, compute, inputs)

@@ -4,30 +4,46 @@ and the benchmarks."""
 from __future__ import annotations
 
 import string
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 PAD, EOS = "<pad>", "<eos>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " #:.,!?+-=*/()"
+# Every printable ASCII character and the newline: what chat prompts in English (and a chat template) are written in.
+CHAT_ALPHABET = string.ascii_letters + string.digits + string.punctuation + " \n"
+# Messages as '<role>content'; an assistant turn ends with the end-of-sequence token.
+CHAT_TEMPLATE = ("{% for message in messages %}<{{ message['role'] }}>{{ message['content'] }}"
+                 "{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def build_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> Any:
-    """A WordLevel tokenizer with one token per character of `alphabet`, plus pad and end-of-sequence."""
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: Optional[str] = None,
+                    vocab_size: Optional[int] = None) -> Any:
+    """A WordLevel tokenizer with one token per character of `alphabet`, plus pad and end-of-sequence (a fast
+    tokenizer, left padding). `chat_template`: a Jinja chat template (e.g. `CHAT_TEMPLATE`). `vocab_size`: pad the
+    vocabulary up to this size with `<unusedN>` tokens that no text encodes to (GPU kernels like a multiple of 64)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {PAD: 0, EOS: 1, **{char: index + 2 for index, char in enumerate(dict.fromkeys(alphabet))}}
+    if vocab_size is not None:
+        if vocab_size < len(vocab):
+            raise ValueError(f"vocab_size={vocab_size} is invalid: the alphabet needs {len(vocab)} tokens")
+        vocab.update({f"<unused{index}>": index for index in range(len(vocab), vocab_size)})
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, newlines too
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS)
-    tokenizer.padding_side = "left"
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, padding_side="left")
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     return tokenizer
 
 
-def build_tiny_model(tokenizer: Any, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Any:
-    """A randomly initialised Llama with `num_layers` layers of width `hidden_size` over the tokenizer's vocab."""
+def build_tiny_model(tokenizer: Any, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                     num_heads: int = 4, max_position_embeddings: int = 256) -> Any:
+    """A randomly initialised Llama with `num_layers` layers of width `hidden_size` (`num_heads` heads of
+    hidden_size / num_heads) over the tokenizer's vocab."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -35,9 +51,9 @@ def build_tiny_model(tokenizer: Any, hidden_size: int = 64, num_layers: int = 2,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=256,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,

@@ -1,0 +1,256 @@
+"""`python -m unsloth_adaptive_kl --gpu` (tools/gpucheck.py, tools/gpu_scenarios.py): on this CPU machine it exits
+2, and every scenario with a CPU equivalent runs here on the saved tiny Llama for 1-3 steps, so that the GPU check
+does not rot between GPU runs. The Unsloth 4-bit, Unsloth fp16 and vLLM scenarios need a CUDA GPU and run only
+there; the Unsloth scenario's per-method and beta-moving checks run here on TRL's trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unsloth_adaptive_kl.tools import gpu_scenarios as scenarios
+from unsloth_adaptive_kl.tools import gpucheck
+from unsloth_adaptive_kl.tools.selfcheck import Check
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("gpucheck") / "tiny-llama")
+    gpucheck.save_tiny_llama(path)
+    return path
+
+
+def test_gpu_check_without_cuda_exits_2_saying_it_needs_a_cuda_gpu(tmp_path) -> None:
+    assert not torch.cuda.is_available()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "--gpu"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "python -m unsloth_adaptive_kl --gpu needs a CUDA GPU: torch.cuda.is_available() is False" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing built or written
+
+
+def test_the_tiny_llama_saves_and_reloads_with_what_every_gpu_path_needs(tmp_path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from unsloth_adaptive_kl.tools.tiny import CHAT_TEMPLATE
+
+    model_dir = str(tmp_path / "tiny-llama")
+    checks = gpucheck.build_tiny_llama(model_dir)
+    assert [check.name for check in checks] == ["tiny Llama: shapes every GPU path runs",
+                                                 "tiny Llama: tokenizer reloads", "tiny Llama: weights reload"]
+    assert all(check.ok for check in checks), [check.line() for check in checks]
+    assert checks[0].detail == "hidden 256, head_dim 64, vocab 128, max_position_embeddings 1024 (max_seq_length 512)"
+    # Read back independently of the check's own code
+    config = AutoConfig.from_pretrained(model_dir)
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert (config.model_type, head_dim, config.vocab_size) == ("llama", 64, 128)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert tokenizer.is_fast and tokenizer.chat_template == CHAT_TEMPLATE
+    assert (tokenizer.pad_token, tokenizer.eos_token) == ("<pad>", "<eos>")
+    assert config.pad_token_id != config.eos_token_id
+    conversation = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    assert text == "<user>What is 2 + 3?<assistant>5<eos>"
+    ids = tokenizer(text).input_ids
+    assert ids[-1] == tokenizer.eos_token_id and tokenizer.pad_token_id not in ids  # every character is in the vocab
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True) == \
+        "<user>What is 2 + 3?<assistant>"
+    assert (tmp_path / "tiny-llama" / "model.safetensors").exists()
+
+
+def test_the_tiny_llama_check_fails_when_head_dim_is_not_64(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(gpucheck, "NUM_HEADS", 2)  # head_dim 128
+    shapes = gpucheck.build_tiny_llama(str(tmp_path / "tiny-llama"))[0]
+    assert not shapes.ok and "head_dim 128" in shapes.detail
+
+
+def test_trl_autocast_scenario_in_bf16_on_cpu(model_dir, tmp_path) -> None:
+    (check,) = scenarios.trl_autocast(model_dir, str(tmp_path), device="cpu", precision="bf16", steps=2)
+    assert check.ok, check.line()
+    assert check.name == "TRL GRPOTrainer, bf16 autocast on cpu"
+    assert "accelerate mixed_precision=bf16, beta 0.04 -> 0.02" in check.detail
+    assert check.detail.startswith("2 steps, last: raw_kl ")
+
+
+def test_fp16_grad_scaler_scenario_runs_in_float32_on_cpu(model_dir, tmp_path) -> None:
+    """accelerate has no fp16 on a CPU: the same scenario code in float32, no scaler expected."""
+    (check,) = scenarios.fp16_grad_scaler(model_dir, str(tmp_path), device="cpu", precision="fp32", steps=2)
+    assert check.ok, check.line()
+    assert check.name == "TRL, fp32 (no GradScaler) on cpu"
+    assert check.detail.endswith("GradScaler: none, scale none, 2 of 2 optimizer steps applied")
+
+
+def test_the_step_recorder_counts_the_steps_a_grad_scaler_skips() -> None:
+    """A real GradScaler (on the CPU): a step whose gradient overflowed is skipped and halves the scale."""
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+
+    class Trainer:
+        accelerator = type("Accelerator", (), {"scaler": scaler})()
+
+        def __init__(self) -> None:
+            self.model = model
+
+        def add_callback(self, callback) -> None:
+            pass
+
+    recorder = scenarios.StepRecorder(Trainer())
+    recorder.record()
+    for value in (float("inf"), 1.0):  # an overflow, then a finite loss
+        optimizer.zero_grad()
+        scaler.scale(model(torch.ones(1, 3)).sum() * value).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        recorder.record()
+    assert recorder.applied_steps() == 1
+    assert recorder.scales == [65536.0, 32768.0, 32768.0]
+
+
+def test_ref_sync_scenario_with_an_8bit_optimizer_on_cpu(model_dir, tmp_path) -> None:
+    pytest.importorskip("bitsandbytes")
+    (check,) = scenarios.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32",
+                                      optim="adamw_8bit", steps=3)
+    assert check.ok, check.line()
+    assert "1 syncs in 3 steps" in check.detail and "uint8" in check.detail  # 8-bit state again after the reset
+
+
+def test_the_unsloth_scenarios_method_and_recompile_checks_run_on_trl_on_cpu(model_dir, tmp_path) -> None:
+    """The per-method and beta-moving checks of `unsloth-4bit` are trainer-agnostic: on TRL's trainer (its loss
+    method `_compute_loss`, nothing compiled) on the CPU, on a captured batch whose reference is 1 nat away."""
+    from unsloth_adaptive_kl.tools.selfcheck import captured_inputs, shifted_reference
+
+    trainer = scenarios.chat_trainer(model_dir, str(tmp_path), "trl", "cpu", "fp32")
+    inputs = shifted_reference(captured_inputs(trainer, "_compute_loss"))
+    (clip,) = scenarios.method_check("TRL", trainer, "clip+length_normalized+dynamic", inputs, "_compute_loss")
+    assert clip.ok, clip.line()
+    raw, adapted = (float(clip.detail.split(f"{key} ")[1].split(",")[0]) for key in ("raw_kl", "adapted_kl"))
+    assert 0 < adapted < raw  # some tokens' KL is above the 0.2 threshold
+    (moving,) = scenarios.no_recompile_check("TRL", trainer, inputs, "_compute_loss")
+    assert moving.line() == ("[ok] TRL: no recompile while beta moves: beta 0.02 -> 0.01 -> 0.005: 0 frames compiled, "
+                             "0 new graphs")
+
+
+def test_a_missing_optional_package_is_a_fail_line_naming_the_install(model_dir, tmp_path, monkeypatch) -> None:
+    real = scenarios.importlib.util.find_spec
+    monkeypatch.setattr(scenarios.importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("vllm", "bitsandbytes") else real(name, *a))
+    checks = scenarios.vllm_kl_in_reward(model_dir, str(tmp_path))  # one line per missing package, nothing run
+    assert [check.line().split(": ", 2)[:2] for check in checks] == [
+        ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs bitsandbytes"],
+        ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs vllm"]]
+    assert checks[1].detail.startswith("vllm is not installed: pip install vllm")
+    (eight_bit,) = scenarios.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32")
+    assert not eight_bit.ok and eight_bit.detail == "bitsandbytes is not installed: pip install bitsandbytes"
+
+
+def test_demo_model_path_on_cpu(model_dir, tmp_path) -> None:
+    """The demo's public entry point with --model on the saved tiny Llama (chat prompts, transformers + PEFT)."""
+    (check,) = scenarios.demo_model(model_dir, str(tmp_path), backend="trl", steps=1, methods="dynamic")
+    assert check.ok, check.line()
+    assert check.name == "demo --model (backend trl)" and check.detail.startswith("exit 0; dynamic: reward ")
+    rows = json.loads((tmp_path / "demo" / "metrics.json").read_text())
+    assert [(row["method"], row["step"]) for row in rows] == [("dynamic", 1)]
+
+
+def test_run_all_reports_every_scenario_and_the_log_of_a_failed_one(tmp_path, capsys) -> None:
+    calls = []
+
+    def run(name, model_dir, work_dir, timeout):
+        calls.append((name, os.path.isdir(model_dir), work_dir, timeout))
+        if name == "b":
+            return [Check("b: thing", False, "boom")], "line 1\nTraceback: boom"
+        return [Check(f"{name}: thing", True, "fine")], "unused log"
+
+    checks = gpucheck.run_all(["a", "b"], str(tmp_path), run=run)
+    assert [check.name for check in checks][3:] == ["a: thing", "b: thing"] and all(c.ok for c in checks[:3])
+    assert calls == [("a", True, str(tmp_path / "a"), gpucheck.SCENARIO_TIMEOUT_S),
+                     ("b", True, str(tmp_path / "b"), gpucheck.SCENARIO_TIMEOUT_S)]
+    out = capsys.readouterr().out
+    assert "[ok] a: thing: fine\n[FAIL] b: thing: boom\n    --- b: the last 2 lines of its log ---\n" in out
+    assert "    Traceback: boom" in out and "unused log" not in out
+
+
+def test_run_all_runs_nothing_without_a_model_or_past_the_budget(tmp_path, monkeypatch) -> None:
+    def run(*args):
+        raise AssertionError("no scenario may run")
+
+    spent = gpucheck.run_all(["a"], str(tmp_path / "one"), run=run, budget_s=20)
+    assert spent[-1].line() == "[FAIL] a: not run: the 20-second budget is spent"
+
+    def broken(model_dir):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(gpucheck, "build_tiny_llama", broken)
+    checks = gpucheck.run_all(["a", "b"], str(tmp_path / "two"), run=run)
+    assert [check.line() for check in checks] == ["[FAIL] tiny Llama built and saved: OSError: disk full",
+                                                   "[FAIL] a: not run: the tiny model could not be built",
+                                                   "[FAIL] b: not run: the tiny model could not be built"]
+
+
+def test_a_scenario_process_writes_its_checks_and_an_exception_as_a_fail_line(model_dir, tmp_path, capsys) -> None:
+    """The child's side of the process boundary (`scenario_process`, in this process to keep the suite short)."""
+    result = tmp_path / "result.json"
+    assert gpucheck.scenario_process(["no-such-scenario", model_dir, str(tmp_path), str(result)]) == 0
+    assert json.loads(result.read_text()) == [
+        {"name": "no-such-scenario", "ok": False, "detail": "KeyError: 'no-such-scenario'", "untested": False}]
+    assert capsys.readouterr().out == "[FAIL] no-such-scenario: KeyError: 'no-such-scenario'\n"
+
+
+def fake_scenario(monkeypatch, script: str) -> None:
+    """Runs `script` (python -c) as the scenario process, with RESULT its result path."""
+    monkeypatch.setattr(gpucheck, "scenario_command", lambda name, model_dir, work_dir, result: [
+        sys.executable, "-c", f"RESULT = {result!r}\n" + script])
+
+
+def test_run_isolated_reads_the_checks_back_and_reports_a_crash_or_a_hang(tmp_path, monkeypatch) -> None:
+    """The parent's side: checks come back from the JSON, offline; a process that dies without writing them, or
+    outlives its time, is a FAIL line with the last line of its log."""
+    fake_scenario(monkeypatch, "import importlib.util, json, os\n"
+                  "print(os.getcwd(), os.environ['HF_HUB_OFFLINE'], os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+                  "print(importlib.util.find_spec('unsloth_adaptive_kl').origin)\n"
+                  "check = {'name': 'x: y', 'ok': True, 'detail': 'measured 1', 'untested': False}\n"
+                  "json.dump([check], open(RESULT, 'w'))")
+    checks, log = gpucheck.run_isolated("x", "model", str(tmp_path / "ok"), timeout=120)
+    assert checks == [Check("x: y", True, "measured 1")]
+    # in its work folder, offline, with its own compile cache, importing this copy of the package
+    work = tmp_path / "ok"
+    assert log == f"{work} 1 {work / 'inductor_cache'}\n{ROOT / 'unsloth_adaptive_kl' / '__init__.py'}\n"
+
+    fake_scenario(monkeypatch,
+                  "import sys\nprint('CUDA error: an illegal memory access', file=sys.stderr)\nsys.exit(134)")
+    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "crash"), timeout=60)
+    assert checks == [Check("x", False, "the process exited 134: CUDA error: an illegal memory access")]
+
+    fake_scenario(monkeypatch, "import time\nprint('compiling', flush=True)\ntime.sleep(60)")
+    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "hang"), timeout=2)
+    assert checks == [Check("x", False, "timed out after 2 s: compiling")]
+
+
+def test_metric_problems_allow_only_the_correlation_to_be_nan() -> None:
+    row = {"adaptive_kl/raw_kl": 0.1, "adaptive_kl/adapted_kl": 0.1, "adaptive_kl/current_beta": 0.04,
+           "adaptive_kl/length_kl_corr": None}
+    assert scenarios.metric_problems([row]) == []
+    assert scenarios.metric_problems([{**row, "adaptive_kl/adapted_kl": float("nan")}]) == [
+        "step 1: adaptive_kl/adapted_kl=nan"]
+    assert scenarios.metric_problems([{**row, "adaptive_kl/sequence_kl": None}]) == [
+        "step 1: adaptive_kl/sequence_kl=None"]
+    assert scenarios.metric_problems([{"adaptive_kl/raw_kl": 0.1}])[0] == "step 1: adaptive_kl/adapted_kl not logged"
+    assert scenarios.metric_problems([]) == ["no adaptive_kl metric logged"]
+
+
+def test_only_selects_scenarios_by_name() -> None:
+    assert gpucheck.parse_only(None) == list(gpucheck.SCENARIOS)
+    assert gpucheck.parse_only("demo-model, trl-autocast") == ["demo-model", "trl-autocast"]
+    with pytest.raises(SystemExit, match="unknown scenario nope; allowed: trl-autocast"):
+        gpucheck.parse_only("nope")
