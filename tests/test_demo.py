@@ -149,11 +149,16 @@ def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> 
 
     from unsloth_adaptive_kl.tools import demo
 
+    import peft
+
     fake_device(monkeypatch, cuda=True, bf16=False)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kwargs: f"tokenizer:{name}")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda name, **kwargs: f"model:{name}")
+    monkeypatch.setattr(peft, "get_peft_model", lambda model, config: f"lora:{model}")
     args = demo.parse_args(["--model", "org/some-model", "--backend", "trl", "--steps", "1", "--seeds", "1"])
     task = demo.model_task(args)
-    assert task.tokenizer == "tokenizer:org/some-model"
+    assert task.make_policy(0) == ("lora:model:org/some-model", "tokenizer:org/some-model")
+    assert task.trainer_class is trl.GRPOTrainer
     assert (task.grpo_settings["bf16"], task.grpo_settings["fp16"]) == (False, True)
 
     class Built(Exception):
@@ -171,6 +176,76 @@ def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> 
         raise AssertionError("run_one did not build a GRPOConfig")
     assert (kwargs["bf16"], kwargs["fp16"]) == (False, True)
     assert kwargs["kl_adaptation_method"] == "clip" and "answers" not in kwargs
+
+
+# ----- the model path with the unsloth backend: one trainer class for every run, Unsloth's tokenizer -------------
+
+STAND_IN_UNSLOTH = '''"""Stands in for unsloth: importing it replaces trl.GRPOTrainer, as `import unsloth` does with the trainer it
+generates; FastLanguageModel loads the tiny model with a tokenizer of its own."""
+import string
+
+import trl
+
+from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
+
+BUILT = []  # (trainer class, processing_class, model) of every trainer built
+
+
+class RecordingGRPOTrainer(trl.GRPOTrainer):
+    def __init__(self, *args, **kwargs):
+        BUILT.append((type(self), kwargs["processing_class"], kwargs["model"]))
+        super().__init__(*args, **kwargs)
+
+
+trl.GRPOTrainer = RecordingGRPOTrainer
+TOKENIZER = build_tokenizer(string.ascii_letters + string.digits + " #:.,!?+-=*/()")
+TOKENIZER.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+LOADED = []  # (name, kwargs) of every from_pretrained call
+
+
+class FastLanguageModel:
+    @staticmethod
+    def from_pretrained(name, **kwargs):
+        LOADED.append((name, kwargs))
+        return build_tiny_model(TOKENIZER), TOKENIZER
+
+    @staticmethod
+    def get_peft_model(model, random_state, **kwargs):
+        return add_lora(model, seed=random_state)
+'''
+
+
+def test_the_model_path_with_unsloth_trains_every_run_with_its_trainer_and_tokenizer(tmp_path, monkeypatch) -> None:
+    """--model with --backend unsloth: the stand-in swaps trl.GRPOTrainer when the demo imports it; every run, the
+    first (`none`) included, is built by the swapped class with FastLanguageModel's own tokenizer."""
+    import transformers
+    import trl
+
+    from unsloth_adaptive_kl.tools import demo
+
+    (tmp_path / "stand_in").mkdir()
+    (tmp_path / "stand_in" / "unsloth.py").write_text(STAND_IN_UNSLOTH)
+    assert "unsloth" not in sys.modules
+    monkeypatch.syspath_prepend(str(tmp_path / "stand_in"))
+    monkeypatch.setattr(trl, "GRPOTrainer", trl.GRPOTrainer)  # restored after the test, whatever the stand-in set
+
+    def no_download(name, **kwargs):
+        raise AssertionError(f"the unsloth backend loaded a tokenizer of its own for {name}")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_download)
+    try:
+        code = demo.main(["--model", "stand-in/tiny", "--backend", "unsloth", "--methods", "none,clip", "--steps", "1",
+                          "--seeds", "1", "--output-dir", str(tmp_path / "out")])
+        stand_in = sys.modules["unsloth"]
+    finally:
+        sys.modules.pop("unsloth", None)
+    assert code == 0
+    assert [name for name, _ in stand_in.LOADED] == ["stand-in/tiny", "stand-in/tiny"]  # a fresh policy per run
+    assert [cls for cls, _, _ in stand_in.BUILT] == [stand_in.RecordingGRPOTrainer] * 2
+    assert all(tokenizer is stand_in.TOKENIZER for _, tokenizer, _ in stand_in.BUILT)
+    assert stand_in.BUILT[0][2] is not stand_in.BUILT[1][2]
+    rows = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert [row["method"] for row in rows] == ["none", "clip"]
 
 
 # ----- the moving reference: 'ref_sync:STEPS[:reset]' and --ref-sync ---------------------------------------------

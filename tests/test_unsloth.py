@@ -150,6 +150,29 @@ def test_generated_trainer_dynamic_beta_metrics_and_no_recompiles(tmp_path) -> N
     assert stock == [stock[0], stock[0] + 1, stock[0] + 2]
 
 
+@needs_unsloth
+def test_hook_failure_inside_unsloths_generation_stops_adaptive_runs_before_training(tmp_path) -> None:
+    """One anchor broken, then Unsloth's own patch_trl_rl_trainers() (as PatchFastRL calls it on a GPU), whose
+    try/except swallows the hook's error: every adaptive setting fails at construction with that error; `none`
+    trains as stock Unsloth, with a warning naming it."""
+    from unsloth_adaptive_kl.integrations.unsloth import SWALLOWED_NOTE
+
+    result = run_scenario("hook_failure", tmp_path)
+    assert result["trainer_class"] == "UnslothGRPOTrainer"  # Unsloth generated its trainer; the hook failed on it
+    logged = [message for message in result["unsloth_log"] if "grpo_trainer" in message]
+    assert len(logged) == 1 and logged[0].startswith("Unsloth: Could not patch trl.trainer.grpo_trainer: ")
+    original = logged[0].removeprefix("Unsloth: Could not patch trl.trainer.grpo_trainer: ")
+    assert "the anchor `loss_i = loss_i + beta * kl_i  # renamed`" in original
+    for label in ("clip", "dynamic", "kl_in_reward", "k2", "ref_sync"):
+        assert result[label] == {"type": "IncompatibleVersionError", "message": original, "notes": [SWALLOWED_NOTE]}
+    # What the failed install had replaced is undone: the generated module's own loss and methods
+    assert result["efficient_grpo"] == "UnslothEfficientGRPO" and result["hooked_methods"] == []
+    none = result["none"]
+    assert len(none["warnings"]) == 1 and original in none["warnings"][0]
+    assert none["steps"] == 1 and none["has_adaptive_kl"] is False
+    assert "kl" in none["logged"] and not [key for key in none["logged"] if key.startswith("adaptive_kl/")]
+
+
 FAKE_RL = '''
 import sys, types
 import trl.trainer.grpo_trainer as grpo_trainer

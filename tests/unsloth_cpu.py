@@ -11,13 +11,16 @@ shape (10-60 s each on CPU); the GRPO loss itself stays compiled (torch_compile_
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import json
+import logging
 import math
 import os
 import pickle
 import sys
 import time
+import warnings
 from typing import Any
 
 os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
@@ -65,7 +68,34 @@ if "if UNSLOTH_COMPILE_DISABLE:" in inspect.getsource(zoo_utils.torch_compile_wi
 # How the installed grpo_compute_loss reduces bnpo given num_items_in_batch, read here independently of the package.
 BNPO_MICRO_BATCH = 'elif loss_type == "bnpo":\n' in inspect.getsource(zoo_rl.grpo_compute_loss)
 
-rl._patch_trl_rl_trainers("grpo_trainer")
+
+class LogRecords(logging.Handler):
+    """Keeps the messages of the warnings a logger emits."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+UNSLOTH_LOG = LogRecords()
+if SCENARIO == "hook_failure":
+    # A new Unsloth as this package would meet it: one anchor the integration looks for is no longer in the generated
+    # source. Then Unsloth's own patch_trl_rl_trainers, as PatchFastRL calls it on a GPU, its try/except included.
+    from unsloth_adaptive_kl.integrations import unsloth as unsloth_hook  # noqa: E402
+    from unsloth_adaptive_kl.integrations.versions import UNSLOTH_KL_LINE  # noqa: E402
+    from unsloth_zoo.log import logger as unsloth_logger  # noqa: E402
+
+    unsloth_hook.UNSLOTH_ANCHORS = tuple(
+        dataclasses.replace(anchor, text=anchor.text + "  # renamed") if anchor is UNSLOTH_KL_LINE else anchor
+        for anchor in unsloth_hook.UNSLOTH_ANCHORS)
+    unsloth_logger.addHandler(UNSLOTH_LOG)
+    rl.patch_trl_rl_trainers()
+    unsloth_logger.removeHandler(UNSLOTH_LOG)
+else:
+    rl._patch_trl_rl_trainers("grpo_trainer")
 
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -558,9 +588,41 @@ def scenario_ref_sync(out: str) -> dict:
     return results
 
 
+def scenario_hook_failure(out: str) -> dict:
+    """After this package's hook failed inside Unsloth's generation (above): what Unsloth logged, what the generated
+    module's loss is, and what each setting gets when its trainer is built."""
+    hook = unsloth_adaptive_kl.integrations.unsloth
+    module = sys.modules[trl.GRPOTrainer.__module__]
+    results: dict[str, Any] = {
+        "trainer_class": trl.GRPOTrainer.__name__, "unsloth_log": UNSLOTH_LOG.messages,
+        "efficient_grpo": module.UnslothEfficientGRPO.__qualname__,
+        "hooked_methods": [name for name in ("compute_loss", "_generate_and_score_completions", "_save_checkpoint")
+                           if hook._patches.replaced(trl.GRPOTrainer, name)],
+    }
+    adaptive = {"clip": dict(kl_adaptation_method="clip"), "dynamic": dict(kl_adaptation_method="dynamic"),
+                "kl_in_reward": dict(kl_placement="reward"), "k2": dict(kl_estimator="k2"),
+                "ref_sync": dict(sync_ref_model=True)}
+    for label, settings in adaptive.items():
+        try:
+            make_trainer(f"{out}/{label}", max_steps=1, **settings)
+        except Exception as error:
+            results[label] = {"type": type(error).__name__, "message": str(error),
+                              "notes": getattr(error, "__notes__", [])}
+        else:
+            results[label] = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(f"{out}/none", max_steps=1)
+    trainer.train()
+    results["none"] = {"warnings": [str(w.message) for w in caught if "without unsloth_adaptive_kl" in str(w.message)],
+                       "has_adaptive_kl": hasattr(trainer, "adaptive_kl"), "steps": trainer.state.global_step,
+                       "logged": sorted({key for entry in trainer.state.log_history for key in entry})}
+    return results
+
+
 SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
              "drift": scenario_drift, "reward": scenario_reward,
-             "ref_sync": scenario_ref_sync}
+             "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure}
 
 if __name__ == "__main__":
     output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")

@@ -17,6 +17,9 @@ class PatchSet:
     def __bool__(self) -> bool:
         return bool(self._originals)
 
+    def __len__(self) -> int:
+        return len(self._originals)
+
     def replaced(self, owner: Any, name: str) -> bool:
         return any(o is owner and n == name for o, n, _ in self._originals)
 
@@ -24,8 +27,9 @@ class PatchSet:
         self._originals.append((owner, name, vars(owner).get(name, _MISSING)))
         setattr(owner, name, replacement)
 
-    def restore(self) -> None:
-        while self._originals:
+    def restore(self, keep: int = 0) -> None:
+        """Undo every replacement made after the first `keep` (by default all of them), newest first."""
+        while len(self._originals) > keep:
             owner, name, original = self._originals.pop()
             if original is _MISSING:
                 delattr(owner, name)

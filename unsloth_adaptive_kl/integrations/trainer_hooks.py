@@ -105,6 +105,17 @@ def check_loss_not_replaced(trainer_class: type, args: Any) -> None:
     )
 
 
+def config_argument(args: tuple, kwargs: dict) -> Any:
+    """The trainer config among a trainer's __init__ arguments, found by type (Unsloth wraps its generated __init__ as
+    (self, *args, **kwargs)); None where none was passed (the trainer then builds a default, stock one)."""
+    return next((value for value in (*args, *kwargs.values()) if isinstance(value, TrainingArguments)), None)
+
+
+def asks_for_adaptive_kl(args: Any) -> bool:
+    """Whether a trainer config asks for anything this package does: a non-stock KL setting or reference syncing."""
+    return not adaptive_kl_config_from(args).is_stock_kl or bool(getattr(args, "sync_ref_model", False))
+
+
 def wrap_init(upstream: Callable) -> Callable:
     """__init__: validate the settings and build the beta controller before any training starts. With
     `sync_ref_model=True` (and beta != 0), the stock __init__ runs with it off, so that it neither refuses a PEFT model
@@ -113,8 +124,7 @@ def wrap_init(upstream: Callable) -> Callable:
 
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        # The config among the arguments, by type: Unsloth wraps its generated __init__ as (self, *args, **kwargs).
-        config = next((value for value in (*args, *kwargs.values()) if isinstance(value, TrainingArguments)), None)
+        config = config_argument(args, kwargs)
         check_loss_not_replaced(type(self), config)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
         with overridden(config, "sync_ref_model", False) if syncing else contextlib.nullcontext():

@@ -11,6 +11,11 @@ its `_patch_trl_rl_trainers`; once that has generated the trainer, `_install` ho
 - `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_calculate_rewards`,
   `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration, and the
   module's `use_adapter` the same stand-in (`ref_sync.use_reference`).
+
+Unsloth generates its trainers inside a try/except (`patch_trl_rl_trainers`) that turns any exception into a log
+line. Where `_install` fails there, what it replaced is undone and the generated `__init__` refuses every adaptive-KL
+setting with the original error (`_install_or_refuse`): such a run stops before its first step, and a stock one
+trains as stock Unsloth, with a warning.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
     KLTermProbe,
+    asks_for_adaptive_kl,
+    config_argument,
     current_beta,
     record_metrics,
     wrap_calculate_rewards,
@@ -223,6 +230,51 @@ def _install(trainer_class: type) -> None:
     _patches.replace(module, "use_adapter", use_reference)
 
 
+SWALLOWED_NOTE = (
+    "unsloth_adaptive_kl's hook raised this while Unsloth generated UnslothGRPOTrainer, where "
+    "unsloth.models.rl.patch_trl_rl_trainers logs it and goes on, so the trainer has no adaptive loss: it refuses any "
+    "adaptive-KL setting (and sync_ref_model) with this error; kl_adaptation_method='none' trains as stock Unsloth."
+)
+
+
+def _refusing_init(upstream: Callable, error: Exception) -> Callable:
+    # Replaces UnslothGRPOTrainer.__init__ (wraps it) once this package's hook failed inside Unsloth's generation of
+    # the trainer: a run that asks for adaptive KL fails at construction, before its first step, with that error.
+    traceback = error.__traceback__
+
+    @functools.wraps(upstream)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        config = config_argument(args, kwargs)
+        if config is not None and asks_for_adaptive_kl(config):
+            raise error.with_traceback(traceback)
+        warnings.warn(
+            f"UnslothGRPOTrainer trains as stock Unsloth, without unsloth_adaptive_kl: its hook failed while Unsloth "
+            f"generated the trainer ({type(error).__name__}: {error}) Only stock settings train; for adaptive KL, "
+            "do what that error says.",
+            UserWarning,
+            stacklevel=2,
+        )
+        upstream(self, *args, **kwargs)
+
+    return __init__
+
+
+def _install_or_refuse(trainer_class: type) -> None:
+    """`_install`, called inside Unsloth's generation, which turns any exception into one log line. Where it fails,
+    what it replaced is undone (the trainer is Unsloth's own again), the trainer's __init__ refuses adaptive-KL
+    settings with the error (`_refusing_init`), and the error is raised on, for Unsloth to log."""
+    installed = len(_patches)
+    try:
+        _install(trainer_class)
+    except Exception as error:
+        _patches.restore(keep=installed)
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(SWALLOWED_NOTE)
+        if not _patches.replaced(trainer_class, "__init__"):  # refused already by an earlier failed generation
+            _patches.replace(trainer_class, "__init__", _refusing_init(trainer_class.__init__, error))
+        raise
+
+
 def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
     # Replaces unsloth.models.rl._patch_trl_rl_trainers (wraps it: hooks the trainer it generates).
     @functools.wraps(upstream)
@@ -238,7 +290,7 @@ def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
                     stacklevel=2,
                 )
             else:
-                _install(generated)
+                _install_or_refuse(generated)
         return result
 
     return _patch_trl_rl_trainers

@@ -174,30 +174,33 @@ def pretrain_tiny_reference(steps: int, seed: int = 0) -> tuple[Any, dict]:
 
 @dataclass
 class Task:
-    """What a run needs: a fresh LoRA policy per run, the prompts and the reward."""
+    """What a run needs: a fresh LoRA policy and its tokenizer per run (`make_policy(seed)`), the trainer class every
+    run of the comparison uses, the prompts and the reward."""
 
-    make_policy: Callable[[int], Any]
-    tokenizer: Any
+    make_policy: Callable[[int], tuple[Any, Any]]
+    trainer_class: type
     prompts: list[str]
     reward: Callable[..., list[float]]
     grpo_settings: dict = field(default_factory=dict)
 
 
 def tiny_task(args: argparse.Namespace) -> Task:
+    import trl
+
     from .tiny import add_lora, build_tiny_model
 
     tokenizer, weights = pretrain_tiny_reference(args.pretrain_steps)
 
-    def make_policy(seed: int) -> Any:
+    def make_policy(seed: int) -> tuple[Any, Any]:
         model = build_tiny_model(tokenizer)
         model.load_state_dict(weights)
-        return add_lora(model, seed=seed)
+        return add_lora(model, seed=seed), tokenizer
 
     rng = random.Random(1234)
     prompts = [reference_text(rng)[0] for _ in range(256)]
     settings = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=24,
                     learning_rate=args.learning_rate or 5e-3, use_cpu=not torch.cuda.is_available(), bf16=False)
-    return Task(make_policy, tokenizer, prompts, hash_reward, settings)
+    return Task(make_policy, trl.GRPOTrainer, prompts, hash_reward, settings)
 
 
 # ----- a real model (GPU users) -------------------------------------------------------------------------------
@@ -232,27 +235,34 @@ def model_task(args: argparse.Namespace) -> Task:
         import importlib.util
 
         backend = "unsloth" if torch.cuda.is_available() and importlib.util.find_spec("unsloth") else "trl"
+    if backend == "unsloth":
+        # Before trl.GRPOTrainer is read below: `import unsloth` replaces it with the UnslothGRPOTrainer it generates,
+        # so every run of the comparison, the first included, trains with Unsloth's trainer.
+        from unsloth import FastLanguageModel
+    import trl
 
-    def make_policy(seed: int) -> Any:
-        if backend == "unsloth":
-            from unsloth import FastLanguageModel
-
-            model, _ = FastLanguageModel.from_pretrained(args.model, max_seq_length=512, load_in_4bit=True)
-            return FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, random_state=seed,
-                                                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    def make_policy(seed: int) -> tuple[Any, Any]:
+        if backend == "unsloth":  # with the tokenizer FastLanguageModel returns, Unsloth's fixes applied
+            model, unsloth_tokenizer = FastLanguageModel.from_pretrained(args.model, max_seq_length=512,
+                                                                         load_in_4bit=True)
+            model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, random_state=seed,
+                                                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+            return model, unsloth_tokenizer
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype="auto")
-        return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+        return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")), tokenizer
 
-    from transformers import AutoTokenizer
+    tokenizer = None
+    if backend == "trl":  # one tokenizer for every run
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = AutoTokenizer.from_pretrained(args.model)
     rng = random.Random(1234)
     pairs = [(rng.randint(2, 49), rng.randint(2, 49)) for _ in range(256)]
     prompts = [[{"role": "user", "content": f"What is {a} + {b}? Reply with the number."}] for a, b in pairs]
-    task = Task(make_policy, tokenizer, prompts, arithmetic_reward,
+    task = Task(make_policy, trl.GRPOTrainer, prompts, arithmetic_reward,
                 dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=128,
                      learning_rate=args.learning_rate or 5e-6, **mixed_precision()))
     task.grpo_settings["answers"] = [str(a + b) for a, b in pairs]
@@ -283,9 +293,9 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace, on_ste
         **settings,
     )
     set_seed(seed)
-    trainer = trl.GRPOTrainer(model=task.make_policy(seed), processing_class=task.tokenizer,
-                              reward_funcs=[task.reward], args=config, train_dataset=Dataset.from_dict(columns),
-                              callbacks=[Progress()])
+    model, tokenizer = task.make_policy(seed)
+    trainer = task.trainer_class(model=model, processing_class=tokenizer, reward_funcs=[task.reward], args=config,
+                                 train_dataset=Dataset.from_dict(columns), callbacks=[Progress()])
     trainer.remove_callback(PrinterCallback)  # the progress bar and the table report; no per-step dicts
     trainer.train()
     rows = []
