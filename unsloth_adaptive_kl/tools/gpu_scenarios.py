@@ -28,7 +28,7 @@ CHAT_PROMPTS = [[{"role": "user", "content": text}] for text in
                 ("What is 2 + 3?", "Name a colour.", "Spell cat.", "Count to 4.", "Say hi!", "Is 7 odd?",
                  "Add 10 and 5.", "Reverse ab.")]
 INSTALL = {
-    "unsloth": 'pip install "unsloth-adaptive-kl[unsloth]"',
+    "unsloth": 'pip install "unsloth-adaptive-kl[unsloth] @ git+https://github.com/unsloth-adaptive-kl/unsloth-adaptive-kl"',
     "vllm": "pip install vllm (the build matching your torch; see Unsloth's install guide)",
     "bitsandbytes": "pip install bitsandbytes",
     "triton": "pip install triton (comes with torch's CUDA wheels)",
