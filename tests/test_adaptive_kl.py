@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, register_kl_estimator
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, register_kl_estimator
 from unsloth_adaptive_kl.core.estimators import estimator_names
 
 BETA = 0.04
@@ -68,22 +69,104 @@ def test_clip_sigmoid_and_length_normalisation_follow_their_formulas() -> None:
     assert term.item() == pytest.approx(BETA * (shaped.sum(-1) / LENGTHS).mean().item(), rel=1e-12)
 
 
+def k1_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (logps - ref) * MASK
+
+
 def test_reward_penalty_is_beta_times_each_completions_shaped_kl() -> None:
+    """The reward placement's default estimator is k1 (SPEC 3.12): penalty_i = beta * sum_t m min(logp - ref, c), and
+    beta * sum_t m (logp - ref) / L_i for sequence_mean; k3 there, set explicitly, warns and gives the k3 sums."""
     logps, ref = batch(requires_grad=False)
-    k = k3_by_hand(logps, ref)
-    summed = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.3),
+    k1 = k1_by_hand(logps, ref)
+    summed = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.05),
                         BETA)
     penalty = summed.reward_penalty(logps, ref, MASK)
     assert penalty.dtype == torch.float32  # as trainers gather rewards
-    assert torch.allclose(penalty.double(), BETA * (k.clamp(max=0.3) * MASK).sum(-1), rtol=1e-6, atol=0)
+    assert torch.allclose(penalty.double(), BETA * (k1.clamp(max=0.05) * MASK).sum(-1), rtol=1e-6, atol=0)
+    assert (k1.clamp(max=0.05) != k1).any() and (k1 < 0).any()  # the clip binds, and k1 has negative tokens
     assert summed.last_metrics["adaptive_kl/reward_penalty"] == pytest.approx(penalty.mean().item())
     mean = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_reduction="sequence_mean"), BETA)
-    assert torch.allclose(mean.reward_penalty(logps, ref, MASK).double(), BETA * k.sum(-1) / LENGTHS, rtol=1e-6, atol=0)
+    assert torch.allclose(mean.reward_penalty(logps, ref, MASK).double(), BETA * k1.sum(-1) / LENGTHS, rtol=1e-6,
+                          atol=0)
+    k3 = k3_by_hand(logps, ref)
+    with pytest.warns(KLEstimatorWarning, match=r"^kl_estimator='k3' with kl_placement='reward': "):
+        explicit_k3 = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip",
+                                                  kl_clip_threshold=0.3, kl_estimator="k3"), BETA)
+    assert torch.allclose(explicit_k3.reward_penalty(logps, ref, MASK).double(),
+                          BETA * (k3.clamp(max=0.3) * MASK).sum(-1), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="kl_placement='reward' puts beta \\* KL into the rewards"):
         summed.kl_loss(logps, ref, MASK)
     with pytest.raises(ValueError, match=r"^kl_reduction='token_mean' is invalid: allowed is one of loss_type, "
                                          r"sequence_sum, sequence_mean for reward_penalty"):
         AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA).reward_penalty(logps, ref, MASK)
+
+
+def estimator_warnings(**fields) -> list[str]:
+    """The KLEstimatorWarning messages that building AdaptiveKLConfig(**fields) emits (every one: filter 'always')."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = AdaptiveKLConfig(**fields)
+        AdaptiveKL(config, BETA)
+    return [str(w.message) for w in caught if issubclass(w.category, KLEstimatorWarning)]
+
+
+def test_each_placement_defaults_to_its_estimator_and_the_guards_warn() -> None:
+    """SPEC 3.12: kl_estimator=None is k3 in the loss and k1 in the reward, silently; k1 in the loss and a k3-family
+    estimator in the reward warn, naming the field, its value, the placement and the fix; the others do not."""
+    assert AdaptiveKLConfig().kl_estimator is None and AdaptiveKLConfig().estimator == "k3"
+    assert AdaptiveKLConfig(kl_placement="reward").estimator == "k1"
+    with pytest.warns(KLEstimatorWarning):
+        assert AdaptiveKLConfig(kl_placement="reward", kl_estimator="k2").estimator == "k2"
+    for placement, silent in (("loss", (None, "k2", "k3", "low_var_kl", "k1+", "k3+", "k1_future")),
+                              ("reward", (None, "k1", "k1+", "k1_future", "test_least_confident_half"))):
+        for estimator in silent:
+            assert estimator_warnings(kl_placement=placement, kl_estimator=estimator) == [], (placement, estimator)
+    (k1_in_loss,) = set(estimator_warnings(kl_estimator="k1"))
+    assert k1_in_loss.startswith("kl_estimator='k1' with kl_placement='loss': the expected gradient of k1 is zero "
+                                 "on-policy")
+    assert "Use kl_estimator='k1_future'" in k1_in_loss and "kl_placement='reward', where k1 is exact" in k1_in_loss
+    for estimator in ("k2", "k3", "low_var_kl", "k3+", "k3_bottom_percentile"):
+        (message,) = set(estimator_warnings(kl_placement="reward", kl_estimator=estimator))
+        assert message.startswith(f"kl_estimator={estimator!r} with kl_placement='reward': a KL in the reward must be "
+                                  "the log-ratio k1 = logp - ref_logp")
+        assert message.endswith("Use kl_estimator='k1' (the reward placement's default: leave kl_estimator unset).")
+
+
+def k1_future_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """G_t = sum_{s >= t} m_s (logp_s - ref_s), the KL-to-go of each completion, token by token."""
+    k1 = (logps - ref).detach() * MASK
+    return torch.tensor([[k1[i, t:].sum().item() for t in range(k1.size(1))] for i in range(k1.size(0))],
+                        dtype=logps.dtype) * MASK
+
+
+def test_k1_future_has_the_value_of_k1_and_the_kl_to_go_as_gradient() -> None:
+    """k1_future in the own loop (dr_grpo): the term is beta * sum m (logp - ref) / (B T_max), exactly k1's; its
+    gradient per token is beta / (B T_max) * G_t (k1's is beta / (B T_max) on every valid token); the reward
+    penalty is k1's; masked positions may hold NaN or -inf."""
+    logps, ref = batch()
+    term, metrics = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1_future"), BETA, "dr_grpo").kl_loss(
+        logps, ref, MASK, max_completion_length=4)
+    with pytest.warns(KLEstimatorWarning):
+        k1 = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1"), BETA, "dr_grpo")
+    k1_term, k1_metrics = k1.kl_loss(logps, ref, MASK, max_completion_length=4)
+    assert term.item() == k1_term.item() == pytest.approx(BETA * k1_by_hand(logps, ref).sum().item() / 12, rel=1e-12)
+    assert metrics == k1_metrics
+    (grad,) = torch.autograd.grad(term, logps)
+    to_go = k1_future_by_hand(logps, ref)
+    assert torch.allclose(grad, BETA / 12 * to_go, rtol=1e-12, atol=0)
+    assert (to_go * MASK != k1_by_hand(logps, ref)).any()  # the KL of the tokens that follow counts
+    (k1_grad,) = torch.autograd.grad(k1_term, logps)
+    assert torch.equal(k1_grad, BETA / 12 * MASK)
+    reward = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_estimator="k1_future"), BETA)
+    assert torch.equal(reward.reward_penalty(logps.detach(), ref, MASK),
+                       AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(logps.detach(), ref, MASK))
+    garbage = torch.where(MASK > 0, logps.detach(), torch.tensor([math.nan, -math.inf])[torch.arange(4) % 2]
+                          ).requires_grad_(True)
+    term, _ = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1_future"), BETA, "dr_grpo").kl_loss(
+        garbage, ref, MASK, max_completion_length=4)
+    (grad,) = torch.autograd.grad(term, garbage)
+    assert term.item() == pytest.approx(BETA * k1_by_hand(logps, ref).sum().item() / 12, rel=1e-12)
+    assert torch.allclose(grad, BETA / 12 * to_go, rtol=1e-12, atol=0)
 
 
 def test_dynamic_decays_once_per_generation_batch_and_cuts_off() -> None:
@@ -193,7 +276,7 @@ def test_registering_names_is_checked() -> None:
     with pytest.raises(ValueError, match=r"register_kl_estimator\('k3'\): allowed is a new, non-empty name "
                                          r"\(registered: k1, k2, k3, "):
         register_kl_estimator("k3")
-    with pytest.raises(ValueError, match=r"kl_estimator='k4' is invalid: allowed is one of k1, k2, k3, .*"
+    with pytest.raises(ValueError, match=r"kl_estimator='k4' is invalid: allowed is None \(the placement's default\), one of k1, k2, k3, .*"
                                          r"test_least_confident_half(, [^ ]+)* \(register your own with register_kl_estimator\), or a callable"):
         AdaptiveKLConfig(kl_estimator="k4")
     assert "test_least_confident_half" in estimator_names()

@@ -23,7 +23,7 @@ DEFAULTS = {
     "reward_threshold": 0.8,
     "beta_min": 0.0,
     "beta_schedule_steps": 1000,
-    "kl_estimator": "k3",
+    "kl_estimator": None,  # the placement's own: k3 in the loss, k1 in the reward (SPEC 3.12)
     "kl_percentile": 0.2,
     "kl_percentile_scale": 5.0,
     "kl_reduction": "loss_type",
@@ -73,6 +73,20 @@ def test_defaults_on_patched_grpo_config(tmp_path) -> None:
     assert {name: getattr(args, name) for name in ADAPTIVE_KL_FIELDS} == DEFAULTS
     assert set(ADAPTIVE_KL_FIELDS) == set(DEFAULTS)
     assert trl.trainer.grpo_trainer.GRPOConfig is trl.GRPOConfig is unsloth_adaptive_kl.GRPOConfig
+    assert args.estimator == "k3" and args.is_stock_kl
+
+
+def test_estimator_default_follows_the_placement_on_the_command_line(tmp_path) -> None:
+    """SPEC 3.12 through TrlParser: unset, the reward placement's estimator is k1 (stored as None, so to_dict() keeps
+    'unset'); k3 named there is kept and warns, naming the field, the value and the fix."""
+    parser = TrlParser((trl.GRPOConfig,))
+    common = ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--kl_placement", "reward"]
+    (args,) = parser.parse_args_and_config(common)
+    assert (args.kl_estimator, args.estimator, args.to_dict()["kl_estimator"]) == (None, "k1", None)
+    with pytest.warns(unsloth_adaptive_kl.KLEstimatorWarning,
+                      match=r"^kl_estimator='k3' with kl_placement='reward': .* Use kl_estimator='k1' "):
+        (args,) = parser.parse_args_and_config(common + ["--kl_estimator", "k3"])
+    assert (args.kl_estimator, args.estimator) == ("k3", "k3")
 
 
 @pytest.mark.parametrize(("field", "value", "allowed"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
+from unsloth_adaptive_kl import AdaptiveKLConfig, KLEstimatorWarning, ReductionContext, adapted_kl_term
 from unsloth_adaptive_kl.core.adaptive_kl import pearson_correlation
 from unsloth_adaptive_kl.core.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 
@@ -19,8 +19,16 @@ REF = torch.tensor([[-1.5, -1.0, -0.5], [-0.5, -4.0, -1.0]])
 ONES = torch.ones_like(LOGP)
 
 
+def config_of(name: str, **kwargs) -> AdaptiveKLConfig:
+    """AdaptiveKLConfig(kl_estimator=name): k1 in the loss (the default placement) warns (SPEC 3.12)."""
+    if name != "k1":
+        return AdaptiveKLConfig(kl_estimator=name, **kwargs)
+    with pytest.warns(KLEstimatorWarning, match="^kl_estimator='k1' with kl_placement='loss'"):
+        return AdaptiveKLConfig(kl_estimator=name, **kwargs)
+
+
 def estimate(name: str, logp: torch.Tensor, **kwargs) -> torch.Tensor:
-    return estimate_kl(logp, REF, ONES, AdaptiveKLConfig(kl_estimator=name, **kwargs))
+    return estimate_kl(logp, REF, ONES, config_of(name, **kwargs))
 
 
 def grad_of(name: str) -> torch.Tensor:
@@ -140,7 +148,7 @@ def test_diagnostics_against_numpy() -> None:
 def test_every_builtin_estimator_and_adaptation_traces_with_fullgraph(name: str) -> None:
     """No graph breaks (no .item(), no data-dependent Python branching): what Unsloth's compiled loss requires."""
     torch._dynamo.reset()
-    config = AdaptiveKLConfig(kl_estimator=name, kl_adaptation_method="sigmoid+length_normalized")
+    config = config_of(name, kl_adaptation_method="sigmoid+length_normalized")
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     ctx = ReductionContext(max_completion_length=3, token_normalizer=torch.tensor(3.0))
 

@@ -3,8 +3,10 @@ the group statistics and advantages; the KL loss term is off; controllers act on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 import trl
 
-from unsloth_adaptive_kl import AdaptiveKLConfig
+from unsloth_adaptive_kl import AdaptiveKLConfig, KLEstimatorWarning
 
 from .conftest import constant_reward, hash_reward, logged, make_trainer
 from .test_trl_loss import TIMING_KEYS, policy_logps, run_and_params
@@ -33,11 +35,20 @@ def expected_advantages(rewards: torch.Tensor, kl: torch.Tensor, beta: float, gr
     return centred / (std + 1e-4)
 
 
-def completion_kl_by_hand(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, reduction: str) -> torch.Tensor:
-    """KL_i = sum_t m (exp(ref - logp) - (ref - logp) - 1), divided by L_i for 'sequence_mean'."""
+def completion_kl_by_hand(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, reduction: str,
+                          estimator: str = "k1") -> torch.Tensor:
+    """KL_i = sum_t m (logp - ref) (k1, the reward placement's default, SPEC 3.12), or with estimator='k3'
+    sum_t m (exp(ref - logp) - (ref - logp) - 1); divided by L_i for 'sequence_mean'."""
     delta = (ref - logp).double()
-    sums = ((torch.exp(delta) - delta - 1) * mask).sum(-1)
+    per_token = -delta if estimator == "k1" else torch.exp(delta) - delta - 1
+    sums = (per_token * mask).sum(-1)
     return sums / mask.sum(-1).clamp(min=1) if reduction == "sequence_mean" else sums
+
+
+def k3_in_the_reward() -> Any:
+    """k3 named with the KL in the reward warns when the config is built (SPEC 3.12: it does not regularise there)."""
+    return pytest.warns(KLEstimatorWarning, match=r"^kl_estimator='k3' with kl_placement='reward': a KL in the reward "
+                                                  r"must be the log-ratio")
 
 
 def recording(reward: Callable[..., list[float]], seen: list[float]) -> Callable[..., list[float]]:
@@ -83,27 +94,40 @@ def scored_batch(trainer: Any, logps: Callable[[Any, dict], torch.Tensor] = plai
     return captured
 
 
-@pytest.mark.parametrize(("scale_rewards", "reduction"),
-                         [("group", "sequence_sum"), ("batch", "sequence_sum"), ("none", "sequence_sum"),
-                          ("group", "sequence_mean"), ("group", "loss_type")])
-def test_advantages_are_the_formula_of_penalised_rewards(tokenizer, tmp_path, scale_rewards: str, reduction: str) -> None:
+@pytest.mark.parametrize(("scale_rewards", "reduction", "estimator"),
+                         [("group", "sequence_sum", None), ("batch", "sequence_sum", None), ("none", "sequence_sum", None),
+                          ("group", "sequence_mean", None), ("group", "loss_type", None),
+                          ("group", "sequence_sum", "k3")])
+def test_advantages_are_the_formula_of_penalised_rewards(tokenizer, tmp_path, scale_rewards: str, reduction: str,
+                                                         estimator: Any) -> None:
+    """GRPOConfig(kl_placement="reward") penalises each completion by beta * its summed k1 (logp - ref, the
+    placement's default: SPEC 3.12) computed by hand from the trainer's policy and reference log-probs of the batch;
+    k3 named explicitly warns and penalises by the summed k3."""
     rewards: list[float] = []
     beta = 0.5
-    trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
-                           max_steps=1, beta=beta, scale_rewards=scale_rewards, kl_reduction=reduction, **REWARD)
+    with k3_in_the_reward() if estimator == "k3" else contextlib.nullcontext():
+        trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
+                               max_steps=1, beta=beta, scale_rewards=scale_rewards, kl_reduction=reduction,
+                               kl_estimator=estimator, **REWARD)
+    assert trainer.adaptive_kl.config.estimator == (estimator or "k1")
     perturb_adapters(trainer.model)
     batch = scored_batch(trainer)
     r = torch.tensor(rewards[:8], dtype=torch.float64)
-    kl = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"],
-                               reduction)
+    logps, ref, mask = batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"]
+    kl = completion_kl_by_hand(logps, ref, mask, reduction, estimator or "k1")
     expected = expected_advantages(r, kl, beta, group=4, scale_rewards=scale_rewards)
     unpenalised = expected_advantages(r, torch.zeros_like(kl), beta, group=4, scale_rewards=scale_rewards)
     # float32 log-probs through two paths (TRL's and a plain forward): ~1e-6 per token, amplified by 1/std
     assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=2e-4)
     assert (expected - unpenalised).abs().max() > 0.05  # the penalty really moves the advantages
-    assert kl.min() > 0.01  # every completion carries a KL
+    assert kl.abs().min() > 0.005  # every completion carries a KL (k1's sum may have either sign)
+    if estimator is None:  # k1 is not k3: the hand formula tells the two apart on this batch
+        k3 = completion_kl_by_hand(logps, ref, mask, reduction, "k3")
+        assert (expected - expected_advantages(r, k3, beta, group=4, scale_rewards=scale_rewards)).abs().max() > 0.05
     assert logged(trainer, "adaptive_kl/reward_penalty")[0] == pytest.approx(beta * kl.mean().item(), rel=1e-4)
     assert logged(trainer, "adaptive_kl/raw_kl")[0] == pytest.approx(kl.mean().item(), rel=1e-4)
+    summed = completion_kl_by_hand(logps, ref, mask, "sequence_sum", estimator or "k1")
+    assert logged(trainer, "adaptive_kl/sequence_kl")[0] == pytest.approx(summed.mean().item(), rel=1e-4)
     assert logged(trainer, "reward")[0] == pytest.approx(r.mean().item(), abs=1e-6)  # the stock metric: un-penalised
     assert logged(trainer, "adaptive_kl/current_beta") == [beta]
 
@@ -211,7 +235,7 @@ def test_evaluation_scores_with_the_penalty_and_logs_it(tokenizer, tmp_path) -> 
     metrics = trainer.evaluate()
     assert metrics["eval_adaptive_kl/reward_penalty"] == pytest.approx(
         metrics["eval_adaptive_kl/current_beta"] * metrics["eval_adaptive_kl/adapted_kl"], rel=1e-5)
-    assert metrics["eval_adaptive_kl/reward_penalty"] > 0.01
+    assert abs(metrics["eval_adaptive_kl/reward_penalty"]) > 0.005  # k1's mean over 4 completions: either sign
     assert trainer.current_beta == 0.5  # evaluation never moves the controller
 
 
@@ -238,15 +262,18 @@ def test_unscored_completions_stay_unscored(tokenizer, tmp_path) -> None:
     assert batch["advantages"][[0, 4]].tolist() == [0.0, 0.0]
 
 
-def test_clip_shapes_each_token_before_the_completion_sum(tokenizer, tmp_path) -> None:
+@pytest.mark.parametrize("estimator", [None, "k3"])
+def test_clip_shapes_each_token_before_the_completion_sum(tokenizer, tmp_path, estimator: Any) -> None:
+    """KL_i = sum_t m min(k, 0.05): k the log-ratio k1 by default, k3 when named (with its warning)."""
     rewards: list[float] = []
-    trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
-                           max_steps=1, beta=0.5, kl_adaptation_method="clip", kl_clip_threshold=0.05,
-                           kl_reduction="sequence_sum", **REWARD)
+    with k3_in_the_reward() if estimator == "k3" else contextlib.nullcontext():
+        trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
+                               max_steps=1, beta=0.5, kl_adaptation_method="clip", kl_clip_threshold=0.05,
+                               kl_reduction="sequence_sum", kl_estimator=estimator, **REWARD)
     perturb_adapters(trainer.model)
     batch = scored_batch(trainer)
     delta = (batch["ref_per_token_logps"] - batch["policy_logps"]).double()
-    k = torch.exp(delta) - delta - 1
+    k = torch.exp(delta) - delta - 1 if estimator == "k3" else -delta
     mask = batch["completion_mask"]
     clipped = (torch.clamp(k, max=0.05) * mask).sum(-1)
     assert (k * mask).sum(-1).sub(clipped).max() > 0.05  # the threshold binds
@@ -286,14 +313,14 @@ def test_loss_placement_is_stock_over_a_real_run(tokenizer, tmp_path) -> None:
 
 
 def test_dynamic_reads_the_unpenalised_reward(tokenizer, tmp_path) -> None:
-    """Rewards 0.82 > 0.8 every batch while the penalty takes the penalised mean below 0.8: beta still decays."""
-    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(0.82), max_steps=3, beta=1.0,
+    """Rewards 0.81 > 0.8 every batch while the penalty takes the penalised mean below 0.8: beta still decays."""
+    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(0.81), max_steps=3, beta=1.0,
                            kl_adaptation_method="dynamic", dynamic_beta_decay=0.5, kl_reduction="sequence_sum", **REWARD)
     perturb_adapters(trainer.model)
     trainer.train()
     penalties = logged(trainer, "adaptive_kl/reward_penalty")
-    assert min(penalties) > 0.02
-    assert logged(trainer, "reward") == pytest.approx([0.82] * 3, abs=1e-6)
+    assert max(0.81 - penalty for penalty in penalties) < 0.8  # the penalised mean is below the threshold every step
+    assert logged(trainer, "reward") == pytest.approx([0.81] * 3, abs=1e-6)
     assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([1.0, 0.5, 0.25])
     assert trainer.current_beta == pytest.approx(0.125)
 
@@ -341,4 +368,33 @@ def test_bad_combinations_are_rejected_at_config_time(tmp_path, fields: dict, na
 def test_placement_field_round_trips_and_means_nothing_stock(tmp_path) -> None:
     config = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, kl_placement="reward", kl_reduction="sequence_mean")
     assert config.to_dict()["kl_placement"] == "reward" and not config.is_stock_kl
+    assert config.estimator == "k1" and config.to_dict()["kl_estimator"] is None
     assert AdaptiveKLConfig().kl_placement == "loss" and AdaptiveKLConfig().is_stock_kl
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3", "low_var_kl", "k3+", "k3_bottom_percentile"])
+def test_a_k3_family_estimator_in_the_reward_warns_from_grpo_config_and_trainer(tokenizer, tmp_path,
+                                                                               estimator: str) -> None:
+    """SPEC 3.12 in TRL: GRPOConfig(kl_placement='reward', kl_estimator=<k3 family>) warns KLEstimatorWarning naming the
+    field, its value and the fix; the trainer built from it keeps the estimator (the warning does not change it)."""
+    with pytest.warns(KLEstimatorWarning) as caught:
+        trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, kl_estimator=estimator, **REWARD)
+    messages = {str(w.message) for w in caught if issubclass(w.category, KLEstimatorWarning)}
+    assert len(messages) == 1
+    (message,) = messages
+    assert message.startswith(f"kl_estimator={estimator!r} with kl_placement='reward': ")
+    assert message.endswith("Use kl_estimator='k1' (the reward placement's default: leave kl_estimator unset).")
+    assert trainer.adaptive_kl.config.estimator == estimator
+
+
+def test_k1_in_the_loss_warns_and_the_defaults_do_not(tokenizer, tmp_path) -> None:
+    """The other guard in TRL: kl_estimator='k1' with the KL in the loss warns; the defaults of both placements and
+    k1_future in the loss are silent."""
+    with pytest.warns(KLEstimatorWarning, match=r"^kl_estimator='k1' with kl_placement='loss': the expected gradient "
+                                                r"of k1 is zero on-policy.* Use kl_estimator='k1_future'"):
+        trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, kl_estimator="k1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KLEstimatorWarning)
+        for fields in ({}, {"kl_placement": "reward"}, {"kl_estimator": "k1_future"},
+                       {"kl_placement": "reward", "kl_estimator": "k1"}):
+            make_trainer(tokenizer, str(tmp_path), max_steps=1, **fields)

@@ -103,6 +103,11 @@ def k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
     return torch.exp(r) - r - 1
 
 
+def k1(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """The log-ratio logp - ref_logp per token: the reward placement's default estimator (SPEC 3.12)."""
+    return logps.double() - ref_logps.double()
+
+
 def grpo_kl(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """mean_i (sum_t m k) / max(L_i, 1)."""
     return ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
@@ -244,13 +249,14 @@ def test_a_step_of_the_kl_in_the_loss_replayed_by_hand(page: RunPage) -> None:
 
 # ----- the KL in the reward ---------------------------------------------------------------------------------------
 
-def test_penalty_is_beta_times_the_summed_k3_of_each_completion(page: RunPage) -> None:
-    """`sequence_sum`: penalty_i = beta_t * sum_t m k3; the logged reward_penalty is its mean; the logged penalised
-    reward is the un-penalised reward minus it."""
+def test_penalty_is_beta_times_the_summed_k1_of_each_completion(page: RunPage) -> None:
+    """`sequence_sum` with the reward placement's default estimator k1: penalty_i = beta_t * sum_t m (logp - ref);
+    the logged reward_penalty is its mean; the logged penalised reward is the un-penalised reward minus it."""
     program = page.program
+    assert page.program["in_reward_config"].kl_estimator is None  # the page leaves it unset
     for call, log in zip(page.program_calls("reward_penalty"), program["in_reward"]):
-        kl_i = (k3(call["logps"], call["ref_logps"]) * call["mask"]).sum(1)
-        torch.testing.assert_close(call["penalty"], call["beta"] * kl_i, rtol=1e-5, atol=1e-7)
+        kl_i = (k1(call["logps"], call["ref_logps"]) * call["mask"]).sum(1).float()
+        torch.testing.assert_close(call["penalty"], call["beta"] * kl_i, rtol=1e-5, atol=1e-6)
         assert close(log["adaptive_kl/reward_penalty"], call["beta"] * kl_i.mean().item(), 1e-5)
         assert close(log["penalised_reward"], log["reward"] - call["beta"] * kl_i.mean().item(), 1e-5)
         assert log["adaptive_kl/current_beta"] == call["beta"]
@@ -260,7 +266,7 @@ def test_penalty_is_beta_times_the_summed_k3_of_each_completion(page: RunPage) -
 def test_a_step_of_the_kl_in_the_reward_replayed_by_hand(page: RunPage, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The page's train() on the reward placement, checkpointed after step 6 (its steps are the page's run's);
-    step 7 by hand: penalised rewards r_i - beta_t * sum_t m k3, their advantages, the policy loss without a KL
+    step 7 by hand: penalised rewards r_i - beta_t * sum_t m k1, their advantages, the policy loss without a KL
     term, against what the run logged and the penalty vector it computed."""
     program = page.program
     monkeypatch.chdir(tmp_path)
@@ -271,7 +277,7 @@ def test_a_step_of_the_kl_in_the_reward_replayed_by_hand(page: RunPage, tmp_path
     completions, mask, logps, ref_logps = replay_from(program, checkpoint)
     rewards = hand_reward(completions, mask, program["HASH"])
     beta = checkpoint["adaptive_kl"]["value"]
-    penalised = rewards - beta * (k3(logps, ref_logps) * mask).sum(1)
+    penalised = rewards - beta * (k1(logps, ref_logps) * mask).sum(1).float()
     loss = hand_policy_loss(logps, hand_advantages(penalised, program["G"]), mask)
     log = history[6]
     torch.testing.assert_close(rewards - calls["reward_penalty"][6]["penalty"], penalised, rtol=1e-5, atol=1e-6)

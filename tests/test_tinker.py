@@ -27,7 +27,7 @@ from tinker import types  # noqa: E402
 from tinker.lib.public_interfaces.custom_loss import trace_loss  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
-from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig  # noqa: E402
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning  # noqa: E402
 from unsloth_adaptive_kl.integrations import tinker as integration  # noqa: E402
 
 VOCAB = 13
@@ -467,18 +467,31 @@ def test_record_step_kl_feeds_the_target_controller(fake_tinker: Tinker) -> None
 
 # ----- 2. the KL in the reward: the built-in importance_sampling loss ------------------------------------------------
 
-def test_reward_penalty_route(fake_tinker: Tinker) -> None:
-    """P_i = beta * KL_i (KL_i = sum_t m min(k3, threshold), the sequence-level clipped KL, by hand) comes off each
-    reward before the group-centred advantages; the Datums carry them aligned as float32 TensorData; the built-in
-    importance_sampling loss gets only its own inputs and its gradients are those of -sum exp(lp - lp_old) A."""
-    config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3, kl_placement="reward")
-    akl = AdaptiveKL(config, beta=0.1, loss_type="grpo")
+def hand_k1(logps: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k1 = logp - ref on the completion tokens (0 elsewhere)."""
+    return torch.where(mask > 0, logps - ref, torch.zeros_like(logps))
+
+
+@pytest.mark.parametrize("estimator", [None, "k3"])
+def test_reward_penalty_route(fake_tinker: Tinker, estimator: Any) -> None:
+    """P_i = beta * KL_i (KL_i = sum_t m min(k, threshold), the sequence-level clipped KL, by hand, k the log-ratio k1:
+    the reward placement's default; k3 when named, which warns) comes off each reward before the group-centred
+    advantages; the Datums carry them aligned as float32 TensorData; the built-in importance_sampling loss gets only
+    its own inputs and its gradients are those of -sum exp(lp - lp_old) A."""
+    fields = dict(kl_adaptation_method="clip", kl_clip_threshold=0.3, kl_placement="reward", kl_estimator=estimator)
+    if estimator == "k3":
+        with pytest.warns(KLEstimatorWarning, match="^kl_estimator='k3' with kl_placement='reward': "):
+            akl = AdaptiveKL(AdaptiveKLConfig(**fields), beta=0.1, loss_type="grpo")
+    else:
+        akl = AdaptiveKL(AdaptiveKLConfig(**fields), beta=0.1, loss_type="grpo")
     data = make_data(fake_tinker.initial, seed=11)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
     datums, metrics = integration.kl_penalized_data(akl, data, rewards, group_size=2)
 
     sampled, ref, mask = (stacked(data, key) for key in ("logprobs", "ref_logprobs", "mask"))
-    penalty = 0.1 * (torch.clamp(hand_k3(sampled, ref, mask), max=0.3) * mask).sum(-1)
+    per_token = hand_k3(sampled, ref, mask) if estimator == "k3" else hand_k1(sampled, ref, mask)
+    assert (per_token > 0.3).any() and (estimator == "k3" or (per_token < 0).any())  # the clip binds; k1 < 0 occurs
+    penalty = 0.1 * (torch.clamp(per_token, max=0.3) * mask).sum(-1)
     penalized = (rewards - penalty).view(2, 2)
     advantages = (penalized - penalized.mean(1, keepdim=True)).flatten()
     assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(float(penalty.mean()), rel=1e-5)
@@ -561,6 +574,68 @@ def test_traced_loss_equals_eager(fake_tinker: Tinker, method: str, loss_type: s
         expected_metrics["adaptive_kl/adapted_kl"], rel=1e-5)
     assert result.metrics["custom/grpo/kl_term:sum"] == pytest.approx(expected_metrics["grpo/kl_term"], rel=1e-5)
     assert_model_grads(fake_tinker, expected)
+
+
+def kl_to_go(logps: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """G_t = sum_{s >= t} m_s (logp_s - ref_s), token by token, without gradient."""
+    k1 = hand_k1(logps, ref, mask).detach()
+    return torch.stack([k1[:, t:].sum(-1) for t in range(k1.size(1))], dim=-1) * mask
+
+
+def test_k1_future_in_the_custom_and_the_traced_loss(fake_tinker: Tinker) -> None:
+    """kl_estimator='k1_future', loss_type dr_grpo: the custom loss's KL part is beta * sum m k1 / (B T_max) and the
+    model's gradients are those of hand_pg + beta * sum_t m (sg(k1_t) + sg(G_t) (logp_t - sg(logp_t))) / (B T_max);
+    the traced per-datum loss records it (graph == eager) and its gradient on each datum's log-probs is
+    beta * G_t / (B T_max) plus the policy-gradient part, G_t that datum's own KL-to-go."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1_future"), beta=0.4, loss_type="dr_grpo")
+    data = with_advantages(make_data(fake_tinker.initial, seed=17), ADVANTAGES)
+    result = fake_tinker.training.forward_backward_custom(
+        data, integration.grpo_kl_loss(akl, max_completion_length=8)).result(timeout=30)
+
+    ref, mask = stacked(data, "ref_logprobs"), stacked(data, "mask")
+    old, adv = stacked(data, "logprobs"), stacked(data, "advantages")
+    divisor = len(data) * 8
+
+    def hand_loss() -> torch.Tensor:  # on a fresh forward of the initial model each time (one backward each)
+        logps = policy_logprobs(fake_tinker.initial, data)
+        to_go = kl_to_go(logps, ref, mask)
+        k = hand_k1(logps, ref, mask).detach() + to_go * (logps - logps.detach())
+        ratio = torch.exp(logps - old)
+        surrogate = -torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv) * mask
+        return surrogate.sum() / divisor + 0.4 * (k * mask).sum() / divisor
+
+    expected = hand_loss()
+    logps = policy_logprobs(fake_tinker.initial, data).detach()
+    to_go = kl_to_go(logps, ref, mask)
+    assert (to_go != hand_k1(logps, ref, mask)).any() and (to_go < 0).any() and (to_go > 0).any()
+    assert result.metrics["grpo/kl_term"] == pytest.approx(0.4 * float(hand_k1(logps, ref, mask).sum()) / divisor,
+                                                           rel=1e-5)
+    assert result.metrics["loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert_model_grads(fake_tinker, expected)
+
+    fn, ranks = integration.traceable_grpo_loss(akl)
+    handle = fake_tinker.client.create_custom_loss(fn, ranks).result(timeout=30)
+    traced = integration.traced_loss_data(akl, data, max_completion_length=8)
+    for i, datum in enumerate(traced):
+        length = len(datum.loss_fn_inputs["target_tokens"].tolist())
+        inputs = [datum.loss_fn_inputs[name].to_torch() for name in handle.input_names]
+        row = logps[i, :length].detach().requires_grad_(True)
+        graph_loss, graph_metrics = handle.graph(row, *inputs)
+        eager_loss, _ = fn(row, *inputs)
+        torch.testing.assert_close(graph_loss, eager_loss, rtol=0, atol=0)
+        (grad,) = torch.autograd.grad(graph_loss, row)
+        surrogate_row = row.detach().clone().requires_grad_(True)
+        ratio = torch.exp(surrogate_row - old[i, :length])
+        pg = (-torch.minimum(ratio * adv[i, :length], torch.clamp(ratio, 0.8, 1.2) * adv[i, :length])
+              * mask[i, :length]).sum() / divisor
+        (pg_grad,) = torch.autograd.grad(pg, surrogate_row)
+        torch.testing.assert_close(grad, pg_grad + 0.4 * to_go[i, :length] / divisor, **TIGHT)
+        assert float(graph_metrics["custom/adaptive_kl/adapted_kl:sum"].detach()) == pytest.approx(
+            float(hand_k1(logps, ref, mask)[i].sum()) / divisor, rel=1e-5)
+    fake_tinker.service.zero_grad()
+    result = fake_tinker.training.forward_backward_custom(traced, handle).result(timeout=30)
+    assert result.metrics["loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert_model_grads(fake_tinker, hand_loss())
 
 
 def test_traceable_loss_limits() -> None:

@@ -3,11 +3,14 @@ computed from a separate forward pass (SPEC 3.1-3.6, 4)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Any
 
 import pytest
 import torch
 
+from unsloth_adaptive_kl import KLEstimatorWarning
 from unsloth_adaptive_kl.tools.selfcheck import backward_grads, loss_and_grads
 from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 
@@ -64,20 +67,25 @@ def expected_kl_part(trainer, inputs: dict, logp: torch.Tensor) -> torch.Tensor:
     """beta * KL term / GA, written out per method and loss_type from the SPEC's formulas."""
     args = trainer.args
     ref = inputs["ref_per_token_logps"]
+    m = inputs["completion_mask"].float()
     delta = ref - logp
     k = torch.exp(delta) - delta - 1
-    if args.kl_estimator == "k3" and args.use_bias_correction_kl:
+    estimator = args.kl_estimator or "k3"  # unset: the loss placement's default, the trainer's own k3 (SPEC 3.12)
+    if estimator == "k3" and args.use_bias_correction_kl:
         k = k * torch.exp(logp - logp.detach())  # TRL's default: times the (on-policy 1, differentiable) IS ratio
-    elif args.kl_estimator == "k1":
+    elif estimator == "k1":
         k = logp - ref
-    elif args.kl_estimator == "k2":
+    elif estimator == "k2":
         k = 0.5 * (logp - ref) ** 2
-    elif args.kl_estimator == "k3+":  # value of k3, gradient of k2
+    elif estimator == "k3+":  # value of k3, gradient of k2
         k2 = 0.5 * (logp - ref) ** 2
         k = k2 + (k - k2).detach()
+    elif estimator == "k1_future":  # value k1, gradient G_t * grad logp_t with G_t = sum_{s >= t} m_s k1_s
+        k1 = ((logp - ref) * m).detach()
+        to_go = torch.stack([k1[:, t:].sum(-1) for t in range(k1.size(1))], dim=-1)
+        k = (logp - ref).detach() + to_go * logp - (to_go * logp).detach()
     methods = args.kl_adaptation_method.split("+")
     k = shaped_by_hand(k, args)
-    m = inputs["completion_mask"].float()
     lengths = m.sum(-1)
     per_completion_sum = (k * m).sum(-1)
     if args.kl_reduction == "sequence_sum":
@@ -160,15 +168,27 @@ def test_kl_part_of_loss_and_its_gradient_match_formula(tokenizer, tmp_path, met
         assert metrics["adaptive_kl/raw_kl"][0] == pytest.approx(metrics["adaptive_kl/adapted_kl"][0], rel=1e-7)
 
 
+def loss_guard(estimator: str) -> Any:
+    """SPEC 3.12: k1 in the loss warns when the config is built (its expected gradient is zero on-policy)."""
+    if estimator == "k1":
+        return pytest.warns(KLEstimatorWarning, match="^kl_estimator='k1' with kl_placement='loss': ")
+    return contextlib.nullcontext()
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 @pytest.mark.parametrize(
     ("estimator", "reduction", "method"),
     [("k1", "loss_type", "none"), ("k2", "sequence_sum", "none"), ("k3+", "token_mean", "clip"),
-     ("k3", "sequence_sum", "dynamic"), ("k2", "loss_type", "sigmoid+length_normalized")],
+     ("k3", "sequence_sum", "dynamic"), ("k2", "loss_type", "sigmoid+length_normalized"),
+     ("k1_future", "loss_type", "none"), ("k1_future", "sequence_sum", "clip")],
 )
 def test_estimators_and_reductions_through_the_trainer(tokenizer, tmp_path, estimator, reduction, method, loss_type):
-    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method=method,
-                               kl_estimator=estimator, kl_reduction=reduction, kl_clip_threshold=0.3)
+    """The KL part of the trainer's loss (loss - the stock loss at beta=0, which is the policy-gradient part) and its
+    gradient against the hand formula of each estimator; for k1_future the gradient of each token is the KL-to-go
+    G_t = sum_{s >= t} m_s (logp_s - ref_s) times beta and the reduction's weight."""
+    with loss_guard(estimator):
+        trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method=method,
+                                   kl_estimator=estimator, kl_reduction=reduction, kl_clip_threshold=0.3)
     inputs = fixed_inputs(trainer, tokenizer)
     kl_part, grads = kl_part_and_grads(trainer, inputs)
     expected = expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs))
@@ -326,7 +346,7 @@ class _LogpsRecorder:
     ("method", "estimator", "reduction", "loss_type"),
     [(method, "k3", "loss_type", loss_type) for method in METHODS + ["target"] for loss_type in ("grpo", "dapo")]
     + [("none", estimator, "loss_type", "bnpo") for estimator in ("k1", "k2", "low_var_kl", "k1+", "k3+",
-                                                                    "k3_bottom_percentile")]
+                                                                    "k3_bottom_percentile", "k1_future")]
     + [("clip", "k3", reduction, "dr_grpo") for reduction in ("sequence_mean", "token_mean", "sequence_sum")],
 )
 def test_adaptive_kl_object_returns_what_the_trl_integration_computes(tokenizer, tmp_path, monkeypatch, method,
@@ -336,8 +356,9 @@ def test_adaptive_kl_object_returns_what_the_trl_integration_computes(tokenizer,
     from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
     from unsloth_adaptive_kl.core.config import ADAPTIVE_KL_FIELDS
 
-    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method=method,
-                               kl_estimator=estimator, kl_reduction=reduction, kl_clip_threshold=0.3, kl_target=0.2)
+    with loss_guard(estimator):
+        trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method=method,
+                                   kl_estimator=estimator, kl_reduction=reduction, kl_clip_threshold=0.3, kl_target=0.2)
     inputs = fixed_inputs(trainer, tokenizer)
     recorder = _LogpsRecorder(trainer._get_per_token_logps_and_entropies)
     monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", recorder)
@@ -345,8 +366,9 @@ def test_adaptive_kl_object_returns_what_the_trl_integration_computes(tokenizer,
     logged_metrics = {name: values[0] for name, values in trainer._metrics["train"].items()
                       if name.startswith("adaptive_kl/")}
 
-    config = AdaptiveKLConfig(**{name: getattr(trainer.args, name) for name in ADAPTIVE_KL_FIELDS})
-    akl = AdaptiveKL(config, trainer.args.beta, loss_type)
+    with loss_guard(estimator):
+        config = AdaptiveKLConfig(**{name: getattr(trainer.args, name) for name in ADAPTIVE_KL_FIELDS})
+        akl = AdaptiveKL(config, trainer.args.beta, loss_type)
     term, metrics = akl.kl_loss(recorder.logps[0], inputs["ref_per_token_logps"], inputs["completion_mask"].float(),
                                 max_completion_length=trainer.args.max_completion_length,
                                 token_normalizer=inputs["num_items_in_batch"] / trainer.args.steps_per_generation)

@@ -25,8 +25,9 @@ if os.environ.get("ADAPTIVE_KL_REQUIRE_UNSLOTH") == "1" and not HAS_UNSLOTH:
     raise RuntimeError("ADAPTIVE_KL_REQUIRE_UNSLOTH=1 but unsloth is not installed")
 needs_unsloth = pytest.mark.skipif(not HAS_UNSLOTH, reason="unsloth not installed (CI installs it)")
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic",
-           "k2/sequence_sum", "user_three_k2"]  # k2/sequence_sum: clip with kl_estimator k2 and kl_reduction
-# sequence_sum; user_three_k2: an estimator the harness registers with register_kl_estimator (1.5 (logp - ref)^2)
+           "k2/sequence_sum", "user_three_k2", "k1_future"]  # k2/sequence_sum: clip with kl_estimator k2 and
+# kl_reduction sequence_sum; user_three_k2: an estimator the harness registers with register_kl_estimator
+# (1.5 (logp - ref)^2); k1_future: value k1, gradient the KL-to-go G_t of each token (by hand in the harness)
 
 
 def run_scenario(scenario: str, tmp_path: Path, extra_path: str = "") -> dict:
@@ -51,6 +52,18 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     assert (result["method"], result["threshold"]) == ("clip+dynamic", 0.5)
     assert result["restored"] == ["GRPOConfig", "clip+dynamic", 0.5]
     assert result["error"] == "kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0."
+    # SPEC 3.12 on Unsloth's generated config: k3 in the loss and k1 in the reward by default, silently; k3 named in
+    # the reward and k1 in the loss warn once each, naming the field, its value and the fix; k1_future is silent
+    guards = result["guards"]
+    assert {entry["class"] for entry in guards.values()} == {result["config_class"].rsplit(".", 1)[-1]}
+    assert {label: entry["estimator"] for label, entry in guards.items()} == {
+        "loss": "k3", "reward": "k1", "reward_k3": "k3", "loss_k1": "k1", "loss_k1_future": "k1_future"}
+    assert guards["loss"]["warnings"] == guards["reward"]["warnings"] == guards["loss_k1_future"]["warnings"] == []
+    (reward_k3,) = set(guards["reward_k3"]["warnings"])
+    assert reward_k3.startswith("kl_estimator='k3' with kl_placement='reward': a KL in the reward must be the log-ratio")
+    assert reward_k3.endswith("Use kl_estimator='k1' (the reward placement's default: leave kl_estimator unset).")
+    (loss_k1,) = set(guards["loss_k1"]["warnings"])
+    assert loss_k1.startswith("kl_estimator='k1' with kl_placement='loss': the expected gradient of k1 is zero")
 
 
 @needs_unsloth
@@ -227,13 +240,21 @@ def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> No
 @needs_unsloth
 def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_path) -> None:
     """kl_placement='reward' in Unsloth's generated trainer: advantages are the formula of r_i - beta * KL_i (summed
-    KL per completion), the loss has no KL term, the stock reward metric is un-penalised, dynamic beta decays, and a
-    resumed run takes beta back from its checkpoint."""
+    KL per completion: the log-ratio k1 by default, k3 when named, which warns), the loss has no KL term, the stock
+    reward metric is un-penalised, dynamic beta decays, and a resumed run takes beta back from its checkpoint."""
     results = run_scenario("reward", tmp_path)
-    for scale_rewards in ("group", "batch"):
-        entry = results[scale_rewards]
+    for label in ("group", "batch", "group_k3"):
+        entry = results[label]
+        assert entry["estimator"] == ("k3" if label == "group_k3" else "k1")
+        if label == "group_k3":
+            assert {w.split(":")[0] for w in entry["estimator_warnings"]} == {
+                "kl_estimator='k3' with kl_placement='reward'"}
+        else:
+            assert entry["estimator_warnings"] == []
         assert entry["advantages"] == pytest.approx(entry["expected"], abs=2e-4)
         assert max(abs(a - b) for a, b in zip(entry["expected"], entry["unpenalised"])) > 0.05
+        # the other estimator's formula does not fit: the check tells k1 and k3 apart
+        assert max(abs(a - b) for a, b in zip(entry["advantages"], entry["other_estimator"])) > 0.05
         assert entry["penalty_metric"][0] == pytest.approx(0.5 * sum(entry["kl"]) / 8, rel=1e-4)
         assert entry["reward_metric"][0] == pytest.approx(sum(entry["rewards"]) / 8, abs=1e-6)
         assert entry["loss"] == pytest.approx(entry["loss_without_kl"], rel=1e-6, abs=1e-9)

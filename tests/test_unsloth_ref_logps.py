@@ -99,7 +99,8 @@ def test_kl_in_reward_on_a_left_padded_unsloth_batch_is_the_formula(measured) ->
     entry = measured["reward_left_padded"]
     assert entry["prompt_pads"] == [0, 4]  # left padding in the batch: max_left_pad = 4
     assert entry["error"] is None, entry["error"]
-    # per completion a sum of 8 k3 terms, each moved by <= 2 SAME (|dk3/dlogp| = |1 - e^r| < 1 here), times beta 0.5
+    # per completion a sum of 8 k1 terms (the reward placement's default), each moved by <= 2 SAME (k1 = logp - ref:
+    # its derivative in either log-prob is 1), times beta 0.5
     assert entry["penalty"] == [pytest.approx(entry["expected"], abs=8 * SAME)]
 
 

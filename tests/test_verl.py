@@ -258,6 +258,96 @@ def test_adaptive_kl_block_is_validated():
         verl_kl.configs_from({"kl_placement": "reward"})
 
 
+def test_k1_future_in_the_actor_loss_has_the_kl_to_go_gradient():
+    """+adaptive_kl.kl_estimator=k1_future replaces verl's kl_loss_type in the actor loss: with token-mean the KL part
+    is sum m (logp - ref) / N (verl's own 'kl' aggregated), and the gradient of each response token's log-prob is
+    beta * G_t / N, G_t = sum_{s >= t} (logp_s - ref_s) over the rest of its response, by hand."""
+    loss_config, _ = verl_kl.configs_from({"kl_estimator": "k1_future"})
+    batch = make_batch(seed=8)
+    kl_value, grad, metrics = kl_part(verl_kl.AdaptivePPOLoss(actor_config(), loss_config), batch, beta=0.7)
+    k1, mask = per_token(batch, "kl")
+    n = mask.sum()
+    torch.testing.assert_close(kl_value, 0.7 * k1[mask].sum() / n, rtol=1e-5, atol=1e-6)
+    assert metrics[verl_kl.METRIC + "adapted_kl"].values[0] == pytest.approx(float(k1[mask].sum() / n), rel=1e-5)
+    td, log_probs, prompts, responses = batch
+    starts = torch.tensor([0, *torch.tensor([p + r for p, r in zip(prompts, responses)]).cumsum(0).tolist()])
+    differs = False
+    for i, (s, p, r) in enumerate(zip(starts.tolist(), prompts, responses)):
+        to_go = torch.tensor([float(k1[i, t:r].sum()) for t in range(r)])
+        torch.testing.assert_close(grad[s + p - 1: s + p - 1 + r], 0.7 * to_go / n, rtol=1e-5, atol=1e-7)
+        differs |= not torch.allclose(to_go, k1[i, :r].detach())
+    assert differs and max(responses) > 1  # the KL of the tokens that follow counts
+
+
+class _StubTrainer:
+    """Stands in for verl's trainer below the mixin: keeps the config (the mixin's own __init__ runs in full)."""
+
+    def __init__(self, config):
+        self.config = config
+
+
+class _GuardedTrainer(verl_kl.AdaptiveKLTrainerMixin, _StubTrainer):
+    pass
+
+
+def trainer_config(kl_loss_type="low_var_kl", kl_penalty="kl", use_kl_loss=True, use_kl_in_reward=True, **block):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "adaptive_kl": block, "trainer": {"v1": {"trainer_mode": "adaptive_kl"}},
+        "actor_rollout_ref": {"actor": {"use_kl_loss": use_kl_loss, "kl_loss_coef": 0.1, "kl_loss_type": kl_loss_type,
+                                        "loss_agg_mode": "token-mean"}},
+        "algorithm": {"use_kl_in_reward": use_kl_in_reward, "kl_penalty": kl_penalty, "kl_ctrl": {"kl_coef": 0.1}}})
+
+
+def estimator_warnings(config) -> list[str]:
+    import warnings
+
+    from unsloth_adaptive_kl import KLEstimatorWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _GuardedTrainer(config)
+    return [str(w.message) for w in caught if issubclass(w.category, KLEstimatorWarning)]
+
+
+def test_verls_default_reward_estimator_is_the_log_ratio():
+    """The KL in verl's reward is verl's own apply_kl_penalty with algorithm.kl_penalty, whose default is 'kl' (k1):
+    the reward placement's default of SPEC 3.12 holds in verl as shipped, silently."""
+    from verl.trainer.config import AlgoConfig
+
+    assert AlgoConfig().kl_penalty == "kl"
+    assert estimator_warnings(trainer_config()) == []
+
+
+@pytest.mark.parametrize("kl_penalty", ["abs", "mse", "k2", "low_var_kl", "k3", "k3+", "full"])
+def test_a_reward_kl_penalty_other_than_the_log_ratio_warns_once_naming_verls_field(kl_penalty):
+    (message,) = estimator_warnings(trainer_config(kl_penalty=kl_penalty))
+    assert message.startswith(f"algorithm.kl_penalty={kl_penalty!r} with algorithm.use_kl_in_reward=True: a KL in the "
+                              "reward must be the log-ratio k1 = logp - ref_logp")
+    assert message.endswith("Use algorithm.kl_penalty=kl (k1, verl's default).")
+    assert estimator_warnings(trainer_config(kl_penalty=kl_penalty, use_kl_in_reward=False)) == []  # not used
+
+
+@pytest.mark.parametrize("kl_loss_type", ["kl", "k1"])
+def test_k1_as_the_actor_loss_kl_warns_once_naming_verls_field(kl_loss_type):
+    (message,) = estimator_warnings(trainer_config(kl_loss_type=kl_loss_type))
+    assert message.startswith(f"actor_rollout_ref.actor.kl_loss_type={kl_loss_type!r} with "
+                              "actor_rollout_ref.actor.use_kl_loss=True: the expected gradient of k1 is zero on-policy")
+    assert ("Use +adaptive_kl.kl_estimator=k1_future (the whole completion's KL gradient), or "
+            "actor_rollout_ref.actor.kl_loss_type=low_var_kl (k3, verl's default) or k2") in message
+    assert "algorithm.use_kl_in_reward=True with algorithm.kl_penalty=kl, where k1 is exact" in message
+    assert estimator_warnings(trainer_config(kl_loss_type=kl_loss_type, use_kl_loss=False)) == []
+    # a configured estimator replaces kl_loss_type in the loss: k1_future is silent, the core's k1 guard names its field
+    assert estimator_warnings(trainer_config(kl_loss_type=kl_loss_type, kl_estimator="k1_future")) == []
+
+
+@pytest.mark.parametrize(("kl_loss_type", "kl_penalty"), [("low_var_kl", "kl"), ("k1+", "k1"), ("k2", "kl+"),
+                                                          ("k3+", "k1+"), ("k3", "kl")])
+def test_log_ratio_rewards_and_non_k1_losses_are_silent(kl_loss_type, kl_penalty):
+    assert estimator_warnings(trainer_config(kl_loss_type=kl_loss_type, kl_penalty=kl_penalty)) == []
+
+
 # ----- verl's apply_kl_penalty with our controller -------------------------------------------------------------------
 
 
@@ -422,7 +512,7 @@ def test_main_ppo_end_to_end_betas_follow_the_controllers_and_survive_resume(tmp
     stock = launch("stock", 3, [
         "trainer.v1.trainer_mode=sync", "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive",
         f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", f"algorithm.kl_ctrl.target_kl={KL_TARGET}",
-        f"algorithm.kl_ctrl.horizon={HORIZON}", "algorithm.kl_penalty=low_var_kl", "trainer.resume_mode=resume_path",
+        f"algorithm.kl_ctrl.horizon={HORIZON}", "algorithm.kl_penalty=kl", "trainer.resume_mode=resume_path",
         f"trainer.resume_from_path={os.path.join(ckpt, 'global_step_2')}",
         f"trainer.default_local_dir={tmp_path / 'ckpt_stock'}"])
     assert sorted(stock) == [3]

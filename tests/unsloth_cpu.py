@@ -197,6 +197,10 @@ def independent_kl_part(trainer: Any, inputs: dict) -> torch.Tensor:
         k = 0.5 * (logp - inputs["ref_per_token_logps"]) ** 2
     elif args.kl_estimator == "user_three_k2":
         k = 1.5 * (logp - inputs["ref_per_token_logps"]) ** 2
+    elif args.kl_estimator == "k1_future":  # value k1, gradient G_t * grad logp_t, G_t = sum_{s >= t} m_s k1_s
+        k1 = ((logp - inputs["ref_per_token_logps"]) * inputs["completion_mask"].float()).detach()
+        to_go = torch.stack([k1[:, t:].sum(-1) for t in range(k1.size(1))], dim=-1)
+        k = (logp - inputs["ref_per_token_logps"]).detach() + to_go * logp - (to_go * logp).detach()
     methods = args.kl_adaptation_method.split("+")
     k = shaped_by_hand(k, args)
     m = inputs["completion_mask"].float()
@@ -223,8 +227,22 @@ def max_abs(grads: list[torch.Tensor]) -> float:
     return max(g.abs().max().item() for g in grads)
 
 
+def estimator_warnings(build: Any) -> tuple[Any, list[str]]:
+    """What build() returns, and the KLEstimatorWarning messages it emitted (every one: filter 'always')."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = build()
+    return value, [str(w.message) for w in caught if issubclass(w.category, unsloth_adaptive_kl.KLEstimatorWarning)]
+
+
 def scenario_config(out: str) -> dict:
     args = trl.GRPOConfig(output_dir=out, use_cpu=True, kl_adaptation_method="dynamic+clip", kl_clip_threshold=0.5)
+    guards = {}
+    for label, fields in (("loss", {}), ("reward", {"kl_placement": "reward"}),
+                          ("reward_k3", {"kl_placement": "reward", "kl_estimator": "k3"}),
+                          ("loss_k1", {"kl_estimator": "k1"}), ("loss_k1_future", {"kl_estimator": "k1_future"})):
+        built, messages = estimator_warnings(lambda: trl.GRPOConfig(output_dir=out, use_cpu=True, **fields))
+        guards[label] = {"class": type(built).__name__, "estimator": built.estimator, "warnings": messages}
     restored = pickle.loads(pickle.dumps(args))
     try:
         trl.GRPOConfig(output_dir=out, use_cpu=True, kl_clip_threshold=-1.0)
@@ -239,7 +257,7 @@ def scenario_config(out: str) -> dict:
         "restored_same_class": type(restored) is type(args),
         "is_ours_subclassed": type(args) is not unsloth_adaptive_kl.GRPOConfig
         and issubclass(type(args), unsloth_adaptive_kl.GRPOConfig),
-        "error": error,
+        "error": error, "guards": guards,
     }
 
 
@@ -263,6 +281,7 @@ def scenario_losses(out: str) -> dict:
                   ("none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic")]
         setups.append(("k2/sequence_sum", "clip", "k2", "sequence_sum"))
         setups.append(("user_three_k2", "none", "user_three_k2", "loss_type"))  # a user-registered estimator
+        setups.append(("k1_future", "none", "k1_future", "loss_type"))  # the whole completion's KL gradient
         for label, method, estimator, reduction in setups:
             trainer.args.kl_adaptation_method, trainer.args.kl_estimator = method, estimator
             trainer.args.kl_reduction = reduction
@@ -471,24 +490,31 @@ def scenario_reward(out: str) -> dict:
     """kl_placement='reward' in the generated trainer: the first batch's advantages against the formula (scale_rewards
     group and batch), the loss without its KL term, a short dynamic run, and its resume from a checkpoint."""
     results: dict[str, Any] = {}
-    for scale_rewards in ("group", "batch"):
+    # group and batch with the reward placement's default estimator (k1); group_k3 with k3 named (it warns)
+    for label, scale_rewards, estimator in (("group", "group", None), ("batch", "batch", None),
+                                            ("group_k3", "group", "k3")):
         rewards: list[float] = []
-        trainer = make_trainer(f"{out}/{scale_rewards}", recording(hash_reward, rewards), per_device_train_batch_size=8,
-                               gradient_accumulation_steps=1, max_steps=1, beta=0.5, scale_rewards=scale_rewards,
-                               kl_placement="reward", kl_reduction="sequence_sum")
+        trainer, messages = estimator_warnings(lambda: make_trainer(
+            f"{out}/{label}", recording(hash_reward, rewards), per_device_train_batch_size=8,
+            gradient_accumulation_steps=1, max_steps=1, beta=0.5, scale_rewards=scale_rewards, kl_placement="reward",
+            kl_reduction="sequence_sum", kl_estimator=estimator))
         perturb_adapters(trainer.model)
         batch = scored_batch(trainer, trainer_policy_logps)
         r = torch.tensor(rewards[:8], dtype=torch.float64)
         kl = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"],
-                                   "sequence_sum")
+                                   "sequence_sum", estimator or "k1")
+        other = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"],
+                                      "sequence_sum", "k1" if estimator else "k3")
         inputs = {key: value for key, value in batch.items() if key != "policy_logps"}
         inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
         loss, _ = loss_and_grads(trainer, inputs)
         trainer.beta = 0.0
         loss_without_kl, _ = loss_and_grads(trainer, inputs)
-        results[scale_rewards] = {
-            "advantages": batch["advantages"].tolist(),
+        results[label] = {
+            "advantages": batch["advantages"].tolist(), "estimator": trainer.adaptive_kl.config.estimator,
+            "estimator_warnings": messages,
             "expected": expected_advantages(r, kl, 0.5, 4, scale_rewards).tolist(),
+            "other_estimator": expected_advantages(r, other, 0.5, 4, scale_rewards).tolist(),
             "unpenalised": expected_advantages(r, torch.zeros_like(kl), 0.5, 4, scale_rewards).tolist(),
             "kl": kl.tolist(), "rewards": r.tolist(),
             "penalty_metric": logged(trainer, "adaptive_kl/reward_penalty"), "reward_metric": logged(trainer, "reward"),

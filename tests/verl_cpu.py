@@ -477,7 +477,7 @@ ADAPTIVE_RUN = [
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
     "+adaptive_kl.kl_adaptation_method=dynamic", "+adaptive_kl.reward_threshold=-1",
     "+adaptive_kl.dynamic_beta_decay=0.5",
-    "algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", "algorithm.kl_penalty=low_var_kl",
+    "algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", "algorithm.kl_penalty=kl",
     "+adaptive_kl.reward.kl_adaptation_method=target", f"+adaptive_kl.reward.kl_target={KL_TARGET}",
     f"+adaptive_kl.reward.kl_horizon={HORIZON}", f"+adaptive_kl.reward.beta_max={BETA_MAX}",
 ]

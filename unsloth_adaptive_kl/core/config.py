@@ -7,6 +7,7 @@ and on the command line.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -37,21 +38,53 @@ class KLEstimatorWarning(UserWarning):
     """An estimator that does not regularise where it is placed (the KL lab's exact figures: docs, Ground truth)."""
 
 
+@dataclass(frozen=True)
+class EstimatorFields:
+    """How a trainer spells the estimator and placement settings, for the text of `KLEstimatorWarning`: the core's
+    (`CORE_FIELDS`) and verl's (`integrations/verl.py`) warnings are one message each with these names filled in."""
+
+    estimator: str  # the estimator's field, e.g. "kl_estimator"
+    in_loss: str  # the setting that puts the KL in the loss, e.g. "kl_placement='loss'"
+    in_reward: str  # the setting that puts the KL in the reward, e.g. "kl_placement='reward'"
+    to_reward: str  # how to put k1 in the reward instead of k1 in the loss
+    loss_fix: str  # what to use in the loss instead of k1
+    reward_fix: str  # what to use in the reward instead of a k3-family estimate
+
+
+CORE_FIELDS = EstimatorFields(
+    estimator="kl_estimator", in_loss="kl_placement='loss'", in_reward="kl_placement='reward'",
+    to_reward="kl_placement='reward'",
+    loss_fix="kl_estimator='k1_future' (the whole completion's KL gradient), 'k3' (the default) or 'k2'",
+    reward_fix="kl_estimator='k1' (the reward placement's default: leave kl_estimator unset)")
+
+K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD = "k1 in the loss", "not the log-ratio in the reward"
+_ESTIMATOR_WARNINGS = {
+    K1_IN_LOSS: "{estimator}={value!r} with {in_loss}: the expected gradient of k1 is zero on-policy, so the KL term "
+                "does not regularise (the KL lab: the policy drifts as far as with beta=0). Use {loss_fix}, or put the "
+                "KL in the reward ({to_reward}, where k1 is exact).",
+    NOT_LOG_RATIO_IN_REWARD: "{estimator}={value!r} with {in_reward}: a KL in the reward must be the log-ratio "
+                             "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the "
+                             "KL's, and the KL lab measures k3 in the reward not regularising at all (the KL to the "
+                             "reference as large as with beta=0). Use {reward_fix}.",
+}
+
+
+def warn_estimator_issue(issue: str, value: Any, fields: EstimatorFields = CORE_FIELDS, stacklevel: int = 2) -> None:
+    """Warn `KLEstimatorWarning` for `issue` (K1_IN_LOSS or NOT_LOG_RATIO_IN_REWARD), naming the estimator field as
+    `fields` spells it, its `value`, the placement and the fix. Once per process and setting (Python's default filter).
+    Trainers whose estimator names differ from the core's (verl's `kl_penalty`) decide the issue themselves."""
+    message = _ESTIMATOR_WARNINGS[issue].format(value=value, **dataclasses.asdict(fields))
+    warnings.warn(message, KLEstimatorWarning, stacklevel=stacklevel + 1)
+
+
 def warn_estimator_placement(estimator: Any, placement: str) -> None:
     """Warn (once per process and setting, Python's default warning filter) for an estimator that does not
     regularise where it acts: 'k1' in the loss (its expected gradient is zero on-policy) and a k3-family estimator
     in the reward (its value is not the log-ratio, so the reward's gradient is not the KL's)."""
     if placement == "loss" and estimator == "k1":
-        warnings.warn("kl_estimator='k1' with kl_placement='loss': the expected gradient of k1 is zero on-policy, so "
-                      "the KL term does not regularise (the KL lab: the policy drifts as far as with beta=0). Use "
-                      "'k1_future' (the whole completion's KL gradient), 'k3' (the default) or 'k2', or put the KL in "
-                      "the reward (kl_placement='reward', where k1 is exact).", KLEstimatorWarning, stacklevel=2)
+        warn_estimator_issue(K1_IN_LOSS, estimator)
     if placement == "reward" and estimator in NOT_LOG_RATIO_ESTIMATORS:
-        warnings.warn(f"kl_estimator={estimator!r} with kl_placement='reward': a KL in the reward must be the log-ratio "
-                      "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the KL's, and "
-                      "the KL lab measures k3 in the reward not regularising at all (the KL to the reference as large as "
-                      "with beta=0). Use kl_estimator='k1' (the reward placement's default: leave kl_estimator unset).",
-                      KLEstimatorWarning, stacklevel=2)
+        warn_estimator_issue(NOT_LOG_RATIO_IN_REWARD, estimator)
 
 
 def _reject(name: str, value: Any, allowed: str) -> ValueError:

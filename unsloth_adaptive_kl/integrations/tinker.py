@@ -315,12 +315,13 @@ def traceable_grpo_loss(
     Supported: kl_placement='loss'; every shaping (none, clip, sigmoid), length_normalized, every kl_reduction and
     loss_type (dr_grpo / dapo / cispo / vespo via `traced_loss_data`'s max_completion_length / token_normalizer),
     every controller (beta is an input; `target` needs `record_step_kl`); the per-token estimators k1, k2, k3,
-    low_var_kl, k1+, k3+ and registered callables torch.fx can trace. Not: k3_bottom_percentile (a batch statistic)."""
+    low_var_kl, k1+, k3+, k1_future (its KL-to-go runs over the datum, which is one completion) and registered
+    callables torch.fx can trace. Not: k3_bottom_percentile (a batch statistic)."""
     config = akl.config
     if config.kl_in_reward:
         raise ValueError("kl_placement='reward': there is no KL in the loss to trace; use kl_penalized_data(...)")
-    if isinstance(config.kl_estimator, str) and config.kl_estimator in _BATCH_ESTIMATORS:
-        raise ValueError(f"kl_estimator={config.kl_estimator!r} selects tokens by a batch-wide percentile, which a "
+    if isinstance(config.estimator, str) and config.estimator in _BATCH_ESTIMATORS:
+        raise ValueError(f"kl_estimator={config.estimator!r} selects tokens by a batch-wide percentile, which a "
                          "per-datum loss cannot see: use grpo_kl_loss(...) (the whole batch) instead")
     low = 1.0 - clip_epsilon
     high = 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)

@@ -17,8 +17,10 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
   to every mini- and micro-batch as non-tensor data: no extra call to the workers.
 - The KL in the reward (`algorithm.use_kl_in_reward=True`, beta_0 = `algorithm.kl_ctrl.kl_coef`): our controller
   (`RewardKLController`) replaces verl's `kl_ctrl_in_reward`; verl's own `apply_kl_penalty` applies it (clip/sigmoid
-  shape the per-token KL there). `dynamic` reads the batch's mean reward, `target` verl's KL measure with
-  `beta_min`/`beta_max`.
+  shape the per-token KL there) with verl's `algorithm.kl_penalty` as the estimator: keep verl's default `kl` (the
+  log-ratio k1; any other value warns, as the core's k3-family estimators in the reward do). `dynamic` reads the
+  batch's mean reward, `target` verl's KL measure with `beta_min`/`beta_max`.
+- `actor.kl_loss_type=kl` (k1) in the loss warns likewise (its expected gradient is zero on-policy).
 - Both controllers and the step are saved in every verl checkpoint (`adaptive_kl.json` beside `data.pt`) and
   restored on resume: a resumed run uses the betas the uninterrupted run would have used.
 - Metrics: `adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl`, `adaptive_kl/current_beta` (the loss) and
@@ -45,6 +47,7 @@ from typing import Any, Optional
 import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl, shape_kl, shapes_per_token
+from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
 from . import versions
 from .patching import PatchSet
 
@@ -141,6 +144,35 @@ def _per_token_kl(config: AdaptiveKLConfig, log_prob: torch.Tensor, ref_log_prob
     if config.estimator == "k3":  # the default: what the trainer computes
         return core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=kl_type)
     return estimate_kl(log_prob, ref_log_prob, mask.to(log_prob.dtype), config)
+
+
+# verl's names for the estimator guards of the core (SPEC 3.12), for KLEstimatorWarning's text: the KL in the actor loss
+# is verl's `kl_loss_type` (unless `adaptive_kl.kl_estimator` replaces it), the KL in the reward verl's `kl_penalty`.
+_VERL_FIELDS = dict(
+    in_loss="actor_rollout_ref.actor.use_kl_loss=True", in_reward="algorithm.use_kl_in_reward=True",
+    to_reward="algorithm.use_kl_in_reward=True with algorithm.kl_penalty=kl",
+    loss_fix="+adaptive_kl.kl_estimator=k1_future (the whole completion's KL gradient), or "
+             "actor_rollout_ref.actor.kl_loss_type=low_var_kl (k3, verl's default) or k2",
+    reward_fix="algorithm.kl_penalty=kl (k1, verl's default)")
+VERL_LOSS_FIELDS = EstimatorFields(estimator="actor_rollout_ref.actor.kl_loss_type", **_VERL_FIELDS)
+VERL_REWARD_FIELDS = EstimatorFields(estimator="algorithm.kl_penalty", **_VERL_FIELDS)
+# verl's kl_penalty / kl_loss_type values whose value is the log-ratio k1 ('+': the value of the base, k2's gradient).
+VERL_LOG_RATIO = ("kl", "k1")
+
+
+def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
+    """The core's estimator guards in verl's terms (KLEstimatorWarning, once per process and setting): with
+    `algorithm.use_kl_in_reward=True`, an `algorithm.kl_penalty` whose value is not the log-ratio ('kl'/'k1', with or
+    without '+'); with `actor.use_kl_loss=True`, `actor.kl_loss_type` 'kl'/'k1' (no '+': '+' takes k2's gradient)
+    where it is the KL of the loss (`adaptive_kl.kl_estimator` unset or 'k3'; a configured estimator replaces it and
+    the core's own guard reads it)."""
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    if actor.use_kl_loss and loss_config.estimator == "k3" and actor.kl_loss_type in VERL_LOG_RATIO:
+        warn_estimator_issue(K1_IN_LOSS, actor.kl_loss_type, VERL_LOSS_FIELDS)
+    if algorithm.use_kl_in_reward:
+        kl_penalty = algorithm.get("kl_penalty", "kl")
+        if (kl_penalty[:-1] if kl_penalty.endswith("+") else kl_penalty) not in VERL_LOG_RATIO:
+            warn_estimator_issue(NOT_LOG_RATIO_IN_REWARD, kl_penalty, VERL_REWARD_FIELDS)
 
 
 # ----- the KL in the actor loss (runs in every actor worker) -------------------------------------------------------
@@ -300,6 +332,7 @@ class AdaptiveKLTrainerMixin:
             config.trainer.v1.trainer_mode = self.base_trainer_mode
         super().__init__(config)
         actor = config.actor_rollout_ref.actor
+        warn_verl_estimators(config, loss_config)
         self.adaptive_kl_config = loss_config
         self.loss_kl: Optional[AdaptiveKL] = None
         if actor.use_kl_loss:
