@@ -48,6 +48,7 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl, shape_kl, shapes_per_token
 from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
+from ..core.controllers import reads_step_kl
 from . import versions
 from .patching import PatchSet
 
@@ -207,7 +208,7 @@ class AdaptivePPOLoss:
         if not config.use_kl_loss:
             return loss, metrics
         kld = mask = None
-        if not self.verl_term or "target" in self.config.kl_methods:
+        if not self.verl_term or reads_step_kl(self.config):
             # verl's own term: only the target's KL measure is needed here, so no graph
             with torch.set_grad_enabled(torch.is_grad_enabled() and not self.verl_term):
                 log_prob = no_padding_2_padding(model_output["log_probs"], data)
@@ -230,7 +231,7 @@ class AdaptivePPOLoss:
         metrics[METRIC + "raw_kl"] = copy.deepcopy(metrics["kl_loss"])
         metrics[METRIC + "adapted_kl"] = copy.deepcopy(adapted)
         metrics[METRIC + "current_beta"] = beta
-        if "target" in self.config.kl_methods:  # the step's KL, for the driver's target controller
+        if reads_step_kl(self.config):  # the step's KL, for the driver's controller (target, a registered one)
             detached = kld.detach()
             for measure, mode in (("token_mean", "token-mean"), ("sequence_sum", "seq-mean-token-sum")):
                 value = core_algos.agg_loss(loss_mat=detached, loss_mask=mask, loss_agg_mode=mode, **batch_info)
@@ -397,7 +398,7 @@ class AdaptiveKLTrainerMixin:
             metrics[key[len("actor/"):]] = metrics.pop(key)
         metrics[METRIC + "current_beta"] = beta
         window = None
-        if "target" in self.adaptive_kl_config.kl_methods:
+        if reads_step_kl(self.adaptive_kl_config):
             completions = sum(not tag.get("is_padding", False) for tag in batch.tags)
             window = WindowKL(token_mean=float(metrics.pop(METRIC + "window_token_mean")),
                               sequence_sum=float(metrics.pop(METRIC + "window_sequence_sum")), completions=completions)
