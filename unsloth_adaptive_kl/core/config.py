@@ -65,7 +65,7 @@ _ESTIMATOR_WARNINGS = {
     NOT_LOG_RATIO_IN_REWARD: "{estimator}={value!r} with {in_reward}: a KL in the reward must be the log-ratio "
                              "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the "
                              "KL's, and the KL lab measures k3 in the reward not regularising at all (the KL to the "
-                             "reference as large as with beta=0). Use {reward_fix}.",
+                             "reference as large as with beta=0, or larger). Use {reward_fix}.",
 }
 
 
