@@ -6,6 +6,7 @@ from .adaptive_kl import AdaptiveKL
 from .config import AdaptiveKLConfig, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller
 from .estimators import estimate_kl, estimator_names, register_kl_estimator
+from .numerics import NonFiniteLogProbError
 
 __all__ = [
     "AdaptiveKL",
@@ -13,6 +14,7 @@ __all__ = [
     "ConstantBeta",
     "DynamicBeta",
     "KLTerm",
+    "NonFiniteLogProbError",
     "ReductionContext",
     "TargetKL",
     "WindowKL",

@@ -40,6 +40,8 @@ class ConstantBeta:
     A controller sees each generation batch's mean reward (`observe_rewards`) and is stepped after each
     optimizer step (`step`); several optimizer steps may share one generation batch."""
 
+    kind = "constant"  # the name a checkpoint records (`AdaptiveKL.state_dict()["controller"]`)
+
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         self.value = float(beta)
         self.generation_batch = 0
@@ -66,6 +68,8 @@ class DynamicBeta(ConstantBeta):
     beta <- max(beta * dynamic_beta_decay, beta_min), at most once per generation batch;
     once completed_steps >= beta_schedule_steps: beta = beta_min."""
 
+    kind = "dynamic"
+
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         super().__init__(beta, config)
         self.last_decayed_batch = 0
@@ -88,6 +92,8 @@ class TargetKL(ConstantBeta):
     step's `kl_target_measure` and n its completions:
     e = clip(KL / kl_target - 1, -0.2, 0.2); beta <- clamp(beta * (1 + e * n / kl_horizon), beta_min, beta_max)."""
 
+    kind = "target"
+
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         super().__init__(beta, config)
         self._config = config
@@ -107,6 +113,11 @@ _CONTROLLERS: dict[str, Callable[[float, AdaptiveKLConfig], BetaController]] = {
     "dynamic": DynamicBeta,
     "target": TargetKL,
 }
+
+
+def controller_kind(controller: BetaController) -> str:
+    """The controller's kind, as checkpoints record it: "constant", "dynamic", "target" (or a subclass's own)."""
+    return controller.kind
 
 
 def make_beta_controller(beta: float, config: AdaptiveKLConfig) -> BetaController:
