@@ -28,13 +28,14 @@ class NonFiniteLogProbError(FloatingPointError, ValueError):
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """float32 for half-precision input (bf16, fp16), else `x` itself (float32 and float64 are not copied).
-    Autograd carries the gradient back to the half-precision tensor through `.float()`."""
-    return x.float() if x.dtype in HALF_PRECISION else x
+    Autograd carries the gradient back to the half-precision tensor. No branch on the dtype, so torch.fx can trace
+    it (Tinker's custom loss): `.to` of the promoted dtype is the tensor itself where nothing changes."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def valid_positions(mask: torch.Tensor) -> torch.Tensor:
-    """The mask as bool (a nonzero entry marks a valid token)."""
-    return mask if mask.dtype == torch.bool else mask.bool()
+    """The mask as bool (a nonzero entry marks a valid token; a bool mask is returned as it is)."""
+    return mask.bool()
 
 
 def masked_logps(
