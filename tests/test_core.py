@@ -64,6 +64,28 @@ def test_loss_type_reductions_by_hand(loss_type: str) -> None:
     assert set(HAND_REDUCTIONS) == set(LOSS_TYPE_REDUCTIONS)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("method", ["none", "clip", "sigmoid", "length_normalized", "clip+length_normalized"])
+@pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
+def test_half_precision_terms_are_the_float32_terms_of_the_same_values(loss_type: str, method: str, dtype) -> None:
+    """The per-token KL, mask and normaliser in bf16/fp16: the term, its diagnostics and its gradient are float32 and
+    equal the float32 computation of the same (rounded) values to 1e-6."""
+    kl, mask = KL.to(dtype).clone().requires_grad_(True), MASK.to(dtype)
+    ctx = ReductionContext(max_completion_length=4, token_normalizer=torch.tensor(5.0, dtype=dtype))
+    settings = config(method, kl_clip_threshold=1.0)
+    half = adapted_kl_term(kl, mask, settings, loss_type, ctx)
+    full_kl = kl.detach().float().requires_grad_(True)
+    full = adapted_kl_term(full_kl, mask.float(), settings, loss_type, CTX)
+    for name in ("raw", "adapted", "sequence_kl", "lengths", "at_threshold"):
+        assert getattr(half, name).dtype == torch.float32, name
+        torch.testing.assert_close(getattr(half, name), getattr(full, name), rtol=1e-6, atol=0)
+    (grad,) = torch.autograd.grad(half.adapted, kl)
+    (full_grad,) = torch.autograd.grad(full.adapted, full_kl)
+    assert grad.dtype == dtype and torch.equal(grad, full_grad.to(dtype))
+    if method == "none" and dtype != torch.bfloat16:  # fp16 holds KL's values exactly but 0.1: the hand formula
+        assert half.adapted.item() == pytest.approx(HAND_REDUCTIONS[loss_type], rel=1e-3)
+
+
 @pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
 def test_length_normalized_is_mean_per_completion_whatever_loss_type(loss_type: str) -> None:
     term = adapted_kl_term(KL, MASK, config("length_normalized"), loss_type, CTX)
@@ -164,19 +186,19 @@ def test_unknown_loss_type_is_rejected_with_the_allowed_values() -> None:
         loss_type_reduction("nope")
 
 
-def test_infinite_kl_at_a_valid_position_raises_at_the_end_of_the_step_naming_it() -> None:
-    """A NaN at a valid position contributes 0 (stock would turn the loss NaN); an inf makes the reduced KL inf,
-    and the runtime raises when it reads the step's statistics, before the optimizer step."""
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_kl_at_a_valid_position_raises_at_the_end_of_the_step_naming_it(value: float) -> None:
+    """A NaN or inf at a valid position is never zeroed: the reduced KL is non-finite, and the runtime raises when it
+    reads the step's statistics, before the optimizer step."""
     from unsloth_adaptive_kl.core.adaptive_kl import AdaptiveKL
 
-    with_nan = KL.clone()
-    with_nan[0, 1] = float("nan")  # valid: row 0 keeps 0.5 + 0.1
-    assert adapted_kl_term(with_nan, MASK, config("none"), "bnpo", CTX).adapted.item() == pytest.approx(3.6 / 4, rel=1e-6)
-    with_inf = KL.clone()
-    with_inf[1, 0] = float("inf")  # valid
+    bad = KL.clone()
+    bad[1, 0] = value  # valid
+    assert not math.isfinite(adapted_kl_term(bad, MASK, config("none"), "bnpo", CTX).adapted.item())
     runtime = AdaptiveKL(config("none"), beta=0.04, loss_type="bnpo")
-    term = adapted_kl_term(with_inf, MASK, config("none"), "bnpo", CTX)
+    term = adapted_kl_term(bad, MASK, config("none"), "bnpo", CTX)
     identity = lambda tensor: tensor  # noqa: E731  (one process)
     assert runtime.record(term, gather=identity, train=True, end_of_step=False, completed_steps=7) == []
-    with pytest.raises(FloatingPointError, match=r"non-finite KL at step 7: raw_kl=inf, adapted_kl=inf"):
+    shown = "nan" if math.isnan(value) else "inf"
+    with pytest.raises(FloatingPointError, match=rf"non-finite KL at step 7: raw_kl={shown}, adapted_kl={shown}"):
         runtime.record(term, gather=identity, train=True, end_of_step=True, completed_steps=7)

@@ -224,6 +224,28 @@ def test_policy_logps_prefer_old_then_vllm_sampling_then_one_replayed_forward() 
     assert forwards[-1] == ("policy", "ids-2") and replayed.tolist() == [[2.0, 2.0]] and len(forwards) == 3
 
 
+def test_a_nan_log_prob_on_a_valid_token_raises_before_the_rewards_are_penalised(tokenizer, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """Never a silent zero in the reward (issue 27 item 6): a NaN log-prob on a valid token (here from every log-prob
+    forward, so the reference's and the replayed policy's) stops scoring, naming the tensors and the count."""
+    from unsloth_adaptive_kl import NonFiniteLogProbError
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, **REWARD)
+    stock = trainer._get_per_token_logps_and_entropies
+
+    def nan_on_the_first_token(*args, **kwargs):
+        logps, *rest = stock(*args, **kwargs)
+        logps = logps.clone()
+        logps[0, 0] = math.nan  # every completion's first token is valid
+        return (logps, *rest)
+
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", nan_on_the_first_token)
+    with pytest.raises(NonFiniteLogProbError, match=r"non-finite input at step 1: .*policy log-probs \(a policy "
+                                                    r"forward\) \(the policy tensor\): 1 valid token\(s\); "
+                                                    r"reference log-probs \(ref_per_token_logps\) .*: 1 valid token"):
+        trainer.train()
+
+
 def test_evaluation_scores_with_the_penalty_and_logs_it(tokenizer, tmp_path) -> None:
     from datasets import Dataset
 

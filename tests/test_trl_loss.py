@@ -217,6 +217,53 @@ def test_log_ratios_of_50_give_finite_loss_and_gradients(tokenizer, tmp_path, me
     assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("garbage", [math.nan, -math.inf, 1e4], ids=["nan", "-inf", "huge"])
+@pytest.mark.parametrize("method", ["none", "clip"])
+def test_garbage_on_masked_reference_positions_leaves_loss_and_gradients_untouched(tokenizer, tmp_path, method,
+                                                                                   garbage) -> None:
+    """The trainer's own KL (its k3 line) with NaN, -inf or a huge gap on padded reference positions: the loss and
+    every gradient equal those of the clean batch (SPEC 3.13; stock TRL's 0 * NaN would poison the gradient)."""
+    results = []
+    for dirty in (False, True):
+        trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_adaptation_method=method,
+                                   kl_clip_threshold=0.5)
+        inputs = fixed_inputs(trainer, tokenizer)
+        if dirty:
+            inputs["ref_per_token_logps"][inputs["completion_mask"] == 0] = garbage
+        loss = trainer._compute_loss(trainer.model, inputs)
+        results.append((loss.detach(), backward_grads(trainer, loss)))
+    (clean_loss, clean_grads), (dirty_loss, dirty_grads) = results
+    assert math.isfinite(dirty_loss.item()) and dirty_loss.item() == clean_loss.item()
+    assert all(torch.isfinite(g).all() for g in dirty_grads)
+    assert all(torch.equal(g, c) for g, c in zip(dirty_grads, clean_grads))
+
+
+@pytest.mark.parametrize("which", ["policy", "reference"])
+def test_a_nan_log_prob_on_a_valid_token_raises_at_the_end_of_the_optimizer_step(tokenizer, tmp_path, which) -> None:
+    """Queued micro-batches read nothing back; the step's one transfer finds the NaN and names the tensor."""
+    from unsloth_adaptive_kl import NonFiniteLogProbError
+
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_adaptation_method="clip")
+    inputs = fixed_inputs(trainer, tokenizer)
+    if which == "reference":
+        inputs["ref_per_token_logps"][0, 0] = math.nan
+        inputs["ref_per_token_logps"][1, 2] = math.nan
+    else:  # the policy's own forward gives a NaN on two valid tokens
+        stock = trainer._get_per_token_logps_and_entropies
+
+        def nan_logps(*args, **kwargs):
+            logps, *rest = stock(*args, **kwargs)
+            return (logps.index_put((torch.tensor([0, 1]), torch.tensor([0, 2])), torch.tensor(math.nan)), *rest)
+
+        trainer._get_per_token_logps_and_entropies = nan_logps
+    trainer.accelerator.gradient_state._set_sync_gradients(False)  # a micro-batch inside the accumulation window
+    trainer._compute_loss(trainer.model, inputs)
+    trainer.accelerator.gradient_state._set_sync_gradients(True)  # the step's last micro-batch
+    with pytest.raises(NonFiniteLogProbError, match=rf"non-finite input at step 1: .*{which} log-probs \(the {which} "
+                                                    r"tensor\): 4 valid token\(s\)"):
+        trainer._compute_loss(trainer.model, inputs)
+
+
 def run_and_params(tokenizer, output_dir: str, **overrides):
     trainer = make_trainer(tokenizer, output_dir, **overrides)
     trainer.train()

@@ -7,6 +7,7 @@ from .adaptive_kl import AdaptiveKL
 from .config import AdaptiveKLConfig, KLEstimatorWarning, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller, register_beta_controller
 from .estimators import estimate_kl, estimator_names, register_kl_estimator
+from .numerics import NonFiniteLogProbError
 
 __all__ = [
     "AdaptiveKL",
@@ -15,6 +16,7 @@ __all__ = [
     "DynamicBeta",
     "KLEstimatorWarning",
     "KLTerm",
+    "NonFiniteLogProbError",
     "ReductionContext",
     "TargetKL",
     "WindowKL",

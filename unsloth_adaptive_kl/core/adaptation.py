@@ -3,12 +3,15 @@
 Notation: `kl` is the per-token KL estimate k[i, t] of completion i (shape (B, T)), `mask` is m[i, t] and
 L_i = sum_t m[i, t]. Every function is traceable torch (no `.item()`), so it also runs inside
 `torch.compile(fullgraph=True)`.
+
+Numerics: everything is computed in float32 whatever the input dtype (bf16/fp16 per-token KL and masks are upcast;
+float64 stays float64), so the terms, sums, lengths and normalisers are float32 for half-precision input. Masked
+positions are set to 0 with `torch.where` (they may hold NaN or +-inf), and get a zero gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
@@ -16,6 +19,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .config import AdaptiveKLConfig
+from .numerics import LogpCheck, upcast, valid_positions
 from .registry import SHAPINGS as _SHAPINGS
 from .registry import new_method_name, registrar
 
@@ -77,15 +81,10 @@ register_reduction = registrar(_REDUCTIONS)
 
 
 def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """m x, with the NaN that a non-finite value at a padded position gives (inf * 0) set to 0, so it cannot leak
-    into a sum; an infinite value at a valid position stays infinite (and the runtime reports it), a NaN there
-    becomes 0. A multiply and nan_to_num: on a CPU `torch.where` / `masked_fill` with a bool mask cost 6x a multiply
-    (measured). nan_to_num runs in place on the product where nothing needs its gradient; where something does,
-    autograd would clone the product to keep nan_to_num's input for its backward, so it allocates its own result."""
-    product = x * mask
-    if product.requires_grad:
-        return torch.nan_to_num(product, nan=0.0, posinf=math.inf, neginf=-math.inf)
-    return product.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
+    """x on valid positions (mask != 0), 0 on masked ones, in float32 for half-precision x: whatever a padded position
+    holds (NaN, +-inf) it cannot leak into a sum, and its gradient is exactly 0. A NaN or inf at a valid position stays
+    (never silently zeroed): the KL's sums are then non-finite, which `AdaptiveKL` reports."""
+    return torch.where(valid_positions(mask), upcast(x), 0.0)
 
 
 def row_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -158,8 +157,17 @@ def loss_type_reduction(loss_type: str) -> str:
 
 
 def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
-    """Apply the named reduction to a per-token tensor."""
-    return _REDUCTIONS[reduction](row_sums(x, mask), mask.sum(-1, dtype=x.dtype), ctx)
+    """Apply the named reduction to a per-token tensor (in float32 for half-precision input)."""
+    sums = row_sums(x, mask)
+    return _REDUCTIONS[reduction](sums, mask.sum(-1, dtype=sums.dtype), _upcast_context(ctx))
+
+
+def _upcast_context(ctx: ReductionContext) -> ReductionContext:
+    """A half-precision tensor `token_normalizer` in float32 (the same object otherwise)."""
+    normalizer = ctx.token_normalizer
+    if isinstance(normalizer, torch.Tensor) and normalizer.dtype in (torch.float16, torch.bfloat16):
+        return ReductionContext(ctx.max_completion_length, normalizer.float())
+    return ctx
 
 
 def shapes_per_token(config: AdaptiveKLConfig) -> bool:
@@ -203,24 +211,28 @@ class KLTerm:
     raw: the un-adapted KL reduced as loss_type reduces the loss (detached, for logging).
     adapted: the adapted KL, the quantity beta multiplies in the loss (carries gradient).
     sequence_kl: S_i = sum_t m k, each completion's summed un-adapted KL (detached). lengths: L_i.
-    at_threshold: how many valid tokens have k >= kl_clip_threshold (`clip` only; 0 otherwise)."""
+    at_threshold: how many valid tokens have k >= kl_clip_threshold (`clip` only; 0 otherwise).
+    check: the non-finite check of the log-probs the KL came from (`AdaptiveKL` sets it where it has them).
+    All float32 for half-precision input (float64 for float64 input)."""
 
     raw: torch.Tensor
     adapted: torch.Tensor
     sequence_kl: torch.Tensor
     lengths: torch.Tensor
     at_threshold: torch.Tensor
+    check: Optional[LogpCheck] = None
 
 
 def masked_row_sums(
     kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one masked pass: (m k with padded positions 0, L_i, S_i = sum_t m k, sum_t m k'), k' the shaped KL; the last
-    is S_i itself (the same tensor) when no shaping is configured. Every shaping maps 0 to 0, so padded positions stay 0."""
+    is S_i itself (the same tensor) when no shaping is configured. Every shaping maps 0 to 0, so padded positions stay 0.
+    float32 for half-precision input (the lengths too: a bf16 sum holds integers exactly only up to 256)."""
     valid_kl = masked(kl, mask)
     shaped = shape_kl(valid_kl, config)
     sums = valid_kl.sum(-1)
-    return valid_kl, mask.sum(-1, dtype=kl.dtype), sums, sums if shaped is valid_kl else shaped.sum(-1)
+    return valid_kl, mask.sum(-1, dtype=valid_kl.dtype), sums, sums if shaped is valid_kl else shaped.sum(-1)
 
 
 def adapted_kl_term(
@@ -232,6 +244,7 @@ def adapted_kl_term(
     shaping runs on that tensor, and each of the raw and the adapted KL is summed per completion once; the reductions and
     the diagnostics are then O(B) functions of those sums."""
     raw_reduction, adapted_reduction = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
+    ctx = _upcast_context(ctx)
     valid_kl, lengths, sums, adapted_sums = masked_row_sums(kl, mask, config)
     raw_sums = sums.detach()
     adapted = _REDUCTIONS[adapted_reduction](adapted_sums, lengths, ctx)
@@ -260,18 +273,68 @@ def kl_term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss
 
 def _term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
           ctx: ReductionContext) -> KLTerm:
-    global _compiled_term, _compile_failed
+    global _compiled_term
     if not config.kl_compile or _compile_failed:
         return adapted_kl_term(kl, mask, config, loss_type, ctx)
     if _compiled_term is None:
         _compiled_term = torch.compile(adapted_kl_term)
     try:
+        if torch.is_grad_enabled() and kl.requires_grad:
+            return _CompiledWithEagerBackward.term(kl, mask, config, loss_type, ctx)
         return _compiled_term(kl, mask, config, loss_type, ctx)
     except Exception as error:  # no compiler toolchain, an unsupported backend: the eager core computes the same
-        _compile_failed = True
-        warnings.warn(f"kl_compile=True: torch.compile failed ({type(error).__name__}: {error}); the KL adaptation "
-                      "runs eagerly.", RuntimeWarning, stacklevel=3)
+        _fall_back(error)
         return adapted_kl_term(kl, mask, config, loss_type, ctx)
+
+
+def _fall_back(error: Exception) -> None:
+    """From now on the eager core, after one warning naming the error."""
+    global _compile_failed
+    _compile_failed = True
+    warnings.warn(f"kl_compile=True: torch.compile failed ({type(error).__name__}: {error}); the KL adaptation "
+                  "runs eagerly.", RuntimeWarning, stacklevel=4)
+
+
+class _CompiledWithEagerBackward(torch.autograd.Function):
+    """The compiled term whose backward falls back to eager: torch.compile compiles the backward graph lazily, at
+    the first `loss.backward()`, where a failure (a Triton error, say) would otherwise crash the step. The forward
+    runs the compiled graph on a detached leaf; the backward takes the compiled graph's gradient, and where that
+    fails, warns once and recomputes the gradient through the eager core (the same value)."""
+
+    @staticmethod
+    def term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
+             ctx: ReductionContext) -> KLTerm:
+        box: dict = {}
+        adapted = _CompiledWithEagerBackward.apply(kl, mask, config, loss_type, ctx, box)
+        term = box.pop("term")
+        term.adapted = adapted
+        return term
+
+    @staticmethod
+    def forward(autograd_ctx, kl, mask, config, loss_type, ctx, box):  # type: ignore[override]
+        leaf = kl.detach().requires_grad_(True)
+        with torch.enable_grad():
+            term = _compiled_term(leaf, mask, config, loss_type, ctx)
+        autograd_ctx.graph = (leaf, term.adapted, mask, config, loss_type, ctx)
+        box["term"] = term
+        return term.adapted.detach()
+
+    @staticmethod
+    def backward(autograd_ctx, grad):  # type: ignore[override]
+        leaf, adapted, mask, config, loss_type, ctx = autograd_ctx.graph
+        del autograd_ctx.graph
+        gradient = None
+        if not _compile_failed:
+            try:
+                (gradient,) = torch.autograd.grad(adapted, leaf, grad)
+            except Exception as error:  # the compiled backward failed to compile or to run
+                _fall_back(error)
+        if gradient is None:
+            with torch.enable_grad():
+                eager_leaf = leaf.detach().requires_grad_(True)
+                (gradient,) = torch.autograd.grad(
+                    adapted_kl_term(eager_leaf, mask, config, loss_type, ctx).adapted, eager_leaf, grad)
+        return gradient, None, None, None, None, None
 
 
 # ----- the KL in the reward (kl_placement="reward") -------------------------------------------------------------
@@ -290,17 +353,20 @@ class CompletionKL:
 
     raw: KL_i of the un-shaped per-token KL. adapted: KL_i of the shaped (clip/sigmoid) per-token KL.
     sequence_kl: S_i = sum_t m k (un-shaped). lengths: L_i. at_threshold: valid tokens with k >= kl_clip_threshold
-    (`clip` only; 0 otherwise). All detached: the penalty enters the advantages, not the gradient."""
+    (`clip` only; 0 otherwise). All detached: the penalty enters the advantages, not the gradient; float32 for
+    half-precision input. check: the non-finite check of the log-probs the KL came from, where known."""
 
     raw: torch.Tensor
     adapted: torch.Tensor
     sequence_kl: torch.Tensor
     lengths: torch.Tensor
     at_threshold: torch.Tensor
+    check: Optional[LogpCheck] = None
 
 
 @torch.no_grad()
-def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig) -> CompletionKL:
+def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig,
+                  check: Optional[LogpCheck] = None) -> CompletionKL:
     """KL_i = reduce_t(shape(k_i,t)) per completion: shaping (clip/sigmoid) per token, then `kl_reduction`
     (`sequence_sum`: S_i = sum_t m k'; `sequence_mean`: S_i / max(L_i, 1)). One masked pass, as `adapted_kl_term`."""
     reduce = COMPLETION_KL_REDUCTIONS[config.kl_reduction]
@@ -308,4 +374,5 @@ def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig
     raw = reduce(sums, lengths)
     adapted = raw if adapted_sums is sums else reduce(adapted_sums, lengths)
     at_threshold = clipped_tokens(valid_kl, config, lengths)
-    return CompletionKL(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold)
+    return CompletionKL(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold,
+                        check=check)

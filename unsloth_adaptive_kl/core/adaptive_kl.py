@@ -18,10 +18,13 @@ import torch
 
 from .adaptation import CompletionKL, KLTerm, ReductionContext, completion_kl, kl_reduction, kl_term, loss_type_reduction
 from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, _check_real, _is_real, _reject
-from .controllers import WindowKL, make_beta_controller
-from .estimators import estimate_kl
+from .controllers import WindowKL, controller_kind, make_beta_controller
+from .estimators import checked_kl
+from .numerics import LogpCheck, NonFiniteLogProbError, nonfinite_message
 
 METRIC_PREFIX = "adaptive_kl/"
+STATE_FORMAT = 2  # `state_dict()`'s format: 2 carries "format_version" and "controller"; 1 (unversioned) did not
+CHECK_COLUMNS = 2  # each statistics row's LogpCheck sums: policy, reference
 Gather = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -89,6 +92,7 @@ class AdaptiveKL:
         self.controller = make_beta_controller(beta, config)
         self.completed_steps = 0  # optimizer steps `step` has seen (a loop of your own)
         self._pending: list[torch.Tensor] = []  # trainer path: one row per micro-batch of this step, on the device
+        self._pending_checks: list[Optional[LogpCheck]] = []  # each row's log-probs, counted only if non-finite
         self._step_window: list[float] = [0.0, 0.0, 0.0]  # own loop: sum S_i, sum L_i, completions of this step
         self._generation_window: WindowKL | None = None  # kl_placement="reward": the KL of the batch being scored
         # The raw KL (all processes) of the last training step (kl_placement="reward": of the last generation batch
@@ -122,13 +126,23 @@ class AdaptiveKL:
         max_completion_length: dr_grpo's divisor. token_normalizer: dapo/cispo/vespo's active-token count for this
         micro-batch. gather: a cross-process all-gather (e.g. `accelerator.gather`) for metrics over all processes.
         The metrics are floats under the `adaptive_kl/*` names (one host transfer); the step's KL is kept for
-        the `target` controller, which `step` updates."""
+        the `target` controller, which `step` updates.
+
+        Numerics: computed in float32 whatever the dtype of the inputs (bf16/fp16 are upcast; the gradient flows back
+        to them); the returned term is float32 for half-precision input (float64 for float64). A NaN or +-inf in
+        `logps` or `ref_logps` on a valid token raises `NonFiniteLogProbError` (a FloatingPointError and ValueError)
+        naming the step, the tensor and how many tokens; masked positions may hold anything (their KL is 0, with a
+        zero gradient)."""
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
-        kl = per_token_kl if per_token_kl is not None else estimate_kl(logps, ref_logps, mask, self.config)
-        term = self.term(kl, mask, ReductionContext(max_completion_length, token_normalizer), with_grad=True)
-        (metrics,), window = self._flush([self._row(term)], gather or _local, self.completed_steps + 1)
+        if per_token_kl is None:
+            kl, check = checked_kl(logps, ref_logps, mask, self.config)
+        else:
+            kl, check = per_token_kl, LogpCheck.of(logps, ref_logps, mask)
+        term = self.term(kl, mask, ReductionContext(max_completion_length, token_normalizer), with_grad=True,
+                         check=check)
+        (metrics,), window = self._flush([self._row(term)], gather or _local, self.completed_steps + 1, [check])
         self._step_window = [a + b for a, b in zip(self._step_window, window)]
         self.last_metrics = metrics
         return term.adapted * self.current_beta, metrics
@@ -146,13 +160,18 @@ class AdaptiveKL:
         the group statistics. KL_i = the estimator per token, shaped (clip/sigmoid), reduced per completion by
         `kl_reduction` ('sequence_sum' / 'loss_type': sum_t m k'; 'sequence_mean': that over L_i). With `gather`, the
         penalties of every process in process order (float32, as trainers gather rewards). Its metrics are in
-        `last_metrics`; `step` reads its KL."""
+        `last_metrics`; `step` reads its KL. Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid
+        token raises `NonFiniteLogProbError`."""
         if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
             raise _reject("kl_reduction", self.config.kl_reduction,
                           f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
-        kl = per_token_kl if per_token_kl is not None else estimate_kl(logps, ref_logps, mask, self.config)
+        with torch.no_grad():
+            if per_token_kl is None:
+                kl, check = checked_kl(logps, ref_logps, mask, self.config)
+            else:
+                kl, check = per_token_kl, LogpCheck.of(logps, ref_logps, mask)
         penalty, self.last_metrics = self.penalize(
-            completion_kl(kl, mask, self.config), gather=gather or _local, train=True,
+            completion_kl(kl, mask, self.config, check=check), gather=gather or _local, train=True,
             completed_steps=self.completed_steps)
         return penalty
 
@@ -178,22 +197,53 @@ class AdaptiveKL:
         return self.current_beta
 
     def state_dict(self) -> dict[str, Any]:
-        """The controller's state (its beta, the generation batch count and its reward) and `completed_steps`: JSON."""
-        return {**self.controller.state_dict(), "completed_steps": self.completed_steps}
+        """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic" or
+        "target"), its state (its beta, the generation batch count and its reward, ...) and `completed_steps`."""
+        return {"format_version": STATE_FORMAT, "controller": controller_kind(self.controller),
+                **self.controller.state_dict(), "completed_steps": self.completed_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
+        load too: format 1 (no version: the controller's fields and `completed_steps`, as the own-loop object, the TRL
+        and Unsloth checkpoints' `adaptive_kl_state.json` and verl's `adaptive_kl.json` wrote them; the oldest trainer
+        checkpoints lack `completed_steps`), whose kind is read from its fields."""
         state = dict(state)
-        self.completed_steps = state.pop("completed_steps", 0)  # a checkpoint written by a trainer integration before this field existed lacks it
+        version = state.pop("format_version", 1)
+        if not isinstance(version, int) or not 1 <= version <= STATE_FORMAT:
+            raise ValueError(f"adaptive KL state: format_version={version!r} is not supported: allowed is 1 to "
+                             f"{STATE_FORMAT} (a newer unsloth-adaptive-kl wrote it?).")
+        expected = controller_kind(self.controller)
+        kind = state.pop("controller", None)
+        fields = set(self.controller.state_dict())
+        if kind is None:  # format 1: a dynamic controller's state alone has last_decayed_batch
+            found = "dynamic" if "last_decayed_batch" in state else ("constant or target")
+            compatible = expected in found.split(" or ")
+        else:
+            found, compatible = kind, kind == expected
+        if not compatible:
+            raise ValueError(
+                f"adaptive KL state: a {found!r} controller's state cannot be loaded into this run's {expected!r} "
+                f"controller (kl_adaptation_method={self.config.kl_adaptation_method!r}): resume with the "
+                "kl_adaptation_method the checkpoint was written with.")
+        completed_steps = state.pop("completed_steps", 0)  # the oldest trainer checkpoints lack it
+        unknown = sorted(set(state) - fields)
+        if unknown:
+            raise ValueError(f"adaptive KL state: unknown field(s) {', '.join(unknown)} for a {expected!r} "
+                             f"controller: allowed are {', '.join(sorted(fields))}.")
+        self.completed_steps = completed_steps
         self.controller.load_state_dict(state)
 
     # ----- the trainer integrations -----------------------------------------------------------------------------
 
     def term(self, kl: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext, loss_type: Optional[str] = None,
-             with_grad: Optional[bool] = None) -> KLTerm:
+             with_grad: Optional[bool] = None, check: Optional[LogpCheck] = None) -> KLTerm:
         """The adapted KL term of a per-token KL the caller computed (`adaptation.kl_term`). Without `with_grad`, the
-        term records a graph only where it replaces the trainer's own (`config.is_stock_kl` is False)."""
-        return kl_term(kl, mask, self.config, loss_type or self.loss_type, ctx,
+        term records a graph only where it replaces the trainer's own (`config.is_stock_kl` is False). `check`: the
+        `LogpCheck` of the log-probs the KL came from, which `record` reports at the step's end if non-finite."""
+        term = kl_term(kl, mask, self.config, loss_type or self.loss_type, ctx,
                        with_grad=not self.config.is_stock_kl if with_grad is None else with_grad)
+        term.check = check
+        return term
 
     def observe_rewards(self, mean_reward: float) -> None:
         """The mean reward over all processes of a new generation batch."""
@@ -206,10 +256,12 @@ class AdaptiveKL:
         evaluation) return the metrics of each queued micro-batch (averaged over processes, `adaptive_kl/` names)
         and, in training, update the controller from the step's global KL."""
         self._pending.append(self._row(term))
+        self._pending_checks.append(term.check)
         if train and not end_of_step:
             return []
         rows, self._pending = self._pending, []
-        metrics, (kl_sum, tokens, completions) = self._flush(rows, gather, completed_steps)
+        checks, self._pending_checks = self._pending_checks, []
+        metrics, (kl_sum, tokens, completions) = self._flush(rows, gather, completed_steps, checks)
         if train:
             self.last_raw_kl = statistics.fmean(m[METRIC_PREFIX + "raw_kl"] for m in metrics)
             self.controller.step(completed_steps, WindowKL.from_sums(kl_sum, tokens, completions))
@@ -227,11 +279,14 @@ class AdaptiveKL:
             self.controller.step(completed_steps)
         beta = self.current_beta
         n = term.adapted.numel()
-        row = torch.cat([term.raw, term.adapted, term.at_threshold.view(1), term.lengths, term.sequence_kl,
-                         beta * term.adapted])
+        row = torch.cat([term.raw, term.adapted, term.at_threshold.view(1), self._check_sums(term.check, term.adapted),
+                         term.lengths, term.sequence_kl, beta * term.adapted])
         table = gather(row.float()).view(-1, row.numel())
-        raws, adapteds, at_threshold, lengths, sequence_kl, penalties = split_columns(
-            table.double().tolist(), [n, n, 1, n, n, n])
+        rows = table.double().tolist()
+        self._raise_if_nonfinite([[row[2 * n + 1 : 2 * n + 1 + CHECK_COLUMNS] for row in rows]], [term.check],
+                                 completed_steps + 1)
+        raws, adapteds, at_threshold, _, lengths, sequence_kl, penalties = split_columns(
+            rows, [n, n, 1, CHECK_COLUMNS, n, n, n])
         metrics = self._metrics(summarize(raws, adapteds, at_threshold, lengths, sequence_kl), completed_steps,
                                 reward_penalty=statistics.fmean(penalties))
         self._generation_window = WindowKL(token_mean=sum(sequence_kl) / max(sum(lengths), 1.0),
@@ -251,24 +306,45 @@ class AdaptiveKL:
     # ----- shared ---------------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _row(term: KLTerm) -> torch.Tensor:
-        """One micro-batch's statistics as one float row: raw, adapted, clipped tokens, L_i..., S_i..."""
-        return torch.cat([torch.stack([term.raw, term.adapted.detach(), term.at_threshold]), term.lengths,
-                          term.sequence_kl]).float()
+    def _check_sums(check: Optional[LogpCheck], like: torch.Tensor) -> torch.Tensor:
+        """The row's LogpCheck columns: its sums, or zeros where the caller had no log-probs to check."""
+        return check.sums.to(like.device) if check is not None else like.new_zeros(CHECK_COLUMNS, dtype=torch.float32)
 
-    def _flush(self, rows: list[torch.Tensor], gather: Gather,
-               completed_steps: int) -> tuple[list[dict[str, float]], tuple[float, float, float]]:
+    @classmethod
+    def _row(cls, term: KLTerm) -> torch.Tensor:
+        """One micro-batch's statistics as one float row: raw, adapted, clipped tokens, the LogpCheck sums (policy,
+        reference), L_i..., S_i..."""
+        head = torch.stack([term.raw, term.adapted.detach(), term.at_threshold]).float()
+        return torch.cat([head, cls._check_sums(term.check, head), term.lengths.float(), term.sequence_kl.float()])
+
+    @staticmethod
+    def _raise_if_nonfinite(sums: list[list[list[float]]], checks: list[Optional[LogpCheck]], step: int) -> None:
+        """sums[micro-batch][process] = that row's LogpCheck sums: raise `NonFiniteLogProbError` where one is
+        non-finite (every process sees the gathered rows, so every process raises)."""
+        flags = [(batch, process, which) for batch, per_process in enumerate(sums)
+                 for process, values in enumerate(per_process) for which, value in enumerate(values)
+                 if not math.isfinite(value)]
+        if flags:
+            raise NonFiniteLogProbError(nonfinite_message(step, flags, checks))
+
+    def _flush(self, rows: list[torch.Tensor], gather: Gather, completed_steps: int,
+               checks: Optional[list[Optional[LogpCheck]]] = None) -> tuple[list[dict[str, float]], tuple[float, float, float]]:
         """The metrics of each micro-batch row (over all processes) and the step's (sum S_i, sum L_i, completions).
-        One collective and one transfer; the rest is O(B) arithmetic on the host."""
+        One collective and one transfer; the rest is O(B) arithmetic on the host. A non-finite log-prob on a valid
+        token (a row's LogpCheck sums) raises first."""
         sizes = [row.numel() for row in rows]
         table = gather(torch.cat(rows)).view(-1, sum(sizes)).double().tolist()
+        head = 3 + CHECK_COLUMNS
+        offsets = [sum(sizes[:index]) for index in range(len(sizes))]
+        self._raise_if_nonfinite([[row[offset + 3 : offset + head] for row in table] for offset in offsets],
+                                 checks or [None] * len(rows), completed_steps)
         metrics, kl_sum, tokens, completions = [], 0.0, 0.0, 0
         start = 0
         for size in sizes:
-            n = (size - 3) // 2
+            n = (size - head) // 2
             blocks = [row[start : start + size] for row in table]  # this micro-batch, one block per process
             start += size
-            raws, adapteds, at_threshold, lengths, sequence_kl = split_columns(blocks, [1, 1, 1, n, n])
+            raws, adapteds, at_threshold, _, lengths, sequence_kl = split_columns(blocks, [1, 1, 1, CHECK_COLUMNS, n, n])
             metrics.append(self._metrics(summarize(raws, adapteds, at_threshold, lengths, sequence_kl), completed_steps))
             kl_sum, tokens, completions = kl_sum + sum(sequence_kl), tokens + sum(lengths), completions + len(lengths)
         return metrics, (kl_sum, tokens, float(completions))

@@ -42,6 +42,8 @@ class ConstantBeta:
     A controller sees each generation batch's mean reward (`observe_rewards`) and is stepped after each
     optimizer step (`step`); several optimizer steps may share one generation batch."""
 
+    kind = "constant"  # the name a checkpoint records (`AdaptiveKL.state_dict()["controller"]`)
+
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         self.value = float(beta)
         self.generation_batch = 0
@@ -75,6 +77,7 @@ class DynamicBeta(ConstantBeta):
     beta <- max(beta * dynamic_beta_decay, beta_min), at most once per generation batch;
     once completed_steps >= beta_schedule_steps: beta = beta_min."""
 
+    kind = "dynamic"
     reads_kl = False  # reads the rewards only
 
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
@@ -98,6 +101,8 @@ class TargetKL(ConstantBeta):
     """The adaptive KL controller of Ziegler et al. (2019), on the loss beta. After each optimizer step, with KL the
     step's `kl_target_measure` and n its completions:
     e = clip(KL / kl_target - 1, -0.2, 0.2); beta <- clamp(beta * (1 + e * n / kl_horizon), beta_min, beta_max)."""
+
+    kind = "target"
 
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         super().__init__(beta, config)
@@ -132,6 +137,8 @@ def register_beta_controller(name: str) -> Callable[[type], type]:
         if not isinstance(cls, type) or missing:
             raise TypeError(f"register_beta_controller({name!r}) decorates a class with observe_rewards, step, "
                             f"state_dict and load_state_dict (subclass ConstantBeta); missing: {', '.join(missing)}")
+        if "kind" not in vars(cls):  # checkpoints record the kind: a registered class's own is its name
+            cls.kind = name
         _CONTROLLERS[name] = cls
         return cls
 
@@ -140,6 +147,11 @@ def register_beta_controller(name: str) -> Callable[[type], type]:
 
 register_beta_controller("dynamic")(DynamicBeta)
 register_beta_controller("target")(TargetKL)
+
+
+def controller_kind(controller: BetaController) -> str:
+    """The controller's kind, as checkpoints record it: "constant", "dynamic", "target" (or a subclass's own)."""
+    return controller.kind
 
 
 def make_beta_controller(beta: float, config: AdaptiveKLConfig) -> BetaController:

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from .numerics import LogpCheck, masked_logps
+
 Estimator = Callable[..., torch.Tensor]
 _ESTIMATORS: dict[str, Estimator] = {}
 _TAKES_CONFIG: set[str] = set()  # estimators called with the config as a 4th argument
@@ -121,12 +123,28 @@ def k3_bottom_percentile(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tens
     return k3(logp, ref, mask) * selected * config.kl_percentile_scale
 
 
-def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
-    """The estimator in effect (`config.estimator`: `kl_estimator`, or the placement's default for None), a registered
-    name or a callable (logp, ref, mask) -> per-token KL."""
+def run_estimator(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
+    """The estimator in effect on inputs already prepared by `masked_logps` (float32, masked positions 0)."""
     estimator = config.estimator
     if callable(estimator):
         return estimator(logp, ref, mask)
     if estimator in _TAKES_CONFIG:
         return _ESTIMATORS[estimator](logp, ref, mask, config)
     return _ESTIMATORS[estimator](logp, ref, mask)
+
+
+def checked_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> tuple[torch.Tensor, LogpCheck]:
+    """`estimate_kl`, and the `LogpCheck` of its inputs (non-finite log-probs on valid tokens, as device tensors)."""
+    logp, ref, _ = masked_logps(logp, ref, mask)
+    return run_estimator(logp, ref, mask, config), LogpCheck.of_masked(logp, ref)
+
+
+def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
+    """The estimator in effect (`config.estimator`: `kl_estimator`, or the placement's default for None), a registered
+    name or a callable (logp, ref, mask) -> per-token KL.
+
+    Computed in float32 whatever the input dtype (bf16/fp16 are upcast; float64 stays float64), and the result is
+    float32 for half-precision input. Masked positions (mask == 0) of logp and ref are replaced by 0 before the
+    estimator sees them, so whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient."""
+    logp, ref, _ = masked_logps(logp, ref, mask)
+    return run_estimator(logp, ref, mask, config)

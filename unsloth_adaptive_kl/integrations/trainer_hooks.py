@@ -23,7 +23,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..core.adaptation import completion_kl
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import adaptive_kl_config_from
-from ..core.estimators import estimate_kl
+from ..core.estimators import checked_kl
 from .ref_sync import attach_reference_sync, reference_for_generation
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
 
@@ -221,9 +221,14 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         policy = _policy_logps(self, found, scoring["recorder"], lambda: missing_locals("ref_per_token_logps"))
         policy, ref = (trl_layout(logps, caller, mask.size(1), missing_locals)
                        for logps in (policy, found["ref_per_token_logps"]))
-        kl = estimate_kl(policy, ref, mask, config)
+        # A non-finite log-prob on a valid token (vLLM's sampling log-probs, say) raises naming the tensor, in
+        # `penalize`'s one transfer; masked positions may hold anything.
+        source = next((name for name in ("old_per_token_logps", "sampling_per_token_logps") if found[name] is not None),
+                      "a policy forward")
+        kl, check = checked_kl(policy, ref, mask, config)
+        check.names = (f"policy log-probs ({source})", "reference log-probs (ref_per_token_logps)")
         penalty, metrics = self.adaptive_kl.penalize(
-            completion_kl(kl, mask, config), gather=self.accelerator.gather, train=scoring["train"],
+            completion_kl(kl, mask, config, check=check), gather=self.accelerator.gather, train=scoring["train"],
             completed_steps=self.state.global_step,
         )
         column = -penalty.to(rewards_per_func.device, rewards_per_func.dtype)

@@ -24,7 +24,8 @@ import trl.trainer.utils as trl_utils
 
 from ..core.adaptation import ReductionContext
 from ..core.config import AdaptiveKLConfig
-from ..core.estimators import estimate_kl
+from ..core.estimators import checked_kl
+from ..core.numerics import LogpCheck, valid_positions
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
@@ -92,16 +93,25 @@ def _reduction_context(trainer: Any, inputs: dict, mode: str) -> ReductionContex
 
 
 class _PolicyLogpsProbe:
-    """Stands in for `trainer._get_per_token_logps_and_entropies` during one stock `_compute_loss` call when a
-    non-stock `kl_estimator` needs the policy log-probs: records the first (policy) call's log-probs."""
+    """Stands in for `trainer._get_per_token_logps_and_entropies` during one stock `_compute_loss` call: records the
+    first (policy) call's log-probs (for a non-stock `kl_estimator`, and the non-finite check of both log-probs).
 
-    def __init__(self, method: Any) -> None:
+    With `inputs` (a copy of the batch the stock loss reads) it also sets the reference log-probs of every masked
+    position to the policy's own (detached), before the stock KL line reads them: the trainer's KL there is then 0 with
+    a finite gradient, whatever the padding held (NaN, -inf, a huge gap would give 0 * inf = NaN in its backward).
+    Valid positions keep the trainer's values exactly."""
+
+    def __init__(self, method: Any, inputs: dict | None = None, mask: torch.Tensor | None = None) -> None:
         self.method = method
         self.logps: list[torch.Tensor] = []
+        self.inputs, self.mask = inputs, mask
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.method(*args, **kwargs)
         self.logps.append(output[0])
+        if self.inputs is not None and len(self.logps) == 1 and self.inputs.get("ref_per_token_logps") is not None:
+            ref = self.inputs["ref_per_token_logps"]
+            self.inputs["ref_per_token_logps"] = torch.where(valid_positions(self.mask), ref, output[0].detach())
         return output
 
 
@@ -130,15 +140,19 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]
-    logps_probe = None if config.estimator == "k3" else _PolicyLogpsProbe(self._get_per_token_logps_and_entropies)
-    loss, kl = _stock_loss_and_kl(self, model, inputs, config.is_stock_kl, logps_probe)
-    if logps_probe is not None:  # a non-stock estimator: its per-token KL from the policy log-probs the loss computed
-        if not logps_probe.logps:
-            raise _missing(TRL_LOGPS_CALL)()
-        kl = estimate_kl(logps_probe.logps[0], inputs["ref_per_token_logps"], mask, config)
+    # The stock loss reads a copy of the batch whose masked reference log-probs are the policy's (see the probe).
+    logps_probe = _PolicyLogpsProbe(self._get_per_token_logps_and_entropies, dict(inputs), mask)
+    loss, kl = _stock_loss_and_kl(self, model, logps_probe.inputs, config.is_stock_kl, logps_probe)
+    if not logps_probe.logps:
+        raise _missing(TRL_LOGPS_CALL)()
+    ref = inputs["ref_per_token_logps"]
+    if config.estimator != "k3":  # a non-stock estimator: its per-token KL from the policy log-probs the loss computed
+        kl, check = checked_kl(logps_probe.logps[0], ref, mask, config)
+    else:  # the trainer's own KL: its inputs are checked (a non-finite valid log-prob raises at the step's end)
+        check = LogpCheck.of(logps_probe.logps[0], ref, mask)
 
     mode = "train" if self.model.training else "eval"
-    term = self.adaptive_kl.term(kl, mask, _reduction_context(self, inputs, mode))
+    term = self.adaptive_kl.term(kl, mask, _reduction_context(self, inputs, mode), check=check)
     if not config.is_stock_kl:
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
         loss = loss + term.adapted * (self.adaptive_kl.current_beta / accumulation)  # one autograd node, not two

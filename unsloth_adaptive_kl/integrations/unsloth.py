@@ -33,7 +33,8 @@ import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 
 from ..core.adaptation import ReductionContext
-from ..core.estimators import estimate_kl
+from ..core.estimators import checked_kl
+from ..core.numerics import LogpCheck, valid_positions
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
@@ -139,6 +140,11 @@ class _AdaptiveEfficientGRPO:
                 "UNSLOTH_GRPO_LOSS_AGGREGATION); unset them."
             )
         stock = config.is_stock_kl
+        # The non-finite check of the log-probs as handed over; then every masked reference log-prob is set to the
+        # policy's own (detached), so the trainer's KL there is 0 with a finite gradient whatever the padding held
+        # (valid positions keep their values exactly).
+        check = None if config.estimator != "k3" or config.kl_in_reward else LogpCheck.of(new, ref, mask)
+        raw_ref, ref = ref, torch.where(valid_positions(mask), ref, new.detach())
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
                                           beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
         # The trainer's own KL carries the gradient only where the adapted term is built from it.
@@ -150,9 +156,9 @@ class _AdaptiveEfficientGRPO:
             calls.append(None)
             return tuple(outputs)
         if config.estimator != "k3":
-            kl = estimate_kl(new, ref, mask, config)
+            kl, check = checked_kl(new, raw_ref, mask, config)
         loss_type, ctx = _reduction(kwargs, cls.bnpo_rule)
-        term = trainer.adaptive_kl.term(kl, mask, ctx, loss_type)
+        term = trainer.adaptive_kl.term(kl, mask, ctx, loss_type, check=check)
         if not stock:
             accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
             outputs[0] = outputs[0] + term.adapted * (trainer.adaptive_kl.current_beta / accumulation)

@@ -1,0 +1,352 @@
+"""SPEC rule 3.13 in the core: float32 whatever the input dtype, non-finite log-probs on valid tokens raise (naming the
+step, the tensor and how many tokens), masked positions may hold anything; kl_compile's backward falls back to eager;
+checkpoints carry a format version and the controller's kind (issue 27, items 1, 2, 5, 7)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import warnings
+
+import pytest
+import torch
+
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError, ReductionContext
+from unsloth_adaptive_kl.core import adaptation
+from unsloth_adaptive_kl.core.numerics import LogpCheck
+
+# k1 in the loss and k3-family estimators in the reward warn by design; every estimator is exercised in both here.
+pytestmark = pytest.mark.filterwarnings("ignore::unsloth_adaptive_kl.core.config.KLEstimatorWarning")
+
+ESTIMATORS = ["k1", "k2", "k3", "low_var_kl", "k1+", "k3+", "k1_future", "k3_bottom_percentile"]
+HALF = [torch.bfloat16, torch.float16]
+BETA = 0.04
+
+
+def config(**fields) -> AdaptiveKLConfig:
+    return AdaptiveKLConfig(**fields)
+
+
+def batch(b: int = 4, t: int = 16, seed: int = 0, scale: float = 0.3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(b, t, generator=generator) * 4
+    ref = logp + torch.randn(b, t, generator=generator) * scale
+    lengths = torch.randint(1, t + 1, (b,), generator=generator)
+    mask = (torch.arange(t)[None] < lengths[:, None]).float()
+    return logp, ref, mask
+
+
+# ----- float32 whatever the dtype -----------------------------------------------------------------------------------
+
+
+def k3_term_by_hand(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, loss_type: str) -> float:
+    """The k3 KL term in float64 from the given values (independent of the core)."""
+    r = ref.double() - logp.double()
+    k = (torch.exp(r) - r - 1) * mask.double()
+    sums, lengths = k.sum(-1), mask.double().sum(-1)
+    if loss_type == "grpo":
+        return float((sums / lengths.clamp(min=1)).mean().detach())
+    assert loss_type == "bnpo"
+    return float((sums.sum() / lengths.sum()).detach())
+
+
+@pytest.mark.parametrize("dtype", [*HALF, torch.float32], ids=str)
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("method", ["none", "clip", "sigmoid+length_normalized+dynamic"])
+def test_half_precision_inputs_give_the_float32_result_of_the_same_inputs(dtype, estimator, method) -> None:
+    settings = dict(kl_estimator=estimator, kl_adaptation_method=method, kl_clip_threshold=0.02)
+    logp, ref, mask = batch()
+    logp, ref, mask = logp.to(dtype), ref.to(dtype), mask.to(dtype)  # the rounded inputs
+    half_leaf = logp.clone().requires_grad_(True)
+    term, metrics = AdaptiveKL(config(**settings), BETA, "grpo").kl_loss(half_leaf, ref, mask)
+    full_leaf = logp.float().requires_grad_(True)
+    want, want_metrics = AdaptiveKL(config(**settings), BETA, "grpo").kl_loss(full_leaf, ref.float(), mask.float())
+    assert term.dtype == torch.float32
+    assert term.item() == pytest.approx(want.item(), rel=1e-6, abs=1e-12)
+    assert metrics == pytest.approx(want_metrics, rel=1e-6, abs=1e-12)
+    term.backward()
+    want.backward()
+    assert half_leaf.grad.dtype == dtype  # the gradient reaches the half-precision log-probs
+    assert torch.equal(half_leaf.grad, full_leaf.grad.to(dtype))
+    if estimator == "k3" and method == "none":  # and the float32 value is the k3 term of those inputs, by hand
+        assert want.item() == pytest.approx(BETA * k3_term_by_hand(logp, ref, mask, "grpo"), rel=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_reward_penalty_of_half_precision_inputs_is_the_float32_one(dtype) -> None:
+    logp, ref, mask = batch(seed=1)
+    logp, ref, mask = logp.to(dtype), ref.to(dtype), mask.to(dtype)
+    settings = dict(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.02)
+    penalty = AdaptiveKL(config(**settings), BETA).reward_penalty(logp, ref, mask)
+    want = AdaptiveKL(config(**settings), BETA).reward_penalty(logp.float(), ref.float(), mask.float())
+    assert penalty.dtype == torch.float32
+    torch.testing.assert_close(penalty, want, rtol=1e-6, atol=0)
+    k1 = (logp.double() - ref.double()).clamp(max=0.02) * mask.double()  # the reward's default estimator, clipped
+    torch.testing.assert_close(AdaptiveKL(config(**settings, kl_estimator="k1"), BETA).reward_penalty(logp, ref, mask),
+                               (BETA * k1.sum(-1)).float(), rtol=1e-5, atol=1e-7)
+
+
+def test_an_fp16_log_ratio_of_19_nats_is_finite() -> None:
+    logp = torch.tensor([[-20.0, -1.0]], dtype=torch.float16)
+    ref = torch.tensor([[-1.0, -1.0]], dtype=torch.float16)
+    mask = torch.ones(1, 2, dtype=torch.float16)
+    term, metrics = AdaptiveKL(None, BETA, "bnpo").kl_loss(logp, ref, mask)
+    # k3 of r = 19 (exp(19) = 1.8e8 overflows fp16's 65504), 0 for the second token; bnpo over 2 tokens
+    assert term.item() == pytest.approx(BETA * (math.exp(19) - 19 - 1) / 2, rel=1e-6)
+    assert metrics["adaptive_kl/raw_kl"] == pytest.approx((math.exp(19) - 20) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_bnpo_over_80000_half_precision_tokens_counts_every_token(dtype) -> None:
+    logp, ref, mask = batch(b=2, t=40_000, seed=2, scale=0.1)
+    logp, ref, mask = logp.to(dtype), ref.to(dtype), torch.ones_like(mask, dtype=dtype)  # 80,000 valid tokens
+    term, metrics = AdaptiveKL(None, BETA, "bnpo").kl_loss(logp, ref, mask)
+    assert metrics["adaptive_kl/raw_kl"] > 0
+    assert term.item() == pytest.approx(BETA * k3_term_by_hand(logp, ref, mask, "bnpo"), rel=1e-5)
+    lengths = adaptation.adapted_kl_term(torch.ones(2, 40_000, dtype=dtype), mask, config(), "bnpo",
+                                         ReductionContext()).lengths
+    assert lengths.dtype == torch.float32 and lengths.tolist() == [40_000.0, 40_000.0]
+
+
+def test_float32_and_float64_inputs_are_not_copied_to_another_dtype() -> None:
+    from unsloth_adaptive_kl.core.numerics import upcast
+
+    x = torch.zeros(3)
+    assert upcast(x) is x and upcast(x.double()).dtype == torch.float64
+    logp, ref, mask = batch()
+    term, _ = AdaptiveKL(None, BETA, "grpo").kl_loss(logp.double(), ref.double(), mask.double())
+    assert term.dtype == torch.float64
+
+
+# ----- non-finite log-probs on valid tokens ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("which", ["policy", "reference"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_a_non_finite_log_prob_on_valid_tokens_raises_naming_step_tensor_and_count(estimator, which, value) -> None:
+    logp, ref, mask = batch()
+    bad = logp if which == "policy" else ref
+    bad[0, 0] = bad[1, 0] = value  # two valid tokens (every completion has length >= 1)
+    runtime = AdaptiveKL(config(kl_estimator=estimator), BETA, "grpo")
+    runtime.step()  # the next step is step 2
+    pattern = rf"non-finite input at step 2: .*{which} log-probs \(the {which} tensor\): 2 valid token\(s\)"
+    with pytest.raises(NonFiniteLogProbError, match=pattern):
+        runtime.kl_loss(logp.requires_grad_(True), ref, mask)
+    reward = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA)
+    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{which} log-probs .*: 2 valid token"):
+        reward.reward_penalty(logp.detach(), ref, mask)
+
+
+def test_the_trainer_path_reports_non_finite_input_at_the_end_of_the_step_without_a_transfer_before() -> None:
+    """The check rides in the one statistics row per optimizer step: queuing micro-batches reads nothing back."""
+    logp, ref, mask = batch()
+    ref[2, 0] = math.nan
+    runtime = AdaptiveKL(config(kl_adaptation_method="clip"), BETA, "grpo")
+    identity = lambda tensor: tensor  # noqa: E731  (one process)
+    clean = runtime.term(torch.zeros_like(logp), mask, ReductionContext(), check=LogpCheck.of(logp, logp, mask))
+    bad_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    bad = runtime.term(bad_kl, mask, ReductionContext(), check=LogpCheck.of(logp, ref, mask))
+    assert runtime.record(clean, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
+    assert runtime.record(bad, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 5: .*reference log-probs \(the reference tensor\): 1 "):
+        runtime.record(clean, gather=identity, train=True, end_of_step=True, completed_steps=5)
+
+
+def test_other_processes_non_finite_input_raises_on_every_process() -> None:
+    logp, ref, mask = batch()
+    runtime = AdaptiveKL(None, BETA, "grpo")
+    # a two-process gather whose other process holds a NaN reference sum (columns: raw, adapted, clipped, checks...)
+    def gather(row: torch.Tensor) -> torch.Tensor:
+        other = row.clone()
+        other[4] = math.nan
+        return torch.cat([row, other])
+
+    with pytest.raises(NonFiniteLogProbError, match=r"reference log-probs .*: 0 valid token\(s\) on this process "
+                                                    r"\(processes with non-finite values: \[1\]\)"):
+        runtime.kl_loss(logp, ref, mask, gather=gather)
+
+
+# ----- masked positions may hold anything --------------------------------------------------------------------------
+
+GARBAGE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "huge": 1e4, "-huge": -1e4}
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("garbage", sorted(GARBAGE))
+@pytest.mark.parametrize("where", ["policy", "reference", "both"])
+def test_anything_on_masked_positions_gives_the_clean_value_and_finite_gradients(estimator, garbage, where) -> None:
+    logp, ref, mask = batch(seed=3)
+    assert (mask == 0).any()
+    dirty_logp, dirty_ref = logp.clone(), ref.clone()
+    if where in ("policy", "both"):
+        dirty_logp[mask == 0] = GARBAGE[garbage]
+    if where in ("reference", "both"):
+        dirty_ref[mask == 0] = -GARBAGE[garbage]
+    settings = dict(kl_estimator=estimator, kl_adaptation_method="sigmoid")
+    results = []
+    for lp, rf in ((logp, ref), (dirty_logp, dirty_ref)):
+        leaf = lp.clone().requires_grad_(True)
+        term, metrics = AdaptiveKL(config(**settings), BETA, "bnpo").kl_loss(leaf, rf, mask)
+        (grad,) = torch.autograd.grad(term, leaf)
+        results.append((term, metrics, grad))
+    (clean, clean_metrics, clean_grad), (dirty, dirty_metrics, dirty_grad) = results
+    assert torch.isfinite(dirty) and torch.isfinite(dirty_grad).all()
+    assert dirty.item() == clean.item() and dirty_metrics == clean_metrics
+    assert torch.equal(dirty_grad, clean_grad) and (dirty_grad[mask == 0] == 0).all()
+    assert clean_grad.abs().sum() > 0 or estimator == "k3_bottom_percentile"
+    penalty = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA).reward_penalty(
+        dirty_logp, dirty_ref, mask)
+    want = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA).reward_penalty(logp, ref, mask)
+    assert torch.equal(penalty, want)
+
+
+def test_a_per_token_kl_with_garbage_on_masked_positions_gives_finite_values_and_zero_gradient_there() -> None:
+    """A KL handed over (`per_token_kl`): its masked positions are dropped by `torch.where`, with a zero gradient."""
+    logp, ref, mask = batch(seed=4)
+    kl = (ref - logp).square().requires_grad_(True)
+    dirty = kl.detach().clone()
+    dirty[mask == 0] = math.nan
+    dirty.requires_grad_(True)
+    term, _ = AdaptiveKL(None, BETA, "grpo").kl_loss(logp, ref, mask, per_token_kl=dirty)
+    want, _ = AdaptiveKL(None, BETA, "grpo").kl_loss(logp, ref, mask, per_token_kl=kl)
+    (grad,) = torch.autograd.grad(term, dirty)
+    (want_grad,) = torch.autograd.grad(want, kl)
+    assert term.item() == want.item() and torch.equal(grad, want_grad) and (grad[mask == 0] == 0).all()
+
+
+# ----- kl_compile: a failing backward falls back to eager ------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_compiled_core(monkeypatch) -> None:
+    monkeypatch.setattr(adaptation, "_compiled_term", None)
+    monkeypatch.setattr(adaptation, "_compile_failed", False)
+
+
+def test_a_backward_that_fails_to_compile_falls_back_to_eager_with_one_warning(monkeypatch, fresh_compiled_core) -> None:
+    from torch._dynamo.backends.common import aot_autograd
+
+    compiled_backwards = []
+
+    def failing_backward(graph, example_inputs):
+        compiled_backwards.append(graph)
+        raise RuntimeError("triton: failed to compile the backward")
+
+    backend = aot_autograd(fw_compiler=lambda graph, example_inputs: graph, bw_compiler=failing_backward)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    settings = config(kl_compile=True, kl_adaptation_method="sigmoid")
+    logp, ref, mask = batch(seed=5)
+
+    def loss_and_grad() -> tuple[float, torch.Tensor]:
+        leaf = logp.clone().requires_grad_(True)
+        term, _ = AdaptiveKL(settings, BETA, "grpo").kl_loss(leaf, ref, mask)
+        term.backward()
+        return term.item(), leaf.grad
+
+    with pytest.warns(RuntimeWarning, match=r"kl_compile=True: torch.compile failed \(.*triton: failed to compile "
+                                            r"the backward\); the KL adaptation runs eagerly") as record:
+        value, grad = loss_and_grad()
+    assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+    assert compiled_backwards  # the compiled backward was attempted
+    assert adaptation._compile_failed
+    eager_settings = config(kl_adaptation_method="sigmoid")
+    leaf = logp.clone().requires_grad_(True)
+    want, _ = AdaptiveKL(eager_settings, BETA, "grpo").kl_loss(leaf, ref, mask)
+    want.backward()
+    assert value == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(grad, leaf.grad, rtol=1e-6, atol=1e-9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: eager from now on
+        again_value, again_grad = loss_and_grad()
+    assert again_value == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(again_grad, leaf.grad, rtol=1e-6, atol=1e-9)
+
+
+# ----- checkpoints: format version and controller kind ---------------------------------------------------------------
+
+KINDS = {"constant": "clip", "dynamic": "dynamic", "target": "target"}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_state_dict_carries_a_format_version_and_the_controller_kind(kind) -> None:
+    state = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.1).state_dict()
+    assert state["format_version"] == 2 and state["controller"] == kind
+    json.dumps(state)
+
+
+@pytest.mark.parametrize("saved", sorted(KINDS))
+@pytest.mark.parametrize("loaded", sorted(KINDS))
+def test_a_state_of_another_kind_is_refused_naming_both(saved, loaded) -> None:
+    state = AdaptiveKL(config(kl_adaptation_method=KINDS[saved]), 0.1).state_dict()
+    runtime = AdaptiveKL(config(kl_adaptation_method=KINDS[loaded]), 0.2)
+    if saved == loaded:
+        runtime.load_state_dict(state)
+        assert runtime.current_beta == 0.1
+        return
+    with pytest.raises(ValueError, match=rf"a '{saved}' controller's state cannot be loaded into this run's "
+                                         rf"'{loaded}' controller"):
+        runtime.load_state_dict(state)
+    assert runtime.current_beta == 0.2  # nothing loaded
+
+
+def test_a_newer_format_and_unknown_fields_are_refused() -> None:
+    runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1)
+    with pytest.raises(ValueError, match=r"format_version=3 is not supported: allowed is 1 to 2"):
+        runtime.load_state_dict({**runtime.state_dict(), "format_version": 3})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) beta for a 'dynamic' controller"):
+        runtime.load_state_dict({**runtime.state_dict(), "beta": 0.3})
+
+
+# Unversioned states as the code at 559aac2 wrote them (generated by running it: AdaptiveKL(dynamic, decay 0.5,
+# beta 0.1) after two kl_loss + step(mean_reward=0.9); AdaptiveKL(target, kl_target 0.1, horizon 10) after one).
+OLD_OWN_LOOP_DYNAMIC = ('{"value": 0.025, "generation_batch": 2, "batch_reward": 0.9, "last_decayed_batch": 2, '
+                        '"completed_steps": 2}')
+OLD_OWN_LOOP_TARGET = '{"value": 0.10400000000000001, "generation_batch": 1, "batch_reward": 0.5, "completed_steps": 1}'
+# integrations/trainer_hooks.py's `_save_checkpoint` at 559aac2 wrote checkpoint-N/adaptive_kl_state.json (the same run)
+OLD_TRAINER_FILE = OLD_OWN_LOOP_DYNAMIC
+# the first trainer integration (61d7797, trl_patch.py) wrote the controller's fields alone, no completed_steps
+OLDEST_TRAINER_FILE = '{"value": 0.025, "generation_batch": 2, "batch_reward": 0.9, "last_decayed_batch": 2}'
+# verl's global_step_N/adaptive_kl.json at 559aac2 (AdaptiveKLTrainerMixin.adaptive_kl_state: loss dynamic, reward target)
+OLD_VERL_FILE = ('{"global_steps": 2, "loss": {"value": 0.025, "generation_batch": 2, "batch_reward": 0.9, '
+                 '"last_decayed_batch": 2, "completed_steps": 2}, "reward": {"value": 0.21600000000000003, '
+                 '"generation_batch": 1, "batch_reward": 0.3, "completed_steps": 1}}')
+
+
+@pytest.mark.parametrize("text", [OLD_OWN_LOOP_DYNAMIC, OLD_TRAINER_FILE, OLDEST_TRAINER_FILE],
+                         ids=["own-loop", "trainer", "oldest-trainer"])
+def test_old_dynamic_states_still_load(text) -> None:
+    runtime = AdaptiveKL(config(kl_adaptation_method="dynamic", dynamic_beta_decay=0.5), 0.1)
+    runtime.load_state_dict(json.loads(text))
+    assert runtime.current_beta == 0.025
+    assert runtime.completed_steps == (0 if "completed_steps" not in text else 2)
+    assert runtime.controller.last_decayed_batch == 2 and runtime.controller.generation_batch == 2
+    runtime.observe_rewards(0.9)  # a new batch above the threshold decays once more: the state is live
+    runtime.step()
+    assert runtime.current_beta == 0.0125
+    with pytest.raises(ValueError, match=r"a 'dynamic' controller's state cannot be loaded into this run's 'target'"):
+        AdaptiveKL(config(kl_adaptation_method="target"), 0.1).load_state_dict(json.loads(text))
+
+
+def test_an_old_target_state_loads_and_is_refused_by_a_dynamic_run() -> None:
+    runtime = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1, kl_horizon=10), 0.1)
+    runtime.load_state_dict(json.loads(OLD_OWN_LOOP_TARGET))
+    assert runtime.current_beta == 0.10400000000000001 and runtime.completed_steps == 1
+    with pytest.raises(ValueError, match=r"a 'constant or target' controller's state cannot be loaded into this "
+                                         r"run's 'dynamic' controller"):
+        AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1).load_state_dict(json.loads(OLD_OWN_LOOP_TARGET))
+
+
+def test_an_old_verl_file_loads_into_both_controllers() -> None:
+    """What AdaptiveKLTrainerMixin.load_adaptive_kl_state does with each entry (verl itself is not needed)."""
+    state = json.loads(OLD_VERL_FILE)
+    loss = AdaptiveKL(config(kl_adaptation_method="dynamic", dynamic_beta_decay=0.5), 0.1)
+    reward = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1, kl_horizon=10), 0.2, "bnpo")
+    loss.load_state_dict(state["loss"])
+    reward.load_state_dict(state["reward"])
+    assert (loss.current_beta, loss.completed_steps) == (0.025, 2)
+    assert (reward.current_beta, reward.completed_steps) == (0.21600000000000003, 1)
+    with pytest.raises(ValueError, match=r"'dynamic' controller's state cannot be loaded into this run's 'target'"):
+        reward.load_state_dict(state["loss"])
