@@ -315,10 +315,7 @@ def unsloth_4bit(model_dir: str, work_dir: str) -> list[Check]:
     the first step, `none` (and a clip no KL reaches) against stock Unsloth on the captured batch, each method of
     `UNSLOTH_METHODS` on it, and no recompile while beta moves."""
     name = "Unsloth 4-bit + LoRA"
-    missing = missing_packages(name, "unsloth", "bitsandbytes", "triton")
-    if missing:
-        return missing
-    failure = import_unsloth(name)
+    failure = missing_packages(name, "unsloth", "bitsandbytes", "triton") or import_unsloth(name)
     if failure:
         return failure
     from .selfcheck import captured_inputs, compare_with_stock, shifted_reference, stock_unsloth
@@ -350,10 +347,7 @@ def unsloth_fp16_grad_scaler(model_dir: str, work_dir: str) -> list[Check]:
 def vllm_kl_in_reward(model_dir: str, work_dir: str, steps: int = 2) -> list[Check]:
     """Unsloth with `fast_inference=True`: vLLM generates, the KL is in the reward (GPU only)."""
     name = "vLLM fast_inference, kl_placement='reward'"
-    missing = missing_packages(name, "unsloth", "bitsandbytes", "vllm")
-    if missing:
-        return missing
-    failure = import_unsloth(name)
+    failure = missing_packages(name, "unsloth", "bitsandbytes", "vllm") or import_unsloth(name)
     if failure:
         return failure
     precision = native_precision()
