@@ -319,7 +319,8 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
     timed in the same rounds."""
     import torch._dynamo
 
-    from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term
+    from unsloth_adaptive_kl import AdaptiveKLConfig
+    from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
     from unsloth_adaptive_kl.core.estimators import estimate_kl
 
     # one compiled graph per method's config: more than dynamo's default recompile limit in one process

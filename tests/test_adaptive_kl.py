@@ -80,25 +80,25 @@ def test_reward_penalty_is_beta_times_each_completions_shaped_kl() -> None:
     k1 = k1_by_hand(logps, ref)
     summed = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.05),
                         BETA)
-    penalty = summed.reward_penalty(logps, ref, MASK)
+    penalty = summed.reward_penalty(logps, ref, MASK)[0]
     assert penalty.dtype == torch.float32  # as trainers gather rewards
     assert torch.allclose(penalty.double(), BETA * (k1.clamp(max=0.05) * MASK).sum(-1), rtol=1e-6, atol=0)
     assert (k1.clamp(max=0.05) != k1).any() and (k1 < 0).any()  # the clip binds, and k1 has negative tokens
     assert summed.last_metrics["adaptive_kl/reward_penalty"] == pytest.approx(penalty.mean().item())
     mean = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_reduction="sequence_mean"), BETA)
-    assert torch.allclose(mean.reward_penalty(logps, ref, MASK).double(), BETA * k1.sum(-1) / LENGTHS, rtol=1e-6,
+    assert torch.allclose(mean.reward_penalty(logps, ref, MASK)[0].double(), BETA * k1.sum(-1) / LENGTHS, rtol=1e-6,
                           atol=0)
     k3 = k3_by_hand(logps, ref)
     with pytest.warns(KLEstimatorWarning, match=r"^kl_estimator='k3' with kl_placement='reward': "):
         explicit_k3 = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip",
                                                   kl_clip_threshold=0.3, kl_estimator="k3"), BETA)
-    assert torch.allclose(explicit_k3.reward_penalty(logps, ref, MASK).double(),
+    assert torch.allclose(explicit_k3.reward_penalty(logps, ref, MASK)[0].double(),
                           BETA * (k3.clamp(max=0.3) * MASK).sum(-1), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="kl_placement='reward' puts beta \\* KL into the rewards"):
         summed.kl_loss(logps, ref, MASK)
     with pytest.raises(ValueError, match=r"^kl_reduction='token_mean' is invalid: allowed is one of loss_type, "
                                          r"sequence_sum, sequence_mean for reward_penalty"):
-        AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA).reward_penalty(logps, ref, MASK)
+        AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA).reward_penalty(logps, ref, MASK)[0]
 
 
 def estimator_warnings(**fields) -> list[str]:
@@ -158,8 +158,8 @@ def test_k1_future_has_the_value_of_k1_and_the_kl_to_go_as_gradient() -> None:
     (k1_grad,) = torch.autograd.grad(k1_term, logps)
     assert torch.equal(k1_grad, BETA / 12 * MASK)
     reward = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_estimator="k1_future"), BETA)
-    assert torch.equal(reward.reward_penalty(logps.detach(), ref, MASK),
-                       AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(logps.detach(), ref, MASK))
+    assert torch.equal(reward.reward_penalty(logps.detach(), ref, MASK)[0],
+                       AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(logps.detach(), ref, MASK)[0])
     garbage = torch.where(MASK > 0, logps.detach(), torch.tensor([math.nan, -math.inf])[torch.arange(4) % 2]
                           ).requires_grad_(True)
     term, _ = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1_future"), BETA, "dr_grpo").kl_loss(

@@ -8,7 +8,8 @@ import warnings
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext
+from unsloth_adaptive_kl import AdaptiveKLConfig
+from unsloth_adaptive_kl.core.adaptation import ReductionContext
 from unsloth_adaptive_kl.core import adaptation
 
 SETTINGS = [dict(kl_adaptation_method="clip", kl_clip_threshold=0.3), dict(kl_adaptation_method="sigmoid"),

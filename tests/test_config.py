@@ -10,7 +10,8 @@ import trl
 from trl import TrlParser
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl import AdaptiveKLConfig, parse_methods
+from unsloth_adaptive_kl import AdaptiveKLConfig
+from unsloth_adaptive_kl.core.config import parse_methods
 from unsloth_adaptive_kl.core.config import ADAPTIVE_KL_FIELDS
 
 from .conftest import grpo_args

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKLConfig, ReductionContext, adapted_kl_term, reduce_kl, shape_kl
+from unsloth_adaptive_kl import AdaptiveKLConfig
+from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term, reduce_kl, shape_kl
 from unsloth_adaptive_kl.core.adaptation import LOSS_TYPE_REDUCTIONS, kl_term, loss_type_reduction
 
 # Two completions: lengths 3 and 1 (T = 4).

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from unsloth_adaptive_kl import AdaptiveKLConfig, DynamicBeta
+from unsloth_adaptive_kl import AdaptiveKLConfig
+from unsloth_adaptive_kl.core.controllers import DynamicBeta
 
 from .conftest import constant_reward, logged, make_trainer
 

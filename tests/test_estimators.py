@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKLConfig, KLEstimatorWarning, ReductionContext, adapted_kl_term
+from unsloth_adaptive_kl import AdaptiveKLConfig, KLEstimatorWarning
+from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
 from unsloth_adaptive_kl.core.adaptive_kl import pearson_correlation
 from unsloth_adaptive_kl.core.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 

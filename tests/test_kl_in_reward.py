@@ -184,7 +184,7 @@ def test_adaptive_kl_reward_penalty_is_what_the_trainer_subtracts(tokenizer, tmp
     perturb_adapters(trainer.model)
     batch = scored_batch(trainer, lambda trainer, batch: batch["old_per_token_logps"])
     akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", **settings), 0.5)
-    penalty = akl.reward_penalty(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"].float())
+    penalty = akl.reward_penalty(batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"].float())[0]
     expected = expected_advantages(torch.tensor(rewards[:8], dtype=torch.float64), penalty.double() / 0.5, 0.5, 4,
                                    "group")
     assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=1e-5)

@@ -104,6 +104,29 @@ except ImportError as error:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             cwd=PACKAGE.parent)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() == ("unsloth_adaptive_kl.patch() patches TRL, which is not installed: "
-                                     "pip install 'unsloth-adaptive-kl[trl]' (or [unsloth]).")
+    assert result.stdout.strip() == ("unsloth_adaptive_kl.patch() patches TRL, which is not installed: pip install "
+                                     "'unsloth-adaptive-kl[trl] @ git+https://github.com/unsloth-adaptive-kl/"
+                                     "unsloth-adaptive-kl' (or [unsloth]).")
     assert result.stderr == ""
+
+
+def test_the_top_level_exports_what_a_user_writes() -> None:
+    """The public surface (issue 26): the object, its config, the three registries, the estimator, the window a loop
+    may measure, the errors and the patching entry points; internals stay importable from their modules."""
+    import unsloth_adaptive_kl
+    from unsloth_adaptive_kl.core import adaptation, controllers, errors
+
+    public = {"AdaptiveKL", "AdaptiveKLConfig", "WindowKL", "estimate_kl", "register_kl_estimator",
+              "register_kl_shaping", "register_beta_controller", "IncompatibleVersionError", "KLEstimatorWarning",
+              "NonFiniteLogProbError", "UntestedVersionWarning", "patch", "unpatch", "is_patched"}
+    exported = set(unsloth_adaptive_kl.__all__) - {"GRPOConfig"}  # trl.GRPOConfig, patched, where TRL is installed
+    assert exported == public
+    for name in ("KLTerm", "ReductionContext", "adapted_kl_term", "reduce_kl", "shape_kl", "DynamicBeta"):
+        assert not hasattr(unsloth_adaptive_kl, name), name
+    assert adaptation.ReductionContext and controllers.DynamicBeta  # still importable where they live
+    # every error of the package is defined in core/errors.py
+    assert {name for name in dir(errors) if name[0].isupper()} == {
+        "IncompatibleVersionError", "KLEstimatorWarning", "NonFiniteLogProbError", "UntestedVersionWarning"}
+    assert all(getattr(unsloth_adaptive_kl, name).__module__ == errors.__name__
+               for name in ("IncompatibleVersionError", "KLEstimatorWarning", "NonFiniteLogProbError",
+                            "UntestedVersionWarning"))

@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError, ReductionContext
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError
+from unsloth_adaptive_kl.core.adaptation import ReductionContext
 from unsloth_adaptive_kl.core import adaptation
 from unsloth_adaptive_kl.core.numerics import LogpCheck
 
@@ -78,12 +79,12 @@ def test_reward_penalty_of_half_precision_inputs_is_the_float32_one(dtype) -> No
     logp, ref, mask = batch(seed=1)
     logp, ref, mask = logp.to(dtype), ref.to(dtype), mask.to(dtype)
     settings = dict(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.02)
-    penalty = AdaptiveKL(config(**settings), BETA).reward_penalty(logp, ref, mask)
-    want = AdaptiveKL(config(**settings), BETA).reward_penalty(logp.float(), ref.float(), mask.float())
+    penalty = AdaptiveKL(config(**settings), BETA).reward_penalty(logp, ref, mask)[0]
+    want = AdaptiveKL(config(**settings), BETA).reward_penalty(logp.float(), ref.float(), mask.float())[0]
     assert penalty.dtype == torch.float32
     torch.testing.assert_close(penalty, want, rtol=1e-6, atol=0)
     k1 = (logp.double() - ref.double()).clamp(max=0.02) * mask.double()  # the reward's default estimator, clipped
-    torch.testing.assert_close(AdaptiveKL(config(**settings, kl_estimator="k1"), BETA).reward_penalty(logp, ref, mask),
+    torch.testing.assert_close(AdaptiveKL(config(**settings, kl_estimator="k1"), BETA).reward_penalty(logp, ref, mask)[0],
                                (BETA * k1.sum(-1)).float(), rtol=1e-5, atol=1e-7)
 
 
@@ -136,7 +137,7 @@ def test_a_non_finite_log_prob_on_valid_tokens_raises_naming_step_tensor_and_cou
         runtime.kl_loss(logp.requires_grad_(True), ref, mask)
     reward = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA)
     with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{which} log-probs .*: 2 valid token"):
-        reward.reward_penalty(logp.detach(), ref, mask)
+        reward.reward_penalty(logp.detach(), ref, mask)[0]
 
 
 def test_the_trainer_path_reports_non_finite_input_at_the_end_of_the_step_without_a_transfer_before() -> None:
@@ -197,8 +198,8 @@ def test_anything_on_masked_positions_gives_the_clean_value_and_finite_gradients
     assert torch.equal(dirty_grad, clean_grad) and (dirty_grad[mask == 0] == 0).all()
     assert clean_grad.abs().sum() > 0 or estimator == "k3_bottom_percentile"
     penalty = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA).reward_penalty(
-        dirty_logp, dirty_ref, mask)
-    want = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA).reward_penalty(logp, ref, mask)
+        dirty_logp, dirty_ref, mask)[0]
+    want = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA).reward_penalty(logp, ref, mask)[0]
     assert torch.equal(penalty, want)
 
 

@@ -47,10 +47,10 @@ def recorded_calls() -> Iterator[dict[str, list[dict[str, Any]]]]:
         return term, metrics
 
     def recording_reward_penalty(self: AdaptiveKL, logps, ref_logps, mask, **kwargs):
-        penalty = reward_penalty(self, logps, ref_logps, mask, **kwargs)
+        penalty, metrics = reward_penalty(self, logps, ref_logps, mask, **kwargs)
         calls["reward_penalty"].append(dict(inputs(self, logps, ref_logps, mask), beta=self.current_beta,
-                                            penalty=penalty.clone(), metrics=dict(self.last_metrics)))
-        return penalty
+                                            penalty=penalty.clone(), metrics=dict(metrics)))
+        return penalty, metrics
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(AdaptiveKL, "kl_loss", recording_kl_loss)
@@ -358,9 +358,9 @@ def test_gathered_penalties_come_in_rank_order(page: RunPage) -> None:
     alone = []
     for logps, ref_logps, mask in batches:  # each process on its own: its penalties, and the row it would send
         alone.append(AdaptiveKL(config, beta=BETA).reward_penalty(
-            logps, ref_logps, mask, gather=lambda row: rows.append(row) or row))
+            logps, ref_logps, mask, gather=lambda row: rows.append(row) or row)[0])
     rank0 = AdaptiveKL(config, beta=BETA)
-    gathered = rank0.reward_penalty(*batches[0], gather=lambda row: torch.cat([row, rows[1]]))
+    gathered = rank0.reward_penalty(*batches[0], gather=lambda row: torch.cat([row, rows[1]]))[0]
     assert gathered.shape == (6,)
     torch.testing.assert_close(gathered.view(2, -1)[0], alone[0])
     torch.testing.assert_close(gathered.view(2, -1)[1], alone[1])

@@ -14,27 +14,11 @@ alone, silently. `python -m unsloth_adaptive_kl` checks the installed versions a
 
 import importlib.util
 
-from .core import (
-    AdaptiveKL,
-    AdaptiveKLConfig,
-    ConstantBeta,
-    DynamicBeta,
-    KLEstimatorWarning,
-    KLTerm,
-    NonFiniteLogProbError,
-    ReductionContext,
-    TargetKL,
-    WindowKL,
-    adapted_kl_term,
-    make_beta_controller,
-    parse_methods,
-    reduce_kl,
-    register_beta_controller,
-    register_kl_estimator,
-    register_kl_shaping,
-    shape_kl,
-)
-from .integrations.versions import IncompatibleVersionError, UntestedVersionWarning
+# The public surface: what a user writes. Internals (the adaptation's functions, the controller classes, the reduction
+# context) stay importable from their modules: unsloth_adaptive_kl.core.adaptation, .core.controllers, ...
+from .core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl
+from .core import register_beta_controller, register_kl_estimator, register_kl_shaping
+from .core.errors import IncompatibleVersionError, KLEstimatorWarning, NonFiniteLogProbError, UntestedVersionWarning
 
 __version__ = "0.1.0"
 
@@ -47,7 +31,8 @@ def patch() -> None:
     IncompatibleVersionError when an anchor the integration relies on is missing from the installed trl."""
     if not TRL_INSTALLED:
         raise ImportError("unsloth_adaptive_kl.patch() patches TRL, which is not installed: "
-                          "pip install 'unsloth-adaptive-kl[trl]' (or [unsloth]).")
+                          "pip install 'unsloth-adaptive-kl[trl] @ git+https://github.com/unsloth-adaptive-kl/unsloth-adaptive-kl' "
+                          "(or [unsloth]).")
     from .integrations import trl, unsloth
 
     unsloth.check_import_order()
@@ -76,26 +61,17 @@ def is_patched() -> bool:
 __all__ = [
     "AdaptiveKL",
     "AdaptiveKLConfig",
-    "ConstantBeta",
-    "DynamicBeta",
     "IncompatibleVersionError",
     "KLEstimatorWarning",
-    "KLTerm",
     "NonFiniteLogProbError",
-    "ReductionContext",
-    "TargetKL",
     "UntestedVersionWarning",
     "WindowKL",
-    "adapted_kl_term",
+    "estimate_kl",
     "is_patched",
-    "make_beta_controller",
-    "parse_methods",
     "patch",
-    "reduce_kl",
     "register_beta_controller",
     "register_kl_estimator",
     "register_kl_shaping",
-    "shape_kl",
     "unpatch",
 ]
 

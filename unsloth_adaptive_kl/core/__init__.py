@@ -4,10 +4,10 @@
 from .adaptation import (KLTerm, ReductionContext, adapted_kl_term, reduce_kl, register_kl_shaping, shape_kl,
                          shapes_per_token)
 from .adaptive_kl import AdaptiveKL
-from .config import AdaptiveKLConfig, KLEstimatorWarning, parse_methods
+from .config import AdaptiveKLConfig, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller, register_beta_controller
 from .estimators import estimate_kl, estimator_names, register_kl_estimator
-from .numerics import NonFiniteLogProbError
+from .errors import IncompatibleVersionError, KLEstimatorWarning, NonFiniteLogProbError, UntestedVersionWarning
 
 __all__ = [
     "AdaptiveKL",

@@ -20,7 +20,8 @@ from .adaptation import CompletionKL, KLTerm, ReductionContext, completion_kl, k
 from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, _check_real, _is_real, _reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .estimators import checked_kl
-from .numerics import LogpCheck, NonFiniteLogProbError, nonfinite_message
+from .errors import NonFiniteLogProbError
+from .numerics import LogpCheck, nonfinite_message
 
 METRIC_PREFIX = "adaptive_kl/"
 STATE_FORMAT = 2  # `state_dict()`'s format: 2 carries "format_version" and "controller"; 1 (unversioned) did not
@@ -155,12 +156,13 @@ class AdaptiveKL:
         *,
         per_token_kl: Optional[torch.Tensor] = None,
         gather: Optional[Gather] = None,
-    ) -> torch.Tensor:
-        """The KL in the reward: beta_t * KL_i per completion, without gradient, to subtract from each reward before
-        the group statistics. KL_i = the estimator per token, shaped (clip/sigmoid), reduced per completion by
-        `kl_reduction` ('sequence_sum' / 'loss_type': sum_t m k'; 'sequence_mean': that over L_i). With `gather`, the
-        penalties of every process in process order (float32, as trainers gather rewards). Its metrics are in
-        `last_metrics`; `step` reads its KL. Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """(P, metrics) for the KL in the reward, as `kl_loss` returns (term, metrics): P_i = beta_t * KL_i per
+        completion, without gradient, to subtract from each reward before the group statistics. KL_i = the estimator
+        per token, shaped (clip/sigmoid), reduced per completion by `kl_reduction` ('sequence_sum' / 'loss_type':
+        sum_t m k'; 'sequence_mean': that over L_i). With `gather`, the penalties of every process in process order
+        (float32, as trainers gather rewards). metrics: the `adaptive_kl/*` floats, `adaptive_kl/reward_penalty`
+        included (also in `last_metrics`); `step` reads its KL. Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid
         token raises `NonFiniteLogProbError`."""
         if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
             raise _reject("kl_reduction", self.config.kl_reduction,
@@ -173,7 +175,7 @@ class AdaptiveKL:
         penalty, self.last_metrics = self.penalize(
             completion_kl(kl, mask, self.config, check=check), gather=gather or _local, train=True,
             completed_steps=self.completed_steps)
-        return penalty
+        return penalty, self.last_metrics
 
     def step(self, mean_reward: Optional[float] = None, *, kl: Optional[WindowKL] = None) -> float:
         """After each optimizer step: the beta controller's update from what the step saw, effective from the next

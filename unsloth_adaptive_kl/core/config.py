@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from .errors import KLEstimatorWarning
 from .estimators import estimator_names
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
@@ -32,10 +33,6 @@ REWARD_KL_REDUCTIONS = ("loss_type", "sequence_sum", "sequence_mean")
 # Estimators whose value is not the log-ratio k1: as a reward their score-function gradient is not the KL's gradient
 # (the KL lab: k3 in the reward does not regularise at all), so with the KL in the reward they warn.
 NOT_LOG_RATIO_ESTIMATORS = ("k2", "k3", "low_var_kl", "k3+", "k3_bottom_percentile")
-
-
-class KLEstimatorWarning(UserWarning):
-    """An estimator that does not regularise where it is placed (the KL lab's exact figures: docs, Ground truth)."""
 
 
 @dataclass(frozen=True)

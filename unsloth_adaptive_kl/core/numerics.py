@@ -22,10 +22,6 @@ import torch
 HALF_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class NonFiniteLogProbError(FloatingPointError, ValueError):
-    """A NaN or infinite log-prob (policy or reference) on a valid (mask=1) token."""
-
-
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """float32 for half-precision input (bf16, fp16), else `x` itself (float32 and float64 are not copied).
     Autograd carries the gradient back to the half-precision tensor. No branch on the dtype, so torch.fx can trace

@@ -272,7 +272,7 @@ def kl_penalized_data(
     if group_size < 1 or len(data) % group_size:
         raise ValueError(f"group_size={group_size!r} must be >= 1 and divide the {len(data)} completions")
     logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
-    penalty = akl.reward_penalty(logps, _finite_reference(ref, logps, mask), mask)
+    penalty, penalty_metrics = akl.reward_penalty(logps, _finite_reference(ref, logps, mask), mask)
     penalized = (rewards - penalty.to(torch.float32)).view(-1, group_size)
     advantages = penalized - penalized.mean(dim=1, keepdim=True)
     if scale_by_std:
@@ -282,7 +282,7 @@ def kl_penalized_data(
         inputs = dict(datum.loss_fn_inputs)
         inputs[ADVANTAGES] = _tensor_data(advantage * _input(datum, MASK))
         out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
-    metrics = {**akl.last_metrics, "reward/mean": float(rewards.mean()),
+    metrics = {**penalty_metrics, "reward/mean": float(rewards.mean()),
                "reward/penalized_mean": float(penalized.mean())}
     return out, metrics
 

@@ -19,6 +19,8 @@ from typing import Any, Callable, Optional
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
+from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
+
 # What the CI matrix runs (.ci/run): the README's compatibility table lists the exact sets.
 TESTED: dict[str, SpecifierSet] = {
     "trl": SpecifierSet(">=1.9.1,<=1.16.0"),
@@ -28,14 +30,6 @@ TESTED: dict[str, SpecifierSet] = {
     "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"),
     "verl": SpecifierSet("==0.9.1"),
 }
-
-
-class IncompatibleVersionError(RuntimeError):
-    """An anchor the integration relies on is missing from the installed upstream source."""
-
-
-class UntestedVersionWarning(UserWarning):
-    """The installed version is outside the tested range, but every anchor holds, so the patch applies."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,21 @@
+"""Every error and warning the package raises of its own, in one place (pure Python: the core and the integrations
+import it; users catch them from the top level, `from unsloth_adaptive_kl import NonFiniteLogProbError`)."""
+
+
+class NonFiniteLogProbError(FloatingPointError, ValueError):
+    """A NaN or infinite log-prob (policy or reference) on a valid (mask=1) token: raised naming the step, the tensor
+    and how many tokens, before the loss reaches the optimizer (masked positions may hold anything)."""
+
+
+class KLEstimatorWarning(UserWarning):
+    """An estimator that does not regularise where it is placed: 'k1' in the loss, a k3-family estimator in the reward
+    (the KL lab's exact figures: docs, Ground truth)."""
+
+
+class IncompatibleVersionError(RuntimeError):
+    """An anchor an integration relies on is missing from the installed upstream source (names the anchor, the found
+    version and the tested range)."""
+
+
+class UntestedVersionWarning(UserWarning):
+    """The installed version is outside the tested range, but every anchor holds, so the patch applies."""
