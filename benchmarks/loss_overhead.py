@@ -1,6 +1,6 @@
 """The loss-path overhead of adaptive KL, resolved by decomposition (only ratios measured side by side count).
 
-    python benchmarks/loss_overhead.py            # TRL, and Unsloth's generated trainer when installed (< 12 min, 2 cores)
+    python benchmarks/loss_overhead.py            # TRL, and Unsloth's generated trainer when installed (< 15 min, 2 cores)
     python benchmarks/loss_overhead.py --smoke    # tiny repetition counts: checks that it runs and reports
 
 Timing whole loss calls cannot resolve 1 % on a noisy CPU (an A/A pair of loss calls spreads by several per cent).
@@ -18,7 +18,13 @@ So, per trainer, on one captured real generation batch:
 (e) a sanity row: stock against the heaviest method end to end, interleaved, with an A/A control (stock against
     stock): the difference must be consistent with (c) within the A/A interval.
 It also times the core op alone (64 x 4096 per-token KL, every method) against the stock k3 expression.
-Writes JSON and ends with `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_added=N`.
+
+(a)-(e) run at two sizes: `--completions` x `--completion-length` (8 x 64) and a larger batch,
+`--large-completions` x `--large-completion-length` (16 x 256, 8x the tokens). What the adaptation adds to the loss
+path is mostly fixed per call (ops, the metric row), while the stock loss grows with the tokens, so its share falls
+with size; the table `share by size` shows it per method.
+Writes JSON and ends with `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the default size) and
+`max_loss_overhead_ratio_large=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the larger one).
 """
 
 from __future__ import annotations
@@ -67,13 +73,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--e2e-repeats", type=int, default=40)
     parser.add_argument("--completions", type=int, default=8)
     parser.add_argument("--completion-length", type=int, default=64)
+    parser.add_argument("--large-completions", type=int, default=16)
+    parser.add_argument("--large-completion-length", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--json", default="benchmarks/loss_overhead.json")
     parser.add_argument("--trainer", choices=["trl", "unsloth"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.stock_repeats, args.core_repeats, args.e2e_repeats, args.completion_length = 3, 5, 3, 8
+    if args.smoke:  # tiny defaults; sizes given on the command line (the trainer processes get theirs) still count
+        parser.set_defaults(stock_repeats=3, core_repeats=5, e2e_repeats=3, completion_length=8,
+                            large_completions=8, large_completion_length=32)
+        args = parser.parse_args(argv)
     return args
 
 
@@ -338,7 +348,9 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
         return torch.exp(delta) - delta - 1
 
     def per_token(config: Any) -> torch.Tensor:
-        return stock() if config.kl_estimator == "k3" else estimate_kl(logp, ref, mask, config)
+        # the estimator in effect (kl_estimator=None means k3 in the loss): the trainer's own KL for k3, as the
+        # integrations use it; the core's estimator (its masked inputs included) otherwise
+        return stock() if config.estimator == "k3" else estimate_kl(logp, ref, mask, config)
 
     base_ops = profile_counts(stock)[0]
     rows = []
@@ -360,13 +372,15 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
     return [{"method": "stock k3", "median_ms": statistics.median(stock_samples) * 1e3, "x_k3": 1.0, "ops": 0}, *rows]
 
 
-def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """Each trainer in its own process: importing Unsloth rewrites TRL for the whole process."""
+def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str], size: tuple[int, int]) -> dict[str, Any]:
+    """Each trainer in its own process: importing Unsloth rewrites TRL for the whole process. size: (completions,
+    completion length) of the captured batch."""
     with tempfile.TemporaryDirectory() as folder:
         output = os.path.join(folder, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        subprocess.run([sys.executable, __file__, *argv, "--trainer", trainer, "--json", output], check=True, env=env,
-                       cwd=folder)
+        sized = ["--completions", str(size[0]), "--completion-length", str(size[1])]
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, *sized, "--trainer", trainer, "--json",
+                        output], check=True, env=env, cwd=folder)
         with open(output) as f:
             return json.load(f)
 
@@ -398,6 +412,42 @@ def print_table(title: str, result: dict[str, Any]) -> None:
           f"{'yes' if e2e['consistent'] else 'NO'}")
 
 
+def headline(part: dict[str, Any], started: float) -> dict[str, Any]:
+    """The worst row over both trainers at one size, with its trainer's A/A interval."""
+    rows = [(trainer, row) for trainer in ("trl", "unsloth") if trainer in part for row in part[trainer]["rows"]]
+    trainer, worst = max(rows, key=lambda item: item[1]["ratio"])
+    return {"trainer": trainer, "method": worst["method"], "ratio": worst["ratio"], "ci": worst["ci"],
+            "aa": part[trainer]["end_to_end"]["aa_ci"], "ops_added": worst["ops_added"],
+            "seconds": time.perf_counter() - started}
+
+
+def shares(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per trainer and method: the added time and the overhead (ratio - 1) at both sizes."""
+    small, large = results, results["large"]
+    out = []
+    for trainer in ("trl", "unsloth"):
+        if trainer not in small or trainer not in large:
+            continue
+        for row, big in zip(small[trainer]["rows"], large[trainer]["rows"]):
+            out.append({"trainer": trainer, "method": row["method"], "added_s": row["added_s"],
+                        "added_s_large": big["added_s"], "stock_s": row["stock_s"], "stock_s_large": big["stock_s"],
+                        "overhead": row["ratio"] - 1, "overhead_large": big["ratio"] - 1,
+                        "ops_added": row["ops_added"], "ops_added_large": big["ops_added"]})
+    return out
+
+
+def print_shares(results: dict[str, Any]) -> None:
+    small, large = results["size"], results["large"]["size"]
+    results["shares"] = shares(results)
+    print(f"\nshare by size ({small['completions']} x {small['completion_length']} -> {large['completions']} x "
+          f"{large['completion_length']} tokens): added ms, stock ms and overhead (ratio - 1) at each")
+    for row in results["shares"]:
+        print(f"  {row['trainer']:8s} {row['method']:36s} added {row['added_s'] * 1e3:6.3f} -> "
+              f"{row['added_s_large'] * 1e3:6.3f} ms  stock {row['stock_s'] * 1e3:6.1f} -> "
+              f"{row['stock_s_large'] * 1e3:6.1f} ms  overhead {row['overhead'] * 100:5.2f}% -> "
+              f"{row['overhead_large'] * 100:5.2f}%  ops {row['ops_added']} -> {row['ops_added_large']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -414,22 +464,27 @@ def main(argv: list[str] | None = None) -> int:
     for row in core:
         compiled = f"  compiled x{row['x_k3_compiled']:.2f}" if "x_k3_compiled" in row else ""
         print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}{compiled}  +{row['ops']} ops")
-    results = {"core_op": core, "trl": run_trainer("trl", args, passthrough)}
-    print_table("TRL GRPOTrainer", results["trl"])
-    if importlib.util.find_spec("unsloth") is not None:
-        results["unsloth"] = run_trainer("unsloth", args, passthrough)
-        print_table("Unsloth's generated trainer", results["unsloth"])
-    rows = [(trainer, row) for trainer in ("trl", "unsloth") if trainer in results for row in results[trainer]["rows"]]
-    trainer, worst = max(rows, key=lambda item: item[1]["ratio"])
-    aa = results[trainer]["end_to_end"]["aa_ci"]
-    results["headline"] = {"trainer": trainer, "method": worst["method"], "ratio": worst["ratio"], "ci": worst["ci"],
-                           "aa": aa, "ops_added": worst["ops_added"], "seconds": time.perf_counter() - started}
+    results: dict[str, Any] = {"core_op": core}
+    sizes = {"": (args.completions, args.completion_length),
+             "_large": (args.large_completions, args.large_completion_length)}
+    for suffix, size in sizes.items():
+        part = results if not suffix else results.setdefault("large", {})
+        part["size"] = {"completions": size[0], "completion_length": size[1], "tokens": size[0] * size[1]}
+        part["trl"] = run_trainer("trl", args, passthrough, size)
+        print_table(f"TRL GRPOTrainer, {size[0]} x {size[1]} tokens", part["trl"])
+        if importlib.util.find_spec("unsloth") is not None:
+            part["unsloth"] = run_trainer("unsloth", args, passthrough, size)
+            print_table(f"Unsloth's generated trainer, {size[0]} x {size[1]} tokens", part["unsloth"])
+        part["headline"] = headline(part, started)
+    print_shares(results)
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=2)
     print(f"\n{time.perf_counter() - started:.0f} s; JSON in {args.json}")
-    print(f"max_loss_overhead_ratio={worst['ratio']:.3f} ci=[{worst['ci'][0]:.3f},{worst['ci'][1]:.3f}] "
-          f"aa=[{aa[0]:.3f},{aa[1]:.3f}] ops_added={worst['ops_added']}")
+    for suffix, part in (("", results), ("_large", results["large"])):
+        h = part["headline"]
+        print(f"max_loss_overhead_ratio{suffix}={h['ratio']:.3f} ci=[{h['ci'][0]:.3f},{h['ci'][1]:.3f}] "
+              f"aa=[{h['aa'][0]:.3f},{h['aa'][1]:.3f}] ops_added={h['ops_added']}")
     return 0
 
 

@@ -67,14 +67,30 @@ def test_loss_overhead_benchmark_smoke(tmp_path) -> None:
     result = subprocess.run([sys.executable, str(LOSS_SCRIPT), "--smoke", "--json", str(report_path)],
                             capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    last_line = result.stdout.strip().splitlines()[-1]
+    headline_line, large_line = result.stdout.strip().splitlines()[-2:]
     report = json.loads(report_path.read_text())
     trainers = ["trl"] + (["unsloth"] if importlib.util.find_spec("unsloth") is not None else [])
     rows = [row for trainer in trainers for row in report[trainer]["rows"]]
     assert len(rows) == 13 * len(trainers)
     worst = max(rows, key=lambda row: row["ratio"])
-    assert last_line.startswith(f"max_loss_overhead_ratio={worst['ratio']:.3f} ci=[{worst['ci'][0]:.3f},")
-    assert f"ops_added={worst['ops_added']}" in last_line
+    assert headline_line.startswith(f"max_loss_overhead_ratio={worst['ratio']:.3f} ci=[{worst['ci'][0]:.3f},")
+    assert f"ops_added={worst['ops_added']}" in headline_line
+    # the second, larger size (at least 4x the tokens): its own rows, headline line and per-method shares
+    large = report["large"]
+    assert large["size"]["tokens"] >= 4 * report["size"]["tokens"]
+    large_rows = [row for trainer in trainers for row in large[trainer]["rows"]]
+    assert [row["method"] for row in large_rows] == [row["method"] for row in rows]
+    large_worst = max(large_rows, key=lambda row: row["ratio"])
+    assert large_line.startswith(f"max_loss_overhead_ratio_large={large_worst['ratio']:.3f} "
+                                 f"ci=[{large_worst['ci'][0]:.3f},{large_worst['ci'][1]:.3f}] aa=[")
+    assert large_line.endswith(f" ops_added={large_worst['ops_added']}")
+    assert report["large"]["headline"]["ratio"] == large_worst["ratio"]
+    shares = report["shares"]
+    assert len(shares) == len(rows) and all(
+        share["overhead_large"] == big["ratio"] - 1 and share["overhead"] == row["ratio"] - 1
+        for share, row, big in zip(shares, rows, large_rows))
+    # the same loss path at both sizes: the ops it adds do not depend on the number of tokens
+    assert all(share["ops_added"] == share["ops_added_large"] for share in shares)
     # each row's ratio has its own stock loss, timed in the same rounds as its added time
     assert all(row["stock_s"] > 0 and abs(row["ratio"] - (1 + row["added_s"] / row["stock_s"])) < 1e-12 for row in rows)
     # the adaptation adds work, and the profiler counts it: every method adds aten ops over the stock KL line

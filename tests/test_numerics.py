@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError
+from unsloth_adaptive_kl.core import adaptation, numerics
 from unsloth_adaptive_kl.core.adaptation import ReductionContext
-from unsloth_adaptive_kl.core import adaptation
-from unsloth_adaptive_kl.core.numerics import LogpCheck
+from unsloth_adaptive_kl.core.numerics import LogpCheck, keep_valid
 
 # k1 in the loss and k3-family estimators in the reward warn by design; every estimator is exercised in both here.
 pytestmark = pytest.mark.filterwarnings("ignore::unsloth_adaptive_kl.core.config.KLEstimatorWarning")
@@ -174,10 +174,20 @@ def test_other_processes_non_finite_input_raises_on_every_process() -> None:
 GARBAGE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "huge": 1e4, "-huge": -1e4}
 
 
+@pytest.fixture(params=["where", "bitwise"])
+def masking_path(request, monkeypatch) -> str:
+    """Both ways the core masks a tensor that needs a gradient: `torch.where` (below `WHERE_BELOW` elements) and the
+    bitwise autograd function (at and above it, so at every size here when the threshold is 0)."""
+    if request.param == "bitwise":
+        monkeypatch.setattr(numerics, "WHERE_BELOW", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 @pytest.mark.parametrize("garbage", sorted(GARBAGE))
 @pytest.mark.parametrize("where", ["policy", "reference", "both"])
-def test_anything_on_masked_positions_gives_the_clean_value_and_finite_gradients(estimator, garbage, where) -> None:
+def test_anything_on_masked_positions_gives_the_clean_value_and_finite_gradients(estimator, garbage, where,
+                                                                                 masking_path) -> None:
     logp, ref, mask = batch(seed=3)
     assert (mask == 0).any()
     dirty_logp, dirty_ref = logp.clone(), ref.clone()
@@ -203,7 +213,7 @@ def test_anything_on_masked_positions_gives_the_clean_value_and_finite_gradients
     assert torch.equal(penalty, want)
 
 
-def test_a_per_token_kl_with_garbage_on_masked_positions_gives_finite_values_and_zero_gradient_there() -> None:
+def test_a_per_token_kl_with_garbage_on_masked_positions_gives_finite_values_and_zero_gradient_there(masking_path) -> None:
     """A KL handed over (`per_token_kl`): its masked positions are dropped by `torch.where`, with a zero gradient."""
     logp, ref, mask = batch(seed=4)
     kl = (ref - logp).square().requires_grad_(True)
@@ -215,6 +225,49 @@ def test_a_per_token_kl_with_garbage_on_masked_positions_gives_finite_values_and
     (grad,) = torch.autograd.grad(term, dirty)
     (want_grad,) = torch.autograd.grad(want, kl)
     assert term.item() == want.item() and torch.equal(grad, want_grad) and (grad[mask == 0] == 0).all()
+
+
+MASKS = {"float": lambda m: m, "long": lambda m: m.long(), "bool": lambda m: m.bool(),
+         "float, nonzero not 1": lambda m: m * torch.tensor([0.5, 2.0, -1.0, 3.0])[:, None]}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, *HALF], ids=str)
+@pytest.mark.parametrize("mask_kind", sorted(MASKS))
+@pytest.mark.parametrize("grad", [False, True], ids=["no grad", "grad"])
+def test_keep_valid_is_torch_where_bit_for_bit_values_and_gradients(dtype, mask_kind, grad, masking_path) -> None:
+    """The core's masking (a bitwise AND, or torch.where for small tensors needing a gradient) against
+    `torch.where(mask != 0, x, 0)`: the same bits on every position (a NaN or inf on a valid token stays, anything on
+    a masked one is 0), the same gradient (0 on masked positions), float32 for half precision."""
+    logp, _, mask = batch(seed=5)
+    mask = MASKS[mask_kind](mask)
+    x = logp.to(dtype)
+    valid = (mask != 0).nonzero()
+    padded = (mask == 0).nonzero()
+    x[tuple(valid[0])], x[tuple(valid[1])], x[tuple(valid[2])] = math.nan, math.inf, -math.inf
+    for index, value in zip(padded[:4], (math.nan, math.inf, -math.inf, 1e4)):
+        x[tuple(index)] = value
+    leaf, want_leaf = x.clone().requires_grad_(grad), x.clone().requires_grad_(grad)
+    got = keep_valid(leaf, mask)
+    want = torch.where(mask != 0, want_leaf.to(torch.promote_types(dtype, torch.float32)), 0.0)
+    assert got.dtype == want.dtype and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isposinf(), want.isposinf())
+    assert got[mask == 0].eq(0).all()
+    if grad:
+        upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(1)).to(got.dtype)
+        (grad_got,) = torch.autograd.grad(got, leaf, upstream)
+        (grad_want,) = torch.autograd.grad(want, want_leaf, upstream)
+        assert grad_got.dtype == dtype and torch.equal(grad_got, grad_want)
+        assert grad_got[mask == 0].eq(0).all() and torch.isfinite(grad_got).all()
+
+
+def test_a_mask_changed_in_place_is_converted_again() -> None:
+    """The core reuses the bits of the last mask while that tensor is unchanged: an in-place change is seen."""
+    logp, _, mask = batch(seed=6)
+    assert torch.equal(keep_valid(logp, mask), torch.where(mask != 0, logp, 0.0))
+    mask[0] = 0.0
+    mask[1] = 1.0
+    assert torch.equal(keep_valid(logp, mask), torch.where(mask != 0, logp, 0.0))
+    assert torch.equal(keep_valid(logp.double(), mask), torch.where(mask != 0, logp.double(), 0.0))
 
 
 # ----- kl_compile: a failing backward falls back to eager ------------------------------------------------------------

@@ -1,13 +1,15 @@
 """MkDocs hook: the parts of the docs that code can produce are generated at build time, so they cannot drift.
 
-A page asks for one with a line of its own, `<!-- generated: NAME [ARGUMENT] -->`; the hook replaces that line with
-the Markdown that `GENERATORS[NAME](ARGUMENT)` returns. An unknown name fails the build. Sources:
+A page asks for one with a line of its own, `<!-- generated: NAME [ARGUMENT] -->`, or inside a sentence,
+`<!-- generated-inline: NAME [ARGUMENT] -->`; the hook replaces it with the Markdown that `GENERATORS[NAME](ARGUMENT)`
+returns. An unknown name fails the build. Sources:
 - `configuration`: `AdaptiveKLConfig`'s fields (type, default, help), what its validation allows (the text of the
   ValueError it raises for a bad value) and `config.READ_BY`;
 - `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
 - `demo_flags`: the demo's argparse parser;
-- `loss_overhead`, `loss_overhead_sanity`, `core_op`, `steps`, `unsloth_steps`, `ref_sync_cost`,
-  `benchmark_headline`, `verl_loss`: `benchmarks/*.json`;
+- `loss_overhead`, `loss_overhead_sanity`, `benchmark_headline` (each with `large` for the larger size),
+  `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `steps`, `unsloth_steps`,
+  `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
 - `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo;
 - `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`: `docs/results/kl_lab.json`, written by the KL lab.
 """
@@ -24,6 +26,8 @@ from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!-- generated: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->$", re.MULTILINE)
+# a generated phrase inside a sentence: `<!-- generated-inline: NAME [ARGUMENT] -->`
+INLINE = re.compile(r"<!-- generated-inline: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->")
 
 
 def _cell(text: Any) -> str:
@@ -103,8 +107,23 @@ def _benchmark(name: str) -> dict:
     return json.loads((ROOT / "benchmarks" / name).read_text())
 
 
-def loss_overhead(_: Optional[str] = None) -> str:
+def _loss_overhead_part(size: Optional[str]) -> dict:
+    """loss_overhead.json's default size, or its larger one (`large`)."""
     data = _benchmark("loss_overhead.json")
+    if size in (None, "default"):
+        return data
+    if size != "large":
+        raise ValueError(f"loss_overhead size {size!r}: allowed is 'large' or nothing")
+    return data["large"]
+
+
+def _size_label(part: dict) -> str:
+    size = part["size"]
+    return f"{size['completions']} completions × {size['completion_length']} tokens"
+
+
+def loss_overhead(size: Optional[str] = None) -> str:
+    data = _loss_overhead_part(size)
     trainers = [name for name in ("trl", "unsloth") if data.get(name)]
     by_method: dict[str, dict[str, dict]] = {}
     for trainer in trainers:
@@ -126,16 +145,55 @@ def loss_overhead(_: Optional[str] = None) -> str:
     return _table(header, rows)
 
 
-def benchmark_headline(_: Optional[str] = None) -> str:
-    h = _benchmark("loss_overhead.json")["headline"]
-    return (f"`max_loss_overhead_ratio={h['ratio']:.3f} ci=[{h['ci'][0]:.3f},{h['ci'][1]:.3f}] "
+def benchmark_headline(size: Optional[str] = None) -> str:
+    part = _loss_overhead_part(size)
+    h, total = part["headline"], _benchmark("loss_overhead.json")["large"]["headline"]["seconds"]
+    suffix = "_large" if size == "large" else ""
+    return (f"`max_loss_overhead_ratio{suffix}={h['ratio']:.3f} ci=[{h['ci'][0]:.3f},{h['ci'][1]:.3f}] "
             f"aa=[{h['aa'][0]:.3f},{h['aa'][1]:.3f}] ops_added={h['ops_added']}` "
-            f"({h['trainer']}, `{h['method']}`; {h['seconds']:.0f} s for the whole run)")
+            f"({h['trainer']}, `{h['method']}`, {_size_label(part)}; {total:.0f} s for the whole run)")
 
 
-def loss_overhead_sanity(_: Optional[str] = None) -> str:
-    """Each trainer's stock loss timing and its end-to-end sanity row (heaviest method against stock, with A/A)."""
+def loss_overhead_summary(argument: Optional[str] = None) -> str:
+    """One trainer's rows at one size in a sentence: `TRAINER` or `TRAINER:large`."""
+    trainer, _, size = (argument or "trl").partition(":")
+    rows = _loss_overhead_part(size or None)[trainer]["rows"]
+    ratios = [row["ratio"] for row in rows]
+    added = [row["added_s"] * 1e3 for row in rows]
+    ops = [row["ops_added"] for row in rows]
+    stock = [row["stock_s"] * 1e3 for row in rows]
+    within = sum(ratio <= 1.01 for ratio in ratios)
+    return (f"{min(ratios):.4f} to {max(ratios):.4f} ({within} of {len(rows)} rows within 1.01), adding "
+            f"{min(added):.2f}-{max(added):.2f} ms and {min(ops)}-{max(ops)} aten ops to a {min(stock):.0f}-"
+            f"{max(stock):.0f} ms loss")
+
+
+def loss_overhead_max(size: Optional[str] = None) -> str:
+    """The largest overhead of any row at one size, in per cent."""
+    return f"{(_loss_overhead_part(size)['headline']['ratio'] - 1) * 100:.1f} %"
+
+
+def loss_overhead_seconds(_: Optional[str] = None) -> str:
+    return f"{_benchmark('loss_overhead.json')['large']['headline']['seconds']:.0f} s"
+
+
+def loss_overhead_shares(_: Optional[str] = None) -> str:
+    """Per method and trainer: the added time and the overhead at both sizes (the share falls with size)."""
     data = _benchmark("loss_overhead.json")
+    small, large = _size_label(data), _size_label(data["large"])
+    label = {"trl": "TRL", "unsloth": "Unsloth"}
+    rows = [[label[s["trainer"]], f"`{s['method']}`",
+             f"{s['added_s'] * 1e3:.3f} → {s['added_s_large'] * 1e3:.3f}",
+             f"{s['stock_s'] * 1e3:.1f} → {s['stock_s_large'] * 1e3:.1f}",
+             f"{s['overhead'] * 100:.2f} → {s['overhead_large'] * 100:.2f}",
+             f"{s['ops_added']} → {s['ops_added_large']}"] for s in data["shares"]]
+    return _table(["trainer", "method", f"added ms ({small} → {large})", "stock loss ms", "overhead %",
+                   "ops added"], rows)
+
+
+def loss_overhead_sanity(size: Optional[str] = None) -> str:
+    """Each trainer's stock loss timing and its end-to-end sanity row (heaviest method against stock, with A/A)."""
+    data = _loss_overhead_part(size)
     rows = []
     for trainer, label in (("trl", "TRL"), ("unsloth", "Unsloth's generated trainer")):
         if not data.get(trainer):
@@ -158,6 +216,15 @@ def core_op(_: Optional[str] = None) -> str:
     return (_table(["method", "k3 + adaptation, median ms", "x stock k3", "aten ops added",
                     "`kl_compile=True`: x stock k3"], body)
             + f"\n\nStock k3 expression alone: {stock['median_ms']:.3f} ms.")
+
+
+def core_op_target(limit: Optional[str] = None) -> str:
+    """Which methods' eager core op is within `limit` x the stock k3 expression in the committed run, and which not."""
+    bound = float(limit or 1.5)
+    rows = [r for r in _benchmark("loss_overhead.json")["core_op"] if r["method"] != "stock k3"]
+    within = [f"`{r['method']}` ({r['x_k3']:.2f})" for r in rows if r["x_k3"] <= bound]
+    above = [f"`{r['method']}` ({r['x_k3']:.2f})" for r in rows if r["x_k3"] > bound]
+    return (f"within it {', '.join(within) or 'no method'}; above it {', '.join(above) or 'no method'}")
 
 
 def steps(_: Optional[str] = None) -> str:
@@ -284,8 +351,13 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "demo_flags": demo_flags,
     "loss_overhead": loss_overhead,
     "benchmark_headline": benchmark_headline,
+    "loss_overhead_summary": loss_overhead_summary,
+    "loss_overhead_shares": loss_overhead_shares,
+    "loss_overhead_seconds": loss_overhead_seconds,
+    "loss_overhead_max": loss_overhead_max,
     "loss_overhead_sanity": loss_overhead_sanity,
     "core_op": core_op,
+    "core_op_target": core_op_target,
     "steps": steps,
     "unsloth_steps": unsloth_steps,
     "ref_sync_cost": ref_sync_cost,
@@ -302,7 +374,7 @@ def render(markdown: str) -> str:
             raise KeyError(f"unknown generated block {name!r}: known are {', '.join(GENERATORS)}")
         return GENERATORS[name](match["argument"])
 
-    return MARKER.sub(replace, markdown)
+    return INLINE.sub(replace, MARKER.sub(replace, markdown))
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:  # MkDocs hook

@@ -6,7 +6,7 @@ L_i = sum_t m[i, t]. Every function is traceable torch (no `.item()`), so it als
 
 Numerics: everything is computed in float32 whatever the input dtype (bf16/fp16 per-token KL and masks are upcast;
 float64 stays float64), so the terms, sums, lengths and normalisers are float32 for half-precision input. Masked
-positions are set to 0 with `torch.where` (they may hold NaN or +-inf), and get a zero gradient.
+positions are set to 0 (they may hold NaN or +-inf) and get a zero gradient (`numerics.keep_valid`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .config import AdaptiveKLConfig
-from .numerics import LogpCheck, upcast, valid_positions
+from .numerics import LogpCheck, keep_valid
 from .registry import SHAPINGS as _SHAPINGS
 from .registry import new_method_name, registrar
 
@@ -84,7 +84,7 @@ def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x on valid positions (mask != 0), 0 on masked ones, in float32 for half-precision x: whatever a padded position
     holds (NaN, +-inf) it cannot leak into a sum, and its gradient is exactly 0. A NaN or inf at a valid position stays
     (never silently zeroed): the KL's sums are then non-finite, which `AdaptiveKL` reports."""
-    return torch.where(valid_positions(mask), upcast(x), 0.0)
+    return keep_valid(x, mask)
 
 
 def row_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
