@@ -144,12 +144,13 @@ def test_the_unsloth_scenarios_method_and_recompile_checks_run_on_trl_on_cpu(mod
 def test_a_missing_optional_package_is_a_fail_line_naming_the_install(model_dir, tmp_path, monkeypatch) -> None:
     real = scenarios.importlib.util.find_spec
     monkeypatch.setattr(scenarios.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("vllm", "bitsandbytes") else real(name, *a))
+                        lambda name, *a: None if name in ("unsloth", "vllm", "bitsandbytes") else real(name, *a))
     checks = scenarios.vllm_kl_in_reward(model_dir, str(tmp_path))  # one line per missing package, nothing run
     assert [check.line().split(": ", 2)[:2] for check in checks] == [
+        ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs unsloth"],
         ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs bitsandbytes"],
-        ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs vllm"]]
-    assert checks[1].detail.startswith("vllm is not installed: pip install vllm")
+        ["[FAIL] vLLM fast_inference, kl_placement='reward'", "needs vllm"]]  # whatever this machine has installed
+    assert checks[2].detail.startswith("vllm is not installed: pip install vllm")
     (eight_bit,) = scenarios.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32")
     assert not eight_bit.ok and eight_bit.detail == "bitsandbytes is not installed: pip install bitsandbytes"
 
