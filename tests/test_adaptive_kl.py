@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, register_kl_estimator
+from unsloth_adaptive_kl.core.adaptation import ReductionContext
 from unsloth_adaptive_kl.core.estimators import estimator_names
+from unsloth_adaptive_kl.core.functional import completion_kls
+
+from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 
 BETA = 0.04
 LENGTHS = torch.tensor([4.0, 2.0, 1.0])
@@ -228,6 +232,115 @@ def test_state_dict_resumes_exactly() -> None:
     assert resumed.completed_steps == 3
     assert head + run(resumed, range(3, 6)) == uninterrupted
     assert len(set(uninterrupted)) == 6  # beta moved every step
+
+
+def k1_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    return (logps - ref) * MASK
+
+
+def test_the_steps_kl_is_one_token_mean_whatever_the_loop_and_placement() -> None:
+    """`last_raw_kl` (what ref_model_sync_kl compares) and the `target` controller's KL are sum_t m k / sum L over
+    the step's completions, all micro-batches, in every path: the own loop's kl_loss + step, the trainer path's
+    record, the own loop's reward_penalty + step, and the trainer path's penalize + end_generation. grpo's loss
+    reduction (a mean of per-completion means) would give another number: the test tells them apart."""
+    (a, ref_a), (b, ref_b) = batch(0, False), batch(1, False)
+    loss_mean = (k3_by_hand(a, ref_a).sum() + k3_by_hand(b, ref_b).sum()).item() / (2 * LENGTHS.sum().item())
+    grpo_mean = ((k3_by_hand(a, ref_a).sum(-1) / LENGTHS).mean() + (k3_by_hand(b, ref_b).sum(-1) / LENGTHS).mean()) / 2
+    assert abs(loss_mean - grpo_mean.item()) > 0.02  # 0.813 against 0.782
+    target = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0)
+
+    own = AdaptiveKL(target, BETA)
+    own.kl_loss(a, ref_a, MASK), own.kl_loss(b, ref_b, MASK)
+    own.step()
+    trainer = AdaptiveKL(target, BETA)
+    for logps, ref, last in ((a, ref_a, False), (b, ref_b, True)):
+        term = trainer.term(k3_by_hand(logps, ref), MASK, ReductionContext())
+        trainer.record(term, gather=lambda t: t, train=True, end_of_step=last, completed_steps=1)
+    # The statistics rows are float32 (one gather for every dtype): 1e-7 relative.
+    assert own.last_raw_kl == pytest.approx(loss_mean, rel=1e-6)
+    assert trainer.last_raw_kl == pytest.approx(loss_mean, rel=1e-6)
+    assert own.current_beta == pytest.approx(trainer.current_beta, rel=1e-9) and own.current_beta != BETA
+
+    in_reward = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0, kl_placement="reward")
+    reward_mean = k1_by_hand(a, ref_a).sum().item() / LENGTHS.sum().item()  # k1: the reward's default estimator
+    own = AdaptiveKL(in_reward, BETA)
+    own.reward_penalty(a, ref_a, MASK)
+    own.step(mean_reward=0.5)
+    trainer = AdaptiveKL(in_reward, BETA)
+    trainer.penalize(completion_kls(a, ref_a, MASK, in_reward), gather=lambda t: t, train=True, completed_steps=0)
+    trainer.end_generation(0.5, completed_steps=1)
+    assert own.last_raw_kl == pytest.approx(reward_mean, rel=1e-6)
+    assert trainer.last_raw_kl == pytest.approx(reward_mean, rel=1e-6)
+    error = min(max(reward_mean / 0.1 - 1, -0.2), 0.2)
+    assert own.current_beta == trainer.current_beta == pytest.approx(BETA * (1 + error * 3 / 30.0), rel=1e-9)
+
+
+@pytest.mark.parametrize(("method", "loss_type"), [("clip", "grpo"), ("sigmoid+length_normalized", "bnpo"),
+                                                  ("target", "luspo")])
+def test_kl_loss_metrics_match_their_definitions(method: str, loss_type: str) -> None:
+    """Each adaptive_kl/* value of `kl_loss` against docs/metrics.md's definition (tests/metric_definitions.py)."""
+    config = AdaptiveKLConfig(kl_adaptation_method=method, kl_clip_threshold=0.3)
+    logps, ref = batch(2, False)
+    _, metrics = AdaptiveKL(config, BETA, loss_type).kl_loss(logps, ref, MASK)
+    adapted = REDUCE["length_normalized" if "length_normalized" in method else loss_type]
+    assert_metrics_match(metrics, by_definition(k3_by_hand(logps, ref), MASK, method=method, raw=REDUCE[loss_type],
+                                                adapted=adapted, beta=BETA, clip=0.3), rel=1e-5)  # float32 rows
+
+
+def test_reward_penalty_metrics_match_their_definitions() -> None:
+    config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3, kl_placement="reward")
+    logps, ref = batch(2, False)
+    penalty, metrics = AdaptiveKL(config, BETA).reward_penalty(logps, ref, MASK)
+    k1 = k1_by_hand(logps, ref)
+    assert_metrics_match(metrics, by_definition(k1, MASK, method="clip", raw=REDUCE["sequence_sum"],
+                                                adapted=REDUCE["sequence_sum"], beta=BETA, clip=0.3, penalty=True),
+                         rel=1e-5)
+    assert torch.allclose(penalty.double(), BETA * (torch.clamp(k1, max=0.3) * MASK).sum(-1), rtol=1e-6)
+
+
+def test_the_kl_in_the_reward_applies_the_schedule_cut_off_when_a_batch_is_scored() -> None:
+    """A trainer scores generation batch k after k optimizer steps (`penalize`, then `end_generation`): from
+    beta_schedule_steps = 2 on, the batch is penalised with beta_min, not one batch later."""
+    config = AdaptiveKLConfig(kl_adaptation_method="dynamic", kl_placement="reward", beta_schedule_steps=2,
+                              beta_min=0.01, reward_threshold=0.8)
+    akl = AdaptiveKL(config, BETA)
+    logps, ref = batch(0, False)
+    betas = []
+    for step in range(4):
+        _, metrics = akl.penalize(completion_kls(logps, ref, MASK, config), gather=lambda t: t, train=True,
+                                  completed_steps=step)
+        betas.append(metrics["adaptive_kl/current_beta"])
+        akl.end_generation(0.5, completed_steps=step)  # below the reward threshold: no decay
+    assert betas == [BETA, BETA, 0.01, 0.01]
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_a_checkpoint_between_the_kl_and_the_step_resumes_exactly(placement: str) -> None:
+    """Saved after the batch's KL was seen and before `step` read it (and after a first step: last_raw_kl), a
+    resumed object steps to the same beta and the same last_raw_kl as the uninterrupted one."""
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0, kl_placement=placement)
+
+    def see(akl: AdaptiveKL, seed: int) -> None:
+        logps, ref = batch(seed, False)
+        (akl.kl_loss if placement == "loss" else akl.reward_penalty)(logps, ref, MASK)
+
+    uninterrupted, first = AdaptiveKL(config, BETA), AdaptiveKL(config, BETA)
+    for akl in (uninterrupted, first):
+        see(akl, 0), akl.step(mean_reward=0.5), see(akl, 1)
+    resumed = AdaptiveKL(config, BETA)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert resumed.last_raw_kl == uninterrupted.last_raw_kl and math.isfinite(resumed.last_raw_kl)
+    assert resumed.step(mean_reward=0.5) == uninterrupted.step(mean_reward=0.5) != BETA
+    assert resumed.last_raw_kl == uninterrupted.last_raw_kl
+
+
+def test_a_format_2_state_loads_without_the_steps_kl() -> None:
+    state = {"format_version": 2, "controller": "target", "value": 0.05, "generation_batch": 3, "batch_reward": 0.5,
+             "completed_steps": 3}  # as the previous release wrote it
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target"), BETA)
+    akl.load_state_dict(state)
+    assert (akl.current_beta, akl.completed_steps, math.isnan(akl.last_raw_kl)) == (0.05, 3, True)
+    assert akl.step() == 0.05  # no KL seen since the resume: beta holds
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig, KLEstimatorWarning
 from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
-from unsloth_adaptive_kl.core.adaptive_kl import pearson_correlation
+from unsloth_adaptive_kl.core.functional import pearson_correlation
 from unsloth_adaptive_kl.core.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 
 from .test_core import CTX, HAND_REDUCTIONS, KL, MASK

@@ -217,19 +217,23 @@ def test_exchange_is_undone_when_the_reference_forward_raises() -> None:
 
 @pytest.mark.parametrize("placement", ["loss", "reward"])
 def test_kl_trigger_syncs_only_after_steps_whose_raw_kl_exceeded_it(tokenizer, tmp_path, placement: str) -> None:
-    """A sync is due after every step; with ref_model_sync_kl = 1e-3 it happens only after the steps whose logged raw KL
-    (one process: the all-process mean) exceeded 1e-3, and each such hard sync brings the next step's KL to 0."""
+    """A sync is due after every step; with ref_model_sync_kl = 1e-3 it happens only after the steps whose KL exceeded
+    1e-3, and each such hard sync brings the next step's KL to 0. The step's KL is the token mean over the step's
+    completions (one step per generation batch here): the logged mean summed KL per completion over the logged mean
+    completion length, in both placements. It is not the logged raw_kl: grpo's reduction (a mean of per-completion
+    means) in the loss, a per-completion sum in the reward (sequence_sum)."""
     extra = dict(kl_placement="reward", kl_reduction="sequence_sum") if placement == "reward" else {}
     trainer = make_trainer(tokenizer, str(tmp_path), model_kind="peft_config", max_steps=8, sync_ref_model=True,
                            ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, ref_model_sync_kl=1e-3, **extra)
     trainer.train()
-    raw, syncs = logged(trainer, "adaptive_kl/raw_kl"), logged(trainer, "adaptive_kl/ref_syncs")
-    triggered = [kl > 1e-3 for kl in raw]
+    step_kl = [kl / length for kl, length in zip(logged(trainer, "adaptive_kl/sequence_kl"),
+                                                 logged(trainer, "completions/mean_length"), strict=True)]
+    syncs = logged(trainer, "adaptive_kl/ref_syncs")
+    triggered = [kl > 1e-3 for kl in step_kl]
     assert syncs == [float(sum(triggered[: step + 1])) for step in range(8)]
     assert 2 <= sum(triggered) < 8
-    assert all(raw[step + 1] == 0.0 for step in range(7) if triggered[step])
-    if placement == "loss":  # measured: steps 4 and 7 (KL 3.1e-4 and 4.8e-4) were due but stayed below the trigger
-        assert any(0.0 < kl <= 1e-3 for kl in raw)
+    assert all(step_kl[step + 1] == 0.0 for step in range(7) if triggered[step])
+    assert any(0.0 < kl <= 1e-3 for kl in step_kl)  # due steps whose KL stayed below the trigger
 
 
 @pytest.mark.parametrize("reset", [True, False])

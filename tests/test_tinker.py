@@ -30,6 +30,8 @@ from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning  # noqa: E402
 from unsloth_adaptive_kl.integrations import tinker as integration  # noqa: E402
 
+from .metric_definitions import REDUCE, assert_metrics_match, by_definition  # noqa: E402
+
 VOCAB = 13
 PROTO = "application/x-protobuf"
 TIGHT = dict(rtol=1e-5, atol=1e-6)
@@ -402,6 +404,9 @@ def test_custom_loss_metrics_arrive_in_result(fake_tinker: Tinker) -> None:
     assert metrics["grpo/kl_term"] == pytest.approx(0.5 * adapted, rel=1e-5)
     assert metrics["loss:sum"] == pytest.approx(metrics["grpo/pg_loss"] + metrics["grpo/kl_term"], rel=1e-5)
     assert "surrogate_loss:sum" in metrics  # the server's loss of the cross_entropy backward, kept aside by the SDK
+    # Every adaptive_kl/* value against docs/metrics.md's definition (sequence_kl, length_kl_corr included).
+    assert_metrics_match(metrics, by_definition(k3, mask, method="clip", raw=REDUCE["grpo"], adapted=REDUCE["grpo"],
+                                                beta=0.5, clip=0.3), rel=1e-5)
 
 
 def test_none_kl_part_is_plain_k3(fake_tinker: Tinker) -> None:
@@ -495,6 +500,9 @@ def test_reward_penalty_route(fake_tinker: Tinker, estimator: Any) -> None:
     penalized = (rewards - penalty).view(2, 2)
     advantages = (penalized - penalized.mean(1, keepdim=True)).flatten()
     assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(float(penalty.mean()), rel=1e-5)
+    assert_metrics_match(metrics, by_definition(per_token, mask, method="clip", raw=REDUCE["sequence_sum"],
+                                                adapted=REDUCE["sequence_sum"], beta=0.1, clip=0.3, penalty=True),
+                         rel=1e-5)
     assert metrics["reward/mean"] == pytest.approx(0.5)
     assert advantages[2] != 0  # equal rewards, different KL: the penalty alone separates them
     for datum, advantage in zip(datums, advantages):

@@ -15,6 +15,7 @@ from unsloth_adaptive_kl.tools.selfcheck import backward_grads, loss_and_grads
 from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 
 from .conftest import logged, make_trainer, stock_trl
+from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 from unsloth_adaptive_kl.core.tolerance import EPS32, reordered_sum_tolerance, two_path_logp_tolerance
 
 GA = 2
@@ -317,6 +318,28 @@ def test_metrics_logged_for_every_method_with_spec_meaning(tokenizer, tmp_path, 
     if method == "dynamic":
         assert raw == adapted
     assert all(beta == pytest.approx(0.04) or "dynamic" in method for beta in betas)
+
+
+@pytest.mark.parametrize(("method", "loss_type"), [("clip", "grpo"), ("sigmoid+length_normalized", "bnpo"),
+                                                  ("none", "luspo")])
+def test_logged_metrics_match_their_definitions_on_a_captured_batch(tokenizer, tmp_path, method, loss_type) -> None:
+    """One micro-batch through the patched `_compute_loss` at an optimizer-step boundary: each logged adaptive_kl/*
+    value against docs/metrics.md's definition, from a plain forward's log-probs and the batch's reference (k3)."""
+    trainer = prepared_trainer(tokenizer, tmp_path, kl_adaptation_method=method, kl_clip_threshold=0.3,
+                               loss_type=loss_type)
+    inputs = fixed_inputs(trainer, tokenizer)
+    assert trainer.accelerator.sync_gradients  # the step ends with this micro-batch: its metrics are logged
+    trainer._compute_loss(trainer.model, inputs)
+    logged_now = {key: values[-1] for key, values in trainer._metrics["train"].items()}
+    with torch.no_grad():
+        logp = policy_logps(trainer.model, inputs)
+    delta = inputs["ref_per_token_logps"] - logp
+    k3 = torch.exp(delta) - delta - 1
+    mask = inputs["completion_mask"]
+    adapted = REDUCE["length_normalized" if "length_normalized" in method else loss_type]
+    expected = by_definition(k3, mask, method=method, raw=REDUCE[loss_type], adapted=adapted, beta=0.04, clip=0.3)
+    # TRL's chunked log-probs against a plain forward: per token within two_path_logp_tolerance (1e-5 here).
+    assert_metrics_match(logged_now, expected, rel=1e-4, abs_=1e-6)
 
 
 def test_beta_zero_warns_and_logs_no_adaptive_metrics(tokenizer, tmp_path) -> None:

@@ -18,6 +18,8 @@ import pytest
 
 from unsloth_adaptive_kl.core.tolerance import reordered_sum_tolerance, two_path_logp_tolerance
 
+from .metric_definitions import assert_metrics_match
+
 ROOT = Path(__file__).parents[1]
 HARNESS = ROOT / "tests" / "unsloth_cpu.py"
 HAS_UNSLOTH = importlib.util.find_spec("unsloth") is not None
@@ -105,6 +107,9 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
             assert part["grad_diff"] <= grad_tolerance, (loss_type, method, part["grad_diff"], grad_tolerance)
             # SPEC 4: current_beta * adapted_kl is the KL part of the loss, without the GA factor (2 here)
             assert part["metric_product"] == pytest.approx(2 * part["kl_part"], rel=1e-4), (loss_type, method)
+            if "metrics" in part:  # each logged adaptive_kl/* value against docs/metrics.md's definition
+                assert_metrics_match(part["metrics"], part["expected_metrics"], rel=1e-4, abs_=1e-6)
+        assert sum("metrics" in entry[method] for method in METHODS) == 6, loss_type
         assert entry["clip"]["kl_part"] < entry["none"]["kl_part"]
     grpo = results["grpo"]
     # grpo already averages per completion: length normalisation sums the same terms in another order.

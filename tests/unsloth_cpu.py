@@ -106,6 +106,7 @@ from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads as selfcheck_loss
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
 from tests.test_trl_loss import policy_logps, shaped_by_hand  # noqa: E402  (the same plain forward pass as the TRL tests)
+from tests.metric_definitions import REDUCE, by_definition  # noqa: E402  (docs/metrics.md, written out)
 from tests.test_kl_in_reward import (  # noqa: E402  (the same advantage formula as the TRL tests)
     completion_kl_by_hand,
     expected_advantages,
@@ -219,6 +220,25 @@ def independent_kl_part(trainer: Any, inputs: dict) -> torch.Tensor:
     return args.beta * term / args.gradient_accumulation_steps
 
 
+def expected_metrics(trainer: Any, inputs: dict) -> dict[str, float]:
+    """docs/metrics.md's adaptive_kl/* of one micro-batch: Unsloth's clamped k3 on a plain forward pass (its value:
+    the importance ratio is 1 on-policy), raw_kl reduced as the installed loss_type reduces (dapo, and bnpo where
+    unsloth_zoo normalises globally: num_items_in_batch / processes / steps_per_generation)."""
+    args = trainer.args
+    with torch.no_grad():
+        logp = policy_logps(trainer.model, inputs)
+    r = torch.clamp(inputs["ref_per_token_logps"] - logp, -20, 20)
+    k = torch.clamp(torch.expm1(r) - r, -10, 10)
+    normalizer = float(inputs["num_items_in_batch"]) / args.steps_per_generation
+    reduce = {**REDUCE, "dr_grpo": lambda s, lengths: s.sum() / (s.numel() * args.max_completion_length),
+              "dapo": lambda s, lengths: s.sum() / normalizer}
+    raw = reduce["bnpo" if args.loss_type == "bnpo" and BNPO_MICRO_BATCH else
+                 "dapo" if args.loss_type == "bnpo" else args.loss_type]
+    adapted = reduce["length_normalized"] if "length_normalized" in args.kl_adaptation_method else raw
+    return by_definition(k, inputs["completion_mask"], method=args.kl_adaptation_method, raw=raw, adapted=adapted,
+                         beta=trainer.adaptive_kl.current_beta, clip=args.kl_clip_threshold, target=args.kl_target)
+
+
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
@@ -287,6 +307,7 @@ def scenario_losses(out: str) -> dict:
             trainer.args.kl_reduction = reduction
             trainer.args.kl_clip_threshold, trainer.args.kl_target = 0.3, 0.2
             unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
+            before = {key: len(values) for key, values in trainer._metrics["train"].items()}
             total, total_grads = loss_and_grads(trainer, inputs)
             kl_grads = [t - p for t, p in zip(total_grads, policy_grads)]
             expected = independent_kl_part(trainer, inputs)
@@ -295,6 +316,10 @@ def scenario_losses(out: str) -> dict:
                              "grad_diff": max_abs_diff(kl_grads, expected_grads), "grad_max": max_abs(expected_grads),
                              "metric_product": trainer._metrics["train"]["adaptive_kl/current_beta"][-1]
                              * trainer._metrics["train"]["adaptive_kl/adapted_kl"][-1]}
+            if estimator == "k3" and reduction == "loss_type":  # every logged value and its definition
+                entry[label]["metrics"] = {key: values[-1] for key, values in trainer._metrics["train"].items()
+                                           if key.startswith("adaptive_kl/") and len(values) > before.get(key, 0)}
+                entry[label]["expected_metrics"] = expected_metrics(trainer, inputs)
         results[loss_type] = entry
     return results
 

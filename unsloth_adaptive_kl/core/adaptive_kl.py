@@ -11,55 +11,19 @@ Two ways in, one implementation:
 from __future__ import annotations
 
 import math
-import statistics
-from typing import Any, Callable, Optional
+from dataclasses import astuple
+from typing import Any, Optional
 
 import torch
 
-from .adaptation import CompletionKL, KLTerm, ReductionContext, completion_kl, kl_reduction, kl_term, loss_type_reduction
+from .adaptation import CompletionKL, KLTerm, ReductionContext, kl_reduction, kl_term, loss_type_reduction
 from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, _check_real, _is_real, _reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
-from .estimators import checked_kl
-from .errors import NonFiniteLogProbError
-from .numerics import LogpCheck, nonfinite_message
+from .functional import (Gather, StepKL, adapted_kl, completion_kls, local, penalty_statistics, statistics_row,
+                         step_statistics)
+from .numerics import LogpCheck
 
-METRIC_PREFIX = "adaptive_kl/"
-STATE_FORMAT = 2  # `state_dict()`'s format: 2 carries "format_version" and "controller"; 1 (unversioned) did not
-CHECK_COLUMNS = 2  # each statistics row's LogpCheck sums: policy, reference
-Gather = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The gather of a single process: the tensor itself."""
-    return tensor
-
-
-def pearson_correlation(x: list[float], y: list[float]) -> float:
-    """sum((x - mean x)(y - mean y)) / sqrt(sum (x - mean x)^2 * sum (y - mean y)^2); NaN when either is constant."""
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    dx, dy = [a - mx for a in x], [b - my for b in y]
-    denominator = math.sqrt(sum(a * a for a in dx) * sum(b * b for b in dy))
-    return sum(a * b for a, b in zip(dx, dy)) / denominator if denominator > 0 else math.nan
-
-
-def split_columns(blocks: list[list[float]], widths: list[int]) -> list[list[float]]:
-    """Gathered rows, one per process, each laid out as consecutive columns of the given widths -> each column with
-    every process's values in process order."""
-    columns: list[list[float]] = [[] for _ in widths]
-    for block in blocks:
-        start = 0
-        for column, width in zip(columns, widths):
-            column.extend(block[start : start + width])
-            start += width
-    return columns
-
-
-def summarize(raws: list[float], adapteds: list[float], at_threshold: list[float], lengths: list[float],
-              sequence_kl: list[float]) -> list[float]:
-    """[mean raw KL, mean adapted KL, mean S_i, corr(L_i, S_i), clipped tokens / sum L_i] over every process's
-    values (the raw and adapted entries are per micro-batch or per completion, as the caller recorded them)."""
-    return [statistics.fmean(raws), statistics.fmean(adapteds), statistics.fmean(sequence_kl),
-            pearson_correlation(lengths, sequence_kl), sum(at_threshold) / max(sum(lengths), 1.0)]
+STATE_FORMAT = 3  # `state_dict()`'s format: 3 adds the step's KL; 2 carried "format_version" and "controller"; 1 not
 
 
 class AdaptiveKL:
@@ -94,10 +58,11 @@ class AdaptiveKL:
         self.completed_steps = 0  # optimizer steps `step` has seen (a loop of your own)
         self._pending: list[torch.Tensor] = []  # trainer path: one row per micro-batch of this step, on the device
         self._pending_checks: list[Optional[LogpCheck]] = []  # each row's log-probs, counted only if non-finite
-        self._step_window: list[float] = [0.0, 0.0, 0.0]  # own loop: sum S_i, sum L_i, completions of this step
-        self._generation_window: WindowKL | None = None  # kl_placement="reward": the KL of the batch being scored
-        # The raw KL (all processes) of the last training step (kl_placement="reward": of the last generation batch
-        # scored for training), which a KL-triggered reference sync reads; NaN before the first.
+        self._step_kl = StepKL()  # a loop of your own: what this step's `kl_loss` calls saw
+        self._generation_kl: Optional[StepKL] = None  # kl_placement="reward": the training batch being scored
+        # The step's KL (token mean of the raw KL over every completion the step trained on, all processes; with the
+        # KL in the reward, of the generation batch it trains on), which a KL-triggered reference sync reads; NaN
+        # before the first.
         self.last_raw_kl = math.nan
         self.last_metrics: dict[str, float] = {}
 
@@ -137,14 +102,11 @@ class AdaptiveKL:
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
-        if per_token_kl is None:
-            kl, check = checked_kl(logps, ref_logps, mask, self.config)
-        else:
-            kl, check = per_token_kl, LogpCheck.of(logps, ref_logps, mask)
-        term = self.term(kl, mask, ReductionContext(max_completion_length, token_normalizer), with_grad=True,
-                         check=check)
-        (metrics,), window = self._flush([self._row(term)], gather or _local, self.completed_steps + 1, [check])
-        self._step_window = [a + b for a, b in zip(self._step_window, window)]
+        term = adapted_kl(logps, ref_logps, mask, self.config, loss_type=self.loss_type,
+                          context=ReductionContext(max_completion_length, token_normalizer), per_token_kl=per_token_kl)
+        (metrics,), seen = step_statistics([statistics_row(term)], [term.check], beta=self.current_beta,
+                                           config=self.config, step=self.completed_steps + 1, gather=gather or local)
+        self._step_kl = self._step_kl + seen
         self.last_metrics = metrics
         return term.adapted * self.current_beta, metrics
 
@@ -167,14 +129,9 @@ class AdaptiveKL:
         if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
             raise _reject("kl_reduction", self.config.kl_reduction,
                           f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
-        with torch.no_grad():
-            if per_token_kl is None:
-                kl, check = checked_kl(logps, ref_logps, mask, self.config)
-            else:
-                kl, check = per_token_kl, LogpCheck.of(logps, ref_logps, mask)
         penalty, self.last_metrics = self.penalize(
-            completion_kl(kl, mask, self.config, check=check), gather=gather or _local, train=True,
-            completed_steps=self.completed_steps)
+            completion_kls(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,
+            train=True, completed_steps=self.completed_steps)
         return penalty, self.last_metrics
 
     def step(self, mean_reward: Optional[float] = None, *, kl: Optional[WindowKL] = None) -> float:
@@ -183,32 +140,43 @@ class AdaptiveKL:
         generation batch (`dynamic` decays at most once per generation batch: pass None for further optimizer steps
         on the same batch). `target` reads the step's KL: `kl`, where the loop measured it itself (a `WindowKL`, as
         an engine that aggregates its own loss does), else what `kl_loss` or the last `reward_penalty` saw."""
-        if mean_reward is not None:
-            self.controller.observe_rewards(mean_reward)
-        self.completed_steps += 1
-        window, self._generation_window = self._generation_window, None
-        if kl is not None:
-            window = kl
-        elif window is None:
-            kl_sum, tokens, completions = self._step_window
-            window = WindowKL.from_sums(kl_sum, tokens, completions) if completions else None
-        self._step_window = [0.0, 0.0, 0.0]
-        if window is not None:
-            self.last_raw_kl = window.token_mean
-        self.controller.step(self.completed_steps, window)
+        window = kl if kl is not None else (self._generation_kl or self._step_kl).window()
+        self._generation_kl, self._step_kl = None, StepKL()
+        self._advance(self.completed_steps + 1, window, mean_reward)
         return self.current_beta
 
+    def _advance(self, completed_steps: Optional[int] = None, window: Optional[WindowKL] = None,
+                 mean_reward: Optional[float] = None) -> None:
+        """The one place the controller moves, whatever the loop and the placement: it reads `mean_reward` (a new
+        generation batch's, over all processes) and, with `completed_steps`, steps from the step's KL `window`
+        (which also becomes `last_raw_kl`)."""
+        if mean_reward is not None:
+            self.controller.observe_rewards(mean_reward)
+        if completed_steps is None:
+            return
+        if window is not None:
+            self.last_raw_kl = window.token_mean
+        self.controller.step(completed_steps, window)
+        self.completed_steps = completed_steps
+
     def state_dict(self) -> dict[str, Any]:
-        """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic" or
-        "target"), its state (its beta, the generation batch count and its reward, ...) and `completed_steps`."""
+        """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",
+        "target" or a registered one's), its state (its beta, the generation batch count and its reward, ...),
+        `completed_steps`, and what the next step reads of the KL seen so far: `last_raw_kl` (None before the first
+        step; a KL-triggered reference sync reads it), `step_kl` (the sums [sum S_i, sum L_i, completions] that this
+        step's `kl_loss` calls saw) and `generation_kl` (the same of a scored batch whose step has not run, or None)."""
         return {"format_version": STATE_FORMAT, "controller": controller_kind(self.controller),
-                **self.controller.state_dict(), "completed_steps": self.completed_steps}
+                **self.controller.state_dict(), "completed_steps": self.completed_steps,
+                "last_raw_kl": self.last_raw_kl if math.isfinite(self.last_raw_kl) else None,
+                "step_kl": list(astuple(self._step_kl)),
+                "generation_kl": None if self._generation_kl is None else list(astuple(self._generation_kl))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
-        load too: format 1 (no version: the controller's fields and `completed_steps`, as the own-loop object, the TRL
-        and Unsloth checkpoints' `adaptive_kl_state.json` and verl's `adaptive_kl.json` wrote them; the oldest trainer
-        checkpoints lack `completed_steps`), whose kind is read from its fields."""
+        load too (without the step's KL: a resumed run then has seen none): format 2, and format 1 (no version: the
+        controller's fields and `completed_steps`, as the own-loop object, the trainer checkpoints'
+        `adaptive_kl_state.json` and verl's `adaptive_kl.json` wrote them; the oldest trainer checkpoints lack
+        `completed_steps`), whose kind is read from its fields."""
         state = dict(state)
         version = state.pop("format_version", 1)
         if not isinstance(version, int) or not 1 <= version <= STATE_FORMAT:
@@ -228,11 +196,17 @@ class AdaptiveKL:
                 f"controller (kl_adaptation_method={self.config.kl_adaptation_method!r}): resume with the "
                 "kl_adaptation_method the checkpoint was written with.")
         completed_steps = state.pop("completed_steps", 0)  # the oldest trainer checkpoints lack it
+        last_raw_kl = state.pop("last_raw_kl", None)
+        step_kl = state.pop("step_kl", None)
+        generation_kl = state.pop("generation_kl", None)
         unknown = sorted(set(state) - fields)
         if unknown:
             raise ValueError(f"adaptive KL state: unknown field(s) {', '.join(unknown)} for a {expected!r} "
                              f"controller: allowed are {', '.join(sorted(fields))}.")
         self.completed_steps = completed_steps
+        self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
+        self._step_kl = StepKL() if step_kl is None else StepKL(*step_kl)
+        self._generation_kl = None if generation_kl is None else StepKL(*generation_kl)
         self.controller.load_state_dict(state)
 
     # ----- the trainer integrations -----------------------------------------------------------------------------
@@ -249,25 +223,24 @@ class AdaptiveKL:
 
     def observe_rewards(self, mean_reward: float) -> None:
         """The mean reward over all processes of a new generation batch."""
-        self.controller.observe_rewards(mean_reward)
+        self._advance(mean_reward=mean_reward)
 
     def record(
         self, term: KLTerm, *, gather: Gather, train: bool, end_of_step: bool, completed_steps: int
     ) -> list[dict[str, float]]:
-        """Queue one micro-batch's statistics; at the end of an optimizer step in training (every call in
-        evaluation) return the metrics of each queued micro-batch (averaged over processes, `adaptive_kl/` names)
-        and, in training, update the controller from the step's global KL."""
-        self._pending.append(self._row(term))
+        """Queue one micro-batch's statistics (a device row: no host transfer); at the end of an optimizer step in
+        training (every call in evaluation) return the metrics of each queued micro-batch (over all processes,
+        `adaptive_kl/` names) and, in training, update the controller from the step's KL."""
+        self._pending.append(statistics_row(term))
         self._pending_checks.append(term.check)
         if train and not end_of_step:
             return []
         rows, self._pending = self._pending, []
         checks, self._pending_checks = self._pending_checks, []
-        metrics, (kl_sum, tokens, completions) = self._flush(rows, gather, completed_steps, checks)
+        metrics, seen = step_statistics(rows, checks, beta=self.current_beta, config=self.config,
+                                        step=completed_steps, gather=gather)
         if train:
-            self.last_raw_kl = statistics.fmean(m[METRIC_PREFIX + "raw_kl"] for m in metrics)
-            self.controller.step(completed_steps, WindowKL.from_sums(kl_sum, tokens, completions))
-            self.completed_steps = completed_steps
+            self._advance(completed_steps, seen.window())
         return metrics
 
     def penalize(
@@ -276,96 +249,17 @@ class AdaptiveKL:
         """kl_placement="reward": the penalty beta_t * KL_i of every completion of a generation batch, over all
         processes in process order (as the trainer gathers its rewards), and its metrics. beta_t is the beta after
         `completed_steps` optimizer steps (the schedule cut-off applied); `end_generation` (or `step`) then updates it
-        from this batch. One collective and one host transfer."""
+        from this batch's reward and KL. One collective and one host transfer."""
         if train:  # no new generation batch has been observed: only the beta_schedule_steps cut-off can apply
-            self.controller.step(completed_steps)
-        beta = self.current_beta
-        n = term.adapted.numel()
-        row = torch.cat([term.raw, term.adapted, term.at_threshold.view(1), self._check_sums(term.check, term.adapted),
-                         term.lengths, term.sequence_kl, beta * term.adapted])
-        table = gather(row.float()).view(-1, row.numel())
-        rows = table.double().tolist()
-        self._raise_if_nonfinite([[row[2 * n + 1 : 2 * n + 1 + CHECK_COLUMNS] for row in rows]], [term.check],
-                                 completed_steps + 1)
-        raws, adapteds, at_threshold, _, lengths, sequence_kl, penalties = split_columns(
-            rows, [n, n, 1, CHECK_COLUMNS, n, n, n])
-        metrics = self._metrics(summarize(raws, adapteds, at_threshold, lengths, sequence_kl), completed_steps,
-                                reward_penalty=statistics.fmean(penalties))
-        self._generation_window = WindowKL(token_mean=sum(sequence_kl) / max(sum(lengths), 1.0),
-                                           sequence_sum=statistics.fmean(sequence_kl), completions=len(lengths))
+            self._advance(completed_steps)
+        penalty, metrics, seen = penalty_statistics(term, beta=self.current_beta, config=self.config,
+                                                    step=completed_steps + 1, gather=gather)
         if train:
-            self.last_raw_kl = metrics[METRIC_PREFIX + "raw_kl"]
-        return table[:, -n:].reshape(-1), metrics
+            self._generation_kl = seen
+        return penalty, metrics
 
     def end_generation(self, mean_reward: float, completed_steps: int) -> None:
         """kl_placement="reward": after a training generation batch is scored, the controller reads its un-penalised
         mean reward (`dynamic`) and its KL (`target`); the new beta penalises the next batch."""
-        self.controller.observe_rewards(mean_reward)
-        window, self._generation_window = self._generation_window, None
-        self.controller.step(completed_steps, window)
-        self.completed_steps = completed_steps
-
-    # ----- shared ---------------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_sums(check: Optional[LogpCheck], like: torch.Tensor) -> torch.Tensor:
-        """The row's LogpCheck columns: its sums, or zeros where the caller had no log-probs to check."""
-        return check.sums.to(like.device) if check is not None else like.new_zeros(CHECK_COLUMNS, dtype=torch.float32)
-
-    @classmethod
-    def _row(cls, term: KLTerm) -> torch.Tensor:
-        """One micro-batch's statistics as one float row: raw, adapted, clipped tokens, the LogpCheck sums (policy,
-        reference), L_i..., S_i..."""
-        head = torch.stack([term.raw, term.adapted.detach(), term.at_threshold]).float()
-        return torch.cat([head, cls._check_sums(term.check, head), term.lengths.float(), term.sequence_kl.float()])
-
-    @staticmethod
-    def _raise_if_nonfinite(sums: list[list[list[float]]], checks: list[Optional[LogpCheck]], step: int) -> None:
-        """sums[micro-batch][process] = that row's LogpCheck sums: raise `NonFiniteLogProbError` where one is
-        non-finite (every process sees the gathered rows, so every process raises)."""
-        flags = [(batch, process, which) for batch, per_process in enumerate(sums)
-                 for process, values in enumerate(per_process) for which, value in enumerate(values)
-                 if not math.isfinite(value)]
-        if flags:
-            raise NonFiniteLogProbError(nonfinite_message(step, flags, checks))
-
-    def _flush(self, rows: list[torch.Tensor], gather: Gather, completed_steps: int,
-               checks: Optional[list[Optional[LogpCheck]]] = None) -> tuple[list[dict[str, float]], tuple[float, float, float]]:
-        """The metrics of each micro-batch row (over all processes) and the step's (sum S_i, sum L_i, completions).
-        One collective and one transfer; the rest is O(B) arithmetic on the host. A non-finite log-prob on a valid
-        token (a row's LogpCheck sums) raises first."""
-        sizes = [row.numel() for row in rows]
-        table = gather(torch.cat(rows)).view(-1, sum(sizes)).double().tolist()
-        head = 3 + CHECK_COLUMNS
-        offsets = [sum(sizes[:index]) for index in range(len(sizes))]
-        self._raise_if_nonfinite([[row[offset + 3 : offset + head] for row in table] for offset in offsets],
-                                 checks or [None] * len(rows), completed_steps)
-        metrics, kl_sum, tokens, completions = [], 0.0, 0.0, 0
-        start = 0
-        for size in sizes:
-            n = (size - head) // 2
-            blocks = [row[start : start + size] for row in table]  # this micro-batch, one block per process
-            start += size
-            raws, adapteds, at_threshold, _, lengths, sequence_kl = split_columns(blocks, [1, 1, 1, CHECK_COLUMNS, n, n])
-            metrics.append(self._metrics(summarize(raws, adapteds, at_threshold, lengths, sequence_kl), completed_steps))
-            kl_sum, tokens, completions = kl_sum + sum(sequence_kl), tokens + sum(lengths), completions + len(lengths)
-        return metrics, (kl_sum, tokens, float(completions))
-
-    def _metrics(self, summary: list[float], completed_steps: int, **extra: float) -> dict[str, float]:
-        raw_kl, adapted_kl, mean_sequence_kl, correlation, clip_fraction = summary
-        if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
-            raise FloatingPointError(
-                f"adaptive KL: non-finite KL at step {completed_steps}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
-                "The policy and reference log-probs diverged beyond float range."
-            )
-        metrics = {
-            "raw_kl": raw_kl,
-            "adapted_kl": adapted_kl,
-            "current_beta": self.current_beta,
-            "sequence_kl": mean_sequence_kl,
-            "length_kl_corr": correlation,
-            **extra,
-        }
-        if "clip" in self.config.kl_methods:
-            metrics["clip_fraction"] = clip_fraction
-        return {METRIC_PREFIX + name: value for name, value in metrics.items()}
+        seen, self._generation_kl = self._generation_kl, None
+        self._advance(completed_steps, None if seen is None else seen.window(), mean_reward)

@@ -227,8 +227,8 @@ class AdaptiveKLConfig:
     )
     kl_target_measure: str = field(
         default="token_mean",
-        metadata={"help": "`target`: the KL compared with kl_target: 'token_mean' (per-token) or 'sequence_sum' "
-                  "(per completion)."},
+        metadata={"help": "`target`: the KL compared with kl_target: 'token_mean' (the step's KL: sum of the KL over the "
+                  "valid tokens of the step's completions / their count) or 'sequence_sum' (mean per-completion sum)."},
     )
     kl_compile: bool = field(
         default=False,
@@ -246,7 +246,8 @@ class AdaptiveKLConfig:
     ref_model_sync_kl: Optional[float] = field(
         default=None,
         metadata={"help": "With sync_ref_model=True: a due reference sync (every ref_model_sync_steps optimizer steps) "
-                  "happens only if the last step's raw KL (adaptive_kl/raw_kl, mean over all processes) exceeded this. "
+                  "happens only if the last step's KL (the token mean of the un-shaped KL over every completion the step "
+                  "trained on, all processes; with kl_placement='reward', of its generation batch) exceeded this. "
                   "None (sync on schedule) or a finite number > 0. Every method."},
     )
     ref_model_sync_reset_optimizer: bool = field(

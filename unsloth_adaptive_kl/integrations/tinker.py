@@ -34,6 +34,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from ..core import AdaptiveKL, ReductionContext, estimate_kl, reduce_kl, shape_kl
 from ..core.adaptation import kl_reduction, loss_type_reduction
+from ..core.functional import adapted_kl, statistics_row, step_statistics
 
 __all__ = [
     "BUILTIN_LOSS_INPUTS",
@@ -124,6 +125,14 @@ def _finite_reference(ref: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor
     return torch.where(mask > 0, ref, logps.detach())
 
 
+def _ppo_clip_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, low: float,
+                       high: float) -> torch.Tensor:
+    """GRPO's per-token PPO-clip surrogate: -min(ratio A, clip(ratio, low, high) A), ratio = exp(logprobs - old).
+    Plain torch, so torch.fx traces it inside `traceable_grpo_loss` as it runs eagerly in `GRPOKLLoss`."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+
+
 def builtin_loss_data(data: Sequence["types.Datum"], keys: Sequence[str] = BUILTIN_LOSS_INPUTS) -> list["types.Datum"]:
     """The Datums with only `keys` in loss_fn_inputs (default: what importance_sampling / ppo / cispo read), for
     `TrainingClient.forward_backward(..., "importance_sampling")`: the built-in losses get no `ref_logprobs`/`mask`."""
@@ -152,8 +161,8 @@ class GRPOKLLoss:
     metrics (floats, merged by the SDK into the result's metrics): the core's `adaptive_kl/*` of this batch (their
     `adaptive_kl/current_beta` is the captured beta), `grpo/pg_loss` (PG) and `grpo/kl_term` (beta_t * K).
 
-    The SDK thread only touches this object: a private `AdaptiveKL` fixed at the captured beta computes K, so `akl`
-    itself is never read or written off the caller's thread. A `target` controller reads the step's KL: call
+    The SDK thread only touches this object: the core's functional layer computes K and its metrics from the captured
+    beta and config, so `akl` itself is never read or written off the caller's thread. A `target` controller reads the step's KL: call
     `record_step_kl(akl, data, result)` on your thread before `akl.step()`."""
 
     def __init__(
@@ -172,12 +181,12 @@ class GRPOKLLoss:
             raise ValueError(f"clip_epsilon={clip_epsilon!r} / clip_epsilon_high={clip_epsilon_high!r}: allowed is "
                              "0 <= clip_epsilon < 1 and clip_epsilon_high >= 0 (None: clip_epsilon)")
         self.beta = akl.current_beta
+        self.config = akl.config
         self.loss_type = akl.loss_type
+        self.training_step = akl.completed_steps + 1  # the step this loss trains, as the non-finite message names it
         self.clip_low = 1.0 - clip_epsilon
         self.clip_high = 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
         self.context = ReductionContext(max_completion_length, token_normalizer)
-        self._kl = AdaptiveKL(akl.config, beta=self.beta, loss_type=akl.loss_type)
-        self._kl.completed_steps = akl.completed_steps
 
     def __call__(
         self, data: list["types.Datum"], logprobs: list[torch.Tensor]
@@ -187,11 +196,12 @@ class GRPOKLLoss:
         logps = _stack(logprobs)
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
         ref = _finite_reference(_batch(data, REF_LOGPROBS), logps, mask)
-        ratio = torch.exp(logps - old)
-        surrogate = -torch.minimum(ratio * advantages, torch.clamp(ratio, self.clip_low, self.clip_high) * advantages)
+        surrogate = _ppo_clip_surrogate(logps, old, advantages, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
-        kl_term, metrics = self._kl.kl_loss(logps, ref, mask, max_completion_length=self.context.max_completion_length,
-                                            token_normalizer=self.context.token_normalizer)
+        term = adapted_kl(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context)
+        (metrics,), _ = step_statistics([statistics_row(term)], [term.check], beta=self.beta, config=self.config,
+                                        step=self.training_step)
+        kl_term = term.adapted * self.beta
         metrics["grpo/pg_loss"] = float(pg.detach())
         metrics["grpo/kl_term"] = float(kl_term.detach())
         return pg + kl_term, metrics
@@ -327,9 +337,7 @@ def traceable_grpo_loss(
     high = 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
 
     def adaptive_kl_grpo(logprobs, sampling_logprobs, advantages, ref_logprobs, mask, pg_weights, kl_weights, beta):
-        ratio = torch.exp(logprobs - sampling_logprobs)
-        surrogate = -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-        pg = (pg_weights * surrogate).sum()
+        pg = (pg_weights * _ppo_clip_surrogate(logprobs, sampling_logprobs, advantages, low, high)).sum()
         ref = torch.where(mask > 0, ref_logprobs, logprobs.detach())
         kl = shape_kl(estimate_kl(logprobs, ref, mask, config) * mask, config)
         adapted = (kl_weights * kl).sum()
