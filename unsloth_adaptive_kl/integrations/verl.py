@@ -72,6 +72,8 @@ METRIC = "adaptive_kl/"
 REWARD_METRIC = "adaptive_kl/reward/"
 # The worker's per-completion statistics, which the driver hands to the core; never logged.
 STATS = "adaptive_kl_stats/"
+# The statistics are of the un-adapted KL: the core's masked pass without a shaping to run.
+UNSHAPED = AdaptiveKLConfig()
 
 # verl's loss_agg_mode -> the GRPO loss_type with the same reduction (the core validates the KL term against it).
 LOSS_TYPE_OF_AGG_MODE = {
@@ -214,15 +216,21 @@ class AdaptivePPOLoss:
             loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
         finally:
             patches.restore()
-        aggregation = metrics["kl_loss"].aggregation  # ppo_loss's own: SUM where normalised by the global batch
+        adapted = metrics["kl_loss"]  # ppo_loss's Metric of its KL term, with its aggregation over micro-batches
         if not self.verl_term:  # verl's kl_loss keeps its stock meaning: the un-adapted KL
-            metrics["kl_loss"] = Metric(value=kl.raw, aggregation=aggregation)
-        metrics[METRIC + "raw_kl"] = copy.deepcopy(metrics["kl_loss"])  # a Metric holds floats: one copy per key
-        metrics[METRIC + "adapted_kl"] = (copy.deepcopy(metrics["kl_loss"]) if self.verl_term
-                                          else Metric(value=kl.term, aggregation=aggregation))
+            metrics["kl_loss"] = Metric(value=kl.raw, aggregation=adapted.aggregation)
+        metrics[METRIC + "raw_kl"] = _copied(metrics["kl_loss"])
+        metrics[METRIC + "adapted_kl"] = _copied(adapted)
         metrics[METRIC + "current_beta"] = beta
         metrics.update(kl.completion_stats())
         return loss, metrics
+
+
+def _copied(metric: Metric) -> Metric:
+    """A Metric with the same values in a list of its own (verl extends a Metric's list in place: one list per key)."""
+    copied = metric.init_list()
+    copied.extend(metric)
+    return copied
 
 
 class _LossKL:
@@ -236,7 +244,6 @@ class _LossKL:
         self.kld: Optional[torch.Tensor] = None
         self.mask: Optional[torch.Tensor] = None
         self.raw: Optional[torch.Tensor] = None
-        self.term: Optional[torch.Tensor] = None
 
     def per_token(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
         """ppo_loss's per-token KL: verl's own, remembered so that its aggregation below is recognised."""
@@ -257,27 +264,23 @@ class _LossKL:
             kld = estimate_kl(*self.log_probs, loss_mask.to(self.log_probs[0].dtype), owner.config)
         self.kld, self.mask = kld.detach(), loss_mask
         if owner.verl_term:
-            self.term = core_algos.agg_loss(loss_mat=kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
-                                            **batch_info)
-            self.raw = self.term.detach()
-            return self.term
+            return core_algos.agg_loss(loss_mat=kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
         self.raw = core_algos.agg_loss(loss_mat=self.kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
                                        **batch_info)
-        self.term = core_algos.agg_loss(loss_mat=shape_kl(kld, owner.config), loss_mask=loss_mask,
-                                        loss_agg_mode=owner.agg_mode, **batch_info)
-        return self.term
+        return core_algos.agg_loss(loss_mat=shape_kl(kld, owner.config), loss_mask=loss_mask,
+                                   loss_agg_mode=owner.agg_mode, **batch_info)
 
     def completion_stats(self) -> dict[str, list[float]]:
         """Each completion's L_i and S_i = sum_t m k and the count of valid tokens at or above the clip threshold,
         from the core's masked pass over the KL, as lists (verl concatenates lists over micro-batches, workers and
-        mini-batches): one host transfer."""
+        mini-batches)."""
         with torch.no_grad():
-            valid_kl, lengths, sums, _ = masked_row_sums(self.kld, self.mask, self.owner.config)
+            valid_kl, lengths, sums, _ = masked_row_sums(self.kld, self.mask, UNSHAPED)
             at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
-            values = torch.cat([lengths, sums, at_threshold.view(1)]).tolist()
-        n = len(values) // 2
-        return {STATS + "lengths": values[:n], STATS + "sequence_kl": values[n:2 * n],
-                STATS + "at_threshold": values[2 * n:]}
+        # Three small transfers, cheaper on a CPU than joining them first; verl's own Metrics (`.item()`) synchronise
+        # every micro-batch already.
+        return {STATS + "lengths": lengths.tolist(), STATS + "sequence_kl": sums.tolist(),
+                STATS + "at_threshold": [at_threshold.item()]}
 
 
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------
