@@ -391,7 +391,7 @@ def test_apply_kl_penalty_with_our_controller(kl_type):
     assert betas == [0.1, 0.05, 0.03, 0.03]  # decays while reward > threshold, never below beta_min
 
 
-def test_reward_target_controller_follows_verls_measure_within_bounds():
+def test_reward_target_controller_follows_the_token_mean_kl_within_bounds():
     config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1e-4, kl_horizon=10, beta_min=0.01,
                               beta_max=0.2)
     ctrl = verl_kl.RewardKLController(config, beta=0.1)
@@ -518,7 +518,8 @@ def by_hand(k, mask, shaped, mode):
 def test_logged_loss_metrics_follow_their_definitions(mode):
     """Every adaptive_kl/* value an actor update logs (clip, 2 micro-batches), against docs/metrics.md by hand:
     raw_kl / adapted_kl verl's k reduced as loss_agg_mode reduces the loss (un-shaped / min(k, c)), sequence_kl the
-    mean of S_i = sum_t m k, length_kl_corr Pearson(L_i, S_i), clip_fraction the valid tokens with k >= c over sum L_i."""
+    mean of S_i = sum_t m k, length_kl_corr Pearson(L_i, S_i), clip_fraction the valid tokens with k >= c over
+    sum L_i."""
     batch, threshold = make_batch(seed=11, kl_scale=3.0), 0.3
     logged = logged_actor_metrics(batch, mode, kl_adaptation_method="clip", kl_clip_threshold=threshold)
     k, mask = per_token(batch)

@@ -354,7 +354,8 @@ def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty
     else:
         beta = kl_ctrl.value
         kld = kld * mask
-        data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * shape_kl(kld, kl_ctrl.config) * mask
+        shaped = shape_kl(kld, kl_ctrl.config) * mask
+        data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * shaped
         current_kl = float(masked_mean(kld, mask=mask, axis=-1).mean())  # verl's own measure, for its stock metric
         kl_ctrl.update(current_kl=current_kl, n_steps=data.batch.batch_size[0])
         metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
