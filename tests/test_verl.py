@@ -11,8 +11,10 @@ import copy
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -25,6 +27,7 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from verl.protocol import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402
+from verl.trainer.ppo.v1 import trainer_base  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
@@ -225,10 +228,11 @@ def test_unshaped_methods_are_stock_ppo_loss_at_the_pushed_beta(method):
     for m in metrics:
         assert m["kl_coef"] == m[verl_kl.METRIC + "current_beta"] == 0.37
         assert m[verl_kl.METRIC + "raw_kl"].values == m[verl_kl.METRIC + "adapted_kl"].values == m["kl_loss"].values
-    if method == "target":
+    if method == "target":  # the core's WindowKL.token_mean, from every micro-batch's S_i and L_i
         k, mask = per_token(batch)
-        window = sum(m[verl_kl.METRIC + "window_token_mean"].values[0] for m in metrics)  # SUM over micro-batches
-        assert window == pytest.approx(float(k[mask].mean()), rel=1e-6)
+        sums, lengths = ([value for m in metrics for value in m[verl_kl.STATS + name]]
+                         for name in ("sequence_kl", "lengths"))
+        assert sum(sums) / sum(lengths) == pytest.approx(float(k[mask].mean()), rel=1e-6)
 
 
 def test_anchor_missing_is_an_error_naming_it(monkeypatch):
@@ -387,7 +391,7 @@ def test_apply_kl_penalty_with_our_controller(kl_type):
     assert betas == [0.1, 0.05, 0.03, 0.03]  # decays while reward > threshold, never below beta_min
 
 
-def test_reward_target_controller_follows_verls_measure_within_bounds():
+def test_reward_target_controller_follows_the_token_mean_kl_within_bounds():
     config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1e-4, kl_horizon=10, beta_min=0.01,
                               beta_max=0.2)
     ctrl = verl_kl.RewardKLController(config, beta=0.1)
@@ -436,6 +440,140 @@ def test_reward_controller_state_dict_round_trips():
     assert resumed.value == ctrl.value and resumed.state_dict() == ctrl.state_dict()
     with pytest.raises(ValueError, match="length_normalized"):
         verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), beta=0.1)
+
+
+# ----- the logged adaptive_kl/* metrics, against their definitions (docs/metrics.md) --------------------------------
+
+
+class _ActorGroup:
+    """verl's actor worker group with one worker, in this process: `update_actor` runs the installed loss through
+    verl's real ppo_loss on the batch's micro-batches and returns the metrics as verl's worker returns them for one
+    mini-batch (micro-batches appended by verl's append_to_dict, each Metric over the one data-parallel rank by
+    Metric.aggregate_dp, lists concatenated; `TrainingWorker.train_mini_batch`)."""
+
+    def __init__(self, batch, micro_batches):
+        self.batch, self.micro_batches, self.loss_fn = batch, micro_batches, None
+
+    def set_loss_fn(self, loss_fn):
+        self.loss_fn = loss_fn
+
+    def update_actor(self, meta):
+        from verl.utils.metric import Metric
+        from verl.utils.py_functional import append_to_dict
+
+        _, _, per_micro_batch = run_loss(self.loss_fn, self.batch, self.micro_batches,
+                                         beta=meta.extra_info[verl_kl.BETA_KEY])
+        appended = {}
+        for metrics in per_micro_batch:
+            append_to_dict(appended, metrics)
+        mini_batch = {key: Metric.aggregate_dp([value]) if isinstance(value, Metric) else value
+                      for key, value in appended.items()}
+        output = {}
+        append_to_dict(output, mini_batch)
+        return {"metrics": {**output, "mfu": [0.0]}}
+
+
+class _VerlActorUpdate(_StubTrainer):
+    _update_actor = trainer_base.PPOTrainer._update_actor  # verl's own, which the mixin's wraps
+
+
+class _ActorTrainer(verl_kl.AdaptiveKLTrainerMixin, _VerlActorUpdate):
+    pass
+
+
+def logged_actor_metrics(batch, mode, micro_batches=2, beta=0.37, **fields):
+    """The metrics one actor update logs: the mixin's `_update_actor` over verl's, with the loss on the workers."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({
+        "adaptive_kl": fields, "trainer": {"v1": {"trainer_mode": "adaptive_kl"}},
+        "actor_rollout_ref": {
+            "actor": {"use_kl_loss": True, "kl_loss_coef": beta, "kl_loss_type": "low_var_kl", "loss_agg_mode": mode,
+                      "ppo_mini_batch_size": 8, "calculate_entropy": False, "entropy_coeff": 0.0, "ppo_epochs": 1,
+                      "data_loader_seed": 0, "shuffle": False},
+            "rollout": {"n": 1, "temperature": 1.0}},
+        "algorithm": {"use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": {"kl_coef": 0.1}}})
+    trainer = _ActorTrainer(config)
+    trainer.actor_rollout_wg = _ActorGroup(batch, micro_batches)
+    loss = verl_kl.AdaptivePPOLoss(actor_config(mode, coef=beta), AdaptiveKLConfig(**fields))
+    trainer.actor_rollout_wg.set_loss_fn(loss)
+    trainer._mean_reward = 0.5
+    metrics = {}
+    trainer._update_actor(types.SimpleNamespace(extra_info={}), metrics)
+    return metrics
+
+
+def by_hand(k, mask, shaped, mode):
+    """L_i, S_i and verl's reduction (`mode`) of the raw and the shaped per-token KL, from the definitions."""
+    lengths, sums = mask.sum(-1).double(), (k * mask).sum(-1).double()
+    shaped_sums = (shaped * mask).sum(-1).double()
+    if mode == "token-mean":
+        reduce = lambda s: float(s.sum() / lengths.sum())  # noqa: E731
+    else:  # seq-mean-token-mean
+        reduce = lambda s: float((s / lengths).mean())  # noqa: E731
+    return lengths, sums, reduce(sums), reduce(shaped_sums)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_logged_loss_metrics_follow_their_definitions(mode):
+    """Every adaptive_kl/* value an actor update logs (clip, 2 micro-batches), against docs/metrics.md by hand:
+    raw_kl / adapted_kl verl's k reduced as loss_agg_mode reduces the loss (un-shaped / min(k, c)), sequence_kl the
+    mean of S_i = sum_t m k, length_kl_corr Pearson(L_i, S_i), clip_fraction the valid tokens with k >= c over
+    sum L_i."""
+    batch, threshold = make_batch(seed=11, kl_scale=3.0), 0.3
+    logged = logged_actor_metrics(batch, mode, kl_adaptation_method="clip", kl_clip_threshold=threshold)
+    k, mask = per_token(batch)
+    lengths, sums, raw, adapted = by_hand(k, mask, torch.clamp(k, max=threshold), mode)
+    assert sorted(key for key in logged if "adaptive_kl" in key) == [
+        verl_kl.METRIC + name for name in ("adapted_kl", "clip_fraction", "current_beta", "length_kl_corr", "raw_kl",
+                                           "sequence_kl")]
+    assert logged[verl_kl.METRIC + "raw_kl"] == pytest.approx(raw, rel=1e-6)
+    assert logged[verl_kl.METRIC + "adapted_kl"] == pytest.approx(adapted, rel=1e-6)
+    assert adapted < raw
+    assert logged[verl_kl.METRIC + "current_beta"] == 0.37 == logged["actor/kl_coef"]
+    assert logged[verl_kl.METRIC + "sequence_kl"] == pytest.approx(float(sums.mean()), rel=1e-6)
+    assert logged[verl_kl.METRIC + "length_kl_corr"] == pytest.approx(
+        statistics.correlation(lengths.tolist(), sums.tolist()), rel=1e-5)
+    clipped = int(((k >= threshold) & mask).sum())
+    assert 0 < clipped < int(mask.sum())
+    assert logged[verl_kl.METRIC + "clip_fraction"] == pytest.approx(clipped / float(lengths.sum()), rel=1e-6)
+    assert logged["actor/kl_loss"] == pytest.approx(raw, rel=1e-6)  # verl's own metric keeps its stock meaning
+
+
+@pytest.mark.parametrize("method", ["dynamic", "clip"])
+def test_logged_reward_metrics_follow_their_definitions(method):
+    """Every adaptive_kl/reward/* value of the KL in the reward (verl's own apply_kl_penalty for dynamic; shaped for
+    clip), by hand: KL_i = sum_t m k' (verl penalises every token), raw_kl / adapted_kl the mean KL_i un-shaped /
+    shaped, reward_penalty what verl subtracted from each completion's reward, averaged."""
+    threshold, beta = 0.2, 0.3
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method=method, kl_clip_threshold=threshold),
+                                      beta=beta)
+    data = reward_batch(seed=5, batch_size=8)
+    mask = data.batch["response_mask"]
+    k = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], "kl")
+    shaped = torch.clamp(k, max=threshold) if method == "clip" else k
+    lengths, sums, shaped_sums = mask.sum(-1), (k * mask).sum(-1), (shaped * mask).sum(-1)
+    scores = data.batch["token_level_scores"].clone()
+    ctrl.observe_rewards(1.0)
+    out, logged = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
+    subtracted = (scores - out.batch["token_level_rewards"]).sum(-1)
+    names = ["adapted_kl", "current_beta", "length_kl_corr", "raw_kl", "reward_penalty", "sequence_kl"]
+    assert sorted(key for key in logged if "adaptive_kl" in key) == sorted(
+        verl_kl.REWARD_METRIC + name for name in names + (["clip_fraction"] if method == "clip" else []))
+    metric = {key[len(verl_kl.REWARD_METRIC):]: value for key, value in logged.items()
+              if key.startswith(verl_kl.REWARD_METRIC)}
+    assert metric["raw_kl"] == pytest.approx(float(sums.mean()), rel=1e-5)
+    assert metric["adapted_kl"] == pytest.approx(float(shaped_sums.mean()), rel=1e-5)
+    assert metric["sequence_kl"] == pytest.approx(float(sums.mean()), rel=1e-5)
+    assert metric["current_beta"] == beta == logged["actor/reward_kl_penalty_coeff"]
+    assert metric["reward_penalty"] == pytest.approx(float(subtracted.mean()), rel=1e-5)
+    assert metric["reward_penalty"] == pytest.approx(beta * metric["adapted_kl"], rel=1e-6)
+    assert metric["length_kl_corr"] == pytest.approx(statistics.correlation(lengths.tolist(), sums.tolist()),
+                                                     rel=1e-5)
+    if method == "clip":
+        clipped = int(((k >= threshold) & mask.bool()).sum())
+        assert 0 < clipped < int(mask.sum()) and metric["adapted_kl"] < metric["raw_kl"]
+        assert metric["clip_fraction"] == pytest.approx(clipped / float(lengths.sum()), rel=1e-6)
 
 
 # ----- verl's TrainingWorker (fsdp2, gloo, one process, tiny Llama), in a subprocess --------------------------------

@@ -9,8 +9,9 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
 (or, instead of the environment variable, a `verl.plugins` entry point naming this module). What acts where:
 
 - The KL in the actor loss (`actor_rollout_ref.actor.use_kl_loss=True`, beta_0 = `actor.kl_loss_coef`): every
-  actor worker runs `AdaptivePPOLoss`, which is verl's own `ppo_loss` with its KL term off, plus beta_t times the
-  adapted KL: verl's per-token KL (`kl_penalty` with `kl_loss_type`), shaped per token by the core (clip/sigmoid),
+  actor worker runs `AdaptivePPOLoss`, which is verl's own `ppo_loss` with kl_loss_coef = beta_t and the adapted KL
+  as its KL term: verl's per-token KL (`kl_penalty` with `kl_loss_type`, taken where ppo_loss computes it), shaped
+  per token by the core (clip/sigmoid),
   aggregated by verl's own `agg_loss` with its global batch normalisation (`loss_agg_mode`; `length_normalized`:
   `seq-mean-token-mean`), so micro-batching and data parallelism keep verl's semantics. `none` is verl's stock loss
   bit for bit. beta_t comes from the driver's controller in the batch's meta info (`extra_info`), which verl hands
@@ -19,12 +20,13 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
   (`RewardKLController`) replaces verl's `kl_ctrl_in_reward`; verl's own `apply_kl_penalty` applies it (clip/sigmoid
   shape the per-token KL there) with verl's `algorithm.kl_penalty` as the estimator: keep verl's default `kl` (the
   log-ratio k1; any other value warns, as the core's k3-family estimators in the reward do). `dynamic` reads the
-  batch's mean reward, `target` verl's KL measure with `beta_min`/`beta_max`.
+  batch's mean reward, `target` the batch's token-mean KL (the core's `WindowKL`) with `beta_min`/`beta_max`.
 - `actor.kl_loss_type=kl` (k1) in the loss warns likewise (its expected gradient is zero on-policy).
 - Both controllers and the step are saved in every verl checkpoint (`adaptive_kl.json` beside `data.pt`) and
   restored on resume: a resumed run uses the betas the uninterrupted run would have used.
-- Metrics: `adaptive_kl/raw_kl`, `adaptive_kl/adapted_kl`, `adaptive_kl/current_beta` (the loss) and
-  `adaptive_kl/reward/*` (the reward) in verl's metrics dict, so its loggers get them.
+- Metrics: the core's `adaptive_kl/*` (docs/metrics.md) for the loss (`AdaptiveKL.record`, once per actor update,
+  from verl's aggregated KL and every completion's L_i and S_i) and, under `adaptive_kl/reward/`, the reward
+  placement's for the reward (`AdaptiveKL.penalize`, once per batch), in verl's metrics dict, so its loggers get them.
 
 The `adaptive_kl` block holds `AdaptiveKLConfig`'s fields; `adaptive_kl.reward.*` overrides any of them for the KL
 in the reward. `kl_placement` is verl's own switches above and is not set here.
@@ -46,9 +48,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl, shape_kl, shapes_per_token
+from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, estimate_kl, shape_kl, shapes_per_token
+from ..core.adaptation import clipped_tokens, completion_kl, masked_row_sums
 from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
-from ..core.controllers import reads_step_kl
 from . import versions
 from .patching import PatchSet
 
@@ -57,9 +59,9 @@ from verl.trainer.ppo.v1 import trainer_base  # noqa: E402
 from verl.trainer.ppo.v1.trainer_base import register_trainer  # noqa: E402
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.utils.metric import AggregationType, Metric  # noqa: E402
+from verl.utils.metric import Metric, reduce_metrics  # noqa: E402
+from verl.utils.torch_functional import masked_mean  # noqa: E402
 from verl.workers.utils import losses  # noqa: E402
-from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +70,10 @@ BETA_KEY = "adaptive_kl_beta"  # the loss beta in the batch's meta info / each m
 STATE_FILE = "adaptive_kl.json"
 METRIC = "adaptive_kl/"
 REWARD_METRIC = "adaptive_kl/reward/"
+# The worker's per-completion statistics, which the driver hands to the core; never logged.
+STATS = "adaptive_kl_stats/"
+# The statistics are of the un-adapted KL: the core's masked pass without a shaping to run.
+UNSHAPED = AdaptiveKLConfig()
 
 # verl's loss_agg_mode -> the GRPO loss_type with the same reduction (the core validates the KL term against it).
 LOSS_TYPE_OF_AGG_MODE = {
@@ -139,14 +145,6 @@ def kl_agg_mode(config: AdaptiveKLConfig, loss_agg_mode: str) -> str:
     return loss_agg_mode
 
 
-def _per_token_kl(config: AdaptiveKLConfig, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
-                  mask: torch.Tensor, kl_type: str) -> torch.Tensor:
-    """verl's own per-token KL (`kl_penalty` with its type) for the default estimator, else the configured one."""
-    if config.estimator == "k3":  # the default: what the trainer computes
-        return core_algos.kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=kl_type)
-    return estimate_kl(log_prob, ref_log_prob, mask.to(log_prob.dtype), config)
-
-
 # verl's names for the estimator guards of the core (SPEC 3.12), for KLEstimatorWarning's text: the KL in the actor loss
 # is verl's `kl_loss_type` (unless `adaptive_kl.kl_estimator` replaces it), the KL in the reward verl's `kl_penalty`.
 _VERL_FIELDS = dict(
@@ -180,14 +178,20 @@ def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
 
 
 class AdaptivePPOLoss:
-    """verl's `ppo_loss` with its KL term replaced by beta_t times the adapted KL; installed on the actor workers
-    with `set_loss_fn`. Picklable: the driver builds it and Ray ships it once.
+    """verl's `ppo_loss` with its KL term adapted; installed on the actor workers with `set_loss_fn`. Picklable: the
+    driver builds it and Ray ships it once.
 
-    loss = ppo_loss(KL off) + beta_t * agg_loss(shape(k), mask, mode, global batch info), k = verl's
-    kl_penalty(log_prob, ref_log_prob, kl_loss_type), beta_t = the micro-batch's `adaptive_kl_beta` (the driver's
-    controller), mode = `loss_agg_mode` (length_normalized: seq-mean-token-mean). Where nothing is shaped and verl's
-    own KL and aggregation apply (`none`, `dynamic`, `target`), that is verl's `ppo_loss` itself with
-    kl_loss_coef = beta_t: nothing is recomputed."""
+    loss = ppo_loss with kl_loss_coef = beta_t and its KL term agg_loss(shape(k), mask, mode, global batch info),
+    k = verl's kl_penalty(log_prob, ref_log_prob, kl_loss_type) as ppo_loss computes it, beta_t = the micro-batch's
+    `adaptive_kl_beta` (the driver's controller), mode = `loss_agg_mode` (length_normalized: seq-mean-token-mean).
+    verl's per-token KL is taken where ppo_loss computes it (its `kl_penalty` and `agg_loss` calls, replaced for the
+    call), so the policy log-probs are padded once, by verl. Where nothing is shaped and verl's own KL and aggregation
+    apply (`none`, `dynamic`, `target`), the term is verl's own: ppo_loss itself with kl_loss_coef = beta_t.
+
+    Metrics, per micro-batch: verl's `kl_loss` (the un-adapted KL, its stock meaning), `adaptive_kl/raw_kl` and
+    `adaptive_kl/adapted_kl` (verl's `Metric`s, aggregated over micro-batches and workers as verl aggregates its loss),
+    `adaptive_kl/current_beta`, and under `STATS` each completion's L_i and S_i and the clipped-token count, which the
+    driver hands to the core (`AdaptiveKL.record`) for the logged metrics and the controller's KL."""
 
     def __init__(self, actor_config: Any, config: AdaptiveKLConfig) -> None:
         self.actor_config = actor_config
@@ -195,56 +199,88 @@ class AdaptivePPOLoss:
         self.agg_mode = kl_agg_mode(config, actor_config.loss_agg_mode)
         self.verl_term = (not shapes_per_token(config) and config.estimator == "k3"
                           and self.agg_mode == actor_config.loss_agg_mode)
-        # A copy sharing global_batch_info (which ppo_loss fills in): KL off for the adapted path, else beta_t.
+        # A copy sharing global_batch_info (which ppo_loss fills in), whose kl_loss_coef is beta_t.
         self.stock_config = copy.copy(actor_config)
-        object.__setattr__(self.stock_config, "use_kl_loss", actor_config.use_kl_loss and self.verl_term)
 
     def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        config = self.actor_config
         beta = tu.get_non_tensor_data(data=data, key=BETA_KEY, default=None)
-        beta = float(config.kl_loss_coef if beta is None else beta)
+        beta = float(self.actor_config.kl_loss_coef if beta is None else beta)
         object.__setattr__(self.stock_config, "kl_loss_coef", beta)
-        loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
-        if not config.use_kl_loss:
-            return loss, metrics
-        kld = mask = None
-        if not self.verl_term or reads_step_kl(self.config):
-            # verl's own term: only the target's KL measure is needed here, so no graph
-            with torch.set_grad_enabled(torch.is_grad_enabled() and not self.verl_term):
-                log_prob = no_padding_2_padding(model_output["log_probs"], data)
-                padded = data.select("response_mask", "ref_log_prob").to_padded_tensor()
-                mask = padded["response_mask"].to(bool)
-                kld = _per_token_kl(self.config, log_prob, padded["ref_log_prob"], mask, config.kl_loss_type)
-        batch_info = self.stock_config.global_batch_info
-        aggregation = _metric_aggregation(data, config)
-        if self.verl_term:  # verl's kl_loss metric (a Metric holds floats: one copy per key)
-            adapted = metrics["kl_loss"]
-        else:
-            raw = core_algos.agg_loss(loss_mat=kld.detach(), loss_mask=mask, loss_agg_mode=config.loss_agg_mode,
-                                      **batch_info)
-            shaped = shape_kl(kld, self.config)
-            term = core_algos.agg_loss(loss_mat=shaped, loss_mask=mask, loss_agg_mode=self.agg_mode, **batch_info)
-            loss = loss + term * beta  # as ppo_loss: policy_loss += kl_loss * config.kl_loss_coef
-            metrics["kl_loss"] = Metric(value=raw, aggregation=aggregation)
-            metrics["kl_coef"] = beta
-            adapted = Metric(value=term, aggregation=aggregation)
-        metrics[METRIC + "raw_kl"] = copy.deepcopy(metrics["kl_loss"])
-        metrics[METRIC + "adapted_kl"] = copy.deepcopy(adapted)
+        if not self.actor_config.use_kl_loss:
+            return losses.ppo_loss(self.stock_config, model_output, data, dp_group)
+        kl = _LossKL(self)
+        patches = PatchSet()
+        patches.replace(losses, "kl_penalty", kl.per_token)
+        patches.replace(losses, "agg_loss", kl.aggregate)
+        try:
+            loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
+        finally:
+            patches.restore()
+        adapted = metrics["kl_loss"]  # ppo_loss's Metric of its KL term, with its aggregation over micro-batches
+        if not self.verl_term:  # verl's kl_loss keeps its stock meaning: the un-adapted KL
+            metrics["kl_loss"] = Metric(value=kl.raw, aggregation=adapted.aggregation)
+        metrics[METRIC + "raw_kl"] = _copied(metrics["kl_loss"])
+        metrics[METRIC + "adapted_kl"] = _copied(adapted)
         metrics[METRIC + "current_beta"] = beta
-        if reads_step_kl(self.config):  # the step's KL, for the driver's controller (target, a registered one)
-            detached = kld.detach()
-            for measure, mode in (("token_mean", "token-mean"), ("sequence_sum", "seq-mean-token-sum")):
-                value = core_algos.agg_loss(loss_mat=detached, loss_mask=mask, loss_agg_mode=mode, **batch_info)
-                metrics[METRIC + "window_" + measure] = Metric(value=value, aggregation=aggregation)
+        metrics.update(kl.completion_stats())
         return loss, metrics
 
 
-def _metric_aggregation(data: Any, config: Any) -> AggregationType:
-    """As ppo_loss: SUM over micro-batches where the loss is normalised by the global batch, else MEAN."""
-    if (data["dp_size"] > 1 or data["batch_num_tokens"] is not None or data["global_batch_size"] is not None
-            or config.loss_scale_factor is not None):
-        return AggregationType.SUM
-    return AggregationType.MEAN
+def _copied(metric: Metric) -> Metric:
+    """A Metric with the same values in a list of its own (verl extends a Metric's list in place: one list per key)."""
+    copied = metric.init_list()
+    copied.extend(metric)
+    return copied
+
+
+class _LossKL:
+    """verl's `kl_penalty` and `agg_loss` inside one `ppo_loss` call: the per-token KL ppo_loss computes is kept, and
+    its aggregation becomes the adapted term (verl's own where nothing is adapted)."""
+
+    def __init__(self, owner: AdaptivePPOLoss) -> None:
+        self.owner = owner
+        self.log_probs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.verl_kld: Optional[torch.Tensor] = None
+        self.kld: Optional[torch.Tensor] = None
+        self.mask: Optional[torch.Tensor] = None
+        self.raw: Optional[torch.Tensor] = None
+
+    def per_token(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
+        """ppo_loss's per-token KL: verl's own, remembered so that its aggregation below is recognised."""
+        self.log_probs = (logprob, ref_logprob)
+        self.verl_kld = core_algos.kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=kl_penalty)
+        return self.verl_kld
+
+    def aggregate(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str,
+                  **batch_info: Any) -> torch.Tensor:
+        """verl's agg_loss; for ppo_loss's KL term, the adapted KL aggregated by verl's agg_loss with the global
+        batch info ppo_loss passes, beside the un-adapted one for the metrics."""
+        if loss_mat is not self.verl_kld:  # another of ppo_loss's terms (the entropy)
+            return core_algos.agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
+                                       **batch_info)
+        owner = self.owner
+        kld = loss_mat
+        if owner.config.estimator != "k3":  # a configured estimator replaces verl's kl_loss_type
+            kld = estimate_kl(*self.log_probs, loss_mask.to(self.log_probs[0].dtype), owner.config)
+        self.kld, self.mask = kld.detach(), loss_mask
+        if owner.verl_term:
+            return core_algos.agg_loss(loss_mat=kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
+        self.raw = core_algos.agg_loss(loss_mat=self.kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
+                                       **batch_info)
+        return core_algos.agg_loss(loss_mat=shape_kl(kld, owner.config), loss_mask=loss_mask,
+                                   loss_agg_mode=owner.agg_mode, **batch_info)
+
+    def completion_stats(self) -> dict[str, list[float]]:
+        """Each completion's L_i and S_i = sum_t m k and the count of valid tokens at or above the clip threshold,
+        from the core's masked pass over the KL, as lists (verl concatenates lists over micro-batches, workers and
+        mini-batches)."""
+        with torch.no_grad():
+            valid_kl, lengths, sums, _ = masked_row_sums(self.kld, self.mask, UNSHAPED)
+            at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
+        # Three small transfers, cheaper on a CPU than joining them first; verl's own Metrics (`.item()`) synchronise
+        # every micro-batch already.
+        return {STATS + "lengths": lengths.tolist(), STATS + "sequence_kl": sums.tolist(),
+                STATS + "at_threshold": [at_threshold.item()]}
 
 
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------
@@ -253,16 +289,18 @@ def _metric_aggregation(data: Any, config: Any) -> AggregationType:
 class RewardKLController:
     """Our controller in place of verl's `kl_ctrl_in_reward`: `value` is beta_t, and verl's `apply_kl_penalty`
     calls `update(current_kl=, n_steps=)` once per batch. `dynamic` reads the batch's mean reward (set by the trainer
-    with `observe_rewards` before verl scores the batch); `target` reads verl's `current_kl` (the batch mean of each
-    sequence's token-mean KL, verl's own measure) and n_steps, bounded by beta_min/beta_max."""
+    with `observe_rewards` before verl scores the batch); `target` reads the batch's KL as `penalize` measured it (the
+    core's `WindowKL`: sum of k over valid tokens / their count), bounded by beta_min/beta_max."""
 
     def __init__(self, config: AdaptiveKLConfig, beta: float) -> None:
         if "length_normalized" in config.kl_methods:
             raise ValueError("adaptive_kl.reward: length_normalized acts on the KL in the loss; verl penalises the "
                              "reward per token.")
         self.akl = AdaptiveKL(config, beta=beta, loss_type="bnpo")
+        # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
+        # the core's `sequence_sum` KL_i, whatever `kl_reduction` says.
+        self._completion_config = dataclasses.replace(config, kl_reduction="sequence_sum")
         self._mean_reward: Optional[float] = None
-        self.sequence_sum = math.nan
         self.updates = 0
 
     @property
@@ -277,11 +315,19 @@ class RewardKLController:
         """The mean (un-penalised) reward of the batch about to be penalised."""
         self._mean_reward = float(mean_reward)
 
+    def penalize(self, kld: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+        """The core's reward-placement metrics (`adaptive_kl/*`) of a batch whose per-token KL is verl's `kld`, at the
+        beta that penalises it; the batch's KL is kept for the next `update`."""
+        _, metrics = self.akl.penalize(completion_kl(kld, mask, self._completion_config), gather=_one_process,
+                                       train=False, completed_steps=self.akl.completed_steps)
+        return metrics
+
     def update(self, current_kl: float, n_steps: int) -> None:
-        """verl's call, once per batch: the controller's step from this batch's KL and reward."""
+        """verl's call, once per batch: the controller's step from this batch's reward and the KL `penalize` kept.
+        verl's `current_kl` (a mean of each sequence's token mean) and `n_steps` are not read: the core's window
+        carries the batch's token mean and completion count."""
         mean_reward, self._mean_reward = self._mean_reward, None
-        self.akl.step(mean_reward, kl=WindowKL(token_mean=float(current_kl), sequence_sum=self.sequence_sum,
-                                               completions=int(n_steps)))
+        self.akl.step(mean_reward)
         self.updates += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -291,28 +337,29 @@ class RewardKLController:
         self.akl.load_state_dict(state)
 
 
-def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty: str = "kl"):
+def _one_process(tensor: torch.Tensor) -> torch.Tensor:
+    """The gather of the driver, which already holds every worker's values: the tensor itself."""
+    return tensor
+
+
+def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty: str = "kl") -> tuple[Any, dict]:
     """verl's `apply_kl_penalty` with the per-token KL shaped (clip/sigmoid); without shaping, verl's own function.
-    token_level_rewards = token_level_scores - beta_t * shape(k) * mask; verl's metrics plus adaptive_kl/reward/*."""
+    token_level_rewards = token_level_scores - beta_t * shape(k) * mask, k verl's `kl_penalty`; verl's metrics, plus
+    the core's reward-placement metrics under `adaptive_kl/reward/`."""
     mask = data.batch["response_mask"]
     kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty=kl_penalty)
-    kld = kld * mask
-    kl_ctrl.sequence_sum = float(kld.sum(-1).mean())
-    beta = kl_ctrl.value
-    shaped = shape_kl(kld, kl_ctrl.config)
-    if shaped is kld:
+    adaptive = kl_ctrl.penalize(kld, mask)
+    if not shapes_per_token(kl_ctrl.config):
         data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=kl_ctrl, kl_penalty=kl_penalty)
-        adapted = metrics["actor/reward_kl_penalty"]
     else:
-        shaped = shaped * mask
+        beta = kl_ctrl.value
+        kld = kld * mask
+        shaped = shape_kl(kld, kl_ctrl.config) * mask
         data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * shaped
-        lengths = mask.sum(-1).clamp(min=1)
-        current_kl = float((kld.sum(-1) / lengths).mean())  # verl's measure: mean of each sequence's token-mean
-        adapted = float((shaped.sum(-1) / lengths).mean())
+        current_kl = float(masked_mean(kld, mask=mask, axis=-1).mean())  # verl's own measure, for its stock metric
         kl_ctrl.update(current_kl=current_kl, n_steps=data.batch.batch_size[0])
         metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
-    metrics.update({REWARD_METRIC + "raw_kl": metrics["actor/reward_kl_penalty"], REWARD_METRIC + "adapted_kl": adapted,
-                    REWARD_METRIC + "current_beta": beta})
+    metrics.update({REWARD_METRIC + key[len(METRIC):]: value for key, value in adaptive.items()})
     return data, metrics
 
 
@@ -390,19 +437,35 @@ class AdaptiveKLTrainerMixin:
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if self.loss_kl is None:
             return super()._update_actor(batch, metrics)
-        beta = self.loss_kl.current_beta
-        batch.extra_info[BETA_KEY] = beta
-        batch = super()._update_actor(batch, metrics)
+        batch.extra_info[BETA_KEY] = self.loss_kl.current_beta
+        stats: dict[str, list[float]] = {}
+
+        def reduce_keeping_stats(output: dict) -> dict:
+            """verl's reduce_metrics, which averages every list: the per-completion statistics reach the core whole."""
+            for key in [key for key in output if key.startswith("actor/" + STATS)]:
+                stats[key[len("actor/" + STATS):]] = output.pop(key)
+            return reduce_metrics(output)
+
+        # Replaces verl's reduce_metrics, as the V1 trainer module references it (anchored), for this call only.
+        patches = PatchSet()
+        patches.replace(trainer_base, "reduce_metrics", reduce_keeping_stats)
+        try:
+            batch = super()._update_actor(batch, metrics)
+        finally:
+            patches.restore()
         batch.extra_info.pop(BETA_KEY, None)
-        for key in [key for key in metrics if key.startswith("actor/" + METRIC)]:
-            metrics[key[len("actor/"):]] = metrics.pop(key)
-        metrics[METRIC + "current_beta"] = beta
-        window = None
-        if reads_step_kl(self.adaptive_kl_config):
-            completions = sum(not tag.get("is_padding", False) for tag in batch.tags)
-            window = WindowKL(token_mean=float(metrics.pop(METRIC + "window_token_mean")),
-                              sequence_sum=float(metrics.pop(METRIC + "window_sequence_sum")), completions=completions)
-        self.loss_kl.step(self._mean_reward, kl=window)
+        # The raw and adapted KL as verl aggregated them (over micro-batches, workers and mini-batches), the worker's
+        # beta (the core logs the one it pushed)
+        worker = {key[len("actor/" + METRIC):]: metrics.pop(key)
+                  for key in [key for key in metrics if key.startswith("actor/" + METRIC)]}
+        term = KLTerm(raw=torch.tensor(worker["raw_kl"]), adapted=torch.tensor(worker["adapted_kl"]),
+                      sequence_kl=torch.tensor(stats["sequence_kl"]), lengths=torch.tensor(stats["lengths"]),
+                      at_threshold=torch.tensor(sum(stats["at_threshold"])))
+        if self._mean_reward is not None:
+            self.loss_kl.observe_rewards(self._mean_reward)
+        (logged,) = self.loss_kl.record(term, gather=_one_process, train=True, end_of_step=True,
+                                        completed_steps=self.loss_kl.completed_steps + 1)
+        metrics.update(logged)
         return batch
 
     # -- checkpoints

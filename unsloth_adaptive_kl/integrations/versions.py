@@ -156,7 +156,7 @@ UNSLOTH_REJECTED_TOKENS_LEAVE_KL = "loss_i = torch.where(rs_keep, loss_i, 0.0)"
 # verl's V1 trainer (integrations/verl.py, imported by verl itself through VERL_USE_EXTERNAL_MODULES). Names are
 # dotted paths under the `verl` package.
 VERL_ANCHORS = (
-    Anchor("workers.utils.losses.ppo_loss", "if config.use_kl_loss:", "ppo_loss's KL term, which AdaptivePPOLoss switches off"),
+    Anchor("workers.utils.losses.ppo_loss", "if config.use_kl_loss:", "ppo_loss's KL term, which AdaptivePPOLoss adapts"),
     Anchor("workers.utils.losses.ppo_loss",
            "kld = kl_penalty(logprob=log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)",
            "verl's per-token KL in the loss, which the adaptation shapes"),
@@ -164,8 +164,11 @@ VERL_ANCHORS = (
            "where verl adds beta * KL to the loss"),
     Anchor("workers.utils.losses.ppo_loss", 'config.global_batch_info["global_batch_size"] = data["global_batch_size"]',
            "the global batch normalisation the adapted KL is aggregated with"),
-    Anchor("workers.utils.losses.ppo_loss", 'log_prob = no_padding_2_padding(model_output["log_probs"], data)',
-           "the policy log-probs of the response tokens"),
+    Anchor("workers.utils.losses.ppo_loss",
+           "loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **config.global_batch_info",
+           "ppo_loss's aggregation of its per-token KL, which AdaptivePPOLoss replaces by the adapted term's"),
+    Anchor("workers.utils.losses.ppo_loss", 'metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)',
+           "verl's kl_loss metric, whose aggregation the adaptive_kl/* metrics share"),
     Anchor("trainer.ppo.core_algos.agg_loss", "batch_num_tokens: Optional[int] = None",
            "agg_loss's global normalisation arguments"),
     Anchor("trainer.ppo.ray_trainer.apply_kl_penalty", "beta = kl_ctrl.value", "the reward KL reads the controller's value"),
@@ -182,6 +185,8 @@ VERL_ANCHORS = (
            "the meta info that carries beta to every micro-batch"),
     Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._update_actor", 'output = rename_dict(output["metrics"], "actor/")',
            "the actor metrics the adaptive_kl/* metrics come back in"),
+    Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._update_actor", "actor_metrics = reduce_metrics(output)",
+           "where the per-completion KL statistics are taken before verl averages them"),
     Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._setup", "self.actor_rollout_wg = all_wg[str(actor_role)]",
            "the actor worker group whose loss is replaced (set_loss_fn)"),
     Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._load_checkpoint",
