@@ -12,7 +12,7 @@ from .conftest import logged, make_trainer
 from unsloth_adaptive_kl import (AdaptiveKL, AdaptiveKLConfig, register_beta_controller, register_kl_estimator,
                                  register_kl_shaping)
 from unsloth_adaptive_kl.core import registry
-from unsloth_adaptive_kl.core.controllers import ConstantBeta, reads_step_kl
+from unsloth_adaptive_kl.core.controllers import ConstantBeta
 from unsloth_adaptive_kl.tools import kl_lab
 
 
@@ -66,7 +66,7 @@ def test_a_registered_shaping_combines_with_length_normalisation_and_follows_its
 def test_a_registered_controller_moves_beta_reads_the_window_and_checkpoints() -> None:
     config = AdaptiveKLConfig(kl_adaptation_method="test_accuracy_beta+test_square_cap", reward_threshold=0.5)
     akl = AdaptiveKL(config, beta=0.04, loss_type="bnpo")
-    assert isinstance(akl.controller, AccuracyBeta) and reads_step_kl(config)
+    assert isinstance(akl.controller, AccuracyBeta)
     akl.kl_loss(LOGPS, REF, MASK)
     assert akl.step(mean_reward=0.7) == pytest.approx(0.08)
     assert akl.controller.seen_kl == pytest.approx(((k3(LOGPS, REF) * MASK).sum() / MASK.sum()).item(), rel=1e-6)
@@ -77,8 +77,6 @@ def test_a_registered_controller_moves_beta_reads_the_window_and_checkpoints() -
     resumed.load_state_dict(state)
     assert resumed.current_beta == pytest.approx(0.08) and resumed.controller.grown_batch == 1
     assert resumed.step(mean_reward=0.9) == akl.step(mean_reward=0.9) == pytest.approx(0.16)
-    assert not reads_step_kl(AdaptiveKLConfig(kl_adaptation_method="dynamic"))
-    assert reads_step_kl(AdaptiveKLConfig(kl_adaptation_method="target"))
 
 
 def test_names_are_checked_and_unknown_ones_list_the_registered() -> None:

@@ -65,20 +65,12 @@ class ConstantBeta:
             setattr(self, name, value)
 
 
-def reads_step_kl(config: AdaptiveKLConfig) -> bool:
-    """Whether the configured beta controller reads the step's KL (`window`): a registered controller does unless its
-    class says `reads_kl = False` (`dynamic`), so that a loop that measures the KL only for the controller (verl's
-    actor loss) measures it whenever one may read it."""
-    return any(getattr(_CONTROLLERS[method], "reads_kl", True) for method in config.kl_methods if method in _CONTROLLERS)
-
-
 class DynamicBeta(ConstantBeta):
     """After an optimizer step that trained on a generation batch with mean reward r > reward_threshold:
     beta <- max(beta * dynamic_beta_decay, beta_min), at most once per generation batch;
     once completed_steps >= beta_schedule_steps: beta = beta_min."""
 
     kind = "dynamic"
-    reads_kl = False  # reads the rewards only
 
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         super().__init__(beta, config)

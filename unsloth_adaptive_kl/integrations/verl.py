@@ -50,6 +50,7 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, estimate_kl, shape_kl, shapes_per_token
 from ..core.adaptation import clipped_tokens, completion_kl, masked_row_sums
+from ..core.functional import local  # the driver's gather: it already holds every worker's values
 from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
 from . import versions
 from .patching import PatchSet
@@ -318,8 +319,9 @@ class RewardKLController:
     def penalize(self, kld: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
         """The core's reward-placement metrics (`adaptive_kl/*`) of a batch whose per-token KL is verl's `kld`, at the
         beta that penalises it; the batch's KL is kept for the next `update`."""
-        _, metrics = self.akl.penalize(completion_kl(kld, mask, self._completion_config), gather=_one_process,
-                                       train=False, completed_steps=self.akl.completed_steps)
+        # As `AdaptiveKL.reward_penalty` in a loop of your own: beta_t at this step, the batch's KL kept for `step`.
+        _, metrics = self.akl.penalize(completion_kl(kld, mask, self._completion_config), gather=local,
+                                       train=True, completed_steps=self.akl.completed_steps)
         return metrics
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -335,11 +337,6 @@ class RewardKLController:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.akl.load_state_dict(state)
-
-
-def _one_process(tensor: torch.Tensor) -> torch.Tensor:
-    """The gather of the driver, which already holds every worker's values: the tensor itself."""
-    return tensor
 
 
 def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty: str = "kl") -> tuple[Any, dict]:
@@ -463,7 +460,7 @@ class AdaptiveKLTrainerMixin:
                       at_threshold=torch.tensor(sum(stats["at_threshold"])))
         if self._mean_reward is not None:
             self.loss_kl.observe_rewards(self._mean_reward)
-        (logged,) = self.loss_kl.record(term, gather=_one_process, train=True, end_of_step=True,
+        (logged,) = self.loss_kl.record(term, gather=local, train=True, end_of_step=True,
                                         completed_steps=self.loss_kl.completed_steps + 1)
         metrics.update(logged)
         return batch
