@@ -67,8 +67,8 @@ class ConstantBeta:
 
 def reads_step_kl(config: AdaptiveKLConfig) -> bool:
     """Whether the configured beta controller reads the step's KL (`window`): a registered controller does unless its
-    class says `reads_kl = False` (`dynamic`), so that a loop that measures the KL only for the controller (verl's
-    actor loss) measures it whenever one may read it."""
+    class says `reads_kl = False` (`dynamic`), so that a loop that measures the KL only for the controller (a
+    trainer's actor loss that keeps no KL term) measures it whenever one may read it."""
     return any(getattr(_CONTROLLERS[method], "reads_kl", True) for method in config.kl_methods if method in _CONTROLLERS)
 
 
