@@ -72,11 +72,11 @@ class KLTermProbe(float):
 
 
 def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
-    """TRL's own fields where the adaptive-KL settings `config` constrain them, on a trainer config `args` (fields it
-    lacks: TRL's defaults): raise ValueError naming the first bad field, its value and what is allowed.
-    `multi_objective_aggregation` must sum before normalising with the KL in the reward; with `sync_ref_model=True`,
-    `ref_model_mixup_alpha`, `ref_model_sync_steps` and a beta that keeps the reference are checked (unused otherwise,
-    so not checked)."""
+    """TRL's own fields where this package gives them a rule, on a trainer config `args` (fields it lacks: TRL's
+    defaults) beside its adaptive-KL settings `config`: raise ValueError naming the first bad field, its value and what
+    is allowed. With the KL in the reward, `multi_objective_aggregation` must sum before normalising; with
+    `sync_ref_model=True`, `ref_model_mixup_alpha` is in (0, 1], `ref_model_sync_steps` an integer >= 1 and beta != 0
+    (with syncing off nothing reads them, so they are not checked)."""
     aggregation = getattr(args, "multi_objective_aggregation", None)
     if config.kl_in_reward and aggregation not in (None, "sum_then_normalize"):
         raise _reject("multi_objective_aggregation", aggregation,
