@@ -159,7 +159,7 @@ def wrap_init(upstream: Callable) -> Callable:
         check_loss_not_replaced(type(self), config)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
         with PatchSet() as patches:
-            if syncing:
+            if syncing:  # the stock __init__ sees syncing off; the config says True again afterwards
                 patches.replace(config, "sync_ref_model", False)
             upstream(self, *args, **kwargs)
         attach_runtime(self)
@@ -282,8 +282,9 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
                 runtime.observe_rewards(rewards[-1])
             return output
         scoring = {"train": mode == "train", "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
-        with PatchSet() as patches:
+        with PatchSet() as patches:  # for this one generation, on the trainer instance
             patches.replace(self, "_adaptive_kl_scoring", scoring)
+            # GRPOTrainer._get_per_token_logps_and_entropies: recorded, so the reference forward can be replayed
             patches.replace(self, "_get_per_token_logps_and_entropies", scoring["recorder"])
             patches.replace(self, "reward_weights", self.reward_weights)  # _calculate_rewards appends the KL's weight
             output = upstream(self, *args, **kwargs)

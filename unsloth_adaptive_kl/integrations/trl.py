@@ -111,7 +111,7 @@ def _stock_loss_and_kl(
     """Run the stock `_compute_loss` with the KL-term probe (and the policy log-prob probe, when given) in place;
     return its loss and the per-token KL its KL line computed. Without `keep_stock_term` the loss has no KL term."""
     probe = KLTermProbe(trainer.beta, keep_stock_term=keep_stock_term)
-    with PatchSet() as patches:
+    with PatchSet() as patches:  # for this one call: GRPOTrainer.beta, and its _get_per_token_logps_and_entropies
         patches.replace(trainer, "beta", probe)
         if logps_probe is not None:
             patches.replace(trainer, "_get_per_token_logps_and_entropies", logps_probe)
