@@ -30,7 +30,6 @@ Writes JSON and ends with `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -167,12 +166,12 @@ def backward(loss_function: Callable[[], torch.Tensor], leaves: list[torch.Tenso
 
 def with_stubs(stubs: list[tuple[Any, str, Any]], function: Callable[[], None]) -> Callable[[], None]:
     """`function` run with each (owner, name, stub) set, the previous attributes restored after it."""
-    from unsloth_adaptive_kl.integrations.trainer_hooks import overridden
+    from unsloth_adaptive_kl.integrations.patching import PatchSet
 
     def call() -> None:
-        with contextlib.ExitStack() as stack:
+        with PatchSet() as patches:
             for owner, name, stub in stubs:
-                stack.enter_context(overridden(owner, name, stub))
+                patches.replace(owner, name, stub)
             function()
 
     return call

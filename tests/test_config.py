@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+from typing import Any
 
 import pytest
 import trl
@@ -14,7 +15,7 @@ from unsloth_adaptive_kl import AdaptiveKLConfig
 from unsloth_adaptive_kl.core.config import parse_methods
 from unsloth_adaptive_kl.core.config import ADAPTIVE_KL_FIELDS
 
-from .conftest import grpo_args
+from .conftest import PROMPTS, grpo_args, hash_reward
 
 DEFAULTS = {
     "kl_adaptation_method": "none",
@@ -148,3 +149,45 @@ def test_trl_parser_yaml_round_trip_and_cli_error(tmp_path) -> None:
     assert (args.kl_adaptation_method, args.kl_target, args.beta_schedule_steps, args.beta) == ("sigmoid+dynamic", 0.05, 3, 0.2)
     with pytest.raises(ValueError, match=r"dynamic_beta_decay=2.0 is invalid"):
         parser.parse_args_and_config(["--config", str(config_file), "--dynamic_beta_decay", "2"])
+
+
+def test_validation_runs_once_per_config_and_once_per_trainer(tokenizer, tmp_path, monkeypatch) -> None:
+    """Issue 26: constructing the config validates it once, and constructing a trainer from it once more (its
+    `AdaptiveKL`, against the trainer's beta, and TRL's own fields with them), not once per layer that reads it. That
+    trainer validation is still real: a field set badly after the config was built is refused by the trainer."""
+    from datasets import Dataset
+
+    from unsloth_adaptive_kl.integrations import trainer_hooks
+    from unsloth_adaptive_kl.integrations import trl as trl_integration
+    from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
+
+    calls = {"adaptive_kl": 0, "trl": 0}
+    validate, check = AdaptiveKLConfig.validate_adaptive_kl, trainer_hooks.check_trl_settings
+
+    def counted_validate(self: AdaptiveKLConfig, *args: Any, **kwargs: Any) -> None:
+        calls["adaptive_kl"] += 1
+        validate(self, *args, **kwargs)
+
+    def counted_check(*args: Any) -> None:
+        calls["trl"] += 1
+        check(*args)
+
+    monkeypatch.setattr(AdaptiveKLConfig, "validate_adaptive_kl", counted_validate)
+    for module in (trainer_hooks, trl_integration):
+        monkeypatch.setattr(module, "check_trl_settings", counted_check)
+
+    args = grpo_args(str(tmp_path), kl_adaptation_method="clip", sync_ref_model=True, ref_model_sync_steps=1,
+                     ref_model_mixup_alpha=1.0)
+    assert calls == {"adaptive_kl": 1, "trl": 1}
+
+    def trainer() -> Any:
+        return trl.GRPOTrainer(model=add_lora(build_tiny_model(tokenizer, seed=0), seed=0), processing_class=tokenizer,
+                               reward_funcs=[hash_reward], args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+
+    built = trainer()
+    assert calls == {"adaptive_kl": 2, "trl": 2}
+    assert built.adaptive_kl.config.kl_methods == ("clip",) and built.adaptive_kl_reference is not None
+    args.kl_clip_threshold = -1.0
+    with pytest.raises(ValueError, match=r"^kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0"):
+        trainer()
+    assert calls == {"adaptive_kl": 3, "trl": 2}

@@ -20,9 +20,18 @@ from typing import Any, NamedTuple
 import pytest
 
 from .conftest import make_trainer
-from unsloth_adaptive_kl.core.config import EVERY_METHOD, METHODS, READ_BY, AdaptiveKLConfig
+from unsloth_adaptive_kl.core.config import METHODS, AdaptiveKLConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def docs_generator() -> Any:
+    """docs/hooks/generated.py, the MkDocs hook (not a package: loaded from its file), which owns `READ_BY`."""
+    spec = importlib.util.spec_from_file_location("docs_generated", ROOT / "docs" / "hooks" / "generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^```$", re.MULTILINE | re.DOTALL)
 NO_RUN = re.compile(r"<!-- no-run: (?P<reason>.+) -->\s*$")
 # Unsloth insists on being imported first and takes over the process: its blocks' imports are checked in a child.
@@ -148,13 +157,15 @@ def test_metrics_page_lists_exactly_the_keys_real_runs_log(tokenizer: Any, tmp_p
 
 
 def test_every_config_field_has_help_naming_the_methods_that_read_it() -> None:
+    generator = docs_generator()
+    read_by = generator.READ_BY
     fields = {field.name: field for field in dataclasses.fields(AdaptiveKLConfig)}
-    assert set(READ_BY) == set(fields), "READ_BY has one entry per field"
+    assert set(read_by) == set(fields), "READ_BY has one entry per field"
     for name, field in fields.items():
         help_text = field.metadata.get("help", "")
         assert len(help_text) > 20, f"{name} has no help text"
-        for reader in READ_BY[name]:
-            if reader == EVERY_METHOD:
+        for reader in read_by[name]:
+            if reader == generator.EVERY_METHOD:
                 assert "every method" in help_text.lower() or all(f"'{m}'" in help_text for m in METHODS), name
             else:
                 assert f"`{reader}`" in help_text, f"{name}'s help does not name `{reader}`, which reads it"

@@ -139,10 +139,10 @@ def test_missing_kl_anchor_is_an_error_not_a_silent_stock_fallback(tokenizer, tm
         trainer._compute_loss(trainer.model, {"completion_mask": torch.ones(1, 2)})
 
 
-def test_overridden_restores_instance_inherited_and_absent_attributes_even_on_error() -> None:
+def test_a_patch_set_block_restores_instance_inherited_and_absent_attributes_even_on_error() -> None:
     """The per-call overrides (the probe beta, the recorder, the reward weights) leave the trainer exactly as found:
     an inherited attribute must not be frozen onto the instance, an absent one must not appear."""
-    from unsloth_adaptive_kl.integrations.trainer_hooks import overridden
+    from unsloth_adaptive_kl.integrations.patching import PatchSet
 
     class Owner:
         inherited = "class value"
@@ -151,7 +151,8 @@ def test_overridden_restores_instance_inherited_and_absent_attributes_even_on_er
     owner.own = "instance value"
     for name in ("own", "inherited", "absent"):
         before = dict(vars(owner))
-        with pytest.raises(RuntimeError), overridden(owner, name, "override"):
+        with pytest.raises(RuntimeError), PatchSet() as patches:
+            patches.replace(owner, name, "override")
             assert getattr(owner, name) == "override"
             raise RuntimeError("the block failed")
         assert vars(owner) == before, name

@@ -4,7 +4,7 @@ A page asks for one with a line of its own, `<!-- generated: NAME [ARGUMENT] -->
 `<!-- generated-inline: NAME [ARGUMENT] -->`; the hook replaces it with the Markdown that `GENERATORS[NAME](ARGUMENT)`
 returns. An unknown name fails the build. Sources:
 - `configuration`: `AdaptiveKLConfig`'s fields (type, default, help), what its validation allows (the text of the
-  ValueError it raises for a bad value) and `config.READ_BY`;
+  ValueError it raises for a bad value) and `READ_BY` (below);
 - `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
 - `demo_flags`: the demo's argparse parser;
 - `loss_overhead`, `loss_overhead_sanity`, `benchmark_headline` (each with `large` for the larger size),
@@ -28,6 +28,31 @@ ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!-- generated: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->$", re.MULTILINE)
 # a generated phrase inside a sentence: `<!-- generated-inline: NAME [ARGUMENT] -->`
 INLINE = re.compile(r"<!-- generated-inline: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->")
+
+EVERY_METHOD = "every method"
+# Which methods read each `AdaptiveKLConfig` field: the configuration reference prints it and tests/test_docs.py holds
+# each field's help text to it. (Docs knowledge, so it lives with the docs, not in the config's metadata: those
+# keywords reach argparse through HfArgumentParser.)
+READ_BY: dict[str, tuple[str, ...]] = {
+    "kl_adaptation_method": (EVERY_METHOD,),
+    "kl_clip_threshold": ("clip",),
+    "kl_target": ("sigmoid", "target"),
+    "dynamic_beta_decay": ("dynamic",),
+    "reward_threshold": ("dynamic",),
+    "beta_min": ("dynamic", "target"),
+    "beta_schedule_steps": ("dynamic",),
+    "kl_estimator": (EVERY_METHOD,),
+    "kl_percentile": (EVERY_METHOD,),
+    "kl_percentile_scale": (EVERY_METHOD,),
+    "kl_reduction": (EVERY_METHOD,),
+    "kl_horizon": ("target",),
+    "beta_max": ("target",),
+    "kl_target_measure": ("target",),
+    "kl_compile": (EVERY_METHOD,),
+    "kl_placement": (EVERY_METHOD,),
+    "ref_model_sync_kl": (EVERY_METHOD,),
+    "ref_model_sync_reset_optimizer": (EVERY_METHOD,),
+}
 
 
 def _cell(text: Any) -> str:
@@ -59,7 +84,7 @@ def allowed_values(name: str) -> str:
 
 def configuration(_: Optional[str] = None) -> str:
     """One row per `AdaptiveKLConfig` field, in declaration order."""
-    from unsloth_adaptive_kl.core.config import READ_BY, AdaptiveKLConfig
+    from unsloth_adaptive_kl.core.config import AdaptiveKLConfig
 
     hints = typing.get_type_hints(AdaptiveKLConfig)
     fields = dataclasses.fields(AdaptiveKLConfig)

@@ -28,9 +28,9 @@ Shaping = Callable[[torch.Tensor, AdaptiveKLConfig], torch.Tensor]
 
 def register_kl_shaping(name: str) -> Callable[[Shaping], Shaping]:
     """Decorator: make `kl_adaptation_method=name` (alone or joined with others by '+') shape the per-token KL with
-    the decorated `fn(per_token_kl, config) -> shaped per-token KL`, in every loop (TRL, Unsloth, verl, Tinker, your
+    the decorated `fn(per_token_kl, config) -> shaped per-token KL`, in every loop (each trainer integration, your
     own, the KL lab). It runs where clip and sigmoid run: on the masked (B, T) KL (padded positions 0, which it must
-    map to 0), before length normalisation and the reduction; at most one shaping per setting. Inside Unsloth's
+    map to 0), before length normalisation and the reduction; at most one shaping per setting. Inside a trainer's
     compiled loss it must be traceable torch (no `.item()`). Register before the config is built: the name is
     validated there. A taken name is a ValueError."""
     new_method_name("register_kl_shaping", name)

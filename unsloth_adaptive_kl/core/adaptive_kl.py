@@ -1,6 +1,6 @@
-"""`AdaptiveKL`: the trainer-agnostic adaptive-KL object that every loop drives (your own, TRL's, Unsloth's, Tinker's,
-verl's). It holds the live beta (the controller) and turns per-token log-probs into the adapted KL term, the reward
-penalty and the `adaptive_kl/*` metrics. Pure torch: it never imports a trainer.
+"""`AdaptiveKL`: the trainer-agnostic adaptive-KL object that every loop drives (your own and each trainer
+integration's). It holds the live beta (the controller) and turns per-token log-probs into the adapted KL term, the
+reward penalty and the `adaptive_kl/*` metrics. Pure torch: it never imports a trainer.
 
 Two ways in, one implementation:
 - a loop of your own calls `kl_loss` / `reward_penalty` per (micro-)batch and `step` once per optimizer step;
@@ -174,9 +174,8 @@ class AdaptiveKL:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
         load too (without the step's KL: a resumed run then has seen none): format 2, and format 1 (no version: the
-        controller's fields and `completed_steps`, as the own-loop object, the trainer checkpoints'
-        `adaptive_kl_state.json` and verl's `adaptive_kl.json` wrote them; the oldest trainer checkpoints lack
-        `completed_steps`), whose kind is read from its fields."""
+        controller's fields and `completed_steps`, as the own-loop object and the trainer integrations' checkpoints
+        wrote them; the oldest trainer checkpoints lack `completed_steps`), whose kind is read from its fields."""
         state = dict(state)
         version = state.pop("format_version", 1)
         if not isinstance(version, int) or not 1 <= version <= STATE_FORMAT:

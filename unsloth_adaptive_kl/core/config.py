@@ -1,8 +1,8 @@
 """The adaptive-KL configuration: one dataclass of fields, defaults and validation, reused everywhere.
 
-`AdaptiveKLConfig` is usable on its own (the pure core takes it) and is mixed into `trl.GRPOConfig` by
-`integrations/trl.py`, so the same fields, help texts and checks appear on the TRL and Unsloth configs, in `to_dict()`
-and on the command line.
+`AdaptiveKLConfig` is usable on its own (the pure core takes it) and is mixed into a trainer's own config class by
+that trainer's integration, so the same fields, help texts and checks appear on the trainer's config, in its
+`to_dict()` and on its command line. The rules of a trainer's own fields stay in its integration.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ NOT_LOG_RATIO_ESTIMATORS = ("k2", "k3", "low_var_kl", "k3+", "k3_bottom_percenti
 @dataclass(frozen=True)
 class EstimatorFields:
     """How a trainer spells the estimator and placement settings, for the text of `KLEstimatorWarning`: the core's
-    (`CORE_FIELDS`) and verl's (`integrations/verl.py`) warnings are one message each with these names filled in."""
+    (`CORE_FIELDS`) and an integration's own (where its trainer names these settings differently) are one message
+    each with these names filled in."""
 
     estimator: str  # the estimator's field, e.g. "kl_estimator"
     in_loss: str  # the setting that puts the KL in the loss, e.g. "kl_placement='loss'"
@@ -69,7 +70,7 @@ _ESTIMATOR_WARNINGS = {
 def warn_estimator_issue(issue: str, value: Any, fields: EstimatorFields = CORE_FIELDS, stacklevel: int = 2) -> None:
     """Warn `KLEstimatorWarning` for `issue` (K1_IN_LOSS or NOT_LOG_RATIO_IN_REWARD), naming the estimator field as
     `fields` spells it, its `value`, the placement and the fix. Once per process and setting (Python's default filter).
-    Trainers whose estimator names differ from the core's (verl's `kl_penalty`) decide the issue themselves."""
+    A trainer whose estimator names differ from the core's decides the issue itself, in its integration."""
     message = _ESTIMATOR_WARNINGS[issue].format(value=value, **dataclasses.asdict(fields))
     warnings.warn(message, KLEstimatorWarning, stacklevel=stacklevel + 1)
 
@@ -111,6 +112,12 @@ def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
     if sum(name in BETA_CONTROLLERS for name in names) > 1:
         raise _reject("kl_adaptation_method", value, f"{allowed}, with at most one of {'/'.join(BETA_CONTROLLERS)}")
     return tuple(name for name in known if name in names)
+
+
+def canonical_methods(value: Union[str, Sequence[str]]) -> str:
+    """`kl_adaptation_method` as a config stores it: the parsed methods in application order joined by '+', or
+    'none'."""
+    return METHOD_SEPARATOR.join(parse_methods(value)) or "none"
 
 
 _PARSED_METHODS: dict[str, tuple[str, ...]] = {}
@@ -258,13 +265,25 @@ class AdaptiveKLConfig:
 
     def __post_init__(self) -> None:
         parent_post_init = getattr(super(), "__post_init__", None)
-        if parent_post_init is not None:  # mixed into trl.GRPOConfig: let it resolve its own fields first
+        if parent_post_init is not None:  # mixed into a trainer's config: let it resolve its own fields first
             parent_post_init()
         # Stored canonically so to_dict()/YAML/CLI round-trip it as one string.
-        self.kl_adaptation_method = "+".join(parse_methods(self.kl_adaptation_method)) or "none"
-        self.validate_adaptive_kl(beta=getattr(self, "beta", None),
-                                  multi_objective_aggregation=getattr(self, "multi_objective_aggregation", None))
-        self.validate_ref_sync(**trl_sync_fields(self))
+        self.kl_adaptation_method = canonical_methods(self.kl_adaptation_method)
+        # Mixed into a config that holds the KL coefficient, the beta bounds are checked against it.
+        self.validate_adaptive_kl(beta=getattr(self, "beta", None))
+
+    @classmethod
+    def unvalidated_from(cls, source: Any) -> "AdaptiveKLConfig":
+        """The adaptive-KL settings `source` (any object: a trainer's config, a namespace) holds, fields it lacks at
+        their defaults (so a trainer config without the fields means 'none'), NOT validated: for a caller that hands
+        them to `AdaptiveKL(config, beta)`, which validates them, once, against the beta in use. Built without
+        `__init__`, whose `__post_init__` would validate them a second time."""
+        config = cls.__new__(cls)
+        for spec in dataclasses.fields(cls):
+            setattr(config, spec.name, getattr(source, spec.name, spec.default))
+        if not isinstance(config.kl_adaptation_method, str):  # a list: `kl_methods` reads the joined string
+            config.kl_adaptation_method = canonical_methods(config.kl_adaptation_method)
+        return config
 
     @property
     def kl_methods(self) -> tuple[str, ...]:
@@ -291,9 +310,9 @@ class AdaptiveKLConfig:
         """True when beta * KL_i is subtracted from each completion's reward instead of added to the loss."""
         return self.kl_placement == "reward"
 
-    def validate_adaptive_kl(self, beta: Optional[float] = None,
-                             multi_objective_aggregation: Optional[str] = None) -> None:
-        """Raise ValueError naming the field, the value and what is allowed for the first bad field."""
+    def validate_adaptive_kl(self, beta: Optional[float] = None) -> None:
+        """Raise ValueError naming the field, the value and what is allowed for the first bad field. `beta`: the KL
+        coefficient in use, which bounds beta_min and beta_max (None: unknown, not checked)."""
         methods = parse_methods(self.kl_adaptation_method)
         _check_real("kl_clip_threshold", self.kl_clip_threshold,
                     _is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
@@ -335,37 +354,19 @@ class AdaptiveKLConfig:
             raise _reject("kl_target", self.kl_target, "a finite number > 0 with kl_adaptation_method target")
         if not isinstance(self.kl_compile, bool):
             raise _reject("kl_compile", self.kl_compile, "True or False")
-        self._validate_placement(methods, multi_objective_aggregation)
+        self._validate_placement(methods)
         warn_estimator_placement(self.estimator, self.kl_placement)
         steps = self.beta_schedule_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
             raise _reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")
-
-
-    def validate_ref_sync(self, sync_ref_model: bool = False, ref_model_sync_steps: Any = 512,
-                          ref_model_mixup_alpha: Any = 0.6, beta: Optional[float] = None) -> None:
-        """Reference syncing (TRL's `sync_ref_model`, `ref_model_sync_steps`, `ref_model_mixup_alpha`, checked when
-        syncing is on, and this config's `ref_model_sync_kl` and `ref_model_sync_reset_optimizer`): raise ValueError
-        naming the first bad field, its value and what is allowed."""
         if self.ref_model_sync_kl is not None:
             _check_real("ref_model_sync_kl", self.ref_model_sync_kl,
                         _is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,
                         "None or a finite number > 0")
         if not isinstance(self.ref_model_sync_reset_optimizer, bool):
             raise _reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
-        if not sync_ref_model:
-            return
-        _check_real("ref_model_mixup_alpha", ref_model_mixup_alpha,
-                    _is_real(ref_model_mixup_alpha) and 0 < ref_model_mixup_alpha <= 1,
-                    "a number with 0 < x <= 1 with sync_ref_model=True")
-        if not isinstance(ref_model_sync_steps, int) or isinstance(ref_model_sync_steps, bool) or ref_model_sync_steps < 1:
-            raise _reject("ref_model_sync_steps", ref_model_sync_steps, "an integer >= 1 with sync_ref_model=True")
-        if beta == 0:
-            raise _reject("sync_ref_model", sync_ref_model,
-                          "False with beta=0.0 (beta=0 turns the KL term off, so there is no reference to sync); set "
-                          "beta > 0 to sync the reference")
 
-    def _validate_placement(self, methods: tuple[str, ...], multi_objective_aggregation: Optional[str]) -> None:
+    def _validate_placement(self, methods: tuple[str, ...]) -> None:
         if self.kl_placement not in KL_PLACEMENTS:
             raise _reject("kl_placement", self.kl_placement, f"one of {', '.join(KL_PLACEMENTS)}")
         if self.kl_placement != "reward":
@@ -377,52 +378,6 @@ class AdaptiveKLConfig:
         if self.kl_reduction not in REWARD_KL_REDUCTIONS:
             raise _reject("kl_reduction", self.kl_reduction,
                           f"one of {', '.join(REWARD_KL_REDUCTIONS)} with kl_placement='reward' (one KL per completion)")
-        if multi_objective_aggregation not in (None, "sum_then_normalize"):
-            raise _reject("multi_objective_aggregation", multi_objective_aggregation,
-                          "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
-                          "reward before the group statistics)")
 
 
 ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)
-
-EVERY_METHOD = "every method"
-# Which methods read each field: the configuration reference prints it and a test holds each field's help text to it.
-# (Kept beside the dataclass, not in its metadata: HfArgumentParser passes metadata on to argparse as keywords.)
-READ_BY: dict[str, tuple[str, ...]] = {
-    "kl_adaptation_method": (EVERY_METHOD,),
-    "kl_clip_threshold": ("clip",),
-    "kl_target": ("sigmoid", "target"),
-    "dynamic_beta_decay": ("dynamic",),
-    "reward_threshold": ("dynamic",),
-    "beta_min": ("dynamic", "target"),
-    "beta_schedule_steps": ("dynamic",),
-    "kl_estimator": (EVERY_METHOD,),
-    "kl_percentile": (EVERY_METHOD,),
-    "kl_percentile_scale": (EVERY_METHOD,),
-    "kl_reduction": (EVERY_METHOD,),
-    "kl_horizon": ("target",),
-    "beta_max": ("target",),
-    "kl_target_measure": ("target",),
-    "kl_compile": (EVERY_METHOD,),
-    "kl_placement": (EVERY_METHOD,),
-    "ref_model_sync_kl": (EVERY_METHOD,),
-    "ref_model_sync_reset_optimizer": (EVERY_METHOD,),
-}
-# TRL's own reference-sync fields (on trl.GRPOConfig), validated beside this config's.
-TRL_SYNC_FIELDS = ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", "beta")
-
-
-def trl_sync_fields(args: Any) -> dict[str, Any]:
-    """The TRL reference-sync fields (and beta) that `args` has, for `AdaptiveKLConfig.validate_ref_sync`."""
-    return {name: getattr(args, name) for name in TRL_SYNC_FIELDS if hasattr(args, name)}
-
-
-def adaptive_kl_config_from(args: Any) -> AdaptiveKLConfig:
-    """The validated adaptive-KL settings of any config object; fields it lacks take their defaults (so a
-    stock `GRPOConfig` built before patching means 'none')."""
-    values = {name: getattr(args, name) for name in ADAPTIVE_KL_FIELDS if hasattr(args, name)}
-    config = AdaptiveKLConfig(**values)
-    config.validate_adaptive_kl(beta=getattr(args, "beta", None),
-                                multi_objective_aggregation=getattr(args, "multi_objective_aggregation", None))
-    config.validate_ref_sync(**trl_sync_fields(args))
-    return config

@@ -19,8 +19,8 @@ _TAKES_CONFIG: set[str] = set()  # estimators called with the config as a 4th ar
 
 
 def register_kl_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    """Decorator: make `kl_estimator=name` mean the decorated function, everywhere the field is read (GRPOConfig in
-    TRL and Unsloth, the command line, `AdaptiveKL`). The function maps (logp, ref_logp, mask), (B, T) tensors of
+    """Decorator: make `kl_estimator=name` mean the decorated function, everywhere the field is read (each trainer's
+    config, the command line, `AdaptiveKL`). The function maps (logp, ref_logp, mask), (B, T) tensors of
     policy and reference log-probs of the sampled tokens and the completion mask, to a (B, T) per-token KL; a 4th
     parameter, if it has one, receives the `AdaptiveKLConfig` (for settings of its own). Every method then reads the
     KL it gives (shaping, length normalisation, reductions, the KL in the reward). Register before the config is
@@ -59,14 +59,14 @@ def k2(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = 
 
 @register_kl_estimator("k3")
 def k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
-    """k3 = exp(r) - r - 1 (unbiased, >= 0): the estimator TRL and Unsloth use."""
+    """k3 = exp(r) - r - 1 (unbiased, >= 0): the estimator GRPO trainers compute by default."""
     r = ref - logp
     return torch.exp(r) - r - 1
 
 
 @register_kl_estimator("low_var_kl")
 def low_var_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
-    """verl's low_var_kl: k3 of r clamped to [-20, 20], the result clamped to [-10, 10]."""
+    """low_var_kl: k3 of r clamped to [-20, 20], the result clamped to [-10, 10]."""
     r = torch.clamp(ref - logp, min=-20.0, max=20.0)
     return torch.clamp(torch.exp(r) - r - 1, min=-10.0, max=10.0)
 

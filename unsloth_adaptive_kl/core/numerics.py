@@ -34,7 +34,7 @@ HALF_PRECISION = (torch.float16, torch.bfloat16)
 def upcast(x: torch.Tensor) -> torch.Tensor:
     """float32 for half-precision input (bf16, fp16), else `x` itself (float32 and float64 are not copied).
     Autograd carries the gradient back to the half-precision tensor. No branch on the dtype, so torch.fx can trace
-    it (Tinker's custom loss): `.to` of the promoted dtype is the tensor itself where nothing changes."""
+    it (a custom loss traced by torch.fx): `.to` of the promoted dtype is the tensor itself where nothing changes."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
@@ -89,7 +89,7 @@ def keep_valid(x: torch.Tensor, mask: torch.Tensor, bits: Optional[torch.Tensor]
     """`torch.where(mask != 0, upcast(x), 0)`, exactly (a NaN or inf on a valid position stays; whatever a masked
     position holds becomes 0, with a zero gradient), by a bitwise AND: see the module's docstring. bits: `valid_bits`
     of the mask for x's (upcast) dtype, where the caller masks several tensors."""
-    if isinstance(x, torch.fx.Proxy):  # torch.fx symbolic tracing (Tinker's custom loss): no dtype, no requires_grad
+    if isinstance(x, torch.fx.Proxy):  # torch.fx symbolic tracing (a traced custom loss): no dtype, no requires_grad
         return torch.where(valid_positions(mask), upcast(x), 0.0)
     if x.dtype in HALF_PRECISION:
         x = x.float()

@@ -1,15 +1,18 @@
 """The record of what a patch replaced, so that it can be restored exactly (attributes that were inherited or absent
-are deleted again rather than copied in)."""
+are deleted again rather than copied in): the one mechanism behind every replacement the integrations make, for the
+life of a patch (`patch()` / `unpatch()`) or for one block (`with PatchSet() as patches:`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from types import TracebackType
+from typing import Any, Optional
 
 _MISSING = object()
 
 
 class PatchSet:
-    """Replacements made on objects (modules, classes), undone in reverse order by `restore`."""
+    """Replacements made on objects (modules, classes, instances), undone in reverse order by `restore`. As a context
+    manager, every replacement made in the block is undone when it exits, also when it raises."""
 
     def __init__(self) -> None:
         self._originals: list[tuple[Any, str, Any]] = []
@@ -19,6 +22,14 @@ class PatchSet:
 
     def __len__(self) -> int:
         return len(self._originals)
+
+    def __enter__(self) -> "PatchSet":
+        return self
+
+    def __exit__(
+        self, kind: Optional[type], error: Optional[BaseException], traceback: Optional[TracebackType]
+    ) -> None:
+        self.restore()
 
     def replaced(self, owner: Any, name: str) -> bool:
         return any(o is owner and n == name for o, n, _ in self._originals)

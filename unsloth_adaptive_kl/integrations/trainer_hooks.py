@@ -1,19 +1,19 @@
-"""Wrappers shared by the TRL and Unsloth integrations, built around whichever upstream method they wrap.
+"""Wrappers shared by the TRL and Unsloth integrations, built around whichever upstream method they wrap, and TRL's
+own fields and rules as this package reads them (Unsloth's config subclasses `trl.GRPOConfig`).
 
-Each keeps the upstream signature and source visible (`functools.wraps`): Unsloth reads `inspect.getsource` and
-`inspect.signature` of `trl.GRPOTrainer`'s methods to generate its trainer, and must see the stock ones.
+Each wrapper keeps the upstream signature and source visible (`functools.wraps`): Unsloth reads `inspect.getsource`
+and `inspect.signature` of `trl.GRPOTrainer`'s methods to generate its trainer, and must see the stock ones.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -22,13 +22,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..core.adaptation import completion_kl
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.config import adaptive_kl_config_from
+from ..core.config import AdaptiveKLConfig, _check_real, _is_real, _reject
 from ..core.estimators import checked_kl
+from .patching import PatchSet
 from .ref_sync import attach_reference_sync, reference_for_generation
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
 
 STATE_FILE = "adaptive_kl_state.json"
 AnchorError = Callable[[], Exception]
+# TRL's own reference-sync fields (on trl.GRPOConfig), and beta, which this package's reference sync reads.
+TRL_SYNC_FIELDS = ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", "beta")
 
 
 class KLTermProbe(float):
@@ -68,9 +71,37 @@ class KLTermProbe(float):
         return self.captured[0]
 
 
+def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
+    """TRL's own fields where this package gives them a rule, on a trainer config `args` (fields it lacks: TRL's
+    defaults) beside its adaptive-KL settings `config`: raise ValueError naming the first bad field, its value and what
+    is allowed. With the KL in the reward, `multi_objective_aggregation` must sum before normalising; with
+    `sync_ref_model=True`, `ref_model_mixup_alpha` is in (0, 1], `ref_model_sync_steps` an integer >= 1 and beta != 0
+    (with syncing off nothing reads them, so they are not checked)."""
+    aggregation = getattr(args, "multi_objective_aggregation", None)
+    if config.kl_in_reward and aggregation not in (None, "sum_then_normalize"):
+        raise _reject("multi_objective_aggregation", aggregation,
+                      "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
+                      "reward before the group statistics)")
+    if not getattr(args, "sync_ref_model", False):
+        return
+    alpha, steps = getattr(args, "ref_model_mixup_alpha", 0.6), getattr(args, "ref_model_sync_steps", 512)
+    _check_real("ref_model_mixup_alpha", alpha, _is_real(alpha) and 0 < alpha <= 1,
+                "a number with 0 < x <= 1 with sync_ref_model=True")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise _reject("ref_model_sync_steps", steps, "an integer >= 1 with sync_ref_model=True")
+    if getattr(args, "beta", None) == 0:
+        raise _reject("sync_ref_model", args.sync_ref_model,
+                      "False with beta=0.0 (beta=0 turns the KL term off, so there is no reference to sync); set "
+                      "beta > 0 to sync the reference")
+
+
 def attach_runtime(trainer: Any) -> AdaptiveKL:
-    """Validate the trainer's adaptive-KL settings and give it its `AdaptiveKL` (`trainer.adaptive_kl`)."""
-    config = adaptive_kl_config_from(trainer.args)
+    """Validate the trainer's adaptive-KL settings, once per trainer (`AdaptiveKL` checks its fields against the
+    trainer's beta, `check_trl_settings` TRL's fields with them), and give the trainer its `AdaptiveKL`
+    (`trainer.adaptive_kl`)."""
+    config = AdaptiveKLConfig.unvalidated_from(trainer.args)
+    adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type)
+    check_trl_settings(trainer.args, config)
     if trainer.beta == 0.0 and not config.is_stock_kl:
         warnings.warn(
             f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL term off "
@@ -78,8 +109,8 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
             UserWarning,
             stacklevel=3,
         )
-    trainer.adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type)
-    return trainer.adaptive_kl
+    trainer.adaptive_kl = adaptive_kl
+    return adaptive_kl
 
 
 def check_loss_not_replaced(trainer_class: type, args: Any) -> None:
@@ -89,7 +120,7 @@ def check_loss_not_replaced(trainer_class: type, args: Any) -> None:
     would silently do nothing, and with kl_placement="reward" the KL would be counted twice. `none` stays stock."""
     if args is None or not getattr(args, "use_liger_kernel", False) or getattr(args, "beta", 0.0) == 0.0:
         return
-    config = adaptive_kl_config_from(args)
+    config = AdaptiveKLConfig.unvalidated_from(args)  # validated once, by `attach_runtime`
     syncing = bool(getattr(args, "sync_ref_model", False))
     if (config.is_stock_kl and not syncing) or TRL_LIGER_LOSS_CALL not in source(trainer_class.compute_loss):
         return
@@ -113,7 +144,7 @@ def config_argument(args: tuple, kwargs: dict) -> Any:
 
 def asks_for_adaptive_kl(args: Any) -> bool:
     """Whether a trainer config asks for anything this package does: a non-stock KL setting or reference syncing."""
-    return not adaptive_kl_config_from(args).is_stock_kl or bool(getattr(args, "sync_ref_model", False))
+    return not AdaptiveKLConfig.unvalidated_from(args).is_stock_kl or bool(getattr(args, "sync_ref_model", False))
 
 
 def wrap_init(upstream: Callable) -> Callable:
@@ -127,7 +158,9 @@ def wrap_init(upstream: Callable) -> Callable:
         config = config_argument(args, kwargs)
         check_loss_not_replaced(type(self), config)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
-        with overridden(config, "sync_ref_model", False) if syncing else contextlib.nullcontext():
+        with PatchSet() as patches:
+            if syncing:  # the stock __init__ sees syncing off; the config says True again afterwards
+                patches.replace(config, "sync_ref_model", False)
             upstream(self, *args, **kwargs)
         attach_runtime(self)
         if syncing:
@@ -160,21 +193,6 @@ class _CallRecorder:
             kwargs = {**kwargs, "model": model}
         with torch.no_grad():
             return self.method(*args, **kwargs)[0]
-
-
-@contextlib.contextmanager
-def overridden(owner: Any, name: str, value: Any) -> Iterator[None]:
-    """`owner.name = value` for the block, then the previous state exactly: an attribute `owner` did not hold in its
-    own `__dict__` (absent, or inherited from its class) is deleted again, not copied onto it."""
-    previous = vars(owner).get(name, overridden)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        if previous is overridden:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, previous)
 
 
 def _policy_logps(trainer: Any, found: dict, recorder: _CallRecorder, missing: Callable[[], Exception]) -> torch.Tensor:
@@ -264,9 +282,11 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
                 runtime.observe_rewards(rewards[-1])
             return output
         scoring = {"train": mode == "train", "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
-        with overridden(self, "_adaptive_kl_scoring", scoring), \
-                overridden(self, "_get_per_token_logps_and_entropies", scoring["recorder"]), \
-                overridden(self, "reward_weights", self.reward_weights):
+        with PatchSet() as patches:  # for this one generation, on the trainer instance
+            patches.replace(self, "_adaptive_kl_scoring", scoring)
+            # GRPOTrainer._get_per_token_logps_and_entropies: recorded, so the reference forward can be replayed
+            patches.replace(self, "_get_per_token_logps_and_entropies", scoring["recorder"])
+            patches.replace(self, "reward_weights", self.reward_weights)  # _calculate_rewards appends the KL's weight
             output = upstream(self, *args, **kwargs)
         if len(rewards) != logged + 1 or "metrics" not in scoring:
             raise missing_reward_metric()

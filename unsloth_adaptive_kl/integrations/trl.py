@@ -1,14 +1,14 @@
 """Integration with trl's `GRPOConfig` / `GRPOTrainer`: translate trainer tensors to the core and back.
 
 `patch()` is the one place that changes TRL and `unpatch()` restores every stock object; both are idempotent.
-Data flows one way: `_compute_loss` hands the per-token KL it computed (caught by `KLTermProbe`), the mask and
-the loss-type normalisers to the trainer's `AdaptiveKL` (`trainer.adaptive_kl`, the core object); the adapted term
-goes back into the loss and the metrics into `trainer._metrics`. No extra forward pass is made.
+Data flows one way: `_compute_loss` reads the per-token KL TRL computed (caught by `KLTermProbe`), the log-probs,
+the mask and TRL's loss-type normalisers, and hands them to `grpo_loss.adapted_loss`, the decisions it shares with
+the Unsloth integration, which drives the trainer's `AdaptiveKL` (`trainer.adaptive_kl`, the core object); the adapted
+term goes back into the loss and the metrics into `trainer._metrics`. No extra forward pass is made.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -22,15 +22,13 @@ import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 
-from ..core.adaptation import ReductionContext
 from ..core.config import AdaptiveKLConfig
-from ..core.estimators import checked_kl
-from ..core.numerics import LogpCheck, valid_positions
+from .grpo_loss import LossNormalisers, adapted_loss, masked_reference
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
     KLTermProbe,
-    overridden,
+    check_trl_settings,
     current_beta,
     record_metrics,
     wrap_calculate_rewards,
@@ -68,6 +66,10 @@ class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
     # Unsloth pastes this class's docstring into the source it generates, so it must be set explicitly.
     __doc__ = (StockGRPOConfig.__doc__ or "") + "\n" + (AdaptiveKLConfig.__doc__ or "")
 
+    def __post_init__(self) -> None:
+        super().__post_init__()  # TRL's own, then the adaptive-KL fields, checked against this config's beta
+        check_trl_settings(self, self)
+
 
 def _missing(anchor: Anchor) -> Callable[[], Exception]:
     """For an anchor found in the source at patch time but not reached while training."""
@@ -81,25 +83,13 @@ def _stock_function(name: str) -> Any:
     return getattr(StockGRPOTrainer if owner == "GRPOTrainer" else getattr(trl_callbacks, owner, None), attribute, None)
 
 
-def _reduction_context(trainer: Any, inputs: dict, mode: str) -> ReductionContext:
-    """Translate the trainer's normalisers. dapo/cispo/vespo divide each micro-batch's token sum by
-    num_items_in_batch / num_processes * GA / steps_per_generation; without the GA factor that is below."""
-    token_normalizer = None
-    if "num_items_in_batch" in inputs:
-        token_normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
-        if mode == "train":
-            token_normalizer = token_normalizer / trainer.args.steps_per_generation
-    return ReductionContext(max_completion_length=trainer.max_completion_length, token_normalizer=token_normalizer)
-
-
 class _PolicyLogpsProbe:
     """Stands in for `trainer._get_per_token_logps_and_entropies` during one stock `_compute_loss` call: records the
     first (policy) call's log-probs (for a non-stock `kl_estimator`, and the non-finite check of both log-probs).
 
-    With `inputs` (a copy of the batch the stock loss reads) it also sets the reference log-probs of every masked
-    position to the policy's own (detached), before the stock KL line reads them: the trainer's KL there is then 0 with
-    a finite gradient, whatever the padding held (NaN, -inf, a huge gap would give 0 * inf = NaN in its backward).
-    Valid positions keep the trainer's values exactly."""
+    With `inputs` (a copy of the batch the stock loss reads) it also replaces that batch's reference log-probs by
+    `grpo_loss.masked_reference` (valid positions keep the trainer's values exactly), before the stock KL line reads
+    them."""
 
     def __init__(self, method: Any, inputs: dict | None = None, mask: torch.Tensor | None = None) -> None:
         self.method = method
@@ -111,7 +101,7 @@ class _PolicyLogpsProbe:
         self.logps.append(output[0])
         if self.inputs is not None and len(self.logps) == 1 and self.inputs.get("ref_per_token_logps") is not None:
             ref = self.inputs["ref_per_token_logps"]
-            self.inputs["ref_per_token_logps"] = torch.where(valid_positions(self.mask), ref, output[0].detach())
+            self.inputs["ref_per_token_logps"] = masked_reference(ref, output[0], self.mask)
         return output
 
 
@@ -121,10 +111,10 @@ def _stock_loss_and_kl(
     """Run the stock `_compute_loss` with the KL-term probe (and the policy log-prob probe, when given) in place;
     return its loss and the per-token KL its KL line computed. Without `keep_stock_term` the loss has no KL term."""
     probe = KLTermProbe(trainer.beta, keep_stock_term=keep_stock_term)
-    with overridden(trainer, "beta", probe), (
-        contextlib.nullcontext() if logps_probe is None
-        else overridden(trainer, "_get_per_token_logps_and_entropies", logps_probe)
-    ):
+    with PatchSet() as patches:  # for this one call: GRPOTrainer.beta, and its _get_per_token_logps_and_entropies
+        patches.replace(trainer, "beta", probe)
+        if logps_probe is not None:
+            patches.replace(trainer, "_get_per_token_logps_and_entropies", logps_probe)
         loss = _stock_compute_loss(trainer, model, inputs)
     return loss, probe.single_capture(_missing(TRL_KL_LINE))
 
@@ -145,17 +135,15 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     loss, kl = _stock_loss_and_kl(self, model, logps_probe.inputs, config.is_stock_kl, logps_probe)
     if not logps_probe.logps:
         raise _missing(TRL_LOGPS_CALL)()
-    ref = inputs["ref_per_token_logps"]
-    if config.estimator != "k3":  # a non-stock estimator: its per-token KL from the policy log-probs the loss computed
-        kl, check = checked_kl(logps_probe.logps[0], ref, mask, config)
-    else:  # the trainer's own KL: its inputs are checked (a non-finite valid log-prob raises at the step's end)
-        check = LogpCheck.of(logps_probe.logps[0], ref, mask)
-
-    mode = "train" if self.model.training else "eval"
-    term = self.adaptive_kl.term(kl, mask, _reduction_context(self, inputs, mode), check=check)
-    if not config.is_stock_kl:
-        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-        loss = loss + term.adapted * (self.adaptive_kl.current_beta / accumulation)  # one autograd node, not two
+    training = self.model.training
+    normalisers = LossNormalisers(  # TRL divides by steps_per_generation in training only
+        max_completion_length=self.max_completion_length, num_items_in_batch=inputs.get("num_items_in_batch"),
+        num_processes=self.accelerator.num_processes,
+        steps_per_generation=self.args.steps_per_generation if training else None,
+        gradient_accumulation=self.current_gradient_accumulation_steps if training else 1,
+    )
+    loss, term = adapted_loss(self.adaptive_kl, loss, kl, logps_probe.logps[0], inputs["ref_per_token_logps"], mask,
+                              normalisers)
     record_metrics(self, term)
     return loss
 

@@ -2,8 +2,8 @@
 
 trl 1.15's fused LM head calls `trl.trainer.utils._ChunkedLogProbFunction.apply` for every forward. Without
 Triton that name is `None` (`'NoneType' object has no attribute 'apply'`); with Triton but no GPU the kernel
-fails (`0 active drivers`). trl 1.16 added its own CPU path, so `trl_patch` installs this only on older trl.
-GPU tensors still go to the upstream kernel.
+fails (`0 active drivers`). trl 1.16 added its own CPU path, so `integrations/trl.py` installs this only on
+older trl. GPU tensors still go to the upstream kernel.
 """
 
 from __future__ import annotations

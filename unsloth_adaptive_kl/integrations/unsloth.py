@@ -7,7 +7,8 @@ its `_patch_trl_rl_trainers`; once that has generated the trainer, `_install` ho
 
 - the module global `UnslothEfficientGRPO` (used by the inlined `grpo_accumulated_loss`) becomes
   `_AdaptiveEfficientGRPO`, which runs Unsloth's compiled loss with beta=0.0 (a constant: no recompiles, however
-  beta moves) and adds beta_t * adapted KL, computed eagerly from the same log-probs, outside the compiled region;
+  beta moves) and adds beta_t * adapted KL, computed eagerly from the same log-probs, outside the compiled region,
+  by the decisions it shares with the TRL integration (`grpo_loss.adapted_loss`);
 - `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_calculate_rewards`,
   `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration, and the
   module's `use_adapter` the same stand-in (`ref_sync.use_reference`).
@@ -32,9 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 
-from ..core.adaptation import ReductionContext
-from ..core.estimators import checked_kl
-from ..core.numerics import LogpCheck, valid_positions
+from .grpo_loss import LossNormalisers, adapted_loss, masked_reference, reads_trainer_kl
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
@@ -82,22 +81,18 @@ def generated_grpo_trainer() -> Optional[type]:
     return trainer if trainer.__name__ == GENERATED_CLASS else None
 
 
-def _reduction(kwargs: dict, bnpo_rule: str) -> tuple[str, ReductionContext]:
-    """The installed grpo_compute_loss's loss_type reduction and normalisers, from the kwargs the trainer passes it.
-    dapo/cispo/vespo divide by num_items_in_batch / num_processes * GA / steps_per_generation (the GA factor is
-    below); bnpo too where `bnpo_rule` is 'global' (see versions.UNSLOTH_BNPO_RULES)."""
+def _normalisers(kwargs: dict, bnpo_rule: str) -> tuple[str, LossNormalisers]:
+    """The installed grpo_compute_loss's loss_type reduction and normalisers, from the kwargs the trainer passes it;
+    bnpo divides as dapo does where `bnpo_rule` is 'global' (see versions.UNSLOTH_BNPO_RULES)."""
     loss_type = kwargs.get("loss_type", "grpo")
     items = kwargs.get("num_items_in_batch")
-    token_normalizer = None
-    if items is not None:
-        token_normalizer = (items.clamp(min=1.0) if torch.is_tensor(items) else max(float(items), 1.0))
-        token_normalizer = token_normalizer / kwargs.get("num_processes", 1)
-        if kwargs.get("steps_per_generation"):
-            token_normalizer = token_normalizer / kwargs["steps_per_generation"]
-        if loss_type == "bnpo" and bnpo_rule == "global":
-            loss_type = "dapo"
-    ctx = ReductionContext(max_completion_length=kwargs.get("max_completion_length"), token_normalizer=token_normalizer)
-    return loss_type, ctx
+    if items is not None and loss_type == "bnpo" and bnpo_rule == "global":
+        loss_type = "dapo"
+    return loss_type, LossNormalisers(
+        max_completion_length=kwargs.get("max_completion_length"), num_items_in_batch=items,
+        num_processes=kwargs.get("num_processes", 1), steps_per_generation=kwargs.get("steps_per_generation"),
+        gradient_accumulation=kwargs.get("current_gradient_accumulation_steps", 1),
+    )
 
 
 class _AdaptiveEfficientGRPO:
@@ -140,28 +135,21 @@ class _AdaptiveEfficientGRPO:
                 "UNSLOTH_GRPO_LOSS_AGGREGATION); unset them."
             )
         stock = config.is_stock_kl
-        # The non-finite check of the log-probs as handed over; then every masked reference log-prob is set to the
-        # policy's own (detached), so the trainer's KL there is 0 with a finite gradient whatever the padding held
-        # (valid positions keep their values exactly).
-        check = None if config.estimator != "k3" or config.kl_in_reward else LogpCheck.of(new, ref, mask)
-        raw_ref, ref = ref, torch.where(valid_positions(mask), ref, new.detach())
+        # Unsloth's KL line reads the masked reference; the estimator and the non-finite check read the raw one.
+        raw_ref, ref = ref, masked_reference(ref, new, mask)
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
                                           beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
         # The trainer's own KL carries the gradient only where the adapted term is built from it.
-        metrics_only = stock or config.estimator != "k3" or config.kl_in_reward
+        metrics_only = stock or not reads_trainer_kl(config) or config.kl_in_reward
         with torch.no_grad() if metrics_only else contextlib.nullcontext():
             kl, mean_kl = cls.trainer_kl(new, old, ref, sampling, input_ids, mask, advantages, beta, kwargs)
         if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term
             outputs[2] = mean_kl
             calls.append(None)
             return tuple(outputs)
-        if config.estimator != "k3":
-            kl, check = checked_kl(new, raw_ref, mask, config)
-        loss_type, ctx = _reduction(kwargs, cls.bnpo_rule)
-        term = trainer.adaptive_kl.term(kl, mask, ctx, loss_type, check=check)
+        loss_type, normalisers = _normalisers(kwargs, cls.bnpo_rule)
+        outputs[0], term = adapted_loss(trainer.adaptive_kl, outputs[0], kl, new, raw_ref, mask, normalisers, loss_type)
         if not stock:
-            accumulation = kwargs.get("current_gradient_accumulation_steps", 1)
-            outputs[0] = outputs[0] + term.adapted * (trainer.adaptive_kl.current_beta / accumulation)
             outputs[2] = mean_kl  # the compiled loss ran with beta=0.0, so it reported a KL of 0
         calls.append(term)
         return tuple(outputs)

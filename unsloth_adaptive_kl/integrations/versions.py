@@ -42,8 +42,8 @@ class Anchor:
     signature: bool = False
 
 
-# trl.GRPOTrainer (trl_patch). The KL line is where the per-token KL is taken from; the normaliser lines are the
-# reductions `adaptation.LOSS_TYPE_REDUCTIONS` reproduces for the adapted KL.
+# trl.GRPOTrainer (integrations/trl.py). The KL line is where the per-token KL is taken from; the normaliser lines are
+# the reductions `adaptation.LOSS_TYPE_REDUCTIONS` reproduces for the adapted KL.
 TRL_KL_LINE = Anchor("GRPOTrainer._compute_loss", "per_token_loss = per_token_loss + self.beta * per_token_kl",
                      "the trainer's own per-token KL is taken at this line")
 TRL_LOGPS_CALL = Anchor("GRPOTrainer._compute_loss", "= self._get_per_token_logps_and_entropies(",
@@ -122,7 +122,7 @@ TRL_KERNEL_WITHOUT_CPU_PATH = "_ChunkedLogProbFunction = None"
 # its presence in the installed compute_loss is what makes a non-stock setting with Liger an error.
 TRL_LIGER_LOSS_CALL = "self.compute_liger_loss"
 
-# unsloth_zoo's grpo_compute_loss, as inlined into Unsloth's generated trainer module (unsloth_patch).
+# unsloth_zoo's grpo_compute_loss, as inlined into Unsloth's generated trainer module (integrations/unsloth.py).
 UNSLOTH_KL_LINE = Anchor("grpo_compute_loss", "loss_i = loss_i + beta * kl_i",
                          "the trainer's own per-token KL is taken at this line")
 UNSLOTH_LOSS_CALL = Anchor("grpo_accumulated_loss", "UnslothEfficientGRPO.apply(",

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.adaptation import LOSS_TYPE_REDUCTIONS
-from ..core.config import TRL_SYNC_FIELDS, AdaptiveKLConfig
+from ..core.config import AdaptiveKLConfig
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
 # --kl-in-reward: the KL as a loss term (stock) against the KL in the reward, per-token mean and summed, and the
@@ -101,11 +101,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(f"{name}={value} is invalid: allowed is an integer >= 1")
     if args.loss_type not in LOSS_TYPE_REDUCTIONS:
         parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(LOSS_TYPE_REDUCTIONS))}")
+    from ..integrations.trainer_hooks import TRL_SYNC_FIELDS, check_trl_settings  # TRL's rules (imports trl)
+
     for method in args.methods:  # bad names fail here, before any training
         settings = variant_settings(method, args.beta)
         trl_fields = {k: settings.pop(k) for k in TRL_SYNC_FIELDS if k in settings}  # TRL's, not AdaptiveKLConfig's
-        AdaptiveKLConfig(kl_target=args.kl_target, kl_horizon=args.kl_horizon,
-                         **settings).validate_ref_sync(**trl_fields)
+        config = AdaptiveKLConfig(kl_target=args.kl_target, kl_horizon=args.kl_horizon, **settings)
+        check_trl_settings(argparse.Namespace(**trl_fields), config)
     return args
 
 

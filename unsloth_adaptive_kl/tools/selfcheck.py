@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from ..integrations import versions
+from ..integrations.patching import PatchSet
 from ..core.tolerance import reordered_sum_tolerance
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
@@ -125,9 +126,9 @@ def captured_inputs(trainer: Any, compute: str) -> dict:
             captured.append({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
         return upstream(trainer, model, inputs, *args, **kwargs)
 
-    setattr(trainer, compute, capture)
-    trainer.train()
-    delattr(trainer, compute)
+    with PatchSet() as patches:
+        patches.replace(trainer, compute, capture)
+        trainer.train()
     return captured[0]
 
 
@@ -211,13 +212,12 @@ def stock_trl() -> Iterator[None]:
     from ..integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 
     unpatch()
-    kernel = trl_patch.trl_utils._ChunkedLogProbFunction
-    if trl_patch.kernel_lacks_cpu_path():  # stock trl 1.15 cannot run on a CPU at all without it
-        trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
     try:
-        yield
+        with PatchSet() as patches:  # restored before patch() installs its own fallback again
+            if trl_patch.kernel_lacks_cpu_path():  # stock trl 1.15 cannot run on a CPU at all without it
+                patches.replace(trl_patch.trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbWithCPUFallback)
+            yield
     finally:
-        trl_patch.trl_utils._ChunkedLogProbFunction = kernel
         patch()
 
 
@@ -225,12 +225,10 @@ def stock_trl() -> Iterator[None]:
 def stock_unsloth(trainer: Any) -> Iterator[None]:
     """Unsloth's own loss path inside the block: the shim and the compute_loss wrapper bypassed."""
     module, cls = sys.modules[type(trainer).__module__], type(trainer)
-    shim, hooked = module.UnslothEfficientGRPO, cls.compute_loss
-    module.UnslothEfficientGRPO, cls.compute_loss = shim.upstream, hooked.__wrapped__
-    try:
+    with PatchSet() as patches:
+        patches.replace(module, "UnslothEfficientGRPO", module.UnslothEfficientGRPO.upstream)
+        patches.replace(cls, "compute_loss", cls.compute_loss.__wrapped__)
         yield
-    finally:
-        module.UnslothEfficientGRPO, cls.compute_loss = shim, hooked
 
 
 def trl_checks(output_dir: str) -> list[Check]:
