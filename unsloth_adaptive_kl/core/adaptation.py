@@ -206,10 +206,13 @@ def clipped_tokens(valid_kl: torch.Tensor, config: AdaptiveKLConfig, lengths: to
 
 @dataclass
 class KLTerm:
-    """One micro-batch's KL term and diagnostics.
+    """One batch's KL and diagnostics: a micro-batch's KL term (KL in the loss, `kl_term`), or a generation batch's
+    per-completion KL (KL in the reward, `completion_kl`).
 
-    raw: the un-adapted KL reduced as loss_type reduces the loss (detached, for logging).
-    adapted: the adapted KL, the quantity beta multiplies in the loss (carries gradient).
+    raw: the un-adapted KL reduced as loss_type reduces the loss (detached, for logging); in the reward, KL_i of each
+    completion (shape (B,)).
+    adapted: the adapted KL, the quantity beta multiplies in the loss (carries gradient); in the reward, KL_i of the
+    shaped per-token KL (detached: the penalty enters the advantages, not the gradient).
     sequence_kl: S_i = sum_t m k, each completion's summed un-adapted KL (detached). lengths: L_i.
     at_threshold: how many valid tokens have k >= kl_clip_threshold (`clip` only; 0 otherwise).
     check: the non-finite check of the log-probs the KL came from (`AdaptiveKL` sets it where it has them).
@@ -347,26 +350,9 @@ COMPLETION_KL_REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch
 COMPLETION_KL_REDUCTIONS["loss_type"] = COMPLETION_KL_REDUCTIONS["sequence_sum"]
 
 
-@dataclass
-class CompletionKL:
-    """One generation batch's per-completion KL, for the reward penalty r_i - beta * adapted_i.
-
-    raw: KL_i of the un-shaped per-token KL. adapted: KL_i of the shaped (clip/sigmoid) per-token KL.
-    sequence_kl: S_i = sum_t m k (un-shaped). lengths: L_i. at_threshold: valid tokens with k >= kl_clip_threshold
-    (`clip` only; 0 otherwise). All detached: the penalty enters the advantages, not the gradient; float32 for
-    half-precision input. check: the non-finite check of the log-probs the KL came from, where known."""
-
-    raw: torch.Tensor
-    adapted: torch.Tensor
-    sequence_kl: torch.Tensor
-    lengths: torch.Tensor
-    at_threshold: torch.Tensor
-    check: Optional[LogpCheck] = None
-
-
 @torch.no_grad()
 def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig,
-                  check: Optional[LogpCheck] = None) -> CompletionKL:
+                  check: Optional[LogpCheck] = None) -> KLTerm:
     """KL_i = reduce_t(shape(k_i,t)) per completion: shaping (clip/sigmoid) per token, then `kl_reduction`
     (`sequence_sum`: S_i = sum_t m k'; `sequence_mean`: S_i / max(L_i, 1)). One masked pass, as `adapted_kl_term`."""
     reduce = COMPLETION_KL_REDUCTIONS[config.kl_reduction]
@@ -374,5 +360,5 @@ def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig
     raw = reduce(sums, lengths)
     adapted = raw if adapted_sums is sums else reduce(adapted_sums, lengths)
     at_threshold = clipped_tokens(valid_kl, config, lengths)
-    return CompletionKL(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold,
+    return KLTerm(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold,
                         check=check)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from .adaptation import CompletionKL, KLTerm, ReductionContext, kl_reduction, kl_term, loss_type_reduction
+from .adaptation import KLTerm, ReductionContext, kl_reduction, kl_term, loss_type_reduction
 from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, _check_real, _is_real, _reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .functional import (Gather, StepKL, adapted_kl, completion_kls, local, penalty_statistics, statistics_row,
@@ -243,7 +243,7 @@ class AdaptiveKL:
         return metrics
 
     def penalize(
-        self, term: CompletionKL, *, gather: Gather, train: bool, completed_steps: int
+        self, term: KLTerm, *, gather: Gather, train: bool, completed_steps: int
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """kl_placement="reward": the penalty beta_t * KL_i of every completion of a generation batch, over all
         processes in process order (as the trainer gathers its rewards), and its metrics. beta_t is the beta after

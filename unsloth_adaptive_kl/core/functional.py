@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .adaptation import CompletionKL, KLTerm, ReductionContext, completion_kl, kl_term
+from .adaptation import KLTerm, ReductionContext, completion_kl, kl_term
 from .config import AdaptiveKLConfig
 from .controllers import WindowKL
 from .estimators import checked_kl
@@ -82,7 +82,7 @@ def adapted_kl(
 def completion_kls(
     logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, *,
     per_token_kl: Optional[torch.Tensor] = None,
-) -> CompletionKL:
+) -> KLTerm:
     """KL_i of every completion of a generation batch, for the penalty beta * KL_i (no gradient): the estimator per
     token, shaped, reduced per completion by `kl_reduction` (sequence_sum: sum_t m k'; sequence_mean: over L_i)."""
     kl, check = _per_token(logps, ref_logps, mask, config, per_token_kl)
@@ -172,7 +172,7 @@ def step_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]],
     return metrics, seen
 
 
-def penalty_statistics(term: CompletionKL, *, beta: float, config: AdaptiveKLConfig, step: int,
+def penalty_statistics(term: KLTerm, *, beta: float, config: AdaptiveKLConfig, step: int,
                        gather: Gather = local) -> tuple[torch.Tensor, dict[str, float], StepKL]:
     """The KL in the reward: (P, metrics, the batch's `StepKL`) with P_i = beta * KL_i for every completion of every
     process in process order (float32, as trainers gather rewards) and the metrics of `kl_metrics` per completion,
