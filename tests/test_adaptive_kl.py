@@ -234,10 +234,6 @@ def test_state_dict_resumes_exactly() -> None:
     assert len(set(uninterrupted)) == 6  # beta moved every step
 
 
-def k1_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    return (logps - ref) * MASK
-
-
 def test_the_steps_kl_is_one_token_mean_whatever_the_loop_and_placement() -> None:
     """`last_raw_kl` (what ref_model_sync_kl compares) and the `target` controller's KL are sum_t m k / sum L over
     the step's completions, all micro-batches, in every path: the own loop's kl_loss + step, the trainer path's

@@ -41,7 +41,6 @@ import copy
 import dataclasses
 import json
 import logging
-import math
 import os
 import warnings
 from typing import Any, Optional
@@ -210,13 +209,12 @@ class AdaptivePPOLoss:
         if not self.actor_config.use_kl_loss:
             return losses.ppo_loss(self.stock_config, model_output, data, dp_group)
         kl = _LossKL(self)
-        patches = PatchSet()
-        patches.replace(losses, "kl_penalty", kl.per_token)
-        patches.replace(losses, "agg_loss", kl.aggregate)
-        try:
+        # Replaces verl's kl_penalty and agg_loss as verl.workers.utils.losses references them (ppo_loss calls them),
+        # for this call only: ppo_loss's own KL becomes the adapted term.
+        with PatchSet() as patches:
+            patches.replace(losses, "kl_penalty", kl.per_token)
+            patches.replace(losses, "agg_loss", kl.aggregate)
             loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
-        finally:
-            patches.restore()
         adapted = metrics["kl_loss"]  # ppo_loss's Metric of its KL term, with its aggregation over micro-batches
         if not self.verl_term:  # verl's kl_loss keeps its stock meaning: the un-adapted KL
             metrics["kl_loss"] = Metric(value=kl.raw, aggregation=adapted.aggregation)
@@ -424,12 +422,9 @@ class AdaptiveKLTrainerMixin:
         self.reward_kl.observe_rewards(self._mean_reward)
         # Replaces verl's apply_kl_penalty (ray_trainer), as the V1 trainer module references it (anchored), for
         # this call only.
-        patches = PatchSet()
-        patches.replace(trainer_base, "apply_kl_penalty", apply_adaptive_kl_penalty)
-        try:
+        with PatchSet() as patches:
+            patches.replace(trainer_base, "apply_kl_penalty", apply_adaptive_kl_penalty)
             return super()._compute_advantage(batch, metrics)
-        finally:
-            patches.restore()
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if self.loss_kl is None:
@@ -444,12 +439,9 @@ class AdaptiveKLTrainerMixin:
             return reduce_metrics(output)
 
         # Replaces verl's reduce_metrics, as the V1 trainer module references it (anchored), for this call only.
-        patches = PatchSet()
-        patches.replace(trainer_base, "reduce_metrics", reduce_keeping_stats)
-        try:
+        with PatchSet() as patches:
+            patches.replace(trainer_base, "reduce_metrics", reduce_keeping_stats)
             batch = super()._update_actor(batch, metrics)
-        finally:
-            patches.restore()
         batch.extra_info.pop(BETA_KEY, None)
         # The raw and adapted KL as verl aggregated them (over micro-batches, workers and mini-batches), the worker's
         # beta (the core logs the one it pushed)
