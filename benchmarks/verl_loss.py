@@ -42,11 +42,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from verl.utils import tensordict_utils as tu
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
     from unsloth_adaptive_kl import AdaptiveKLConfig
-    from unsloth_adaptive_kl.integrations.verl import AdaptivePPOLoss
+    from unsloth_adaptive_kl.integrations.verl import BETA_KEY, AdaptivePPOLoss
     from unsloth_adaptive_kl.tools.tiny import verl_loss_and_grad, verl_micro_batch
 
     def forward_backward(loss_fn: Callable[..., Any]) -> Callable[[], None]:
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     responses, response_length, prompt_length, repeats = SIZES["smoke" if args.smoke else "full"]
     data, values, offsets = verl_micro_batch(responses, response_length, prompt_length)
+    # The beta the driver puts in every micro-batch's non-tensor data, as in a run (stock's ppo_loss never reads it)
+    tu.assign_non_tensor(data, **{BETA_KEY: 0.04})
     config = ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, use_kl_loss=True,
                          kl_loss_coef=0.04, kl_loss_type="low_var_kl", loss_agg_mode="token-mean", entropy_coeff=0.0)
 
