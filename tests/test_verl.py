@@ -262,6 +262,37 @@ def test_adaptive_kl_block_is_validated():
         verl_kl.configs_from({"kl_placement": "reward"})
 
 
+@pytest.mark.parametrize(("block", "message"), [
+    ({"ref_model_sync_kl": 0.5}, r"adaptive_kl\.ref_model_sync_kl=0\.5 is not used with verl: the reference sync is "
+                                 r"TRL's"),
+    ({"reward": {"ref_model_sync_reset_optimizer": True}},
+     r"adaptive_kl\.reward\.ref_model_sync_reset_optimizer=True is not used with verl"),
+    ({"kl_compile": True}, r"adaptive_kl\.kl_compile=True is not used with verl: verl's actor loss is verl's own"),
+    ({"reward": {"kl_estimator": "k3"}}, r"adaptive_kl\.reward\.kl_estimator='k3' is not used with verl: the "
+                                         r"estimator of the KL in the reward is verl's algorithm\.kl_penalty"),
+    ({"reward": {"kl_percentile": 0.5}}, r"adaptive_kl\.reward\.kl_percentile=0\.5 is not used with verl"),
+    ({"reward": {"kl_reduction": "sequence_mean"}},
+     r"adaptive_kl\.reward\.kl_reduction='sequence_mean' is not used with verl: .*always beta_t \* sum_t m k'"),
+])
+def test_a_field_verl_does_not_read_is_refused_naming_it(block, message):
+    """Nothing silently does nothing: a field no verl code path reads, set to anything but its default, is a
+    ValueError naming the field, its value and why."""
+    with pytest.raises(ValueError, match=message):
+        verl_kl.configs_from(block)
+
+
+def test_the_loss_only_fields_are_not_inherited_by_the_reward():
+    """kl_estimator and kl_reduction at the top of the block act on the KL in the loss; the reward's config keeps its
+    defaults (verl's algorithm.kl_penalty, penalised per token), and reward.kl_reduction=sequence_sum is what verl
+    does anyway."""
+    loss, reward = verl_kl.configs_from({"kl_estimator": "k1_future", "kl_reduction": "sequence_mean",
+                                         "kl_adaptation_method": "clip"})
+    assert (loss.kl_estimator, loss.kl_reduction) == ("k1_future", "sequence_mean")
+    assert (reward.kl_estimator, reward.kl_reduction, reward.kl_methods) == (None, "loss_type", ("clip",))
+    _, reward = verl_kl.configs_from({"reward": {"kl_reduction": "sequence_sum"}})
+    assert reward.kl_reduction == "sequence_sum"
+
+
 def test_k1_future_in_the_actor_loss_has_the_kl_to_go_gradient():
     """+adaptive_kl.kl_estimator=k1_future replaces verl's kl_loss_type in the actor loss: with token-mean the KL part
     is sum m (logp - ref) / N (verl's own 'kl' aggregated), and the gradient of each response token's log-prob is
@@ -313,6 +344,14 @@ def estimator_warnings(config) -> list[str]:
         warnings.simplefilter("always")
         _GuardedTrainer(config)
     return [str(w.message) for w in caught if issubclass(w.category, KLEstimatorWarning)]
+
+
+@pytest.mark.parametrize(("field", "value"), [("kl_estimator", "k2"), ("kl_reduction", "sequence_mean")])
+def test_a_loss_only_field_with_the_kl_in_the_loss_off_is_refused(field, value):
+    with pytest.raises(ValueError, match=rf"adaptive_kl\.{field}='{value}' acts on the KL in the actor loss, which is "
+                                         r"off \(actor_rollout_ref\.actor\.use_kl_loss=False\); in the reward "):
+        _GuardedTrainer(trainer_config(use_kl_loss=False, **{field: value}))
+    assert getattr(_GuardedTrainer(trainer_config(**{field: value})).loss_kl.config, field) == value
 
 
 def test_verls_default_reward_estimator_is_the_log_ratio():

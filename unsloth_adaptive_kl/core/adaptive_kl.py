@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from .adaptation import KLTerm, ReductionContext, kl_reduction, kl_term, loss_type_reduction
-from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, _check_real, _is_real, _reject
+from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, check_real, is_real, reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .functional import (Gather, StepKL, adapted_kl, completion_kls, local, penalty_statistics, statistics_row,
                          step_statistics)
@@ -46,7 +46,7 @@ class AdaptiveKL:
         config = AdaptiveKLConfig() if config is None else config
         if not isinstance(config, AdaptiveKLConfig):
             raise TypeError(f"config must be an AdaptiveKLConfig (or None for the defaults), not {type(config).__name__}")
-        _check_real("beta", beta, _is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
+        check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
         config.validate_adaptive_kl(beta=beta)
         if beta != 0:  # with beta = 0 there is no KL term to reduce (stock trainers skip it whatever the loss)
             loss_type_reduction(loss_type)
@@ -127,7 +127,7 @@ class AdaptiveKL:
         included (also in `last_metrics`); `step` reads its KL. Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid
         token raises `NonFiniteLogProbError`."""
         if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
-            raise _reject("kl_reduction", self.config.kl_reduction,
+            raise reject("kl_reduction", self.config.kl_reduction,
                           f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
         penalty, self.last_metrics = self.penalize(
             completion_kls(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,

@@ -85,7 +85,9 @@ def warn_estimator_placement(estimator: Any, placement: str) -> None:
         warn_estimator_issue(NOT_LOG_RATIO_IN_REWARD, estimator)
 
 
-def _reject(name: str, value: Any, allowed: str) -> ValueError:
+def reject(name: str, value: Any, allowed: str) -> ValueError:
+    """The ValueError for a bad setting, in the package's one wording: the field, its value and what is allowed
+    (the integrations use it for their trainers' fields too)."""
     return ValueError(f"{name}={value!r} is invalid: allowed is {allowed}.")
 
 
@@ -99,18 +101,18 @@ def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:
     elif isinstance(value, (list, tuple)) and all(isinstance(part, str) for part in value):
         names = [part.strip() for part in value]
     else:
-        raise _reject("kl_adaptation_method", value, allowed)
+        raise reject("kl_adaptation_method", value, allowed)
     if names == ["none"]:
         return ()
     unknown = [name for name in names if name not in known]
     if not names or unknown:
-        raise _reject("kl_adaptation_method", value, allowed)
+        raise reject("kl_adaptation_method", value, allowed)
     if len(set(names)) != len(names):
-        raise _reject("kl_adaptation_method", value, allowed + ", each method at most once")
+        raise reject("kl_adaptation_method", value, allowed + ", each method at most once")
     if sum(name in SHAPINGS for name in names) > 1:
-        raise _reject("kl_adaptation_method", value, f"{allowed}, with at most one of {'/'.join(SHAPINGS)}")
+        raise reject("kl_adaptation_method", value, f"{allowed}, with at most one of {'/'.join(SHAPINGS)}")
     if sum(name in BETA_CONTROLLERS for name in names) > 1:
-        raise _reject("kl_adaptation_method", value, f"{allowed}, with at most one of {'/'.join(BETA_CONTROLLERS)}")
+        raise reject("kl_adaptation_method", value, f"{allowed}, with at most one of {'/'.join(BETA_CONTROLLERS)}")
     return tuple(name for name in known if name in names)
 
 
@@ -131,13 +133,15 @@ def _parse_canonical(value: str) -> tuple[str, ...]:
     return _PARSED_METHODS[value]
 
 
-def _is_real(value: Any) -> bool:
+def is_real(value: Any) -> bool:
+    """An int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
-    if not _is_real(value) or math.isnan(value) or not ok:
-        raise _reject(name, value, allowed)
+def check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
+    """`reject` unless value is a real number, not NaN, and `ok` holds."""
+    if not is_real(value) or math.isnan(value) or not ok:
+        raise reject(name, value, allowed)
 
 
 @dataclass
@@ -314,69 +318,69 @@ class AdaptiveKLConfig:
         """Raise ValueError naming the field, the value and what is allowed for the first bad field. `beta`: the KL
         coefficient in use, which bounds beta_min and beta_max (None: unknown, not checked)."""
         methods = parse_methods(self.kl_adaptation_method)
-        _check_real("kl_clip_threshold", self.kl_clip_threshold,
-                    _is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
+        check_real("kl_clip_threshold", self.kl_clip_threshold,
+                    is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
                     "a finite number > 0")
-        _check_real("kl_target", self.kl_target,
-                    _is_real(self.kl_target) and 0 <= self.kl_target < math.inf, "a finite number >= 0")
-        _check_real("dynamic_beta_decay", self.dynamic_beta_decay,
-                    _is_real(self.dynamic_beta_decay) and 0 < self.dynamic_beta_decay <= 1, "a number with 0 < x <= 1")
-        _check_real("reward_threshold", self.reward_threshold,
-                    _is_real(self.reward_threshold) and math.isfinite(self.reward_threshold), "a finite number")
+        check_real("kl_target", self.kl_target,
+                    is_real(self.kl_target) and 0 <= self.kl_target < math.inf, "a finite number >= 0")
+        check_real("dynamic_beta_decay", self.dynamic_beta_decay,
+                    is_real(self.dynamic_beta_decay) and 0 < self.dynamic_beta_decay <= 1, "a number with 0 < x <= 1")
+        check_real("reward_threshold", self.reward_threshold,
+                    is_real(self.reward_threshold) and math.isfinite(self.reward_threshold), "a finite number")
         beta_bound = "beta" if beta is None else f"beta={beta!r}"
-        _check_real("beta_min", self.beta_min,
-                    _is_real(self.beta_min) and 0 <= self.beta_min < math.inf
+        check_real("beta_min", self.beta_min,
+                    is_real(self.beta_min) and 0 <= self.beta_min < math.inf
                     and (beta is None or self.beta_min <= beta),
                     f"a number with 0 <= beta_min <= {beta_bound}")
         if not (self.kl_estimator is None or callable(self.kl_estimator) or self.kl_estimator in estimator_names()):
-            raise _reject("kl_estimator", self.kl_estimator,
+            raise reject("kl_estimator", self.kl_estimator,
                           f"None (the placement's default), one of {', '.join(estimator_names())} (register your own "
                           "with register_kl_estimator), or a callable (logp, ref_logp, mask) -> per-token KL")
-        _check_real("kl_percentile", self.kl_percentile,
-                    _is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
-        _check_real("kl_percentile_scale", self.kl_percentile_scale,
-                    _is_real(self.kl_percentile_scale) and 0 < self.kl_percentile_scale < math.inf,
+        check_real("kl_percentile", self.kl_percentile,
+                    is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
+        check_real("kl_percentile_scale", self.kl_percentile_scale,
+                    is_real(self.kl_percentile_scale) and 0 < self.kl_percentile_scale < math.inf,
                     "a finite number > 0")
         if self.kl_reduction not in KL_REDUCTIONS:
-            raise _reject("kl_reduction", self.kl_reduction, f"one of {', '.join(KL_REDUCTIONS)}")
+            raise reject("kl_reduction", self.kl_reduction, f"one of {', '.join(KL_REDUCTIONS)}")
         if "length_normalized" in methods and self.kl_reduction not in ("loss_type", "sequence_mean"):
-            raise _reject("kl_reduction", self.kl_reduction,
+            raise reject("kl_reduction", self.kl_reduction,
                           "'loss_type' or 'sequence_mean' with kl_adaptation_method length_normalized")
-        _check_real("kl_horizon", self.kl_horizon,
-                    _is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf, "a finite number > 0")
+        check_real("kl_horizon", self.kl_horizon,
+                    is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf, "a finite number > 0")
         if self.beta_max is not None:
-            _check_real("beta_max", self.beta_max,
-                        _is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,
+            check_real("beta_max", self.beta_max,
+                        is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,
                         f"None or a finite number >= beta_min and >= {beta_bound}")
         if self.kl_target_measure not in TARGET_MEASURES:
-            raise _reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
+            raise reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
         if "target" in methods and not self.kl_target > 0:
-            raise _reject("kl_target", self.kl_target, "a finite number > 0 with kl_adaptation_method target")
+            raise reject("kl_target", self.kl_target, "a finite number > 0 with kl_adaptation_method target")
         if not isinstance(self.kl_compile, bool):
-            raise _reject("kl_compile", self.kl_compile, "True or False")
+            raise reject("kl_compile", self.kl_compile, "True or False")
         self._validate_placement(methods)
         warn_estimator_placement(self.estimator, self.kl_placement)
         steps = self.beta_schedule_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-            raise _reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")
+            raise reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")
         if self.ref_model_sync_kl is not None:
-            _check_real("ref_model_sync_kl", self.ref_model_sync_kl,
-                        _is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,
+            check_real("ref_model_sync_kl", self.ref_model_sync_kl,
+                        is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,
                         "None or a finite number > 0")
         if not isinstance(self.ref_model_sync_reset_optimizer, bool):
-            raise _reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
+            raise reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
 
     def _validate_placement(self, methods: tuple[str, ...]) -> None:
         if self.kl_placement not in KL_PLACEMENTS:
-            raise _reject("kl_placement", self.kl_placement, f"one of {', '.join(KL_PLACEMENTS)}")
+            raise reject("kl_placement", self.kl_placement, f"one of {', '.join(KL_PLACEMENTS)}")
         if self.kl_placement != "reward":
             return
         if "length_normalized" in methods:
-            raise _reject("kl_adaptation_method", self.kl_adaptation_method,
+            raise reject("kl_adaptation_method", self.kl_adaptation_method,
                           "methods without length_normalized with kl_placement='reward' (there each completion's KL "
                           "is already one number per completion: choose it with kl_reduction='sequence_mean')")
         if self.kl_reduction not in REWARD_KL_REDUCTIONS:
-            raise _reject("kl_reduction", self.kl_reduction,
+            raise reject("kl_reduction", self.kl_reduction,
                           f"one of {', '.join(REWARD_KL_REDUCTIONS)} with kl_placement='reward' (one KL per completion)")
 
 

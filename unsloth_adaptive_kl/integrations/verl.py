@@ -103,6 +103,29 @@ check_anchors()
 # ----- configuration ----------------------------------------------------------------------------------------------
 
 _FIELDS = {f.name for f in dataclasses.fields(AdaptiveKLConfig)}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AdaptiveKLConfig)}
+# Fields verl never reads, each with why: set to anything but its default, a ValueError (nothing silently does nothing).
+NOT_READ_BY_VERL = {
+    "ref_model_sync_kl": "the reference sync is TRL's (sync_ref_model); verl keeps its own reference model",
+    "ref_model_sync_reset_optimizer": "the reference sync is TRL's (sync_ref_model); verl keeps its own reference "
+                                      "model",
+    "kl_compile": "verl's actor loss is verl's own ppo_loss, with the adaptation inside it: there is no separate KL "
+                  "graph to compile",
+}
+# Fields of the KL in the loss alone: verl's KL in the reward is `algorithm.kl_penalty`, subtracted from each token's
+# reward, so a completion's penalty is beta_t * sum_t m k' whatever they say. Not inherited by the reward's config.
+LOSS_ONLY = {
+    "kl_estimator": "the estimator of the KL in the reward is verl's algorithm.kl_penalty: set that instead",
+    "kl_percentile": "the estimator of the KL in the reward is verl's algorithm.kl_penalty: set that instead",
+    "kl_percentile_scale": "the estimator of the KL in the reward is verl's algorithm.kl_penalty: set that instead",
+    "kl_reduction": "verl subtracts beta_t * k' from each token's reward, so a completion's penalty is always "
+                    "beta_t * sum_t m k' (sequence_sum)",
+}
+
+
+def set_fields(values: dict[str, Any], names: Any) -> list[str]:
+    """Which of `names` `values` sets to something other than AdaptiveKLConfig's default."""
+    return [name for name in names if name in values and values[name] != _DEFAULTS[name]]
 
 
 def _plain(block: Any) -> dict[str, Any]:
@@ -119,8 +142,9 @@ def _plain(block: Any) -> dict[str, Any]:
 
 
 def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
-    """(loss config, reward config) from the `adaptive_kl` block: its fields for both, `reward.*` overriding them for
-    the KL in the reward. Unknown fields and `kl_placement` are a ValueError naming them."""
+    """(loss config, reward config) from the `adaptive_kl` block: its fields for both (the `LOSS_ONLY` ones for the
+    loss alone), `reward.*` overriding them for the KL in the reward. A ValueError names an unknown field,
+    `kl_placement`, a field verl never reads (`NOT_READ_BY_VERL`) and a `LOSS_ONLY` field under `reward`."""
     fields = _plain(block)
     reward_overrides = _plain(fields.pop("reward", None))
     for where, values in (("adaptive_kl", fields), ("adaptive_kl.reward", reward_overrides)):
@@ -132,7 +156,15 @@ def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed are AdaptiveKLConfig's fields: "
                              f"{', '.join(sorted(_FIELDS - {'kl_placement'}))}.")
-    return AdaptiveKLConfig(**fields), AdaptiveKLConfig(**{**fields, **reward_overrides})
+        for name in set_fields(values, NOT_READ_BY_VERL):
+            raise ValueError(f"{where}.{name}={values[name]!r} is not used with verl: {NOT_READ_BY_VERL[name]}.")
+    for name in set_fields(reward_overrides, LOSS_ONLY):
+        if reward_overrides[name] == "sequence_sum":  # kl_reduction: what verl does anyway
+            continue
+        raise ValueError(f"adaptive_kl.reward.{name}={reward_overrides[name]!r} is not used with verl: "
+                         f"{LOSS_ONLY[name]}.")
+    shared = {name: value for name, value in fields.items() if name not in LOSS_ONLY}
+    return AdaptiveKLConfig(**fields), AdaptiveKLConfig(**{**shared, **reward_overrides})
 
 
 def kl_agg_mode(config: AdaptiveKLConfig, loss_agg_mode: str) -> str:
@@ -273,9 +305,8 @@ class _LossKL:
         """Each completion's L_i and S_i = sum_t m k and the count of valid tokens at or above the clip threshold,
         from the core's masked pass over the KL, as lists (verl concatenates lists over micro-batches, workers and
         mini-batches)."""
-        with torch.no_grad():
-            valid_kl, lengths, sums, _ = masked_row_sums(self.kld, self.mask, UNSHAPED)
-            at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
+        valid_kl, lengths, sums, _ = masked_row_sums(self.kld, self.mask, UNSHAPED)  # self.kld is detached
+        at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
         # Three small transfers, cheaper on a CPU than joining them first; verl's own Metrics (`.item()`) synchronise
         # every micro-batch already.
         return {STATS + "lengths": lengths.tolist(), STATS + "sequence_kl": sums.tolist(),
@@ -297,7 +328,7 @@ class RewardKLController:
                              "reward per token.")
         self.akl = AdaptiveKL(config, beta=beta, loss_type="bnpo")
         # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
-        # the core's `sequence_sum` KL_i, whatever `kl_reduction` says.
+        # the core's `sequence_sum` KL_i (`configs_from` refuses any other kl_reduction for the reward).
         self._completion_config = dataclasses.replace(config, kl_reduction="sequence_sum")
         self._mean_reward: Optional[float] = None
         self.updates = 0
@@ -375,6 +406,11 @@ class AdaptiveKLTrainerMixin:
             config.trainer.v1.trainer_mode = self.base_trainer_mode
         super().__init__(config)
         actor = config.actor_rollout_ref.actor
+        if not actor.use_kl_loss:
+            for name in set_fields({name: getattr(loss_config, name) for name in LOSS_ONLY}, LOSS_ONLY):
+                raise ValueError(f"adaptive_kl.{name}={getattr(loss_config, name)!r} acts on the KL in the actor loss, "
+                                 f"which is off (actor_rollout_ref.actor.use_kl_loss=False); in the reward "
+                                 f"{LOSS_ONLY[name]}.")
         warn_verl_estimators(config, loss_config)
         self.adaptive_kl_config = loss_config
         self.loss_kl: Optional[AdaptiveKL] = None
