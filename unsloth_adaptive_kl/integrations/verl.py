@@ -114,18 +114,21 @@ NOT_READ_BY_VERL = {
 }
 # Fields of the KL in the loss alone: verl's KL in the reward is `algorithm.kl_penalty`, subtracted from each token's
 # reward, so a completion's penalty is beta_t * sum_t m k' whatever they say. Not inherited by the reward's config.
+_REWARD_ESTIMATOR = "the estimator of the KL in the reward is verl's algorithm.kl_penalty: set that instead"
 LOSS_ONLY = {
-    "kl_estimator": "the estimator of the KL in the reward is verl's algorithm.kl_penalty: set that instead",
-    "kl_percentile": "the estimator of the KL in the reward is verl's algorithm.kl_penalty: set that instead",
-    "kl_percentile_scale": "the estimator of the KL in the reward is verl's algorithm.kl_penalty: set that instead",
+    "kl_estimator": _REWARD_ESTIMATOR,
+    "kl_percentile": _REWARD_ESTIMATOR,
+    "kl_percentile_scale": _REWARD_ESTIMATOR,
     "kl_reduction": "verl subtracts beta_t * k' from each token's reward, so a completion's penalty is always "
                     "beta_t * sum_t m k' (sequence_sum)",
 }
 
 
-def set_fields(values: dict[str, Any], names: Any) -> list[str]:
-    """Which of `names` `values` sets to something other than AdaptiveKLConfig's default."""
-    return [name for name in names if name in values and values[name] != _DEFAULTS[name]]
+def first_set(values: dict[str, Any], names: Any, also_default: tuple = ()) -> Optional[str]:
+    """The first of `names` that `values` sets to something other than AdaptiveKLConfig's default (and than
+    `also_default`, values that mean the default there), or None."""
+    return next((name for name in names
+                 if name in values and values[name] != _DEFAULTS[name] and values[name] not in also_default), None)
 
 
 def _plain(block: Any) -> dict[str, Any]:
@@ -156,11 +159,11 @@ def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
         if unknown:
             raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed are AdaptiveKLConfig's fields: "
                              f"{', '.join(sorted(_FIELDS - {'kl_placement'}))}.")
-        for name in set_fields(values, NOT_READ_BY_VERL):
+        name = first_set(values, NOT_READ_BY_VERL)
+        if name is not None:
             raise ValueError(f"{where}.{name}={values[name]!r} is not used with verl: {NOT_READ_BY_VERL[name]}.")
-    for name in set_fields(reward_overrides, LOSS_ONLY):
-        if reward_overrides[name] == "sequence_sum":  # kl_reduction: what verl does anyway
-            continue
+    name = first_set(reward_overrides, LOSS_ONLY, also_default=("sequence_sum",))  # kl_reduction: what verl does
+    if name is not None:
         raise ValueError(f"adaptive_kl.reward.{name}={reward_overrides[name]!r} is not used with verl: "
                          f"{LOSS_ONLY[name]}.")
     shared = {name: value for name, value in fields.items() if name not in LOSS_ONLY}
@@ -402,15 +405,15 @@ class AdaptiveKLTrainerMixin:
         from omegaconf import open_dict
 
         loss_config, reward_config = configs_from(config.get("adaptive_kl"))
+        actor = config.actor_rollout_ref.actor
+        name = None if actor.use_kl_loss else first_set(vars(loss_config), LOSS_ONLY)
+        if name is not None:
+            raise ValueError(f"adaptive_kl.{name}={getattr(loss_config, name)!r} acts on the KL in the actor loss, "
+                             f"which is off (actor_rollout_ref.actor.use_kl_loss=False); in the reward "
+                             f"{LOSS_ONLY[name]}.")
         with open_dict(config):  # verl's mode logic (replay buffer, checkpoints) keys on its own mode names
             config.trainer.v1.trainer_mode = self.base_trainer_mode
         super().__init__(config)
-        actor = config.actor_rollout_ref.actor
-        if not actor.use_kl_loss:
-            for name in set_fields({name: getattr(loss_config, name) for name in LOSS_ONLY}, LOSS_ONLY):
-                raise ValueError(f"adaptive_kl.{name}={getattr(loss_config, name)!r} acts on the KL in the actor loss, "
-                                 f"which is off (actor_rollout_ref.actor.use_kl_loss=False); in the reward "
-                                 f"{LOSS_ONLY[name]}.")
         warn_verl_estimators(config, loss_config)
         self.adaptive_kl_config = loss_config
         self.loss_kl: Optional[AdaptiveKL] = None
