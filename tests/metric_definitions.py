@@ -33,16 +33,19 @@ def shaped(k: torch.Tensor, method: str, *, clip: float = 0.1, target: float = 0
 def by_definition(k: torch.Tensor, mask: torch.Tensor, *, method: str, raw: Reduce, adapted: Reduce, beta: float,
                   clip: float = 0.1, target: float = 0.1, penalty: bool = False) -> dict[str, float]:
     """Every `adaptive_kl/*` value of one batch: raw_kl = raw(S_i, L_i); adapted_kl = adapted(S'_i, L_i) with S' the
-    shaped KL's sums; current_beta; sequence_kl = mean S_i; length_kl_corr = Pearson(L_i, S_i) (NaN if constant);
-    clip_fraction = #{valid k >= clip} / sum L_i (`clip` only); reward_penalty = beta * adapted_kl (`penalty`)."""
+    shaped KL's sums; current_beta; sequence_kl = mean S_i and length_kl_corr = Pearson(L_i, S_i) (NaN if constant)
+    over the completions with L_i > 0; clip_fraction = #{valid k >= clip} / sum L_i (`clip` only); reward_penalty =
+    beta * adapted_kl (`penalty`)."""
     k, mask = k.double(), mask.double()
     lengths = mask.sum(-1)
     sums = (k * mask).sum(-1)
     shaped_sums = (shaped(k, method, clip=clip, target=target) * mask).sum(-1)
-    pair = torch.stack([lengths, sums])
-    corr = torch.corrcoef(pair)[0, 1].item() if lengths.std() > 0 and sums.std() > 0 else math.nan
+    trained = lengths > 0
+    pair = torch.stack([lengths[trained], sums[trained]])
+    corr = (torch.corrcoef(pair)[0, 1].item()
+            if trained.sum() > 1 and pair[0].std() > 0 and pair[1].std() > 0 else math.nan)
     metrics = {"raw_kl": raw(sums, lengths).item(), "adapted_kl": adapted(shaped_sums, lengths).item(),
-               "current_beta": beta, "sequence_kl": sums.mean().item(), "length_kl_corr": corr}
+               "current_beta": beta, "sequence_kl": sums[trained].mean().item(), "length_kl_corr": corr}
     if "clip" in method.split("+"):
         metrics["clip_fraction"] = ((k >= clip) & (mask > 0)).sum().item() / lengths.sum().item()
     if penalty:

@@ -197,6 +197,35 @@ def test_target_steers_beta_from_the_steps_kl() -> None:
     assert akl.step() == pytest.approx(BETA * (1 + error * 6 / 30.0), rel=1e-12)
 
 
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_a_completion_without_a_valid_token_is_not_a_completion_the_step_trained_on(placement: str) -> None:
+    """A fully masked completion (TRL's mask_truncated_completions, verl's padding samples) is no point (0, 0) in the
+    sequence-level metrics nor a completion of the step's KL: sequence_kl, length_kl_corr and target's sequence_sum
+    measure are those of the batch without it, by hand."""
+    logps, ref = batch(requires_grad=False)
+    logps = logps if placement == "loss" else torch.maximum(logps, ref)  # k1 >= 0 in the reward: a positive mean
+    padded_logps, padded_ref = torch.cat([logps, -torch.ones(1, 4, dtype=torch.float64)]), torch.cat([ref, ref[:1]])
+    padded_mask = torch.cat([MASK, torch.zeros(1, 4, dtype=torch.float64)])
+    # each placement's default estimator: k3 in the loss, k1 (the log-ratio) in the reward
+    sums = (k3_by_hand(logps, ref) if placement == "loss" else (logps - ref) * MASK).sum(-1)
+    corr = torch.corrcoef(torch.stack([LENGTHS.double(), sums]))[0, 1].item()
+    target = sums.mean().item() / 1.1  # an error of 0.1 from the 3 trained completions, inside the +-0.2 clamp
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target_measure="sequence_sum", kl_target=target,
+                              kl_horizon=30.0, kl_placement=placement)
+    akl = AdaptiveKL(config, BETA, "bnpo")
+    if placement == "loss":
+        _, metrics = akl.kl_loss(padded_logps, padded_ref, padded_mask)
+        beta = akl.step()
+    else:
+        _, metrics = akl.reward_penalty(padded_logps, padded_ref, padded_mask)
+        beta = akl.step(mean_reward=0.5)
+    # (the statistics travel as float32)
+    assert metrics["adaptive_kl/sequence_kl"] == pytest.approx(sums.mean().item(), rel=1e-6)
+    assert metrics["adaptive_kl/length_kl_corr"] == pytest.approx(corr, rel=1e-6)
+    error = sums.mean().item() / target - 1  # the mean over the 3 trained completions, not 4; n = 3
+    assert error == pytest.approx(0.1) and beta == pytest.approx(BETA * (1 + error * 3 / 30.0), rel=1e-6)
+
+
 def test_target_steps_from_a_kl_measured_by_the_loop() -> None:
     """`step(kl=WindowKL(...))`: a loop that aggregates its own KL (verl) hands it over; it wins over what kl_loss saw
     and is the raw KL a KL-triggered sync reads. 0.15 / 0.1 - 1 = 0.5 is clipped to 0.2; 0.09: e = -0.1."""

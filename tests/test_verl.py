@@ -553,6 +553,22 @@ def by_hand(k, mask, shaped, mode):
     return lengths, sums, reduce(sums), reduce(shaped_sums)
 
 
+def test_verls_padding_samples_are_not_completions_of_the_metrics():
+    """verl pads a batch to a divisible size with samples whose response_mask is all 0 (padding_utils, tag
+    is_padding): sequence_kl and length_kl_corr are those of the real completions alone, by hand."""
+    lengths = [5, 3, 8, 2, 6, 4, 7, 1]
+    td, log_probs, prompts, responses = make_batch(seed=12, response_lengths=lengths, kl_scale=3.0)
+    td["response_mask"] = _nested([torch.ones(n, dtype=torch.int64) for n in lengths[:-1]]
+                                  + [torch.zeros(1, dtype=torch.int64)])  # the last sample: verl's padding
+    batch = (td, log_probs, prompts, responses)
+    logged = logged_actor_metrics(batch, "token-mean", kl_adaptation_method="clip", kl_clip_threshold=0.3)
+    k, mask = per_token(batch)
+    real_lengths, real_sums = mask.sum(-1)[:-1].double(), (k * mask).sum(-1)[:-1].double()
+    assert logged[verl_kl.METRIC + "sequence_kl"] == pytest.approx(float(real_sums.mean()), rel=1e-6)
+    assert logged[verl_kl.METRIC + "length_kl_corr"] == pytest.approx(
+        statistics.correlation(real_lengths.tolist(), real_sums.tolist()), rel=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_logged_loss_metrics_follow_their_definitions(mode):
     """Every adaptive_kl/* value an actor update logs (clip, 2 micro-batches), against docs/metrics.md by hand:

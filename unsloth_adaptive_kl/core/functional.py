@@ -47,6 +47,11 @@ class StepKL:
     tokens: float = 0.0
     completions: float = 0.0
 
+    @classmethod
+    def of(cls, lengths: list[float], sequence_kl: list[float]) -> "StepKL":
+        """A batch's sums from its L_i and S_i; a completion without a valid token (L_i = 0) was not trained on."""
+        return cls(sum(sequence_kl), sum(lengths), sum(1 for length in lengths if length > 0))
+
     def __add__(self, other: "StepKL") -> "StepKL":
         return StepKL(self.kl_sum + other.kl_sum, self.tokens + other.tokens, self.completions + other.completions)
 
@@ -114,15 +119,21 @@ def kl_metrics(raws: list[float], adapteds: list[float], at_threshold: list[floa
                **extra: float) -> dict[str, float]:
     """The `adaptive_kl/*` metrics of docs/metrics.md over every process's values: raw_kl and adapted_kl (the mean
     of the raw and adapted entries: one per micro-batch in the loss, one per completion in the reward), current_beta,
-    sequence_kl (mean S_i), length_kl_corr (corr(L_i, S_i)), clip_fraction (`clip` only: clipped tokens / sum L_i),
-    and `extra`. A non-finite raw or adapted KL raises FloatingPointError naming `step`."""
+    sequence_kl (mean S_i) and length_kl_corr (corr(L_i, S_i)) over the completions with a valid token (L_i > 0),
+    clip_fraction (`clip` only: clipped tokens / sum L_i), and `extra`. A non-finite raw or adapted KL raises
+    FloatingPointError naming `step`."""
     raw_kl, adapted_kl_value = statistics.fmean(raws), statistics.fmean(adapteds)
     if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl_value)):
         raise FloatingPointError(
             f"adaptive KL: non-finite KL at step {step}: raw_kl={raw_kl}, adapted_kl={adapted_kl_value}. "
             "The policy and reference log-probs diverged beyond float range.")
+    # A completion without a valid token (a truncated one the trainer masks out, a trainer's padding sample) has no
+    # KL to measure: as a point (0, 0) it would pull the mean down and bias the correlation.
+    trained = [(length, kl) for length, kl in zip(lengths, sequence_kl) if length > 0]
+    trained_lengths, trained_kl = [length for length, _ in trained], [kl for _, kl in trained]
     metrics = {"raw_kl": raw_kl, "adapted_kl": adapted_kl_value, "current_beta": beta,
-               "sequence_kl": statistics.fmean(sequence_kl), "length_kl_corr": pearson_correlation(lengths, sequence_kl),
+               "sequence_kl": statistics.fmean(trained_kl) if trained else math.nan,
+               "length_kl_corr": pearson_correlation(trained_lengths, trained_kl) if trained else math.nan,
                **extra}
     if "clip" in config.kl_methods:
         metrics["clip_fraction"] = sum(at_threshold) / max(sum(lengths), 1.0)
@@ -168,7 +179,7 @@ def step_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]],
         raws, adapteds, at_threshold, _, lengths, sequence_kl = split_columns(blocks, [1, 1, 1, CHECK_COLUMNS, n, n])
         metrics.append(kl_metrics(raws, adapteds, at_threshold, lengths, sequence_kl, beta=beta, config=config,
                                   step=step))
-        seen = seen + StepKL(sum(sequence_kl), sum(lengths), len(lengths))
+        seen = seen + StepKL.of(lengths, sequence_kl)
     return metrics, seen
 
 
@@ -187,4 +198,4 @@ def penalty_statistics(term: KLTerm, *, beta: float, config: AdaptiveKLConfig, s
         rows, [n, n, 1, CHECK_COLUMNS, n, n, n])
     metrics = kl_metrics(raws, adapteds, at_threshold, lengths, sequence_kl, beta=beta, config=config, step=step,
                          reward_penalty=statistics.fmean(penalties))
-    return table[:, -n:].reshape(-1), metrics, StepKL(sum(sequence_kl), sum(lengths), len(lengths))
+    return table[:, -n:].reshape(-1), metrics, StepKL.of(lengths, sequence_kl)
