@@ -128,7 +128,7 @@ class AdaptiveKL:
         token raises `NonFiniteLogProbError`."""
         if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
             raise reject("kl_reduction", self.config.kl_reduction,
-                          f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
+                         f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
         penalty, self.last_metrics = self.penalize(
             completion_kls(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,
             train=True, completed_steps=self.completed_steps)

@@ -319,39 +319,39 @@ class AdaptiveKLConfig:
         coefficient in use, which bounds beta_min and beta_max (None: unknown, not checked)."""
         methods = parse_methods(self.kl_adaptation_method)
         check_real("kl_clip_threshold", self.kl_clip_threshold,
-                    is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
-                    "a finite number > 0")
+                   is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
+                   "a finite number > 0")
         check_real("kl_target", self.kl_target,
-                    is_real(self.kl_target) and 0 <= self.kl_target < math.inf, "a finite number >= 0")
+                   is_real(self.kl_target) and 0 <= self.kl_target < math.inf, "a finite number >= 0")
         check_real("dynamic_beta_decay", self.dynamic_beta_decay,
-                    is_real(self.dynamic_beta_decay) and 0 < self.dynamic_beta_decay <= 1, "a number with 0 < x <= 1")
+                   is_real(self.dynamic_beta_decay) and 0 < self.dynamic_beta_decay <= 1, "a number with 0 < x <= 1")
         check_real("reward_threshold", self.reward_threshold,
-                    is_real(self.reward_threshold) and math.isfinite(self.reward_threshold), "a finite number")
+                   is_real(self.reward_threshold) and math.isfinite(self.reward_threshold), "a finite number")
         beta_bound = "beta" if beta is None else f"beta={beta!r}"
         check_real("beta_min", self.beta_min,
-                    is_real(self.beta_min) and 0 <= self.beta_min < math.inf
-                    and (beta is None or self.beta_min <= beta),
-                    f"a number with 0 <= beta_min <= {beta_bound}")
+                   is_real(self.beta_min) and 0 <= self.beta_min < math.inf
+                   and (beta is None or self.beta_min <= beta),
+                   f"a number with 0 <= beta_min <= {beta_bound}")
         if not (self.kl_estimator is None or callable(self.kl_estimator) or self.kl_estimator in estimator_names()):
             raise reject("kl_estimator", self.kl_estimator,
-                          f"None (the placement's default), one of {', '.join(estimator_names())} (register your own "
-                          "with register_kl_estimator), or a callable (logp, ref_logp, mask) -> per-token KL")
+                         f"None (the placement's default), one of {', '.join(estimator_names())} (register your own "
+                         "with register_kl_estimator), or a callable (logp, ref_logp, mask) -> per-token KL")
         check_real("kl_percentile", self.kl_percentile,
-                    is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
+                   is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
         check_real("kl_percentile_scale", self.kl_percentile_scale,
-                    is_real(self.kl_percentile_scale) and 0 < self.kl_percentile_scale < math.inf,
-                    "a finite number > 0")
+                   is_real(self.kl_percentile_scale) and 0 < self.kl_percentile_scale < math.inf,
+                   "a finite number > 0")
         if self.kl_reduction not in KL_REDUCTIONS:
             raise reject("kl_reduction", self.kl_reduction, f"one of {', '.join(KL_REDUCTIONS)}")
         if "length_normalized" in methods and self.kl_reduction not in ("loss_type", "sequence_mean"):
             raise reject("kl_reduction", self.kl_reduction,
-                          "'loss_type' or 'sequence_mean' with kl_adaptation_method length_normalized")
+                         "'loss_type' or 'sequence_mean' with kl_adaptation_method length_normalized")
         check_real("kl_horizon", self.kl_horizon,
-                    is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf, "a finite number > 0")
+                   is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf, "a finite number > 0")
         if self.beta_max is not None:
             check_real("beta_max", self.beta_max,
-                        is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,
-                        f"None or a finite number >= beta_min and >= {beta_bound}")
+                       is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,
+                       f"None or a finite number >= beta_min and >= {beta_bound}")
         if self.kl_target_measure not in TARGET_MEASURES:
             raise reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
         if "target" in methods and not self.kl_target > 0:
@@ -365,8 +365,8 @@ class AdaptiveKLConfig:
             raise reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")
         if self.ref_model_sync_kl is not None:
             check_real("ref_model_sync_kl", self.ref_model_sync_kl,
-                        is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,
-                        "None or a finite number > 0")
+                       is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,
+                       "None or a finite number > 0")
         if not isinstance(self.ref_model_sync_reset_optimizer, bool):
             raise reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
 
@@ -377,11 +377,11 @@ class AdaptiveKLConfig:
             return
         if "length_normalized" in methods:
             raise reject("kl_adaptation_method", self.kl_adaptation_method,
-                          "methods without length_normalized with kl_placement='reward' (there each completion's KL "
-                          "is already one number per completion: choose it with kl_reduction='sequence_mean')")
+                         "methods without length_normalized with kl_placement='reward' (there each completion's KL "
+                         "is already one number per completion: choose it with kl_reduction='sequence_mean')")
         if self.kl_reduction not in REWARD_KL_REDUCTIONS:
             raise reject("kl_reduction", self.kl_reduction,
-                          f"one of {', '.join(REWARD_KL_REDUCTIONS)} with kl_placement='reward' (one KL per completion)")
+                         f"one of {', '.join(REWARD_KL_REDUCTIONS)} with kl_placement='reward' (one KL per completion)")
 
 
 ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)

@@ -11,8 +11,9 @@ any estimator sees them, and the check for non-finite log-probs on valid tokens 
   multiply: on a CPU `torch.where` with a bool mask costs 3x that (0.31 against 0.10 ms at 64 x 4096, measured),
   and 2x forward + backward. Below `WHERE_BELOW` elements, where a call's cost is the number of ops, not the
   bandwidth, a tensor that needs a gradient goes through `torch.where` (2 ops fewer than the autograd function), so
-  does one with a bool mask (one op, against three to build the mask's bits: 8 against 33 us at 8 x 1024 inside
-  a trainer's loss, measured), and so does a graph that torch.compile traces (`kl_compile`), which fuses it into its loop.
+  does one with a bool mask (one op, against three to build the mask's bits: 8 against 33 us at 8 x 1024 inside a
+  trainer's loss, measured), and so does a graph that torch.compile traces (`kl_compile`), which fuses it into its
+  loop.
 - A non-finite log-prob on a valid token must raise, naming the tensor and how many tokens, without a host transfer
   per micro-batch: `LogpCheck` carries the sum over valid tokens of each tensor (non-finite exactly when one of its
   terms is, or the sum overflows), which rides in the statistics row that `AdaptiveKL` transfers once per optimizer

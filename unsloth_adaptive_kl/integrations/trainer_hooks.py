@@ -80,19 +80,19 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
     aggregation = getattr(args, "multi_objective_aggregation", None)
     if config.kl_in_reward and aggregation not in (None, "sum_then_normalize"):
         raise reject("multi_objective_aggregation", aggregation,
-                      "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
-                      "reward before the group statistics)")
+                     "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
+                     "reward before the group statistics)")
     if not getattr(args, "sync_ref_model", False):
         return
     alpha, steps = getattr(args, "ref_model_mixup_alpha", 0.6), getattr(args, "ref_model_sync_steps", 512)
     check_real("ref_model_mixup_alpha", alpha, is_real(alpha) and 0 < alpha <= 1,
-                "a number with 0 < x <= 1 with sync_ref_model=True")
+               "a number with 0 < x <= 1 with sync_ref_model=True")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise reject("ref_model_sync_steps", steps, "an integer >= 1 with sync_ref_model=True")
     if getattr(args, "beta", None) == 0:
         raise reject("sync_ref_model", args.sync_ref_model,
-                      "False with beta=0.0 (beta=0 turns the KL term off, so there is no reference to sync); set "
-                      "beta > 0 to sync the reference")
+                     "False with beta=0.0 (beta=0 turns the KL term off, so there is no reference to sync); set "
+                     "beta > 0 to sync the reference")
 
 
 def attach_runtime(trainer: Any) -> AdaptiveKL:
