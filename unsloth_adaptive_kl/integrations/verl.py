@@ -102,8 +102,8 @@ check_anchors()
 
 # ----- configuration ----------------------------------------------------------------------------------------------
 
-_FIELDS = {f.name for f in dataclasses.fields(AdaptiveKLConfig)}
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AdaptiveKLConfig)}
+_FIELDS = set(_DEFAULTS)
 # Fields verl never reads, each with why: set to anything but its default, a ValueError (nothing silently does nothing).
 NOT_READ_BY_VERL = {
     "ref_model_sync_kl": "the reference sync is TRL's (sync_ref_model); verl keeps its own reference model",
