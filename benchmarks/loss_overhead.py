@@ -20,7 +20,8 @@ So, per trainer, on one captured real generation batch:
 It also times the core op alone (64 x 4096 per-token KL, every method) against the stock k3 expression.
 
 (a)-(e) run at two sizes: `--completions` x `--completion-length` (8 x 64) and a larger batch,
-`--large-completions` x `--large-completion-length` (16 x 256, 8x the tokens). What the adaptation adds to the loss
+`--large-completions` x `--large-completion-length` (16 x 256, 8x the tokens; `--large-*-repeats`: fewer repeats,
+as its stock loss is far slower and its interval far narrower). What the adaptation adds to the loss
 path is mostly fixed per call (ops, the metric row), while the stock loss grows with the tokens, so its share falls
 with size; the table `share by size` shows it per method.
 Writes JSON and ends with `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the default size) and
@@ -74,13 +75,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--completion-length", type=int, default=64)
     parser.add_argument("--large-completions", type=int, default=16)
     parser.add_argument("--large-completion-length", type=int, default=256)
+    # The larger size's stock loss is 10-40x the default size's, and its overhead interval far narrower than 1 %:
+    # fewer repeats there keep the whole run within 15 minutes on a 2-core CPU.
+    parser.add_argument("--large-stock-repeats", type=int, default=20)
+    parser.add_argument("--large-core-repeats", type=int, default=100)
+    parser.add_argument("--large-e2e-repeats", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--json", default="benchmarks/loss_overhead.json")
     parser.add_argument("--trainer", choices=["trl", "unsloth"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:  # tiny defaults; sizes given on the command line (the trainer processes get theirs) still count
-        parser.set_defaults(stock_repeats=3, core_repeats=5, e2e_repeats=3, completion_length=8,
+        parser.set_defaults(stock_repeats=3, core_repeats=5, e2e_repeats=3, large_stock_repeats=3, large_core_repeats=5,
+                            large_e2e_repeats=3, completion_length=8,
                             large_completions=8, large_completion_length=32)
         args = parser.parse_args(argv)
     return args
@@ -323,18 +330,11 @@ def report(args: argparse.Namespace, trainer: Any, stock: list[float], rows: lis
 
 def core_op(repeats: int) -> list[dict[str, Any]]:
     """The core op alone on a 64 x 4096 per-token KL (90 % valid tokens): the stock k3 expression, and k3 plus each
-    method's adaptation (shaping, reductions, diagnostics), eager with its aten op count, and as the `kl_compile`
-    graph (`x_k3_compiled`; the estimator stays eager, as in the integrations); each method against the stock k3
-    timed in the same rounds."""
-    import torch._dynamo
-
+    method's adaptation (shaping, reductions, diagnostics), eager, with its aten op count; each method against the
+    stock k3 timed in its own interleaved rounds."""
     from unsloth_adaptive_kl import AdaptiveKLConfig
     from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
     from unsloth_adaptive_kl.core.estimators import estimate_kl
-
-    # one compiled graph per method's config: more than dynamo's default recompile limit in one process
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(METHODS))
-    compiled_term = torch.compile(adapted_kl_term)
 
     generator = torch.Generator().manual_seed(0)
     logp = -torch.rand(64, 4096, generator=generator) * 5
@@ -357,27 +357,25 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
     for name, settings in METHODS.items():
         config = AdaptiveKLConfig(**settings)
         eager = lambda config=config: adapted_kl_term(per_token(config), mask, config, "dapo", ctx)  # noqa: E731
-        compiled = lambda config=config: compiled_term(per_token(config), mask, config, "dapo", ctx)  # noqa: E731
-        # Each variant interleaved with the stock k3 alone, in its own rounds: no other method's (or the compiled
-        # graph's) allocations shift the heap under its ratio.
-        ratios = {}
-        for variant, function in (("eager", eager), ("compiled", compiled)):
-            samples = interleaved({"stock": stock, variant: function}, repeats, warmup=20)
-            stock_samples += samples["stock"]
-            ratios[variant] = (statistics.median(samples[variant]), statistics.median(samples["stock"]))
-        rows.append({"method": name, "median_ms": ratios["eager"][0] * 1e3, "x_k3": ratios["eager"][0] / ratios["eager"][1],
-                     "ops": profile_counts(eager)[0] - base_ops,
-                     "x_k3_compiled": ratios["compiled"][0] / ratios["compiled"][1]})
+        # Each method interleaved with the stock k3 alone, in its own rounds: no other method's allocations shift the
+        # heap under its ratio.
+        samples = interleaved({"stock": stock, "eager": eager}, repeats, warmup=20)
+        stock_samples += samples["stock"]
+        method_ms, stock_ms = statistics.median(samples["eager"]), statistics.median(samples["stock"])
+        rows.append({"method": name, "median_ms": method_ms * 1e3, "x_k3": method_ms / stock_ms,
+                     "ops": profile_counts(eager)[0] - base_ops})
     return [{"method": "stock k3", "median_ms": statistics.median(stock_samples) * 1e3, "x_k3": 1.0, "ops": 0}, *rows]
 
 
-def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str], size: tuple[int, int]) -> dict[str, Any]:
+def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str], size: tuple[int, int],
+                repeats: tuple[int, int, int]) -> dict[str, Any]:
     """Each trainer in its own process: importing Unsloth rewrites TRL for the whole process. size: (completions,
-    completion length) of the captured batch."""
+    completion length) of the captured batch; repeats: (stock, core, e2e) repetition counts at that size."""
     with tempfile.TemporaryDirectory() as folder:
         output = os.path.join(folder, "result.json")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        sized = ["--completions", str(size[0]), "--completion-length", str(size[1])]
+        sized = ["--completions", str(size[0]), "--completion-length", str(size[1]), "--stock-repeats", str(repeats[0]),
+                 "--core-repeats", str(repeats[1]), "--e2e-repeats", str(repeats[2])]
         subprocess.run([sys.executable, os.path.abspath(__file__), *argv, *sized, "--trainer", trainer, "--json",
                         output], check=True, env=env, cwd=folder)
         with open(output) as f:
@@ -459,20 +457,21 @@ def main(argv: list[str] | None = None) -> int:
         passthrough = argv[:index] + argv[index + 2:]
     torch.set_num_threads(1)
     core = core_op(20 if args.smoke else 300)
-    print("core op, 64 x 4096 per-token KL (eager ms; x the stock k3 expression, eager and kl_compile; aten ops added)")
+    print("core op, 64 x 4096 per-token KL (eager ms; x the stock k3 expression; aten ops added)")
     for row in core:
-        compiled = f"  compiled x{row['x_k3_compiled']:.2f}" if "x_k3_compiled" in row else ""
-        print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}{compiled}  +{row['ops']} ops")
+        print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}  +{row['ops']} ops")
     results: dict[str, Any] = {"core_op": core}
-    sizes = {"": (args.completions, args.completion_length),
-             "_large": (args.large_completions, args.large_completion_length)}
-    for suffix, size in sizes.items():
+    sizes = {"": ((args.completions, args.completion_length),
+                  (args.stock_repeats, args.core_repeats, args.e2e_repeats)),
+             "_large": ((args.large_completions, args.large_completion_length),
+                        (args.large_stock_repeats, args.large_core_repeats, args.large_e2e_repeats))}
+    for suffix, (size, repeats) in sizes.items():
         part = results if not suffix else results.setdefault("large", {})
         part["size"] = {"completions": size[0], "completion_length": size[1], "tokens": size[0] * size[1]}
-        part["trl"] = run_trainer("trl", args, passthrough, size)
+        part["trl"] = run_trainer("trl", args, passthrough, size, repeats)
         print_table(f"TRL GRPOTrainer, {size[0]} x {size[1]} tokens", part["trl"])
         if importlib.util.find_spec("unsloth") is not None:
-            part["unsloth"] = run_trainer("unsloth", args, passthrough, size)
+            part["unsloth"] = run_trainer("unsloth", args, passthrough, size, repeats)
             print_table(f"Unsloth's generated trainer, {size[0]} x {size[1]} tokens", part["unsloth"])
         part["headline"] = headline(part, started)
     print_shares(results)

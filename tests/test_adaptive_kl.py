@@ -266,7 +266,8 @@ def test_state_dict_resumes_exactly() -> None:
 def test_the_steps_kl_is_one_token_mean_whatever_the_loop_and_placement() -> None:
     """`last_raw_kl` (what ref_model_sync_kl compares) and the `target` controller's KL are sum_t m k / sum L over
     the step's completions, all micro-batches, in every path: the own loop's kl_loss + step, the trainer path's
-    record, the own loop's reward_penalty + step, and the trainer path's penalize + end_generation. grpo's loss
+    record, the own loop's reward_penalty + step, and the trainer path's penalize + observe_rewards + record at the
+    step's end. grpo's loss
     reduction (a mean of per-completion means) would give another number: the test tells them apart."""
     (a, ref_a), (b, ref_b) = batch(0, False), batch(1, False)
     loss_mean = (k3_by_hand(a, ref_a).sum() + k3_by_hand(b, ref_b).sum()).item() / (2 * LENGTHS.sum().item())
@@ -293,7 +294,9 @@ def test_the_steps_kl_is_one_token_mean_whatever_the_loop_and_placement() -> Non
     own.step(mean_reward=0.5)
     trainer = AdaptiveKL(in_reward, BETA)
     trainer.penalize(completion_kls(a, ref_a, MASK, in_reward), gather=lambda t: t, train=True, completed_steps=0)
-    trainer.end_generation(0.5, completed_steps=1)
+    trainer.observe_rewards(0.5)
+    assert trainer.current_beta == BETA  # scoring moves nothing: the step's end does
+    trainer.record(None, gather=lambda t: t, train=True, end_of_step=True, completed_steps=1)
     assert own.last_raw_kl == pytest.approx(reward_mean, rel=1e-6)
     assert trainer.last_raw_kl == pytest.approx(reward_mean, rel=1e-6)
     error = min(max(reward_mean / 0.1 - 1, -0.2), 0.2)
@@ -324,8 +327,9 @@ def test_reward_penalty_metrics_match_their_definitions() -> None:
 
 
 def test_the_kl_in_the_reward_applies_the_schedule_cut_off_when_a_batch_is_scored() -> None:
-    """A trainer scores generation batch k after k optimizer steps (`penalize`, then `end_generation`): from
-    beta_schedule_steps = 2 on, the batch is penalised with beta_min, not one batch later."""
+    """A trainer scores generation batch k after k optimizer steps (`penalize`, `observe_rewards`, then the step's
+    end, `record(None, ...)` with the KL in the reward): from beta_schedule_steps = 2 on, the batch is penalised with
+    beta_min, not one batch later."""
     config = AdaptiveKLConfig(kl_adaptation_method="dynamic", kl_placement="reward", beta_schedule_steps=2,
                               beta_min=0.01, reward_threshold=0.8)
     akl = AdaptiveKL(config, BETA)
@@ -335,7 +339,8 @@ def test_the_kl_in_the_reward_applies_the_schedule_cut_off_when_a_batch_is_score
         _, metrics = akl.penalize(completion_kls(logps, ref, MASK, config), gather=lambda t: t, train=True,
                                   completed_steps=step)
         betas.append(metrics["adaptive_kl/current_beta"])
-        akl.end_generation(0.5, completed_steps=step)  # below the reward threshold: no decay
+        akl.observe_rewards(0.5)  # below the reward threshold: no decay
+        akl.record(None, gather=lambda t: t, train=True, end_of_step=True, completed_steps=step + 1)
     assert betas == [BETA, BETA, 0.01, 0.01]
 
 

@@ -32,7 +32,6 @@ DEFAULTS = {
     "kl_horizon": 10000.0,
     "beta_max": None,
     "kl_target_measure": "token_mean",
-    "kl_compile": False,
     "kl_placement": "loss",
     "ref_model_sync_kl": None,
     "ref_model_sync_reset_optimizer": False,

@@ -9,7 +9,7 @@ import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig
 from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term, reduce_kl, shape_kl
-from unsloth_adaptive_kl.core.adaptation import LOSS_TYPE_REDUCTIONS, kl_term, loss_type_reduction
+from unsloth_adaptive_kl.core.adaptation import kl_term, loss_type_reduction, loss_types
 
 # Two completions: lengths 3 and 1 (T = 4).
 KL = torch.tensor([[0.5, 2.0, 0.1, 9.0], [3.0, 7.0, 7.0, 7.0]])
@@ -62,7 +62,7 @@ HAND_REDUCTIONS = {
 def test_loss_type_reductions_by_hand(loss_type: str) -> None:
     value = reduce_kl(KL, MASK, loss_type_reduction(loss_type), CTX)
     assert value.item() == pytest.approx(HAND_REDUCTIONS[loss_type], rel=1e-6)
-    assert set(HAND_REDUCTIONS) == set(LOSS_TYPE_REDUCTIONS)
+    assert set(HAND_REDUCTIONS) == set(loss_types())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

@@ -1,4 +1,4 @@
-"""KL estimators, kl_reduction, diagnostics (pure torch, against hand formulas and numpy)."""
+"""KL estimators, kl_reduction and the reduction table, diagnostics (pure torch, against hand formulas and numpy)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig, KLEstimatorWarning
+from unsloth_adaptive_kl.core import adaptation
 from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
-from unsloth_adaptive_kl.core.functional import pearson_correlation
+from unsloth_adaptive_kl.core.config import KL_REDUCTIONS
+from unsloth_adaptive_kl.core.statistics import KLStatistics, device_sums
 from unsloth_adaptive_kl.core.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 
 from .test_core import CTX, HAND_REDUCTIONS, KL, MASK
@@ -147,9 +149,14 @@ def test_diagnostics_against_numpy() -> None:
     assert diagnostics.at_threshold.item() == ((k >= 1.5) & (m == 1)).sum()
     assert diagnostics.raw.item() == pytest.approx(sequence.sum() / sum(lengths), rel=1e-6)
     assert diagnostics.adapted.item() == pytest.approx((np.minimum(k, 1.5) * m).sum() / sum(lengths), rel=1e-6)
-    corr = pearson_correlation(diagnostics.lengths.tolist(), diagnostics.sequence_kl.double().tolist())
-    assert corr == pytest.approx(np.corrcoef(lengths, sequence)[0, 1], rel=1e-6)  # float32 sums
-    assert math.isnan(pearson_correlation([1.0] * 4, torch.rand(4).tolist()))
+    sums = KLStatistics(*device_sums(diagnostics).tolist())  # the correlation from the sums, as the metrics take it
+    assert sums.length_kl_corr() == pytest.approx(np.corrcoef(lengths, sequence)[0, 1], rel=1e-6)  # float32 S_i
+    constant = [KLStatistics(completions=4, tokens=4 * 5, tokens_sq=4 * 25, kl=s, kl_sq=s * s / 4 * 4, tokens_kl=5 * s)
+                for s in (0.4, 1.3)]  # every L_i = 5, or every S_i equal: no correlation to speak of
+    assert math.isnan(constant[0].length_kl_corr())
+    repeated = KLStatistics(completions=4, tokens=1 + 2 + 3 + 4, tokens_sq=1 + 4 + 9 + 16, kl=4 * 0.1,
+                            kl_sq=4 * 0.1 * 0.1, tokens_kl=(1 + 2 + 3 + 4) * 0.1)
+    assert math.isnan(repeated.length_kl_corr())  # S_i = 0.1 each: its variance is rounding error, not a spread
 
 
 @pytest.mark.parametrize("name", list(estimator_names()))
@@ -165,3 +172,65 @@ def test_every_builtin_estimator_and_adaptation_traces_with_fullgraph(name: str)
 
     compiled = torch.compile(adapted, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(LOGP, REF), adapted(LOGP, REF))
+
+
+# ----- the reduction table: one record per reduction, read by the config, the core and verl --------------------------
+
+# verl 0.9.1's loss_agg_mode and the GRPO loss_type of the same reduction, from verl's agg_loss and TRL's normalisers.
+VERL_LOSS_TYPE_OF_AGG_MODE = {"token-mean": "bnpo", "token-sum": "dapo", "seq-mean-token-mean": "grpo",
+                              "seq-mean-token-sum": "luspo", "seq-mean-token-sum-norm": "dr_grpo"}
+
+
+def test_verl_agg_modes_map_to_loss_types_and_back() -> None:
+    for agg_mode, loss_type in VERL_LOSS_TYPE_OF_AGG_MODE.items():
+        assert adaptation.loss_type_of_agg_mode(agg_mode) == loss_type
+        assert adaptation.agg_mode_of(adaptation.loss_type_reduction(loss_type)) == agg_mode
+    with pytest.raises(ValueError, match=r"^actor_rollout_ref\.actor\.loss_agg_mode='seq-sum' is invalid: allowed is "
+                                         r"one of .*seq-mean-token-mean.*token-sum"):
+        adaptation.loss_type_of_agg_mode("seq-sum", field="actor_rollout_ref.actor.loss_agg_mode")
+
+
+@pytest.mark.parametrize("loss_agg_mode", sorted(VERL_LOSS_TYPE_OF_AGG_MODE))
+def test_verl_aggregation_of_the_adapted_kl_follows_kl_reduction_then_length_normalisation(loss_agg_mode) -> None:
+    """kl_reduction's precedence, read in verl's names: the setting's mode, length normalisation's (each completion's
+    mean per-token KL), else the loss's own mode."""
+    loss_type = adaptation.loss_type_of_agg_mode(loss_agg_mode)
+
+    def agg_mode(**settings) -> str:
+        return adaptation.agg_mode_of(adaptation.kl_reduction(AdaptiveKLConfig(**settings), loss_type))
+
+    assert agg_mode() == loss_agg_mode
+    assert agg_mode(kl_adaptation_method="length_normalized") == "seq-mean-token-mean"
+    for setting, mode in (("sequence_mean", "seq-mean-token-mean"), ("token_mean", "token-mean"),
+                          ("sequence_sum", "seq-mean-token-sum")):
+        assert agg_mode(kl_reduction=setting) == mode
+
+
+def test_each_loss_type_reduces_by_one_record_and_the_config_allows_the_table_settings() -> None:
+    assert sorted(adaptation.loss_types()) == sorted(HAND_REDUCTIONS)
+    assert KL_REDUCTIONS == ("loss_type", "sequence_sum", "sequence_mean", "token_mean")
+    with pytest.raises(ValueError, match=r"^kl_reduction='token_mean' is invalid: allowed is one of loss_type, "
+                                         r"sequence_sum, sequence_mean with kl_placement='reward'"):
+        AdaptiveKLConfig(kl_placement="reward", kl_reduction="token_mean")
+    with pytest.raises(ValueError, match=r"^loss_type='ppo' is not supported by adaptive KL: allowed is one of bnpo, "
+                                         r"cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo\.$"):
+        adaptation.loss_type_reduction("ppo")
+
+
+def test_reward_kl_per_completion_by_hand() -> None:
+    """KL_i with the KL in the reward: the record's per-completion form; 'loss_type' means the sequence sum there.
+    Masked sums 2.6 (L=3) and 3.0 (L=1)."""
+    for setting, want in (("loss_type", [2.6, 3.0]), ("sequence_sum", [2.6, 3.0]), ("sequence_mean", [2.6 / 3, 3.0])):
+        term = adaptation.completion_kl(KL, MASK, AdaptiveKLConfig(kl_placement="reward", kl_reduction=setting))
+        torch.testing.assert_close(term.raw, torch.tensor(want))
+
+
+def test_a_registered_reduction_is_used_by_name(monkeypatch) -> None:
+    monkeypatch.setattr(adaptation, "REDUCTIONS", dict(adaptation.REDUCTIONS))
+
+    @adaptation.register_reduction("max_completion")
+    def max_completion(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+        return sums.max()
+
+    assert adaptation.reduce_kl(KL, MASK, "max_completion", CTX).item() == pytest.approx(3.0)
+    assert adaptation.REDUCTIONS["max_completion"].loss_types == ()

@@ -354,13 +354,13 @@ def test_gathered_penalties_come_in_rank_order(page: RunPage) -> None:
     config = AdaptiveKLConfig(kl_placement="reward", kl_reduction="sequence_sum")
     torch.manual_seed(0)
     batches = [(-torch.rand(3, 5), -torch.rand(3, 5), torch.ones(3, 5)) for _ in range(2)]
-    rows: list[torch.Tensor] = []
+    sent: list[list[torch.Tensor]] = [[], []]
     alone = []
-    for logps, ref_logps, mask in batches:  # each process on its own: its penalties, and the row it would send
+    for rank, (logps, ref_logps, mask) in enumerate(batches):  # each process alone: its penalties, what it sends
         alone.append(AdaptiveKL(config, beta=BETA).reward_penalty(
-            logps, ref_logps, mask, gather=lambda row: rows.append(row) or row)[0])
-    rank0 = AdaptiveKL(config, beta=BETA)
-    gathered = rank0.reward_penalty(*batches[0], gather=lambda row: torch.cat([row, rows[1]]))[0]
+            logps, ref_logps, mask, gather=lambda tensor, rank=rank: sent[rank].append(tensor) or tensor)[0])
+    rank0, from_rank1 = AdaptiveKL(config, beta=BETA), iter(sent[1])  # an all-gather: each call meets rank 1's
+    gathered = rank0.reward_penalty(*batches[0], gather=lambda tensor: torch.cat([tensor, next(from_rank1)]))[0]
     assert gathered.shape == (6,)
     torch.testing.assert_close(gathered.view(2, -1)[0], alone[0])
     torch.testing.assert_close(gathered.view(2, -1)[1], alone[1])

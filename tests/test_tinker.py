@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
@@ -27,7 +28,7 @@ from tinker import types  # noqa: E402
 from tinker.lib.public_interfaces.custom_loss import trace_loss  # noqa: E402
 from tinker.proto import tinker_public_pb2 as pb  # noqa: E402
 
-from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning  # noqa: E402
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, NonFiniteLogProbError  # noqa: E402
 from unsloth_adaptive_kl.integrations import tinker as integration  # noqa: E402
 
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition  # noqa: E402
@@ -644,6 +645,54 @@ def test_k1_future_in_the_custom_and_the_traced_loss(fake_tinker: Tinker) -> Non
     result = fake_tinker.training.forward_backward_custom(traced, handle).result(timeout=30)
     assert result.metrics["loss:sum"] == pytest.approx(float(expected.detach()), rel=1e-5)
     assert_model_grads(fake_tinker, hand_loss())
+
+
+def test_traced_loss_data_refuses_a_nonfinite_log_prob_on_a_valid_token() -> None:
+    """The traced route's inputs are checked on the caller's thread before anything is sent: a NaN or inf in a
+    Datum's ref_logprobs or logprobs on a completion token raises NonFiniteLogProbError naming the input and the one
+    token; on a prompt token (mask 0) it is padding and passes."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
+    for key, value, name in (("ref_logprobs", math.nan, r"loss_fn_inputs\['ref_logprobs'\]"),
+                             ("logprobs", math.inf, r"loss_fn_inputs\['logprobs'\] \(the sampler's\)")):
+        datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
+        values = datum.loss_fn_inputs[key].to_torch().clone()
+        values[0] = value  # a prompt position
+        datum.loss_fn_inputs[key] = types.TensorData.from_torch(values)
+        integration.traced_loss_data(akl, [datum])
+        values[3] = value  # a completion token
+        datum.loss_fn_inputs[key] = types.TensorData.from_torch(values)
+        with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{name} \(the \w+ tensor\): 1 valid token"):
+            integration.traced_loss_data(akl, [datum])
+
+
+def test_the_traced_loss_returns_the_check_and_check_traced_loss_raises_on_it(fake_tinker: Tinker) -> None:
+    """The traced loss returns the core's non-finite check as metrics: summed over datums, the sums of the valid
+    policy and reference log-probs, by hand; check_traced_loss passes them. Where the service's forward gives a NaN
+    log-prob on a valid token (one embedding row NaN), the metric is NaN and check_traced_loss raises
+    NonFiniteLogProbError naming the traced loss's policy log-probs."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3), beta=0.4)
+    data = with_advantages(make_data(fake_tinker.initial, seed=19), ADVANTAGES)
+    fn, ranks = integration.traceable_grpo_loss(akl)
+    handle = fake_tinker.client.create_custom_loss(fn, ranks).result(timeout=30)
+    result = fake_tinker.training.forward_backward_custom(integration.traced_loss_data(akl, data), handle).result(
+        timeout=30)
+    mask = stacked(data, "mask")
+    with torch.no_grad():
+        policy = float((policy_logprobs(fake_tinker.initial, data) * mask).sum())
+    assert result.metrics["custom/adaptive_kl/policy_logprobs:sum"] == pytest.approx(policy, rel=1e-5)
+    assert result.metrics["custom/adaptive_kl/ref_logprobs:sum"] == pytest.approx(
+        float((stacked(data, "ref_logprobs") * mask).sum()), rel=1e-5)
+    integration.check_traced_loss(akl, result)
+
+    last_input = data[0].model_input.to_ints()[-1]  # the input of datum 0's last completion token
+    with torch.no_grad():
+        fake_tinker.service.model.embed.weight[last_input] = math.nan
+    result = fake_tinker.training.forward_backward_custom(integration.traced_loss_data(akl, data), handle).result(
+        timeout=30)
+    assert math.isnan(result.metrics["custom/adaptive_kl/policy_logprobs:sum"])
+    assert math.isfinite(result.metrics["custom/adaptive_kl/ref_logprobs:sum"])
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .*traced loss's logprobs \(the policy's"):
+        integration.check_traced_loss(akl, result)
 
 
 def test_traceable_loss_limits() -> None:

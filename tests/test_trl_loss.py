@@ -4,6 +4,7 @@ computed from a separate forward pass (SPEC 3.1-3.6, 4)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -354,7 +355,8 @@ def test_unknown_loss_type_for_a_method_is_rejected_before_training(tokenizer, t
     trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip")
     from unsloth_adaptive_kl.core import adaptation
 
-    monkeypatch.delitem(adaptation.LOSS_TYPE_REDUCTIONS, "dapo")
+    monkeypatch.setitem(adaptation.REDUCTIONS, "token_sum_normalized", dataclasses.replace(
+        adaptation.REDUCTIONS["token_sum_normalized"], loss_types=("cispo", "vespo")))  # dapo served by none
     with pytest.raises(ValueError, match=r"loss_type='dapo' is not supported by adaptive KL: allowed is one of"):
         make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip", loss_type="dapo")
     assert trainer.current_beta == 0.04

@@ -1,4 +1,4 @@
-"""Unsloth integration (SPEC 5). The real generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_cpu.py),
+"""Unsloth integration. The real generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_cpu.py),
 since importing unsloth rewrites TRL for the whole process; `.ci/run` installs unsloth and sets
 ADAPTIVE_KL_REQUIRE_UNSLOTH=1 so these cannot be skipped there. The anchor checks use a stand-in `unsloth` package
 and run everywhere."""
@@ -54,7 +54,7 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     assert (result["method"], result["threshold"]) == ("clip+dynamic", 0.5)
     assert result["restored"] == ["GRPOConfig", "clip+dynamic", 0.5]
     assert result["error"] == "kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0."
-    # SPEC 3.12 on Unsloth's generated config: k3 in the loss and k1 in the reward by default, silently; k3 named in
+    # The estimator defaults on Unsloth's generated config: k3 in the loss and k1 in the reward by default, silently; k3 named in
     # the reward and k1 in the loss warn once each, naming the field, its value and the fix; k1_future is silent
     guards = result["guards"]
     assert {entry["class"] for entry in guards.values()} == {result["config_class"].rsplit(".", 1)[-1]}
@@ -105,7 +105,7 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
             grad_tolerance = (TOKENS * 4.5 * logp_error * part["grad_max"]
                               + 4 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"]))
             assert part["grad_diff"] <= grad_tolerance, (loss_type, method, part["grad_diff"], grad_tolerance)
-            # SPEC 4: current_beta * adapted_kl is the KL part of the loss, without the GA factor (2 here)
+            # current_beta * adapted_kl is the KL part of the loss, without the GA factor (2 here)
             assert part["metric_product"] == pytest.approx(2 * part["kl_part"], rel=1e-4), (loss_type, method)
             if "metrics" in part:  # each logged adaptive_kl/* value against docs/metrics.md's definition
                 assert_metrics_match(part["metrics"], part["expected_metrics"], rel=1e-4, abs_=1e-6)
@@ -120,7 +120,7 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
 
 @needs_unsloth
 def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(tmp_path) -> None:
-    """SPEC 3.8: the KL the adapted path shapes is the installed grpo_compute_loss's own (its clamps in its order,
+    """The KL the adapted path shapes is the installed grpo_compute_loss's own (its clamps in its order,
     its masking, its rejected tokens), so adaptations that change nothing give stock Unsloth's loss and gradients,
     on-policy and off-policy, with per-token KL past the [-10, 10] clamp."""
     results = run_scenario("drift", tmp_path)
@@ -269,6 +269,11 @@ def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_pat
     assert dynamic["betas"] == pytest.approx([1.0, 0.5, 0.25]) and dynamic["final_beta"] == pytest.approx(0.125)
     assert dynamic["penalties"] == pytest.approx([b * kl for b, kl in zip(dynamic["betas"], dynamic["sequence_kl"])])
     assert dynamic["reward"] == pytest.approx([1.0] * 3, abs=1e-6)
+    # three optimizer steps of two micro-batches: the controller is stepped three times, once per step (the scoring
+    # of each generation batch moves nothing), each step reading its scored batch of 2 micro-batches' completions
+    counting = results["counting"]
+    assert counting["calls"] == [1, 2, 3]
+    assert counting["completions"] == [2 * counting["per_device_train_batch_size"]] * 3
     # resumed at step 2 of 4: the checkpoint holds 1.0 * 0.5^2, the resumed steps penalise with 0.25 and 0.125
     resume = results["resume"]
     assert resume["trainer_class"] == "UnslothGRPOTrainer"
@@ -305,3 +310,23 @@ def test_generated_trainer_syncs_the_reference_of_its_peft_model(tmp_path) -> No
     for name, values in resume["full"].items():
         assert resume["resumed"][name] == pytest.approx(values, rel=1e-6, abs=1e-9), name
     assert resume["full"]["adaptive_kl/ref_syncs"] == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0]
+
+
+def test_a_loss_keyword_the_generated_trainer_stops_passing_is_an_error_naming_it() -> None:
+    """The installed grpo_compute_loss reads the keywords it reduces the loss by with defaults (loss_type 'grpo',
+    num_processes 1, gradient accumulation 1, ...): where the generated compute_loss stops passing one (a rename),
+    the adaptive loss raises IncompatibleVersionError naming it, instead of reducing the KL by a default the loss no
+    longer uses. steps_per_generation may be absent (grpo_accumulated_loss sets it; None, as the installed loss reads
+    it, where it does not). The real generated trainer passes every one: the scenarios above run through it."""
+    from unsloth_adaptive_kl.integrations import unsloth as integration
+    from unsloth_adaptive_kl.integrations.grpo_loss import LossNormalisers
+    from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError
+
+    passed = {"loss_type": "dapo", "max_completion_length": 16, "num_items_in_batch": 40.0,
+              "current_gradient_accumulation_steps": 2, "num_processes": 4}
+    assert integration._normalisers(passed, "micro_batch") == ("dapo", LossNormalisers(16, 40.0, 4, None, 2))
+    assert integration._normalisers({**passed, "steps_per_generation": 8}, "micro_batch")[1].steps_per_generation == 8
+    assert integration._normalisers({**passed, "loss_type": "bnpo"}, "global")[0] == "dapo"
+    for name in passed:
+        with pytest.raises(IncompatibleVersionError, match=rf"`{name} = `.*UnslothGRPOTrainer\.compute_loss"):
+            integration._normalisers({key: value for key, value in passed.items() if key != name}, "micro_batch")

@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from unsloth_adaptive_kl import AdaptiveKLConfig  # noqa: E402
+from unsloth_adaptive_kl import AdaptiveKLConfig, NonFiniteLogProbError  # noqa: E402
 from unsloth_adaptive_kl.integrations import verl as verl_kl  # noqa: E402
 from unsloth_adaptive_kl.integrations import versions  # noqa: E402
 from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError  # noqa: E402
@@ -142,15 +143,22 @@ def kl_part(loss_fn, batch, beta=1.0):
     return with_kl - without, grad_kl - grad0, metrics[0]
 
 
-def per_token(batch, kl_type="low_var_kl"):
-    """verl's per-token KL of `batch` (padded) and its mask, by the same slicing verl uses."""
+def padded(batch):
+    """The policy and reference log-probs of `batch`'s response tokens (padded, as stored) and its mask, by the
+    same slicing verl uses."""
     td, log_probs, prompts, responses = batch
     from verl.workers.utils.padding import no_padding_2_padding
 
     offsets = torch.tensor([0, *torch.tensor([p + r for p, r in zip(prompts, responses)]).cumsum(0).tolist()])
     lp = no_padding_2_padding(torch.nested.nested_tensor_from_jagged(log_probs, offsets), td)
-    padded = td.select("response_mask", "ref_log_prob").to_padded_tensor()
-    return core_algos.kl_penalty(lp, padded["ref_log_prob"], kl_type), padded["response_mask"].bool()
+    fields = td.select("response_mask", "ref_log_prob").to_padded_tensor()
+    return lp, fields["ref_log_prob"], fields["response_mask"].bool()
+
+
+def per_token(batch, kl_type="low_var_kl"):
+    """verl's per-token KL of `batch` (padded) and its mask."""
+    lp, ref, mask = padded(batch)
+    return core_algos.kl_penalty(lp, ref, kl_type), mask
 
 
 def test_clip_follows_its_formula_and_has_no_gradient_above_the_threshold():
@@ -267,7 +275,6 @@ def test_adaptive_kl_block_is_validated():
                                  r"TRL's"),
     ({"reward": {"ref_model_sync_reset_optimizer": True}},
      r"adaptive_kl\.reward\.ref_model_sync_reset_optimizer=True is not used with verl"),
-    ({"kl_compile": True}, r"adaptive_kl\.kl_compile=True is not used with verl: verl's actor loss is verl's own"),
     ({"reward": {"kl_estimator": "k3"}}, r"adaptive_kl\.reward\.kl_estimator='k3' is not used with verl: the "
                                          r"estimator of the KL in the reward is verl's algorithm\.kl_penalty"),
     ({"reward": {"kl_percentile": 0.5}}, r"adaptive_kl\.reward\.kl_percentile=0\.5 is not used with verl"),
@@ -490,8 +497,8 @@ class _ActorGroup:
     mini-batch (micro-batches appended by verl's append_to_dict, each Metric over the one data-parallel rank by
     Metric.aggregate_dp, lists concatenated; `TrainingWorker.train_mini_batch`)."""
 
-    def __init__(self, batch, micro_batches):
-        self.batch, self.micro_batches, self.loss_fn = batch, micro_batches, None
+    def __init__(self, batch, micro_batches, epochs=1):
+        self.batch, self.micro_batches, self.epochs, self.loss_fn = batch, micro_batches, epochs, None
 
     def set_loss_fn(self, loss_fn):
         self.loss_fn = loss_fn
@@ -500,15 +507,16 @@ class _ActorGroup:
         from verl.utils.metric import Metric
         from verl.utils.py_functional import append_to_dict
 
-        _, _, per_micro_batch = run_loss(self.loss_fn, self.batch, self.micro_batches,
-                                         beta=meta.extra_info[verl_kl.BETA_KEY])
-        appended = {}
-        for metrics in per_micro_batch:
-            append_to_dict(appended, metrics)
-        mini_batch = {key: Metric.aggregate_dp([value]) if isinstance(value, Metric) else value
-                      for key, value in appended.items()}
         output = {}
-        append_to_dict(output, mini_batch)
+        for _ in range(self.epochs):  # ppo_epochs: the worker trains on the same mini-batch again
+            _, _, per_micro_batch = run_loss(self.loss_fn, self.batch, self.micro_batches,
+                                             beta=meta.extra_info[verl_kl.BETA_KEY])
+            appended = {}
+            for metrics in per_micro_batch:
+                append_to_dict(appended, metrics)
+            mini_batch = {key: Metric.aggregate_dp([value]) if isinstance(value, Metric) else value
+                          for key, value in appended.items()}
+            append_to_dict(output, mini_batch)
         return {"metrics": {**output, "mfu": [0.0]}}
 
 
@@ -522,24 +530,44 @@ class _ActorTrainer(verl_kl.AdaptiveKLTrainerMixin, _VerlActorUpdate):
 
 def logged_actor_metrics(batch, mode, micro_batches=2, beta=0.37, **fields):
     """The metrics one actor update logs: the mixin's `_update_actor` over verl's, with the loss on the workers."""
+    return actor_update(batch, mode, micro_batches, beta, **fields)[1]
+
+
+def actor_update(batch, mode, micro_batches=2, beta=0.37, ppo_epochs=1, **fields):
+    """(the trainer, the metrics) of one actor update: the mixin's `_update_actor` over verl's."""
     from omegaconf import OmegaConf
 
     config = OmegaConf.create({
         "adaptive_kl": fields, "trainer": {"v1": {"trainer_mode": "adaptive_kl"}},
         "actor_rollout_ref": {
             "actor": {"use_kl_loss": True, "kl_loss_coef": beta, "kl_loss_type": "low_var_kl", "loss_agg_mode": mode,
-                      "ppo_mini_batch_size": 8, "calculate_entropy": False, "entropy_coeff": 0.0, "ppo_epochs": 1,
+                      "ppo_mini_batch_size": 8, "calculate_entropy": False, "entropy_coeff": 0.0, "ppo_epochs": ppo_epochs,
                       "data_loader_seed": 0, "shuffle": False},
             "rollout": {"n": 1, "temperature": 1.0}},
         "algorithm": {"use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": {"kl_coef": 0.1}}})
     trainer = _ActorTrainer(config)
-    trainer.actor_rollout_wg = _ActorGroup(batch, micro_batches)
+    trainer.actor_rollout_wg = _ActorGroup(batch, micro_batches, ppo_epochs)
     loss = verl_kl.AdaptivePPOLoss(actor_config(mode, coef=beta), AdaptiveKLConfig(**fields))
     trainer.actor_rollout_wg.set_loss_fn(loss)
     trainer._mean_reward = 0.5
     metrics = {}
     trainer._update_actor(types.SimpleNamespace(extra_info={}), metrics)
-    return metrics
+    return trainer, metrics
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_target_counts_each_completion_once_whatever_verls_ppo_epochs(ppo_epochs):
+    """With ppo_epochs=2 the update's statistics hold each completion twice; target's n stays the batch's B
+    completions (Ziegler et al., verl's own controller: one update of n = the batch per batch), so beta moves by
+    1 + e B / kl_horizon, by hand, whatever the epochs."""
+    batch = make_batch(seed=11, kl_scale=3.0)
+    k, mask = per_token(batch)
+    trainer, _ = actor_update(batch, "token-mean", ppo_epochs=ppo_epochs, kl_adaptation_method="target",
+                              kl_target=0.1, kl_horizon=100.0)
+    assert trainer.loss_kl.num_iterations == ppo_epochs
+    error = min(max(float(k[mask].mean()) / 0.1 - 1, -0.2), 0.2)
+    assert error != 0
+    assert trainer.loss_kl.current_beta == pytest.approx(0.37 * (1 + error * mask.size(0) / 100.0), rel=1e-6)
 
 
 def by_hand(k, mask, shaped, mode):
@@ -629,6 +657,189 @@ def test_logged_reward_metrics_follow_their_definitions(method):
         clipped = int(((k >= threshold) & mask.bool()).sum())
         assert 0 < clipped < int(mask.sum()) and metric["adapted_kl"] < metric["raw_kl"]
         assert metric["clip_fraction"] == pytest.approx(clipped / float(lengths.sum()), rel=1e-6)
+
+
+# ----- the core's numerics in verl's loss and reward, and nothing silently assumed ----------------------------------
+
+
+def with_response_value(batch, key, sample, position, value):
+    """`batch` with the per-response-token field `key` (ref_log_prob, response_mask, ...) set to `value` at `sample`'s
+    response token `position`."""
+    td, log_probs, prompts, responses = batch
+    td = td.clone()
+    rows = [row.clone() for row in td[key].unbind()]
+    rows[sample][position] = value
+    td[key] = _nested(rows)
+    return td, log_probs, prompts, responses
+
+
+def with_policy_value(batch, sample, position, value):
+    """`batch` with the actor's log-prob of `sample`'s response token `position` set to `value` (verl's left-shifted
+    layout: token j of a response after p prompt tokens sits at p - 1 + j of its sample)."""
+    td, log_probs, prompts, responses = batch
+    start = sum(p + r for p, r in zip(prompts[:sample], responses[:sample]))
+    log_probs = log_probs.clone()
+    log_probs[start + prompts[sample] - 1 + position] = value
+    return td, log_probs, prompts, responses
+
+
+def in_bf16(batch):
+    """`batch` with the actor's forward, old_log_probs and ref_log_prob in bf16."""
+    td, log_probs, prompts, responses = batch
+    td = td.clone()
+    for key in ("old_log_probs", "ref_log_prob"):
+        td[key] = _nested([row.to(torch.bfloat16) for row in td[key].unbind()])
+    return td, log_probs.to(torch.bfloat16), prompts, responses
+
+
+@pytest.mark.parametrize("method", ["none", "clip", "length_normalized"])
+@pytest.mark.parametrize(("tensor", "value"), [("log_prob (the actor's forward)", math.nan),
+                                               ("ref_log_prob", math.inf), ("ref_log_prob", -math.inf)])
+def test_a_nonfinite_log_prob_on_a_valid_token_stops_the_actor_update_naming_verls_tensor(method, tensor, value):
+    """A NaN or +-inf on one valid response token, in the actor's forward or in ref_log_prob, whatever the method
+    (verl's low_var_kl clamps an infinite log-ratio to a finite KL: silent without the check): the actor update
+    raises NonFiniteLogProbError in the driver, naming verl's tensor, the one token and the step."""
+    batch = make_batch(seed=13)
+    if tensor == "ref_log_prob":
+        batch = with_response_value(batch, "ref_log_prob", 2, 0, value)
+    else:
+        batch = with_policy_value(batch, 2, 0, value)
+    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*verl's {re.escape(tensor)}: 1 valid token\(s\)"):
+        logged_actor_metrics(batch, "token-mean", kl_adaptation_method=method, kl_clip_threshold=0.3)
+
+
+def test_the_adapted_loss_kl_is_computed_in_float32_from_bf16_log_probs():
+    """bf16 log-probs (the actor's forward, ref_log_prob): clip's adapted KL is verl's low_var_kl taken of the
+    float32 log-probs, clamped at the threshold and token-mean reduced over the valid tokens, by hand from the upcast
+    values (in bf16 it is off by bf16's rounding, ~1e-3)."""
+    batch, threshold = in_bf16(make_batch(seed=14, kl_scale=3.0)), 0.3
+    _, _, metrics = run_loss(adaptive(actor_config(), "clip", kl_clip_threshold=threshold), batch, 1, beta=0.2)
+    lp, ref, mask = padded(batch)
+    r = torch.clamp(ref.float() - lp.float(), min=-20.0, max=20.0)
+    k = torch.clamp(torch.exp(r) - r - 1, min=-10.0, max=10.0)
+    expected = float(torch.clamp(k, max=threshold)[mask].sum() / mask.sum())
+    assert metrics[0][verl_kl.METRIC + "adapted_kl"].values[0] == pytest.approx(expected, rel=1e-6)
+    assert metrics[0][verl_kl.METRIC + "raw_kl"].values[0] == pytest.approx(float(k[mask].mean()), rel=1e-6)
+
+
+@pytest.mark.parametrize("kl_type", ["k2", "k3+"])
+@pytest.mark.parametrize("method", ["clip", "sigmoid"])
+def test_masked_response_tokens_holding_nan_or_inf_leave_the_loss_and_its_gradient_finite(method, kl_type):
+    """ref_log_prob NaN and -inf on two response tokens verl masks out (response_mask=0, e.g. a tool's output in a
+    multi-turn response): no error, the loss is the one of the batch without them (their ref_log_prob finite), and
+    the log-prob gradient is finite everywhere and exactly 0 on those tokens. (verl's masked_sum drops the masked
+    values, but the backward of a KL of the raw log-probs multiplies its 0 by k2's derivative there, NaN.)"""
+    clean = make_batch(seed=15, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
+    for sample, position in ((0, 1), (2, 3)):
+        clean = with_response_value(clean, "response_mask", sample, position, 0)
+    dirty = with_response_value(with_response_value(clean, "ref_log_prob", 0, 1, math.nan),
+                                "ref_log_prob", 2, 3, -math.inf)
+    loss_fn = adaptive(actor_config(kl_type=kl_type), method, kl_clip_threshold=0.3, kl_target=0.1)
+    expected_loss, expected_grad, _ = run_loss(loss_fn, clean, 2, beta=0.5)
+    loss, grad, _ = run_loss(loss_fn, dirty, 2, beta=0.5)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+    td, _, prompts, responses = clean
+    starts = [sum(p + r for p, r in zip(prompts[:i], responses[:i])) for i in range(len(prompts))]
+    assert grad[starts[0] + prompts[0] - 1 + 1] == 0 and grad[starts[2] + prompts[2] - 1 + 3] == 0
+
+
+@pytest.mark.parametrize("method", ["dynamic", "clip"])
+@pytest.mark.parametrize(("tensor", "value"), [("old_log_probs", math.nan), ("ref_log_prob", math.inf)])
+def test_a_nonfinite_reward_log_prob_on_a_valid_token_raises_naming_verls_tensor(method, tensor, value):
+    """The KL in the reward: a NaN or inf on one valid token of old_log_probs or ref_log_prob raises
+    NonFiniteLogProbError naming verl's tensor and the one token, before a reward is penalised."""
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method=method), beta=0.1)
+    data = reward_batch(seed=3)
+    data.batch[tensor][1, 0] = value  # every response has a valid first token
+    scores = data.batch["token_level_scores"].clone()
+    with pytest.raises(NonFiniteLogProbError, match=rf"{tensor} \(the \w+ tensor\): 1 valid token\(s\)"):
+        verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
+    assert "token_level_rewards" not in data.batch.keys() and torch.equal(data.batch["token_level_scores"], scores)
+
+
+def test_the_shaped_reward_kl_is_float32_of_the_masked_log_probs():
+    """bf16 old_log_probs / ref_log_prob with NaN and -inf in ref_log_prob on masked positions: the rewards are
+    float32 and finite, token_level_scores - beta * min(k, c) on valid tokens with k = old - ref of the float32 values
+    (verl's 'kl'), the scores themselves on masked ones; the metrics count the valid tokens alone."""
+    threshold, beta = 0.2, 0.5
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=threshold),
+                                      beta=beta)
+    data = reward_batch(seed=8, batch_size=6, length=6)
+    mask = data.batch["response_mask"]
+    assert (mask == 0).sum() >= 2
+    for key in ("old_log_probs", "ref_log_prob"):
+        data.batch[key] = data.batch[key].to(torch.bfloat16)
+    masked_positions = (mask == 0).nonzero()
+    data.batch["ref_log_prob"][tuple(masked_positions[0])] = math.nan
+    data.batch["ref_log_prob"][tuple(masked_positions[-1])] = -math.inf
+    old, ref = data.batch["old_log_probs"].float(), data.batch["ref_log_prob"].float()
+    k = torch.where(mask.bool(), old - ref, 0.0)
+    scores = data.batch["token_level_scores"].clone()
+    out, metrics = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
+    rewards = out.batch["token_level_rewards"]
+    assert rewards.dtype == torch.float32 and torch.isfinite(rewards).all()
+    torch.testing.assert_close(rewards, scores - beta * torch.clamp(k, max=threshold), rtol=0, atol=1e-7)
+    assert metrics[verl_kl.REWARD_METRIC + "raw_kl"] == pytest.approx(float(k.sum(-1).mean()), rel=1e-6)
+
+
+def test_an_unknown_loss_agg_mode_is_refused_naming_verls_field():
+    """verl's loss_agg_mode picks the core's reduction of the KL term: one the core does not know is a ValueError
+    naming the field, the value and the allowed modes (not silently bnpo's token mean)."""
+    config = trainer_config(use_kl_in_reward=False)
+    config.actor_rollout_ref.actor.loss_agg_mode = "seq-mean-token-median"
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.loss_agg_mode='seq-mean-token-median'.*"
+                                         r"token-mean"):
+        _GuardedTrainer(config)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.loss_agg_mode='seq-mean-token-median'"):
+        verl_kl.kl_agg_mode(AdaptiveKLConfig(kl_adaptation_method="clip"), "seq-mean-token-median")
+
+
+class _ScoredBatch:
+    """What the V1 trainer hands `_compute_advantage`: samples' keys and tags (verl's padding samples are tagged
+    is_padding) in a transfer-queue partition."""
+
+    def __init__(self, padding):
+        self.tags = [{"is_padding": True} if pad else {} for pad in padding]
+        self.keys = [f"sample-{i}" for i in range(len(padding))]
+        self.partition_id = "train"
+
+    def __len__(self):
+        return len(self.tags)
+
+
+class _ScoringTrainer(_StubTrainer):
+    def _compute_advantage(self, batch, metrics):
+        return batch
+
+
+class _RewardTrainer(verl_kl.AdaptiveKLTrainerMixin, _ScoringTrainer):
+    pass
+
+
+def test_a_batch_of_padding_alone_has_no_mean_reward(monkeypatch):
+    """The controllers read the mean reward of a batch's real samples, fetched from the transfer queue by key (each
+    sample's rm_scores summed over its tokens, as verl's critic/score/mean); a batch of verl's padding samples alone
+    has none: nothing is fetched and no controller observes a reward."""
+    store = {"sample-0": [1.0, 2.0], "sample-1": [9.0, 9.0], "sample-2": [0.5, 0.0]}
+    fetched = []
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        fetched.append(list(keys))
+        return {"rm_scores": torch.tensor([store[key] for key in keys])}
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", types.SimpleNamespace(kv_batch_get=kv_batch_get))
+    trainer = _RewardTrainer(trainer_config(kl_penalty="kl", use_kl_loss=True, use_kl_in_reward=True,
+                                            kl_adaptation_method="dynamic"))
+    trainer._compute_advantage(_ScoredBatch([False, True, False]), {})
+    assert fetched == [["sample-0", "sample-2"]]
+    assert trainer._mean_reward == trainer.reward_kl._mean_reward == pytest.approx((3.0 + 0.5) / 2)
+    trainer.reward_kl._mean_reward = None  # as verl's apply_kl_penalty leaves it (update reads it)
+    assert trainer._batch_mean_reward(_ScoredBatch([True, True, True])) is None
+    trainer._compute_advantage(_ScoredBatch([True, True]), {})
+    assert fetched == [["sample-0", "sample-2"]]  # nothing fetched for padding alone
+    assert trainer._mean_reward is None and trainer.reward_kl._mean_reward is None
 
 
 # ----- verl's TrainingWorker (fsdp2, gloo, one process, tiny Llama), in a subprocess --------------------------------

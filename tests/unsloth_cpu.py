@@ -123,6 +123,22 @@ def user_three_k2(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor
     """A user's own estimator, registered by name as a user would: 3 * 0.5 * (logp - ref)^2."""
     return 1.5 * (logp - ref_logp) ** 2
 
+
+
+@unsloth_adaptive_kl.register_beta_controller("test_counting_beta")
+class CountingBeta(unsloth_adaptive_kl.core.controllers.ConstantBeta):
+    """A constant beta recording each `step` call's completed_steps and the completions of its window."""
+
+    def __init__(self, beta: float, config: Any) -> None:
+        super().__init__(beta, config)
+        self.calls: list[int] = []
+        self.completions: list[Any] = []
+
+    def step(self, completed_steps: int, window: Any = None) -> None:
+        self.calls.append(completed_steps)
+        self.completions.append(None if window is None else window.completions)
+
+
 TOKENIZER = build_tokenizer()
 
 
@@ -185,8 +201,9 @@ def stock_loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.
 
 
 def independent_kl_part(trainer: Any, inputs: dict) -> torch.Tensor:
-    """beta * KL term / GA from the SPEC formulas and Unsloth's clamped k3 on a plain forward pass (on-policy, log
-    ratios within +/-1.5: no clamp acts, so the clamp order of the installed version does not matter here)."""
+    """beta * KL term / GA from the formulas of docs/methods.md and Unsloth's clamped k3 on a plain forward pass
+    (on-policy, log ratios within +/-1.5: no clamp acts, so the clamp order of the installed version does not matter
+    here)."""
     args = trainer.args
     trainer.model.train()
     logp = policy_logps(trainer.model, inputs)
@@ -554,6 +571,13 @@ def scenario_reward(out: str) -> dict:
                           "penalties": logged(trainer, "adaptive_kl/reward_penalty"),
                           "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"), "reward": logged(trainer, "reward"),
                           "trainer_class": type(trainer).__name__}
+    # The controller moves once per optimizer step (two micro-batches each), from the batch scored for that step.
+    trainer = make_trainer(f"{out}/counting", gradient_accumulation_steps=2, max_steps=3, beta=0.1,
+                           kl_placement="reward", kl_adaptation_method="test_counting_beta")
+    trainer.train()
+    results["counting"] = {"calls": trainer.adaptive_kl.controller.calls,
+                           "completions": trainer.adaptive_kl.controller.completions,
+                           "per_device_train_batch_size": trainer.args.per_device_train_batch_size}
     # Resume: beta comes back from the checkpoint (the generated trainer's own save/load, hooked).
     settings = dict(gradient_accumulation_steps=1, max_steps=4, beta=1.0, kl_placement="reward",
                     kl_reduction="sequence_sum", kl_adaptation_method="dynamic", dynamic_beta_decay=0.5,

@@ -48,7 +48,6 @@ READ_BY: dict[str, tuple[str, ...]] = {
     "kl_horizon": ("target",),
     "beta_max": ("target",),
     "kl_target_measure": ("target",),
-    "kl_compile": (EVERY_METHOD,),
     "kl_placement": (EVERY_METHOD,),
     "ref_model_sync_kl": (EVERY_METHOD,),
     "ref_model_sync_reset_optimizer": (EVERY_METHOD,),
@@ -236,10 +235,9 @@ def loss_overhead_sanity(size: Optional[str] = None) -> str:
 def core_op(_: Optional[str] = None) -> str:
     rows = _benchmark("loss_overhead.json")["core_op"]
     stock = next(r for r in rows if r["method"] == "stock k3")
-    body = [[f"`{r['method']}`", f"{r['median_ms']:.3f}", f"{r['x_k3']:.2f}", r["ops"],
-             f"{r['x_k3_compiled']:.2f}" if "x_k3_compiled" in r else ""] for r in rows if r is not stock]
-    return (_table(["method", "k3 + adaptation, median ms", "x stock k3", "aten ops added",
-                    "`kl_compile=True`: x stock k3"], body)
+    body = [[f"`{r['method']}`", f"{r['median_ms']:.3f}", f"{r['x_k3']:.2f}", r["ops"]]
+            for r in rows if r is not stock]
+    return (_table(["method", "k3 + adaptation, median ms", "x stock k3", "aten ops added"], body)
             + f"\n\nStock k3 expression alone: {stock['median_ms']:.3f} ms.")
 
 

@@ -6,24 +6,30 @@ L_i = sum_t m[i, t]. Every function is traceable torch (no `.item()`), so it als
 
 Numerics: everything is computed in float32 whatever the input dtype (bf16/fp16 per-token KL and masks are upcast;
 float64 stays float64), so the terms, sums, lengths and normalisers are float32 for half-precision input. Masked
-positions are set to 0 (they may hold NaN or +-inf) and get a zero gradient (`numerics.keep_valid`).
+positions are set to 0 (they may hold NaN or +-inf) and get a zero gradient: `numerics.keep_valid`,
+torch.where(mask != 0, upcast(x), 0).
+
+Reductions: one table, `REDUCTIONS`, of one `Reduction` record each (its function of the per-completion sums, the
+loss types it serves, its `kl_reduction` setting, its per-completion form in the reward, its `loss_agg_mode` name);
+the config's validation, the core and the integrations read it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
-from .config import AdaptiveKLConfig
-from .numerics import LogpCheck, keep_valid
+from .numerics import HALF_PRECISION, LogpCheck, keep_valid, upcast
 from .registry import SHAPINGS as _SHAPINGS
-from .registry import new_method_name, registrar
+from .registry import new_method_name
 
-Shaping = Callable[[torch.Tensor, AdaptiveKLConfig], torch.Tensor]
+if TYPE_CHECKING:  # config.py validates kl_reduction against this module's table, so it imports this one
+    from .config import AdaptiveKLConfig
+
+Shaping = Callable[[torch.Tensor, "AdaptiveKLConfig"], torch.Tensor]
 
 
 def register_kl_shaping(name: str) -> Callable[[Shaping], Shaping]:
@@ -70,41 +76,86 @@ class ReductionContext:
     token_normalizer: Optional[Union[torch.Tensor, float]] = None
 
 
-Reduction = Callable[[torch.Tensor, torch.Tensor, ReductionContext], torch.Tensor]
-_REDUCTIONS: dict[str, Reduction] = {}
+# Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i, so the per-token
+# tensor is summed once per completion whatever the reduction, and raw, adapted and diagnostics share that pass.
+ReduceFn = Callable[[torch.Tensor, torch.Tensor, ReductionContext], torch.Tensor]
+PerCompletion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-register_reduction = registrar(_REDUCTIONS)
+@dataclass(frozen=True)
+class Reduction:
+    """One reduction of a (B, T) per-token tensor to the loss's scalar, and every name it has: the one record that
+    the config's validation, the core and the integrations read.
 
-# Every reduction is a function of the per-completion sums S_i = sum_t m k and the lengths L_i, so the per-token
-# tensor is reduced once (`row_sums`) whatever the reduction, and raw, adapted and diagnostics share that pass.
+    name: the core's name for it (`reduce_kl`, `loss_type_reduction`, `kl_reduction`).
+    reduce: (S, L, ctx) -> the scalar, from the sums S_i = sum_t m x and the lengths L_i.
+    loss_types: the GRPO `loss_type`s that reduce their per-token loss this way; the first is the one its
+        `agg_mode` stands for.
+    setting: the `kl_reduction` value that picks it for the adapted KL (None: only a loss_type picks it).
+    per_completion: (S, L) -> KL_i, its form with the KL in the reward, one KL per completion (None: not allowed
+        there).
+    agg_mode: its name where a trainer picks its loss aggregation by a `loss_agg_mode` ('token-mean',
+        'seq-mean-token-mean', ...); None where it has none.
+    """
+
+    name: str
+    reduce: ReduceFn
+    loss_types: tuple[str, ...] = ()
+    setting: Optional[str] = None
+    per_completion: Optional[PerCompletion] = None
+    agg_mode: Optional[str] = None
 
 
-def masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """x on valid positions (mask != 0), 0 on masked ones, in float32 for half-precision x: whatever a padded position
-    holds (NaN, +-inf) it cannot leak into a sum, and its gradient is exactly 0. A NaN or inf at a valid position stays
-    (never silently zeroed): the KL's sums are then non-finite, which `AdaptiveKL` reports."""
-    return keep_valid(x, mask)
+REDUCTIONS: dict[str, Reduction] = {}
 
 
-def row_sums(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """S_i = sum_t m x."""
-    return masked(x, mask).sum(-1)
+def register_reduction(name: str, *, loss_types: tuple[str, ...] = (), setting: Optional[str] = None,
+                       per_completion: Optional[PerCompletion] = None,
+                       agg_mode: Optional[str] = None) -> Callable[[ReduceFn], ReduceFn]:
+    """Decorator: the decorated `fn(S, L, ctx) -> scalar` becomes the reduction `name` (`REDUCTIONS[name]`, usable
+    by `reduce_kl`), with the loss types, `kl_reduction` setting, per-completion form and `loss_agg_mode` name
+    given."""
+
+    def add(function: ReduceFn) -> ReduceFn:
+        REDUCTIONS[name] = Reduction(name, function, tuple(loss_types), setting, per_completion, agg_mode)
+        return function
+
+    return add
 
 
-@register_reduction("sequence_mean")
+def completion_sum(sums: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """KL_i = S_i, the sequence-level KL: every extra token adds its k."""
+    return sums
+
+
+def completion_mean(sums: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """KL_i = S_i / max(L_i, 1), the per-token mean."""
+    return sums / lengths.clamp(min=1.0)
+
+
+# Registered first: the reward's default ('loss_type' means it there), so the reward's allowed values list it first.
+@register_reduction("sequence_sum_mean", loss_types=("luspo",), setting="sequence_sum", per_completion=completion_sum,
+                    agg_mode="seq-mean-token-sum")
+def sequence_sum_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """mean_i S_i (luspo; `kl_reduction='sequence_sum'`)."""
+    return sums.mean()
+
+
+@register_reduction("sequence_mean", loss_types=("grpo", "sapo"), setting="sequence_mean",
+                    per_completion=completion_mean, agg_mode="seq-mean-token-mean")
 def sequence_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
-    """mean_i S_i / max(L_i, 1): each completion weighs the same whatever its length (grpo, sapo)."""
-    return (sums / lengths.clamp(min=1.0)).mean()
+    """mean_i S_i / max(L_i, 1): each completion weighs the same whatever its length (grpo, sapo; length
+    normalisation)."""
+    return completion_mean(sums, lengths).mean()
 
 
-@register_reduction("token_mean")
+@register_reduction("token_mean", loss_types=("bnpo",), setting="token_mean", agg_mode="token-mean")
 def token_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
     """sum_i S_i / max(sum_i L_i, 1) over the micro-batch (bnpo)."""
     return sums.sum() / lengths.sum().clamp(min=1.0)
 
 
-@register_reduction("max_length_mean")
+@register_reduction("max_length_mean", loss_types=("dr_grpo",), agg_mode="seq-mean-token-sum-norm")
 def max_length_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
     """sum_i S_i / (B * max_completion_length) (dr_grpo)."""
     if ctx.max_completion_length is None:
@@ -112,7 +163,7 @@ def max_length_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionCon
     return sums.sum() / (sums.size(0) * ctx.max_completion_length)
 
 
-@register_reduction("token_sum_normalized")
+@register_reduction("token_sum_normalized", loss_types=("dapo", "cispo", "vespo"), agg_mode="token-sum")
 def token_sum_normalized(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
     """sum_i S_i / token_normalizer, the window's active tokens per micro-batch (dapo, cispo, vespo)."""
     if ctx.token_normalizer is None:
@@ -120,53 +171,70 @@ def token_sum_normalized(sums: torch.Tensor, lengths: torch.Tensor, ctx: Reducti
     return sums.sum() / ctx.token_normalizer
 
 
-@register_reduction("sequence_sum_mean")
-def sequence_sum_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
-    """mean_i S_i (luspo)."""
-    return sums.mean()
+# With the KL in the reward, kl_reduction='loss_type' means the sequence-level KL (there is no loss to follow).
+REWARD_LOSS_TYPE_SETTING = "sequence_sum"
 
 
-LOSS_TYPE_REDUCTIONS: dict[str, str] = {
-    "grpo": "sequence_mean",
-    "sapo": "sequence_mean",
-    "bnpo": "token_mean",
-    "dr_grpo": "max_length_mean",
-    "dapo": "token_sum_normalized",
-    "cispo": "token_sum_normalized",
-    "vespo": "token_sum_normalized",
-    "luspo": "sequence_sum_mean",
-}
-# Length normalisation: each completion contributes its mean per-token KL, whatever the loss_type.
-LENGTH_METHOD_REDUCTIONS: dict[str, str] = {"length_normalized": "sequence_mean"}
-# `kl_reduction` values other than "loss_type", and the reduction each names.
-KL_REDUCTION_FIELD: dict[str, str] = {
-    "sequence_mean": "sequence_mean",  # mean per-token KL of each completion, averaged over completions
-    "token_mean": "token_mean",  # per-token KL averaged over every token of the micro-batch
-    "sequence_sum": "sequence_sum_mean",  # summed KL of each completion (sequence-level KL), averaged
-}
+def loss_types() -> tuple[str, ...]:
+    """Every GRPO `loss_type` adaptive KL supports (those of the registered reductions)."""
+    return tuple(loss_type for reduction in REDUCTIONS.values() for loss_type in reduction.loss_types)
 
 
 def loss_type_reduction(loss_type: str) -> str:
     """The reduction a stock GRPO `loss_type` applies to its per-token loss."""
-    if loss_type not in LOSS_TYPE_REDUCTIONS:
-        raise ValueError(
-            f"loss_type={loss_type!r} is not supported by adaptive KL: allowed is one of "
-            f"{', '.join(sorted(LOSS_TYPE_REDUCTIONS))}."
-        )
-    return LOSS_TYPE_REDUCTIONS[loss_type]
+    for reduction in REDUCTIONS.values():
+        if loss_type in reduction.loss_types:
+            return reduction.name
+    raise ValueError(f"loss_type={loss_type!r} is not supported by adaptive KL: allowed is one of "
+                     f"{', '.join(sorted(loss_types()))}.")
+
+
+def reduction_of_setting(setting: str) -> Reduction:
+    """The reduction `kl_reduction=setting` picks (a setting other than 'loss_type', which the config validated)."""
+    return next(reduction for reduction in REDUCTIONS.values() if reduction.setting == setting)
+
+
+def kl_reduction(config: AdaptiveKLConfig, loss_type: str) -> str:
+    """The reduction of the adapted KL: `kl_reduction`'s when set, length normalisation's (each completion's mean
+    per-token KL) when active, else the loss_type's own."""
+    if config.kl_reduction != "loss_type":
+        return reduction_of_setting(config.kl_reduction).name
+    if "length_normalized" in config.kl_methods:
+        return "sequence_mean"
+    return loss_type_reduction(loss_type)
+
+
+def agg_mode_of(reduction: str) -> str:
+    """The `loss_agg_mode` name of the named reduction (e.g. of `kl_reduction(config, loss_type)`: how a trainer that
+    aggregates by such names reduces the adapted KL). A ValueError where it has none."""
+    agg_mode = REDUCTIONS[reduction].agg_mode
+    if agg_mode is None:
+        raise ValueError(f"the {reduction!r} reduction has no loss_agg_mode name")
+    return agg_mode
+
+
+def loss_type_of_agg_mode(agg_mode: str, field: str = "loss_agg_mode") -> str:
+    """The GRPO `loss_type` whose reduction has the `loss_agg_mode` name `agg_mode` (the first of that reduction's loss
+    types). A ValueError naming `field` (the trainer's setting, as its integration spells it), the value and the
+    names allowed, for a name no reduction has."""
+    for reduction in REDUCTIONS.values():
+        if reduction.agg_mode == agg_mode and reduction.loss_types:
+            return reduction.loss_types[0]
+    modes = [reduction.agg_mode for reduction in REDUCTIONS.values() if reduction.agg_mode and reduction.loss_types]
+    raise ValueError(f"{field}={agg_mode!r} is invalid: allowed is one of {', '.join(modes)}.")
 
 
 def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
     """Apply the named reduction to a per-token tensor (in float32 for half-precision input)."""
-    sums = row_sums(x, mask)
-    return _REDUCTIONS[reduction](sums, mask.sum(-1, dtype=sums.dtype), _upcast_context(ctx))
+    sums = keep_valid(x, mask).sum(-1)
+    return REDUCTIONS[reduction].reduce(sums, mask.sum(-1, dtype=sums.dtype), _upcast_context(ctx))
 
 
 def _upcast_context(ctx: ReductionContext) -> ReductionContext:
     """A half-precision tensor `token_normalizer` in float32 (the same object otherwise)."""
     normalizer = ctx.token_normalizer
-    if isinstance(normalizer, torch.Tensor) and normalizer.dtype in (torch.float16, torch.bfloat16):
-        return ReductionContext(ctx.max_completion_length, normalizer.float())
+    if isinstance(normalizer, torch.Tensor) and normalizer.dtype in HALF_PRECISION:
+        return ReductionContext(ctx.max_completion_length, upcast(normalizer))
     return ctx
 
 
@@ -181,17 +249,6 @@ def shape_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
         if method in _SHAPINGS:
             kl = _SHAPINGS[method](kl, config)
     return kl
-
-
-def kl_reduction(config: AdaptiveKLConfig, loss_type: str) -> str:
-    """The reduction of the adapted KL: `kl_reduction`'s when set, length normalisation's when active, else the
-    loss_type's own."""
-    if config.kl_reduction in KL_REDUCTION_FIELD:
-        return KL_REDUCTION_FIELD[config.kl_reduction]
-    for method in config.kl_methods:
-        if method in LENGTH_METHOD_REDUCTIONS:
-            return LENGTH_METHOD_REDUCTIONS[method]
-    return loss_type_reduction(loss_type)
 
 
 def clipped_tokens(valid_kl: torch.Tensor, config: AdaptiveKLConfig, lengths: torch.Tensor) -> torch.Tensor:
@@ -232,7 +289,7 @@ def masked_row_sums(
     """The one masked pass: (m k with padded positions 0, L_i, S_i = sum_t m k, sum_t m k'), k' the shaped KL; the last
     is S_i itself (the same tensor) when no shaping is configured. Every shaping maps 0 to 0, so padded positions stay 0.
     float32 for half-precision input (the lengths too: a bf16 sum holds integers exactly only up to 256)."""
-    valid_kl = masked(kl, mask)
+    valid_kl = keep_valid(kl, mask)
     shaped = shape_kl(valid_kl, config)
     sums = valid_kl.sum(-1)
     return valid_kl, mask.sum(-1, dtype=valid_kl.dtype), sums, sums if shaped is valid_kl else shaped.sum(-1)
@@ -243,122 +300,44 @@ def adapted_kl_term(
 ) -> KLTerm:
     """shaping -> length normalisation (reduction); the caller multiplies `adapted` by the current beta.
 
-    One masked pass: padded positions are set to 0 first (`masked`; every shaping maps 0 to 0, so they stay 0), the
+    One masked pass: padded positions are set to 0 first (`keep_valid`; every shaping maps 0 to 0, so they stay 0), the
     shaping runs on that tensor, and each of the raw and the adapted KL is summed per completion once; the reductions and
     the diagnostics are then O(B) functions of those sums."""
     raw_reduction, adapted_reduction = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
     ctx = _upcast_context(ctx)
     valid_kl, lengths, sums, adapted_sums = masked_row_sums(kl, mask, config)
     raw_sums = sums.detach()
-    adapted = _REDUCTIONS[adapted_reduction](adapted_sums, lengths, ctx)
+    adapted = REDUCTIONS[adapted_reduction].reduce(adapted_sums, lengths, ctx)
     if adapted_sums is sums and adapted_reduction == raw_reduction:  # nothing adapted: the same number
         raw = adapted.detach()
     else:
-        raw = _REDUCTIONS[raw_reduction](raw_sums, lengths, ctx)
+        raw = REDUCTIONS[raw_reduction].reduce(raw_sums, lengths, ctx)
     at_threshold = clipped_tokens(valid_kl.detach(), config, lengths)
     return KLTerm(raw=raw, adapted=adapted, sequence_kl=raw_sums, lengths=lengths, at_threshold=at_threshold)
 
 
-_compiled_term: Optional[Callable[..., KLTerm]] = None
-_compile_failed = False
-
-
 def kl_term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
             ctx: ReductionContext, with_grad: Optional[bool] = None) -> KLTerm:
-    """`adapted_kl_term`, as one `torch.compile` graph when `config.kl_compile` (compiled once per process; shapes
-    turn dynamic after the first change). Where compiling or running the graph fails, eager from then on, after one
-    warning naming the error: the result is the same, only slower. By default, where the KL term is the trainer's
-    own (`is_stock_kl`) it only feeds the metrics, so no autograd graph is recorded for it; `with_grad` decides."""
+    """`adapted_kl_term`, recording an autograd graph only where the term carries gradient: by default, where the KL
+    term is the trainer's own (`is_stock_kl`) it only feeds the metrics, so none is recorded; `with_grad` decides."""
     with_grad = not config.is_stock_kl if with_grad is None else with_grad
     with contextlib.nullcontext() if with_grad else torch.no_grad():
-        return _term(kl, mask, config, loss_type, ctx)
-
-
-def _term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
-          ctx: ReductionContext) -> KLTerm:
-    global _compiled_term
-    if not config.kl_compile or _compile_failed:
         return adapted_kl_term(kl, mask, config, loss_type, ctx)
-    if _compiled_term is None:
-        _compiled_term = torch.compile(adapted_kl_term)
-    try:
-        if torch.is_grad_enabled() and kl.requires_grad:
-            return _CompiledWithEagerBackward.term(kl, mask, config, loss_type, ctx)
-        return _compiled_term(kl, mask, config, loss_type, ctx)
-    except Exception as error:  # no compiler toolchain, an unsupported backend: the eager core computes the same
-        _fall_back(error)
-        return adapted_kl_term(kl, mask, config, loss_type, ctx)
-
-
-def _fall_back(error: Exception) -> None:
-    """From now on the eager core, after one warning naming the error."""
-    global _compile_failed
-    _compile_failed = True
-    warnings.warn(f"kl_compile=True: torch.compile failed ({type(error).__name__}: {error}); the KL adaptation "
-                  "runs eagerly.", RuntimeWarning, stacklevel=4)
-
-
-class _CompiledWithEagerBackward(torch.autograd.Function):
-    """The compiled term whose backward falls back to eager: torch.compile compiles the backward graph lazily, at
-    the first `loss.backward()`, where a failure (a Triton error, say) would otherwise crash the step. The forward
-    runs the compiled graph on a detached leaf; the backward takes the compiled graph's gradient, and where that
-    fails, warns once and recomputes the gradient through the eager core (the same value)."""
-
-    @staticmethod
-    def term(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, loss_type: str,
-             ctx: ReductionContext) -> KLTerm:
-        box: dict = {}
-        adapted = _CompiledWithEagerBackward.apply(kl, mask, config, loss_type, ctx, box)
-        term = box.pop("term")
-        term.adapted = adapted
-        return term
-
-    @staticmethod
-    def forward(autograd_ctx, kl, mask, config, loss_type, ctx, box):  # type: ignore[override]
-        leaf = kl.detach().requires_grad_(True)
-        with torch.enable_grad():
-            term = _compiled_term(leaf, mask, config, loss_type, ctx)
-        autograd_ctx.graph = (leaf, term.adapted, mask, config, loss_type, ctx)
-        box["term"] = term
-        return term.adapted.detach()
-
-    @staticmethod
-    def backward(autograd_ctx, grad):  # type: ignore[override]
-        leaf, adapted, mask, config, loss_type, ctx = autograd_ctx.graph
-        del autograd_ctx.graph
-        gradient = None
-        if not _compile_failed:
-            try:
-                (gradient,) = torch.autograd.grad(adapted, leaf, grad)
-            except Exception as error:  # the compiled backward failed to compile or to run
-                _fall_back(error)
-        if gradient is None:
-            with torch.enable_grad():
-                eager_leaf = leaf.detach().requires_grad_(True)
-                (gradient,) = torch.autograd.grad(
-                    adapted_kl_term(eager_leaf, mask, config, loss_type, ctx).adapted, eager_leaf, grad)
-        return gradient, None, None, None, None, None
 
 
 # ----- the KL in the reward (kl_placement="reward") -------------------------------------------------------------
-
-# KL_i from the per-completion sums S_i and lengths L_i; with the KL in the reward "loss_type" means the sum.
-COMPLETION_KL_REDUCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "sequence_sum": lambda sums, lengths: sums,  # KL_i = S_i, the sequence-level KL: every extra token adds k >= 0
-    "sequence_mean": lambda sums, lengths: sums / lengths.clamp(min=1.0),  # KL_i = S_i / L_i, the per-token mean
-}
-COMPLETION_KL_REDUCTIONS["loss_type"] = COMPLETION_KL_REDUCTIONS["sequence_sum"]
-
 
 @torch.no_grad()
 def completion_kl(kl: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig,
                   check: Optional[LogpCheck] = None) -> KLTerm:
     """KL_i = reduce_t(shape(k_i,t)) per completion: shaping (clip/sigmoid) per token, then `kl_reduction`
-    (`sequence_sum`: S_i = sum_t m k'; `sequence_mean`: S_i / max(L_i, 1)). One masked pass, as `adapted_kl_term`."""
-    reduce = COMPLETION_KL_REDUCTIONS[config.kl_reduction]
+    (`sequence_sum`, also what 'loss_type' means here: S_i = sum_t m k'; `sequence_mean`: S_i / max(L_i, 1)): the
+    reduction's `per_completion` form. One masked pass, as `adapted_kl_term`."""
+    setting = REWARD_LOSS_TYPE_SETTING if config.kl_reduction == "loss_type" else config.kl_reduction
+    reduce = reduction_of_setting(setting).per_completion
     valid_kl, lengths, sums, adapted_sums = masked_row_sums(kl, mask, config)
     raw = reduce(sums, lengths)
     adapted = raw if adapted_sums is sums else reduce(adapted_sums, lengths)
     at_threshold = clipped_tokens(valid_kl, config, lengths)
     return KLTerm(raw=raw, adapted=adapted, sequence_kl=sums, lengths=lengths, at_threshold=at_threshold,
-                        check=check)
+                  check=check)

@@ -2,16 +2,19 @@
 integration's). It holds the live beta (the controller) and turns per-token log-probs into the adapted KL term, the
 reward penalty and the `adaptive_kl/*` metrics. Pure torch: it never imports a trainer.
 
-Two ways in, one implementation:
-- a loop of your own calls `kl_loss` / `reward_penalty` per (micro-)batch and `step` once per optimizer step;
-- a trainer integration hands over the per-token KL the trainer itself computed (`term`), queues the micro-batch's
-  statistics without a host transfer (`record`) and flushes them once per optimizer step, over all processes.
+One protocol, with two sets of doors onto it:
+- each batch's KL is measured (`kl_loss` / `reward_penalty` in a loop of your own; `term` + `record` / `penalize` in
+  a trainer integration) and, in training, its sums (`KLStatistics`) are kept for the step; an evaluation pass
+  (`train=False`) returns its metrics and keeps nothing;
+- each new generation batch's mean reward is observed (`step(mean_reward=...)` / `observe_rewards`);
+- the controller moves exactly once per optimizer step (`step` / `record(..., end_of_step=True)`), in `_end_step`,
+  from that step's KL: the sums of the batches it trained on, or with the KL in the reward, of the batch last scored.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import astuple
+from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
@@ -19,34 +22,40 @@ import torch
 from .adaptation import KLTerm, ReductionContext, kl_reduction, kl_term, loss_type_reduction
 from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, check_real, is_real, reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
-from .functional import (Gather, StepKL, adapted_kl, completion_kls, local, penalty_statistics, statistics_row,
-                         step_statistics)
+from .functional import adapted_kl, completion_kls
 from .numerics import LogpCheck
+from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
-STATE_FORMAT = 3  # `state_dict()`'s format: 3 adds the step's KL; 2 carried "format_version" and "controller"; 1 not
+STATE_FORMAT = 4  # `state_dict()`'s format: 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
 
 
 class AdaptiveKL:
     """The adaptive KL of one training run: beta_t (`current_beta`, from the configured controller) times the
     adapted KL term, its metrics, and its checkpointable state.
 
-    `AdaptiveKL(config, beta, loss_type)` validates as `GRPOConfig` does (the same ValueError messages): `config` the
-    adaptive-KL fields (None: the defaults, i.e. `none`), `beta` the initial coefficient (finite, >= 0, >= beta_min),
-    `loss_type` the GRPO loss whose reduction the KL term follows (grpo, bnpo, dr_grpo, dapo, cispo, vespo, sapo,
-    luspo).
+    `AdaptiveKL(config, beta, loss_type, num_iterations=1)` validates as `GRPOConfig` does (the same ValueError
+    messages): `config` the adaptive-KL fields (None: the defaults, i.e. `none`), `beta` the initial coefficient
+    (finite, >= 0, >= beta_min), `loss_type` the GRPO loss whose reduction the KL term follows (grpo, bnpo, dr_grpo,
+    dapo, cispo, vespo, sapo, luspo), `num_iterations` mu, the optimizer passes over each generation batch (a trainer's
+    PPO-style epochs): `target` counts each generated completion once per batch whatever mu.
 
     Per optimizer step of a loop: `kl_loss` (KL in the loss) or `reward_penalty` (KL in the reward) on each
-    (micro-)batch, then `step(mean_reward=...)` once. `state_dict()` / `load_state_dict()` resume exactly.
+    (micro-)batch, then `step(mean_reward=...)` once; `train=False` on an evaluation pass. `state_dict()` /
+    `load_state_dict()` resume exactly.
 
-    Nothing is read back from the device per micro-batch on the trainer path (`record`): each micro-batch's statistics
+    Nothing is read back from the device per micro-batch on the trainer path (`record`): each micro-batch's sums
     stay a device tensor until the optimizer step ends, where they are gathered over processes and transferred to the
     host once, for the metrics and the controller together."""
 
-    def __init__(self, config: Optional[AdaptiveKLConfig], beta: float, loss_type: str = "grpo") -> None:
+    def __init__(self, config: Optional[AdaptiveKLConfig], beta: float, loss_type: str = "grpo", *,
+                 num_iterations: int = 1) -> None:
         config = AdaptiveKLConfig() if config is None else config
         if not isinstance(config, AdaptiveKLConfig):
             raise TypeError(f"config must be an AdaptiveKLConfig (or None for the defaults), not {type(config).__name__}")
         check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
+        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or num_iterations < 1:
+            raise reject("num_iterations", num_iterations, "an integer >= 1 (the optimizer passes over each "
+                         "generation batch)")
         config.validate_adaptive_kl(beta=beta)
         if beta != 0:  # with beta = 0 there is no KL term to reduce (stock trainers skip it whatever the loss)
             loss_type_reduction(loss_type)
@@ -54,12 +63,12 @@ class AdaptiveKL:
         self.config = config
         self.beta = float(beta)
         self.loss_type = loss_type
+        self.num_iterations = num_iterations
         self.controller = make_beta_controller(beta, config)
-        self.completed_steps = 0  # optimizer steps `step` has seen (a loop of your own)
-        self._pending: list[torch.Tensor] = []  # trainer path: one row per micro-batch of this step, on the device
-        self._pending_checks: list[Optional[LogpCheck]] = []  # each row's log-probs, counted only if non-finite
-        self._step_kl = StepKL()  # a loop of your own: what this step's `kl_loss` calls saw
-        self._generation_kl: Optional[StepKL] = None  # kl_placement="reward": the training batch being scored
+        self.completed_steps = 0  # optimizer steps the controller has seen
+        self._queued: list[tuple[torch.Tensor, Optional[LogpCheck]]] = []  # trainer path: this step's device sums
+        self._trained = KLStatistics()  # what the training batches of this step measured (the KL in the loss)
+        self._scored: Optional[KLStatistics] = None  # the KL in the reward: the batch scored since the last step
         # The step's KL (token mean of the raw KL over every completion the step trained on, all processes; with the
         # KL in the reward, of the generation batch it trains on), which a KL-triggered reference sync reads; NaN
         # before the first.
@@ -83,6 +92,7 @@ class AdaptiveKL:
         max_completion_length: Optional[int] = None,
         token_normalizer: Optional[torch.Tensor | float] = None,
         gather: Optional[Gather] = None,
+        train: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(beta_t * K, metrics) for one (micro-)batch, K the adapted KL term with autograd:
         k = the `kl_estimator` of (logps, ref_logps) per token (or `per_token_kl`, a KL you computed), shaped per token
@@ -91,8 +101,9 @@ class AdaptiveKL:
         logps, ref_logps, mask: (B, T) policy and reference log-probs of the sampled tokens and the completion mask.
         max_completion_length: dr_grpo's divisor. token_normalizer: dapo/cispo/vespo's active-token count for this
         micro-batch. gather: a cross-process all-gather (e.g. `accelerator.gather`) for metrics over all processes.
-        The metrics are floats under the `adaptive_kl/*` names (one host transfer); the step's KL is kept for
-        the `target` controller, which `step` updates.
+        train: False on an evaluation pass, which the next `step` does not read (beta, `target` and a KL-triggered
+        reference sync see only training batches). The metrics are floats under the `adaptive_kl/*` names (one host
+        transfer).
 
         Numerics: computed in float32 whatever the dtype of the inputs (bf16/fp16 are upcast; the gradient flows back
         to them); the returned term is float32 for half-precision input (float64 for float64). A NaN or +-inf in
@@ -104,11 +115,12 @@ class AdaptiveKL:
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
         term = adapted_kl(logps, ref_logps, mask, self.config, loss_type=self.loss_type,
                           context=ReductionContext(max_completion_length, token_normalizer), per_token_kl=per_token_kl)
-        (metrics,), seen = step_statistics([statistics_row(term)], [term.check], beta=self.current_beta,
-                                           config=self.config, step=self.completed_steps + 1, gather=gather or local)
-        self._step_kl = self._step_kl + seen
-        self.last_metrics = metrics
-        return term.adapted * self.current_beta, metrics
+        (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.completed_steps + 1,
+                                    gather=gather or local)
+        if train:
+            self._trained = self._trained + sums
+        self.last_metrics = sums.metrics(beta=self.current_beta, config=self.config, step=self.completed_steps + 1)
+        return term.adapted * self.current_beta, self.last_metrics
 
     def reward_penalty(
         self,
@@ -118,20 +130,22 @@ class AdaptiveKL:
         *,
         per_token_kl: Optional[torch.Tensor] = None,
         gather: Optional[Gather] = None,
+        train: bool = True,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(P, metrics) for the KL in the reward, as `kl_loss` returns (term, metrics): P_i = beta_t * KL_i per
         completion, without gradient, to subtract from each reward before the group statistics. KL_i = the estimator
         per token, shaped (clip/sigmoid), reduced per completion by `kl_reduction` ('sequence_sum' / 'loss_type':
         sum_t m k'; 'sequence_mean': that over L_i). With `gather`, the penalties of every process in process order
         (float32, as trainers gather rewards). metrics: the `adaptive_kl/*` floats, `adaptive_kl/reward_penalty`
-        included (also in `last_metrics`); `step` reads its KL. Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid
-        token raises `NonFiniteLogProbError`."""
+        included (also in `last_metrics`); the next `step` reads the batch's KL, unless `train=False` (an evaluation
+        batch). Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid token raises
+        `NonFiniteLogProbError`."""
         if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
             raise reject("kl_reduction", self.config.kl_reduction,
                          f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
         penalty, self.last_metrics = self.penalize(
             completion_kls(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,
-            train=True, completed_steps=self.completed_steps)
+            train=train, completed_steps=self.completed_steps)
         return penalty, self.last_metrics
 
     def step(self, mean_reward: Optional[float] = None, *, kl: Optional[WindowKL] = None) -> float:
@@ -139,21 +153,74 @@ class AdaptiveKL:
         step; returns the new beta. `mean_reward`: the mean (un-penalised) reward, over all processes, of a new
         generation batch (`dynamic` decays at most once per generation batch: pass None for further optimizer steps
         on the same batch). `target` reads the step's KL: `kl`, where the loop measured it itself (a `WindowKL`, as
-        an engine that aggregates its own loss does), else what `kl_loss` or the last `reward_penalty` saw."""
-        window = kl if kl is not None else (self._generation_kl or self._step_kl).window()
-        self._generation_kl, self._step_kl = None, StepKL()
-        self._advance(self.completed_steps + 1, window, mean_reward)
+        an engine that aggregates its own loss does), else what the step's training `kl_loss` calls or the last
+        training `reward_penalty` saw."""
+        if mean_reward is not None:
+            self.observe_rewards(mean_reward)
+        self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
 
-    def _advance(self, completed_steps: Optional[int] = None, window: Optional[WindowKL] = None,
-                 mean_reward: Optional[float] = None) -> None:
-        """The one place the controller moves, whatever the loop and the placement: it reads `mean_reward` (a new
-        generation batch's, over all processes) and, with `completed_steps`, steps from the step's KL `window`
-        (which also becomes `last_raw_kl`)."""
-        if mean_reward is not None:
-            self.controller.observe_rewards(mean_reward)
-        if completed_steps is None:
-            return
+    # ----- the trainer integrations -----------------------------------------------------------------------------
+
+    def term(self, kl: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext, loss_type: Optional[str] = None,
+             with_grad: Optional[bool] = None, check: Optional[LogpCheck] = None) -> KLTerm:
+        """The adapted KL term of a per-token KL the caller computed (`adaptation.kl_term`). Without `with_grad`, the
+        term records a graph only where it replaces the trainer's own (`config.is_stock_kl` is False). `check`: the
+        `LogpCheck` of the log-probs the KL came from, which `record` reports at the step's end if non-finite."""
+        term = kl_term(kl, mask, self.config, loss_type or self.loss_type, ctx,
+                       with_grad=not self.config.is_stock_kl if with_grad is None else with_grad)
+        term.check = check
+        return term
+
+    def observe_rewards(self, mean_reward: float) -> None:
+        """The mean reward over all processes of a new training generation batch (un-penalised)."""
+        self.controller.observe_rewards(mean_reward)
+
+    def record(
+        self, term: Optional[KLTerm], *, gather: Gather, train: bool, end_of_step: bool, completed_steps: int
+    ) -> list[dict[str, float]]:
+        """Queue one micro-batch's sums (a device row: no host transfer; `term` None where the loss has no KL term,
+        the KL being in the reward); at the end of an optimizer step in training (every call in evaluation) return
+        the metrics of each queued micro-batch (over all processes, `adaptive_kl/` names) and, in training, end the
+        step: the controller moves, `completed_steps` being the optimizer steps completed with this one."""
+        if term is not None:
+            self._queued.append((device_sums(term), term.check))
+        if train and not end_of_step:
+            return []
+        queued, self._queued = self._queued, []
+        metrics = []
+        if queued:
+            rows, checks = zip(*queued)
+            for sums in gather_statistics(list(rows), list(checks), step=completed_steps, gather=gather):
+                metrics.append(sums.metrics(beta=self.current_beta, config=self.config, step=completed_steps))
+                if train:
+                    self._trained = self._trained + sums
+        if train:
+            self._end_step(completed_steps)
+        return metrics
+
+    def penalize(
+        self, term: KLTerm, *, gather: Gather, train: bool, completed_steps: int
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """kl_placement="reward": the penalty beta_t * KL_i of every completion of a generation batch, over all
+        processes in process order (as the trainer gathers its rewards), and its metrics, `completed_steps` optimizer
+        steps into training. In training the batch's sums are kept: the next step's end moves the controller from
+        them, and beta_{t+1} penalises the next batch."""
+        (sums,) = gather_statistics([device_sums(term)], [term.check], step=completed_steps + 1, gather=gather)
+        metrics = sums.metrics(beta=self.current_beta, config=self.config, step=completed_steps + 1, reward=True)
+        if train:
+            self._scored = sums if self._scored is None else self._scored + sums
+        return gather((self.current_beta * term.adapted).float()), metrics
+
+    # ----- the driver ----------------------------------------------------------------------------------------------
+
+    def _end_step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
+        """The one place the controller moves: once per optimizer step, from the step's KL `window` (by default the
+        sums the step trained on, n counted once per generation batch; with the KL in the reward, those of the batch
+        scored since the last step), which also becomes `last_raw_kl`."""
+        if window is None:
+            window = self._trained.window(self.num_iterations) if self._scored is None else self._scored.window()
+        self._trained, self._scored = KLStatistics(), None
         if window is not None:
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
@@ -163,19 +230,20 @@ class AdaptiveKL:
         """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",
         "target" or a registered one's), its state (its beta, the generation batch count and its reward, ...),
         `completed_steps`, and what the next step reads of the KL seen so far: `last_raw_kl` (None before the first
-        step; a KL-triggered reference sync reads it), `step_kl` (the sums [sum S_i, sum L_i, completions] that this
-        step's `kl_loss` calls saw) and `generation_kl` (the same of a scored batch whose step has not run, or None)."""
+        step; a KL-triggered reference sync reads it), `trained` (the `KLStatistics` sums, by name, of this step's
+        training batches so far) and `scored` (the same of a batch scored for the KL in the reward whose step has not
+        run, or None)."""
         return {"format_version": STATE_FORMAT, "controller": controller_kind(self.controller),
                 **self.controller.state_dict(), "completed_steps": self.completed_steps,
                 "last_raw_kl": self.last_raw_kl if math.isfinite(self.last_raw_kl) else None,
-                "step_kl": list(astuple(self._step_kl)),
-                "generation_kl": None if self._generation_kl is None else list(astuple(self._generation_kl))}
+                "trained": asdict(self._trained), "scored": None if self._scored is None else asdict(self._scored)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
-        load too (without the step's KL: a resumed run then has seen none): format 2, and format 1 (no version: the
-        controller's fields and `completed_steps`, as the own-loop object and the trainer integrations' checkpoints
-        wrote them; the oldest trainer checkpoints lack `completed_steps`), whose kind is read from its fields."""
+        load too: format 3 (the step's KL as [sum S_i, sum L_i, completions] lists under `step_kl` and
+        `generation_kl`); formats 2 and 1 without the step's KL (a resumed run then has seen none). Format 1 has no
+        version: the controller's fields and `completed_steps` (which the oldest trainer checkpoints lack), as the
+        own-loop object and the trainer integrations' checkpoints wrote them; its kind is read from its fields."""
         state = dict(state)
         version = state.pop("format_version", 1)
         if not isinstance(version, int) or not 1 <= version <= STATE_FORMAT:
@@ -196,69 +264,23 @@ class AdaptiveKL:
                 "kl_adaptation_method the checkpoint was written with.")
         completed_steps = state.pop("completed_steps", 0)  # the oldest trainer checkpoints lack it
         last_raw_kl = state.pop("last_raw_kl", None)
-        step_kl = state.pop("step_kl", None)
-        generation_kl = state.pop("generation_kl", None)
+        trained, scored = (_sums(state.pop(name, None)) for name in (("trained", "scored") if version >= 4
+                                                                      else ("step_kl", "generation_kl")))
         unknown = sorted(set(state) - fields)
         if unknown:
             raise ValueError(f"adaptive KL state: unknown field(s) {', '.join(unknown)} for a {expected!r} "
                              f"controller: allowed are {', '.join(sorted(fields))}.")
         self.completed_steps = completed_steps
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
-        self._step_kl = StepKL() if step_kl is None else StepKL(*step_kl)
-        self._generation_kl = None if generation_kl is None else StepKL(*generation_kl)
+        self._trained, self._scored = trained or KLStatistics(), scored
         self.controller.load_state_dict(state)
 
-    # ----- the trainer integrations -----------------------------------------------------------------------------
 
-    def term(self, kl: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext, loss_type: Optional[str] = None,
-             with_grad: Optional[bool] = None, check: Optional[LogpCheck] = None) -> KLTerm:
-        """The adapted KL term of a per-token KL the caller computed (`adaptation.kl_term`). Without `with_grad`, the
-        term records a graph only where it replaces the trainer's own (`config.is_stock_kl` is False). `check`: the
-        `LogpCheck` of the log-probs the KL came from, which `record` reports at the step's end if non-finite."""
-        term = kl_term(kl, mask, self.config, loss_type or self.loss_type, ctx,
-                       with_grad=not self.config.is_stock_kl if with_grad is None else with_grad)
-        term.check = check
-        return term
-
-    def observe_rewards(self, mean_reward: float) -> None:
-        """The mean reward over all processes of a new generation batch."""
-        self._advance(mean_reward=mean_reward)
-
-    def record(
-        self, term: KLTerm, *, gather: Gather, train: bool, end_of_step: bool, completed_steps: int
-    ) -> list[dict[str, float]]:
-        """Queue one micro-batch's statistics (a device row: no host transfer); at the end of an optimizer step in
-        training (every call in evaluation) return the metrics of each queued micro-batch (over all processes,
-        `adaptive_kl/` names) and, in training, update the controller from the step's KL."""
-        self._pending.append(statistics_row(term))
-        self._pending_checks.append(term.check)
-        if train and not end_of_step:
-            return []
-        rows, self._pending = self._pending, []
-        checks, self._pending_checks = self._pending_checks, []
-        metrics, seen = step_statistics(rows, checks, beta=self.current_beta, config=self.config,
-                                        step=completed_steps, gather=gather)
-        if train:
-            self._advance(completed_steps, seen.window())
-        return metrics
-
-    def penalize(
-        self, term: KLTerm, *, gather: Gather, train: bool, completed_steps: int
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """kl_placement="reward": the penalty beta_t * KL_i of every completion of a generation batch, over all
-        processes in process order (as the trainer gathers its rewards), and its metrics. beta_t is the beta after
-        `completed_steps` optimizer steps (the schedule cut-off applied); `end_generation` (or `step`) then updates it
-        from this batch's reward and KL. One collective and one host transfer."""
-        if train:  # no new generation batch has been observed: only the beta_schedule_steps cut-off can apply
-            self._advance(completed_steps)
-        penalty, metrics, seen = penalty_statistics(term, beta=self.current_beta, config=self.config,
-                                                    step=completed_steps + 1, gather=gather)
-        if train:
-            self._generation_kl = seen
-        return penalty, metrics
-
-    def end_generation(self, mean_reward: float, completed_steps: int) -> None:
-        """kl_placement="reward": after a training generation batch is scored, the controller reads its un-penalised
-        mean reward (`dynamic`) and its KL (`target`); the new beta penalises the next batch."""
-        seen, self._generation_kl = self._generation_kl, None
-        self._advance(completed_steps, None if seen is None else seen.window(), mean_reward)
+def _sums(saved: Any) -> Optional[KLStatistics]:
+    """A checkpoint's sums: by name (format 4), or format 3's [sum S_i, sum L_i, completions]."""
+    if saved is None:
+        return None
+    if isinstance(saved, dict):
+        return KLStatistics(**saved)
+    kl, tokens, completions = saved
+    return KLStatistics(kl=kl, tokens=tokens, completions=completions)

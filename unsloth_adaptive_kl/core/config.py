@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from .adaptation import REDUCTIONS
 from .errors import KLEstimatorWarning
 from .estimators import estimator_names
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
@@ -23,11 +24,13 @@ SHAPING_METHODS = ("clip", "sigmoid")
 BETA_METHODS = ("dynamic", "target")
 METHODS = SHAPING_METHODS + LENGTH_METHODS + BETA_METHODS
 METHOD_SEPARATOR = "+"
-KL_REDUCTIONS = ("loss_type", "sequence_mean", "token_mean", "sequence_sum")
+# The allowed kl_reduction values, read from the one reduction table (adaptation.REDUCTIONS): 'loss_type' and each
+# reduction's setting; with the KL in the reward each completion gets one KL_i, so those with a per-completion form.
+KL_REDUCTIONS = ("loss_type", *(reduction.setting for reduction in REDUCTIONS.values() if reduction.setting))
+REWARD_KL_REDUCTIONS = ("loss_type", *(reduction.setting for reduction in REDUCTIONS.values()
+                                       if reduction.setting and reduction.per_completion))
 TARGET_MEASURES = ("token_mean", "sequence_sum")
 KL_PLACEMENTS = ("loss", "reward")
-# With the KL in the reward each completion gets one KL_i: reductions that give one per completion.
-REWARD_KL_REDUCTIONS = ("loss_type", "sequence_sum", "sequence_mean")
 
 
 # Estimators whose value is not the log-ratio k1: as a reward their score-function gradient is not the KL's gradient
@@ -127,7 +130,8 @@ _PARSED_METHODS: dict[str, tuple[str, ...]] = {}
 
 def _parse_canonical(value: str) -> tuple[str, ...]:
     # Read on every loss call: parse each stored string once. A plain dict, not functools.lru_cache: torch.compile
-    # (kl_compile=True) traces through lru_cache wrappers with a warning of possible silent incorrectness.
+    # (a compiled loss calling the core) traces through lru_cache wrappers with a warning of possible silent
+    # incorrectness.
     if value not in _PARSED_METHODS:
         _PARSED_METHODS[value] = parse_methods(value)
     return _PARSED_METHODS[value]
@@ -241,12 +245,6 @@ class AdaptiveKLConfig:
         metadata={"help": "`target`: the KL compared with kl_target: 'token_mean' (the step's KL: sum of the KL over the "
                   "valid tokens of the step's completions / their count) or 'sequence_sum' (mean per-completion sum)."},
     )
-    kl_compile: bool = field(
-        default=False,
-        metadata={"help": "Run the KL adaptation (shaping, reductions, diagnostics) as one torch.compile graph; where "
-                  "compiling fails it runs eagerly, after one warning. For GPUs: on a CPU the compiled graph's guards "
-                  "cost more than the fusion saves at these sizes (measured). Every method."},
-    )
     kl_placement: str = field(
         default="loss",
         metadata={"help": "Where beta * KL acts: 'loss' (stock: a KL term in the loss) or 'reward' (each "
@@ -356,8 +354,6 @@ class AdaptiveKLConfig:
             raise reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
         if "target" in methods and not self.kl_target > 0:
             raise reject("kl_target", self.kl_target, "a finite number > 0 with kl_adaptation_method target")
-        if not isinstance(self.kl_compile, bool):
-            raise reject("kl_compile", self.kl_compile, "True or False")
         self._validate_placement(methods)
         warn_estimator_placement(self.estimator, self.kl_placement)
         steps = self.beta_schedule_steps

@@ -7,6 +7,7 @@ step, so every process holds the same beta.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -23,17 +24,14 @@ class WindowKL:
     """The un-adapted KL of one optimizer step, over all its micro-batches and processes.
 
     token_mean: sum of k over valid tokens / their count. sequence_sum: mean over completions of sum_t m k.
-    completions: how many completions the step trained on."""
+    completions: n, the generated completions the step accounts for: those it trained on, each counted once per
+    generation batch (with mu optimizer passes over a batch, a step that trains on c completions accounts for c / mu;
+    with the KL in the reward, a scored batch's completions, once). `target` moves beta by n / kl_horizon per update,
+    so a batch of n completions moves it as one update of n does, as in Ziegler et al. (one update per batch)."""
 
     token_mean: float
     sequence_sum: float
-    completions: int
-
-    @classmethod
-    def from_sums(cls, kl_sum: float, tokens: float, completions: float) -> "WindowKL":
-        """From sum_i S_i, sum_i L_i and the completion count (each divisor at least 1)."""
-        return cls(token_mean=kl_sum / max(tokens, 1.0), sequence_sum=kl_sum / max(completions, 1.0),
-                   completions=int(completions))
+    completions: float
 
 
 class ConstantBeta:
@@ -147,10 +145,27 @@ def controller_kind(controller: BetaController) -> str:
 
 
 def make_beta_controller(beta: float, config: AdaptiveKLConfig) -> BetaController:
-    """The controller of the configured beta method, or a constant beta."""
+    """The controller of the configured beta method, or a constant beta; its state must survive a checkpoint."""
     if not math.isfinite(beta):
         raise ValueError(f"beta={beta!r} is invalid: allowed is a finite number >= 0.")
-    for method in config.kl_methods:
-        if method in _CONTROLLERS:
-            return _CONTROLLERS[method](beta, config)
-    return ConstantBeta(beta, config)
+    kind = next((method for method in config.kl_methods if method in _CONTROLLERS), None)
+    controller = ConstantBeta(beta, config) if kind is None else _CONTROLLERS[kind](beta, config)
+    check_checkpointable(controller)
+    return controller
+
+
+def check_checkpointable(controller: BetaController) -> None:
+    """Refuse, when the run is built, a controller whose `state_dict()` does not survive JSON (every checkpoint
+    writes it as JSON: a config or a tensor kept in a public attribute would crash the first save, hours in)."""
+    state = controller.state_dict()
+    try:
+        text = json.dumps(state, allow_nan=True)
+        survives = json.dumps(json.loads(text)) == text
+    except (TypeError, ValueError) as error:
+        text, survives = f"{type(error).__name__}: {error}", False
+    if not survives:
+        raise TypeError(
+            f"beta controller {type(controller).__name__} ({controller_kind(controller)!r}): state_dict() must be "
+            f"JSON numbers, strings, lists and dicts, as every checkpoint saves it; it gave {text}. Keep "
+            "other objects (the config, tensors) in attributes whose names start with '_' (ConstantBeta.state_dict "
+            "leaves them out), or override state_dict / load_state_dict.")

@@ -135,7 +135,7 @@ def run_estimator(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, con
 
 def checked_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> tuple[torch.Tensor, LogpCheck]:
     """`estimate_kl`, and the `LogpCheck` of its inputs (non-finite log-probs on valid tokens, as device tensors)."""
-    logp, ref, _ = masked_logps(logp, ref, mask)
+    logp, ref = masked_logps(logp, ref, mask)
     return run_estimator(logp, ref, mask, config), LogpCheck.of_masked(logp, ref)
 
 
@@ -146,5 +146,5 @@ def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, confi
     Computed in float32 whatever the input dtype (bf16/fp16 are upcast; float64 stays float64), and the result is
     float32 for half-precision input. Masked positions (mask == 0) of logp and ref are replaced by 0 before the
     estimator sees them, so whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient."""
-    logp, ref, _ = masked_logps(logp, ref, mask)
+    logp, ref = masked_logps(logp, ref, mask)
     return run_estimator(logp, ref, mask, config)

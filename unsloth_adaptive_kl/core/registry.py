@@ -4,23 +4,7 @@ function or class. The method registries (shapings, beta controllers) live here,
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
-
-F = TypeVar("F", bound=Callable)
-
-
-def registrar(table: dict[str, F]) -> Callable[[str], Callable[[F], F]]:
-    """A decorator factory that stores the decorated function in `table` under the given name."""
-
-    def register(name: str) -> Callable[[F], F]:
-        def add(function: F) -> F:
-            table[name] = function
-            return function
-
-        return add
-
-    return register
-
+from typing import Any, Callable
 
 # `kl_adaptation_method` names: per-token shapings (k -> k'), the length method, and beta controllers. Built-ins are
 # registered by core/adaptation.py and core/controllers.py; users add theirs with the public decorators there.

@@ -6,7 +6,7 @@ mask, the loss type and the trainer's normaliser numbers, and hands them to `ada
 micro-batch:
 
 - which per-token KL the methods adapt: the trainer's own for the stock k3 estimator (bit for bit what the installed
-  version computes, SPEC 3.8), else the configured estimator's, from the raw log-probs (`checked_kl`);
+  version computes), else the configured estimator's, from the raw log-probs (`checked_kl`);
 - the `LogpCheck` of those log-probs (a non-finite one on a valid token raises at the step's end);
 - the `ReductionContext`: the trainer's normalisers translated to the core's (`LossNormalisers`);
 - the term (`trainer.adaptive_kl.term`) and the loss: plus beta_t * adapted / gradient accumulation where the adapted

@@ -1,4 +1,4 @@
-"""Reference syncing (SPEC 3.10): TRL's `sync_ref_model` for full and PEFT models in both trainers, a KL trigger, an
+"""Reference syncing: TRL's `sync_ref_model` for full and PEFT models in both trainers, a KL trigger, an
 optimizer reset, and the synced reference in every checkpoint.
 
 After every `ref_model_sync_steps` optimizer steps (with `ref_model_sync_kl`: only if the last step's raw KL, mean

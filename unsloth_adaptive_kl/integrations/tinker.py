@@ -9,9 +9,9 @@ are the core's. Three routes, one per way Tinker trains:
    beta_t is read once, on your thread, when the loss is built.
 2. `kl_penalized_data(akl, data, rewards, group_size)`: the KL in the reward for Tinker's built-in
    `importance_sampling` loss (one forward_backward, no custom pass): r_i - beta_t * KL_i before the group advantages.
-3. `traceable_grpo_loss(akl)` + `traced_loss_data(akl, data)`: the route-1 loss as a per-datum function that
-   `ServiceClient.create_custom_loss` traces with torch.fx (beta and the reduction weights are inputs, so one traced
-   loss serves every step).
+3. `traceable_grpo_loss(akl)` + `traced_loss_data(akl, data)` + `check_traced_loss(akl, result)`: the route-1 loss
+   as a per-datum function that `ServiceClient.create_custom_loss` traces with torch.fx (beta and the reduction
+   weights are inputs, so one traced loss serves every step).
 
 Datum layout (the Tinker cookbook's, plus the reference): one `tinker.Datum` per completion, its `model_input` the
 prompt and completion tokens but the last, and `loss_fn_inputs` aligned one-to-one with `target_tokens` (shape (T,)):
@@ -23,6 +23,7 @@ Python list is only accepted by the SDK for the keys it knows, and `ref_logprobs
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -32,14 +33,18 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("unsloth_adaptive_kl.integrations.tinker needs the Tinker SDK: pip install tinker") from error
 
-from ..core import AdaptiveKL, ReductionContext, estimate_kl, reduce_kl, shape_kl
+from ..core import AdaptiveKL, NonFiniteLogProbError, ReductionContext, reduce_kl, shape_kl
 from ..core.adaptation import kl_reduction, loss_type_reduction
-from ..core.functional import adapted_kl, statistics_row, step_statistics
+from ..core.functional import adapted_kl
+from ..core.estimators import checked_kl
+from ..core.numerics import LogpCheck, nonfinite_message
+from ..core.statistics import device_sums, gather_statistics
 
 __all__ = [
     "BUILTIN_LOSS_INPUTS",
     "GRPOKLLoss",
     "builtin_loss_data",
+    "check_traced_loss",
     "completion_datum",
     "grpo_kl_loss",
     "kl_penalized_data",
@@ -199,8 +204,8 @@ class GRPOKLLoss:
         surrogate = _ppo_clip_surrogate(logps, old, advantages, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
         term = adapted_kl(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context)
-        (metrics,), _ = step_statistics([statistics_row(term)], [term.check], beta=self.beta, config=self.config,
-                                        step=self.training_step)
+        (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.training_step)
+        metrics = sums.metrics(beta=self.beta, config=self.config, step=self.training_step)
         kl_term = term.adapted * self.beta
         metrics["grpo/pg_loss"] = float(pg.detach())
         metrics["grpo/kl_term"] = float(kl_term.detach())
@@ -300,6 +305,10 @@ def kl_penalized_data(
 # ----- 3. a per-datum loss for ServiceClient.create_custom_loss (traced with torch.fx) --------------------------------
 
 PG_WEIGHTS, KL_WEIGHTS, BETA, OLD_LOGPROBS = "pg_weights", "kl_weights", "beta", "sampling_logprobs"
+# The traced loss's non-finite check: each tensor's name in the error, and the metric carrying its sum over the
+# valid tokens (summed over the datums by the SDK).
+TRACED_CHECK = {"logprobs (the policy's, in the traced loss)": "custom/adaptive_kl/policy_logprobs:sum",
+                "ref_logprobs": "custom/adaptive_kl/ref_logprobs:sum"}
 # Estimators of batch statistics: per datum they would compute another KL.
 _BATCH_ESTIMATORS = frozenset({"k3_bottom_percentile"})
 
@@ -313,14 +322,16 @@ def traceable_grpo_loss(
         loss = sum_t w_pg,t * (-min(ratio_t A_t, clip(ratio_t, 1 - eps_low, 1 + eps_high) A_t))
                + beta * sum_t w_kl,t * shape(k_t m_t),   ratio_t = exp(logprobs_t - sampling_logprobs_t)
 
-    k the core's estimator of (logprobs, ref_logprobs) (at r = 0 where m = 0), shape the core's clip/sigmoid, and
+    k the core's estimator of the masked log-probs (0 where m = 0), shape the core's clip/sigmoid, and
     w_pg, w_kl the core's `loss_type` / KL reductions as per-token weights (each reduction is linear in the
     per-completion sums S_i, so sum_i sum_t w_t x_t is exactly the reduced batch value). It equals `grpo_kl_loss`.
 
     fn's inputs: logprobs, then the Datum keys sampling_logprobs, advantages, ref_logprobs, mask, pg_weights,
     kl_weights (rank 1) and beta (rank 0): beta is data, so the one traced loss (created once per session) serves
-    every step. Its metrics (summed over datums): custom/grpo/pg_loss:sum, custom/adaptive_kl/adapted_kl:sum (K) and
-    custom/grpo/kl_term:sum (beta K).
+    every step. Its metrics (summed over datums): custom/grpo/pg_loss:sum, custom/adaptive_kl/adapted_kl:sum (K),
+    custom/grpo/kl_term:sum (beta K), and the core's non-finite check: custom/adaptive_kl/policy_logprobs:sum and
+    custom/adaptive_kl/ref_logprobs:sum, the sums of the valid log-probs, non-finite exactly when one is. A traced
+    graph cannot raise on a value: `check_traced_loss` reads them on your thread.
 
     Supported: kl_placement='loss'; every shaping (none, clip, sigmoid), length_normalized, every kl_reduction and
     loss_type (dr_grpo / dapo / cispo / vespo via `traced_loss_data`'s max_completion_length / token_normalizer),
@@ -338,12 +349,13 @@ def traceable_grpo_loss(
 
     def adaptive_kl_grpo(logprobs, sampling_logprobs, advantages, ref_logprobs, mask, pg_weights, kl_weights, beta):
         pg = (pg_weights * _ppo_clip_surrogate(logprobs, sampling_logprobs, advantages, low, high)).sum()
-        ref = torch.where(mask > 0, ref_logprobs, logprobs.detach())
-        kl = shape_kl(estimate_kl(logprobs, ref, mask, config) * mask, config)
-        adapted = (kl_weights * kl).sum()
+        kl, check = checked_kl(logprobs, ref_logprobs, mask, config)
+        adapted = (kl_weights * shape_kl(kl, config)).sum()
         kl_term = beta * adapted
+        policy_sum, reference_sum = TRACED_CHECK.values()
         return pg + kl_term, {"custom/grpo/pg_loss:sum": pg, "custom/adaptive_kl/adapted_kl:sum": adapted,
-                              "custom/grpo/kl_term:sum": kl_term}
+                              "custom/grpo/kl_term:sum": kl_term, policy_sum: check.sums[0],
+                              reference_sum: check.sums[1]}
 
     ranks = {"logprobs": 1, OLD_LOGPROBS: 1, ADVANTAGES: 1, REF_LOGPROBS: 1, MASK: 1, PG_WEIGHTS: 1, KL_WEIGHTS: 1,
              BETA: 0}
@@ -369,8 +381,16 @@ def traced_loss_data(
     """The Datums of one batch with the inputs `traceable_grpo_loss` reads added: sampling_logprobs (a copy of
     `logprobs`: the per-datum loss's own first parameter is named logprobs), pg_weights / kl_weights (the per-token
     weights of the core's `akl.loss_type` reduction and of its KL reduction over this batch: m_t / (B L_i) for grpo's
-    sequence_mean) and beta (rank 0; default `akl.current_beta`, read here, on the caller's thread)."""
+    sequence_mean) and beta (rank 0; default `akl.current_beta`, read here, on the caller's thread). A NaN or +-inf
+    in the Datums' `logprobs` or `ref_logprobs` on a valid token raises `NonFiniteLogProbError` here, before anything
+    is sent."""
     mask = _batch(data, MASK)
+    check = LogpCheck.of(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask,
+                         policy="loss_fn_inputs['logprobs'] (the sampler's)",
+                         reference="loss_fn_inputs['ref_logprobs']")
+    flags = [(0, 0, which) for which, value in enumerate(check.sums.tolist()) if not math.isfinite(value)]
+    if flags:
+        raise NonFiniteLogProbError(nonfinite_message(akl.completed_steps + 1, flags, [check]))
     context = ReductionContext(max_completion_length, token_normalizer)
     pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context)
     kl_weights = _reduction_weights(mask, kl_reduction(akl.config, akl.loss_type), context)
@@ -385,3 +405,20 @@ def traced_loss_data(
         inputs[BETA] = _tensor_data(beta_value)
         out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
     return out
+
+
+def check_traced_loss(akl: AdaptiveKL, result: "types.ForwardBackwardOutput") -> None:
+    """On the caller's thread, after each `forward_backward_custom(traced_loss_data(akl, data), handle)` and before
+    `optim_step`: `NonFiniteLogProbError` where the traced loss saw a NaN or +-inf log-prob on a valid (mask=1) token,
+    its policy log-probs (from the service's forward) or its `ref_logprobs`. The graph cannot raise on a value, so
+    it returns the core's check, the sums of the valid log-probs (`TRACED_CHECK`'s metrics, non-finite exactly when
+    one of their terms is), and this reads them. That forward_backward's gradients are accumulated already: do not
+    step on them."""
+    found = [f"{name} (their sum over valid tokens: {result.metrics[key]})" for name, key in TRACED_CHECK.items()
+             if not math.isfinite(result.metrics[key])]
+    if found:
+        raise NonFiniteLogProbError(
+            f"adaptive KL: non-finite input at step {akl.completed_steps + 1}: NaN or +-inf on valid (mask=1) tokens "
+            f"in the traced loss's {'; '.join(found)}. Masked positions may hold anything; a valid token's log-prob "
+            "must be finite. The gradients of this forward_backward are accumulated: resume from the last checkpoint "
+            "instead of calling optim_step.")

@@ -20,10 +20,9 @@ import torch
 from transformers import TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..core.adaptation import completion_kl
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import AdaptiveKLConfig, check_real, is_real, reject
-from ..core.estimators import checked_kl
+from ..core.functional import completion_kls
 from .patching import PatchSet
 from .ref_sync import attach_reference_sync, reference_for_generation
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
@@ -100,7 +99,8 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
     trainer's beta, `check_trl_settings` TRL's fields with them), and give the trainer its `AdaptiveKL`
     (`trainer.adaptive_kl`)."""
     config = AdaptiveKLConfig.unvalidated_from(trainer.args)
-    adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type)
+    # TRL's num_iterations: the optimizer passes over each generation batch (target counts a completion once per batch)
+    adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type, num_iterations=trainer.args.num_iterations)
     check_trl_settings(trainer.args, config)
     if trainer.beta == 0.0 and not config.is_stock_kl:
         warnings.warn(
@@ -243,12 +243,10 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         # `penalize`'s one transfer; masked positions may hold anything.
         source = next((name for name in ("old_per_token_logps", "sampling_per_token_logps") if found[name] is not None),
                       "a policy forward")
-        kl, check = checked_kl(policy, ref, mask, config)
-        check.names = (f"policy log-probs ({source})", "reference log-probs (ref_per_token_logps)")
-        penalty, metrics = self.adaptive_kl.penalize(
-            completion_kl(kl, mask, config, check=check), gather=self.accelerator.gather, train=scoring["train"],
-            completed_steps=self.state.global_step,
-        )
+        term = completion_kls(policy, ref, mask, config)
+        term.check.names = (f"policy log-probs ({source})", "reference log-probs (ref_per_token_logps)")
+        penalty, metrics = self.adaptive_kl.penalize(term, gather=self.accelerator.gather, train=scoring["train"],
+                                                     completed_steps=self.state.global_step)
         column = -penalty.to(rewards_per_func.device, rewards_per_func.dtype)
         column = column.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)
         scoring.update(metrics=metrics, mean_penalty=-torch.nanmean(column).nan_to_num(0.0).item())
@@ -293,8 +291,8 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
         rewards[-1] += scoring["mean_penalty"]
         for name, value in scoring["metrics"].items():
             self._metrics[mode][name].append(value)
-        if mode == "train":
-            runtime.end_generation(rewards[-1], self.state.global_step)
+        if mode == "train":  # the un-penalised mean reward (the penalty was added back above)
+            runtime.observe_rewards(rewards[-1])
         return output
 
     return _generate_and_score_completions
@@ -343,9 +341,10 @@ def current_beta(self: Any) -> float:
 
 
 def record_metrics(trainer: Any, term: Any) -> None:
-    """Queue one micro-batch's adaptive-KL statistics; at an optimizer-step boundary in training (every call in
-    evaluation) log the queued micro-batches' metrics and update beta (like TRL's adaptive entropy controller: once
-    per optimizer step, effective from the next step)."""
+    """Queue one micro-batch's adaptive-KL statistics (`term` None with the KL in the reward: the loss has no KL
+    term, the step still ends here); at an optimizer-step boundary in training (every call in evaluation) log the
+    queued micro-batches' metrics and move beta (like TRL's adaptive entropy controller: once per optimizer step,
+    effective from the next step)."""
     mode = "train" if trainer.model.training else "eval"
     logged = trainer.adaptive_kl.record(
         term, gather=trainer.accelerator.gather, train=mode == "train",

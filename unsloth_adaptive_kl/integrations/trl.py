@@ -126,7 +126,9 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
         return _stock_compute_loss(self, model, inputs)
     config = self.adaptive_kl.config
     if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term
-        return _stock_loss_and_kl(self, model, inputs, keep_stock_term=False)[0]
+        loss = _stock_loss_and_kl(self, model, inputs, keep_stock_term=False)[0]
+        record_metrics(self, None)  # the optimizer step still ends here: the controller moves once per step
+        return loss
     mask = inputs["completion_mask"]
     if "tool_mask" in inputs:
         mask = mask * inputs["tool_mask"]

@@ -2,8 +2,9 @@
 
 Unsloth builds its GRPO trainer during `import unsloth` by rewriting TRL's source as text
 (`unsloth.models.rl._patch_trl_rl_trainers("grpo_trainer")`) and executing it as module `UnslothGRPOTrainer`.
-This package never imports unsloth. `install_import_hook()` waits for `unsloth.models.rl` to be imported and wraps
-its `_patch_trl_rl_trainers`; once that has generated the trainer, `_install` hooks the generated module:
+This package never imports unsloth. `patch()` (run when `unsloth_adaptive_kl` is imported) waits for
+`unsloth.models.rl` to be imported and wraps its `_patch_trl_rl_trainers`; once that has generated the trainer,
+`_install` hooks the generated module:
 
 - the module global `UnslothEfficientGRPO` (used by the inlined `grpo_accumulated_loss`) becomes
   `_AdaptiveEfficientGRPO`, which runs Unsloth's compiled loss with beta=0.0 (a constant: no recompiles, however
@@ -81,17 +82,32 @@ def generated_grpo_trainer() -> Optional[type]:
     return trainer if trainer.__name__ == GENERATED_CLASS else None
 
 
+# The keywords the generated compute_loss passes grpo_accumulated_loss (which hands them on to the loss), by which the
+# installed grpo_compute_loss reduces the loss; it reads each with a default, so a renamed one would silently differ.
+PASSED_LOSS_KWARGS = ("loss_type", "max_completion_length", "num_items_in_batch", "current_gradient_accumulation_steps",
+                      "num_processes")
+
+
+def _passed(kwargs: dict, name: str) -> Any:
+    """kwargs[name]; where the generated compute_loss did not pass it, an IncompatibleVersionError naming it."""
+    if name not in kwargs:
+        raise anchor_error("unsloth", Anchor("UnslothGRPOTrainer.compute_loss", f"{name} = ",
+                                             "a keyword its grpo_accumulated_loss call passes the loss, which reduces "
+                                             "the adapted KL as it reduces the loss"), "Unsloth's generated trainer: ")
+    return kwargs[name]
+
+
 def _normalisers(kwargs: dict, bnpo_rule: str) -> tuple[str, LossNormalisers]:
-    """The installed grpo_compute_loss's loss_type reduction and normalisers, from the kwargs the trainer passes it;
-    bnpo divides as dapo does where `bnpo_rule` is 'global' (see versions.UNSLOTH_BNPO_RULES)."""
-    loss_type = kwargs.get("loss_type", "grpo")
-    items = kwargs.get("num_items_in_batch")
+    """The installed grpo_compute_loss's loss_type reduction and normalisers, from the kwargs the trainer passes it
+    (`PASSED_LOSS_KWARGS`, each required; `steps_per_generation` is set by grpo_accumulated_loss itself, None in
+    evaluation, as the installed loss reads it); bnpo divides as dapo does where `bnpo_rule` is 'global' (see
+    versions.UNSLOTH_BNPO_RULES)."""
+    loss_type, max_length, items, accumulation, processes = (_passed(kwargs, name) for name in PASSED_LOSS_KWARGS)
     if items is not None and loss_type == "bnpo" and bnpo_rule == "global":
         loss_type = "dapo"
     return loss_type, LossNormalisers(
-        max_completion_length=kwargs.get("max_completion_length"), num_items_in_batch=items,
-        num_processes=kwargs.get("num_processes", 1), steps_per_generation=kwargs.get("steps_per_generation"),
-        gradient_accumulation=kwargs.get("current_gradient_accumulation_steps", 1),
+        max_completion_length=max_length, num_items_in_batch=items, num_processes=processes,
+        steps_per_generation=kwargs.get("steps_per_generation"), gradient_accumulation=accumulation,
     )
 
 
@@ -169,8 +185,7 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
             _ACTIVE.reset(token)
         if len(calls) != 1:
             raise _missing("unsloth_zoo", UNSLOTH_LOSS_CALL)()
-        if calls[0] is not None:
-            record_metrics(self, calls[0])
+        record_metrics(self, calls[0])  # None with the KL in the reward: the step still ends here
         return loss
 
     return compute_loss

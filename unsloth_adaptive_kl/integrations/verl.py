@@ -14,8 +14,9 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
   per token by the core (clip/sigmoid),
   aggregated by verl's own `agg_loss` with its global batch normalisation (`loss_agg_mode`; `length_normalized`:
   `seq-mean-token-mean`), so micro-batching and data parallelism keep verl's semantics. `none` is verl's stock loss
-  bit for bit. beta_t comes from the driver's controller in the batch's meta info (`extra_info`), which verl hands
-  to every mini- and micro-batch as non-tensor data: no extra call to the workers.
+  bit for bit. Where the term is adapted, verl's KL is taken of the log-probs in float32 with masked positions 0
+  (the core's masking, before the estimator). beta_t comes from the driver's controller in the batch's meta info
+  (`extra_info`), which verl hands to every mini- and micro-batch as non-tensor data: no extra call to the workers.
 - The KL in the reward (`algorithm.use_kl_in_reward=True`, beta_0 = `algorithm.kl_ctrl.kl_coef`): our controller
   (`RewardKLController`) replaces verl's `kl_ctrl_in_reward`; verl's own `apply_kl_penalty` applies it (clip/sigmoid
   shape the per-token KL there) with verl's `algorithm.kl_penalty` as the estimator: keep verl's default `kl` (the
@@ -24,6 +25,9 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
 - `actor.kl_loss_type=kl` (k1) in the loss warns likewise (its expected gradient is zero on-policy).
 - Both controllers and the step are saved in every verl checkpoint (`adaptive_kl.json` beside `data.pt`) and
   restored on resume: a resumed run uses the betas the uninterrupted run would have used.
+- A NaN or +-inf log-prob on a valid (`response_mask`=1) token raises `NonFiniteLogProbError` naming verl's tensor:
+  in the actor loss at the end of the actor update, in the driver (every worker counts its own and sends the count
+  with its statistics), and in the reward when the batch is penalised.
 - Metrics: the core's `adaptive_kl/*` (docs/metrics.md) for the loss (`AdaptiveKL.record`, once per actor update,
   from verl's aggregated KL and every completion's L_i and S_i) and, under `adaptive_kl/reward/`, the reward
   placement's for the reward (`AdaptiveKL.penalize`, once per batch), in verl's metrics dict, so its loggers get them.
@@ -47,10 +51,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, estimate_kl, shape_kl, shapes_per_token
-from ..core.adaptation import clipped_tokens, completion_kl, masked_row_sums
-from ..core.functional import local  # the driver's gather: it already holds every worker's values
+from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, NonFiniteLogProbError, shape_kl, shapes_per_token
+from ..core.adaptation import (agg_mode_of, clipped_tokens, completion_kl, kl_reduction, loss_type_of_agg_mode,
+                               masked_row_sums)
 from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
+from ..core.estimators import checked_kl
+from ..core.numerics import LogpCheck, masked_logps
+from ..core.statistics import local  # the driver's gather: it already holds every worker's values
 from . import versions
 from .patching import PatchSet
 
@@ -61,6 +68,7 @@ from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.metric import Metric, reduce_metrics  # noqa: E402
 from verl.utils.torch_functional import masked_mean  # noqa: E402
+from verl.workers.config.actor import ActorConfig  # noqa: E402
 from verl.workers.utils import losses  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -74,18 +82,9 @@ REWARD_METRIC = "adaptive_kl/reward/"
 STATS = "adaptive_kl_stats/"
 # The statistics are of the un-adapted KL: the core's masked pass without a shaping to run.
 UNSHAPED = AdaptiveKLConfig()
-
-# verl's loss_agg_mode -> the GRPO loss_type with the same reduction (the core validates the KL term against it).
-LOSS_TYPE_OF_AGG_MODE = {
-    "token-mean": "bnpo",
-    "token-sum": "dapo",
-    "seq-mean-token-mean": "grpo",
-    "seq-mean-token-sum": "luspo",
-    "seq-mean-token-sum-norm": "dr_grpo",
-}
-# The core's kl_reduction (and length normalisation) -> verl's aggregation of the adapted KL.
-AGG_MODE_OF_KL_REDUCTION = {"sequence_mean": "seq-mean-token-mean", "token_mean": "token-mean",
-                            "sequence_sum": "seq-mean-token-sum"}
+# What the non-finite error calls verl's log-probs: the actor loss's, and the reward's.
+LOSS_LOGPS = {"policy": "log_prob (the actor's forward)", "reference": "ref_log_prob"}
+REWARD_LOGPS = {"policy": "old_log_probs", "reference": "ref_log_prob"}
 
 
 # ----- anchors ----------------------------------------------------------------------------------------------------
@@ -103,14 +102,15 @@ check_anchors()
 # ----- configuration ----------------------------------------------------------------------------------------------
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AdaptiveKLConfig)}
+AGG_MODE_FIELD = "actor_rollout_ref.actor.loss_agg_mode"  # what an unknown aggregation mode's error names
+# verl's own default for an actor config that does not set ppo_epochs
+PPO_EPOCHS_DEFAULT = next(f.default for f in dataclasses.fields(ActorConfig) if f.name == "ppo_epochs")
 _FIELDS = set(_DEFAULTS)
 # Fields verl never reads, each with why: set to anything but its default, a ValueError (nothing silently does nothing).
 NOT_READ_BY_VERL = {
     "ref_model_sync_kl": "the reference sync is TRL's (sync_ref_model); verl keeps its own reference model",
     "ref_model_sync_reset_optimizer": "the reference sync is TRL's (sync_ref_model); verl keeps its own reference "
                                       "model",
-    "kl_compile": "verl's actor loss is verl's own ppo_loss, with the adaptation inside it: there is no separate KL "
-                  "graph to compile",
 }
 # Fields of the KL in the loss alone: verl's KL in the reward is `algorithm.kl_penalty`, subtracted from each token's
 # reward, so a completion's penalty is beta_t * sum_t m k' whatever they say. Not inherited by the reward's config.
@@ -171,16 +171,13 @@ def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
 
 
 def kl_agg_mode(config: AdaptiveKLConfig, loss_agg_mode: str) -> str:
-    """verl's aggregation of the adapted KL: `kl_reduction`'s, length normalisation's (each completion's mean
-    per-token KL), else `loss_agg_mode`."""
-    if config.kl_reduction in AGG_MODE_OF_KL_REDUCTION:
-        return AGG_MODE_OF_KL_REDUCTION[config.kl_reduction]
-    if "length_normalized" in config.kl_methods:
-        return "seq-mean-token-mean"
-    return loss_agg_mode
+    """verl's aggregation of the adapted KL: that of the core's `kl_reduction` for the loss type of `loss_agg_mode`
+    (`kl_reduction`'s, length normalisation's, else `loss_agg_mode` itself). An unknown `loss_agg_mode` is a
+    ValueError naming actor_rollout_ref.actor.loss_agg_mode and the allowed modes."""
+    return agg_mode_of(kl_reduction(config, loss_type_of_agg_mode(loss_agg_mode, field=AGG_MODE_FIELD)))
 
 
-# verl's names for the estimator guards of the core (SPEC 3.12), for KLEstimatorWarning's text: the KL in the actor loss
+# verl's names for the core's estimator guards, for KLEstimatorWarning's text: the KL in the actor loss
 # is verl's `kl_loss_type` (unless `adaptive_kl.kl_estimator` replaces it), the KL in the reward verl's `kl_penalty`.
 _VERL_FIELDS = dict(
     in_loss="actor_rollout_ref.actor.use_kl_loss=True", in_reward="algorithm.use_kl_in_reward=True",
@@ -226,7 +223,8 @@ class AdaptivePPOLoss:
     Metrics, per micro-batch: verl's `kl_loss` (the un-adapted KL, its stock meaning), `adaptive_kl/raw_kl` and
     `adaptive_kl/adapted_kl` (verl's `Metric`s, aggregated over micro-batches and workers as verl aggregates its loss),
     `adaptive_kl/current_beta`, and under `STATS` each completion's L_i and S_i and the clipped-token count, which the
-    driver hands to the core (`AdaptiveKL.record`) for the logged metrics and the controller's KL."""
+    driver hands to the core (`AdaptiveKL.record`) for the logged metrics and the controller's KL, and the count of
+    non-finite valid log-probs, on which the driver raises `NonFiniteLogProbError`."""
 
     def __init__(self, actor_config: Any, config: AdaptiveKLConfig) -> None:
         self.actor_config = actor_config
@@ -274,31 +272,48 @@ class _LossKL:
     def __init__(self, owner: AdaptivePPOLoss) -> None:
         self.owner = owner
         self.log_probs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kl_type = ""
         self.verl_kld: Optional[torch.Tensor] = None
         self.kld: Optional[torch.Tensor] = None
         self.mask: Optional[torch.Tensor] = None
         self.raw: Optional[torch.Tensor] = None
+        self.check: Optional[LogpCheck] = None
 
     def per_token(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-        """ppo_loss's per-token KL: verl's own, remembered so that its aggregation below is recognised."""
-        self.log_probs = (logprob, ref_logprob)
-        self.verl_kld = core_algos.kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=kl_penalty)
+        """ppo_loss's per-token KL, remembered so that its aggregation below is recognised: verl's own where verl's
+        term stands; else an empty stand-in, as the adapted KL needs the mask, which only `agg_loss` receives."""
+        self.log_probs, self.kl_type = (logprob, ref_logprob), kl_penalty
+        if self.owner.verl_term:
+            self.verl_kld = core_algos.kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=kl_penalty)
+        else:
+            self.verl_kld = logprob.new_empty(0)
         return self.verl_kld
 
     def aggregate(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str,
                   **batch_info: Any) -> torch.Tensor:
         """verl's agg_loss; for ppo_loss's KL term, the adapted KL aggregated by verl's agg_loss with the global
-        batch info ppo_loss passes, beside the un-adapted one for the metrics."""
+        batch info ppo_loss passes, beside the un-adapted one for the metrics. The adapted KL is k of the core's
+        masked log-probs (float32, masked positions 0 with a zero gradient): verl's `kl_loss_type`, or the configured
+        `kl_estimator`; the log-probs' `LogpCheck` is taken either way."""
         if loss_mat is not self.verl_kld:  # another of ppo_loss's terms (the entropy)
             return core_algos.agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
                                        **batch_info)
         owner = self.owner
-        kld = loss_mat
-        if owner.config.estimator != "k3":  # a configured estimator replaces verl's kl_loss_type
-            kld = estimate_kl(*self.log_probs, loss_mask.to(self.log_probs[0].dtype), owner.config)
-        self.kld, self.mask = kld.detach(), loss_mask
-        if owner.verl_term:
-            return core_algos.agg_loss(loss_mat=kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
+        logprob, ref_logprob = self.log_probs
+        self.mask = loss_mask
+        if owner.verl_term:  # verl's own term, bit for bit
+            self.check = LogpCheck.of(logprob, ref_logprob, loss_mask, **LOSS_LOGPS)
+            self.kld = loss_mat.detach()
+            return core_algos.agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
+                                       **batch_info)
+        if owner.config.estimator == "k3":  # the trainer's own estimator: verl's kl_loss_type
+            logp, ref = masked_logps(logprob, ref_logprob, loss_mask)
+            kld = core_algos.kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=self.kl_type)
+            self.check = LogpCheck.of_masked(logp, ref, **LOSS_LOGPS)
+        else:  # a configured estimator replaces verl's kl_loss_type
+            kld, self.check = checked_kl(logprob, ref_logprob, loss_mask.to(logprob.dtype), owner.config)
+            self.check.names = (LOSS_LOGPS["policy"], LOSS_LOGPS["reference"])
+        self.kld = kld.detach()
         self.raw = core_algos.agg_loss(loss_mat=self.kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
                                        **batch_info)
         return core_algos.agg_loss(loss_mat=shape_kl(kld, owner.config), loss_mask=loss_mask,
@@ -306,14 +321,30 @@ class _LossKL:
 
     def completion_stats(self) -> dict[str, list[float]]:
         """Each completion's L_i and S_i = sum_t m k and the count of valid tokens at or above the clip threshold,
-        from the core's masked pass over the KL, as lists (verl concatenates lists over micro-batches, workers and
-        mini-batches)."""
+        from the core's masked pass over the KL, and how many valid log-probs of each tensor are non-finite (counted
+        only where the `LogpCheck` sums say some are), as lists (verl concatenates lists over micro-batches, workers
+        and mini-batches)."""
         valid_kl, lengths, sums, _ = masked_row_sums(self.kld, self.mask, UNSHAPED)  # self.kld is detached
         at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
-        # Three small transfers, cheaper on a CPU than joining them first; verl's own Metrics (`.item()`) synchronise
+        policy, reference = self.check.counts() if not torch.isfinite(self.check.sums).all() else (0, 0)
+        # Small transfers, cheaper on a CPU than joining them first; verl's own Metrics (`.item()`) synchronise
         # every micro-batch already.
         return {STATS + "lengths": lengths.tolist(), STATS + "sequence_kl": sums.tolist(),
-                STATS + "at_threshold": [at_threshold.item()]}
+                STATS + "at_threshold": [at_threshold.item()], STATS + "nonfinite_log_prob": [policy],
+                STATS + "nonfinite_ref_log_prob": [reference]}
+
+
+def raise_if_nonfinite(stats: dict[str, list[float]], step: int) -> None:
+    """`NonFiniteLogProbError` where the workers counted non-finite valid log-probs in an actor update (`stats`: the
+    per-micro-batch counts `completion_stats` sent, over every worker and mini-batch), naming verl's tensors."""
+    counts = {LOSS_LOGPS["policy"]: sum(stats["nonfinite_log_prob"]),
+              LOSS_LOGPS["reference"]: sum(stats["nonfinite_ref_log_prob"])}
+    found = [f"{name}: {int(count)} valid token(s)" for name, count in counts.items() if count]
+    if found:
+        raise NonFiniteLogProbError(
+            f"adaptive KL: non-finite input at step {step}: NaN or +-inf on valid (response_mask=1) tokens of the "
+            f"actor update, in verl's {'; '.join(found)}. Masked positions may hold anything; a valid token's "
+            "log-prob must be finite (check the actor's and the reference's forward in this precision).")
 
 
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------
@@ -348,11 +379,12 @@ class RewardKLController:
         """The mean (un-penalised) reward of the batch about to be penalised."""
         self._mean_reward = float(mean_reward)
 
-    def penalize(self, kld: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    def penalize(self, kld: torch.Tensor, mask: torch.Tensor, check: LogpCheck) -> dict[str, float]:
         """The core's reward-placement metrics (`adaptive_kl/*`) of a batch whose per-token KL is verl's `kld`, at the
-        beta that penalises it; the batch's KL is kept for the next `update`."""
+        beta that penalises it; the batch's KL is kept for the next `update`. `check`: the `LogpCheck` of the
+        log-probs `kld` came from (the core raises `NonFiniteLogProbError` where a valid one is not finite)."""
         # As `AdaptiveKL.reward_penalty` in a loop of your own: beta_t at this step, the batch's KL kept for `step`.
-        _, metrics = self.akl.penalize(completion_kl(kld, mask, self._completion_config), gather=local,
+        _, metrics = self.akl.penalize(completion_kl(kld, mask, self._completion_config, check=check), gather=local,
                                        train=True, completed_steps=self.akl.completed_steps)
         return metrics
 
@@ -373,17 +405,19 @@ class RewardKLController:
 
 def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty: str = "kl") -> tuple[Any, dict]:
     """verl's `apply_kl_penalty` with the per-token KL shaped (clip/sigmoid); without shaping, verl's own function.
-    token_level_rewards = token_level_scores - beta_t * shape(k) * mask, k verl's `kl_penalty`; verl's metrics, plus
-    the core's reward-placement metrics under `adaptive_kl/reward/`."""
+    token_level_rewards = token_level_scores - beta_t * shape(k), k verl's `kl_penalty` of the core's masked
+    log-probs (float32, 0 on masked positions, so k and shape(k) are 0 there); verl's metrics, plus the core's
+    reward-placement metrics under `adaptive_kl/reward/`. A non-finite `old_log_probs` or `ref_log_prob` on a valid
+    token raises `NonFiniteLogProbError` before any reward is penalised."""
     mask = data.batch["response_mask"]
-    kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], kl_penalty=kl_penalty)
-    adaptive = kl_ctrl.penalize(kld, mask)
+    old, ref = masked_logps(data.batch["old_log_probs"], data.batch["ref_log_prob"], mask)
+    kld = core_algos.kl_penalty(old, ref, kl_penalty=kl_penalty)
+    adaptive = kl_ctrl.penalize(kld, mask, LogpCheck.of_masked(old, ref, **REWARD_LOGPS))
     if not shapes_per_token(kl_ctrl.config):
         data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=kl_ctrl, kl_penalty=kl_penalty)
     else:
         beta = kl_ctrl.value
-        kld = kld * mask
-        shaped = shape_kl(kld, kl_ctrl.config) * mask
+        shaped = shape_kl(kld, kl_ctrl.config)  # every shaping maps a masked position's 0 to 0
         data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * shaped
         current_kl = float(masked_mean(kld, mask=mask, axis=-1).mean())  # verl's own measure, for its stock metric
         kl_ctrl.update(current_kl=current_kl, n_steps=data.batch.batch_size[0])
@@ -420,8 +454,10 @@ class AdaptiveKLTrainerMixin:
         if actor.use_kl_loss:
             if config.get("distillation") is not None and config.distillation.get("enabled", False):
                 raise ValueError("adaptive_kl: the KL in the loss with distillation is not supported.")
+            # The update's per-completion statistics hold each completion once per PPO epoch: target's n counts it once.
             self.loss_kl = AdaptiveKL(loss_config, beta=float(actor.kl_loss_coef),
-                                      loss_type=LOSS_TYPE_OF_AGG_MODE.get(actor.loss_agg_mode, "bnpo"))
+                                      loss_type=loss_type_of_agg_mode(actor.loss_agg_mode, field=AGG_MODE_FIELD),
+                                      num_iterations=int(actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)))
         self.reward_kl: Optional[RewardKLController] = None
         if config.algorithm.use_kl_in_reward:
             self.reward_kl = RewardKLController(reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef))
@@ -441,12 +477,15 @@ class AdaptiveKLTrainerMixin:
             self.actor_rollout_wg.set_loss_fn(AdaptivePPOLoss(actor_config, self.adaptive_kl_config))
 
     # -- each step
-    def _batch_mean_reward(self, batch: Any) -> float:
+    def _batch_mean_reward(self, batch: Any) -> Optional[float]:
         """The mean un-penalised sequence reward of the batch's real (non-padding) samples, as verl's
-        critic/score/mean."""
+        critic/score/mean; None for a batch of padding alone, whose mean reward is undefined (the controllers then
+        observe none: padding is not a reward)."""
         import transfer_queue as tq
 
-        keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)] or list(range(len(batch)))
+        keep = [i for i, tag in enumerate(batch.tags) if not tag.get("is_padding", False)]
+        if not keep:
+            return None
         data = tq.kv_batch_get(keys=[batch.keys[i] for i in keep], partition_id=batch.partition_id,
                                select_fields=["rm_scores"])
         scores = data["rm_scores"]
@@ -458,7 +497,8 @@ class AdaptiveKLTrainerMixin:
             self._mean_reward = self._batch_mean_reward(batch)
         if self.reward_kl is None:
             return super()._compute_advantage(batch, metrics)
-        self.reward_kl.observe_rewards(self._mean_reward)
+        if self._mean_reward is not None:
+            self.reward_kl.observe_rewards(self._mean_reward)
         # Replaces verl's apply_kl_penalty (ray_trainer), as the V1 trainer module references it (anchored), for
         # this call only.
         with PatchSet() as patches:
@@ -486,6 +526,7 @@ class AdaptiveKLTrainerMixin:
         # beta (the core logs the one it pushed)
         worker = {key[len("actor/" + METRIC):]: metrics.pop(key)
                   for key in [key for key in metrics if key.startswith("actor/" + METRIC)]}
+        raise_if_nonfinite(stats, step=self.loss_kl.completed_steps + 1)
         term = KLTerm(raw=torch.tensor(worker["raw_kl"]), adapted=torch.tensor(worker["adapted_kl"]),
                       sequence_kl=torch.tensor(stats["sequence_kl"]), lengths=torch.tensor(stats["lengths"]),
                       at_threshold=torch.tensor(sum(stats["at_threshold"])))

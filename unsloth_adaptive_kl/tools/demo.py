@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.adaptation import LOSS_TYPE_REDUCTIONS
+from ..core.adaptation import loss_types
 from ..core.config import AdaptiveKLConfig
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
@@ -99,8 +99,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name, value in (("--steps", args.steps), ("--seeds", args.seeds)):
         if value < 1:
             parser.error(f"{name}={value} is invalid: allowed is an integer >= 1")
-    if args.loss_type not in LOSS_TYPE_REDUCTIONS:
-        parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(LOSS_TYPE_REDUCTIONS))}")
+    if args.loss_type not in loss_types():
+        parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(loss_types()))}")
     from ..integrations.trainer_hooks import TRL_SYNC_FIELDS, check_trl_settings  # TRL's rules (imports trl)
 
     for method in args.methods:  # bad names fail here, before any training

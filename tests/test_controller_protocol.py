@@ -1,0 +1,148 @@
+"""One controller protocol in every loop and placement: the controller moves exactly once per optimizer step, from
+that step's KL; an evaluation pass moves nothing; `target`'s n counts a generated completion once per generation
+batch whatever the number of optimizer passes over it; a controller whose state cannot be checkpointed is refused
+when the run is built."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import constant_reward, logged, make_trainer
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, register_beta_controller
+from unsloth_adaptive_kl.core.controllers import ConstantBeta
+from unsloth_adaptive_kl.core.registry import BETA_CONTROLLERS
+
+LOGPS = torch.tensor([[-1.0, -2.0, -0.5, -0.3], [-0.2, -1.5, -3.0, -0.7], [-0.4, -0.6, -1.2, -2.0]])
+REF = torch.tensor([[-1.3, -1.0, -0.9, -0.3], [-0.9, -1.1, -2.0, -2.5], [-0.5, -0.2, -1.0, -1.1]])
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
+OTHER = LOGPS - 1.5  # another policy, as an evaluation pass on a held-out model or batch might see
+
+
+class CountingBeta(ConstantBeta):
+    """A constant beta that records each `step` call's completed_steps and window."""
+
+    def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
+        super().__init__(beta, config)
+        self.calls: list[int] = []
+        self._windows: list = []
+
+    def step(self, completed_steps: int, window=None) -> None:
+        self.calls.append(completed_steps)
+        self._windows.append(window)
+
+
+class ConfigKeepingBeta(ConstantBeta):
+    """The natural mistake: the config kept in a public attribute, which `state_dict()` then carries."""
+
+    def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
+        super().__init__(beta, config)
+        self.config = config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def registered() -> Any:
+    """The two controllers registered for this module's tests only (other modules match the registered names)."""
+    register_beta_controller("test_counting_beta")(CountingBeta)
+    register_beta_controller("test_config_keeping_beta")(ConfigKeepingBeta)
+    yield
+    for name in ("test_counting_beta", "test_config_keeping_beta"):
+        BETA_CONTROLLERS.pop(name)
+
+
+def token_mean_k(logps: torch.Tensor, ref: torch.Tensor, estimator: str) -> float:
+    """sum_t m k / sum_t m by hand: k1 = log pi - log ref, k3 = e^r - r - 1 with r = ref - log pi."""
+    r = (ref - logps).double()
+    k = -r if estimator == "k1" else r.exp() - r - 1
+    return ((k * MASK).sum() / MASK.sum()).item()
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_a_registered_controller_is_stepped_once_per_optimizer_step_in_a_loop_of_your_own(placement: str) -> None:
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="test_counting_beta", kl_placement=placement), 0.1)
+    for _ in range(3):
+        if placement == "loss":
+            akl.kl_loss(LOGPS, REF, MASK)
+        else:
+            akl.reward_penalty(LOGPS, REF, MASK)
+        akl.step(mean_reward=0.5)
+    assert akl.controller.calls == [1, 2, 3]  # was [0, 1, 1, 2, 2, 3] in the reward placement: penalize ticked too
+    estimator = "k3" if placement == "loss" else "k1"
+    assert [window.token_mean for window in akl.controller._windows] == pytest.approx(
+        [token_mean_k(LOGPS, REF, estimator)] * 3, rel=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_a_registered_controller_is_stepped_once_per_optimizer_step_through_trl(tokenizer, tmp_path,
+                                                                                placement: str) -> None:
+    """Three optimizer steps of two micro-batches of 4 completions each (gradient_accumulation_steps=2, one generation
+    batch of 8 a step): three calls, 1, 2, 3, each with the step's 8 completions."""
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=3, beta=0.1, kl_placement=placement,
+                           kl_adaptation_method="test_counting_beta")
+    trainer.train()
+    controller = trainer.adaptive_kl.controller
+    assert controller.calls == [1, 2, 3]
+    assert [window.completions for window in controller._windows] == [8, 8, 8]
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_an_evaluation_pass_moves_nothing(placement: str) -> None:
+    """Ten evaluation batches on another policy between two training steps leave beta, the step's KL (last_raw_kl,
+    what a KL-triggered reference sync reads) and target's update as they are without them."""
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0, kl_placement=placement)
+    evaluated, plain = AdaptiveKL(config, 0.1), AdaptiveKL(config, 0.1)
+    for akl, evaluations in ((evaluated, 10), (plain, 0)):
+        measure = akl.kl_loss if placement == "loss" else akl.reward_penalty
+        measure(LOGPS, REF, MASK)
+        with torch.no_grad():
+            for _ in range(evaluations):
+                _, metrics = measure(OTHER, REF, MASK, train=False)
+        akl.step(mean_reward=0.5)
+    assert abs(metrics["adaptive_kl/raw_kl"]) > 1.0  # the evaluation batches were measured, far from the training KL
+    kl = token_mean_k(LOGPS, REF, "k3" if placement == "loss" else "k1")
+    assert evaluated.last_raw_kl == plain.last_raw_kl == pytest.approx(kl, rel=1e-6)
+    error = min(max(kl / 0.1 - 1, -0.2), 0.2)
+    assert evaluated.current_beta == plain.current_beta == pytest.approx(0.1 * (1 + error * 3 / 30.0), rel=1e-9)
+
+
+def test_target_counts_a_completion_once_per_generation_batch_whatever_the_passes() -> None:
+    """num_iterations=2: two optimizer steps train on the same 3 completions; each accounts for n = 3 / 2, so the
+    batch moves beta by (1 + e 1.5 / H)^2 ~ 1 + e 3 / H, as one pass (and the reward placement) does, not 1 + e 6 / H."""
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0)
+    passes = AdaptiveKL(config, 0.1, num_iterations=2)
+    passes.kl_loss(LOGPS, REF, MASK)
+    passes.step(mean_reward=0.5)
+    passes.kl_loss(LOGPS, REF, MASK)
+    passes.step()
+    error = min(max(token_mean_k(LOGPS, REF, "k3") / 0.1 - 1, -0.2), 0.2)
+    assert error == pytest.approx(0.2)  # the KL is over target: beta rises
+    assert passes.current_beta == pytest.approx(0.1 * (1 + error * 1.5 / 30.0) ** 2, rel=1e-9)
+    with pytest.raises(ValueError, match=r"num_iterations=0 is invalid.*integer >= 1"):
+        AdaptiveKL(config, 0.1, num_iterations=0)
+
+
+def test_target_through_trl_counts_each_completion_once_with_two_passes(tokenizer, tmp_path) -> None:
+    """TRL's num_iterations=2 (one micro-batch a step, 4 completions a generation batch, trained on twice): each
+    optimizer step accounts for n = 4 / 2 completions."""
+    from .test_dynamic_beta import expected_target_betas
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=4, beta=0.04, kl_adaptation_method="target",
+                           kl_target=0.002, kl_horizon=10.0, loss_type="bnpo", gradient_accumulation_steps=1,
+                           num_iterations=2)
+    assert trainer.adaptive_kl.num_iterations == 2
+    trainer.train()
+    measured, betas = logged(trainer, "adaptive_kl/raw_kl"), logged(trainer, "adaptive_kl/current_beta")
+    assert betas == pytest.approx(expected_target_betas(measured, 0.04, 0.002, 10.0, 2, 0.0, math.inf), rel=1e-9)
+    assert betas[1] == pytest.approx(0.04 * (1 - 0.2 * 2 / 10))  # step 1: policy == reference, n = 2, not 4
+
+
+def test_a_controller_whose_state_is_not_json_is_refused_when_the_run_is_built(tokenizer, tmp_path) -> None:
+    config = AdaptiveKLConfig(kl_adaptation_method="test_config_keeping_beta")
+    with pytest.raises(TypeError, match=r"ConfigKeepingBeta \('test_config_keeping_beta'\).*state_dict\(\) must be "
+                                        r"JSON.*not JSON serializable"):
+        AdaptiveKL(config, 0.1)
+    with pytest.raises(TypeError, match="ConfigKeepingBeta"):  # a trainer refuses it when built, not at its first save
+        make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), kl_adaptation_method="test_config_keeping_beta")

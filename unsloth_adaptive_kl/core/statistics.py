@@ -1,0 +1,137 @@
+"""A batch's KL statistics as named sums: every `adaptive_kl/*` metric and the step's KL that the controller reads
+are functions of them, and sums add, across micro-batches, steps and processes, whatever each one's batch size.
+
+Notation: k the per-token KL estimate, m the mask, L_i = sum_t m, S_i = sum_t m k (the raw KL of completion i); a
+completion is trained on when L_i > 0 (a truncated completion the trainer masks out, a padding sample, is not).
+
+`device_sums(term)` turns one batch's `KLTerm` into its sums as one float64 device tensor (no host transfer);
+`gather_statistics` gathers a step's rows over processes with one collective and one transfer and returns a
+`KLStatistics` per batch (summed over processes), raising `NonFiniteLogProbError` first where a log-prob on a valid
+token is not finite. `KLStatistics.metrics` computes docs/metrics.md's values from the sums, the Pearson correlation
+included (as torchmetrics computes it from running sums).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import astuple, dataclass, fields
+from typing import Callable, Optional
+
+import torch
+
+from .adaptation import KLTerm
+from .config import AdaptiveKLConfig
+from .controllers import WindowKL
+from .errors import NonFiniteLogProbError
+from .numerics import LogpCheck, nonfinite_message
+
+METRIC_PREFIX = "adaptive_kl/"
+Gather = Callable[[torch.Tensor], torch.Tensor]
+# Below this share of sum x^2, a variance n sum x^2 - (sum x)^2 is rounding error: x is constant, corr undefined.
+CONSTANT_BELOW = 1e-10
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The gather of a single process: the tensor itself."""
+    return tensor
+
+
+@dataclass(frozen=True)
+class KLStatistics:
+    """Sums over one or more batches (all processes, once gathered).
+
+    entries: how many raw/adapted values are summed (one per micro-batch with the KL in the loss, one per completion
+        with the KL in the reward); raw, adapted: their sums.
+    completions: completions trained on (L_i > 0); tokens: sum L_i; kl: sum S_i; tokens_sq: sum L_i^2;
+        kl_sq: sum S_i^2; tokens_kl: sum L_i S_i.
+    clipped: valid tokens with k >= kl_clip_threshold (`clip` only, else 0).
+    policy_logps, reference_logps: the sums of the valid log-probs (`LogpCheck`): non-finite exactly when one is."""
+
+    entries: float = 0.0
+    raw: float = 0.0
+    adapted: float = 0.0
+    completions: float = 0.0
+    tokens: float = 0.0
+    kl: float = 0.0
+    tokens_sq: float = 0.0
+    kl_sq: float = 0.0
+    tokens_kl: float = 0.0
+    clipped: float = 0.0
+    policy_logps: float = 0.0
+    reference_logps: float = 0.0
+
+    def __add__(self, other: "KLStatistics") -> "KLStatistics":
+        return KLStatistics(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def window(self, passes: int = 1) -> Optional[WindowKL]:
+        """The step's KL for the controller (None where it trained on no completion): token_mean = sum S_i / sum L_i,
+        sequence_sum = sum S_i / completions, and n = completions / passes (a completion trained on in each of
+        `passes` optimizer passes over its generation batch counts once per batch)."""
+        if not self.completions:
+            return None
+        return WindowKL(token_mean=self.kl / max(self.tokens, 1.0), sequence_sum=self.kl / self.completions,
+                        completions=self.completions / passes)
+
+    def metrics(self, *, beta: float, config: AdaptiveKLConfig, step: int, reward: bool = False) -> dict[str, float]:
+        """The `adaptive_kl/*` metrics of docs/metrics.md: raw_kl = raw / entries, adapted_kl = adapted / entries,
+        current_beta, sequence_kl = sum S_i / completions and length_kl_corr = corr(L_i, S_i) over the completions
+        trained on, reward_penalty = beta * adapted_kl (`reward`), clip_fraction = clipped / sum L_i (`clip` only).
+        A non-finite raw or adapted KL raises FloatingPointError naming `step`."""
+        raw_kl, adapted_kl = self.raw / self.entries, self.adapted / self.entries
+        if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
+            raise FloatingPointError(
+                f"adaptive KL: non-finite KL at step {step}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
+                "The policy and reference log-probs diverged beyond float range.")
+        values = {"raw_kl": raw_kl, "adapted_kl": adapted_kl, "current_beta": beta,
+                  "sequence_kl": self.kl / self.completions if self.completions else math.nan,
+                  "length_kl_corr": self.length_kl_corr()}
+        if reward:
+            values["reward_penalty"] = beta * adapted_kl
+        if "clip" in config.kl_methods:
+            values["clip_fraction"] = self.clipped / max(self.tokens, 1.0)
+        return {METRIC_PREFIX + name: value for name, value in values.items()}
+
+    def length_kl_corr(self) -> float:
+        """Pearson's r of (L_i, S_i) over the completions trained on, from the sums:
+        (n sum LS - sum L sum S) / sqrt((n sum L^2 - (sum L)^2)(n sum S^2 - (sum S)^2)); NaN when either is constant."""
+        n = self.completions
+        var_length = n * self.tokens_sq - self.tokens**2
+        var_kl = n * self.kl_sq - self.kl**2
+        if var_length <= CONSTANT_BELOW * n * self.tokens_sq or var_kl <= CONSTANT_BELOW * n * self.kl_sq:
+            return math.nan
+        return (n * self.tokens_kl - self.tokens * self.kl) / math.sqrt(var_length * var_kl)
+
+
+NAMES = tuple(field.name for field in fields(KLStatistics))
+
+
+def device_sums(term: KLTerm) -> torch.Tensor:
+    """One batch's `KLStatistics` as a float64 device tensor in field order (no host transfer). The moments come
+    from one product: rows (1{L_i > 0}, L_i, S_i), moments[a, b] = sum_i a_i b_i."""
+    points = torch.stack([term.lengths.gt(0), term.lengths, term.sequence_kl]).double()
+    moments = points @ points.T
+    check = term.check.sums if term.check is not None else term.sequence_kl.new_zeros(2)
+    sums = {"entries": term.lengths.new_full((), term.raw.numel()), "raw": term.raw.sum(),
+            "adapted": term.adapted.detach().sum(), "completions": moments[0, 0], "tokens": moments[0, 1],
+            "kl": moments[0, 2], "tokens_sq": moments[1, 1], "kl_sq": moments[2, 2], "tokens_kl": moments[1, 2],
+            "clipped": term.at_threshold, "policy_logps": check[0], "reference_logps": check[1]}
+    return torch.stack([sums[name] for name in NAMES])
+
+
+def gather_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]], *, step: int,
+                      gather: Gather = local) -> list[KLStatistics]:
+    """Each batch's statistics (`device_sums` rows, one per batch, the same count on every process) summed over
+    processes: one collective, one host transfer. A non-finite log-prob on a valid token (a row's `policy_logps` /
+    `reference_logps` on any process) raises `NonFiniteLogProbError` naming `step`; every process sees every row, so
+    every process raises. checks: this process's `LogpCheck` of each batch (for the error's token counts)."""
+    table = gather(torch.stack(rows)).view(-1, len(rows), len(NAMES)).tolist()  # [process][batch][field]
+    per_process = [[KLStatistics(*values) for values in process] for process in table]
+    flags = [(batch, process, which) for process, batches in enumerate(per_process)
+             for batch, sums in enumerate(batches)
+             for which, value in enumerate((sums.policy_logps, sums.reference_logps)) if not math.isfinite(value)]
+    if flags:
+        raise NonFiniteLogProbError(nonfinite_message(step, flags, checks))
+    totals = per_process[0]
+    for batches in per_process[1:]:
+        totals = [total + sums for total, sums in zip(totals, batches)]
+    return totals
