@@ -167,8 +167,7 @@ class AdaptiveKL:
         """The adapted KL term of a per-token KL the caller computed (`adaptation.kl_term`). Without `with_grad`, the
         term records a graph only where it replaces the trainer's own (`config.is_stock_kl` is False). `check`: the
         `LogpCheck` of the log-probs the KL came from, which `record` reports at the step's end if non-finite."""
-        term = kl_term(kl, mask, self.config, loss_type or self.loss_type, ctx,
-                       with_grad=not self.config.is_stock_kl if with_grad is None else with_grad)
+        term = kl_term(kl, mask, self.config, loss_type or self.loss_type, ctx, with_grad=with_grad)
         term.check = check
         return term
 

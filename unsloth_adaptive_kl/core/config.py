@@ -18,8 +18,8 @@ from .errors import KLEstimatorWarning
 from .estimators import estimator_names
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
-# The built-in methods; registered shapings and controllers join them (registry.method_names()). Application order
-# (SPEC 3.6): shaping -> length normalisation -> beta.
+# The built-in methods; registered shapings and controllers join them (registry.method_names()). Application order:
+# shaping -> length normalisation -> beta.
 SHAPING_METHODS = ("clip", "sigmoid")
 BETA_METHODS = ("dynamic", "target")
 METHODS = SHAPING_METHODS + LENGTH_METHODS + BETA_METHODS
@@ -30,6 +30,7 @@ KL_REDUCTIONS = ("loss_type", *(reduction.setting for reduction in REDUCTIONS.va
 REWARD_KL_REDUCTIONS = ("loss_type", *(reduction.setting for reduction in REDUCTIONS.values()
                                        if reduction.setting and reduction.per_completion))
 TARGET_MEASURES = ("token_mean", "sequence_sum")
+STOCK_ESTIMATOR = "k3"  # the per-token KL GRPO trainers compute in their own loss
 KL_PLACEMENTS = ("loss", "reward")
 
 
@@ -158,7 +159,8 @@ class AdaptiveKLConfig:
     `dynamic_beta_decay` while the mean reward exceeds `reward_threshold`, never below `beta_min`, and equals
     `beta_min` once `beta_schedule_steps` optimizer steps are done, or by `target`, the adaptive controller of
     Ziegler et al. (2019): e = clip(KL / kl_target - 1, -0.2, 0.2), beta <- beta * (1 + e * n / kl_horizon) within
-    [beta_min, beta_max], n the completions of the step. `kl_estimator` picks the per-token estimate k and
+    [beta_min, beta_max], n the generated completions of the step (each counted once per generation batch, whatever
+    the optimizer passes over it). `kl_estimator` picks the per-token estimate k and
     `kl_reduction` how each completion's KL enters the loss.
     """
 
@@ -234,7 +236,9 @@ class AdaptiveKLConfig:
     )
     kl_horizon: float = field(
         default=10000.0,
-        metadata={"help": "`target`: horizon of the adaptive controller (larger: slower beta changes). > 0."},
+        metadata={"help": "`target`: horizon of the adaptive controller, in completions: each update moves beta by "
+                          "the factor 1 + e * n / kl_horizon, n the step's generated completions, each counted once "
+                          "per generation batch (larger: slower beta changes). > 0."},
     )
     beta_max: Optional[float] = field(
         default=None,
@@ -293,9 +297,15 @@ class AdaptiveKLConfig:
         return _parse_canonical(self.kl_adaptation_method)
 
     @property
+    def reads_trainer_kl(self) -> bool:
+        """True when the estimator is the one GRPO trainers compute themselves (k3, `STOCK_ESTIMATOR`): the methods
+        then adapt the trainer's own per-token KL, taken where the trainer computes it."""
+        return self.estimator == STOCK_ESTIMATOR
+
+    @property
     def is_stock_kl(self) -> bool:
         """True when the KL term is the trainer's own: no method, stock estimator and reduction."""
-        return (not self.kl_methods and self.estimator == "k3" and self.kl_reduction == "loss_type"
+        return (not self.kl_methods and self.reads_trainer_kl and self.kl_reduction == "loss_type"
                 and self.kl_placement == "loss")
 
     @property

@@ -22,18 +22,8 @@ import torch
 
 from ..core.adaptation import KLTerm, ReductionContext
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.config import AdaptiveKLConfig
 from ..core.estimators import checked_kl
 from ..core.numerics import LogpCheck, valid_positions
-
-# The estimator TRL's and Unsloth's losses compute themselves (their KL line).
-STOCK_ESTIMATOR = "k3"
-
-
-def reads_trainer_kl(config: AdaptiveKLConfig) -> bool:
-    """Whether the methods adapt the per-token KL the trainer computed (the stock estimator), not one computed here."""
-    return config.estimator == STOCK_ESTIMATOR
-
 
 def masked_reference(ref_logps: torch.Tensor, policy_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The reference log-probs to hand the trainer's own KL line: valid positions keep theirs exactly, masked ones take
@@ -92,7 +82,7 @@ def adapted_loss(
     (the raw reference, not `masked_reference`'s). loss_type: the reduction in effect (None: `adaptive_kl.loss_type`).
     """
     config = adaptive_kl.config
-    if reads_trainer_kl(config):
+    if config.reads_trainer_kl:
         kl, check = trainer_kl, LogpCheck.of(policy_logps, ref_logps, mask)
     else:
         kl, check = checked_kl(policy_logps, ref_logps, mask, config)

@@ -123,13 +123,6 @@ def _batch(data: Sequence["types.Datum"], key: str) -> torch.Tensor:
     return _stack([_input(datum, key) for datum in data])
 
 
-def _finite_reference(ref: torch.Tensor, logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """ref where mask is 1, the (detached) policy log-prob elsewhere: the per-token KL of a prompt or padded position
-    is then an estimator at r = 0 (finite, no gradient) instead of a 0 placeholder against any log-prob (whose k3 may
-    overflow to inf and turn the masked-out gradient into 0 * inf = NaN). Masked positions count 0 either way."""
-    return torch.where(mask > 0, ref, logps.detach())
-
-
 def _ppo_clip_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, low: float,
                        high: float) -> torch.Tensor:
     """GRPO's per-token PPO-clip surrogate: -min(ratio A, clip(ratio, low, high) A), ratio = exp(logprobs - old).
@@ -200,7 +193,7 @@ class GRPOKLLoss:
             raise ValueError(f"{len(data)} Datums but {len(logprobs)} log-prob tensors")
         logps = _stack(logprobs)
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
-        ref = _finite_reference(_batch(data, REF_LOGPROBS), logps, mask)
+        ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
         surrogate = _ppo_clip_surrogate(logps, old, advantages, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
         term = adapted_kl(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context)
@@ -251,7 +244,7 @@ def record_step_kl(
     logps = _stack([output[SAMPLING_LOGPROBS].to_torch().flatten() for output in result.loss_fn_outputs])
     mask = _batch(data, MASK)
     with torch.no_grad():
-        _, metrics = akl.kl_loss(logps, _finite_reference(_batch(data, REF_LOGPROBS), logps, mask), mask,
+        _, metrics = akl.kl_loss(logps, _batch(data, REF_LOGPROBS), mask,
                                  max_completion_length=max_completion_length, token_normalizer=token_normalizer)
     return metrics
 
@@ -287,7 +280,7 @@ def kl_penalized_data(
     if group_size < 1 or len(data) % group_size:
         raise ValueError(f"group_size={group_size!r} must be >= 1 and divide the {len(data)} completions")
     logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
-    penalty, penalty_metrics = akl.reward_penalty(logps, _finite_reference(ref, logps, mask), mask)
+    penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask)
     penalized = (rewards - penalty.to(torch.float32)).view(-1, group_size)
     advantages = penalized - penalized.mean(dim=1, keepdim=True)
     if scale_by_std:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 
-from .grpo_loss import LossNormalisers, adapted_loss, masked_reference, reads_trainer_kl
+from .grpo_loss import LossNormalisers, adapted_loss, masked_reference
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
@@ -156,7 +156,7 @@ class _AdaptiveEfficientGRPO:
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
                                           beta if stock else 0.0, scaler, n_chunks, extra_kwargs, upstream_scale))
         # The trainer's own KL carries the gradient only where the adapted term is built from it.
-        metrics_only = stock or not reads_trainer_kl(config) or config.kl_in_reward
+        metrics_only = stock or not config.reads_trainer_kl or config.kl_in_reward
         with torch.no_grad() if metrics_only else contextlib.nullcontext():
             kl, mean_kl = cls.trainer_kl(new, old, ref, sampling, input_ids, mask, advantages, beta, kwargs)
         if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term
