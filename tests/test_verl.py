@@ -745,6 +745,41 @@ def test_masked_response_tokens_holding_nan_or_inf_leave_the_loss_and_its_gradie
     assert grad[starts[0] + prompts[0] - 1 + 1] == 0 and grad[starts[2] + prompts[2] - 1 + 3] == 0
 
 
+@pytest.mark.parametrize("kl_type", ["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3", "k1+", "k3+", "low_var_kl+"])
+def test_the_adapted_kl_of_the_masked_log_ratio_is_verls_kl_of_the_log_probs_for_every_kl_type(kl_type):
+    """The adapted path hands verl's kl_penalty the masked log-ratio against a reference of 0 (one masking, not
+    two): every kl_loss_type gives the same values and gradient as of the log-probs themselves. clip above every
+    token's KL shapes nothing, so on a batch whose masked positions hold verl's padding the loss and its gradient
+    are verl's stock ppo_loss, bit for bit."""
+    batch = make_batch(seed=17, kl_scale=3.0)
+    config = actor_config(kl_type=kl_type)
+    stock_loss, stock_grad, stock_metrics = run_loss(lambda **kw: ppo_loss(copy.deepcopy(config), **kw), batch, 2)
+    loss, grad, metrics = run_loss(adaptive(copy.deepcopy(config), "clip", kl_clip_threshold=1e30), batch, 2,
+                                   beta=config.kl_loss_coef)
+    assert torch.equal(loss, stock_loss) and torch.equal(grad, stock_grad)
+    for stock, ours in zip(stock_metrics, metrics):
+        assert ours["kl_loss"].values == ours[verl_kl.METRIC + "adapted_kl"].values == stock["kl_loss"].values
+
+
+@pytest.mark.parametrize("method", ["none", "target"])
+def test_masked_infinite_log_probs_raise_nothing_where_verls_own_term_stands(monkeypatch, method):
+    """Where verl's own KL term stands, the check's fast test is the plain sum of the raw log-probs: +-inf on tokens
+    verl masks out (response_mask=0) makes it non-finite, a false alarm, and the exact count over the valid tokens
+    (LogpCheck.counts, on that path only) finds none: the actor update raises nothing and logs what the batch without
+    them logs."""
+    clean = make_batch(seed=16, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
+    for sample, position in ((0, 1), (2, 3)):
+        clean = with_response_value(clean, "response_mask", sample, position, 0)
+    dirty = with_response_value(with_response_value(clean, "ref_log_prob", 0, 1, math.inf),
+                                "ref_log_prob", 2, 3, -math.inf)
+    expected = logged_actor_metrics(clean, "token-mean", kl_adaptation_method=method, kl_target=0.1)
+    counted = []
+    counts = verl_kl.LogpCheck.counts
+    monkeypatch.setattr(verl_kl.LogpCheck, "counts", lambda check: counted.append(counts(check)) or counted[-1])
+    assert logged_actor_metrics(dirty, "token-mean", kl_adaptation_method=method, kl_target=0.1) == expected
+    assert counted == [(0, 0)]  # the micro-batch holding both: counted exactly, once
+
+
 @pytest.mark.parametrize("method", ["dynamic", "clip"])
 @pytest.mark.parametrize(("tensor", "value"), [("old_log_probs", math.nan), ("ref_log_prob", math.inf)])
 def test_a_nonfinite_reward_log_prob_on_a_valid_token_raises_naming_verls_tensor(method, tensor, value):
