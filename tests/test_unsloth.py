@@ -312,6 +312,45 @@ def test_generated_trainer_syncs_the_reference_of_its_peft_model(tmp_path) -> No
     assert resume["full"]["adaptive_kl/ref_syncs"] == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0]
 
 
+@needs_unsloth
+def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are_logged(tmp_path) -> None:
+    """Unsloth's generated UnslothGRPOConfig rewrites some arguments before TRL's GRPOConfig sees them
+    (unsloth/models/rl.py): an explicit scale_rewards True/'group' with dr_grpo becomes False, one warning naming the
+    field, the value set and the value in effect; what it fills in for fields left unset (beta 0.001 for grpo,
+    scale_rewards for dr_grpo, the DAPO paper's settings for an explicit dapo, vLLM's importance-sampling correction
+    off) does not warn but is named in the settings line the trainer logs once at construction. The #6586 refusal
+    holds on Unsloth's config too."""
+    results = run_scenario("settings", tmp_path)
+    for label, value_set in (("dr_grpo_group", "'group'"), ("dr_grpo_true", "True")):
+        assert results[label]["warnings"] == [
+            f"scale_rewards={value_set} was set explicitly, but Unsloth's generated UnslothGRPOConfig changed it to "
+            "False: scale_rewards='none' is in effect."], label
+        assert results[label]["in_effect"]["scale_rewards"] == "none"
+    unset = {"dr_grpo_unset": {"scale_rewards": "group"}, "grpo_beta_unset": {"beta": 0.0},
+             "dapo_explicit": {"epsilon_high": None, "mask_truncated_completions": False}}
+    for label, trl_defaults in unset.items():  # Unsloth's own defaults: no warning, recorded with TRL's default
+        assert results[label]["warnings"] == [], label
+        defaults = results[label]["unsloth_defaults"]
+        assert {name: defaults[name] for name in trl_defaults} == trl_defaults, label
+        assert defaults["vllm_importance_sampling_correction"] is True
+        assert results[label]["in_effect"]["vllm_importance_sampling_correction"] is False
+    assert results["dr_grpo_unset"]["in_effect"]["scale_rewards"] == "none"
+    assert results["grpo_beta_unset"]["in_effect"]["beta"] == 0.001
+    dapo = results["dapo_explicit"]["in_effect"]
+    assert (dapo["epsilon_high"], dapo["mask_truncated_completions"]) == (0.28, True)
+    assert "beta" not in results["dr_grpo_group"]["unsloth_defaults"]  # set explicitly: neither warned nor noted
+    assert results["sequence_clip"]["error"].startswith(
+        "use_bias_correction_kl=True is invalid: allowed is False with importance_sampling_level='sequence'")
+    assert "huggingface/trl#6586" in results["sequence_clip"]["error"]
+    assert results["settings_lines"] == [
+        "adaptive_kl: KL settings in effect for UnslothGRPOTrainer: beta=0.001 (Unsloth's default; TRL's is 0.0), "
+        "kl_adaptation_method='clip', kl_estimator='k3' (unset: the placement's default), kl_placement='loss', "
+        "loss_type='grpo', scale_rewards='group', num_iterations=1, importance_sampling_level='token', "
+        "use_bias_correction_kl=True, steps_per_generation=2, gradient_accumulation_steps=2; Unsloth's other "
+        "defaults that differ from TRL's: router_aux_loss_coef=0.0 (TRL's is None), generation_kwargs={} (TRL's is "
+        "None), vllm_importance_sampling_correction=False (TRL's is True)"]
+
+
 def test_a_loss_keyword_the_generated_trainer_stops_passing_is_an_error_naming_it() -> None:
     """The installed grpo_compute_loss reads the keywords it reduces the loss by with defaults (loss_type 'grpo',
     num_processes 1, gradient accumulation 1, ...): where the generated compute_loss stops passing one (a rename),
@@ -330,3 +369,39 @@ def test_a_loss_keyword_the_generated_trainer_stops_passing_is_an_error_naming_i
     for name in passed:
         with pytest.raises(IncompatibleVersionError, match=rf"`{name} = `.*UnslothGRPOTrainer\.compute_loss"):
             integration._normalisers({key: value for key, value in passed.items() if key != name}, "micro_batch")
+
+
+@needs_unsloth
+def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_path) -> None:
+    """Unsloth's loss receives the mask `completion_ids != pad_token_id` (TRL's includes each completion's EOS): with
+    pad = EOS, on one step's batch, no completion's EOS is in it while every letter before it is; with a pad token of
+    its own every EOS is. The trainer's construction says so, once, for pad = EOS only."""
+    results = run_scenario("pad_is_eos", tmp_path)
+    same, own = results["pad_is_eos"], results["own_pad"]
+    assert same["eos_completions"] > 0 and same["eos_in_mask"] == 0
+    assert same["letters_in_mask"] == same["letters"] > 0
+    assert own["eos_completions"] > 0 and own["eos_in_mask"] == own["eos_completions"]
+    assert len(same["warnings"]) == 1 and same["warnings"][0].startswith(
+        "pad_token_id=0 is the eos_token_id: Unsloth's GRPO loss masks every pad token out of the loss")
+    assert own["warnings"] == []
+
+
+@needs_unsloth
+def test_k1_in_the_reward_reaches_the_optimum_through_unsloths_trainer(tmp_path) -> None:
+    """The end-to-end guard through Unsloth's generated trainer (tests/test_trainer_lab.py has TRL's): the KL lab's
+    command as a user runs it, k1 in the reward with dr_grpo, 800 steps of 64 completions, lands on pi*_beta within
+    the TRL guard's tolerance, with an effective beta within 5 % of 0.5 (the lab's tokenizer has a pad token of its
+    own: with pad = EOS Unsloth's loss drops every EOS, test above)."""
+    from .test_trainer_lab import TOLERANCE
+
+    output = tmp_path / "guard.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "unsloth_adaptive_kl.tools.kl_lab", "--trainer", "unsloth", "--recipe", "dr_grpo",
+               "--only", "k1 in the reward", "--seeds", "1", "--processes", "1", "--json", str(output)]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    (row,) = json.loads(output.read_text())["trainers"]["unsloth"]["rows"]
+    assert (row["in_effect"]["loss_type"], row["in_effect"]["scale_rewards"]) == ("dr_grpo", "none")
+    assert row["train"]["kl_opt"] < TOLERANCE, row
+    assert abs(row["train"]["effective_beta"] - 0.5) < 0.025, row
+    assert row["pad_probability"] < 1e-3

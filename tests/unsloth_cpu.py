@@ -101,6 +101,7 @@ import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E402
 
+from unsloth_adaptive_kl.integrations.trainer_hooks import UNSLOTH_DEFAULTS  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import backward_grads, captured_inputs, stock_unsloth  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads as selfcheck_loss_and_grads  # noqa: E402
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
@@ -161,7 +162,9 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self.start)
 
 
-def make_trainer(output_dir: str, reward: Any = hash_reward, **overrides: Any) -> Any:
+def make_trainer(output_dir: str, reward: Any = hash_reward, unset: tuple[str, ...] = (), tokenizer: Any = TOKENIZER,
+                 prompts: tuple[str, ...] = tuple(PROMPTS), **overrides: Any) -> Any:
+    """The harness's trainer on the tiny LoRA model; `unset` names settings left to the config's defaults."""
     settings: dict[str, Any] = dict(
         output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, optim="adamw_torch", report_to="none",
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=2, logging_steps=1,
@@ -169,15 +172,17 @@ def make_trainer(output_dir: str, reward: Any = hash_reward, **overrides: Any) -
         disable_tqdm=True, loss_type="dapo", warmup_steps=0, epsilon_high=0.2, mask_truncated_completions=False,
     )
     settings.update(overrides)
+    for name in unset:
+        del settings[name]
     args = trl.GRPOConfig(**settings)
     set_seed(0)
-    model = add_lora(build_tiny_model(TOKENIZER, seed=0), seed=0)
+    model = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
     for name in ("for_training", "for_inference"):  # what FastLanguageModel models have; a plain PEFT model lacks
         setattr(model, name, lambda *a, **k: None)
     model._unsloth_user_float32 = True  # keep Unsloth from switching fp16 on (it sees no bf16 on CPU)
     timer = StepTimer()
-    trainer = trl.GRPOTrainer(model=model, processing_class=TOKENIZER, reward_funcs=[reward], args=args,
-                              train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), callbacks=[timer])
+    trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward], args=args,
+                              train_dataset=Dataset.from_dict({"prompt": list(prompts) * 4}), callbacks=[timer])
     trainer.remove_callback(PrinterCallback)
     trainer.step_timer = timer
     return trainer
@@ -695,9 +700,95 @@ def scenario_hook_failure(out: str) -> dict:
     return results
 
 
-SCENARIOS = {"config": scenario_config, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
+class InfoRecords(logging.Handler):
+    """Keeps the messages a logger emits at INFO and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def scenario_settings(out: str) -> dict:
+    """What Unsloth's generated config makes of what the user set (the warnings for explicit fields it changed, the
+    values in effect), and the KL settings line one trainer logs at construction (nothing is trained)."""
+    configs = {"dr_grpo_group": dict(loss_type="dr_grpo", scale_rewards="group", beta=0.04),
+               "dr_grpo_true": dict(loss_type="dr_grpo", scale_rewards=True, beta=0.04),
+               "dr_grpo_unset": dict(loss_type="dr_grpo", beta=0.04),
+               "grpo_beta_unset": dict(loss_type="grpo"),
+               "dapo_explicit": dict(loss_type="dapo", beta=0.04),
+               "sequence_clip": dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence",
+                                     kl_adaptation_method="clip")}
+    results: dict[str, Any] = {}
+    for label, fields in configs.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                args = trl.GRPOConfig(output_dir=out, use_cpu=True, **fields)
+            except ValueError as error:
+                results[label] = {"error": str(error)}
+                continue
+        results[label] = {
+            "warnings": [str(w.message) for w in caught if "Unsloth's generated" in str(w.message)],
+            "in_effect": {name: getattr(args, name) for name in ("beta", "scale_rewards", "mask_truncated_completions",
+                                                                 "epsilon_high", "vllm_importance_sampling_correction")},
+            "unsloth_defaults": getattr(args, UNSLOTH_DEFAULTS),
+        }
+    logger = logging.getLogger("unsloth_adaptive_kl.integrations.trainer_hooks")
+    records = InfoRecords()
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    make_trainer(f"{out}/trainer", unset=("beta",), loss_type="grpo", kl_adaptation_method="clip")
+    logger.removeHandler(records)
+    results["settings_lines"] = records.messages
+    return results
+
+
+def scenario_pad_is_eos(out: str) -> dict:
+    """The mask Unsloth's loss receives, on one step's batch, with pad = EOS (the KL lab's tokenizer) and with a pad
+    token of its own, and the warnings each trainer's construction gives."""
+    from unsloth_adaptive_kl.integrations import unsloth as hook
+
+    results: dict[str, Any] = {}
+    upstream = hook._AdaptiveEfficientGRPO.apply.__func__
+    for label, tokenizer, prompts in (("pad_is_eos", build_tokenizer("ab", pad_is_eos=True), ("aab", "abb")),
+                                      ("own_pad", build_tokenizer("ab"), ("aab", "abb"))):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = make_trainer(f"{out}/{label}", tokenizer=tokenizer, prompts=prompts, max_steps=1,
+                                   gradient_accumulation_steps=1, max_completion_length=4)
+        seen: list[tuple[list, list]] = []
+
+        def apply(cls: Any, new: Any, old: Any, ref: Any, sampling: Any, lm_head: Any, input_ids: Any, mask: Any,
+                  *args: Any, **kwargs: Any) -> Any:
+            seen.append((input_ids.tolist(), mask.tolist()))
+            return upstream(cls, new, old, ref, sampling, lm_head, input_ids, mask, *args, **kwargs)
+
+        hook._AdaptiveEfficientGRPO.apply = classmethod(apply)
+        try:
+            trainer.train()
+        finally:
+            hook._AdaptiveEfficientGRPO.apply = classmethod(upstream)
+        ids, mask = seen[0]
+        first_eos = [row.index(tokenizer.eos_token_id) for row in ids if tokenizer.eos_token_id in row]
+        results[label] = {
+            "warnings": [str(w.message) for w in caught if "pad_token_id=" in str(w.message)],
+            "eos_completions": len(first_eos),
+            "eos_in_mask": sum(mask[r][t] for r, t in zip(
+                [r for r, row in enumerate(ids) if tokenizer.eos_token_id in row], first_eos)),
+            "letters_in_mask": sum(m for row, row_mask in zip(ids, mask) for token, m in zip(row, row_mask)
+                                   if token != tokenizer.eos_token_id and token != tokenizer.pad_token_id),
+            "letters": sum(1 for row in ids for token in row[:row.index(tokenizer.eos_token_id)
+                                                             if tokenizer.eos_token_id in row else len(row)]),
+        }
+    return results
+
+
+SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
              "drift": scenario_drift, "reward": scenario_reward,
-             "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure}
+             "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings}
 
 if __name__ == "__main__":
     output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")

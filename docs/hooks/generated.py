@@ -11,7 +11,9 @@ returns. An unknown name fails the build. Sources:
   `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `steps`, `unsloth_steps`,
   `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
 - `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo;
-- `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`: `docs/results/kl_lab.json`, written by the KL lab.
+- `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`: `docs/results/kl_lab.json`, written by the KL lab;
+- `kl_lab_trainer NAME`, `kl_lab_side_by_side`: `docs/results/kl_lab_NAME.json` (trl, unsloth, unsloth_pad_is_eos),
+  written by the KL lab through the trainers (`--trainer`).
 """
 
 from __future__ import annotations
@@ -364,7 +366,37 @@ def kl_lab_run(_: Optional[str] = None) -> str:
             "(a spread in KL(pi||pi*) above 0.05 between seeds is shown beside it).")
 
 
+def _lab_through(trainer: str) -> dict:
+    return json.loads((ROOT / "docs" / "results" / f"kl_lab_{trainer}.json").read_text())
+
+
+def kl_lab_trainer(name: Optional[str] = None) -> str:
+    """The KL lab through one trainer (`docs/results/kl_lab_NAME.json`, written by `kl_lab --trainer ...`): how it was
+    made, then one table a recipe."""
+    from unsloth_adaptive_kl.tools.kl_lab import markdown
+    from unsloth_adaptive_kl.tools.trainer_lab import HEADER, describe, trainer_rows
+
+    result = _lab_through(str(name))
+    (table,) = result["trainers"].values()
+    versions = ", ".join(f"{name} {version}" for name, version in result["versions"].items() if version)
+    made = (f"Made by `{result['command']}` ({versions}; {result['seconds']:.0f} s on {result.get('machine', 'a CPU')})"
+            f": {describe(table)}.")
+    return "\n\n".join([made, *(f"**{recipe}**\n\n{markdown(HEADER, rows)}" for recipe, rows in trainer_rows(table))])
+
+
+def kl_lab_side_by_side(_: Optional[str] = None) -> str:
+    """TRL and Unsloth on the same GRPOConfig: KL(pi||pi*) and the effective beta of each, with the tabular lab's
+    prediction for each trainer's masking, for every recipe and setting both ran."""
+    from unsloth_adaptive_kl.tools.kl_lab import markdown
+    from unsloth_adaptive_kl.tools.trainer_lab import side_by_side_rows
+
+    return markdown(*side_by_side_rows(_lab_through("trl")["trainers"]["trl"],
+                                       _lab_through("unsloth")["trainers"]["unsloth"]))
+
+
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
+    "kl_lab_trainer": kl_lab_trainer,
+    "kl_lab_side_by_side": kl_lab_side_by_side,
     "kl_lab": kl_lab,
     "kl_lab_target": kl_lab_target,
     "kl_lab_run": kl_lab_run,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import os
 import sys
@@ -27,10 +28,20 @@ from .patching import PatchSet
 from .ref_sync import attach_reference_sync, reference_for_generation
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
 
+logger = logging.getLogger(__name__)
+
 STATE_FILE = "adaptive_kl_state.json"
 AnchorError = Callable[[], Exception]
 # TRL's own reference-sync fields (on trl.GRPOConfig), and beta, which this package's reference sync reads.
 TRL_SYNC_FIELDS = ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_alpha", "beta")
+# TRL's fields in the settings line a trainer logs at construction (`log_settings`), after beta and the
+# adaptive-KL ones.
+LOGGED_TRL_FIELDS = ("loss_type", "scale_rewards", "num_iterations", "importance_sampling_level",
+                     "use_bias_correction_kl", "steps_per_generation", "gradient_accumulation_steps")
+# The attribute on Unsloth's generated config that holds {field: TRL's default} for the fields the user left unset
+# whose Unsloth default differs from TRL's (set by the Unsloth integration, read by `log_settings`).
+UNSLOTH_DEFAULTS = "_adaptive_kl_unsloth_defaults"
+TRL_6586 = "huggingface/trl#6586"
 
 
 class KLTermProbe(float):
@@ -75,7 +86,18 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
     defaults) beside its adaptive-KL settings `config`: raise ValueError naming the first bad field, its value and what
     is allowed. With the KL in the reward, `multi_objective_aggregation` must sum before normalising; with
     `sync_ref_model=True`, `ref_model_mixup_alpha` is in (0, 1], `ref_model_sync_steps` an integer >= 1 and beta != 0
-    (with syncing off nothing reads them, so they are not checked)."""
+    (with syncing off nothing reads them, so they are not checked). A non-stock KL built from the trainer's own
+    per-token KL is refused where that KL carries a sequence-level weight (`sequence_weighted_kl`)."""
+    if sequence_weighted_kl(args) and config.reads_trainer_kl and not config.kl_in_reward and not config.is_stock_kl:
+        raise reject("use_bias_correction_kl", True,
+                     f"False with importance_sampling_level='sequence' and adaptive KL (kl_adaptation_method="
+                     f"{config.kl_adaptation_method!r}, kl_reduction={config.kl_reduction!r}, kl_estimator 'k3'): the "
+                     "adapted KL is built from the trainer's own per-token KL, which the trainer multiplies by the "
+                     "sequence-level importance ratio exp(mean_t log(pi/pi_old)) broadcast over the tokens, so its "
+                     "gradient gains the spurious term (sum_t k_t) * grad(mean_t log pi_t) on every step, on-policy "
+                     f"included ({TRL_6586}, open). Or importance_sampling_level='token', or a kl_estimator other "
+                     "than 'k3' (computed from the log-probs, without the trainer's factor); "
+                     "kl_adaptation_method='none' stays stock")
     aggregation = getattr(args, "multi_objective_aggregation", None)
     if config.kl_in_reward and aggregation not in (None, "sum_then_normalize"):
         raise reject("multi_objective_aggregation", aggregation,
@@ -94,6 +116,15 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
                      "beta > 0 to sync the reference")
 
 
+def sequence_weighted_kl(args: Any) -> bool:
+    """Whether the trainer's own per-token KL carries a sequence-level weight: with beta != 0,
+    importance_sampling_level='sequence' and use_bias_correction_kl=True, TRL's `_compute_loss` (and unsloth_zoo's
+    grpo_compute_loss alike) multiplies k3 by `coef_1`, the (B, 1) sequence-mean importance ratio, broadcast over the
+    tokens: its gradient is neither the per-token correction nor the reverse-KL gradient (huggingface/trl#6586)."""
+    return (getattr(args, "beta", 0.0) != 0.0 and getattr(args, "importance_sampling_level", "token") == "sequence"
+            and bool(getattr(args, "use_bias_correction_kl", False)))
+
+
 def attach_runtime(trainer: Any) -> AdaptiveKL:
     """Validate the trainer's adaptive-KL settings, once per trainer (`AdaptiveKL` checks its fields against the
     trainer's beta, `check_trl_settings` TRL's fields with them), and give the trainer its `AdaptiveKL`
@@ -109,8 +140,48 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
             UserWarning,
             stacklevel=3,
         )
+    elif config.is_stock_kl and sequence_weighted_kl(trainer.args):  # stock: kept as the trainer computes it
+        warnings.warn(
+            "importance_sampling_level='sequence' with use_bias_correction_kl=True: the trainer multiplies each "
+            "token's KL by the sequence-level importance ratio broadcast over the tokens, so the KL gradient gains the "
+            f"spurious term (sum_t k_t) * grad(mean_t log pi_t), on-policy included ({TRL_6586}, open). "
+            "kl_adaptation_method='none' keeps it, as the stock trainer does; use_bias_correction_kl=False or "
+            "importance_sampling_level='token' avoids it.",
+            UserWarning,
+            stacklevel=3,
+        )
     trainer.adaptive_kl = adaptive_kl
     return adaptive_kl
+
+
+def log_settings(trainer: Any) -> None:
+    """Log (INFO, once per trainer construction) the KL settings in effect, read from the trainer's own
+    `args` after its construction (what Unsloth's generated config and the trainer made of the user's): beta, the
+    adaptive-KL method, the estimator in effect (`AdaptiveKLConfig.estimator`) and placement, then `LOGGED_TRL_FIELDS`.
+    A field the user left unset whose Unsloth default differs from TRL's is marked so (`UNSLOTH_DEFAULTS`), and the
+    other such fields are listed after."""
+    args, config = trainer.args, trainer.adaptive_kl.config
+    unsloth_defaults = getattr(args, UNSLOTH_DEFAULTS, {})
+    notes = {name: f"Unsloth's default; TRL's is {default!r}" for name, default in unsloth_defaults.items()}
+    if config.kl_estimator is None:
+        notes["kl_estimator"] = "unset: the placement's default"
+    if args.beta != 0.0 and (config.kl_in_reward or not config.reads_trainer_kl):
+        notes["use_bias_correction_kl"] = (f"not applied: the KL{' in the reward' if config.kl_in_reward else ''} is "
+                                           f"{config.estimator!r} from the log-probs")
+    settings = {"beta": args.beta, "kl_adaptation_method": config.kl_adaptation_method,
+                "kl_estimator": config.estimator, "kl_placement": config.kl_placement,
+                **{name: getattr(args, name, None) for name in LOGGED_TRL_FIELDS}}
+
+    def shown(name: str, value: Any) -> str:
+        return f"{name}={value!r}" + (f" ({notes[name]})" if name in notes else "")
+
+    line = (f"adaptive_kl: KL settings in effect for {type(trainer).__name__}: "
+            + ", ".join(shown(name, value) for name, value in settings.items()))
+    others = [f"{name}={getattr(args, name, None)!r} (TRL's is {default!r})"
+              for name, default in unsloth_defaults.items() if name not in settings]
+    if others:
+        line += "; Unsloth's other defaults that differ from TRL's: " + ", ".join(others)
+    logger.info(line)
 
 
 def check_loss_not_replaced(trainer_class: type, args: Any) -> None:
@@ -148,7 +219,8 @@ def asks_for_adaptive_kl(args: Any) -> bool:
 
 
 def wrap_init(upstream: Callable) -> Callable:
-    """__init__: validate the settings and build the beta controller before any training starts. With
+    """__init__: validate the settings and build the beta controller before any training starts, and log the KL
+    settings in effect (`log_settings`). With
     `sync_ref_model=True` (and beta != 0), the stock __init__ runs with it off, so that it neither refuses a PEFT model
     nor adds TRL's own sync callback; the trainer gets this package's syncing instead (`ref_sync`), for full and PEFT
     models alike."""
@@ -165,6 +237,7 @@ def wrap_init(upstream: Callable) -> Callable:
         attach_runtime(self)
         if syncing:
             attach_reference_sync(self)
+        log_settings(self)
 
     return __init__
 

@@ -10,6 +10,7 @@ This package never imports unsloth. `patch()` (run when `unsloth_adaptive_kl` is
   `_AdaptiveEfficientGRPO`, which runs Unsloth's compiled loss with beta=0.0 (a constant: no recompiles, however
   beta moves) and adds beta_t * adapted KL, computed eagerly from the same log-probs, outside the compiled region,
   by the decisions it shares with the TRL integration (`grpo_loss.adapted_loss`);
+- `UnslothGRPOConfig.__init__` warns where the generated config changed a field the user set (`_wrap_config_init`);
 - `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_calculate_rewards`,
   `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration, and the
   module's `use_adapter` the same stand-in (`ref_sync.use_reference`).
@@ -24,20 +25,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import importlib.abc
 import importlib.machinery
+import inspect
 import sys
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 import trl.trainer.grpo_trainer as trl_grpo_trainer
+from transformers import TrainingArguments
 
 from .grpo_loss import LossNormalisers, adapted_loss, masked_reference
 from .patching import PatchSet
 from .ref_sync import use_reference
+from .trl import GRPOConfig
 from .trainer_hooks import (
+    LOGGED_TRL_FIELDS,
+    UNSLOTH_DEFAULTS,
     KLTermProbe,
     asks_for_adaptive_kl,
     config_argument,
@@ -67,6 +74,7 @@ from .versions import (
 
 RL_MODULE = "unsloth.models.rl"
 GENERATED_CLASS = "UnslothGRPOTrainer"
+GENERATED_CONFIG = "UnslothGRPOConfig"
 # (trainer, calls) of the compute_loss running now; the shim appends its KLTerm for it.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("adaptive_kl_unsloth_compute_loss", default=None)
 _patches = PatchSet()
@@ -191,6 +199,93 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
     return compute_loss
 
 
+def _trl_defaults() -> dict[str, Any]:
+    """{field: TRL's default} for the fields whose Unsloth changes are reported: the GRPO fields (trl.GRPOConfig's
+    own and this package's, not TrainingArguments' runtime fields such as optim or output_dir, whose spelling Unsloth
+    maps to its own) and the TRL fields of the settings line (`LOGGED_TRL_FIELDS`)."""
+    runtime = {spec.name for spec in dataclasses.fields(TrainingArguments)} - set(LOGGED_TRL_FIELDS)
+    return {spec.name: spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+            for spec in dataclasses.fields(GRPOConfig)
+            if spec.name not in runtime and not (spec.default is spec.default_factory is dataclasses.MISSING)}
+
+
+def _report_changes(config: Any, explicit: dict[str, Any], passed: dict[str, Any]) -> None:
+    """Compare, field by field (`_trl_defaults`), what the user passed Unsloth's generated config (`explicit`) with
+    what its __init__ passed on to TRL's GRPOConfig (`passed`): a field set explicitly and changed gets one
+    UserWarning naming it, the value set and the value in effect; a field left unset whose Unsloth default differs
+    from TRL's is recorded on the config (`UNSLOTH_DEFAULTS`) for the settings line its trainer logs."""
+    defaults = {}
+    for name, trl_default in _trl_defaults().items():
+        if name not in passed:
+            continue
+        if name in explicit and passed[name] != explicit[name]:
+            warnings.warn(
+                f"{name}={explicit[name]!r} was set explicitly, but Unsloth's generated {GENERATED_CONFIG} changed it "
+                f"to {passed[name]!r}: {name}={getattr(config, name)!r} is in effect.",
+                UserWarning,
+                stacklevel=3,
+            )
+        elif name not in explicit and passed[name] != trl_default:
+            defaults[name] = trl_default
+    setattr(config, UNSLOTH_DEFAULTS, defaults)
+
+
+_PASSED_TO_TRL = "_adaptive_kl_passed_to_trl"
+
+
+def _wrap_config_post_init(upstream: Callable) -> Callable:
+    # Replaces UnslothGRPOConfig.__post_init__ (inherited from this package's GRPOConfig; wraps it): first keeps the
+    # fields as the generated __init__ passed them to TRL's GRPOConfig, before TRL's __post_init__ normalises them.
+    @functools.wraps(upstream)
+    def __post_init__(self: Any) -> None:
+        vars(self)[_PASSED_TO_TRL] = dict(vars(self))
+        upstream(self)
+
+    return __post_init__
+
+
+def _wrap_config_init(upstream: Callable) -> Callable:
+    # Replaces UnslothGRPOConfig.__init__ (wraps it): the arguments the user passed, against what Unsloth's generated
+    # __init__ passed on (`_report_changes`).
+    signature = inspect.signature(upstream)
+
+    @functools.wraps(upstream)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        upstream(self, *args, **kwargs)
+        explicit: dict[str, Any] = {}
+        for name, value in list(signature.bind(self, *args, **kwargs).arguments.items())[1:]:  # after self
+            if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                explicit.update(value)
+            else:
+                explicit[name] = value
+        _report_changes(self, explicit, vars(self).pop(_PASSED_TO_TRL))
+
+    return __init__
+
+
+def _warn_pad_is_eos(upstream: Callable) -> Callable:
+    # Wraps the generated UnslothGRPOTrainer.__init__ (after `wrap_init`): Unsloth's loss masks every pad token out
+    # (its completion mask is `completion_ids != pad_token_id`), so with pad = EOS the EOS token leaves the loss.
+    @functools.wraps(upstream)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        upstream(self, *args, **kwargs)
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor holds one
+        pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+        if pad is not None and pad == eos:
+            warnings.warn(
+                f"pad_token_id={pad} is the eos_token_id: Unsloth's GRPO loss masks every pad token out of the loss "
+                "(`completion_ids != pad_token_id`), so each completion's EOS token gets no policy gradient and no KL: "
+                "the decision to stop is not trained, and a KL setting lands elsewhere than in TRL's GRPOTrainer (the "
+                "KL lab through Unsloth: docs/ground-truth.md). Give the tokenizer a pad token of its own "
+                "(FastLanguageModel.from_pretrained does), e.g. tokenizer.pad_token = '<|finetune_right_pad_id|>' "
+                "where the vocabulary has one.",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    return __init__
+
+
 def anchor_resolver(trainer_class: type) -> Callable[[str], Any]:
     """Maps an Unsloth anchor's function name to the generated object: 'UnslothGRPOTrainer.x' to the trainer's
     method, a bare name to the generated module's function."""
@@ -208,7 +303,8 @@ def _install(trainer_class: type) -> None:
     module = sys.modules.get(trainer_class.__module__)
     if module is None or module.__dict__.get("UnslothEfficientGRPO") is _AdaptiveEfficientGRPO:
         return
-    for owner, name in ((module, "UnslothEfficientGRPO"), (module, "grpo_compute_loss"), (trainer_class, "compute_loss")):
+    for owner, name in ((module, "UnslothEfficientGRPO"), (module, "grpo_compute_loss"), (module, GENERATED_CONFIG),
+                        (trainer_class, "compute_loss")):
         if not hasattr(owner, name):
             raise _missing("unsloth", Anchor(name, name, "a name the integration hooks"))()
 
@@ -221,8 +317,12 @@ def _install(trainer_class: type) -> None:
     _AdaptiveEfficientGRPO.upstream = module.UnslothEfficientGRPO
     # grpo_accumulated_loss (inlined from unsloth_zoo.rl_replacements) calls UnslothEfficientGRPO.apply.
     _patches.replace(module, "UnslothEfficientGRPO", _AdaptiveEfficientGRPO)
+    # The generated config's __init__, which rewrites some of the user's arguments before TRL's GRPOConfig sees them.
+    config_class = getattr(module, GENERATED_CONFIG)
+    _patches.replace(config_class, "__post_init__", _wrap_config_post_init(config_class.__post_init__))
+    _patches.replace(config_class, "__init__", _wrap_config_init(config_class.__init__))
     # The generated trainer's own methods, copied from TRL's source: TRL-side patches do not reach them.
-    _patches.replace(trainer_class, "__init__", wrap_init(trainer_class.__init__))
+    _patches.replace(trainer_class, "__init__", _warn_pad_is_eos(wrap_init(trainer_class.__init__)))
     _patches.replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
     _patches.replace(trainer_class, "_generate_and_score_completions",
              wrap_generate_and_score(trainer_class._generate_and_score_completions,

@@ -88,9 +88,10 @@ class Tree:
 
     A node is a prefix of letters (depth 0 .. max_length - 1); at each node the policy picks a letter or EOS (index
     `tokens`). A completion ends at EOS or after max_length tokens. For completion c and position t:
-    node[c, t], token[c, t], mask[c, t]; its length L_c = sum_t mask[c, t] (EOS counted, as trainers count it)."""
+    node[c, t], token[c, t], mask[c, t]; its length L_c = sum_t mask[c, t] (EOS counted, as trainers count it).
+    `reference_table`: the reference's logits at each node (default: drawn as `Environment` says)."""
 
-    def __init__(self, env: Environment) -> None:
+    def __init__(self, env: Environment, reference_table: Optional[torch.Tensor] = None) -> None:
         self.env = env
         eos = env.tokens
         nodes: dict[tuple[int, ...], int] = {}
@@ -103,6 +104,7 @@ class Tree:
             if len(prefix) == env.max_length - 1:
                 completions.extend(prefix + (letter,) for letter in range(env.tokens))
         self.completions = completions
+        self.prefixes = list(nodes)  # the nodes' letters, in the order of a table's rows
         self.num_nodes = len(nodes)
         self.vocab = env.tokens + 1
         shape = (len(completions), env.max_length)
@@ -114,10 +116,11 @@ class Tree:
                 self.node[c, t], self.token[c, t], self.mask[c, t] = nodes[tokens[:t]], token, 1.0
         self.lengths = self.mask.sum(-1)
         self.rewards = torch.tensor([REWARDS[env.reward](tuple(x for x in tokens if x != eos)) for tokens in completions])
-        generator = torch.Generator().manual_seed(env.reference_seed)
-        reference = torch.randn(self.num_nodes, self.vocab, generator=generator) * env.reference_scale
-        reference[:, eos] += env.eos_bias
-        self.reference_table = reference
+        if reference_table is None:
+            generator = torch.Generator().manual_seed(env.reference_seed)
+            reference_table = torch.randn(self.num_nodes, self.vocab, generator=generator) * env.reference_scale
+            reference_table[:, eos] += env.eos_bias
+        self.reference_table = reference_table
 
     def token_logps(self, table: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(completions, max_length) log-probs of each completion's tokens under a table of logits (0 on padding)."""
@@ -326,6 +329,12 @@ ESTIMATOR_NOTES = {"k1": "log-ratio", "k2": "0.5 * log-ratio^2", "k3": "the trai
                    "k1_future": "k1, the completion's KL gradient", "k3_bottom_percentile": "k3 on 20 % of tokens x 5"}
 
 
+# Each method's row: the fields that make it act in these environments (dynamic's threshold below the optimum's reward).
+METHOD_FIELDS: dict[str, tuple[tuple[str, Any], ...]] = {
+    "clip": (("kl_clip_threshold", 0.1),), "sigmoid": (("kl_target", 0.05),), "length_normalized": (),
+    "dynamic": (("reward_threshold", 0.6),), "target": (("kl_target", 0.1),)}
+
+
 def default_settings(estimators: Sequence[str] = (), methods: Sequence[str] = ()) -> list[Setting]:
     """The default table: every estimator in both placements, the reductions, every method, and the loss types
     dr_grpo/dapo/grpo with scale_rewards none and group; `estimators` and `methods` add rows for names a user
@@ -346,9 +355,7 @@ def default_settings(estimators: Sequence[str] = (), methods: Sequence[str] = ()
         settings.append(Setting(f"{estimator} in the loss, {reduction}", "loss",
                                 (("kl_estimator", estimator), ("kl_reduction", reduction)), group=reductions))
     method_group = "methods (k3 in the loss, k1 in the reward)"
-    for method, extra in (("clip", (("kl_clip_threshold", 0.1),)), ("sigmoid", (("kl_target", 0.05),)),
-                          ("length_normalized", ()), ("dynamic", (("reward_threshold", 0.6),)),
-                          ("target", (("kl_target", 0.1),)), *((name, ()) for name in methods)):
+    for method, extra in (*METHOD_FIELDS.items(), *((name, ()) for name in methods)):
         for placement in ("loss", "reward"):
             if placement == "reward" and method == "length_normalized":
                 continue  # refused there: each completion's KL is one number already (kl_reduction picks it)
@@ -479,13 +486,29 @@ def show(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> No
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import trainer_lab  # (it imports this module)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--env", default="all", choices=["all", *ENVIRONMENTS],
                         help="the environment: contains_a (length helps the reward), first_a (the reward saturates at "
                         "the first token, the length is free), or all")
     parser.add_argument("--beta", type=float, default=0.5, help="the KL coefficient of the objective (default 0.5)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per setting, averaged (default 1)")
-    parser.add_argument("--steps", type=int, default=Training.steps, help="optimizer steps per run")
+    parser.add_argument("--trainer", default="tabular", choices=["tabular", "trl", "unsloth", "both"],
+                        help="tabular: the tabular policy in the lab's own GRPO loop (default); trl, unsloth, both: a "
+                        "tiny transformer through TRL's GRPOTrainer and/or Unsloth's generated trainer (contains_a)")
+    parser.add_argument("--recipe", action="append", default=[], metavar="NAME",
+                        help="with --trainer: how the trainer runs, any of " + ", ".join(
+                            f"{name} ({recipe.label})" for name, recipe in trainer_lab.RECIPES.items())
+                        + " (default: all)")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="FIELD=VALUE",
+                        help="with --trainer: any GRPOConfig field, set last (e.g. --set loss_type=dapo num_iterations=2)")
+    parser.add_argument("--pad-is-eos", action="store_true", help="with --trainer: the tokenizer pads with EOS (no pad "
+                        "token of its own), where Unsloth's loss masks every EOS out")
+    parser.add_argument("--learning-rate", type=float, help="with --trainer: AdamW's peak learning rate, decayed "
+                        "linearly to 0 (default 3e-3, or 2e-2 with LoRA)")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps per run (default {Training.steps}, or "
+                        f"{trainer_lab.STEPS} with --trainer)")
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE first (it registers estimators with register_kl_estimator)")
     parser.add_argument("--estimator", action="append", default=[], metavar="NAME",
@@ -510,12 +533,24 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         if unknown:
             raise SystemExit(f"{flag} {', '.join(unknown)}: not registered; registered are {', '.join(registered)} "
                              "(register yours in a module named with --import)")
+    trainer_only = {"--recipe": args.recipe, "--set": args.overrides, "--pad-is-eos": args.pad_is_eos,
+                    "--learning-rate": args.learning_rate}
+    tabular_only = {"--estimator": args.estimator, "--method": args.method, "--no-target": args.no_target}
+    unused = [flag for flag, value in (tabular_only if args.trainer != "tabular" else trainer_only).items() if value]
+    if unused:
+        raise SystemExit(f"{', '.join(unused)}: not read with --trainer {args.trainer} (" + (
+            "the trainers' table runs its own settings; use --only to pick rows" if args.trainer != "tabular"
+            else "only with --trainer trl, unsloth or both") + ")")
     torch.set_num_threads(1)
+    command = " ".join(["python -m unsloth_adaptive_kl.tools.kl_lab", *(argv if argv is not None else sys.argv[1:])])
+    if args.trainer != "tabular":
+        from . import trainer_lab
+
+        return trainer_lab.main(args, command)
     start = time.perf_counter()
-    training = replace(Training(), steps=args.steps)
+    training = replace(Training(), steps=args.steps or Training.steps)
     settings = [s for s in default_settings(args.estimator, args.method) if args.only in s.label]
     environments = list(ENVIRONMENTS) if args.env == "all" else [args.env]
-    command = " ".join(["python -m unsloth_adaptive_kl.tools.kl_lab", *(argv if argv is not None else sys.argv[1:])])
     result: dict[str, Any] = {"command": command, "torch": torch.__version__, "seeds": args.seeds, "tables": {}}
     for name in environments:
         table = run_table(ENVIRONMENTS[name], settings, args.beta, training, range(args.seeds), args.processes)

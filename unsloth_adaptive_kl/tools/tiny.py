@@ -19,22 +19,25 @@ CHAT_TEMPLATE = ("{% for message in messages %}<{{ message['role'] }}>{{ message
 
 
 def build_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: Optional[str] = None,
-                    vocab_size: Optional[int] = None) -> Any:
+                    vocab_size: Optional[int] = None, pad_is_eos: bool = False) -> Any:
     """A WordLevel tokenizer with one token per character of `alphabet`, plus pad and end-of-sequence (a fast
     tokenizer, left padding). `chat_template`: a Jinja chat template (e.g. `CHAT_TEMPLATE`). `vocab_size`: pad the
-    vocabulary up to this size with `<unusedN>` tokens that no text encodes to (GPU kernels like a multiple of 64)."""
+    vocabulary up to this size with `<unusedN>` tokens that no text encodes to (GPU kernels like a multiple of 64).
+    `pad_is_eos`: no pad token of its own, EOS pads (id 0), so the vocabulary is EOS and the alphabet alone."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {PAD: 0, EOS: 1, **{char: index + 2 for index, char in enumerate(dict.fromkeys(alphabet))}}
+    special = [EOS] if pad_is_eos else [PAD, EOS]
+    vocab = {token: index for index, token in enumerate([*special, *dict.fromkeys(alphabet)])}
     if vocab_size is not None:
         if vocab_size < len(vocab):
             raise ValueError(f"vocab_size={vocab_size} is invalid: the alphabet needs {len(vocab)} tokens")
         vocab.update({f"<unused{index}>": index for index in range(len(vocab), vocab_size)})
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    pad = EOS if pad_is_eos else PAD
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, newlines too
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=EOS, padding_side="left")
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
