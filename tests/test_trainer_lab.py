@@ -83,6 +83,22 @@ def test_the_set_fields_reach_the_config_last() -> None:
     assert fields["per_device_train_batch_size"] == 32 and fields["learning_rate"] == 3e-3
 
 
+def test_a_refused_combination_is_a_row_that_says_so(tmp_path) -> None:
+    """--set passes any field through; a combination the package refuses (TRL #6586: the sequence-level ratio with the
+    bias correction under an adapted k3) is refused before training and the row names the refusal, while a setting
+    that is accepted with it trains."""
+    result = kl_lab.main(["--trainer", "trl", "--recipe", "dr_grpo", "--only", "in the loss", "--steps", "2",
+                          "--set", "importance_sampling_level=sequence", "use_bias_correction_kl=True"])
+    rows = {row["setting"]: row for row in result["trainers"]["trl"]["rows"]}
+    assert rows["clip in the loss"]["refused"].startswith(
+        "use_bias_correction_kl=True is invalid: allowed is False with importance_sampling_level='sequence'")
+    assert "refused" not in rows["k2 in the loss"]  # computed from the log-probs, without the trainer's factor
+    assert rows["k2 in the loss"]["in_effect"]["importance_sampling_level"] == "sequence"
+    (_, cells), = [group for group in trainer_lab.trainer_rows(result["trainers"]["trl"])]
+    clip = next(cell for cell in cells if cell[0] == "clip in the loss")
+    assert clip[1] == "refused before training (use_bias_correction_kl=True is invalid)" and set(clip[2:]) == {""}
+
+
 def test_a_beta_off_by_a_quarter_is_beyond_the_guards_tolerance(tables) -> None:
     """The guard can fail: the optimum of a beta 1.25 or 0.8 times the one asked for is more than TOLERANCE away
     from pi*_beta (exactly, averaged over the training prompts), and a factor 2 an order of magnitude more."""

@@ -375,7 +375,8 @@ def test_a_loss_keyword_the_generated_trainer_stops_passing_is_an_error_naming_i
 def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_path) -> None:
     """Unsloth's loss receives the mask `completion_ids != pad_token_id` (TRL's includes each completion's EOS): with
     pad = EOS, on one step's batch, no completion's EOS is in it while every letter before it is; with a pad token of
-    its own every EOS is. The trainer's construction says so, once, for pad = EOS only."""
+    its own every EOS is. The trainer's construction says so, once, for pad = EOS only, and refuses an adapted KL
+    there (`none` stays stock)."""
     results = run_scenario("pad_is_eos", tmp_path)
     same, own = results["pad_is_eos"], results["own_pad"]
     assert same["eos_completions"] > 0 and same["eos_in_mask"] == 0
@@ -383,6 +384,8 @@ def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_pat
     assert own["eos_completions"] > 0 and own["eos_in_mask"] == own["eos_completions"]
     assert len(same["warnings"]) == 1 and same["warnings"][0].startswith(
         "pad_token_id=0 is the eos_token_id: Unsloth's GRPO loss masks every pad token out of the loss")
+    assert results["refused"].startswith("pad_token_id=0 is invalid: allowed is a token other than the eos_token_id "
+                                         "(0) with kl_adaptation_method='clip', kl_placement='loss': Unsloth's GRPO")
     assert own["warnings"] == []
 
 

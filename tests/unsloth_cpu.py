@@ -752,6 +752,11 @@ def scenario_pad_is_eos(out: str) -> dict:
     from unsloth_adaptive_kl.integrations import unsloth as hook
 
     results: dict[str, Any] = {}
+    try:  # an adapted KL is refused at construction where pad = EOS
+        make_trainer(f"{out}/refused", tokenizer=build_tokenizer("ab", pad_is_eos=True), prompts=("aab", "abb"),
+                     kl_adaptation_method="clip")
+    except ValueError as error:
+        results["refused"] = str(error)
     upstream = hook._AdaptiveEfficientGRPO.apply.__func__
     for label, tokenizer, prompts in (("pad_is_eos", build_tokenizer("ab", pad_is_eos=True), ("aab", "abb")),
                                       ("own_pad", build_tokenizer("ab"), ("aab", "abb"))):

@@ -259,10 +259,13 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
             model._unsloth_user_float32 = True  # keep Unsloth from switching to fp16 where it sees no bf16
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the lab runs the settings the guards warn about, on purpose
-            args = config_class(**config_fields(run, os.path.join(folder, "out")))
             dataset = Dataset.from_dict({"prompt": list(TRAIN_PROMPTS) * BATCH})
-            trainer = trainer_class(model=model, processing_class=tokenizer, reward_funcs=[reward_function(env)],
-                                    args=args, train_dataset=dataset)
+            try:
+                args = config_class(**config_fields(run, os.path.join(folder, "out")))
+                trainer = trainer_class(model=model, processing_class=tokenizer, reward_funcs=[reward_function(env)],
+                                        args=args, train_dataset=dataset)
+            except ValueError as error:  # a combination refused before training (the config's or the trainer's)
+                return {"refused": str(error)}
             trainer.train()
         policy = trainer.model.eval()
         tree = Tree(env)
@@ -343,6 +346,11 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
     rows = []
     for index in range(0, len(runs), len(seeds)):
         run, mine = runs[index], results[index:index + len(seeds)]
+        recipe = next(name for name, recipe in RECIPES.items() if recipe == run.recipe)
+        if "refused" in mine[0]:
+            rows.append({"recipe": recipe, "setting": run.setting.label, "placement": run.setting.placement,
+                         "config": run.setting.config_fields(), "refused": mine[0]["refused"]})
+            continue
         trained = [summarise([exact_figures(env, tables[p], result["tables"][p], beta) for p in TRAIN_PROMPTS])
                    for result in mine]
         held_out = [exact_figures(env, tables[HELD_OUT], result["tables"][HELD_OUT], beta) for result in mine]
@@ -350,8 +358,7 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
         key = (run.setting.label, str(in_effect["loss_type"]), scaling(in_effect["scale_rewards"]))
         if key not in predictions:
             predictions[key] = tabular_prediction(env, run.setting, beta, *key[1:], tables)
-        rows.append({"recipe": next(name for name, recipe in RECIPES.items() if recipe == run.recipe),
-                     "setting": run.setting.label, "placement": run.setting.placement,
+        rows.append({"recipe": recipe, "setting": run.setting.label, "placement": run.setting.placement,
                      "config": run.setting.config_fields(), "learning_rate": run.lr, "in_effect": in_effect,
                      "train": summarise(trained), "held_out": summarise(held_out),
                      "kl_opt_seeds": [figures["kl_opt"] for figures in trained], "tabular": predictions[key],
@@ -408,6 +415,11 @@ def trainer_rows(table: dict[str, Any]) -> list[tuple[str, list[list[str]]]]:
     """The table's rows as text cells, one group a recipe: [(recipe label, [[setting, figures...], ...]), ...]."""
     groups: dict[str, list[list[str]]] = {}
     for row in table["rows"]:
+        if "refused" in row:
+            reason = row["refused"].split(": allowed is ")[0]
+            groups.setdefault(table["recipes"][row["recipe"]], []).append(
+                [row["setting"], f"refused before training ({reason})", *[""] * (len(HEADER) - 2)])
+            continue
         train, tabular, held_out = row["train"], row["tabular"], row["held_out"]
         seeds = row["kl_opt_seeds"]
         spread = f" [{_kl(min(seeds))} - {_kl(max(seeds))}]" if len(seeds) > 1 else ""
@@ -430,7 +442,7 @@ def side_by_side_rows(trl: dict[str, Any], unsloth: dict[str, Any]) -> tuple[lis
     rows = []
     for row in trl["rows"]:
         other = theirs.get((row["recipe"], row["setting"]))
-        if other is not None:
+        if other is not None and "refused" not in row and "refused" not in other:
             rows.append([trl["recipes"][row["recipe"]], row["setting"], _kl(row["train"]["kl_opt"]) + _pad(row),
                          _kl(other["train"]["kl_opt"]) + _pad(other), _beta(row["train"]["effective_beta"]),
                          _beta(other["train"]["effective_beta"]), _kl(row["tabular"]["kl_opt"])])
@@ -439,8 +451,9 @@ def side_by_side_rows(trl: dict[str, Any], unsloth: dict[str, Any]) -> tuple[lis
 
 def describe(table: dict[str, Any]) -> str:
     """One sentence: how the table's runs were made (beside every figure of it)."""
-    lora = ", 2e-2 with LoRA" if any(row["recipe"] == "lora" for row in table["rows"]) else ""
-    rates = sorted({row["learning_rate"] for row in table["rows"] if row["recipe"] != "lora"})
+    trained = [row for row in table["rows"] if "refused" not in row]
+    lora = ", 2e-2 with LoRA" if any(row["recipe"] == "lora" for row in trained) else ""
+    rates = sorted({row["learning_rate"] for row in trained if row["recipe"] != "lora"})
     rate = ", ".join(f"{value:g}" for value in rates) or "-"
     overrides = "; --set " + " ".join(f"{k}={v!r}" for k, v in table["overrides"].items()) if table["overrides"] else ""
     groups = table["batch"] // table["group_size"]
@@ -485,7 +498,8 @@ def main(args: Any, command: str) -> dict[str, Any]:
         for recipe, rows in trainer_rows(table):
             show(f"{trainer}, {recipe}", HEADER, rows)
     result["seconds"] = time.perf_counter() - start
-    runs = sum(len(t["rows"]) * len(t["seeds"]) for t in result["trainers"].values())
+    runs = sum(len([row for row in t["rows"] if "refused" not in row]) * len(t["seeds"])
+               for t in result["trainers"].values())
     print(f"\nkl_lab: {runs} runs through {', '.join(trainers)} in {result['seconds']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
