@@ -16,7 +16,8 @@ from .conftest import grpo_args, make_trainer, stock_trl
 from .test_trl_loss import fixed_inputs, policy_logps, prepared_trainer
 
 LOGGER = "unsloth_adaptive_kl.integrations.trainer_hooks"
-SEQUENCE = dict(loss_type="grpo", importance_sampling_level="sequence")  # use_bias_correction_kl: TRL's default, True
+# use_bias_correction_kl set explicitly: its default is True in trl 1.15 and False in trl 1.9.1.
+SEQUENCE = dict(loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
 
 
 def settings_lines(caplog) -> list[str]:
@@ -28,6 +29,7 @@ def test_trainer_construction_logs_the_kl_settings_in_effect_once(tokenizer, tmp
     steps_per_generation as TRL derives it, the estimator as the placement resolves it; training logs no other."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     trainer = make_trainer(tokenizer, str(tmp_path), loss_type="grpo", kl_adaptation_method="clip", num_iterations=2,
+                           use_bias_correction_kl=True,
                            scale_rewards=True, max_steps=1)
     expected = ("adaptive_kl: KL settings in effect for GRPOTrainer: beta=0.04, kl_adaptation_method='clip', "
                 "kl_estimator='k3' (unset: the placement's default), kl_placement='loss', loss_type='grpo', "
@@ -55,6 +57,7 @@ def test_settings_line_says_where_trls_kl_correction_does_not_apply(tokenizer, t
     line says it is not applied (and these settings train with importance_sampling_level='sequence')."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="dynamic", importance_sampling_level="sequence",
+                 use_bias_correction_kl=True,
                  **settings)
     (line,) = settings_lines(caplog)
     assert shown in line
@@ -126,7 +129,7 @@ def test_an_adapted_trainer_kl_is_refused_with_sequence_level_bias_correction(tm
 
 
 @pytest.mark.parametrize("settings", [
-    dict(**SEQUENCE, use_bias_correction_kl=False, kl_adaptation_method="clip"),
+    dict(SEQUENCE, use_bias_correction_kl=False, kl_adaptation_method="clip"),
     dict(loss_type="grpo", importance_sampling_level="token", kl_adaptation_method="clip"),
     dict(**SEQUENCE, kl_adaptation_method="clip", kl_estimator="k2"),
     dict(**SEQUENCE, kl_adaptation_method="dynamic", kl_placement="reward"),
