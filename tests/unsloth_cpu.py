@@ -70,10 +70,10 @@ BNPO_MICRO_BATCH = 'elif loss_type == "bnpo":\n' in inspect.getsource(zoo_rl.grp
 
 
 class LogRecords(logging.Handler):
-    """Keeps the messages of the warnings a logger emits."""
+    """Keeps the messages a logger emits at `level` and above (warnings by default)."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -700,17 +700,6 @@ def scenario_hook_failure(out: str) -> dict:
     return results
 
 
-class InfoRecords(logging.Handler):
-    """Keeps the messages a logger emits at INFO and above."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def scenario_settings(out: str) -> dict:
     """What Unsloth's generated config makes of what the user set (the warnings for explicit fields it changed, the
     values in effect), and the KL settings line one trainer logs at construction (nothing is trained)."""
@@ -737,7 +726,7 @@ def scenario_settings(out: str) -> dict:
             "unsloth_defaults": getattr(args, UNSLOTH_DEFAULTS),
         }
     logger = logging.getLogger("unsloth_adaptive_kl.integrations.trainer_hooks")
-    records = InfoRecords()
+    records = LogRecords(logging.INFO)
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     make_trainer(f"{out}/trainer", unset=("beta",), loss_type="grpo", kl_adaptation_method="clip")
