@@ -274,9 +274,7 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
     in_effect = {name: getattr(trainer.args, name, None) for name in (
         "beta", "loss_type", "scale_rewards", "num_iterations", "steps_per_generation", "gradient_accumulation_steps",
         "epsilon", "epsilon_high", "mask_truncated_completions", "importance_sampling_level")}
-    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-    return {"tables": trained, "in_effect": in_effect, "pad_probability": pad_probability,
-            "log": logged[-1] if logged else {}}
+    return {"tables": trained, "in_effect": in_effect, "pad_probability": pad_probability}
 
 
 def _worker(job: tuple[LabRun, dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -311,8 +309,9 @@ def summarise(per_prompt: Sequence[dict[str, float]]) -> dict[str, float]:
 
 def scaling(scale_rewards: Any) -> str:
     """A trainer's `scale_rewards` as the tabular lab names it (True is "group", False "none", as TRL reads them)."""
-    return {True: "group", False: "none"}.get(scale_rewards, scale_rewards) if isinstance(scale_rewards, bool) \
-        else str(scale_rewards)
+    if isinstance(scale_rewards, bool):
+        return "group" if scale_rewards else "none"
+    return str(scale_rewards)
 
 
 def tabular_prediction(environment: Environment, setting: Setting, beta: float, loss_type: str, scale_rewards: str,
