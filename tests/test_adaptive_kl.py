@@ -101,8 +101,23 @@ def test_reward_penalty_is_beta_times_each_completions_shaped_kl() -> None:
     with pytest.raises(ValueError, match="kl_placement='reward' puts beta \\* KL into the rewards"):
         summed.kl_loss(logps, ref, MASK)
     with pytest.raises(ValueError, match=r"^kl_reduction='token_mean' is invalid: allowed is one of loss_type, "
-                                         r"sequence_sum, sequence_mean for reward_penalty"):
-        AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA).reward_penalty(logps, ref, MASK)[0]
+                                         r"sequence_sum, sequence_mean with kl_placement='reward'"):
+        AdaptiveKLConfig(kl_reduction="token_mean", kl_placement="reward")  # one KL per completion
+
+
+def test_each_door_refuses_the_other_placement_and_the_step_reads_its_own() -> None:
+    """reward_penalty refuses the loss placement as kl_loss refuses the reward one, so a stray call in a loss-placement
+    loop cannot replace the step's KL (it once took last_raw_kl from 1.897 to 0.616 and moved target's beta); the step
+    then reads the KL of the batches it trained on, by hand here."""
+    logps, ref = batch(requires_grad=False)
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0), BETA, "bnpo")
+    akl.kl_loss(logps, ref, MASK)
+    with pytest.raises(ValueError, match=r"^kl_placement='loss' puts beta \* KL into the loss, not the rewards: "
+                                         r"call kl_loss\(\.\.\.\)"):
+        akl.reward_penalty(logps, ref, MASK)
+    akl.step()
+    trained = (k3_by_hand(logps, ref) * MASK).sum().item() / LENGTHS.sum().item()
+    assert akl.last_raw_kl == pytest.approx(trained, rel=1e-6)
 
 
 def estimator_warnings(**fields) -> list[str]:
@@ -423,3 +438,20 @@ def test_registering_names_is_checked() -> None:
                                          r"test_least_confident_half(, [^ ]+)* \(register your own with register_kl_estimator\), or a callable"):
         AdaptiveKLConfig(kl_estimator="k4")
     assert "test_least_confident_half" in estimator_names()
+
+
+def test_in_the_reward_raw_kl_and_sequence_kl_count_the_same_completions() -> None:
+    """A completion without a valid token (a truncation the trainer masks out, a padding sample) is not trained on:
+    with the KL in the reward, raw_kl, adapted_kl and reward_penalty average over the completions trained on, as
+    sequence_kl does (a probe once gave raw_kl 2.0 against sequence_kl 4.0). By hand: k1 sums 4 and 2 (mean 3)."""
+    logps = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, 0.0, 0.0], [-5.0, -5.0, -5.0]])
+    ref = torch.tensor([[-3.0, -3.0, 0.0], [-3.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_reduction="sequence_sum"), BETA)
+    penalty, metrics = akl.reward_penalty(logps, ref, mask)
+    assert penalty.tolist() == pytest.approx([BETA * 4.0, BETA * 2.0, 0.0])
+    for name in ("raw_kl", "adapted_kl", "sequence_kl"):
+        assert metrics[f"adaptive_kl/{name}"] == pytest.approx(3.0), name
+    assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(BETA * 3.0)
+    _, empty = akl.reward_penalty(logps, ref, torch.zeros_like(mask))  # nothing trained on: NaN, not an error
+    assert math.isnan(empty["adaptive_kl/raw_kl"]) and math.isnan(empty["adaptive_kl/sequence_kl"])

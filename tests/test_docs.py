@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -291,3 +292,47 @@ def test_readme_quickstarts_are_the_quickstart_pages_blocks() -> None:
     readme = {block.code for block in python_blocks(ROOT / "README.md")}
     for page in ("quickstart-unsloth.md", "quickstart-trl.md"):
         assert readme & {block.code for block in python_blocks(ROOT / "docs" / page)}, page
+
+
+def trainer_sections() -> str:
+    """ground-truth.md from the trainers' lab to the guards (the part written from kl_lab_*.json)."""
+    text = (ROOT / "docs" / "ground-truth.md").read_text()
+    return text[text.index("## Through the trainers"):text.index("## What a tabular lab cannot tell")]
+
+
+def test_the_trainer_sections_carry_no_typed_figure() -> None:
+    """Every figure of the trainers' lab reaches the page through the docs hook, from the JSON the lab writes: the
+    prose between the markers holds no number (code blocks, identifiers such as k1 or r8, and maths aside), and each
+    table is rendered once."""
+    text = FENCE.sub("", trainer_sections())
+    text = re.sub(r"\\\(.*?\\\)|`[^`]*`|<!--.*?-->|\]\([^)]*\)", "", text, flags=re.DOTALL)
+    figures = re.findall(r"(?<![\w.])\d+(?:[.,]\d+)?(?![\w])", text)
+    assert figures == [], figures
+    markers = re.findall(r"<!-- generated: (kl_lab_\w+(?: \w+)?) -->", trainer_sections())
+    assert len(markers) == len(set(markers)), markers
+
+
+@pytest.mark.parametrize("name", ["trl", "unsloth", "unsloth_pad_is_eos"])
+def test_each_trainer_lab_json_is_the_output_of_the_command_it_records(name: str) -> None:
+    """A results file records the one command that wrote it, and what it says of the machine follows from that
+    command (no hand-merged shards, no annotation): its --json is the file itself, its worker processes are the
+    command's --processes, and its trainers and recipes are the ones the command asked for."""
+    from unsloth_adaptive_kl.tools import kl_lab
+
+    path = f"docs/results/kl_lab_{name}.json"
+    result = json.loads((ROOT / path).read_text())
+    argv = result["command"].split()[3:]
+    assert result["command"].startswith("python -m unsloth_adaptive_kl.tools.kl_lab ")
+    args = kl_lab.build_parser().parse_args(argv)
+    assert args.json == path
+    assert result["machine"].endswith(f" CPU cores, {args.processes} worker processes")
+    assert list(result["trainers"]) == ([args.trainer] if args.trainer != "both" else ["trl", "unsloth"])
+    for table in result["trainers"].values():
+        assert list(table["recipes"]) == (args.recipe or list(kl_lab_recipes()))
+        assert table["seeds"] == list(range(args.seeds)) and table["pad_is_eos"] == args.pad_is_eos
+
+
+def kl_lab_recipes() -> dict:
+    from unsloth_adaptive_kl.tools.trainer_lab import RECIPES
+
+    return RECIPES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -80,6 +81,20 @@ def test_resume_from_checkpoint_restores_beta(tokenizer, tmp_path) -> None:
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert logged(resumed, "adaptive_kl/current_beta")[-4:] == pytest.approx([0.04 * 0.8**k for k in range(4, 8)])
     assert resumed.current_beta == pytest.approx(full.current_beta, rel=1e-12)
+
+
+def test_resume_without_the_state_file_warns_naming_it(tokenizer, tmp_path) -> None:
+    """A checkpoint whose adaptive_kl_state.json is gone (saved without the package, or lost) resumes with beta at
+    its initial value: the trainer says so, naming the file, instead of training on silently."""
+    settings = dict(max_steps=6, dynamic_beta_decay=0.8, save_strategy="steps", save_steps=4, **DYNAMIC)
+    make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **settings).train()
+    state = tmp_path / "full" / "checkpoint-4" / "adaptive_kl_state.json"
+    state.unlink()
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), constant_reward(1.0), **settings)
+    with pytest.warns(UserWarning, match=f"^adaptive_kl: {re.escape(str(state))} is missing: the controllers restart "
+                                         "from their initial beta"):
+        resumed.train(resume_from_checkpoint=str(state.parent))
+    assert logged(resumed, "adaptive_kl/current_beta")[0] == pytest.approx(0.04)  # beta_0, not 0.04 * 0.8**4
 
 
 def test_two_processes_share_the_globally_averaged_beta(tmp_path) -> None:

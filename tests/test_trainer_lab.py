@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from unsloth_adaptive_kl.tools import kl_lab, trainer_lab
 from unsloth_adaptive_kl.tools.kl_lab import ENVIRONMENTS, Tree, kl, optimum
 
 ENV = ENVIRONMENTS["contains_a"]
+ROOT = Path(__file__).resolve().parents[1]
 # The guard's bound on KL(pi || pi*_beta), averaged over the training prompts. Noise floor: k1 in the reward measured
 # 0 to 0.0018 over two seeds in each of these recipes (docs/results/kl_lab_trl.json, 800 steps); a beta off by a
 # factor 1.25 (a normaliser off by a quarter) lands over 0.005 away and a factor 2 over 0.05 (test below).
@@ -56,6 +58,35 @@ def test_the_tokenizer_is_the_three_symbols_and_a_pad_the_model_does_not_sample(
         assert float(table.exp().sum(-1).min()) > 1 - 1e-12
     eos_pads = trainer_lab.lab_tokenizer(pad_is_eos=True)
     assert len(eos_pads) == 3 and eos_pads.pad_token_id == eos_pads.eos_token_id == 0
+
+
+def test_the_pad_is_out_of_reach_whatever_the_weights_by_construction() -> None:
+    """Why no machine can sample or train the pad token (the Unsloth guard rested on it, and float differences between
+    CPUs once decided it): with every weight but the pad's row of lm_head redrawn N(0, 1) (50 times the initial
+    scale; the norms' weights too), the pad's
+    logit is still PAD_LOGIT exactly, its probability 0 in float64, and its row's gradient exactly 0. Without the bias
+    unit (the mutation) the same weights give the pad a logit that moves with them."""
+    tokenizer = trainer_lab.lab_tokenizer()
+    pad = tokenizer.pad_token_id
+    model = trainer_lab.lab_model(tokenizer)
+    assert trainer_lab.bias_unit(model) is model and len(model.model.norm._forward_hooks) == 1  # idempotent
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            keep = parameter[pad].clone() if name == "lm_head.weight" else None
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+            if keep is not None:
+                parameter[pad] = keep
+    inputs = torch.tensor([[2, 3, 2, 1, 3]])
+    logits = model(input_ids=inputs).logits
+    assert torch.equal(logits[..., pad], torch.full_like(logits[..., pad], trainer_lab.PAD_LOGIT))
+    assert pad == 0 and float(logits[..., 1:].abs().max()) < 1e3  # the others: 9000 above it at least
+    torch.log_softmax(logits, -1)[..., 2].sum().backward()  # a policy-gradient-like loss on the letter 'a'
+    assert torch.count_nonzero(model.lm_head.weight.grad[pad]) == 0
+    table = trainer_lab.node_logits(model, tokenizer, "aab", Tree(ENV))
+    assert float(table.exp().sum(-1).min()) > 1 - 1e-12
+    model.model.norm._forward_hooks.clear()  # the mutation: no bias unit
+    assert float(model(input_ids=inputs).logits[..., pad].max()) != trainer_lab.PAD_LOGIT
 
 
 def test_set_reads_literals_and_strings_and_refuses_what_is_not_a_pair() -> None:
@@ -129,3 +160,94 @@ def test_k1_in_the_reward_reaches_the_optimum_through_trls_trainer(tmp_path) -> 
         assert row["tabular"]["kl_opt"] < 1e-3  # the tabular lab's prediction: exact
     assert table["rows"][1]["in_effect"]["gradient_accumulation_steps"] == 2
     assert table["rows"][2]["in_effect"]["steps_per_generation"] == 2
+
+
+# ----- the prediction: what the trainer computes ---------------------------------------------------------------------
+
+IN_EFFECT = dict(beta=0.4375, loss_type="dr_grpo", scale_rewards="none", num_generations=8, num_iterations=1,
+                 steps_per_generation=1, gradient_accumulation_steps=1, importance_sampling_level="token",
+                 use_bias_correction_kl=True, mask_truncated_completions=False, temperature=1.0)
+
+
+@pytest.mark.parametrize(("fields", "estimator"), [
+    ({}, "k3+"),  # TRL >= 1.10's default: k3 times the importance ratio, on-policy k3's value and k2's gradient
+    ({"use_bias_correction_kl": False}, None),  # trl 1.9.1's default: the plain k3 (the placement's default)
+    ({"kl_adaptation_method": "sigmoid", "kl_target": 0.05}, "k3+"),  # a method adapts the trainer's k3 * ratio
+    ({"kl_estimator": "k2"}, "k2"),  # computed from the log-probs: no ratio
+    ({"kl_placement": "reward"}, None),  # k1 in the reward, the placement's default
+], ids=["trainer_k3_corrected", "trainer_k3_plain", "sigmoid_on_trainer_k3", "k2", "reward"])
+def test_the_prediction_runs_the_estimator_the_trainer_computes(fields, estimator) -> None:
+    prediction = trainer_lab.prediction_of({**IN_EFFECT, **fields})
+    assert dict(prediction.setting.config).get("kl_estimator") == estimator
+    assert (prediction.setting.loss_type, prediction.setting.scale_rewards, prediction.beta) == ("dr_grpo", "none",
+                                                                                                  0.4375)
+    assert prediction.setting.placement == ("reward" if fields.get("kl_placement") else "loss")
+    assert prediction.unmodelled == ()
+
+
+def test_the_prediction_names_what_the_tabular_lab_does_not_model() -> None:
+    prediction = trainer_lab.prediction_of({**IN_EFFECT, "num_iterations": 2, "steps_per_generation": 2,
+                                            "importance_sampling_level": "sequence", "scale_rewards": True}, lora=True)
+    assert [note.split(":")[0] for note in prediction.unmodelled] == [
+        "num_iterations=2", "steps_per_generation=2", "importance_sampling_level='sequence'", "LoRA"]
+    assert prediction.setting.scale_rewards == "group"  # True as TRL reads it
+    accumulation = trainer_lab.prediction_of({**IN_EFFECT, "gradient_accumulation_steps": 2,
+                                              "steps_per_generation": 2})
+    assert accumulation.unmodelled == ()  # the same gradient as one batch: modelled
+    assert trainer_lab.prediction_of({**IN_EFFECT, "beta": 0.0}).setting.placement == "off"
+
+
+def test_a_seed_beyond_every_optimum_is_counted_not_averaged() -> None:
+    """The effective beta's sentinel (the bisection's floor) never enters a mean: a prompt beyond every optimum makes
+    its seed's beta None, and a row averages the real seeds and counts the others."""
+    tree = Tree(ENV)
+    reference = tree.log_probs(tree.reference_table)
+    rarest_rewarded = torch.where(tree.rewards > 0, reference, torch.tensor(math.inf)).argmin()
+    delta = torch.log_softmax(torch.full_like(reference, -60.0).index_fill(0, rarest_rewarded, 0.0), 0)
+    beyond = trainer_lab.exact_figures(tree, delta, 0.5)  # further than pi*_0, the reference on rewarded ones
+    assert beyond["effective_beta"] is None
+    at_optimum = trainer_lab.exact_figures(tree, optimum(tree, 0.5).float(), 0.5)
+    assert at_optimum["effective_beta"] == pytest.approx(0.5, rel=1e-3)
+    assert trainer_lab.summarise([at_optimum, beyond])["effective_beta"] is None
+    row = trainer_lab.over_seeds([at_optimum, trainer_lab.summarise([at_optimum, beyond])])
+    assert row["effective_beta"] == pytest.approx(0.5, rel=1e-3) and row["beyond_seeds"] == 1
+    assert row["effective_beta_seeds"][1] is None
+    assert trainer_lab._spread(row["effective_beta_seeds"], trainer_lab._beta) == " (1 of 2 seeds beyond pi*)"
+
+
+def test_the_settings_in_effect_are_the_trainers_args_as_json(tmp_path) -> None:
+    """What a row records and the prediction reads: TRL's args as the trainer holds them (use_bias_correction_kl,
+    the runtime fields, enums as their values) and the package's fields."""
+    from trl import GRPOConfig
+
+    import unsloth_adaptive_kl  # noqa: F401
+
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, beta=0.04, use_bias_correction_kl=False,
+                      kl_adaptation_method="sigmoid", optim="adamw_torch", lr_scheduler_type="cosine")
+    in_effect = trainer_lab.settings_in_effect(args)
+    assert json.loads(json.dumps(in_effect)) == in_effect
+    assert (in_effect["use_bias_correction_kl"], in_effect["optim"], in_effect["lr_scheduler_type"],
+            in_effect["kl_adaptation_method"], in_effect["learning_rate"]) == (
+        False, "adamw_torch", "cosine", "sigmoid", args.learning_rate)
+    assert dict(trainer_lab.prediction_of(in_effect).setting.config)["kl_adaptation_method"] == "sigmoid"
+
+
+def test_predict_reproduces_the_committed_rows_predictions() -> None:
+    """One rule: every committed TRL row's recorded prediction (estimator, what is not modelled) is what
+    `prediction_of` makes of the row's settings in effect, and `kl_lab --predict` given those settings as --set
+    reproduces a row's tabular figures exactly, for a row on the trainer's k3 times the ratio under TRL's defaults, a
+    shaped one, and one whose recipe the tabular lab does not model."""
+    result = json.loads((ROOT / "docs" / "results" / "kl_lab_trl.json").read_text())
+    table = result["trainers"]["trl"]
+    rows = [row for row in table["rows"] if "tabular" in row]
+    for row in rows:
+        prediction = trainer_lab.prediction_of(row["in_effect"], row["recipe"] == "lora")
+        assert list(prediction.unmodelled) == row["tabular"]["unmodelled"], row["setting"]
+        estimator = dict(prediction.setting.config).get("kl_estimator")
+        assert row["tabular"]["estimator"] == estimator or estimator is None, row["setting"]
+    for recipe, setting in (("defaults", "k3 in the loss (the trainer's own)"), ("dr_grpo", "sigmoid in the loss"),
+                            ("mu2", "k1 in the reward")):
+        (row,) = [row for row in rows if (row["recipe"], row["setting"]) == (recipe, setting)]
+        fields = [f"{name}={value!r}" for name, value in row["in_effect"].items() if value is not None]
+        predicted = kl_lab.main(["--predict", "--trainer", "trl", "--beta", str(table["beta"]), "--set", *fields])
+        assert predicted["predictions"]["the config"] == row["tabular"], (recipe, setting)

@@ -20,13 +20,17 @@ LOGGER = "unsloth_adaptive_kl.integrations.trainer_hooks"
 SEQUENCE = dict(loss_type="grpo", importance_sampling_level="sequence", use_bias_correction_kl=True)
 
 
-def settings_lines(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.name == LOGGER]
+def settings_lines(caplog, capsys) -> list[str]:
+    """The settings lines said so far: printed (an adapted setting) and logged at INFO (the stock KL)."""
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("adaptive_kl: KL settings")]
+    return printed + [record.getMessage() for record in caplog.records if record.name == LOGGER]
 
 
-def test_trainer_construction_logs_the_kl_settings_in_effect_once(tokenizer, tmp_path, caplog) -> None:
-    """One INFO line per trainer, read from the trainer's own args: scale_rewards=True as TRL stores it ('group'),
-    steps_per_generation as TRL derives it, the estimator as the placement resolves it; training logs no other."""
+def test_trainer_construction_says_the_kl_settings_in_effect_once(tokenizer, tmp_path, caplog, capsys) -> None:
+    """One line per trainer, read from the trainer's own args: scale_rewards=True as TRL stores it ('group'),
+    steps_per_generation as TRL derives it, the estimator as the placement resolves it; training says no other. An
+    adapted setting prints it (INFO is hidden at Python's default level, as a new user runs the quickstart); the
+    stock KL logs it at INFO and prints nothing."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     trainer = make_trainer(tokenizer, str(tmp_path), loss_type="grpo", kl_adaptation_method="clip", num_iterations=2,
                            use_bias_correction_kl=True,
@@ -35,10 +39,16 @@ def test_trainer_construction_logs_the_kl_settings_in_effect_once(tokenizer, tmp
                 "kl_estimator='k3' (unset: the placement's default), kl_placement='loss', loss_type='grpo', "
                 "scale_rewards='group', num_iterations=2, importance_sampling_level='token', "
                 "use_bias_correction_kl=True, steps_per_generation=2, gradient_accumulation_steps=2")
-    assert settings_lines(caplog) == [expected]
+    assert settings_lines(caplog, capsys) == [expected]
+    assert not caplog.records  # printed, not also logged
     trainer.train()
     assert trainer.state.global_step == 1
-    assert settings_lines(caplog) == [expected]
+    assert settings_lines(caplog, capsys) == []
+    make_trainer(tokenizer, str(tmp_path), loss_type="grpo", use_bias_correction_kl=True, max_steps=1)
+    assert capsys.readouterr().out.count("adaptive_kl: KL settings") == 0
+    (stock,) = [record.getMessage() for record in caplog.records if record.name == LOGGER]
+    assert stock.startswith("adaptive_kl: KL settings in effect for GRPOTrainer: beta=0.04, "
+                            "kl_adaptation_method='none', kl_estimator='k3'")
 
 
 @pytest.mark.parametrize(("settings", "shown"), [
@@ -51,7 +61,7 @@ def test_trainer_construction_logs_the_kl_settings_in_effect_once(tokenizer, tmp
      "scale_rewards='group', num_iterations=1, importance_sampling_level='sequence', use_bias_correction_kl=True "
      "(not applied: the KL in the reward is 'k1' from the log-probs)"),
 ], ids=["k2_in_the_loss", "k1_in_the_reward"])
-def test_settings_line_says_where_trls_kl_correction_does_not_apply(tokenizer, tmp_path, caplog, settings,
+def test_settings_line_says_where_trls_kl_correction_does_not_apply(tokenizer, tmp_path, caplog, capsys, settings,
                                                                      shown) -> None:
     """TRL's use_bias_correction_kl multiplies its own k3 only: with another estimator, or the KL in the reward, the
     line says it is not applied (and these settings train with importance_sampling_level='sequence')."""
@@ -59,7 +69,7 @@ def test_settings_line_says_where_trls_kl_correction_does_not_apply(tokenizer, t
     make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="dynamic", importance_sampling_level="sequence",
                  use_bias_correction_kl=True,
                  **settings)
-    (line,) = settings_lines(caplog)
+    (line,) = settings_lines(caplog, capsys)
     assert shown in line
 
 

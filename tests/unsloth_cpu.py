@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import io
 import json
 import logging
 import math
@@ -706,6 +707,7 @@ def scenario_settings(out: str) -> dict:
     configs = {"dr_grpo_group": dict(loss_type="dr_grpo", scale_rewards="group", beta=0.04),
                "dr_grpo_true": dict(loss_type="dr_grpo", scale_rewards=True, beta=0.04),
                "dr_grpo_unset": dict(loss_type="dr_grpo", beta=0.04),
+               "dr_grpo_none": dict(loss_type="dr_grpo", scale_rewards=None, beta=0.04),
                "grpo_beta_unset": dict(loss_type="grpo"),
                "dapo_explicit": dict(loss_type="dapo", beta=0.04),
                "sequence_clip": dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence",
@@ -725,13 +727,12 @@ def scenario_settings(out: str) -> dict:
                                                                  "epsilon_high", "vllm_importance_sampling_correction")},
             "unsloth_defaults": getattr(args, UNSLOTH_DEFAULTS),
         }
-    logger = logging.getLogger("unsloth_adaptive_kl.integrations.trainer_hooks")
-    records = LogRecords(logging.INFO)
-    logger.addHandler(records)
-    logger.setLevel(logging.INFO)
-    make_trainer(f"{out}/trainer", unset=("beta",), loss_type="grpo", kl_adaptation_method="clip")
-    logger.removeHandler(records)
-    results["settings_lines"] = records.messages
+    printed = io.StringIO()  # an adapted setting prints its line, where a user looks
+    with contextlib.redirect_stdout(printed):
+        make_trainer(f"{out}/trainer", unset=("beta", "learning_rate", "seed", "warmup_steps", "optim"), loss_type="grpo",
+                     kl_adaptation_method="clip")
+    results["settings_lines"] = [line for line in printed.getvalue().splitlines()
+                                 if line.startswith("adaptive_kl: KL settings")]
     return results
 
 

@@ -12,8 +12,9 @@ returns. An unknown name fails the build. Sources:
   `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
 - `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo;
 - `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`: `docs/results/kl_lab.json`, written by the KL lab;
-- `kl_lab_trainer NAME`, `kl_lab_side_by_side`: `docs/results/kl_lab_NAME.json` (trl, unsloth, unsloth_pad_is_eos),
-  written by the KL lab through the trainers (`--trainer`).
+- `kl_lab_trainer NAME`, `kl_lab_findings NAME`, `kl_lab_side_by_side`, `kl_lab_differences`, `kl_lab_pad_is_eos`:
+  `docs/results/kl_lab_NAME.json` (trl, unsloth, unsloth_pad_is_eos), written by the KL lab through the trainers
+  (`--trainer`); the findings' sentences are `trainer_lab.findings` and its neighbours.
 """
 
 from __future__ import annotations
@@ -394,8 +395,35 @@ def kl_lab_side_by_side(_: Optional[str] = None) -> str:
                                        _lab_through("unsloth")["trainers"]["unsloth"]))
 
 
+def kl_lab_findings(name: Optional[str] = None) -> str:
+    """What one trainer's table shows (`trainer_lab.findings`), as a list whose every figure is computed from it."""
+    from unsloth_adaptive_kl.tools.trainer_lab import findings
+
+    (table,) = _lab_through(str(name))["trainers"].values()
+    return "\n".join(f"- {finding}" for finding in findings(table))
+
+
+def kl_lab_differences(_: Optional[str] = None) -> str:
+    """Unsloth against TRL on the same GRPOConfig (`trainer_lab.differences`)."""
+    from unsloth_adaptive_kl.tools.trainer_lab import differences
+
+    return "\n".join(f"- {finding}" for finding in differences(_lab_through("trl")["trainers"]["trl"],
+                                                                 _lab_through("unsloth")["trainers"]["unsloth"]))
+
+
+def kl_lab_pad_is_eos(_: Optional[str] = None) -> str:
+    """The pad = EOS row against TRL's and Unsloth's own (`trainer_lab.pad_is_eos_finding`), inside a sentence."""
+    from unsloth_adaptive_kl.tools.trainer_lab import pad_is_eos_finding
+
+    return pad_is_eos_finding(*(_lab_through(name)["trainers"][trainer] for name, trainer in (
+        ("unsloth_pad_is_eos", "unsloth"), ("trl", "trl"), ("unsloth", "unsloth"))))
+
+
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "kl_lab_trainer": kl_lab_trainer,
+    "kl_lab_findings": kl_lab_findings,
+    "kl_lab_differences": kl_lab_differences,
+    "kl_lab_pad_is_eos": kl_lab_pad_is_eos,
     "kl_lab_side_by_side": kl_lab_side_by_side,
     "kl_lab": kl_lab,
     "kl_lab_target": kl_lab_target,

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .adaptation import KLTerm, ReductionContext, kl_reduction, kl_term, loss_type_reduction
-from .config import REWARD_KL_REDUCTIONS, AdaptiveKLConfig, check_real, is_real, reject
+from .config import AdaptiveKLConfig, check_real, is_real, reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .functional import adapted_kl, completion_kls
 from .numerics import LogpCheck
@@ -140,9 +140,9 @@ class AdaptiveKL:
         included (also in `last_metrics`); the next `step` reads the batch's KL, unless `train=False` (an evaluation
         batch). Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid token raises
         `NonFiniteLogProbError`."""
-        if self.config.kl_reduction not in REWARD_KL_REDUCTIONS:
-            raise reject("kl_reduction", self.config.kl_reduction,
-                         f"one of {', '.join(REWARD_KL_REDUCTIONS)} for reward_penalty (one KL per completion)")
+        if not self.config.kl_in_reward:
+            raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
+                             "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
         penalty, self.last_metrics = self.penalize(
             completion_kls(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,
             train=train, completed_steps=self.completed_steps)
@@ -214,11 +214,13 @@ class AdaptiveKL:
     # ----- the driver ----------------------------------------------------------------------------------------------
 
     def _end_step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
-        """The one place the controller moves: once per optimizer step, from the step's KL `window` (by default the
-        sums the step trained on, n counted once per generation batch; with the KL in the reward, those of the batch
-        scored since the last step), which also becomes `last_raw_kl`."""
-        if window is None:
-            window = self._trained.window(self.num_iterations) if self._scored is None else self._scored.window()
+        """The one place the controller moves: once per optimizer step, from the step's KL `window` (by default, as
+        the placement says: the sums the step trained on, n counted once per generation batch; with the KL in the
+        reward, those of the batch scored since the last step), which also becomes `last_raw_kl`."""
+        if window is None and self.config.kl_in_reward:
+            window = None if self._scored is None else self._scored.window()
+        elif window is None:
+            window = self._trained.window(self.num_iterations)
         self._trained, self._scored = KLStatistics(), None
         if window is not None:
             self.last_raw_kl = window.token_mean

@@ -41,7 +41,7 @@ class KLStatistics:
     """Sums over one or more batches (all processes, once gathered).
 
     entries: how many raw/adapted values are summed (one per micro-batch with the KL in the loss, one per completion
-        with the KL in the reward); raw, adapted: their sums.
+        trained on with the KL in the reward); raw, adapted: their sums.
     completions: completions trained on (L_i > 0); tokens: sum L_i; kl: sum S_i; tokens_sq: sum L_i^2;
         kl_sq: sum S_i^2; tokens_kl: sum L_i S_i.
     clipped: valid tokens with k >= kl_clip_threshold (`clip` only, else 0).
@@ -76,9 +76,10 @@ class KLStatistics:
         """The `adaptive_kl/*` metrics of docs/metrics.md: raw_kl = raw / entries, adapted_kl = adapted / entries,
         current_beta, sequence_kl = sum S_i / completions and length_kl_corr = corr(L_i, S_i) over the completions
         trained on, reward_penalty = beta * adapted_kl (`reward`), clip_fraction = clipped / sum L_i (`clip` only).
-        A non-finite raw or adapted KL raises FloatingPointError naming `step`."""
-        raw_kl, adapted_kl = self.raw / self.entries, self.adapted / self.entries
-        if not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
+        With the KL in the reward the means are over the completions trained on, as sequence_kl's (NaN where there is
+        none). A non-finite raw or adapted KL raises FloatingPointError naming `step`."""
+        raw_kl, adapted_kl = (self.raw / self.entries, self.adapted / self.entries) if self.entries else (math.nan,) * 2
+        if self.entries and not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
             raise FloatingPointError(
                 f"adaptive KL: non-finite KL at step {step}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
                 "The policy and reference log-probs diverged beyond float range.")
@@ -111,7 +112,9 @@ def device_sums(term: KLTerm) -> torch.Tensor:
     points = torch.stack([term.lengths.gt(0), term.lengths, term.sequence_kl]).double()
     moments = points @ points.T
     check = term.check.sums if term.check is not None else term.sequence_kl.new_zeros(2)
-    sums = {"entries": term.lengths.new_full((), term.raw.numel()), "raw": term.raw.sum(),
+    # One entry per micro-batch in the loss; in the reward one per completion trained on (the others' KL_i is 0).
+    entries = moments[0, 0] if term.raw.dim() else term.lengths.new_ones(())
+    sums = {"entries": entries, "raw": term.raw.sum(),
             "adapted": term.adapted.detach().sum(), "completions": moments[0, 0], "tokens": moments[0, 1],
             "kl": moments[0, 2], "tokens_sq": moments[1, 1], "kl_sq": moments[2, 2], "tokens_kl": moments[1, 2],
             "clipped": term.at_threshold, "policy_logps": check[0], "reference_logps": check[1]}

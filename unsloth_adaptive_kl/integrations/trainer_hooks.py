@@ -7,6 +7,7 @@ and `inspect.signature` of `trl.GRPOTrainer`'s methods to generate its trainer, 
 
 from __future__ import annotations
 
+import enum
 import functools
 import json
 import logging
@@ -38,6 +39,11 @@ TRL_SYNC_FIELDS = ("sync_ref_model", "ref_model_sync_steps", "ref_model_mixup_al
 # adaptive-KL ones.
 LOGGED_TRL_FIELDS = ("loss_type", "scale_rewards", "num_iterations", "importance_sampling_level",
                      "use_bias_correction_kl", "steps_per_generation", "gradient_accumulation_steps")
+# TrainingArguments' fields that move the optimisation, which Unsloth's generated config gives defaults of its own
+# (learning rate 5e-5 against GRPO's 1e-6, seed 3407, warmup, 8-bit AdamW, weight decay): named in the settings line
+# where they differ from TRL's.
+RUNTIME_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "optim", "weight_decay",
+                  "max_grad_norm", "seed", "per_device_train_batch_size")
 # The attribute on Unsloth's generated config that holds {field: TRL's default} for the fields the user left unset
 # whose Unsloth default differs from TRL's (set by the Unsloth integration, read by `log_settings`).
 UNSLOTH_DEFAULTS = "_adaptive_kl_unsloth_defaults"
@@ -155,7 +161,8 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
 
 
 def log_settings(trainer: Any) -> None:
-    """Log (INFO, once per trainer construction) the KL settings in effect, read from the trainer's own
+    """Say once per trainer construction the KL settings in effect (printed when a setting is adapted, as Unsloth
+    prints its banner; logged at INFO for the stock KL), read from the trainer's own
     `args` after its construction (what Unsloth's generated config and the trainer made of the user's): beta, the
     adaptive-KL method, the estimator in effect (`AdaptiveKLConfig.estimator`) and placement, then `LOGGED_TRL_FIELDS`.
     A field the user left unset whose Unsloth default differs from TRL's is marked so (`UNSLOTH_DEFAULTS`), and the
@@ -177,11 +184,19 @@ def log_settings(trainer: Any) -> None:
 
     line = (f"adaptive_kl: KL settings in effect for {type(trainer).__name__}: "
             + ", ".join(shown(name, value) for name, value in settings.items()))
-    others = [f"{name}={getattr(args, name, None)!r} (TRL's is {default!r})"
+    others = [f"{name}={plain(getattr(args, name, None))!r} (TRL's is {default!r})"
               for name, default in unsloth_defaults.items() if name not in settings]
     if others:
         line += "; Unsloth's other defaults that differ from TRL's: " + ", ".join(others)
-    logger.info(line)
+    if config.is_stock_kl and not config.kl_methods:
+        logger.info(line)
+    else:  # an adapted setting: shown where a user looks, as Unsloth shows its banner (INFO is hidden by default)
+        print(line, flush=True)
+
+
+def plain(value: Any) -> Any:
+    """A config value as a user writes it: an enum (TrainingArguments' optim, lr_scheduler_type) as its value."""
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def check_loss_not_replaced(trainer_class: type, args: Any) -> None:
@@ -390,7 +405,7 @@ def wrap_save_checkpoint(upstream: Callable) -> Callable:
 
 def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
     """_load_optimizer_and_scheduler: restore the beta controller's state, and with syncing the reference, on
-    resume."""
+    resume; a checkpoint without the state file warns, naming it (beta restarts at its initial value)."""
 
     @functools.wraps(upstream)
     def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> None:
@@ -401,6 +416,9 @@ def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
         if os.path.exists(path):
             with open(path) as f:
                 self.adaptive_kl.load_state_dict(json.load(f))
+        else:  # a checkpoint saved without this package, or a file lost: say so, as verl's integration does
+            warnings.warn(f"adaptive_kl: {path} is missing: the controllers restart from their initial beta.",
+                          UserWarning, stacklevel=2)
         sync = getattr(self, "adaptive_kl_reference", None)
         if sync is not None:
             sync.load(checkpoint)

@@ -45,11 +45,13 @@ from .ref_sync import use_reference
 from .trl import GRPOConfig
 from .trainer_hooks import (
     LOGGED_TRL_FIELDS,
+    RUNTIME_FIELDS,
     UNSLOTH_DEFAULTS,
     KLTermProbe,
     asks_for_adaptive_kl,
     config_argument,
     current_beta,
+    plain,
     record_metrics,
     wrap_calculate_rewards,
     wrap_generate_and_score,
@@ -202,10 +204,11 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
 
 def _trl_defaults() -> dict[str, Any]:
     """{field: TRL's default} for the fields whose Unsloth changes are reported: the GRPO fields (trl.GRPOConfig's
-    own and this package's, not TrainingArguments' runtime fields such as optim or output_dir, whose spelling Unsloth
-    maps to its own) and the TRL fields of the settings line (`LOGGED_TRL_FIELDS`)."""
-    runtime = {spec.name for spec in dataclasses.fields(TrainingArguments)} - set(LOGGED_TRL_FIELDS)
-    return {spec.name: spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+    own and this package's), the TRL fields of the settings line (`LOGGED_TRL_FIELDS`) and the runtime fields that
+    move the optimisation (`RUNTIME_FIELDS`), not TrainingArguments' others (output_dir, logging, saving); enums as
+    their values."""
+    runtime = {spec.name for spec in dataclasses.fields(TrainingArguments)} - {*LOGGED_TRL_FIELDS, *RUNTIME_FIELDS}
+    return {spec.name: plain(spec.default if spec.default is not dataclasses.MISSING else spec.default_factory())
             for spec in dataclasses.fields(GRPOConfig)
             if spec.name not in runtime and not (spec.default is spec.default_factory is dataclasses.MISSING)}
 
@@ -213,20 +216,21 @@ def _trl_defaults() -> dict[str, Any]:
 def _report_changes(config: Any, explicit: dict[str, Any], passed: dict[str, Any]) -> None:
     """Compare, field by field (`_trl_defaults`), what the user passed Unsloth's generated config (`explicit`) with
     what its __init__ passed on to TRL's GRPOConfig (`passed`): a field set explicitly and changed gets one
-    UserWarning naming it, the value set and the value in effect; a field left unset whose Unsloth default differs
+    UserWarning naming it, the value set and the value in effect (not None, which asks Unsloth for its choice: its own
+    advice for dr_grpo is `scale_rewards=None` to keep the scaling); a field left unset whose Unsloth default differs
     from TRL's is recorded on the config (`UNSLOTH_DEFAULTS`) for the settings line its trainer logs."""
     defaults = {}
     for name, trl_default in _trl_defaults().items():
         if name not in passed:
             continue
-        if name in explicit and passed[name] != explicit[name]:
+        if name in explicit and explicit[name] is not None and plain(passed[name]) != plain(explicit[name]):
             warnings.warn(
                 f"{name}={explicit[name]!r} was set explicitly, but Unsloth's generated {GENERATED_CONFIG} changed it "
                 f"to {passed[name]!r}: {name}={getattr(config, name)!r} is in effect.",
                 UserWarning,
                 stacklevel=3,
             )
-        elif name not in explicit and passed[name] != trl_default:
+        elif name not in explicit and plain(passed[name]) != trl_default:
             defaults[name] = trl_default
     setattr(config, UNSLOTH_DEFAULTS, defaults)
 

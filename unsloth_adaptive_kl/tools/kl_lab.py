@@ -492,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env", default="all", choices=["all", *ENVIRONMENTS],
                         help="the environment: contains_a (length helps the reward), first_a (the reward saturates at "
                         "the first token, the length is free), or all")
-    parser.add_argument("--beta", type=float, default=0.5, help="the KL coefficient of the objective (default 0.5)")
+    parser.add_argument("--beta", type=float, help="the KL coefficient of the objective (default 0.5; with --predict, "
+                        "the config's beta)")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per setting, averaged (default 1)")
     parser.add_argument("--trainer", default="tabular", choices=["tabular", "trl", "unsloth", "both"],
                         help="tabular: the tabular policy in the lab's own GRPO loop (default); trl, unsloth, both: a "
@@ -503,10 +504,12 @@ def build_parser() -> argparse.ArgumentParser:
                         + " (default: all)")
     parser.add_argument("--set", dest="overrides", nargs="+", action="extend", default=[], metavar="FIELD=VALUE",
                         help="with --trainer: any GRPOConfig field, set last (e.g. --set loss_type=dapo num_iterations=2)")
+    parser.add_argument("--predict", action="store_true", help="with --trainer trl or unsloth and --set: the tabular "
+                        "lab's prediction for that GRPOConfig as the trainer runs it, in seconds (no trainer is built)")
     parser.add_argument("--pad-is-eos", action="store_true", help="with --trainer: the tokenizer pads with EOS (no pad "
                         "token of its own), where Unsloth's loss masks every EOS out")
     parser.add_argument("--learning-rate", type=float, help="with --trainer: AdamW's peak learning rate, decayed "
-                        "linearly to 0 (default 3e-3, or 2e-2 with LoRA)")
+                        "linearly to 0 (default 3e-3, LoRA included)")
     parser.add_argument("--steps", type=int, help=f"optimizer steps per run (default {Training.steps}, or "
                         f"{trainer_lab.STEPS} with --trainer)")
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -534,7 +537,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             raise SystemExit(f"{flag} {', '.join(unknown)}: not registered; registered are {', '.join(registered)} "
                              "(register yours in a module named with --import)")
     trainer_only = {"--recipe": args.recipe, "--set": args.overrides, "--pad-is-eos": args.pad_is_eos,
-                    "--learning-rate": args.learning_rate}
+                    "--learning-rate": args.learning_rate, "--predict": args.predict}
     tabular_only = {"--estimator": args.estimator, "--method": args.method, "--no-target": args.no_target}
     unused = [flag for flag, value in (tabular_only if args.trainer != "tabular" else trainer_only).items() if value]
     if unused:
@@ -543,6 +546,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             else "only with --trainer trl, unsloth or both") + ")")
     torch.set_num_threads(1)
     command = " ".join(["python -m unsloth_adaptive_kl.tools.kl_lab", *(argv if argv is not None else sys.argv[1:])])
+    if args.predict:
+        from . import trainer_lab
+
+        return trainer_lab.predict(args)
+    args.beta = 0.5 if args.beta is None else args.beta
     if args.trainer != "tabular":
         from . import trainer_lab
 

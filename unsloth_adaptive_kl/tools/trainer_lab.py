@@ -27,6 +27,7 @@ Unsloth's own. The policy is a plain transformers model, not a FastLanguageModel
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import multiprocessing
 import os
@@ -38,6 +39,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..core import AdaptiveKLConfig
 from .kl_lab import ENVIRONMENTS, METHOD_FIELDS, Environment, Figures, Setting, Training, Tree, beta_for_kl, train
 
 TRAINERS = ("trl", "unsloth")
@@ -49,6 +51,7 @@ TRAIN_PROMPTS = ("aab", "abb", "bab")
 HELD_OUT = "aba"  # never in the training set
 GROUP_SIZE = 8
 BATCH = 64  # completions an optimizer step: 8 groups
+LEARNING_RATE = 3e-3  # AdamW's peak, decayed linearly to 0
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,9 @@ def trainer_settings() -> list[Setting]:
 @dataclass(frozen=True)
 class LabRun:
     """One training run through a trainer: `steps` optimizer steps of `BATCH` completions, AdamW at `learning_rate`
-    decayed linearly to 0 (the trainers' default schedule); `learning_rate` None: 3e-3, or 2e-2 with LoRA."""
+    decayed linearly to 0 (the trainers' default schedule); `learning_rate` None: `LEARNING_RATE`, with LoRA too.
+    (Measured once by minimising the exact KL(pi || pi*) over LoRA's adapters directly, Adam without sampling: 0.0008
+    after 250 steps at a constant 3e-3, stalled near 0.04 at 1e-2 and 0.16 at 2e-2, the rate LoRA rows once ran at.)"""
 
     trainer: str
     setting: Setting
@@ -103,9 +108,7 @@ class LabRun:
 
     @property
     def lr(self) -> float:
-        if self.learning_rate is not None:
-            return self.learning_rate
-        return 2e-2 if self.recipe.lora else 3e-3
+        return LEARNING_RATE if self.learning_rate is None else self.learning_rate
 
 
 # ----- the policy ---------------------------------------------------------------------------------------------------
@@ -121,31 +124,40 @@ def lab_tokenizer(pad_is_eos: bool = False) -> Any:
 
 
 def lab_model(tokenizer: Any, seed: int = 0) -> Any:
-    """The policy at the start (and so the reference): a 2-layer Llama of width 64, seeded; a pad token of the
-    tokenizer's own is never sampled (`never_sampled`)."""
+    """The policy at the start (and so the reference): a 2-layer Llama of width 64, seeded, with `bias_unit` (a pad
+    token of the tokenizer's own is out of reach)."""
     from .tiny import build_tiny_model
 
     model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=seed, max_position_embeddings=16)
-    if tokenizer.pad_token_id != tokenizer.eos_token_id:
-        never_sampled(model, tokenizer.pad_token_id)
+    with torch.no_grad():
+        if tokenizer.pad_token_id != tokenizer.eos_token_id:
+            model.lm_head.weight[tokenizer.pad_token_id] = 0.0
+            model.lm_head.weight[tokenizer.pad_token_id, 0] = PAD_LOGIT
+    return bias_unit(model)
+
+
+PAD_LOGIT = -1e4  # the pad token's logit, fixed (finite: a float16 logit holds it, and 0 * it is 0)
+
+
+def bias_unit(model: Any) -> Any:
+    """Make hidden coordinate 0 of the model's final hidden state the constant 1, a bias unit: the final norm's
+    output there is replaced (a forward hook on `model.norm`, which the trainers' forwards all run, Unsloth's
+    hidden-state scorer included), so lm_head's column 0 is a per-token bias. `lab_model` sets the pad token's row of
+    lm_head to `PAD_LOGIT` at coordinate 0 and 0 elsewhere: its logit is `PAD_LOGIT` whatever the weights below do.
+
+    Why no machine can sample or train the pad: the other logits are w_j . h with |h| <= 8 |g| and weights of order 1
+    (a few units after any run), so the pad's probability is below exp(-9000), 0 in float32 and float64. It is never
+    sampled, its share of every normaliser is 0, and its row's gradient, sum_t p_pad(t) h_t, is exactly 0, so AdamW
+    (no weight decay, as the lab runs it) never moves the row. Nothing depends on a trajectory or on rounding. The
+    hook is not saved with the weights: a model loaded from them (TRL's reference, a trainer's policy) gets it again
+    from `bias_unit`, which leaves a model that has it alone."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm = base.model.norm
+    if not getattr(norm, "_lab_bias_unit", False):
+        norm.register_forward_hook(lambda module, inputs, output: torch.cat(
+            [torch.ones_like(output[..., :1]), output[..., 1:]], dim=-1))
+        norm._lab_bias_unit = True
     return model
-
-
-@torch.no_grad()
-def never_sampled(model: Any, token_id: int, weight: float = -10.0) -> None:
-    """Give `token_id` a logit near -80 everywhere, in the weights alone (Unsloth computes the logits from the hidden
-    states and lm_head's weight itself): hidden coordinate 0 is 1 in every token's embedding and no layer writes it
-    (its rows of o_proj and down_proj are 0), so after the final RMSNorm it is about sqrt(hidden) = 8; the token's
-    row of lm_head is `weight` there and 0 elsewhere. Training moves these weights, LoRA's adapters on o_proj and
-    down_proj included; the lab reports the largest probability the pad token has at the end (`pad_probability`) and
-    marks a row where it passed `PAD_EXACT` (measured: below 5e-4 in every full fine-tuning run, up to 0.72 with LoRA
-    and `clip`)."""
-    model.model.embed_tokens.weight[:, 0] = 1.0
-    for layer in model.model.layers:
-        layer.self_attn.o_proj.weight[0] = 0.0
-        layer.mlp.down_proj.weight[0] = 0.0
-    model.lm_head.weight[token_id] = 0.0
-    model.lm_head.weight[token_id, 0] = weight
 
 
 def token_ids(tokenizer: Any) -> torch.Tensor:
@@ -266,15 +278,15 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
                                         args=args, train_dataset=dataset)
             except ValueError as error:  # a combination refused before training (the config's or the trainer's)
                 return {"refused": str(error)}
+            for loaded in (trainer.model, getattr(trainer, "ref_model", None)):  # loaded from the saved weights
+                if loaded is not None:
+                    bias_unit(loaded)
             trainer.train()
         policy = trainer.model.eval()
         tree = Tree(env)
         trained = {prompt: node_logits(policy, tokenizer, prompt, tree) for prompt in tables}
     pad_probability = max(float(1 - table.exp().sum(-1).min()) for table in trained.values())
-    in_effect = {name: getattr(trainer.args, name, None) for name in (
-        "beta", "loss_type", "scale_rewards", "num_iterations", "steps_per_generation", "gradient_accumulation_steps",
-        "epsilon", "epsilon_high", "mask_truncated_completions", "importance_sampling_level")}
-    return {"tables": trained, "in_effect": in_effect, "pad_probability": pad_probability}
+    return {"tables": trained, "in_effect": settings_in_effect(trainer.args), "pad_probability": pad_probability}
 
 
 def _worker(job: tuple[LabRun, dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -294,17 +306,36 @@ def reference_tables(environment: Environment, prompts: Sequence[str],
     return {prompt: node_logits(model, tokenizer, prompt, tree) for prompt in prompts}
 
 
-def exact_figures(environment: Environment, reference: torch.Tensor, policy: torch.Tensor,
-                  beta: float) -> dict[str, float]:
-    """The tabular lab's exact figures of one prompt's policy table against pi*_beta of its reference table, and
-    the effective beta (the beta' with KL(pi*_beta' || pi_ref) = KL(pi || pi_ref))."""
-    tree = Tree(environment, reference)
-    figures = Figures.of(tree, tree.log_probs(policy), beta)
-    return {**dataclasses.asdict(figures), "effective_beta": beta_for_kl(tree, figures.kl_ref)}
+BEYOND = 1e-5  # an effective beta at the bisection's floor (1e-6): the policy is beyond every pi*_beta'
 
 
-def summarise(per_prompt: Sequence[dict[str, float]]) -> dict[str, float]:
-    return {key: statistics.fmean(figures[key] for figures in per_prompt) for key in per_prompt[0]}
+def exact_figures(tree: Tree, logp: torch.Tensor, beta: float) -> dict[str, Any]:
+    """The tabular lab's exact figures of one prompt's policy (log pi(y) of every completion) against pi*_beta of the
+    tree's reference, and the effective beta: the beta' with KL(pi*_beta' || pi_ref) = KL(pi || pi_ref), or None where
+    the policy is further from the reference than every optimum (the reference restricted to rewarded completions is
+    the furthest)."""
+    figures = Figures.of(tree, logp, beta)
+    effective = beta_for_kl(tree, figures.kl_ref)
+    return {**dataclasses.asdict(figures), "effective_beta": effective if effective > BEYOND else None}
+
+
+def summarise(per_prompt: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The figures averaged over prompts; the effective beta is None where any prompt's is (beyond every optimum)."""
+    betas = [figures["effective_beta"] for figures in per_prompt]
+    return {**{key: statistics.fmean(figures[key] for figures in per_prompt) for key in per_prompt[0]
+               if key != "effective_beta"},
+            "effective_beta": None if None in betas else statistics.fmean(betas)}
+
+
+def over_seeds(per_seed: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """A row's figures over seeds: each averaged, KL(pi || pi*) and the effective beta kept per seed, and the seeds
+    beyond every optimum counted (never averaged in: no run acted as a beta near 0)."""
+    betas = [figures["effective_beta"] for figures in per_seed]
+    real = [beta for beta in betas if beta is not None]
+    return {**{key: statistics.fmean(figures[key] for figures in per_seed) for key in per_seed[0]
+               if key != "effective_beta"},
+            "effective_beta": statistics.fmean(real) if real else None, "effective_beta_seeds": betas,
+            "kl_opt_seeds": [figures["kl_opt"] for figures in per_seed], "beyond_seeds": len(betas) - len(real)}
 
 
 def scaling(scale_rewards: Any) -> str:
@@ -314,17 +345,86 @@ def scaling(scale_rewards: Any) -> str:
     return str(scale_rewards)
 
 
-def tabular_prediction(environment: Environment, setting: Setting, beta: float, loss_type: str, scale_rewards: str,
-                       tables: dict[str, torch.Tensor], seed: int = 0) -> dict[str, float]:
-    """The tabular lab's figures for the same setting, on-policy single steps, started from each training prompt's
-    reference table (the model's), with the loss type and reward scaling the trainer ran; averaged over the prompts."""
-    tabular = dataclasses.replace(setting, loss_type=loss_type, scale_rewards=scaling(scale_rewards))
+# ----- the prediction: the tabular lab on what the trainer computes -------------------------------------------------
+
+# The trainer's fields a row records and the prediction reads: those that decide the fixed point, then the runtime
+# fields Unsloth's config changes from TRL's defaults (so that a row says what ran), then this package's.
+TRAINER_FIELDS = ("beta", "loss_type", "scale_rewards", "num_generations", "num_iterations", "steps_per_generation",
+                  "gradient_accumulation_steps", "importance_sampling_level", "use_bias_correction_kl", "epsilon",
+                  "epsilon_high", "mask_truncated_completions", "temperature", "top_k", "top_p", "learning_rate",
+                  "lr_scheduler_type", "warmup_steps", "warmup_ratio", "optim", "weight_decay", "max_grad_norm",
+                  "seed")
+KL_DEFAULTS = {spec.name: spec.default for spec in dataclasses.fields(AdaptiveKLConfig)}
+
+
+def settings_in_effect(args: Any) -> dict[str, Any]:
+    """{field: value} of a trainer config as the trainer runs it (`TRAINER_FIELDS`, then the adaptive-KL fields);
+    enums as their values, so that it is JSON."""
+    def plain(value: Any) -> Any:
+        return value.value if isinstance(value, enum.Enum) else value
+
+    return {name: plain(getattr(args, name, None)) for name in (*TRAINER_FIELDS, *KL_DEFAULTS)}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """How the tabular lab models a trainer's settings: `setting` with the estimator the trainer computes, its loss
+    type and reward scaling, trained at `beta` (the trainer's own) with groups of `group_size`; `unmodelled`: what the
+    trainer does that the tabular lab (on-policy single steps of a free table) does not, by name."""
+
+    setting: Setting
+    beta: float
+    group_size: int
+    unmodelled: tuple[str, ...]
+
+
+def prediction_of(in_effect: dict[str, Any], lora: bool = False) -> Prediction:
+    """The tabular model of a trainer's settings in effect (`settings_in_effect`). The trainer's own k3 in the loss
+    with `use_bias_correction_kl=True` (TRL >= 1.10's default, which Unsloth follows) is k3 times the importance
+    ratio pi / pi_old: on-policy its value is k3 and its gradient k2's, the lab's `k3+`, so the prediction runs k3+
+    there (and k3 where the trainer applies no ratio, trl 1.9's default)."""
+    fields = {name: in_effect[name] for name, default in KL_DEFAULTS.items()
+              if in_effect.get(name, default) != default}
+    config = AdaptiveKLConfig(**fields)
+    beta = float(in_effect["beta"])
+    placement = "off" if beta == 0 else "reward" if config.kl_in_reward else "loss"
+    if placement == "loss" and config.reads_trainer_kl and in_effect.get("use_bias_correction_kl"):
+        fields["kl_estimator"] = "k3+"
+    unmodelled = []
+    passes = in_effect.get("num_iterations") or 1
+    if passes > 1:
+        unmodelled.append(f"num_iterations={passes}: {passes} clipped passes over each batch")
+    accumulation = in_effect.get("gradient_accumulation_steps") or 1
+    steps = in_effect.get("steps_per_generation") or accumulation
+    if steps > accumulation:
+        unmodelled.append(f"steps_per_generation={steps}: optimizer steps on completions sampled by an earlier policy")
+    if in_effect.get("importance_sampling_level") == "sequence":
+        unmodelled.append("importance_sampling_level='sequence': one ratio per completion")
+    if in_effect.get("mask_truncated_completions"):
+        unmodelled.append("mask_truncated_completions=True: completions without EOS leave the loss")
+    if in_effect.get("temperature") not in (None, 1.0):
+        unmodelled.append(f"temperature={in_effect['temperature']}: sampling from a tempered policy")
+    if lora:
+        unmodelled.append("LoRA: only the adapters train (the tabular lab trains every logit)")
+    tabular = Setting("the trainer's settings", placement, tuple(fields.items()), str(in_effect["loss_type"]),
+                      scaling(in_effect["scale_rewards"]), beta_scale="passed")
+    return Prediction(tabular, beta, int(in_effect.get("num_generations") or GROUP_SIZE), tuple(unmodelled))
+
+
+def tabular_prediction(environment: Environment, prediction: Prediction, objective_beta: float,
+                       tables: dict[str, torch.Tensor], seed: int = 0) -> dict[str, Any]:
+    """The tabular lab's figures for `prediction` against pi*_objective_beta: on-policy single steps, started from
+    each training prompt's reference table (the model's initial one), averaged over the prompts, with what it does
+    not model (`unmodelled`) and the estimator it ran."""
+    training = Training(group_size=prediction.group_size)
     per_prompt = []
     for prompt in TRAIN_PROMPTS:
         tree = Tree(environment, tables[prompt].float())
-        run = train(tree, tabular, beta, Training(group_size=GROUP_SIZE), seed)
-        per_prompt.append({**dataclasses.asdict(run.figures), "effective_beta": beta_for_kl(tree, run.figures.kl_ref)})
-    return summarise(per_prompt)
+        run = train(tree, prediction.setting, prediction.beta, training, seed)
+        per_prompt.append(exact_figures(tree, run.logp, objective_beta))
+    estimator = AdaptiveKLConfig(**dict(prediction.setting.config)).estimator
+    return {**summarise(per_prompt), "estimator": estimator if isinstance(estimator, str) else estimator.__name__,
+            "unmodelled": list(prediction.unmodelled)}
 
 
 def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequence[str], beta: float, steps: int,
@@ -341,26 +441,27 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
             for recipe in recipes for setting in settings for seed in seeds]
     with multiprocessing.get_context("fork").Pool(processes) as pool:
         results = pool.map(_worker, [(run, tables) for run in runs], chunksize=1)
-    predictions: dict[tuple[str, str, str], dict[str, float]] = {}
+    predictions: dict[Prediction, dict[str, Any]] = {}
     rows = []
     for index in range(0, len(runs), len(seeds)):
         run, mine = runs[index], results[index:index + len(seeds)]
         recipe = next(name for name, recipe in RECIPES.items() if recipe == run.recipe)
+        row = {"recipe": recipe, "setting": run.setting.label, "placement": run.setting.placement,
+               "config": run.setting.config_fields()}
         if "refused" in mine[0]:
-            rows.append({"recipe": recipe, "setting": run.setting.label, "placement": run.setting.placement,
-                         "config": run.setting.config_fields(), "refused": mine[0]["refused"]})
+            rows.append({**row, "refused": mine[0]["refused"]})
             continue
-        trained = [summarise([exact_figures(env, tables[p], result["tables"][p], beta) for p in TRAIN_PROMPTS])
-                   for result in mine]
-        held_out = [exact_figures(env, tables[HELD_OUT], result["tables"][HELD_OUT], beta) for result in mine]
+        trees = {prompt: Tree(env, tables[prompt]) for prompt in (*TRAIN_PROMPTS, HELD_OUT)}
+        trained = [summarise([exact_figures(trees[p], trees[p].log_probs(result["tables"][p]), beta)
+                              for p in TRAIN_PROMPTS]) for result in mine]
+        held_out = [exact_figures(trees[HELD_OUT], trees[HELD_OUT].log_probs(result["tables"][HELD_OUT]), beta)
+                    for result in mine]
         in_effect = mine[0]["in_effect"]
-        key = (run.setting.label, str(in_effect["loss_type"]), scaling(in_effect["scale_rewards"]))
-        if key not in predictions:
-            predictions[key] = tabular_prediction(env, run.setting, beta, *key[1:], tables)
-        rows.append({"recipe": recipe, "setting": run.setting.label, "placement": run.setting.placement,
-                     "config": run.setting.config_fields(), "learning_rate": run.lr, "in_effect": in_effect,
-                     "train": summarise(trained), "held_out": summarise(held_out),
-                     "kl_opt_seeds": [figures["kl_opt"] for figures in trained], "tabular": predictions[key],
+        prediction = prediction_of(in_effect, run.recipe.lora)
+        if prediction not in predictions:
+            predictions[prediction] = tabular_prediction(env, prediction, beta, tables)
+        rows.append({**row, "learning_rate": run.lr, "in_effect": in_effect, "train": over_seeds(trained),
+                     "held_out": over_seeds(held_out), "tabular": predictions[prediction],
                      "pad_probability": max(result["pad_probability"] for result in mine)})
     return {"trainer": trainer, "environment": dataclasses.asdict(env), "beta": beta, "steps": steps,
             "seeds": list(seeds), "batch": BATCH, "group_size": GROUP_SIZE, "train_prompts": list(TRAIN_PROMPTS),
@@ -371,8 +472,9 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
 # ----- output -------------------------------------------------------------------------------------------------------
 
 STEPS = 800
-HEADER = ["setting", "beta trained", "E[r]", "E[length]", "KL(pi||pi_ref)", "KL(pi||pi*) [seeds]", "effective beta",
-          "tabular: KL(pi||pi*)", "tabular: effective beta", "held out: KL(pi||pi*)", "held out: effective beta"]
+HEADER = ["setting", "beta trained", "E[r]", "E[length]", "KL(pi||pi_ref)", "KL(pi||pi*) [seeds]",
+          "effective beta [seeds]", "tabular: KL(pi||pi*) (estimator)", "measured - tabular", "tabular: effective beta",
+          "held out: KL(pi||pi*)", "held out: effective beta"]
 
 
 def parse_overrides(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
@@ -392,76 +494,221 @@ def parse_overrides(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(parsed)
 
 
-PAD_EXACT = 1e-3  # above this probability of the pad token at the end, a row's figures are marked inexact
-
-
 def _kl(value: float) -> str:
-    return "0" if value < 5e-5 else f"{value:.4f}"
+    return "0" if abs(value) < 5e-5 else f"{value:.4f}"
 
 
-def _pad(row: dict[str, Any]) -> str:
-    """A mark for a row whose policy ended sampling the pad token (which the enumeration leaves out)."""
-    probability = row.get("pad_probability", 0.0)
-    return f" (inexact: pad sampled at up to {probability:.2g})" if probability > PAD_EXACT else ""
+def _beta(value: Optional[float]) -> str:
+    """An effective beta; None: the policy's KL is beyond every pi*_beta' (more than pi*_0's)."""
+    return "beyond pi*" if value is None else f"{value:.3g}"
 
 
-def _beta(value: float) -> str:
-    """An effective beta; at the bisection's floor, the policy's KL is beyond every pi*_beta' (more than pi*_0's)."""
-    return "0 (beyond pi*)" if value < 1e-5 else f"{value:.3g}"
+def _spread(values: Sequence[Optional[float]], cell: Any) -> str:
+    """Each seed's value, as a range (or the count beyond every optimum), after the mean; nothing for one seed."""
+    real = [value for value in values if value is not None]
+    if len(values) < 2:
+        return ""
+    beyond = len(values) - len(real)
+    if beyond:
+        return f" ({beyond} of {len(values)} seeds beyond pi*)"
+    return f" [{cell(min(real))} - {cell(max(real))}]"
+
+
+def not_modelled(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """What the trainer did in these rows that the tabular prediction does not model, each once."""
+    return list(dict.fromkeys(note for row in rows if "tabular" in row for note in row["tabular"]["unmodelled"]))
 
 
 def trainer_rows(table: dict[str, Any]) -> list[tuple[str, list[list[str]]]]:
-    """The table's rows as text cells, one group a recipe: [(recipe label, [[setting, figures...], ...]), ...]."""
-    groups: dict[str, list[list[str]]] = {}
+    """The table's rows as text cells, one group a recipe: [(recipe label and what the tabular prediction does not
+    model there, [[setting, figures...], ...]), ...]."""
+    groups: dict[str, list[dict[str, Any]]] = {}
     for row in table["rows"]:
-        if "refused" in row:
-            reason = row["refused"].split(": allowed is ")[0]
-            groups.setdefault(table["recipes"][row["recipe"]], []).append(
-                [row["setting"], f"refused before training ({reason})", *[""] * (len(HEADER) - 2)])
-            continue
-        train, tabular, held_out = row["train"], row["tabular"], row["held_out"]
-        seeds = row["kl_opt_seeds"]
-        spread = f" [{_kl(min(seeds))} - {_kl(max(seeds))}]" if len(seeds) > 1 else ""
-        groups.setdefault(table["recipes"][row["recipe"]], []).append(
-            [row["setting"], f"{row['in_effect']['beta']:.4g}", f"{train['reward']:.3f}", f"{train['length']:.3f}",
-             f"{train['kl_ref']:.3f}", _kl(train["kl_opt"]) + spread + _pad(row), _beta(train["effective_beta"]),
-             _kl(tabular["kl_opt"]), _beta(tabular["effective_beta"]), _kl(held_out["kl_opt"]),
-             _beta(held_out["effective_beta"])])
-    return list(groups.items())
+        groups.setdefault(row["recipe"], []).append(row)
+    out = []
+    for recipe, rows in groups.items():
+        cells = []
+        for row in rows:
+            if "refused" in row:
+                reason = row["refused"].split(": allowed is ")[0]
+                cells.append([row["setting"], f"refused before training ({reason})", *[""] * (len(HEADER) - 2)])
+                continue
+            train, tabular, held_out = row["train"], row["tabular"], row["held_out"]
+            cells.append(
+                [row["setting"], f"{row['in_effect']['beta']:.4g}", f"{train['reward']:.3f}", f"{train['length']:.3f}",
+                 f"{train['kl_ref']:.3f}", _kl(train["kl_opt"]) + _spread(train["kl_opt_seeds"], _kl),
+                 _beta(train["effective_beta"]) + _spread(train["effective_beta_seeds"], _beta),
+                 f"{_kl(tabular['kl_opt'])} ({tabular['estimator']})", _kl(train["kl_opt"] - tabular["kl_opt"]),
+                 _beta(tabular["effective_beta"]), _kl(held_out["kl_opt"]), _beta(held_out["effective_beta"])])
+        notes = not_modelled(rows)
+        label = table["recipes"][recipe] + (f" (not in the tabular prediction: {'; '.join(notes)})" if notes else "")
+        out.append((label, cells))
+    return out
 
 
-SIDE_BY_SIDE = ["recipe", "setting", "TRL: KL(pi||pi*)", "Unsloth: KL(pi||pi*)", "TRL: effective beta",
-                "Unsloth: effective beta", "tabular: KL(pi||pi*)"]
+SIDE_BY_SIDE = ["recipe", "setting", "TRL: KL(pi||pi*)", "Unsloth: KL(pi||pi*)", "Unsloth - TRL",
+                "TRL: effective beta", "Unsloth: effective beta", "tabular: KL(pi||pi*) (estimator)"]
+
+
+def side_by_side(trl: dict[str, Any], unsloth: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(TRL's row, Unsloth's row) for each recipe and setting both tables trained."""
+    theirs = {(row["recipe"], row["setting"]): row for row in unsloth["rows"]}
+    pairs = [(row, theirs.get((row["recipe"], row["setting"]))) for row in trl["rows"]]
+    return [(mine, other) for mine, other in pairs
+            if other is not None and "refused" not in mine and "refused" not in other]
 
 
 def side_by_side_rows(trl: dict[str, Any], unsloth: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """(header, rows): each recipe and setting both tables ran, TRL's figures beside Unsloth's, and the tabular lab's
-    prediction for TRL's loss type and reward scaling."""
-    theirs = {(row["recipe"], row["setting"]): row for row in unsloth["rows"]}
+    """(header, rows): each recipe and setting both tables ran, TRL's figures beside Unsloth's, the difference, and
+    the tabular lab's prediction for TRL's settings in effect."""
     rows = []
-    for row in trl["rows"]:
-        other = theirs.get((row["recipe"], row["setting"]))
-        if other is not None and "refused" not in row and "refused" not in other:
-            rows.append([trl["recipes"][row["recipe"]], row["setting"], _kl(row["train"]["kl_opt"]) + _pad(row),
-                         _kl(other["train"]["kl_opt"]) + _pad(other), _beta(row["train"]["effective_beta"]),
-                         _beta(other["train"]["effective_beta"]), _kl(row["tabular"]["kl_opt"])])
+    for mine, other in side_by_side(trl, unsloth):
+        rows.append([trl["recipes"][mine["recipe"]], mine["setting"], _kl(mine["train"]["kl_opt"]),
+                     _kl(other["train"]["kl_opt"]), _kl(other["train"]["kl_opt"] - mine["train"]["kl_opt"]),
+                     _beta(mine["train"]["effective_beta"]), _beta(other["train"]["effective_beta"]),
+                     f"{_kl(mine['tabular']['kl_opt'])} ({mine['tabular']['estimator']})"])
     return SIDE_BY_SIDE, rows
+
+
+def _row(table: dict[str, Any], recipe: str, setting: str) -> Optional[dict[str, Any]]:
+    return next((row for row in table["rows"] if (row["recipe"], row["setting"]) == (recipe, setting)
+                 and "refused" not in row), None)
+
+
+def _seeds(row: dict[str, Any]) -> str:
+    """A row's KL(pi || pi*) with its seeds' range, e.g. '0.0009 [0.0004 - 0.0014]'."""
+    return _kl(row["train"]["kl_opt"]) + _spread(row["train"]["kl_opt_seeds"], _kl)
+
+
+def inside(value: float, row: dict[str, Any]) -> bool:
+    """Whether `value` lies within the row's seeds' range of KL(pi || pi*) (with one seed: equal to 4 decimals)."""
+    seeds = row["train"]["kl_opt_seeds"]
+    return min(seeds) - 5e-5 <= value <= max(seeds) + 5e-5
+
+
+def findings(table: dict[str, Any]) -> list[str]:
+    """What a trainer table shows, as sentences whose every figure is computed from it: the noise floor, measured
+    against predicted, the settings that do not regularise, the trainer's defaults, LoRA against full fine-tuning,
+    the held-out prompt."""
+    recipes, out = table["recipes"], []
+    k1 = [row for row in table["rows"] if row["setting"] == "k1 in the reward" and "refused" not in row]
+    full = [row for row in k1 if row["recipe"] != "lora"]
+    if full:
+        values = [value for row in full for value in row["train"]["kl_opt_seeds"]]
+        betas = [beta for row in full for beta in row["train"]["effective_beta_seeds"] if beta is not None]
+        out.append(f"**k1 in the reward, the noise floor**: over {len(values)} runs ({len(full)} recipes x seeds, full "
+                   f"fine-tuning) it ends {_kl(min(values))} to {_kl(max(values))} from pi*_{table['beta']:g}, at an "
+                   f"effective beta of {min(betas):.3g} to {max(betas):.3g}: " + "; ".join(
+                       f"{recipes[row['recipe']]} {_seeds(row)}" for row in full) + ".")
+    modelled = [row for row in table["rows"] if "tabular" in row and not row["tabular"]["unmodelled"]]
+    if modelled:
+        agree = [row for row in modelled if inside(row["tabular"]["kl_opt"], row)]
+        worst = max(modelled, key=lambda row: abs(row["train"]["kl_opt"] - row["tabular"]["kl_opt"]))
+        k3 = [row for row in modelled if row["tabular"]["estimator"] == "k3+"]
+        out.append(f"**Measured against predicted**, in the {len(modelled)} rows whose recipe the tabular lab models "
+                   f"(on-policy, full fine-tuning): the prediction lies within the seeds' range in {len(agree)}; the "
+                   f"largest difference is {recipes[worst['recipe']]}, {worst['setting']}: {_seeds(worst)} against "
+                   f"{_kl(worst['tabular']['kl_opt'])} predicted. The {len(k3)} rows on the trainer's k3 times the "
+                   "importance ratio are predicted with k3+ (on-policy the same value and gradient): " + "; ".join(
+                       f"{recipes[row['recipe']]}, {row['setting']} {_seeds(row)} against "
+                       f"{_kl(row['tabular']['kl_opt'])}" for row in k3) + ".")
+    off, k3_reward = _row(table, "dr_grpo", "beta = 0 (no KL)"), _row(table, "dr_grpo", "k3 in the reward")
+    if off and k3_reward:
+        out.append(f"**k3 in the reward does not regularise**: {_seeds(k3_reward)} from pi* with dr_grpo, where "
+                   f"beta = 0 ends {_seeds(off)}.")
+    defaults = [row for row in table["rows"] if row["recipe"] == "defaults" and row["placement"] == "loss"
+                and "refused" not in row]
+    k1_defaults = _row(table, "defaults", "k1 in the reward")
+    if defaults and k1_defaults:
+        effect = defaults[0]["in_effect"]
+        out.append(f"**The trainer's defaults** (loss_type={effect['loss_type']!r}, scale_rewards="
+                   f"{effect['scale_rewards']!r}) make a loss-side beta of {effect['beta']:g} act as: " + "; ".join(
+                       f"{row['setting']} {_beta(row['train']['effective_beta'])}" for row in defaults)
+                   + f", where k1 in the reward acts as {_beta(k1_defaults['train']['effective_beta'])}.")
+    lora, full_k1 = _row(table, "lora", "k1 in the reward"), _row(table, "dr_grpo", "k1 in the reward")
+    if lora and full_k1:
+        out.append(f"**LoRA** (rank 8, the same recipe and learning rate): k1 in the reward ends {_seeds(lora)} from "
+                   f"pi* at an effective beta of {_beta(lora['train']['effective_beta'])}, full fine-tuning "
+                   f"{_seeds(full_k1)}.")
+    held = [row for row in (off, _row(table, "dr_grpo", "k1 in the reward")) if row]
+    if held:
+        out.append("**The prompt never trained on**: " + "; ".join(
+            f"{row['setting']} ends {_kl(row['held_out']['kl_opt'])} from its pi* (effective beta "
+            f"{_beta(row['held_out']['effective_beta'])})" for row in held) + ".")
+    return out
+
+
+def differences(trl: dict[str, Any], unsloth: dict[str, Any]) -> list[str]:
+    """TRL against Unsloth on the same GRPOConfig, computed: how many of Unsloth's rows lie within TRL's seeds' range,
+    and each row outside it with both figures."""
+    pairs = side_by_side(trl, unsloth)
+    outside = [(mine, other) for mine, other in pairs if not inside(other["train"]["kl_opt"], mine)]
+    return [f"**Unsloth against TRL**: in {len(pairs) - len(outside)} of {len(pairs)} rows Unsloth's KL(pi||pi*) lies "
+            "within TRL's seeds' range" + (": the others, TRL's range against Unsloth's figure: " + "; ".join(
+                f"{trl['recipes'][mine['recipe']]}, {mine['setting']} {_seeds(mine)} against "
+                f"{_kl(other['train']['kl_opt'])}" for mine, other in outside) if outside else "") + "."]
+
+
+def pad_is_eos_finding(eos: dict[str, Any], trl: dict[str, Any], unsloth: dict[str, Any]) -> str:
+    """The trainer's own k3 in the loss with dr_grpo, where Unsloth's pad is EOS, against TRL's and Unsloth's with a
+    pad token of their own."""
+    label = "k3 in the loss (the trainer's own)"
+    mine, theirs, own = (_row(table, "dr_grpo", label) for table in (eos, trl, unsloth))
+    if not (mine and theirs and own):
+        return "(no dr_grpo row of the trainer's own k3 in all three tables)"
+    return (f"the trainer's own k3 in the loss ends {_seeds(mine)} from pi* with pad = EOS (effective beta "
+            f"{_beta(mine['train']['effective_beta'])}), against TRL's {_seeds(theirs)} and Unsloth's own "
+            f"{_seeds(own)} with a pad token of its own.")
 
 
 def describe(table: dict[str, Any]) -> str:
     """One sentence: how the table's runs were made (beside every figure of it)."""
     trained = [row for row in table["rows"] if "refused" not in row]
-    lora = ", 2e-2 with LoRA" if any(row["recipe"] == "lora" for row in trained) else ""
-    rates = sorted({row["learning_rate"] for row in trained if row["recipe"] != "lora"})
-    rate = ", ".join(f"{value:g}" for value in rates) or "-"
+    rate = ", ".join(f"{value:g}" for value in sorted({row["learning_rate"] for row in trained})) or "-"
     overrides = "; --set " + " ".join(f"{k}={v!r}" for k, v in table["overrides"].items()) if table["overrides"] else ""
     groups = table["batch"] // table["group_size"]
     return (f"{table['trainer']}: beta = {table['beta']}, {table['batch']} completions a step ({groups} groups of "
             f"{table['group_size']}), prompts {', '.join(table['train_prompts'])} "
-            f"(held out: {table['held_out']}), {table['steps']} steps, AdamW at {rate}{lora} decayed linearly to 0, "
+            f"(held out: {table['held_out']}), {table['steps']} steps, AdamW at {rate} decayed linearly to 0, "
             f"seeds {', '.join(map(str, table['seeds']))} averaged{overrides}; " + (
-                "pad = EOS" if table["pad_is_eos"] else "a pad token of its own, which the model does not sample at "
-                f"the start (a row where it ended above {PAD_EXACT:g} is marked inexact)"))
+                "pad = EOS" if table["pad_is_eos"] else "a pad token of its own, which no run can sample (its logit "
+                f"is fixed at {PAD_LOGIT:g}: `bias_unit`)"))
+
+
+def predict(args: Any) -> dict[str, Any]:
+    """`kl_lab --predict --trainer T --set FIELD=VALUE ...`: the tabular lab's prediction for a GRPOConfig as trainer T
+    runs it (its defaults, Unsloth's changes to them), by the rule the trainer rows use (`prediction_of`), against
+    pi*_beta (beta: --beta if given, else the config's), beside k1 in the reward at that beta. No trainer is built."""
+    from .kl_lab import show
+
+    if args.trainer not in TRAINERS:
+        raise SystemExit(f"--predict: --trainer {args.trainer} is not a trainer; use --trainer trl or unsloth")
+    config_class, _ = import_trainer(args.trainer)
+    with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a setting the package warns about is still predicted
+        machine = {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}  # no effect on the KL
+        in_effect = settings_in_effect(config_class(**{"output_dir": folder, "report_to": "none", **machine,
+                                                       **dict(parse_overrides(args.overrides))}))
+    beta = args.beta if args.beta is not None else in_effect["beta"]
+    if not beta:
+        raise SystemExit("--predict: beta is 0 (TRL's default: no KL term); set it, e.g. --set beta=0.04, or give "
+                         "--beta, the beta of the optimum to measure against")
+    env = ENVIRONMENTS["contains_a" if args.env == "all" else args.env]
+    tables = reference_tables(env, TRAIN_PROMPTS, args.pad_is_eos)
+    mine = prediction_of(in_effect)
+    k1 = dataclasses.replace(mine, beta=beta, unmodelled=(), setting=dataclasses.replace(
+        mine.setting, placement="reward", config=(("kl_placement", "reward"), ("kl_estimator", "k1"))))
+    figures = {"the config": tabular_prediction(env, mine, beta, tables),
+               f"k1 in the reward at beta={beta:g}": tabular_prediction(env, k1, beta, tables)}
+    show(f"{args.trainer}: where the tabular lab puts this config (against pi*_{beta:g}; {GROUP_SIZE}-completion "
+         "groups, on-policy single steps, this lab's model's reference)",
+         ["setting", "beta", "estimator", "E[r]", "KL(pi||pi_ref)", "KL(pi||pi*)", "effective beta"],
+         [[name, f"{(mine if name == 'the config' else k1).beta:.4g}", f["estimator"], f"{f['reward']:.3f}",
+           f"{f['kl_ref']:.3f}", _kl(f["kl_opt"]), _beta(f["effective_beta"])] for name, f in figures.items()])
+    notes = mine.unmodelled or ("nothing",)
+    print(f"not modelled: {'; '.join(notes)}. A tabular policy has a free table per prefix (no function approximation)"
+          "; ground-truth.md says what that leaves out.")
+    return {"in_effect": in_effect, "beta": beta, "predictions": figures}
 
 
 def main(args: Any, command: str) -> dict[str, Any]:
@@ -486,8 +733,8 @@ def main(args: Any, command: str) -> dict[str, Any]:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
-    result: dict[str, Any] = {"command": command, "versions": versions, "machine": f"{os.cpu_count()} CPU cores",
-                              "trainers": {}}
+    result: dict[str, Any] = {"command": command, "versions": versions, "trainers": {},
+                              "machine": f"{os.cpu_count()} CPU cores, {args.processes} worker processes"}
     for trainer in trainers:
         table = run_trainer_table(trainer, settings, args.recipe or list(RECIPES), args.beta, args.steps or STEPS,
                                   range(args.seeds), args.processes, parse_overrides(args.overrides),
