@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -455,3 +459,33 @@ def test_in_the_reward_raw_kl_and_sequence_kl_count_the_same_completions() -> No
     assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(BETA * 3.0)
     _, empty = akl.reward_penalty(logps, ref, torch.zeros_like(mask))  # nothing trained on: NaN, not an error
     assert math.isnan(empty["adaptive_kl/raw_kl"]) and math.isnan(empty["adaptive_kl/sequence_kl"])
+
+
+def test_two_processes_with_batches_of_different_sizes_sum_both_by_hand(tmp_path) -> None:
+    """The named sums of both processes, not process 0's alone (a gather that kept only its rows passed every other
+    test): two gloo processes, 2 and 3 completions, bnpo, `target`. By hand from both batches: raw_kl is the mean of
+    the two processes' token means, sequence_kl the mean S_i over all 5 completions, the step's KL the token mean
+    over both, and beta_1 = beta_0 (1 + clip(KL / kl_target - 1, +-0.2) * 5 / kl_horizon)."""
+    from . import distributed_core as run
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(Path(run.__file__)), str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0] == ranks[1]
+    batches = [run.batch(rank) for rank in (0, 1)]
+    token_kl = [((ref - logps).exp() - (ref - logps) - 1).double() * mask for logps, ref, mask in batches]  # k3
+    sums = torch.cat([kl.sum(-1) for kl in token_kl])
+    tokens = sum(float(mask.sum()) for _, _, mask in batches)
+    raw = [float(kl.sum()) / float(mask.sum()) for kl, (_, _, mask) in zip(token_kl, batches)]
+    metrics = ranks[0]["metrics"]
+    assert metrics["adaptive_kl/raw_kl"] == pytest.approx(sum(raw) / 2, rel=1e-6)
+    assert metrics["adaptive_kl/sequence_kl"] == pytest.approx(float(sums.mean()), rel=1e-6)
+    assert ranks[0]["last_raw_kl"] == pytest.approx(float(sums.sum()) / tokens, rel=1e-6)
+    error = max(min(float(sums.sum()) / tokens / run.CONFIG["kl_target"] - 1, 0.2), -0.2)
+    assert ranks[0]["beta"] == pytest.approx(run.BETA * (1 + error * 5 / run.CONFIG["kl_horizon"]), rel=1e-6)
+    assert abs(error) < 0.2  # the clamp does not hide the KL
+    alone = [float(token_kl[0].sum()) / float(batches[0][2].sum()), float(sums[:2].mean())]  # process 0's alone
+    assert abs(metrics["adaptive_kl/raw_kl"] - alone[0]) > 1e-3 and abs(metrics["adaptive_kl/sequence_kl"] - alone[1]) > 1e-3

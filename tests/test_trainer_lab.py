@@ -1,7 +1,9 @@
 """The KL lab through the real trainers (unsloth_adaptive_kl/tools/trainer_lab.py): its exact figures against a plain
-forward pass, its command line, and the end-to-end guard: k1 in the reward reaches pi*_beta through TRL's real
+forward pass, a pad token out of reach by construction, its command line, its predictions from the settings in
+effect, and the end-to-end guards: k1 in the reward and k1_future in the loss reach pi*_beta through TRL's real
 GRPOTrainer, with the package's patch, in the compositions a wrong gradient would show in (the dr_grpo normaliser,
-gradient accumulation, steps on samples one step old)."""
+gradient accumulation, steps on samples one step old), and a method on TRL's own k3 lands where the tabular lab
+predicts it."""
 
 from __future__ import annotations
 
@@ -141,25 +143,35 @@ def test_a_beta_off_by_a_quarter_is_beyond_the_guards_tolerance(tables) -> None:
     assert min(away(2.0), away(0.5)) > 10 * TOLERANCE
 
 
-def test_k1_in_the_reward_reaches_the_optimum_through_trls_trainer(tmp_path) -> None:
-    """The end-to-end guard: TRL's GRPOTrainer patched by this package, k1 in the reward, 800 steps of 64 completions
-    through the recipes dr_grpo, gradient_accumulation_steps=2 and steps_per_generation=2, each lands on pi*_beta:
-    KL(pi || pi*) within TOLERANCE and an effective beta within 5 % of 0.5, where a normaliser, the accumulation or
-    a mask that is wrong moves it (test above)."""
-    output = tmp_path / "guard.json"
-    result = kl_lab.main(["--trainer", "trl", "--recipe", "dr_grpo", "--recipe", "accumulation", "--recipe", "spg2",
-                          "--only", "k1 in the reward", "--seeds", "1", "--processes", "2", "--json", str(output)])
-    table = result["trainers"]["trl"]
-    assert json.loads(output.read_text())["trainers"]["trl"]["rows"] == json.loads(json.dumps(table["rows"]))
-    assert [row["recipe"] for row in table["rows"]] == ["dr_grpo", "accumulation", "spg2"]
-    for row in table["rows"]:
-        effect = row["in_effect"]
-        assert (effect["beta"], effect["loss_type"], effect["scale_rewards"]) == (0.5, "dr_grpo", "none")
+# The guards through TRL: (recipe, setting) pairs, one seed each, as a user configures them.
+EXACT = (("dr_grpo", "k1 in the reward"), ("spg2", "k1 in the reward"), ("dr_grpo", "k1_future in the loss"),
+         ("accumulation", "k1_future in the loss"))
+PREDICTED = (("dr_grpo", "sigmoid in the loss"),)
+
+
+def test_the_exact_settings_reach_the_optimum_and_a_method_its_prediction_through_trls_trainer() -> None:
+    """The end-to-end guards: TRL's GRPOTrainer patched by this package, 800 steps of 64 completions.
+
+    - k1 in the reward (dr_grpo; steps_per_generation=2, steps on samples one step old) and k1_future in the loss
+      (dr_grpo; gradient_accumulation_steps=2) each land on pi*_beta: KL(pi || pi*) within TOLERANCE and an effective
+      beta within 5 % of 0.5, where a normaliser, the accumulation or a mask that is wrong moves it (test above).
+    - sigmoid in the loss, shaping TRL's own k3 times the importance ratio, lands within SIGMOID_BOUND of the tabular
+      prediction with k3+ (what that product is on-policy), and not within it of the plain-k3 prediction the lab
+      made before it read use_bias_correction_kl (PLAIN_K3_SIGMOID)."""
+    torch.set_num_threads(1)
+    table = trainer_lab.run_trainer_table("trl", trainer_lab.trainer_settings(), list(trainer_lab.RECIPES), 0.5,
+                                          trainer_lab.STEPS, [0], processes=2, pairs={*EXACT, *PREDICTED})
+    rows = {(row["recipe"], row["setting"]): row for row in table["rows"]}
+    assert set(rows) == {*EXACT, *PREDICTED}
+    for pair in EXACT:
+        row = rows[pair]
         assert row["train"]["kl_opt"] < TOLERANCE, row
         assert math.isclose(row["train"]["effective_beta"], 0.5, rel_tol=0.05), row
-        assert row["tabular"]["kl_opt"] < 1e-3  # the tabular lab's prediction: exact
-    assert table["rows"][1]["in_effect"]["gradient_accumulation_steps"] == 2
-    assert table["rows"][2]["in_effect"]["steps_per_generation"] == 2
+        assert row["tabular"]["kl_opt"] < 1e-3 and row["tabular"]["unmodelled"] == [], row  # an exact prediction
+    sigmoid = rows[PREDICTED[0]]
+    assert sigmoid["tabular"]["estimator"] == "k3+"
+    assert abs(sigmoid["train"]["kl_opt"] - sigmoid["tabular"]["kl_opt"]) < SIGMOID_BOUND, sigmoid
+    assert abs(sigmoid["train"]["kl_opt"] - PLAIN_K3_SIGMOID) > SIGMOID_BOUND, sigmoid
 
 
 # ----- the prediction: what the trainer computes ---------------------------------------------------------------------

@@ -396,11 +396,12 @@ def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_pat
 
 
 @needs_unsloth
-def test_k1_in_the_reward_reaches_the_optimum_through_unsloths_trainer(tmp_path) -> None:
-    """The end-to-end guard through Unsloth's generated trainer (tests/test_trainer_lab.py has TRL's): the KL lab's
-    command as a user runs it, k1 in the reward with dr_grpo, 800 steps of 64 completions, lands on pi*_beta within
-    the TRL guard's tolerance, with an effective beta within 5 % of 0.5 (the lab's tokenizer has a pad token of its
-    own: with pad = EOS Unsloth's loss drops every EOS, test above).
+def test_the_exact_settings_reach_the_optimum_through_unsloths_trainer(tmp_path) -> None:
+    """The end-to-end guards through Unsloth's generated trainer (tests/test_trainer_lab.py has TRL's): the KL lab's
+    command as a user runs it, with dr_grpo, 800 steps of 64 completions, k1 in the reward and k1_future in the loss
+    (the package's loss-side KL inside Unsloth's compiled loss), one run each on its own core: each lands on pi*_beta
+    within the TRL guard's tolerance, with an effective beta within 5 % of 0.5 (the lab's tokenizer has a pad token of
+    its own: with pad = EOS Unsloth's loss drops every EOS, test above).
 
     Unsloth's loss masks every pad token, so nothing in it would keep a sampled pad down; the guard once failed on
     another CPU because float differences let the pad's probability drift to 0.007. It cannot now on any machine: the
@@ -412,11 +413,13 @@ def test_k1_in_the_reward_reaches_the_optimum_through_unsloths_trainer(tmp_path)
     output = tmp_path / "guard.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "unsloth_adaptive_kl.tools.kl_lab", "--trainer", "unsloth", "--recipe", "dr_grpo",
-               "--only", "k1 in the reward", "--seeds", "1", "--processes", "1", "--json", str(output)]
+               "--only", "k1 in the reward", "--only", "k1_future in the loss", "--seeds", "1", "--processes", "2",
+               "--json", str(output)]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    (row,) = json.loads(output.read_text())["trainers"]["unsloth"]["rows"]
-    assert (row["in_effect"]["loss_type"], row["in_effect"]["scale_rewards"]) == ("dr_grpo", "none")
-    assert row["train"]["kl_opt"] < TOLERANCE, row
-    assert abs(row["train"]["effective_beta"] - 0.5) < 0.025, row
-    assert row["pad_probability"] < 1e-12  # 1 - the letters' probabilities in float64: rounding alone
+    rows = json.loads(output.read_text())["trainers"]["unsloth"]["rows"]
+    assert [row["setting"] for row in rows] == ["k1 in the reward", "k1_future in the loss"]
+    for row in rows:
+        assert row["train"]["kl_opt"] < TOLERANCE, row
+        assert abs(row["train"]["effective_beta"] - 0.5) < 0.025, row
+        assert row["pad_probability"] < 1e-12  # 1 - the letters' probabilities in float64: rounding alone

@@ -188,7 +188,7 @@ def log_settings(trainer: Any) -> None:
               for name, default in unsloth_defaults.items() if name not in settings]
     if others:
         line += "; Unsloth's other defaults that differ from TRL's: " + ", ".join(others)
-    if config.is_stock_kl and not config.kl_methods:
+    if config.is_stock_kl:
         logger.info(line)
     else:  # an adapted setting: shown where a user looks, as Unsloth shows its banner (INFO is hidden by default)
         print(line, flush=True)

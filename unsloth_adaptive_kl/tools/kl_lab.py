@@ -485,6 +485,11 @@ def show(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> No
     Console(width=150).print(table)
 
 
+def chosen(label: str, only: Sequence[str]) -> bool:
+    """Whether a setting is in the table: every setting without --only, else those whose label contains one TEXT."""
+    return not only or any(text in label for text in only)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import trainer_lab  # (it imports this module)
 
@@ -518,7 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="add rows for a registered estimator NAME (in the reward and in the loss)")
     parser.add_argument("--method", action="append", default=[], metavar="NAME",
                         help="add rows for a registered kl_adaptation_method NAME (a shaping or a beta controller)")
-    parser.add_argument("--only", default="", help="only the settings whose label contains this text")
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="only the settings whose label contains TEXT (repeat it for several)")
     parser.add_argument("--no-target", action="store_true", help="skip the target-controller experiment")
     parser.add_argument("--processes", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH (the docs page reads it)")
@@ -557,7 +563,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         return trainer_lab.main(args, command)
     start = time.perf_counter()
     training = replace(Training(), steps=args.steps or Training.steps)
-    settings = [s for s in default_settings(args.estimator, args.method) if args.only in s.label]
+    settings = [s for s in default_settings(args.estimator, args.method) if chosen(s.label, args.only)]
     environments = list(ENVIRONMENTS) if args.env == "all" else [args.env]
     result: dict[str, Any] = {"command": command, "torch": torch.__version__, "seeds": args.seeds, "tables": {}}
     for name in environments:

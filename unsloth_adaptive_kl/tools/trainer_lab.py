@@ -35,7 +35,7 @@ import statistics
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import torch
 
@@ -430,15 +430,16 @@ def tabular_prediction(environment: Environment, prediction: Prediction, objecti
 def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequence[str], beta: float, steps: int,
                       seeds: Sequence[int], processes: int = 1, overrides: Sequence[tuple[str, Any]] = (),
                       learning_rate: Optional[float] = None, environment: str = "contains_a",
-                      pad_is_eos: bool = False) -> dict[str, Any]:
-    """Every setting x recipe x seed through `trainer` (worker processes, one trainer each); per row the exact
-    figures averaged over the training prompts and then over seeds, each seed's KL(pi || pi*), the held-out prompt's
-    figures and the tabular prediction."""
+                      pad_is_eos: bool = False, pairs: Optional[Collection[tuple[str, str]]] = None) -> dict[str, Any]:
+    """Every setting x recipe x seed through `trainer` (worker processes, one trainer each), or only the (recipe,
+    setting label) `pairs`; per row the exact figures averaged over the training prompts and then over seeds, each
+    seed's KL(pi || pi*), the held-out prompt's figures and the tabular prediction."""
     env = ENVIRONMENTS[environment]
     tables = reference_tables(env, (*TRAIN_PROMPTS, HELD_OUT), pad_is_eos)
     runs = [LabRun(trainer, setting, RECIPES[recipe], beta, steps, seed, learning_rate, tuple(overrides), environment,
                    pad_is_eos)
-            for recipe in recipes for setting in settings for seed in seeds]
+            for recipe in recipes for setting in settings for seed in seeds
+            if pairs is None or (recipe, setting.label) in pairs]
     with multiprocessing.get_context("fork").Pool(processes) as pool:
         results = pool.map(_worker, [(run, tables) for run in runs], chunksize=1)
     predictions: dict[Prediction, dict[str, Any]] = {}
@@ -717,7 +718,7 @@ def main(args: Any, command: str) -> dict[str, Any]:
     import json
     import time
 
-    from .kl_lab import show
+    from .kl_lab import chosen, show
 
     unknown = [name for name in args.recipe if name not in RECIPES]
     if unknown:
@@ -725,7 +726,7 @@ def main(args: Any, command: str) -> dict[str, Any]:
     if args.env == "all":
         args.env = "contains_a"
     start = time.perf_counter()
-    settings = [setting for setting in trainer_settings() if args.only in setting.label]
+    settings = [setting for setting in trainer_settings() if chosen(setting.label, args.only)]
     trainers = TRAINERS if args.trainer == "both" else (args.trainer,)
     versions = {}
     for name in ("torch", "transformers", "trl", "peft", *(("unsloth", "unsloth_zoo") if "unsloth" in trainers else ())):
