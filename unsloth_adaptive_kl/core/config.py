@@ -208,9 +208,8 @@ class AdaptiveKLConfig:
         metadata={
             "help": "Per-token KL estimator. None (default): the placement's own, 'k3' (what the trainer computes) "
             "with the KL in the loss and 'k1' (the log-ratio) with the KL in the reward. 'k3' in the loss is the "
-            "trainer's own per-token KL, taken where it computes it: TRL's k3 (times the importance ratio with "
-            "use_bias_correction_kl), Unsloth's clamped k3, verl's kl_loss_type (low_var_kl by default). Or 'k1', "
-            "'k2', 'k3', "
+            "trainer's own per-token KL, taken where it computes it (its clamps and factors included; each "
+            "integration's page names it). Or 'k1', 'k2', 'k3', "
             "'low_var_kl', 'k1+', 'k3+' (value of k1/k3, gradient of k2), 'k1_future' (value of k1, gradient of the "
             "whole completion's KL), 'k3_bottom_percentile', or a name registered with register_kl_estimator; "
             "programmatically also a callable (logp, ref_logp, mask) -> per-token KL. 'k1' in the loss and a "

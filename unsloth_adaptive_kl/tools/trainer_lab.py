@@ -349,11 +349,11 @@ def scaling(scale_rewards: Any) -> str:
 
 # The trainer's fields a row records and the prediction reads: those that decide the fixed point, then the runtime
 # fields Unsloth's config changes from TRL's defaults (so that a row says what ran), then this package's.
-TRAINER_FIELDS = ("beta", "loss_type", "scale_rewards", "num_generations", "num_iterations", "steps_per_generation",
-                  "gradient_accumulation_steps", "importance_sampling_level", "use_bias_correction_kl", "epsilon",
-                  "epsilon_high", "mask_truncated_completions", "temperature", "top_k", "top_p", "learning_rate",
-                  "lr_scheduler_type", "warmup_steps", "warmup_ratio", "optim", "weight_decay", "max_grad_norm",
-                  "seed")
+PREDICTED_FIELDS = ("beta", "loss_type", "scale_rewards", "num_generations", "num_iterations", "steps_per_generation",
+                    "gradient_accumulation_steps", "importance_sampling_level", "use_bias_correction_kl",
+                    "mask_truncated_completions", "temperature")  # what `prediction_of` reads of TRL's fields
+TRAINER_FIELDS = (*PREDICTED_FIELDS, "epsilon", "epsilon_high", "top_k", "top_p", "learning_rate", "lr_scheduler_type",
+                  "warmup_steps", "warmup_ratio", "optim", "weight_decay", "max_grad_norm", "seed")
 KL_DEFAULTS = {spec.name: spec.default for spec in dataclasses.fields(AdaptiveKLConfig)}
 
 
@@ -591,7 +591,7 @@ def findings(table: dict[str, Any]) -> list[str]:
     """What a trainer table shows, as sentences whose every figure is computed from it: the noise floor, measured
     against predicted, the settings that do not regularise, the trainer's defaults, LoRA against full fine-tuning,
     the held-out prompt."""
-    recipes, out = table["recipes"], []
+    out: list[str] = []
     k1 = [row for row in table["rows"] if row["setting"] == "k1 in the reward" and "refused" not in row]
     full = [row for row in k1 if row["recipe"] != "lora"]
     if full:
@@ -600,7 +600,7 @@ def findings(table: dict[str, Any]) -> list[str]:
         out.append(f"**k1 in the reward, the noise floor**: over {len(values)} runs ({len(full)} recipes x seeds, full "
                    f"fine-tuning) it ends {_kl(min(values))} to {_kl(max(values))} from pi*_{table['beta']:g}, at an "
                    f"effective beta of {min(betas):.3g} to {max(betas):.3g}: " + "; ".join(
-                       f"{recipes[row['recipe']]} {_seeds(row)}" for row in full) + ".")
+                       f"`{row['recipe']}` {_seeds(row)}" for row in full) + ".")
     modelled = [row for row in table["rows"] if "tabular" in row and not row["tabular"]["unmodelled"]]
     if modelled:
         agree = [row for row in modelled if inside(row["tabular"]["kl_opt"], row)]
@@ -608,10 +608,10 @@ def findings(table: dict[str, Any]) -> list[str]:
         k3 = [row for row in modelled if row["tabular"]["estimator"] == "k3+"]
         out.append(f"**Measured against predicted**, in the {len(modelled)} rows whose recipe the tabular lab models "
                    f"(on-policy, full fine-tuning): the prediction lies within the seeds' range in {len(agree)}; the "
-                   f"largest difference is {recipes[worst['recipe']]}, {worst['setting']}: {_seeds(worst)} against "
+                   f"largest difference is `{worst['recipe']}`, {worst['setting']}: {_seeds(worst)} against "
                    f"{_kl(worst['tabular']['kl_opt'])} predicted. The {len(k3)} rows on the trainer's k3 times the "
                    "importance ratio are predicted with k3+ (on-policy the same value and gradient): " + "; ".join(
-                       f"{recipes[row['recipe']]}, {row['setting']} {_seeds(row)} against "
+                       f"`{row['recipe']}`, {row['setting']} {_seeds(row)} against "
                        f"{_kl(row['tabular']['kl_opt'])}" for row in k3) + ".")
     off, k3_reward = _row(table, "dr_grpo", "beta = 0 (no KL)"), _row(table, "dr_grpo", "k3 in the reward")
     if off and k3_reward:
@@ -646,7 +646,7 @@ def differences(trl: dict[str, Any], unsloth: dict[str, Any]) -> list[str]:
     outside = [(mine, other) for mine, other in pairs if not inside(other["train"]["kl_opt"], mine)]
     return [f"**Unsloth against TRL**: in {len(pairs) - len(outside)} of {len(pairs)} rows Unsloth's KL(pi||pi*) lies "
             "within TRL's seeds' range" + (": the others, TRL's range against Unsloth's figure: " + "; ".join(
-                f"{trl['recipes'][mine['recipe']]}, {mine['setting']} {_seeds(mine)} against "
+                f"`{mine['recipe']}`, {mine['setting']} {_seeds(mine)} against "
                 f"{_kl(other['train']['kl_opt'])}" for mine, other in outside) if outside else "") + "."]
 
 
