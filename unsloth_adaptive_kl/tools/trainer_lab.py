@@ -593,15 +593,19 @@ def findings(table: dict[str, Any]) -> list[str]:
     the held-out prompt."""
     out: list[str] = []
     k1 = [row for row in table["rows"] if row["setting"] == "k1 in the reward" and "refused" not in row]
-    full = [row for row in k1 if row["recipe"] != "lora"]
+    full = [row for row in k1 if not row["tabular"]["unmodelled"]]
+    others = [row for row in k1 if row["tabular"]["unmodelled"] and row["recipe"] != "lora"]
     if full:
         values = [value for row in full for value in row["train"]["kl_opt_seeds"]]
         betas = [beta for row in full for beta in row["train"]["effective_beta_seeds"] if beta is not None]
-        out.append(f"**k1 in the reward, the noise floor**: over {len(values)} runs ({len(full)} recipes x seeds, full "
-                   f"fine-tuning) it ends {_kl(min(values))} to {_kl(max(values))} from pi*_{table['beta']:g}, at an "
+        out.append(f"**k1 in the reward, the noise floor**: over {len(values)} runs ({len(full)} recipes the tabular "
+                   f"lab models x seeds) it ends {_kl(min(values))} to {_kl(max(values))} from pi*_{table['beta']:g}, at an "
                    f"effective beta of {min(betas):.3g} to {max(betas):.3g}: " + "; ".join(
-                       f"`{row['recipe']}` {_seeds(row)}" for row in full) + ".")
-    modelled = [row for row in table["rows"] if "tabular" in row and not row["tabular"]["unmodelled"]]
+                       f"`{row['recipe']}` {_seeds(row)}" for row in full) + (
+                   "; in the recipes the tabular lab does not model: " + "; ".join(
+                       f"`{row['recipe']}` {_seeds(row)}" for row in others) if others else "") + ".")
+    modelled = [row for row in table["rows"] if "tabular" in row and not row["tabular"]["unmodelled"]
+                and row["placement"] != "off"]  # beta = 0 has no fixed point to predict
     if modelled:
         agree = [row for row in modelled if inside(row["tabular"]["kl_opt"], row)]
         worst = max(modelled, key=lambda row: abs(row["train"]["kl_opt"] - row["tabular"]["kl_opt"]))
