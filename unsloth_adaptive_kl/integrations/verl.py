@@ -394,10 +394,11 @@ class RewardKLController:
         if "length_normalized" in config.kl_methods:
             raise ValueError("adaptive_kl.reward: length_normalized acts on the KL in the loss; verl penalises the "
                              "reward per token.")
-        self.akl = AdaptiveKL(config, beta=beta, loss_type="bnpo")
         # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
-        # the core's `sequence_sum` KL_i (`configs_from` refuses any other kl_reduction for the reward).
-        self._completion_config = dataclasses.replace(config, kl_reduction="sequence_sum")
+        # the core's `sequence_sum` KL_i (`configs_from` refuses any other kl_reduction for the reward). The core
+        # object is told the KL is in the reward, so each step reads the batch scored since the last one.
+        self._completion_config = dataclasses.replace(config, kl_placement="reward", kl_reduction="sequence_sum")
+        self.akl = AdaptiveKL(self._completion_config, beta=beta, loss_type="bnpo")
         self._mean_reward: Optional[float] = None
         self.updates = 0
 
