@@ -333,8 +333,8 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
     method's adaptation (shaping, reductions, diagnostics), eager, with its aten op count; each method against the
     stock k3 timed in its own interleaved rounds."""
     from unsloth_adaptive_kl import AdaptiveKLConfig
-    from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
-    from unsloth_adaptive_kl.core.estimators import estimate_kl
+    from unsloth_adaptive_kl.core.adaptation import kl_term
+    from unsloth_adaptive_kl.core.reductions import ReductionContext
 
     generator = torch.Generator().manual_seed(0)
     logp = -torch.rand(64, 4096, generator=generator) * 5
@@ -346,17 +346,18 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
         delta = ref - logp
         return torch.exp(delta) - delta - 1
 
-    def per_token(config: Any) -> torch.Tensor:
-        # the estimator in effect (kl_estimator=None means k3 in the loss): the trainer's own KL for k3, as the
-        # integrations use it; the core's estimator (its masked inputs included) otherwise
-        return stock() if config.estimator == "k3" else estimate_kl(logp, ref, mask, config)
+    def term(config: Any) -> Any:
+        # the core's one pipeline: the trainer's own KL for k3, as the integrations hand it, the core's estimator of
+        # the masked log-probs otherwise; the check of both log-probs either way
+        own = stock() if config.estimator == "k3" else None
+        return kl_term(logp, ref, mask, config, loss_type="dapo", context=ctx, per_token_kl=own, with_grad=True)
 
     base_ops = profile_counts(stock)[0]
     rows = []
     stock_samples: list[float] = []
     for name, settings in METHODS.items():
         config = AdaptiveKLConfig(**settings)
-        eager = lambda config=config: adapted_kl_term(per_token(config), mask, config, "dapo", ctx)  # noqa: E731
+        eager = lambda config=config: term(config)  # noqa: E731
         # Each method interleaved with the stock k3 alone, in its own rounds: no other method's allocations shift the
         # heap under its ratio.
         samples = interleaved({"stock": stock, "eager": eager}, repeats, warmup=20)

@@ -16,9 +16,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, register_kl_estimator
-from unsloth_adaptive_kl.core.adaptation import ReductionContext
 from unsloth_adaptive_kl.core.estimators import estimator_names
-from unsloth_adaptive_kl.core.functional import completion_kls
 
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 
@@ -299,7 +297,7 @@ def test_the_steps_kl_is_one_token_mean_whatever_the_loop_and_placement() -> Non
     own.step()
     trainer = AdaptiveKL(target, BETA)
     for logps, ref, last in ((a, ref_a, False), (b, ref_b, True)):
-        term = trainer.term(k3_by_hand(logps, ref), MASK, ReductionContext())
+        term = trainer.term(logps, ref, MASK, per_token_kl=k3_by_hand(logps, ref))
         trainer.record(term, gather=lambda t: t, train=True, end_of_step=last, completed_steps=1)
     # The statistics rows are float32 (one gather for every dtype): 1e-7 relative.
     assert own.last_raw_kl == pytest.approx(loss_mean, rel=1e-6)
@@ -312,7 +310,7 @@ def test_the_steps_kl_is_one_token_mean_whatever_the_loop_and_placement() -> Non
     own.reward_penalty(a, ref_a, MASK)
     own.step(mean_reward=0.5)
     trainer = AdaptiveKL(in_reward, BETA)
-    trainer.penalize(completion_kls(a, ref_a, MASK, in_reward), gather=lambda t: t, train=True, completed_steps=0)
+    trainer.penalize(trainer.term(a, ref_a, MASK), gather=lambda t: t, train=True, completed_steps=0)
     trainer.observe_rewards(0.5)
     assert trainer.current_beta == BETA  # scoring moves nothing: the step's end does
     trainer.record(None, gather=lambda t: t, train=True, end_of_step=True, completed_steps=1)
@@ -355,7 +353,7 @@ def test_the_kl_in_the_reward_applies_the_schedule_cut_off_when_a_batch_is_score
     logps, ref = batch(0, False)
     betas = []
     for step in range(4):
-        _, metrics = akl.penalize(completion_kls(logps, ref, MASK, config), gather=lambda t: t, train=True,
+        _, metrics = akl.penalize(akl.term(logps, ref, MASK), gather=lambda t: t, train=True,
                                   completed_steps=step)
         betas.append(metrics["adaptive_kl/current_beta"])
         akl.observe_rewards(0.5)  # below the reward threshold: no decay

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig
-from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
+from unsloth_adaptive_kl.core.reductions import ReductionContext
+
+from .kl_terms import adapted_kl_term
 
 SETTINGS = [dict(kl_adaptation_method="clip", kl_clip_threshold=0.3), dict(kl_adaptation_method="sigmoid"),
             dict(kl_adaptation_method="length_normalized"), dict(kl_reduction="sequence_sum")]

@@ -8,8 +8,11 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKLConfig
-from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term, reduce_kl, shape_kl
-from unsloth_adaptive_kl.core.adaptation import kl_term, loss_type_reduction, loss_types
+from unsloth_adaptive_kl.core.adaptation import kl_term
+from unsloth_adaptive_kl.core.reductions import ReductionContext, loss_type_reduction, loss_types, reduce_kl
+from unsloth_adaptive_kl.core.shapings import shape_kl
+
+from .kl_terms import adapted_kl_term
 
 # Two completions: lengths 3 and 1 (T = 4).
 KL = torch.tensor([[0.5, 2.0, 0.1, 9.0], [3.0, 7.0, 7.0, 7.0]])
@@ -160,12 +163,16 @@ def test_padded_non_finite_values_leave_the_input_untouched_and_get_no_gradient(
 def test_the_stock_term_records_no_autograd_graph() -> None:
     """With the trainer's own KL term the adapted value only feeds the metrics: kl_term builds no graph for it,
     and its numbers are the eager core's."""
-    kl = KL.clone().requires_grad_(True)
-    stock = kl_term(kl, MASK, config("none"), "grpo", CTX)
+    kl, zeros = KL.clone().requires_grad_(True), torch.zeros(KL.shape)
+
+    def term(settings):  # the pipeline's default: a graph only where the term replaces the trainer's own
+        return kl_term(zeros, zeros, MASK, settings, loss_type="grpo", context=CTX, per_token_kl=kl)
+
+    stock = term(config("none"))
     eager = adapted_kl_term(kl, MASK, config("none"), "grpo", CTX)
     assert stock.adapted.grad_fn is None and stock.adapted.item() == eager.adapted.item()
     assert eager.adapted.grad_fn is not None
-    assert kl_term(kl, MASK, config("clip"), "grpo", CTX).adapted.grad_fn is not None
+    assert term(config("clip")).adapted.grad_fn is not None
 
 
 @pytest.mark.parametrize("method", ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+dynamic"])

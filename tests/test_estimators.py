@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKLConfig, KLEstimatorWarning
-from unsloth_adaptive_kl.core import adaptation
-from unsloth_adaptive_kl.core.adaptation import ReductionContext, adapted_kl_term
-from unsloth_adaptive_kl.core.config import KL_REDUCTIONS
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning
+from unsloth_adaptive_kl.core import reductions
+from unsloth_adaptive_kl.core.adaptation import kl_term
+from unsloth_adaptive_kl.core.reductions import ReductionContext
 from unsloth_adaptive_kl.core.statistics import KLStatistics, device_sums
 from unsloth_adaptive_kl.core.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 
+from .kl_terms import adapted_kl_term
 from .test_core import CTX, HAND_REDUCTIONS, KL, MASK
 
 LOGP = torch.tensor([[-1.0, -2.0, -0.5], [-3.0, -0.1, -25.0]])
@@ -183,21 +184,21 @@ VERL_LOSS_TYPE_OF_AGG_MODE = {"token-mean": "bnpo", "token-sum": "dapo", "seq-me
 
 def test_verl_agg_modes_map_to_loss_types_and_back() -> None:
     for agg_mode, loss_type in VERL_LOSS_TYPE_OF_AGG_MODE.items():
-        assert adaptation.loss_type_of_agg_mode(agg_mode) == loss_type
-        assert adaptation.agg_mode_of(adaptation.loss_type_reduction(loss_type)) == agg_mode
+        assert reductions.loss_type_of_agg_mode(agg_mode) == loss_type
+        assert reductions.agg_mode_of(reductions.loss_type_reduction(loss_type)) == agg_mode
     with pytest.raises(ValueError, match=r"^actor_rollout_ref\.actor\.loss_agg_mode='seq-sum' is invalid: allowed is "
                                          r"one of .*seq-mean-token-mean.*token-sum"):
-        adaptation.loss_type_of_agg_mode("seq-sum", field="actor_rollout_ref.actor.loss_agg_mode")
+        reductions.loss_type_of_agg_mode("seq-sum", field="actor_rollout_ref.actor.loss_agg_mode")
 
 
 @pytest.mark.parametrize("loss_agg_mode", sorted(VERL_LOSS_TYPE_OF_AGG_MODE))
 def test_verl_aggregation_of_the_adapted_kl_follows_kl_reduction_then_length_normalisation(loss_agg_mode) -> None:
     """kl_reduction's precedence, read in verl's names: the setting's mode, length normalisation's (each completion's
     mean per-token KL), else the loss's own mode."""
-    loss_type = adaptation.loss_type_of_agg_mode(loss_agg_mode)
+    loss_type = reductions.loss_type_of_agg_mode(loss_agg_mode)
 
     def agg_mode(**settings) -> str:
-        return adaptation.agg_mode_of(adaptation.kl_reduction(AdaptiveKLConfig(**settings), loss_type))
+        return reductions.agg_mode_of(reductions.kl_reduction(AdaptiveKLConfig(**settings), loss_type))
 
     assert agg_mode() == loss_agg_mode
     assert agg_mode(kl_adaptation_method="length_normalized") == "seq-mean-token-mean"
@@ -207,30 +208,52 @@ def test_verl_aggregation_of_the_adapted_kl_follows_kl_reduction_then_length_nor
 
 
 def test_each_loss_type_reduces_by_one_record_and_the_config_allows_the_table_settings() -> None:
-    assert sorted(adaptation.loss_types()) == sorted(HAND_REDUCTIONS)
-    assert KL_REDUCTIONS == ("loss_type", "sequence_sum", "sequence_mean", "token_mean")
+    assert sorted(reductions.loss_types()) == sorted(HAND_REDUCTIONS)
+    assert reductions.kl_reduction_settings() == ("loss_type", "sequence_sum", "sequence_mean", "token_mean")
     with pytest.raises(ValueError, match=r"^kl_reduction='token_mean' is invalid: allowed is one of loss_type, "
                                          r"sequence_sum, sequence_mean with kl_placement='reward'"):
         AdaptiveKLConfig(kl_placement="reward", kl_reduction="token_mean")
     with pytest.raises(ValueError, match=r"^loss_type='ppo' is not supported by adaptive KL: allowed is one of bnpo, "
                                          r"cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo\.$"):
-        adaptation.loss_type_reduction("ppo")
+        reductions.loss_type_reduction("ppo")
 
 
 def test_reward_kl_per_completion_by_hand() -> None:
     """KL_i with the KL in the reward: the record's per-completion form; 'loss_type' means the sequence sum there.
     Masked sums 2.6 (L=3) and 3.0 (L=1)."""
     for setting, want in (("loss_type", [2.6, 3.0]), ("sequence_sum", [2.6, 3.0]), ("sequence_mean", [2.6 / 3, 3.0])):
-        term = adaptation.completion_kl(KL, MASK, AdaptiveKLConfig(kl_placement="reward", kl_reduction=setting))
+        term = kl_term(torch.zeros(KL.shape), torch.zeros(KL.shape), MASK,
+                       AdaptiveKLConfig(kl_placement="reward", kl_reduction=setting), per_token_kl=KL)
         torch.testing.assert_close(term.raw, torch.tensor(want))
 
 
-def test_a_registered_reduction_is_used_by_name(monkeypatch) -> None:
-    monkeypatch.setattr(adaptation, "REDUCTIONS", dict(adaptation.REDUCTIONS))
+def test_a_registered_reduction_is_selected_by_kl_reduction_in_every_placement() -> None:
+    """`register_kl_reduction` works as the other registries do: the name becomes an allowed `kl_reduction` value,
+    validated when the config is built, and reduces the adapted KL in a loop of your own (here the largest completion
+    sum: S = (2.6, 3.0) by hand, so K = 3.0); with a per-completion form it is allowed with the KL in the reward too.
+    On b3d53c1 the allowed values were fixed at import and the config refused the name."""
+    from unsloth_adaptive_kl import register_kl_reduction
 
-    @adaptation.register_reduction("max_completion")
-    def max_completion(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
-        return sums.max()
+    with pytest.raises(ValueError, match=r"kl_reduction='max_completion' is invalid: allowed is one of loss_type, "
+                                         r"sequence_sum, sequence_mean, token_mean \(register your own"):
+        AdaptiveKLConfig(kl_reduction="max_completion")
+    try:
+        @register_kl_reduction("max_completion", per_completion=lambda sums, lengths: sums)
+        def max_completion(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+            return sums.max()
 
-    assert adaptation.reduce_kl(KL, MASK, "max_completion", CTX).item() == pytest.approx(3.0)
-    assert adaptation.REDUCTIONS["max_completion"].loss_types == ()
+        assert reductions.kl_reduction_settings()[-1] == "max_completion"
+        logp = torch.zeros(KL.shape)
+        akl = AdaptiveKL(AdaptiveKLConfig(kl_reduction="max_completion"), beta=0.5, loss_type="grpo")
+        loss, metrics = akl.kl_loss(logp, logp, MASK, per_token_kl=KL)
+        assert loss.item() == pytest.approx(0.5 * 3.0)
+        assert metrics["adaptive_kl/raw_kl"] == pytest.approx((2.6 / 3 + 3.0) / 2)  # grpo's own reduction
+        reward = AdaptiveKL(AdaptiveKLConfig(kl_reduction="max_completion", kl_placement="reward"), beta=0.5)
+        penalty, _ = reward.reward_penalty(logp, logp, MASK, per_token_kl=KL)
+        torch.testing.assert_close(penalty, 0.5 * torch.tensor([2.6, 3.0]))
+        with pytest.raises(ValueError, match=r"register_kl_reduction\('max_completion'\): allowed is a new"):
+            register_kl_reduction("max_completion")
+    finally:
+        reductions.REDUCTIONS.pop("max_completion", None)
+    with pytest.raises(ValueError, match="kl_reduction='max_completion' is invalid"):
+        AdaptiveKLConfig(kl_reduction="max_completion")

@@ -14,8 +14,8 @@ import torch
 
 from unsloth_adaptive_kl import register_kl_estimator
 from unsloth_adaptive_kl.core.estimators import estimator_names
-from unsloth_adaptive_kl.tools import kl_lab
-from unsloth_adaptive_kl.tools.kl_lab import (ENVIRONMENTS, Environment, Figures, Setting, Training, Tree, beta_for_kl,
+from unsloth_adaptive_kl.tools import kl_lab, tabular_lab
+from unsloth_adaptive_kl.tools.tabular_lab import (ENVIRONMENTS, Environment, Figures, Setting, Training, Tree, beta_for_kl,
                                              frontier_reward, kl, optimum, train)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +111,7 @@ def test_loss_side_beta_acts_as_beta_times_g_over_g_minus_one(tree: Tree) -> Non
 
 
 def test_target_settles_at_the_beta_whose_optimum_has_the_target_kl(tree: Tree) -> None:
-    result = kl_lab.target_experiment(tree.env, 0.5, replace(TRAINING, steps=1500, schedule="constant"), rates=(0.02,))
+    result = tabular_lab.target_experiment(tree.env, 0.5, replace(TRAINING, steps=1500, schedule="constant"), rates=(0.02,))
     run = result["runs"][0]
     assert result["beta_star"] == pytest.approx(0.5, rel=1e-6)
     assert run["final_beta"] == pytest.approx(result["beta_star"], rel=0.05)
@@ -138,12 +138,12 @@ def test_the_docs_figures_are_what_the_lab_computes() -> None:
     stored = json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())
     table = stored["tables"]["contains_a"]
     training = Training(**table["training"])
-    settings = {s.label: s for s in kl_lab.default_settings()}
-    rerun = kl_lab.run_table(Environment(**table["environment"]),
+    settings = {s.label: s for s in tabular_lab.default_settings()}
+    rerun = tabular_lab.run_table(Environment(**table["environment"]),
                              [settings["k1 in the reward"], settings["k3 in the loss"]], table["beta"], training,
                              table["seeds"])
     stored_rows = {row["setting"]: row for row in table["rows"]}
     for row in rerun["rows"]:
         for column in ("reward", "length", "kl_ref", "kl_opt"):
             assert row[column] == pytest.approx(stored_rows[row["setting"]][column], abs=0.01), (row["setting"], column)
-    assert {s.label for s in kl_lab.default_settings()} <= set(stored_rows)
+    assert {s.label for s in tabular_lab.default_settings()} <= set(stored_rows)

@@ -13,11 +13,12 @@ import torch
 import torch.fx
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError
-from unsloth_adaptive_kl.core import adaptation
-from unsloth_adaptive_kl.core.adaptation import ReductionContext
+from unsloth_adaptive_kl.core.reductions import ReductionContext
 from unsloth_adaptive_kl.core.estimators import estimate_kl
-from unsloth_adaptive_kl.core.numerics import LogpCheck, keep_valid
+from unsloth_adaptive_kl.core.numerics import keep_valid
 from unsloth_adaptive_kl.core.statistics import NAMES
+
+from .kl_terms import adapted_kl_term
 
 # k1 in the loss and k3-family estimators in the reward warn by design; every estimator is exercised in both here.
 pytestmark = pytest.mark.filterwarnings("ignore::unsloth_adaptive_kl.core.config.KLEstimatorWarning")
@@ -107,7 +108,7 @@ def test_bnpo_over_80000_half_precision_tokens_counts_every_token(dtype) -> None
     term, metrics = AdaptiveKL(None, BETA, "bnpo").kl_loss(logp, ref, mask)
     assert metrics["adaptive_kl/raw_kl"] > 0
     assert term.item() == pytest.approx(BETA * k3_term_by_hand(logp, ref, mask, "bnpo"), rel=1e-5)
-    lengths = adaptation.adapted_kl_term(torch.ones(2, 40_000, dtype=dtype), mask, config(), "bnpo",
+    lengths = adapted_kl_term(torch.ones(2, 40_000, dtype=dtype), mask, config(), "bnpo",
                                          ReductionContext()).lengths
     assert lengths.dtype == torch.float32 and lengths.tolist() == [40_000.0, 40_000.0]
 
@@ -133,7 +134,7 @@ def test_a_torch_fx_traced_loss_computes_half_precision_in_float32(dtype) -> Non
 
     def loss(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         per_token = estimate_kl(logp, ref, mask, settings)
-        return per_token, adaptation.adapted_kl_term(per_token, mask, settings, "bnpo", ReductionContext()).adapted
+        return per_token, adapted_kl_term(per_token, mask, settings, "bnpo", ReductionContext()).adapted
 
     per_token, term = torch.fx.symbolic_trace(loss)(logp, ref, mask)
     want_per_token, want_term = loss(logp.float(), ref.float(), mask)
@@ -170,26 +171,37 @@ def test_the_trainer_path_reports_non_finite_input_at_the_end_of_the_step_withou
     ref[2, 0] = math.nan
     runtime = AdaptiveKL(config(kl_adaptation_method="clip"), BETA, "grpo")
     identity = lambda tensor: tensor  # noqa: E731  (one process)
-    clean = runtime.term(torch.zeros_like(logp), mask, ReductionContext(), check=LogpCheck.of(logp, logp, mask))
+    clean = runtime.term(logp, logp, mask, per_token_kl=torch.zeros_like(logp))
     bad_kl = torch.exp(ref - logp) - (ref - logp) - 1
-    bad = runtime.term(bad_kl, mask, ReductionContext(), check=LogpCheck.of(logp, ref, mask))
+    bad = runtime.term(logp, ref, mask, per_token_kl=bad_kl)
     assert runtime.record(clean, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
     assert runtime.record(bad, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
     with pytest.raises(NonFiniteLogProbError, match=r"at step 5: .*reference log-probs \(the reference tensor\): 1 "):
         runtime.record(clean, gather=identity, train=True, end_of_step=True, completed_steps=5)
 
 
-def test_other_processes_non_finite_input_raises_on_every_process() -> None:
+def test_other_processes_non_finite_input_raises_on_every_process_naming_the_process_that_saw_it() -> None:
+    """A NaN on process 1 only: process 0 (this one) raises too, and its error says the tokens were process 1's,
+    whose count only process 1 holds (on b3d53c1 it said "0 valid token(s) on this process"). A NaN on both: this
+    process's tokens counted, the other's named."""
     logp, ref, mask = batch()
     runtime = AdaptiveKL(None, BETA, "grpo")
-    # a two-process gather whose other process holds a NaN reference sum (the rows' reference_logps field)
-    def gather(rows: torch.Tensor) -> torch.Tensor:
+
+    def gather(rows: torch.Tensor) -> torch.Tensor:  # a two-process gather: process 1's reference sum is NaN
         other = rows.clone()
         other[:, NAMES.index("reference_logps")] = math.nan
         return torch.cat([rows, other])
 
-    with pytest.raises(NonFiniteLogProbError, match=r"reference log-probs .*: 0 valid token\(s\) on this process "
-                                                    r"\(processes with non-finite values: \[1\]\)"):
+    with pytest.raises(NonFiniteLogProbError) as raised:
+        runtime.kl_loss(logp, ref, mask, gather=gather)
+    message = str(raised.value)
+    assert ("reference log-probs (the reference tensor): non-finite on process 1 (its sum over the valid tokens: "
+            "that process counts them)") in message
+    assert "process 0" not in message and "policy" not in message.split(" in the ")[1].split(".")[0]
+    ref[0, 0] = math.nan
+    with pytest.raises(NonFiniteLogProbError, match=r"reference log-probs \(the reference tensor\): 1 valid token\(s\) "
+                                                    r"on process 0; reference log-probs \(the reference tensor\): "
+                                                    r"non-finite on process 1"):
         runtime.kl_loss(logp, ref, mask, gather=gather)
 
 

@@ -3,6 +3,7 @@ combinable with `+`, validated, checkpointed, and usable in a trainer and in the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,8 @@ from unsloth_adaptive_kl import (AdaptiveKL, AdaptiveKLConfig, register_beta_con
                                  register_kl_shaping)
 from unsloth_adaptive_kl.core import registry
 from unsloth_adaptive_kl.core.controllers import ConstantBeta
-from unsloth_adaptive_kl.tools import kl_lab
+from unsloth_adaptive_kl.core.estimators import estimator_names
+from unsloth_adaptive_kl.tools import kl_lab, tabular_lab
 
 
 @register_kl_shaping("test_square_cap")
@@ -115,16 +117,16 @@ def test_a_registered_controller_and_shaping_drive_trls_trainer(tokenizer, tmp_p
 
 
 def test_registered_methods_and_estimators_run_in_the_kl_lab() -> None:
-    if "test_lab_k1" not in kl_lab.estimator_names():
+    if "test_lab_k1" not in estimator_names():
         register_kl_estimator("test_lab_k1")(lambda logp, ref, mask: logp - ref)
-    settings = kl_lab.default_settings(estimators=["test_lab_k1"], methods=["test_square_cap", "test_accuracy_beta"])
+    settings = tabular_lab.default_settings(estimators=["test_lab_k1"], methods=["test_square_cap", "test_accuracy_beta"])
     labels = {s.label for s in settings}
     assert {"test_lab_k1 in the reward", "test_lab_k1 in the loss", "test_square_cap in the loss",
             "test_square_cap in the reward", "test_accuracy_beta in the loss"} <= labels
-    tree = kl_lab.Tree(kl_lab.ENVIRONMENTS["contains_a"])
+    tree = tabular_lab.Tree(tabular_lab.ENVIRONMENTS["contains_a"])
     setting = next(s for s in settings if s.label == "test_accuracy_beta in the reward")
-    setting = kl_lab.replace(setting, config=setting.config + (("reward_threshold", 0.2),))
-    run = kl_lab.train(tree, setting, 0.5, kl_lab.Training(steps=10), seed=0)
+    setting = dataclasses.replace(setting, config=setting.config + (("reward_threshold", 0.2),))
+    run = tabular_lab.train(tree, setting, 0.5, tabular_lab.Training(steps=10), seed=0)
     # every step's mean reward is above 0.2 (the reference's own is 0.31 and a large beta holds the policy there)
     assert run.final_beta == 0.5 * 2 ** 10
     with pytest.raises(SystemExit, match="--method nope: not registered"):

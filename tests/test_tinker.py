@@ -665,6 +665,24 @@ def test_traced_loss_data_refuses_a_nonfinite_log_prob_on_a_valid_token() -> Non
             integration.traced_loss_data(akl, [datum])
 
 
+def test_the_custom_and_the_traced_routes_share_their_checks() -> None:
+    """Routes 1 and 3 keep one set of rules (on b3d53c1 they did not): a NaN in the sampler's log-probs on a valid
+    token raises NonFiniteLogProbError naming it in both, before a loss is computed (route 1 returned loss=nan); both
+    refuse clip_epsilon=1.5 with one message (route 3 accepted it)."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
+    datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, math.nan], [-0.7, -1.0])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(4))
+    sampler = r"loss_fn_inputs\['logprobs'\] \(the sampler's\) \(the policy tensor\): 1 valid token\(s\)"
+    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{sampler}"):
+        integration.grpo_kl_loss(akl)([datum], [torch.full((4,), -1.0, requires_grad=True)])
+    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{sampler}"):
+        integration.traced_loss_data(akl, [datum])
+    for route in (integration.grpo_kl_loss, integration.traceable_grpo_loss):
+        with pytest.raises(ValueError, match=r"clip_epsilon=1.5 / clip_epsilon_high=None: allowed is 0 <= clip_epsilon "
+                                             r"< 1"):
+            route(akl, clip_epsilon=1.5)
+
+
 def test_the_traced_loss_returns_the_check_and_check_traced_loss_raises_on_it(fake_tinker: Tinker) -> None:
     """The traced loss returns the core's non-finite check as metrics: summed over datums, the sums of the valid
     policy and reference log-probs, by hand; check_traced_loss passes them. Where the service's forward gives a NaN
@@ -691,7 +709,8 @@ def test_the_traced_loss_returns_the_check_and_check_traced_loss_raises_on_it(fa
         timeout=30)
     assert math.isnan(result.metrics["custom/adaptive_kl/policy_logprobs:sum"])
     assert math.isfinite(result.metrics["custom/adaptive_kl/ref_logprobs:sum"])
-    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .*traced loss's logprobs \(the policy's"):
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the logprobs \(the policy's, in the traced loss\) "
+                                                    r"\(the policy tensor\): non-finite \(its sum"):
         integration.check_traced_loss(akl, result)
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl.tools import kl_lab, trainer_lab
-from unsloth_adaptive_kl.tools.kl_lab import ENVIRONMENTS, Tree, kl, optimum
+from unsloth_adaptive_kl.tools.tabular_lab import ENVIRONMENTS, Tree, kl, optimum
 
 ENV = ENVIRONMENTS["contains_a"]
 ROOT = Path(__file__).resolve().parents[1]

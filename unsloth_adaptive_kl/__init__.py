@@ -17,7 +17,7 @@ import importlib.util
 # The public surface: what a user writes. Internals (the adaptation's functions, the controller classes, the reduction
 # context) stay importable from their modules: unsloth_adaptive_kl.core.adaptation, .core.controllers, ...
 from .core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl
-from .core import register_beta_controller, register_kl_estimator, register_kl_shaping
+from .core import register_beta_controller, register_kl_estimator, register_kl_reduction, register_kl_shaping
 from .core.errors import IncompatibleVersionError, KLEstimatorWarning, NonFiniteLogProbError, UntestedVersionWarning
 
 __version__ = "0.1.0"
@@ -71,6 +71,7 @@ __all__ = [
     "patch",
     "register_beta_controller",
     "register_kl_estimator",
+    "register_kl_reduction",
     "register_kl_shaping",
     "unpatch",
 ]

@@ -341,7 +341,7 @@ def _kl_lab() -> dict:
 
 def kl_lab(environment: Optional[str] = None) -> str:
     """The KL lab's table for one environment (`docs/results/kl_lab.json`, written by the lab), one table a group."""
-    from unsloth_adaptive_kl.tools.kl_lab import HEADER, markdown, table_rows
+    from unsloth_adaptive_kl.tools.tabular_lab import HEADER, markdown, table_rows
 
     table = _kl_lab()["tables"][environment]
     return "\n\n".join(f"**{group}**\n\n{markdown(HEADER, rows)}" for group, rows in table_rows(table))
@@ -349,7 +349,7 @@ def kl_lab(environment: Optional[str] = None) -> str:
 
 def kl_lab_target(_: Optional[str] = None) -> str:
     """The KL lab's `target` runs against beta*."""
-    from unsloth_adaptive_kl.tools.kl_lab import TARGET_HEADER, markdown, target_rows
+    from unsloth_adaptive_kl.tools.tabular_lab import TARGET_HEADER, markdown, target_rows
 
     result = _kl_lab()["target"]
     return (f"tau = KL(pi*_beta || pi_ref) = {result['tau']:.4f}, so beta* = {result['beta_star']:.4f}; beta_0 = "
@@ -374,7 +374,7 @@ def _lab_through(trainer: str) -> dict:
 def kl_lab_trainer(name: Optional[str] = None) -> str:
     """The KL lab through one trainer (`docs/results/kl_lab_NAME.json`, written by `kl_lab --trainer ...`): how it was
     made, then one table a recipe."""
-    from unsloth_adaptive_kl.tools.kl_lab import markdown
+    from unsloth_adaptive_kl.tools.tabular_lab import markdown
     from unsloth_adaptive_kl.tools.trainer_lab import HEADER, describe, trainer_rows
 
     result = _lab_through(str(name))
@@ -388,7 +388,7 @@ def kl_lab_trainer(name: Optional[str] = None) -> str:
 def kl_lab_side_by_side(_: Optional[str] = None) -> str:
     """TRL and Unsloth on the same GRPOConfig: KL(pi||pi*) and the effective beta of each, with the tabular lab's
     prediction for each trainer's masking, for every recipe and setting both ran."""
-    from unsloth_adaptive_kl.tools.kl_lab import markdown
+    from unsloth_adaptive_kl.tools.tabular_lab import markdown
     from unsloth_adaptive_kl.tools.trainer_lab import side_by_side_rows
 
     return markdown(*side_by_side_rows(_lab_through("trl")["trainers"]["trl"],

@@ -19,11 +19,11 @@ from typing import Any, Optional
 
 import torch
 
-from .adaptation import KLTerm, ReductionContext, kl_reduction, kl_term, loss_type_reduction
+from .adaptation import KLTerm, kl_term
 from .config import AdaptiveKLConfig, check_real, is_real, reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
-from .functional import adapted_kl, completion_kls
 from .numerics import LogpCheck
+from .reductions import ReductionContext, kl_reduction, loss_type_reduction
 from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
 STATE_FORMAT = 4  # `state_dict()`'s format: 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
@@ -113,8 +113,8 @@ class AdaptiveKL:
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
-        term = adapted_kl(logps, ref_logps, mask, self.config, loss_type=self.loss_type,
-                          context=ReductionContext(max_completion_length, token_normalizer), per_token_kl=per_token_kl)
+        term = kl_term(logps, ref_logps, mask, self.config, loss_type=self.loss_type, with_grad=True,
+                       context=ReductionContext(max_completion_length, token_normalizer), per_token_kl=per_token_kl)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.completed_steps + 1,
                                     gather=gather or local)
         if train:
@@ -144,7 +144,7 @@ class AdaptiveKL:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
         penalty, self.last_metrics = self.penalize(
-            completion_kls(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,
+            kl_term(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,
             train=train, completed_steps=self.completed_steps)
         return penalty, self.last_metrics
 
@@ -162,14 +162,17 @@ class AdaptiveKL:
 
     # ----- the trainer integrations -----------------------------------------------------------------------------
 
-    def term(self, kl: torch.Tensor, mask: torch.Tensor, ctx: ReductionContext, loss_type: Optional[str] = None,
-             with_grad: Optional[bool] = None, check: Optional[LogpCheck] = None) -> KLTerm:
-        """The adapted KL term of a per-token KL the caller computed (`adaptation.kl_term`). Without `with_grad`, the
-        term records a graph only where it replaces the trainer's own (`config.is_stock_kl` is False). `check`: the
-        `LogpCheck` of the log-probs the KL came from, which `record` reports at the step's end if non-finite."""
-        term = kl_term(kl, mask, self.config, loss_type or self.loss_type, ctx, with_grad=with_grad)
-        term.check = check
-        return term
+    def term(self, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, *,
+             ctx: ReductionContext = ReductionContext(), loss_type: Optional[str] = None,
+             per_token_kl: Optional[torch.Tensor] = None, with_grad: Optional[bool] = None,
+             names: Optional[dict[str, str]] = None) -> KLTerm:
+        """The KL term of one batch (`adaptation.kl_term`: the loss's term, or with the KL in the reward each
+        completion's KL_i) from the log-probs as the trainer holds them, of `per_token_kl` where the trainer computed
+        the KL itself. Without `with_grad`, the loss's term records a graph only where it replaces the trainer's own
+        (`config.is_stock_kl` is False). `names`: what a non-finite error calls the two tensors, which `record` or
+        `penalize` reports at the step's end."""
+        return kl_term(logps, ref_logps, mask, self.config, loss_type=loss_type or self.loss_type, context=ctx,
+                       per_token_kl=per_token_kl, with_grad=with_grad, names=names)
 
     def observe_rewards(self, mean_reward: float) -> None:
         """The mean reward over all processes of a new training generation batch (un-penalised)."""

@@ -13,9 +13,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-from .adaptation import REDUCTIONS
 from .errors import KLEstimatorWarning
 from .estimators import estimator_names
+from .reductions import kl_reduction_settings
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
 # The built-in methods; registered shapings and controllers join them (registry.method_names()). Application order:
@@ -24,11 +24,6 @@ SHAPING_METHODS = ("clip", "sigmoid")
 BETA_METHODS = ("dynamic", "target")
 METHODS = SHAPING_METHODS + LENGTH_METHODS + BETA_METHODS
 METHOD_SEPARATOR = "+"
-# The allowed kl_reduction values, read from the one reduction table (adaptation.REDUCTIONS): 'loss_type' and each
-# reduction's setting; with the KL in the reward each completion gets one KL_i, so those with a per-completion form.
-KL_REDUCTIONS = ("loss_type", *(reduction.setting for reduction in REDUCTIONS.values() if reduction.setting))
-REWARD_KL_REDUCTIONS = ("loss_type", *(reduction.setting for reduction in REDUCTIONS.values()
-                                       if reduction.setting and reduction.per_completion))
 TARGET_MEASURES = ("token_mean", "sequence_sum")
 STOCK_ESTIMATOR = "k3"  # the per-token KL GRPO trainers compute in their own loss
 KL_PLACEMENTS = ("loss", "reward")
@@ -351,8 +346,10 @@ class AdaptiveKLConfig:
         check_real("kl_percentile_scale", self.kl_percentile_scale,
                    is_real(self.kl_percentile_scale) and 0 < self.kl_percentile_scale < math.inf,
                    "a finite number > 0")
-        if self.kl_reduction not in KL_REDUCTIONS:
-            raise reject("kl_reduction", self.kl_reduction, f"one of {', '.join(KL_REDUCTIONS)}")
+        allowed = kl_reduction_settings()  # read at validation: registered reductions count
+        if self.kl_reduction not in allowed:
+            raise reject("kl_reduction", self.kl_reduction,
+                         f"one of {', '.join(allowed)} (register your own with register_kl_reduction)")
         if "length_normalized" in methods and self.kl_reduction not in ("loss_type", "sequence_mean"):
             raise reject("kl_reduction", self.kl_reduction,
                          "'loss_type' or 'sequence_mean' with kl_adaptation_method length_normalized")
@@ -387,9 +384,10 @@ class AdaptiveKLConfig:
             raise reject("kl_adaptation_method", self.kl_adaptation_method,
                          "methods without length_normalized with kl_placement='reward' (there each completion's KL "
                          "is already one number per completion: choose it with kl_reduction='sequence_mean')")
-        if self.kl_reduction not in REWARD_KL_REDUCTIONS:
+        allowed = kl_reduction_settings(reward=True)
+        if self.kl_reduction not in allowed:
             raise reject("kl_reduction", self.kl_reduction,
-                         f"one of {', '.join(REWARD_KL_REDUCTIONS)} with kl_placement='reward' (one KL per completion)")
+                         f"one of {', '.join(allowed)} with kl_placement='reward' (one KL per completion)")
 
 
 ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)

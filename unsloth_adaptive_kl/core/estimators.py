@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from .numerics import LogpCheck, masked_logps
+from .numerics import masked_logps
 
 Estimator = Callable[..., torch.Tensor]
 _ESTIMATORS: dict[str, Estimator] = {}
@@ -124,19 +124,13 @@ def k3_bottom_percentile(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tens
 
 
 def run_estimator(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
-    """The estimator in effect on inputs already prepared by `masked_logps` (float32, masked positions 0)."""
+    """The estimator in effect on inputs already masked (`numerics.keep_valid`: float32, masked positions 0)."""
     estimator = config.estimator
     if callable(estimator):
         return estimator(logp, ref, mask)
     if estimator in _TAKES_CONFIG:
         return _ESTIMATORS[estimator](logp, ref, mask, config)
     return _ESTIMATORS[estimator](logp, ref, mask)
-
-
-def checked_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> tuple[torch.Tensor, LogpCheck]:
-    """`estimate_kl`, and the `LogpCheck` of its inputs (non-finite log-probs on valid tokens, as device tensors)."""
-    logp, ref = masked_logps(logp, ref, mask)
-    return run_estimator(logp, ref, mask, config), LogpCheck.of_masked(logp, ref)
 
 
 def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:

@@ -15,12 +15,16 @@ any estimator sees them, and the check for non-finite log-probs on valid tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from .errors import NonFiniteLogProbError
+
 HALF_PRECISION = (torch.float16, torch.bfloat16)
+KINDS = ("policy", "reference")  # the two tensors a `LogpCheck` checks, in its order
 
 
 def upcast(x: torch.Tensor) -> torch.Tensor:
@@ -82,21 +86,52 @@ class LogpCheck:
         return tuple(int((~torch.isfinite(tensor)).sum()) for tensor in self.tensors)  # type: ignore[return-value]
 
 
-def nonfinite_message(step: int, flags: list[tuple[int, int, int]], checks: list[Optional[LogpCheck]]) -> str:
-    """The error for non-finite log-probs. flags: (micro-batch, process, which tensor) of every non-finite sum in the
-    gathered rows; checks: this process's `LogpCheck` of each micro-batch (None where none was recorded)."""
-    parts = []
-    names = next((check.names for check in checks if check is not None), LogpCheck.names)
-    for index, name in enumerate(names):
-        hits = [(batch, process) for batch, process, which in flags if which == index]
-        if not hits:
-            continue
-        local = sum(checks[batch].counts()[index] for batch in sorted({b for b, _ in hits})
-                    if batch < len(checks) and checks[batch] is not None)
-        processes = sorted({process for _, process in hits})
-        where = f" on this process (processes with non-finite values: {processes})" if processes != [0] else ""
-        parts.append(f"{name} (the {'policy' if index == 0 else 'reference'} tensor): {local} valid token(s)"
-                     f"{where}")
-    return (f"adaptive KL: non-finite input at step {step}: NaN or +-inf on valid (mask=1) tokens in the "
-            + "; ".join(parts) + ". Masked positions may hold anything; a valid token's log-prob must be finite "
-            "(check the model's forward in this precision, and the log-probs handed over by the generation engine).")
+@dataclass(frozen=True)
+class NonFinite:
+    """One tensor with a NaN or +-inf on valid tokens, as the error names it.
+
+    name: what the error calls the tensor (where it came from); kind: 'policy' or 'reference'.
+    process: the process that saw it (None where that is not known: a remote service, workers counted together).
+    tokens: how many valid tokens (None where only its sum over them is known here: the count is the other
+        process's, or the service's)."""
+
+    name: str
+    kind: str
+    process: Optional[int] = None
+    tokens: Optional[int] = None
+
+    def __str__(self) -> str:
+        if self.tokens is not None:
+            seen = f"{self.tokens} valid token(s)" + ("" if self.process is None else f" on process {self.process}")
+        elif self.process is not None:
+            seen = f"non-finite on process {self.process} (its sum over the valid tokens: that process counts them)"
+        else:
+            seen = "non-finite (its sum over the valid tokens)"
+        return f"{self.name} (the {self.kind} tensor): {seen}"
+
+
+NONFINITE_ADVICE = "check the model's forward in this precision, and the log-probs handed over by the generation engine"
+
+
+def nonfinite_error(step: int, found: Sequence[NonFinite], advice: str = NONFINITE_ADVICE) -> NonFiniteLogProbError:
+    """The one `NonFiniteLogProbError` every door raises: the step, each tensor found non-finite on valid tokens
+    (`NonFinite`: its name, the process that saw it and how many tokens, where known), and `advice`."""
+    return NonFiniteLogProbError(
+        f"adaptive KL: non-finite input at step {step}: NaN or +-inf on valid (mask=1) tokens in the "
+        + "; ".join(map(str, found)) + ". Masked positions may hold anything; a valid token's log-prob must be finite "
+        f"({advice}).")
+
+
+def this_process() -> int:
+    """This process's rank among those a gather spans (torch.distributed's, which accelerate's processes share; 0
+    without a process group)."""
+    distributed = torch.distributed
+    return distributed.get_rank() if distributed.is_available() and distributed.is_initialized() else 0
+
+
+def found_in_check(check: LogpCheck, process: Optional[int] = None) -> list[NonFinite]:
+    """The tensors of one `LogpCheck` with a non-finite sum, counted (one host transfer)."""
+    sums = check.sums.tolist()
+    counts = check.counts() if not all(map(math.isfinite, sums)) else (0, 0)
+    return [NonFinite(name, kind, process, count)
+            for name, kind, total, count in zip(check.names, KINDS, sums, counts) if not math.isfinite(total)]

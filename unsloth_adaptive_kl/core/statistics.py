@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import astuple, dataclass, fields
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from .adaptation import KLTerm
-from .config import AdaptiveKLConfig
 from .controllers import WindowKL
-from .errors import NonFiniteLogProbError
-from .numerics import LogpCheck, nonfinite_message
+from .numerics import KINDS, LogpCheck, NonFinite, nonfinite_error, this_process
 
 METRIC_PREFIX = "adaptive_kl/"
 Gather = Callable[[torch.Tensor], torch.Tensor]
@@ -72,7 +70,7 @@ class KLStatistics:
         return WindowKL(token_mean=self.kl / max(self.tokens, 1.0), sequence_sum=self.kl / self.completions,
                         completions=self.completions / passes)
 
-    def metrics(self, *, beta: float, config: AdaptiveKLConfig, step: int, reward: bool = False) -> dict[str, float]:
+    def metrics(self, *, beta: float, config: Any, step: int, reward: bool = False) -> dict[str, float]:
         """The `adaptive_kl/*` metrics of docs/metrics.md: raw_kl = raw / entries, adapted_kl = adapted / entries,
         current_beta, sequence_kl = sum S_i / completions and length_kl_corr = corr(L_i, S_i) over the completions
         trained on, reward_penalty = beta * adapted_kl (`reward`), clip_fraction = clipped / sum L_i (`clip` only).
@@ -129,12 +127,29 @@ def gather_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]
     every process raises. checks: this process's `LogpCheck` of each batch (for the error's token counts)."""
     table = gather(torch.stack(rows)).view(-1, len(rows), len(NAMES)).tolist()  # [process][batch][field]
     per_process = [[KLStatistics(*values) for values in process] for process in table]
-    flags = [(batch, process, which) for process, batches in enumerate(per_process)
-             for batch, sums in enumerate(batches)
-             for which, value in enumerate((sums.policy_logps, sums.reference_logps)) if not math.isfinite(value)]
-    if flags:
-        raise NonFiniteLogProbError(nonfinite_message(step, flags, checks))
+    found = nonfinite_found(per_process, checks)
+    if found:
+        raise nonfinite_error(step, found)
     totals = per_process[0]
     for batches in per_process[1:]:
         totals = [total + sums for total, sums in zip(totals, batches)]
     return totals
+
+
+def nonfinite_found(per_process: list[list[KLStatistics]], checks: list[Optional[LogpCheck]]) -> list[NonFinite]:
+    """Each (tensor, process) whose valid log-probs hold a NaN or +-inf, from the gathered sums: counted for this
+    process's batches (`checks`), named by process for the others (only their sums are known here)."""
+    rank, names = this_process(), next((check.names for check in checks if check is not None), LogpCheck.names)
+    found = []
+    for which, (name, kind) in enumerate(zip(names, KINDS)):
+        for process, batches in enumerate(per_process):
+            flagged = [batch for batch, sums in enumerate(batches)
+                       if not math.isfinite((sums.policy_logps, sums.reference_logps)[which])]
+            if not flagged:
+                continue
+            tokens = None
+            if process == rank:
+                tokens = sum(checks[batch].counts()[which] for batch in flagged
+                             if batch < len(checks) and checks[batch] is not None)
+            found.append(NonFinite(name, kind, process, tokens))
+    return found

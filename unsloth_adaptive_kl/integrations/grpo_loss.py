@@ -6,10 +6,10 @@ mask, the loss type and the trainer's normaliser numbers, and hands them to `ada
 micro-batch:
 
 - which per-token KL the methods adapt: the trainer's own for the stock k3 estimator (bit for bit what the installed
-  version computes), else the configured estimator's, from the raw log-probs (`checked_kl`);
-- the `LogpCheck` of those log-probs (a non-finite one on a valid token raises at the step's end);
+  version computes), else the configured estimator's, of the raw log-probs;
 - the `ReductionContext`: the trainer's normalisers translated to the core's (`LossNormalisers`);
-- the term (`trainer.adaptive_kl.term`) and the loss: plus beta_t * adapted / gradient accumulation where the adapted
+- the term (`trainer.adaptive_kl.term`, the core's one pipeline, which also checks the log-probs: a non-finite one
+  on a valid token raises at the step's end) and the loss: plus beta_t * adapted / gradient accumulation where the adapted
   term replaces the trainer's own, the trainer's loss untouched where it is stock.
 """
 
@@ -20,10 +20,10 @@ from typing import Optional, Union
 
 import torch
 
-from ..core.adaptation import KLTerm, ReductionContext
+from ..core.adaptation import KLTerm
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.estimators import checked_kl
-from ..core.numerics import LogpCheck, valid_positions
+from ..core.numerics import valid_positions
+from ..core.reductions import ReductionContext
 
 def masked_reference(ref_logps: torch.Tensor, policy_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The reference log-probs to hand the trainer's own KL line: valid positions keep theirs exactly, masked ones take
@@ -82,11 +82,8 @@ def adapted_loss(
     (the raw reference, not `masked_reference`'s). loss_type: the reduction in effect (None: `adaptive_kl.loss_type`).
     """
     config = adaptive_kl.config
-    if config.reads_trainer_kl:
-        kl, check = trainer_kl, LogpCheck.of(policy_logps, ref_logps, mask)
-    else:
-        kl, check = checked_kl(policy_logps, ref_logps, mask, config)
-    term = adaptive_kl.term(kl, mask, normalisers.reduction_context(), loss_type, check=check)
+    term = adaptive_kl.term(policy_logps, ref_logps, mask, ctx=normalisers.reduction_context(), loss_type=loss_type,
+                            per_token_kl=trainer_kl if config.reads_trainer_kl else None)
     if not config.is_stock_kl:
         loss = loss + term.adapted * (adaptive_kl.current_beta / normalisers.gradient_accumulation)  # one autograd node
     return loss, term

@@ -33,11 +33,10 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("unsloth_adaptive_kl.integrations.tinker needs the Tinker SDK: pip install tinker") from error
 
-from ..core import AdaptiveKL, NonFiniteLogProbError, ReductionContext, reduce_kl, shape_kl
-from ..core.adaptation import kl_reduction, loss_type_reduction
-from ..core.functional import adapted_kl
-from ..core.estimators import checked_kl
-from ..core.numerics import LogpCheck, nonfinite_message
+from ..core import AdaptiveKL, ReductionContext, reduce_kl
+from ..core.adaptation import kl_term, token_kl
+from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, nonfinite_error
+from ..core.reductions import kl_reduction, loss_type_reduction
 from ..core.statistics import device_sums, gather_statistics
 
 __all__ = [
@@ -138,6 +137,30 @@ def builtin_loss_data(data: Sequence["types.Datum"], keys: Sequence[str] = BUILT
             for d in data]
 
 
+# ----- the checks every route shares ------------------------------------------------------------------------------
+
+# What the errors call the Datums' log-probs.
+DATUM_LOGPS = {"policy": "loss_fn_inputs['logprobs'] (the sampler's)", "reference": "loss_fn_inputs['ref_logprobs']"}
+
+
+def clip_bounds(clip_epsilon: float, clip_epsilon_high: Optional[float]) -> tuple[float, float]:
+    """(1 - clip_epsilon, 1 + clip_epsilon_high): the PPO-clip ratio bounds of routes 1 and 3. A ValueError outside
+    0 <= clip_epsilon < 1, clip_epsilon_high >= 0 (None: clip_epsilon)."""
+    if not 0 <= clip_epsilon < 1 or (clip_epsilon_high is not None and not clip_epsilon_high >= 0):
+        raise ValueError(f"clip_epsilon={clip_epsilon!r} / clip_epsilon_high={clip_epsilon_high!r}: allowed is "
+                         "0 <= clip_epsilon < 1 and clip_epsilon_high >= 0 (None: clip_epsilon)")
+    return 1.0 - clip_epsilon, 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
+
+
+def check_datum_logps(sampled: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, step: int) -> None:
+    """`NonFiniteLogProbError` where the Datums' sampler log-probs (the PPO ratio's denominator) or reference
+    log-probs hold a NaN or +-inf on a valid (mask=1) token, naming each and how many tokens: routes 1 and 3, before
+    a loss is computed from them (route 2's `reward_penalty` checks the same two tensors in the core)."""
+    found = found_in_check(LogpCheck.of(sampled, ref, mask, **DATUM_LOGPS))
+    if found:
+        raise nonfinite_error(step, found)
+
+
 # ----- 1. the KL in the loss: a loss_fn for forward_backward_custom ---------------------------------------------------
 
 class GRPOKLLoss:
@@ -175,15 +198,11 @@ class GRPOKLLoss:
         if akl.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards: use kl_penalized_data(...) with "
                              "the built-in importance_sampling loss instead of grpo_kl_loss(...)")
-        if not 0 <= clip_epsilon < 1 or (clip_epsilon_high is not None and not clip_epsilon_high >= 0):
-            raise ValueError(f"clip_epsilon={clip_epsilon!r} / clip_epsilon_high={clip_epsilon_high!r}: allowed is "
-                             "0 <= clip_epsilon < 1 and clip_epsilon_high >= 0 (None: clip_epsilon)")
+        self.clip_low, self.clip_high = clip_bounds(clip_epsilon, clip_epsilon_high)
         self.beta = akl.current_beta
         self.config = akl.config
         self.loss_type = akl.loss_type
         self.training_step = akl.completed_steps + 1  # the step this loss trains, as the non-finite message names it
-        self.clip_low = 1.0 - clip_epsilon
-        self.clip_high = 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
         self.context = ReductionContext(max_completion_length, token_normalizer)
 
     def __call__(
@@ -194,15 +213,16 @@ class GRPOKLLoss:
         logps = _stack(logprobs)
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
+        check_datum_logps(old, ref, mask, self.training_step)
         surrogate = _ppo_clip_surrogate(logps, old, advantages, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
-        term = adapted_kl(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context)
+        term = kl_term(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context, with_grad=True)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.training_step)
         metrics = sums.metrics(beta=self.beta, config=self.config, step=self.training_step)
-        kl_term = term.adapted * self.beta
+        kl_part = term.adapted * self.beta
         metrics["grpo/pg_loss"] = float(pg.detach())
-        metrics["grpo/kl_term"] = float(kl_term.detach())
-        return pg + kl_term, metrics
+        metrics["grpo/kl_term"] = float(kl_part.detach())
+        return pg + kl_part, metrics
 
 
 def grpo_kl_loss(
@@ -337,18 +357,17 @@ def traceable_grpo_loss(
     if isinstance(config.estimator, str) and config.estimator in _BATCH_ESTIMATORS:
         raise ValueError(f"kl_estimator={config.estimator!r} selects tokens by a batch-wide percentile, which a "
                          "per-datum loss cannot see: use grpo_kl_loss(...) (the whole batch) instead")
-    low = 1.0 - clip_epsilon
-    high = 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
+    low, high = clip_bounds(clip_epsilon, clip_epsilon_high)
 
     def adaptive_kl_grpo(logprobs, sampling_logprobs, advantages, ref_logprobs, mask, pg_weights, kl_weights, beta):
         pg = (pg_weights * _ppo_clip_surrogate(logprobs, sampling_logprobs, advantages, low, high)).sum()
-        kl, check = checked_kl(logprobs, ref_logprobs, mask, config)
-        adapted = (kl_weights * shape_kl(kl, config)).sum()
-        kl_term = beta * adapted
+        stage = token_kl(logprobs, ref_logprobs, mask, config)  # the core's pipeline, up to the per-token k'
+        adapted = (kl_weights * stage.shaped).sum()
+        kl_part = beta * adapted
         policy_sum, reference_sum = TRACED_CHECK.values()
-        return pg + kl_term, {"custom/grpo/pg_loss:sum": pg, "custom/adaptive_kl/adapted_kl:sum": adapted,
-                              "custom/grpo/kl_term:sum": kl_term, policy_sum: check.sums[0],
-                              reference_sum: check.sums[1]}
+        return pg + kl_part, {"custom/grpo/pg_loss:sum": pg, "custom/adaptive_kl/adapted_kl:sum": adapted,
+                              "custom/grpo/kl_term:sum": kl_part, policy_sum: stage.check.sums[0],
+                              reference_sum: stage.check.sums[1]}
 
     ranks = {"logprobs": 1, OLD_LOGPROBS: 1, ADVANTAGES: 1, REF_LOGPROBS: 1, MASK: 1, PG_WEIGHTS: 1, KL_WEIGHTS: 1,
              BETA: 0}
@@ -378,12 +397,7 @@ def traced_loss_data(
     in the Datums' `logprobs` or `ref_logprobs` on a valid token raises `NonFiniteLogProbError` here, before anything
     is sent."""
     mask = _batch(data, MASK)
-    check = LogpCheck.of(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask,
-                         policy="loss_fn_inputs['logprobs'] (the sampler's)",
-                         reference="loss_fn_inputs['ref_logprobs']")
-    flags = [(0, 0, which) for which, value in enumerate(check.sums.tolist()) if not math.isfinite(value)]
-    if flags:
-        raise NonFiniteLogProbError(nonfinite_message(akl.completed_steps + 1, flags, [check]))
+    check_datum_logps(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask, akl.completed_steps + 1)
     context = ReductionContext(max_completion_length, token_normalizer)
     pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context)
     kl_weights = _reduction_weights(mask, kl_reduction(akl.config, akl.loss_type), context)
@@ -407,11 +421,9 @@ def check_traced_loss(akl: AdaptiveKL, result: "types.ForwardBackwardOutput") ->
     it returns the core's check, the sums of the valid log-probs (`TRACED_CHECK`'s metrics, non-finite exactly when
     one of their terms is), and this reads them. That forward_backward's gradients are accumulated already: do not
     step on them."""
-    found = [f"{name} (their sum over valid tokens: {result.metrics[key]})" for name, key in TRACED_CHECK.items()
+    found = [NonFinite(name, kind) for (name, key), kind in zip(TRACED_CHECK.items(), KINDS)
              if not math.isfinite(result.metrics[key])]
     if found:
-        raise NonFiniteLogProbError(
-            f"adaptive KL: non-finite input at step {akl.completed_steps + 1}: NaN or +-inf on valid (mask=1) tokens "
-            f"in the traced loss's {'; '.join(found)}. Masked positions may hold anything; a valid token's log-prob "
-            "must be finite. The gradients of this forward_backward are accumulated: resume from the last checkpoint "
-            "instead of calling optim_step.")
+        raise nonfinite_error(akl.completed_steps + 1, found,
+                              advice="the gradients of this forward_backward are accumulated: resume from the last "
+                                     "checkpoint instead of calling optim_step")

@@ -24,7 +24,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import AdaptiveKLConfig, check_real, is_real, reject
-from ..core.functional import completion_kls
 from .patching import PatchSet
 from .ref_sync import attach_reference_sync, reference_for_generation
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
@@ -323,7 +322,6 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
             raise missing_locals(absent[0])
         found = {name: caller[name] for name in GENERATION_LOCALS}
         mask = found["completion_mask"] if found["tool_mask"] is None else found["completion_mask"] * found["tool_mask"]
-        config = self.adaptive_kl.config
         policy = _policy_logps(self, found, scoring["recorder"], lambda: missing_locals("ref_per_token_logps"))
         policy, ref = (trl_layout(logps, caller, mask.size(1), missing_locals)
                        for logps in (policy, found["ref_per_token_logps"]))
@@ -331,8 +329,8 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         # `penalize`'s one transfer; masked positions may hold anything.
         source = next((name for name in ("old_per_token_logps", "sampling_per_token_logps") if found[name] is not None),
                       "a policy forward")
-        term = completion_kls(policy, ref, mask, config)
-        term.check.names = (f"policy log-probs ({source})", "reference log-probs (ref_per_token_logps)")
+        term = self.adaptive_kl.term(policy, ref, mask, names={"policy": f"policy log-probs ({source})",
+                                                               "reference": "reference log-probs (ref_per_token_logps)"})
         penalty, metrics = self.adaptive_kl.penalize(term, gather=self.accelerator.gather, train=scoring["train"],
                                                      completed_steps=self.state.global_step)
         column = -penalty.to(rewards_per_func.device, rewards_per_func.dtype)

@@ -53,12 +53,12 @@ from typing import Any, Optional
 
 import torch
 
-from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, NonFiniteLogProbError, shape_kl, shapes_per_token
-from ..core.adaptation import (agg_mode_of, clipped_tokens, completion_kl, kl_reduction, loss_type_of_agg_mode,
-                               masked_row_sums)
+from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, shape_kl, shapes_per_token
+from ..core.adaptation import token_kl
 from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
-from ..core.estimators import checked_kl
-from ..core.numerics import LogpCheck, keep_valid, masked_logps, upcast
+from ..core.numerics import LogpCheck, NonFinite, keep_valid, masked_logps, nonfinite_error, upcast
+from ..core.reductions import agg_mode_of, kl_reduction, loss_type_of_agg_mode
+from ..core.shapings import clipped_tokens
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
 from . import versions
 from .patching import PatchSet
@@ -82,8 +82,6 @@ METRIC = "adaptive_kl/"
 REWARD_METRIC = "adaptive_kl/reward/"
 # The worker's per-completion statistics, which the driver hands to the core; never logged.
 STATS = "adaptive_kl_stats/"
-# The statistics are of the un-adapted KL: the core's masked pass without a shaping to run.
-UNSHAPED = AdaptiveKLConfig()
 # What the non-finite error calls verl's log-probs: the actor loss's, and the reward's.
 LOSS_LOGPS = {"policy": "log_prob (the actor's forward)", "reference": "ref_log_prob"}
 REWARD_LOGPS = {"policy": "old_log_probs", "reference": "ref_log_prob"}
@@ -238,11 +236,16 @@ class AdaptivePPOLoss:
         self.stock_config = copy.copy(actor_config)
 
     def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        beta = tu.get_non_tensor_data(data=data, key=BETA_KEY, default=None)
-        beta = float(self.actor_config.kl_loss_coef if beta is None else beta)
-        object.__setattr__(self.stock_config, "kl_loss_coef", beta)
         if not self.actor_config.use_kl_loss:
             return losses.ppo_loss(self.stock_config, model_output, data, dp_group)
+        beta = tu.get_non_tensor_data(data=data, key=BETA_KEY, default=None)
+        if beta is None:  # the driver pushes beta_t with every actor update: without it the controller is not in use
+            raise RuntimeError(
+                f"adaptive_kl: the actor loss found no {BETA_KEY!r} in the micro-batch's non-tensor data: the adaptive "
+                f"loss runs under trainer.v1.trainer_mode={TRAINER_NAME}, whose driver pushes the controller's beta_t "
+                "with each actor update. Without it the loss would train at actor.kl_loss_coef, silently not "
+                "adaptive.")
+        object.__setattr__(self.stock_config, "kl_loss_coef", float(beta))
         kl = _LossKL(self)
         # Replaces verl's kl_penalty and agg_loss as verl.workers.utils.losses references them (ppo_loss calls them),
         # for this call only: ppo_loss's own KL becomes the adapted term.
@@ -255,7 +258,7 @@ class AdaptivePPOLoss:
             metrics["kl_loss"] = Metric(value=kl.raw, aggregation=adapted.aggregation)
         metrics[METRIC + "raw_kl"] = _copied(metrics["kl_loss"])
         metrics[METRIC + "adapted_kl"] = _copied(adapted)
-        metrics[METRIC + "current_beta"] = beta
+        metrics[METRIC + "current_beta"] = self.stock_config.kl_loss_coef
         metrics.update(kl.completion_stats())
         return loss, metrics
 
@@ -331,25 +334,25 @@ class _LossKL:
             ratio = keep_valid(upcast(logprob) - ref_logprob, loss_mask)  # float32 by promotion for a half `ref`
             kld = core_algos.kl_penalty(logprob=ratio, ref_logprob=ratio.new_zeros(()), kl_penalty=self.kl_type)
             self.finite_test = ratio.detach().sum()
-            self.kld_masked = True  # every kl_penalty type is 0 at a log-ratio of 0
-        else:  # a configured estimator replaces verl's kl_loss_type
-            kld, self.check = checked_kl(logprob, ref_logprob, weights, owner.config)
-            self.check.names = (LOSS_LOGPS["policy"], LOSS_LOGPS["reference"])
+            shaped = shape_kl(kld, owner.config)
+        else:  # a configured estimator replaces verl's kl_loss_type: the core's pipeline, up to the per-token k'
+            stage = token_kl(logprob, ref_logprob, weights, owner.config, names=LOSS_LOGPS)
+            kld, shaped, self.check = stage.kl, stage.shaped, stage.check
             self.finite_test = self.check.sums
+        self.kld_masked = True  # verl's KL of the masked log-ratio is 0 at a log-ratio of 0; the core's is masked
         self.kld = kld.detach()
         self.raw = core_algos.agg_loss(loss_mat=self.kld, loss_mask=weights, loss_agg_mode=loss_agg_mode,
                                        **batch_info)
-        return core_algos.agg_loss(loss_mat=shape_kl(kld, owner.config), loss_mask=weights,
-                                   loss_agg_mode=owner.agg_mode, **batch_info)
+        return core_algos.agg_loss(loss_mat=shaped, loss_mask=weights, loss_agg_mode=owner.agg_mode, **batch_info)
 
     def completion_stats(self) -> dict[str, list[float]]:
         """Each completion's L_i and S_i = sum_t m k and the count of valid tokens at or above the clip threshold,
         from the core's masked pass over the KL, and how many valid log-probs of each tensor are non-finite
         (`nonfinite_counts`), as lists (verl concatenates lists over micro-batches, workers and mini-batches)."""
-        if self.kld_masked:  # verl's KL of the masked log-ratio: masking it again would change nothing (~5 us)
-            valid_kl, lengths, sums = self.kld, self.weights.sum(-1), self.kld.sum(-1)
-        else:
-            valid_kl, lengths, sums, _ = masked_row_sums(self.kld, self.mask, UNSHAPED)  # self.kld is detached
+        # Masked already where the KL is adapted (masking it again would change nothing: ~5 us); verl's own term's
+        # per-token KL is of the raw log-probs.
+        valid_kl = self.kld if self.kld_masked else keep_valid(self.kld, self.mask)
+        lengths, sums = self.mask.sum(-1, dtype=valid_kl.dtype), valid_kl.sum(-1)
         at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
         policy, reference = self.nonfinite_counts()
         # Small transfers, cheaper on a CPU than joining them first; verl's own Metrics (`.item()`) synchronise
@@ -370,15 +373,13 @@ class _LossKL:
 
 def raise_if_nonfinite(stats: dict[str, list[float]], step: int) -> None:
     """`NonFiniteLogProbError` where the workers counted non-finite valid log-probs in an actor update (`stats`: the
-    per-micro-batch counts `completion_stats` sent, over every worker and mini-batch), naming verl's tensors."""
-    counts = {LOSS_LOGPS["policy"]: sum(stats["nonfinite_log_prob"]),
-              LOSS_LOGPS["reference"]: sum(stats["nonfinite_ref_log_prob"])}
-    found = [f"{name}: {int(count)} valid token(s)" for name, count in counts.items() if count]
+    per-micro-batch counts `completion_stats` sent, over every worker and mini-batch, which verl concatenates without
+    the worker's rank), naming verl's tensors."""
+    counts = (sum(stats["nonfinite_log_prob"]), sum(stats["nonfinite_ref_log_prob"]))
+    found = [NonFinite(f"verl's {LOSS_LOGPS[kind]}", kind, tokens=int(count))
+             for kind, count in zip(("policy", "reference"), counts) if count]
     if found:
-        raise NonFiniteLogProbError(
-            f"adaptive KL: non-finite input at step {step}: NaN or +-inf on valid (response_mask=1) tokens of the "
-            f"actor update, in verl's {'; '.join(found)}. Masked positions may hold anything; a valid token's "
-            "log-prob must be finite (check the actor's and the reference's forward in this precision).")
+        raise nonfinite_error(step, found, advice="check the actor's and the reference's forward in this precision")
 
 
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------
@@ -397,8 +398,8 @@ class RewardKLController:
         # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
         # the core's `sequence_sum` KL_i (`configs_from` refuses any other kl_reduction for the reward). The core
         # object is told the KL is in the reward, so each step reads the batch scored since the last one.
-        self._completion_config = dataclasses.replace(config, kl_placement="reward", kl_reduction="sequence_sum")
-        self.akl = AdaptiveKL(self._completion_config, beta=beta, loss_type="bnpo")
+        self.akl = AdaptiveKL(dataclasses.replace(config, kl_placement="reward", kl_reduction="sequence_sum"),
+                              beta=beta, loss_type="bnpo")
         self._mean_reward: Optional[float] = None
         self.updates = 0
 
@@ -414,13 +415,14 @@ class RewardKLController:
         """The mean (un-penalised) reward of the batch about to be penalised."""
         self._mean_reward = float(mean_reward)
 
-    def penalize(self, kld: torch.Tensor, mask: torch.Tensor, check: LogpCheck) -> dict[str, float]:
-        """The core's reward-placement metrics (`adaptive_kl/*`) of a batch whose per-token KL is verl's `kld`, at the
-        beta that penalises it; the batch's KL is kept for the next `update`. `check`: the `LogpCheck` of the
-        log-probs `kld` came from (the core raises `NonFiniteLogProbError` where a valid one is not finite)."""
+    def penalize(self, kld: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor
+                 ) -> dict[str, float]:
+        """The core's reward-placement metrics (`adaptive_kl/*`) of a batch whose per-token KL is verl's `kld` (of
+        the log-probs `old` and `ref`, whose check it carries: the core raises `NonFiniteLogProbError` where a valid
+        one is not finite), at the beta that penalises it; the batch's KL is kept for the next `update`."""
         # As `AdaptiveKL.reward_penalty` in a loop of your own: beta_t at this step, the batch's KL kept for `step`.
-        _, metrics = self.akl.penalize(completion_kl(kld, mask, self._completion_config, check=check), gather=local,
-                                       train=True, completed_steps=self.akl.completed_steps)
+        term = self.akl.term(old, ref, mask, per_token_kl=kld, names=REWARD_LOGPS)
+        _, metrics = self.akl.penalize(term, gather=local, train=True, completed_steps=self.akl.completed_steps)
         return metrics
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -447,7 +449,7 @@ def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty
     mask = data.batch["response_mask"]
     old, ref = masked_logps(data.batch["old_log_probs"], data.batch["ref_log_prob"], mask)
     kld = core_algos.kl_penalty(old, ref, kl_penalty=kl_penalty)
-    adaptive = kl_ctrl.penalize(kld, mask, LogpCheck.of_masked(old, ref, **REWARD_LOGPS))
+    adaptive = kl_ctrl.penalize(kld, old, ref, mask)
     if not shapes_per_token(kl_ctrl.config):
         data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=kl_ctrl, kl_penalty=kl_penalty)
     else:

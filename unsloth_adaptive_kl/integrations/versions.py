@@ -43,7 +43,7 @@ class Anchor:
 
 
 # trl.GRPOTrainer (integrations/trl.py). The KL line is where the per-token KL is taken from; the normaliser lines are
-# the reductions `adaptation.REDUCTIONS` reproduces for the adapted KL.
+# the reductions `reductions.REDUCTIONS` reproduces for the adapted KL.
 TRL_KL_LINE = Anchor("GRPOTrainer._compute_loss", "per_token_loss = per_token_loss + self.beta * per_token_kl",
                      "the trainer's own per-token KL is taken at this line")
 TRL_LOGPS_CALL = Anchor("GRPOTrainer._compute_loss", "= self._get_per_token_logps_and_entropies(",

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.adaptation import loss_types
+from ..core.reductions import loss_types
 from ..core.config import AdaptiveKLConfig
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]

@@ -296,13 +296,16 @@ def verl_checks(_: str) -> list[Check]:
     from verl.workers.utils.padding import no_padding_2_padding
 
     from ..core import AdaptiveKLConfig
-    from ..integrations.verl import AdaptivePPOLoss
+    from verl.utils import tensordict_utils as tu
+
+    from ..integrations.verl import BETA_KEY, AdaptivePPOLoss
     from .tiny import verl_loss_and_grad, verl_micro_batch
 
     data, values, offsets = verl_micro_batch()
     settings = dict(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, kl_loss_coef=0.04,
                     kl_loss_type="low_var_kl", loss_agg_mode="token-mean", entropy_coeff=0.0)
     actor, without_kl = ActorConfig(**settings, use_kl_loss=True), ActorConfig(**settings, use_kl_loss=False)
+    tu.assign_non_tensor(data, **{BETA_KEY: actor.kl_loss_coef})  # beta_t, as the driver pushes it each update
 
     def run(loss_fn: Callable[..., Any]) -> tuple[torch.Tensor, torch.Tensor]:
         loss, grad, _ = verl_loss_and_grad(loss_fn, data, values, offsets)

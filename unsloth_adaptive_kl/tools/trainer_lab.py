@@ -4,7 +4,7 @@
     python -m unsloth_adaptive_kl.tools.kl_lab --trainer unsloth --recipe lora --only "in the reward"
     python -m unsloth_adaptive_kl.tools.kl_lab --trainer trl --set loss_type=dapo scale_rewards=group num_iterations=2
 
-The tabular lab's environment (kl_lab.py) with a tiny Llama as the policy, built in-process (tools/tiny.py) over the
+The tabular lab's environment (tabular_lab.py) with a tiny Llama as the policy, built in-process (tools/tiny.py) over the
 vocabulary {EOS, a, b} and a pad token the model never samples (`never_sampled`; `--pad-is-eos`: pad = EOS, no pad
 token). Its completions of at most 4 tokens are the tabular lab's 31, so every figure stays exact: the model's next-token distribution after a prompt x and each of the 15 prefixes is one row of a tabular table
 (`node_logits`), and log pi(y | x) follows by the tabular lab's enumeration. The reference is the initial model (the
@@ -40,7 +40,8 @@ from typing import Any, Collection, Optional, Sequence
 import torch
 
 from ..core import AdaptiveKLConfig
-from .kl_lab import ENVIRONMENTS, METHOD_FIELDS, Environment, Figures, Setting, Training, Tree, beta_for_kl, train
+from .tabular_lab import (ENVIRONMENTS, METHOD_FIELDS, REWARDS, Environment, Figures, Setting, Training, Tree,
+                          beta_for_kl, beta_trained, chosen, show, train)
 
 TRAINERS = ("trl", "unsloth")
 # Prompts of mixed letters, of one length (no padding). A Llama has no absolute positions, so it cannot tell "aa" from
@@ -183,7 +184,6 @@ def node_logits(model: Any, tokenizer: Any, prompt: str, tree: Tree) -> torch.Te
 
 def reward_function(environment: Environment) -> Any:
     """The environment's reward as a trainer's reward function of the decoded completions (EOS skipped)."""
-    from .kl_lab import REWARDS
 
     rule = REWARDS[environment.reward]
 
@@ -226,7 +226,6 @@ def import_trainer(trainer: str) -> tuple[Any, Any]:
 def config_fields(run: LabRun, output_dir: str) -> dict[str, Any]:
     """The GRPOConfig a user writes for this run: the batch, the schedule, beta, the KL setting, the recipe, then
     `--set` overrides (last, so any field can be changed)."""
-    from .kl_lab import beta_trained
 
     fields: dict[str, Any] = dict(
         output_dir=output_dir, report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=run.steps,
@@ -684,7 +683,6 @@ def predict(args: Any) -> dict[str, Any]:
     """`kl_lab --predict --trainer T --set FIELD=VALUE ...`: the tabular lab's prediction for a GRPOConfig as trainer T
     runs it (its defaults, Unsloth's changes to them), by the rule the trainer rows use (`prediction_of`), against
     pi*_beta (beta: --beta if given, else the config's), beside k1 in the reward at that beta. No trainer is built."""
-    from .kl_lab import show
 
     if args.trainer not in TRAINERS:
         raise SystemExit(f"--predict: --trainer {args.trainer} is not a trainer; use --trainer trl or unsloth")
@@ -722,7 +720,6 @@ def main(args: Any, command: str) -> dict[str, Any]:
     import json
     import time
 
-    from .kl_lab import chosen, show
 
     unknown = [name for name in args.recipe if name not in RECIPES]
     if unknown:

@@ -1,0 +1,217 @@
+"""The reductions of a per-token tensor to the loss's scalar, in one table (pure torch, a leaf: it imports only
+numerics). Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i, so the
+per-token tensor is summed once per completion whatever the reduction.
+
+`REDUCTIONS` holds one `Reduction` record each (its function, the loss types it serves, its `kl_reduction` setting,
+its per-completion form in the reward, its `loss_agg_mode` name); the config's validation, the KL pipeline and the
+integrations read it. `register_kl_reduction` adds a `kl_reduction` value, as the other registries add theirs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from .numerics import HALF_PRECISION, keep_valid, upcast
+
+
+@dataclass(frozen=True)
+class ReductionContext:
+    """What some `loss_type` reductions need beyond the tensors.
+
+    max_completion_length: dr_grpo's constant per-completion length.
+    token_normalizer: dapo/cispo/vespo's active-token count for one micro-batch (the trainer's normalizer
+        without the gradient-accumulation factor).
+    """
+
+    max_completion_length: Optional[int] = None
+    token_normalizer: Optional[Union[torch.Tensor, float]] = None
+
+
+# Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i, so the per-token
+# tensor is summed once per completion whatever the reduction, and raw, adapted and diagnostics share that pass.
+ReduceFn = Callable[[torch.Tensor, torch.Tensor, ReductionContext], torch.Tensor]
+PerCompletion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """One reduction of a (B, T) per-token tensor to the loss's scalar, and every name it has: the one record that
+    the config's validation, the core and the integrations read.
+
+    name: the core's name for it (`reduce_kl`, `loss_type_reduction`, `kl_reduction`).
+    reduce: (S, L, ctx) -> the scalar, from the sums S_i = sum_t m x and the lengths L_i.
+    loss_types: the GRPO `loss_type`s that reduce their per-token loss this way; the first is the one its
+        `agg_mode` stands for.
+    setting: the `kl_reduction` value that picks it for the adapted KL (None: only a loss_type picks it).
+    per_completion: (S, L) -> KL_i, its form with the KL in the reward, one KL per completion (None: not allowed
+        there).
+    agg_mode: its name where a trainer picks its loss aggregation by a `loss_agg_mode` ('token-mean',
+        'seq-mean-token-mean', ...); None where it has none.
+    """
+
+    name: str
+    reduce: ReduceFn
+    loss_types: tuple[str, ...] = ()
+    setting: Optional[str] = None
+    per_completion: Optional[PerCompletion] = None
+    agg_mode: Optional[str] = None
+
+
+REDUCTIONS: dict[str, Reduction] = {}
+
+
+def register_reduction(name: str, *, loss_types: tuple[str, ...] = (), setting: Optional[str] = None,
+                       per_completion: Optional[PerCompletion] = None,
+                       agg_mode: Optional[str] = None) -> Callable[[ReduceFn], ReduceFn]:
+    """Decorator: the decorated `fn(S, L, ctx) -> scalar` becomes the reduction `name` (`REDUCTIONS[name]`), with the
+    loss types, `kl_reduction` setting, per-completion form and `loss_agg_mode` name given. A taken name or setting is
+    a ValueError."""
+    taken = [reduction.name for reduction in REDUCTIONS.values()] + list(kl_reduction_settings())
+    if not isinstance(name, str) or not name or name in taken or (setting is not None and setting in taken):
+        raise ValueError(f"register_kl_reduction({name!r}): allowed is a new, non-empty name (taken: "
+                         f"{', '.join(dict.fromkeys(taken))}).")
+
+    def add(function: ReduceFn) -> ReduceFn:
+        if not callable(function):
+            raise TypeError(f"register_kl_reduction({name!r}) decorates a function, not {type(function).__name__}")
+        REDUCTIONS[name] = Reduction(name, function, tuple(loss_types), setting, per_completion, agg_mode)
+        return function
+
+    return add
+
+
+def register_kl_reduction(name: str, *, per_completion: Optional[PerCompletion] = None
+                          ) -> Callable[[ReduceFn], ReduceFn]:
+    """Decorator: make `kl_reduction=name` reduce the adapted KL with the decorated `fn(S, L, ctx) -> scalar`, S_i =
+    sum_t m k' the shaped KL summed per completion, L_i the lengths, ctx the `ReductionContext`
+    (max_completion_length, token_normalizer), in every loop, as 'token_mean' or 'sequence_mean' do. With
+    `per_completion` (`(S, L) -> KL_i`), it is allowed with kl_placement='reward' too. Register before the config is
+    built: the value is validated there. A taken name is a ValueError."""
+    return register_reduction(name, setting=name, per_completion=per_completion)
+
+
+def kl_reduction_settings(reward: bool = False) -> tuple[str, ...]:
+    """The allowed `kl_reduction` values, registered ones included: 'loss_type' and each reduction's setting; with the
+    KL in the reward (`reward`), those with a per-completion form (each completion gets one KL_i)."""
+    return ("loss_type", *(reduction.setting for reduction in REDUCTIONS.values()
+                           if reduction.setting and (reduction.per_completion or not reward)))
+
+
+def completion_sum(sums: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """KL_i = S_i, the sequence-level KL: every extra token adds its k."""
+    return sums
+
+
+def completion_mean(sums: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """KL_i = S_i / max(L_i, 1), the per-token mean."""
+    return sums / lengths.clamp(min=1.0)
+
+
+# Registered first: the reward's default ('loss_type' means it there), so the reward's allowed values list it first.
+@register_reduction("sequence_sum_mean", loss_types=("luspo",), setting="sequence_sum", per_completion=completion_sum,
+                    agg_mode="seq-mean-token-sum")
+def sequence_sum_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """mean_i S_i (luspo; `kl_reduction='sequence_sum'`)."""
+    return sums.mean()
+
+
+@register_reduction("sequence_mean", loss_types=("grpo", "sapo"), setting="sequence_mean",
+                    per_completion=completion_mean, agg_mode="seq-mean-token-mean")
+def sequence_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """mean_i S_i / max(L_i, 1): each completion weighs the same whatever its length (grpo, sapo; length
+    normalisation)."""
+    return completion_mean(sums, lengths).mean()
+
+
+@register_reduction("token_mean", loss_types=("bnpo",), setting="token_mean", agg_mode="token-mean")
+def token_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """sum_i S_i / max(sum_i L_i, 1) over the micro-batch (bnpo)."""
+    return sums.sum() / lengths.sum().clamp(min=1.0)
+
+
+@register_reduction("max_length_mean", loss_types=("dr_grpo",), agg_mode="seq-mean-token-sum-norm")
+def max_length_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """sum_i S_i / (B * max_completion_length) (dr_grpo)."""
+    if ctx.max_completion_length is None:
+        raise ValueError("the 'max_length_mean' reduction (loss_type='dr_grpo') needs max_completion_length")
+    return sums.sum() / (sums.size(0) * ctx.max_completion_length)
+
+
+@register_reduction("token_sum_normalized", loss_types=("dapo", "cispo", "vespo"), agg_mode="token-sum")
+def token_sum_normalized(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """sum_i S_i / token_normalizer, the window's active tokens per micro-batch (dapo, cispo, vespo)."""
+    if ctx.token_normalizer is None:
+        raise ValueError("the 'token_sum_normalized' reduction (loss_type='dapo'/'cispo'/'vespo') needs token_normalizer")
+    return sums.sum() / ctx.token_normalizer
+
+
+# With the KL in the reward, kl_reduction='loss_type' means the sequence-level KL (there is no loss to follow).
+REWARD_LOSS_TYPE_SETTING = "sequence_sum"
+
+
+def loss_types() -> tuple[str, ...]:
+    """Every GRPO `loss_type` adaptive KL supports (those of the registered reductions)."""
+    return tuple(loss_type for reduction in REDUCTIONS.values() for loss_type in reduction.loss_types)
+
+
+def loss_type_reduction(loss_type: str) -> str:
+    """The reduction a stock GRPO `loss_type` applies to its per-token loss."""
+    for reduction in REDUCTIONS.values():
+        if loss_type in reduction.loss_types:
+            return reduction.name
+    raise ValueError(f"loss_type={loss_type!r} is not supported by adaptive KL: allowed is one of "
+                     f"{', '.join(sorted(loss_types()))}.")
+
+
+def reduction_of_setting(setting: str) -> Reduction:
+    """The reduction `kl_reduction=setting` picks (a setting other than 'loss_type', which the config validated)."""
+    return next(reduction for reduction in REDUCTIONS.values() if reduction.setting == setting)
+
+
+def kl_reduction(config: Any, loss_type: str) -> str:
+    """The reduction of the adapted KL: `kl_reduction`'s when set, length normalisation's (each completion's mean
+    per-token KL) when active, else the loss_type's own."""
+    if config.kl_reduction != "loss_type":
+        return reduction_of_setting(config.kl_reduction).name
+    if "length_normalized" in config.kl_methods:
+        return "sequence_mean"
+    return loss_type_reduction(loss_type)
+
+
+def agg_mode_of(reduction: str) -> str:
+    """The `loss_agg_mode` name of the named reduction (e.g. of `kl_reduction(config, loss_type)`: how a trainer that
+    aggregates by such names reduces the adapted KL). A ValueError where it has none."""
+    agg_mode = REDUCTIONS[reduction].agg_mode
+    if agg_mode is None:
+        raise ValueError(f"the {reduction!r} reduction has no loss_agg_mode name")
+    return agg_mode
+
+
+def loss_type_of_agg_mode(agg_mode: str, field: str = "loss_agg_mode") -> str:
+    """The GRPO `loss_type` whose reduction has the `loss_agg_mode` name `agg_mode` (the first of that reduction's loss
+    types). A ValueError naming `field` (the trainer's setting, as its integration spells it), the value and the
+    names allowed, for a name no reduction has."""
+    for reduction in REDUCTIONS.values():
+        if reduction.agg_mode == agg_mode and reduction.loss_types:
+            return reduction.loss_types[0]
+    modes = [reduction.agg_mode for reduction in REDUCTIONS.values() if reduction.agg_mode and reduction.loss_types]
+    raise ValueError(f"{field}={agg_mode!r} is invalid: allowed is one of {', '.join(modes)}.")
+
+
+def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
+    """Apply the named reduction to a per-token tensor (in float32 for half-precision input)."""
+    sums = keep_valid(x, mask).sum(-1)
+    return REDUCTIONS[reduction].reduce(sums, mask.sum(-1, dtype=sums.dtype), upcast_context(ctx))
+
+
+def upcast_context(ctx: ReductionContext) -> ReductionContext:
+    """A half-precision tensor `token_normalizer` in float32 (the same object otherwise)."""
+    normalizer = ctx.token_normalizer
+    if isinstance(normalizer, torch.Tensor) and normalizer.dtype in HALF_PRECISION:
+        return ReductionContext(ctx.max_completion_length, upcast(normalizer))
+    return ctx
+
+
