@@ -95,7 +95,8 @@ def kl_term(
     - the KL in the reward (`config.kl_in_reward`): KL_i = `kl_reduction`'s per-completion form of S'_i
       (sequence_sum, also what 'loss_type' means there: S'_i; sequence_mean: S'_i / max(L_i, 1)), without gradient.
     """
-    if config.kl_in_reward:
+    in_reward = config.kl_in_reward
+    if in_reward:
         with_grad = False
     elif with_grad is None:
         with_grad = not config.is_stock_kl
@@ -105,7 +106,7 @@ def kl_term(
         sums = stage.kl.sum(-1)
         adapted_sums = sums if stage.shaped is stage.kl else stage.shaped.sum(-1)
         at_threshold = clipped_tokens(stage.kl.detach(), config, lengths)
-        if config.kl_in_reward:
+        if in_reward:
             setting = REWARD_LOSS_TYPE_SETTING if config.kl_reduction == "loss_type" else config.kl_reduction
             per_completion = reduction_of_setting(setting).per_completion
             raw = per_completion(sums, lengths)

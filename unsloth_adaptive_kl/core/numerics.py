@@ -42,9 +42,9 @@ def valid_positions(mask: torch.Tensor) -> torch.Tensor:
 
 def keep_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """`torch.where(mask != 0, upcast(x), 0)`: x on valid positions (a NaN or inf there stays), 0 with a zero gradient
-    on masked ones, whatever they hold; float32 for half-precision x. A bool `mask` is used as it is: a caller masking
-    several tensors converts the mask once (`valid_positions`)."""
-    return torch.where(valid_positions(mask), upcast(x), 0.0)
+    on masked ones, whatever they hold; float32 for half-precision x. A bool `mask` is used as it is (`.bool()` returns
+    it): a caller masking several tensors converts the mask once (`valid_positions`)."""
+    return torch.where(mask.bool(), upcast(x), 0.0)
 
 
 def masked_logps(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -182,7 +182,7 @@ class GRPOKLLoss:
     metrics (floats, merged by the SDK into the result's metrics): the core's `adaptive_kl/*` of this batch (their
     `adaptive_kl/current_beta` is the captured beta), `grpo/pg_loss` (PG) and `grpo/kl_term` (beta_t * K).
 
-    The SDK thread only touches this object: the core's functional layer computes K and its metrics from the captured
+    The SDK thread only touches this object: the core's pipeline (`kl_term`) computes K and its metrics from the captured
     beta and config, so `akl` itself is never read or written off the caller's thread. A `target` controller reads the step's KL: call
     `record_step_kl(akl, data, result)` on your thread before `akl.step()`."""
 
