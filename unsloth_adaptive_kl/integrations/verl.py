@@ -287,7 +287,6 @@ class _LossKL:
         # Sums that are non-finite where a valid log-prob is (see `nonfinite_counts`): of the masked log-ratio where
         # verl's KL is adapted, the LogpCheck's for a configured estimator, the raw log-probs' where verl's term stands.
         self.finite_test: Optional[torch.Tensor] = None
-        self.kld_masked = False  # whether self.kld is 0 on masked positions already
 
     def per_token(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
         """ppo_loss's per-token KL, remembered so that its aggregation below is recognised: verl's own where verl's
@@ -339,8 +338,7 @@ class _LossKL:
             stage = token_kl(logprob, ref_logprob, weights, owner.config, names=LOSS_LOGPS)
             kld, shaped, self.check = stage.kl, stage.shaped, stage.check
             self.finite_test = self.check.sums
-        self.kld_masked = True  # verl's KL of the masked log-ratio is 0 at a log-ratio of 0; the core's is masked
-        self.kld = kld.detach()
+        self.kld = kld.detach()  # 0 on masked positions: verl's KL of the masked log-ratio, or the core's
         self.raw = core_algos.agg_loss(loss_mat=self.kld, loss_mask=weights, loss_agg_mode=loss_agg_mode,
                                        **batch_info)
         return core_algos.agg_loss(loss_mat=shaped, loss_mask=weights, loss_agg_mode=owner.agg_mode, **batch_info)
@@ -351,7 +349,7 @@ class _LossKL:
         (`nonfinite_counts`), as lists (verl concatenates lists over micro-batches, workers and mini-batches)."""
         # Masked already where the KL is adapted (masking it again would change nothing: ~5 us); verl's own term's
         # per-token KL is of the raw log-probs.
-        valid_kl = self.kld if self.kld_masked else keep_valid(self.kld, self.mask)
+        valid_kl = keep_valid(self.kld, self.mask) if self.owner.verl_term else self.kld
         lengths, sums = self.mask.sum(-1, dtype=valid_kl.dtype), valid_kl.sum(-1)
         at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
         policy, reference = self.nonfinite_counts()
