@@ -113,8 +113,8 @@ class AdaptiveKL:
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
-        term = kl_term(logps, ref_logps, mask, self.config, loss_type=self.loss_type, with_grad=True,
-                       context=ReductionContext(max_completion_length, token_normalizer), per_token_kl=per_token_kl)
+        term = self.term(logps, ref_logps, mask, ctx=ReductionContext(max_completion_length, token_normalizer),
+                         per_token_kl=per_token_kl, with_grad=True)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.completed_steps + 1,
                                     gather=gather or local)
         if train:
@@ -144,7 +144,7 @@ class AdaptiveKL:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
         penalty, self.last_metrics = self.penalize(
-            kl_term(logps, ref_logps, mask, self.config, per_token_kl=per_token_kl), gather=gather or local,
+            self.term(logps, ref_logps, mask, per_token_kl=per_token_kl), gather=gather or local,
             train=train, completed_steps=self.completed_steps)
         return penalty, self.last_metrics
 

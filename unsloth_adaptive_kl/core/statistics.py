@@ -139,17 +139,17 @@ def gather_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]
 def nonfinite_found(per_process: list[list[KLStatistics]], checks: list[Optional[LogpCheck]]) -> list[NonFinite]:
     """Each (tensor, process) whose valid log-probs hold a NaN or +-inf, from the gathered sums: counted for this
     process's batches (`checks`), named by process for the others (only their sums are known here)."""
+    flags = [(which, process, batch) for process, batches in enumerate(per_process)
+             for batch, sums in enumerate(batches)
+             for which, value in enumerate((sums.policy_logps, sums.reference_logps)) if not math.isfinite(value)]
+    if not flags:  # every step: one pass over the sums, nothing else
+        return []
     rank, names = this_process(), next((check.names for check in checks if check is not None), LogpCheck.names)
     found = []
-    for which, (name, kind) in enumerate(zip(names, KINDS)):
-        for process, batches in enumerate(per_process):
-            flagged = [batch for batch, sums in enumerate(batches)
-                       if not math.isfinite((sums.policy_logps, sums.reference_logps)[which])]
-            if not flagged:
-                continue
-            tokens = None
-            if process == rank:
-                tokens = sum(checks[batch].counts()[which] for batch in flagged
-                             if batch < len(checks) and checks[batch] is not None)
-            found.append(NonFinite(name, kind, process, tokens))
+    for which, process in sorted({(which, process) for which, process, _ in flags}):
+        tokens = None
+        if process == rank:
+            tokens = sum(checks[batch].counts()[which] for w, p, batch in flags
+                         if (w, p) == (which, process) and batch < len(checks) and checks[batch] is not None)
+        found.append(NonFinite(names[which], KINDS[which], process, tokens))
     return found

@@ -56,7 +56,7 @@ import torch
 from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, shape_kl, shapes_per_token
 from ..core.adaptation import token_kl
 from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
-from ..core.numerics import LogpCheck, NonFinite, keep_valid, masked_logps, nonfinite_error, upcast
+from ..core.numerics import KINDS, LogpCheck, NonFinite, keep_valid, masked_logps, nonfinite_error, upcast
 from ..core.reductions import agg_mode_of, kl_reduction, loss_type_of_agg_mode
 from ..core.shapings import clipped_tokens
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
@@ -375,7 +375,7 @@ def raise_if_nonfinite(stats: dict[str, list[float]], step: int) -> None:
     the worker's rank), naming verl's tensors."""
     counts = (sum(stats["nonfinite_log_prob"]), sum(stats["nonfinite_ref_log_prob"]))
     found = [NonFinite(f"verl's {LOSS_LOGPS[kind]}", kind, tokens=int(count))
-             for kind, count in zip(("policy", "reference"), counts) if count]
+             for kind, count in zip(KINDS, counts) if count]
     if found:
         raise nonfinite_error(step, found, advice="check the actor's and the reference's forward in this precision")
 
