@@ -210,3 +210,21 @@ def test_non_finite_kl_at_a_valid_position_raises_at_the_end_of_the_step_naming_
     shown = "nan" if math.isnan(value) else "inf"
     with pytest.raises(FloatingPointError, match=rf"non-finite KL at step 7: raw_kl={shown}, adapted_kl={shown}"):
         runtime.record(term, gather=identity, train=True, end_of_step=True, completed_steps=7)
+
+
+def test_the_methods_are_parsed_once_per_value_of_the_field(monkeypatch) -> None:
+    """kl_methods, read on every loss call, parses kl_adaptation_method once (at construction) and not again for
+    the same value; a field set anew is parsed anew, so the methods follow it."""
+    from unsloth_adaptive_kl.core import config as config_module
+
+    parsed = []
+    parse = config_module.parse_methods
+    monkeypatch.setattr(config_module, "parse_methods", lambda value: parsed.append(value) or parse(value))
+    config = AdaptiveKLConfig(kl_adaptation_method="dynamic+clip")
+    at_construction = len(parsed)
+    logps, ref, mask = torch.full((2, 3), -1.0), torch.full((2, 3), -1.5), torch.ones(2, 3)
+    for _ in range(3):
+        kl_term(logps, ref, mask, config)
+    assert config.kl_methods == ("clip", "dynamic") and len(parsed) == at_construction
+    config.kl_adaptation_method = "sigmoid"
+    assert config.kl_methods == ("sigmoid",) == config.kl_methods and parsed[at_construction:] == ["sigmoid"]

@@ -12,7 +12,7 @@ from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning
 from unsloth_adaptive_kl.core import reductions
 from unsloth_adaptive_kl.core.adaptation import kl_term
 from unsloth_adaptive_kl.core.reductions import ReductionContext
-from unsloth_adaptive_kl.core.statistics import KLStatistics, device_sums
+from unsloth_adaptive_kl.core.statistics import NAMES, KLStatistics, device_sums
 from unsloth_adaptive_kl.core.estimators import bottom_percentile_mask, estimate_kl, estimator_names
 
 from .kl_terms import adapted_kl_term
@@ -151,6 +151,18 @@ def test_diagnostics_against_numpy() -> None:
     assert diagnostics.raw.item() == pytest.approx(sequence.sum() / sum(lengths), rel=1e-6)
     assert diagnostics.adapted.item() == pytest.approx((np.minimum(k, 1.5) * m).sum() / sum(lengths), rel=1e-6)
     sums = KLStatistics(*device_sums(diagnostics).tolist())  # the correlation from the sums, as the metrics take it
+    # the same sums from the completions' values read to the host (verl's worker), and both by hand
+    on_host = KLStatistics.of_completions(diagnostics.lengths.tolist(), diagnostics.sequence_kl.tolist(), entries=1.0,
+                                          raw=diagnostics.raw.item(), adapted=diagnostics.adapted.item(),
+                                          clipped=diagnostics.at_threshold.item(),
+                                          policy_logps=diagnostics.check.sums[0].item(),
+                                          reference_logps=diagnostics.check.sums[1].item())
+    by_hand = dict(completions=6, tokens=sum(lengths), kl=sequence.sum(), tokens_sq=sum(n * n for n in lengths),
+                   tokens_kl=(np.array(lengths) * sequence).sum(), kl_sq=(sequence ** 2).sum(), entries=1.0)
+    for name, value in by_hand.items():
+        assert getattr(sums, name) == pytest.approx(value, rel=1e-6) == getattr(on_host, name), name
+    for name in NAMES:  # every field, the scalars too
+        assert getattr(on_host, name) == pytest.approx(getattr(sums, name), rel=1e-12), name
     assert sums.length_kl_corr() == pytest.approx(np.corrcoef(lengths, sequence)[0, 1], rel=1e-6)  # float32 S_i
     constant = [KLStatistics(completions=4, tokens=4 * 5, tokens_sq=4 * 25, kl=s, kl_sq=s * s / 4 * 4, tokens_kl=5 * s)
                 for s in (0.4, 1.3)]  # every L_i = 5, or every S_i equal: no correlation to speak of

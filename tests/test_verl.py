@@ -8,6 +8,7 @@ registries, one gloo process group, and an HF-generate rollout), so this process
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import types
+from unittest import mock
 
 import pytest
 
@@ -35,6 +37,8 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from unsloth_adaptive_kl import AdaptiveKLConfig, NonFiniteLogProbError  # noqa: E402
 from unsloth_adaptive_kl.integrations import verl as verl_kl  # noqa: E402
+from unsloth_adaptive_kl.core.numerics import LogpCheck  # noqa: E402
+from unsloth_adaptive_kl.core.statistics import NAMES, KLStatistics  # noqa: E402
 from unsloth_adaptive_kl.integrations import versions  # noqa: E402
 from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError  # noqa: E402
 
@@ -78,13 +82,15 @@ def actor_config(mode="token-mean", kl_type="low_var_kl", coef=0.05, use_kl=True
                        loss_scale_factor=16 if mode.endswith("norm") else None)
 
 
-def run_loss(loss_fn, batch, micro_batches, beta=None):
+def run_loss(loss_fn, batch, micro_batches, beta=None, dp_size=1, batch_num_tokens=None, global_batch_size=None):
     """Forward + backward over `micro_batches` micro-batches as verl's engine does (global batch info in the
-    non-tensor data, chunked with verl's chunk_tensordict): (total loss, gradient of the log-probs, metrics)."""
+    non-tensor data, by default of this batch alone: one data-parallel rank; chunked with verl's chunk_tensordict):
+    (total loss, gradient of the log-probs, metrics)."""
     td, log_probs0, prompts, responses = batch
     log_probs = log_probs0.clone().requires_grad_(True)
     td = td.clone()
-    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=sum(responses), global_batch_size=len(prompts))
+    tu.assign_non_tensor(td, dp_size=dp_size, batch_num_tokens=batch_num_tokens or sum(responses),
+                         global_batch_size=global_batch_size or len(prompts))
     if beta is not None:
         tu.assign_non_tensor(td, **{verl_kl.BETA_KEY: beta})
     lengths = [p + r for p, r in zip(prompts, responses)]
@@ -143,6 +149,14 @@ def kl_part(loss_fn, batch, beta=1.0):
     return with_kl - without, grad_kl - grad0, metrics[0]
 
 
+def sums_of(metrics):
+    """The core's sums (`KLStatistics`) of the micro-batches whose worker metrics are `metrics` (a dict or a list):
+    the rows the workers ship, added as the driver adds them."""
+    rows = [m[verl_kl.STATS + "sums"] for m in (metrics if isinstance(metrics, list) else [metrics])]
+    assert all(len(row) == len(NAMES) for row in rows)
+    return sum((KLStatistics(*row) for row in rows), KLStatistics())
+
+
 def padded(batch):
     """The policy and reference log-probs of `batch`'s response tokens (padded, as stored) and its mask, by the
     same slicing verl uses."""
@@ -168,8 +182,10 @@ def test_clip_follows_its_formula_and_has_no_gradient_above_the_threshold():
     k, mask = per_token(batch)
     expected = torch.clamp(k, max=threshold)[mask].sum() / mask.sum()
     torch.testing.assert_close(kl_value, expected, rtol=1e-5, atol=1e-6)
-    assert metrics[verl_kl.METRIC + "adapted_kl"].values[0] == pytest.approx(float(expected), rel=1e-6)
-    assert metrics[verl_kl.METRIC + "raw_kl"].values[0] == pytest.approx(float(k[mask].mean()), rel=1e-6)
+    sums = sums_of(metrics)  # one micro-batch: all of the mini-batch's tokens, one entry
+    assert sums.entries == 1
+    assert sums.adapted == pytest.approx(float(expected), rel=1e-6)
+    assert sums.raw == pytest.approx(float(k[mask].mean()), rel=1e-6) == metrics["kl_loss"].values[0]
     # the response tokens' log-prob gradient from the KL term, in verl's left-shifted layout
     td, log_probs, prompts, responses = batch
     starts = torch.tensor([0, *torch.tensor([p + r for p, r in zip(prompts, responses)]).cumsum(0).tolist()])
@@ -214,7 +230,6 @@ def test_beta_used_is_the_beta_pushed_to_every_micro_batch():
     fn = adaptive(actor_config(coef=0.05), "clip", kl_clip_threshold=0.5)
     _, _, metrics = run_loss(fn, batch, 4, beta=0.37)
     assert [m["kl_coef"] for m in metrics] == [0.37] * 4
-    assert [m[verl_kl.METRIC + "current_beta"] for m in metrics] == [0.37] * 4
     one, _, m1 = kl_part(fn, batch, beta=1.0)
     pushed, _, _ = kl_part(fn, batch, beta=0.37)
     torch.testing.assert_close(pushed, 0.37 * one, rtol=1e-5, atol=1e-7)
@@ -235,13 +250,11 @@ def test_unshaped_methods_are_stock_ppo_loss_at_the_pushed_beta(method):
                                    beta=0.37)
     assert torch.equal(loss, stock_loss) and torch.equal(grad, stock_grad)
     for m in metrics:
-        assert m["kl_coef"] == m[verl_kl.METRIC + "current_beta"] == 0.37
-        assert m[verl_kl.METRIC + "raw_kl"].values == m[verl_kl.METRIC + "adapted_kl"].values == m["kl_loss"].values
+        assert m["kl_coef"] == 0.37
+        assert [sums_of(m).raw] == [sums_of(m).adapted] == m["kl_loss"].values
     if method == "target":  # the core's WindowKL.token_mean, from every micro-batch's S_i and L_i
         k, mask = per_token(batch)
-        sums, lengths = ([value for m in metrics for value in m[verl_kl.STATS + name]]
-                         for name in ("sequence_kl", "lengths"))
-        assert sum(sums) / sum(lengths) == pytest.approx(float(k[mask].mean()), rel=1e-6)
+        assert sums_of(metrics).window().token_mean == pytest.approx(float(k[mask].mean()), rel=1e-6)
 
 
 def test_anchor_missing_is_an_error_naming_it(monkeypatch):
@@ -311,7 +324,7 @@ def test_k1_future_in_the_actor_loss_has_the_kl_to_go_gradient():
     k1, mask = per_token(batch, "kl")
     n = mask.sum()
     torch.testing.assert_close(kl_value, 0.7 * k1[mask].sum() / n, rtol=1e-5, atol=1e-6)
-    assert metrics[verl_kl.METRIC + "adapted_kl"].values[0] == pytest.approx(float(k1[mask].sum() / n), rel=1e-5)
+    assert sums_of(metrics).adapted == pytest.approx(float(k1[mask].sum() / n), rel=1e-5)
     td, log_probs, prompts, responses = batch
     starts = torch.tensor([0, *torch.tensor([p + r for p, r in zip(prompts, responses)]).cumsum(0).tolist()])
     differs = False
@@ -471,6 +484,22 @@ def test_reward_clip_shapes_the_per_token_kl():
     assert ctrl.updates == 1
 
 
+@pytest.mark.parametrize("block", [{"kl_adaptation_method": "length_normalized"},
+                                   {"reward": {"kl_adaptation_method": "dynamic+length_normalized"}}])
+def test_length_normalized_in_the_reward_is_the_cores_refusal_in_verls_names(block):
+    """length_normalized reaching the KL in the reward (inherited from the block, or set under reward): the core's
+    own refusal of it with kl_placement='reward', named under verl's adaptive_kl.reward, and what verl does instead."""
+    _, reward = verl_kl.configs_from(block)
+    with pytest.raises(ValueError) as raised:
+        verl_kl.RewardKLController(reward, beta=0.1)
+    message = str(raised.value)
+    with pytest.raises(ValueError) as core:
+        AdaptiveKLConfig(kl_adaptation_method=reward.kl_adaptation_method, kl_placement="reward")
+    assert message.startswith(f"adaptive_kl.reward.{core.value}")
+    assert message.endswith("In verl the reward's KL is always the sum over each completion's tokens: leave "
+                            "length_normalized out of adaptive_kl.reward.")
+
+
 def test_reward_controller_state_dict_round_trips():
     config = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5)
     ctrl = verl_kl.RewardKLController(config, beta=0.1)
@@ -493,13 +522,14 @@ def test_reward_controller_state_dict_round_trips():
 
 
 class _ActorGroup:
-    """verl's actor worker group with one worker, in this process: `update_actor` runs the installed loss through
-    verl's real ppo_loss on the batch's micro-batches and returns the metrics as verl's worker returns them for one
-    mini-batch (micro-batches appended by verl's append_to_dict, each Metric over the one data-parallel rank by
-    Metric.aggregate_dp, lists concatenated; `TrainingWorker.train_mini_batch`)."""
+    """verl's actor worker group, in this process: `update_actor` runs the installed loss through verl's real
+    ppo_loss on each data-parallel worker's micro-batches (`shards`: one batch per worker, each worker's process
+    number its index; the global batch info of all of them) and returns the metrics as verl's workers return them for
+    one mini-batch (each worker's micro-batches appended by verl's append_to_dict, each Metric over the ranks by
+    Metric.aggregate_dp, lists concatenated in rank order; `TrainingWorker.train_mini_batch`)."""
 
-    def __init__(self, batch, micro_batches, epochs=1):
-        self.batch, self.micro_batches, self.epochs, self.loss_fn = batch, micro_batches, epochs, None
+    def __init__(self, shards, micro_batches, epochs=1):
+        self.shards, self.micro_batches, self.epochs, self.loss_fn = shards, micro_batches, epochs, None
 
     def set_loss_fn(self, loss_fn):
         self.loss_fn = loss_fn
@@ -508,15 +538,23 @@ class _ActorGroup:
         from verl.utils.metric import Metric
         from verl.utils.py_functional import append_to_dict
 
+        tokens = sum(sum(responses) for _, _, _, responses in self.shards)
+        sequences = sum(len(prompts) for _, _, prompts, _ in self.shards)
         output = {}
-        for _ in range(self.epochs):  # ppo_epochs: the worker trains on the same mini-batch again
-            _, _, per_micro_batch = run_loss(self.loss_fn, self.batch, self.micro_batches,
-                                             beta=meta.extra_info[verl_kl.BETA_KEY])
-            appended = {}
-            for metrics in per_micro_batch:
-                append_to_dict(appended, metrics)
-            mini_batch = {key: Metric.aggregate_dp([value]) if isinstance(value, Metric) else value
-                          for key, value in appended.items()}
+        for _ in range(self.epochs):  # ppo_epochs: the workers train on the same mini-batch again
+            per_rank = []
+            for rank, shard in enumerate(self.shards):
+                with mock.patch.object(verl_kl, "this_process", lambda rank=rank: rank):
+                    _, _, per_micro_batch = run_loss(self.loss_fn, shard, self.micro_batches,
+                                                     beta=meta.extra_info[verl_kl.BETA_KEY], dp_size=len(self.shards),
+                                                     batch_num_tokens=tokens, global_batch_size=sequences)
+                appended = {}
+                for metrics in per_micro_batch:
+                    append_to_dict(appended, metrics)
+                per_rank.append(appended)
+            mini_batch = {key: Metric.aggregate_dp([ranked[key] for ranked in per_rank])
+                          if isinstance(value, Metric) else list(itertools.chain(*(ranked[key] for ranked in per_rank)))
+                          for key, value in per_rank[0].items()}
             append_to_dict(output, mini_batch)
         return {"metrics": {**output, "mfu": [0.0]}}
 
@@ -547,7 +585,8 @@ def actor_update(batch, mode, micro_batches=2, beta=0.37, ppo_epochs=1, **fields
             "rollout": {"n": 1, "temperature": 1.0}},
         "algorithm": {"use_kl_in_reward": False, "kl_penalty": "kl", "kl_ctrl": {"kl_coef": 0.1}}})
     trainer = _ActorTrainer(config)
-    trainer.actor_rollout_wg = _ActorGroup(batch, micro_batches, ppo_epochs)
+    shards = batch if isinstance(batch, list) else [batch]  # a list: one batch per data-parallel worker
+    trainer.actor_rollout_wg = _ActorGroup(shards, micro_batches, ppo_epochs)
     loss = verl_kl.AdaptivePPOLoss(actor_config(mode, coef=beta), AdaptiveKLConfig(**fields))
     trainer.actor_rollout_wg.set_loss_fn(loss)
     trainer._mean_reward = 0.5
@@ -622,6 +661,48 @@ def test_logged_loss_metrics_follow_their_definitions(mode):
     assert 0 < clipped < int(mask.sum())
     assert logged[verl_kl.METRIC + "clip_fraction"] == pytest.approx(clipped / float(lengths.sum()), rel=1e-6)
     assert logged["actor/kl_loss"] == pytest.approx(raw, rel=1e-6)  # verl's own metric keeps its stock meaning
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_two_data_parallel_workers_are_summed_whole(mode):
+    """Two data-parallel workers with different batch sizes (6 and 2 completions, 2 micro-batches each), whose rows
+    verl gathers (its Metrics by Metric.aggregate_dp, lists concatenated): every logged metric and target's beta are
+    those of all 8 completions together, by hand; raw_kl is verl's own kl_loss as verl aggregates it (the micro-
+    batches' shares of the mini-batch's tokens add up to one entry). Worker 0's rows alone would give other values."""
+    shards = [make_batch(batch_size=6, seed=21, kl_scale=3.0), make_batch(batch_size=2, seed=22, kl_scale=3.0)]
+    threshold, target, horizon = 0.3, 0.1, 100.0
+    fields = dict(kl_adaptation_method="clip+target", kl_clip_threshold=threshold, kl_target=target,
+                  kl_horizon=horizon)
+    trainer, logged = actor_update(shards, mode, **fields)
+    per_shard = [per_token(shard) for shard in shards]
+    lengths = torch.cat([mask.sum(-1) for _, mask in per_shard]).double()
+    sums = torch.cat([(k * mask).sum(-1) for k, mask in per_shard]).double()
+    shaped = torch.cat([(torch.clamp(k, max=threshold) * mask).sum(-1) for k, mask in per_shard]).double()
+    reduce = ((lambda s: float(s.sum() / lengths.sum())) if mode == "token-mean"  # noqa: E731
+              else (lambda s: float((s / lengths).mean())))
+    metric = {key[len(verl_kl.METRIC):]: value for key, value in logged.items() if key.startswith(verl_kl.METRIC)}
+    assert metric["raw_kl"] == pytest.approx(reduce(sums), rel=1e-6) == pytest.approx(logged["actor/kl_loss"])
+    assert metric["adapted_kl"] == pytest.approx(reduce(shaped), rel=1e-6)
+    assert metric["sequence_kl"] == pytest.approx(float(sums.mean()), rel=1e-6)
+    assert metric["length_kl_corr"] == pytest.approx(statistics.correlation(lengths.tolist(), sums.tolist()),
+                                                     rel=1e-5)
+    clipped = sum(int(((k >= threshold) & mask).sum()) for k, mask in per_shard)
+    assert metric["clip_fraction"] == pytest.approx(clipped / float(lengths.sum()), rel=1e-6)
+    error = min(max(float(sums.sum() / lengths.sum()) / target - 1, -0.2), 0.2)
+    assert error != 0
+    assert trainer.loss_kl.current_beta == pytest.approx(0.37 * (1 + error * 8 / horizon), rel=1e-9)
+    _, alone = actor_update(shards[:1], mode, **fields)  # worker 0's completions alone: another batch's values
+    assert alone[verl_kl.METRIC + "sequence_kl"] != pytest.approx(metric["sequence_kl"], rel=1e-3)
+
+
+def test_a_nonfinite_log_prob_on_the_second_worker_is_named_with_its_process():
+    """A NaN in worker 1's forward (of two data-parallel workers): the driver's error names verl's tensor, the one
+    token and process 1, the worker that saw it."""
+    shards = [make_batch(batch_size=4, seed=23), with_policy_value(make_batch(batch_size=4, seed=24), 1, 0, math.nan)]
+    with pytest.raises(NonFiniteLogProbError,
+                       match=r"at step 1: .*verl's log_prob \(the actor's forward\) \(the policy tensor\): 1 valid "
+                             r"token\(s\) on process 1\."):
+        actor_update(shards, "token-mean", kl_adaptation_method="clip", kl_clip_threshold=0.3)
 
 
 @pytest.mark.parametrize("method", ["dynamic", "clip"])
@@ -705,7 +786,9 @@ def test_a_nonfinite_log_prob_on_a_valid_token_stops_the_actor_update_naming_ver
         batch = with_response_value(batch, "ref_log_prob", 2, 0, value)
     else:
         batch = with_policy_value(batch, 2, 0, value)
-    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*verl's {re.escape(tensor)} \(the \w+ tensor\): 1 valid token\(s\)"):
+    with pytest.raises(NonFiniteLogProbError,
+                       match=rf"at step 1: .*verl's {re.escape(tensor)} \(the \w+ tensor\): 1 valid token\(s\) on "
+                             r"process 0\."):
         logged_actor_metrics(batch, "token-mean", kl_adaptation_method=method, kl_clip_threshold=0.3)
 
 
@@ -719,8 +802,8 @@ def test_the_adapted_loss_kl_is_computed_in_float32_from_bf16_log_probs():
     r = torch.clamp(ref.float() - lp.float(), min=-20.0, max=20.0)
     k = torch.clamp(torch.exp(r) - r - 1, min=-10.0, max=10.0)
     expected = float(torch.clamp(k, max=threshold)[mask].sum() / mask.sum())
-    assert metrics[0][verl_kl.METRIC + "adapted_kl"].values[0] == pytest.approx(expected, rel=1e-6)
-    assert metrics[0][verl_kl.METRIC + "raw_kl"].values[0] == pytest.approx(float(k[mask].mean()), rel=1e-6)
+    assert sums_of(metrics).adapted == pytest.approx(expected, rel=1e-6)
+    assert sums_of(metrics).raw == pytest.approx(float(k[mask].mean()), rel=1e-6)
 
 
 @pytest.mark.parametrize("kl_type", ["k2", "k3+"])
@@ -759,15 +842,14 @@ def test_the_adapted_kl_of_the_masked_log_ratio_is_verls_kl_of_the_log_probs_for
                                    beta=config.kl_loss_coef)
     assert torch.equal(loss, stock_loss) and torch.equal(grad, stock_grad)
     for stock, ours in zip(stock_metrics, metrics):
-        assert ours["kl_loss"].values == ours[verl_kl.METRIC + "adapted_kl"].values == stock["kl_loss"].values
+        assert ours["kl_loss"].values == [sums_of(ours).adapted] == stock["kl_loss"].values
 
 
 @pytest.mark.parametrize("method", ["none", "target"])
 def test_masked_infinite_log_probs_raise_nothing_where_verls_own_term_stands(monkeypatch, method):
-    """Where verl's own KL term stands, the check's fast test is the plain sum of the raw log-probs: +-inf on tokens
-    verl masks out (response_mask=0) makes it non-finite, a false alarm, and the exact count over the valid tokens
-    (LogpCheck.counts, on that path only) finds none: the actor update raises nothing and logs what the batch without
-    them logs."""
+    """Where verl's own KL term stands, the check is still the core's, of the masked log-probs: +-inf on tokens verl
+    masks out (response_mask=0) leave every sum finite, so the actor update raises nothing, counts nothing (the count
+    runs on the error path only) and logs what the batch without them logs."""
     clean = make_batch(seed=16, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
     for sample, position in ((0, 1), (2, 3)):
         clean = with_response_value(clean, "response_mask", sample, position, 0)
@@ -775,10 +857,10 @@ def test_masked_infinite_log_probs_raise_nothing_where_verls_own_term_stands(mon
                                 "ref_log_prob", 2, 3, -math.inf)
     expected = logged_actor_metrics(clean, "token-mean", kl_adaptation_method=method, kl_target=0.1)
     counted = []
-    counts = verl_kl.LogpCheck.counts
-    monkeypatch.setattr(verl_kl.LogpCheck, "counts", lambda check: counted.append(counts(check)) or counted[-1])
+    counts = LogpCheck.counts
+    monkeypatch.setattr(LogpCheck, "counts", lambda check: counted.append(counts(check)) or counted[-1])
     assert logged_actor_metrics(dirty, "token-mean", kl_adaptation_method=method, kl_target=0.1) == expected
-    assert counted == [(0, 0)]  # the micro-batch holding both: counted exactly, once
+    assert counted == []
 
 
 @pytest.mark.parametrize("method", ["dynamic", "clip"])
@@ -899,10 +981,14 @@ def test_training_worker_none_is_stock_and_beta_is_the_pushed_one(tmp_path):
         for key in stock:
             if key != "lr":
                 assert none[key] == stock[key], (mode, key)
-        assert none["adaptive_kl/raw_kl"] == none["adaptive_kl/adapted_kl"] == stock["kl_loss"]
+        # verl's engine normalises by the mini-batch's tokens: the micro-batches' shares add up to one entry, and
+        # the rows' KL is verl's own kl_loss
+        sums = none["sums"]
+        assert sums["entries"] == pytest.approx(1.0, rel=1e-12) and none["nonfinite"] == []
+        assert [sums["raw"]] == [sums["adapted"]] == pytest.approx(stock["kl_loss"], rel=1e-6)  # one mini-batch
     clip = out["clip"]
-    assert clip["kl_coef"] == [0.37] * 4 and clip["adaptive_kl/current_beta"] == [0.37] * 4  # every micro-batch
-    assert clip["adaptive_kl/adapted_kl"][0] <= 0.5 < clip["adaptive_kl/raw_kl"][0]
+    assert clip["kl_coef"] == [0.37] * 4  # every micro-batch
+    assert clip["sums"]["adapted"] <= 0.5 < clip["sums"]["raw"]
     assert out["weights_changed"] == out["weights"] > 0
     for micro in (1, 2, 4):  # 8, 4 and 2 micro-batches of the same mini-batch: one total gradient
         run = out[f"clip/micro{micro}"]

@@ -357,7 +357,8 @@ def worker_scenario() -> dict:
     from verl.workers.utils.losses import ppo_loss
 
     from unsloth_adaptive_kl import AdaptiveKLConfig
-    from unsloth_adaptive_kl.integrations.verl import BETA_KEY, AdaptivePPOLoss
+    from unsloth_adaptive_kl.core.statistics import NAMES
+    from unsloth_adaptive_kl.integrations.verl import BETA_KEY, STATS, AdaptivePPOLoss
 
     started = time.time()
     path = save_tiny_model(tempfile.mkdtemp(prefix="verl_tiny_"))
@@ -383,8 +384,14 @@ def worker_scenario() -> dict:
         if beta is not None:
             tu.assign_non_tensor(td, **{BETA_KEY: beta})
         metrics = w.train_mini_batch(td)["metrics"]
-        return {key: [float(v) for v in value] if isinstance(value, list) else float(value)
-                for key, value in metrics.items() if not key.startswith("perf/") and key != "mfu"}
+        rows, found = metrics.pop(STATS + "sums", None), metrics.pop(STATS + "nonfinite", None)
+        result = {key: [float(v) for v in value] if isinstance(value, list) else float(value)
+                  for key, value in metrics.items() if not key.startswith("perf/") and key != "mfu"}
+        if rows is not None:  # the micro-batches' sums rows, added as the driver adds them
+            result["sums"] = dict(zip(NAMES, torch.tensor(rows, dtype=torch.float64).view(-1, len(NAMES)).sum(0)
+                                      .tolist()))
+            result["nonfinite"] = found
+        return result
 
     out = {}
     for mode in ("token-mean", "seq-mean-token-mean"):

@@ -190,13 +190,21 @@ class AdaptiveKL:
         if train and not end_of_step:
             return []
         queued, self._queued = self._queued, []
-        metrics = []
+        batches = []
         if queued:
             rows, checks = zip(*queued)
-            for sums in gather_statistics(list(rows), list(checks), step=completed_steps, gather=gather):
-                metrics.append(sums.metrics(beta=self.current_beta, config=self.config, step=completed_steps))
-                if train:
-                    self._trained = self._trained + sums
+            batches = gather_statistics(list(rows), list(checks), step=completed_steps, gather=gather)
+        return self.record_sums(batches, train=train, completed_steps=completed_steps)
+
+    def record_sums(self, batches: list[KLStatistics], *, train: bool, completed_steps: int) -> list[dict[str, float]]:
+        """The end of an optimizer step (in training; in evaluation, of a pass) whose batches' sums are known over
+        all processes: `record`'s last stage, for an engine that gathers its workers' sums itself.
+        Returns each batch's metrics; in training the sums are the step's and the controller moves."""
+        metrics = []
+        for sums in batches:
+            metrics.append(sums.metrics(beta=self.current_beta, config=self.config, step=completed_steps))
+            if train:
+                self._trained = self._trained + sums
         if train:
             self._end_step(completed_steps)
         return metrics

@@ -121,18 +121,6 @@ def canonical_methods(value: Union[str, Sequence[str]]) -> str:
     return METHOD_SEPARATOR.join(parse_methods(value)) or "none"
 
 
-_PARSED_METHODS: dict[str, tuple[str, ...]] = {}
-
-
-def _parse_canonical(value: str) -> tuple[str, ...]:
-    # Read on every loss call: parse each stored string once. A plain dict, not functools.lru_cache: torch.compile
-    # (a compiled loss calling the core) traces through lru_cache wrappers with a warning of possible silent
-    # incorrectness.
-    if value not in _PARSED_METHODS:
-        _PARSED_METHODS[value] = parse_methods(value)
-    return _PARSED_METHODS[value]
-
-
 def is_real(value: Any) -> bool:
     """An int or float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -290,8 +278,14 @@ class AdaptiveKLConfig:
 
     @property
     def kl_methods(self) -> tuple[str, ...]:
-        """The active methods in application order; empty for 'none'."""
-        return _parse_canonical(self.kl_adaptation_method)
+        """The active methods in application order; empty for 'none'. Parsed once per value of
+        `kl_adaptation_method` and kept beside it (read on every loss call); a field set anew is parsed anew."""
+        parsed = self.__dict__.get("_parsed_methods")
+        if parsed is None or parsed[0] != self.kl_adaptation_method:
+            # Not functools.cached_property: it would keep the methods of a field since set to another value.
+            parsed = self.__dict__["_parsed_methods"] = (self.kl_adaptation_method,
+                                                         parse_methods(self.kl_adaptation_method))
+        return parsed[1]
 
     @property
     def reads_trainer_kl(self) -> bool:
@@ -322,7 +316,7 @@ class AdaptiveKLConfig:
     def validate_adaptive_kl(self, beta: Optional[float] = None) -> None:
         """Raise ValueError naming the field, the value and what is allowed for the first bad field. `beta`: the KL
         coefficient in use, which bounds beta_min and beta_max (None: unknown, not checked)."""
-        methods = parse_methods(self.kl_adaptation_method)
+        methods = self.kl_methods  # parsed here once: every later call reads it
         check_real("kl_clip_threshold", self.kl_clip_threshold,
                    is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
                    "a finite number > 0")

@@ -14,8 +14,8 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
   per token by the core (clip/sigmoid),
   aggregated by verl's own `agg_loss` with its global batch normalisation (`loss_agg_mode`; `length_normalized`:
   `seq-mean-token-mean`), so micro-batching and data parallelism keep verl's semantics. `none` is verl's stock loss
-  bit for bit. Where the term is adapted, verl's KL is taken of the log-ratio (log_prob - ref_log_prob, of which every
-  `kl_loss_type` is a function) in float32 with masked positions 0 (the core's masking, before the estimator).
+  bit for bit. Where the term is adapted, the core's pipeline makes it, with verl's `kl_loss_type` as its estimator:
+  the log-probs in float32 with masked positions 0, checked, then verl's KL of them, shaped.
   beta_t comes from the driver's controller in the batch's meta info (`extra_info`), which verl hands to every mini-
   and micro-batch as non-tensor data: no extra call to the workers.
 - The KL in the reward (`algorithm.use_kl_in_reward=True`, beta_0 = `algorithm.kl_ctrl.kl_coef`): our controller
@@ -27,11 +27,12 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
 - Both controllers and the step are saved in every verl checkpoint (`adaptive_kl.json` beside `data.pt`) and
   restored on resume: a resumed run uses the betas the uninterrupted run would have used.
 - A NaN or +-inf log-prob on a valid (`response_mask`=1) token raises `NonFiniteLogProbError` naming verl's tensor:
-  in the actor loss at the end of the actor update, in the driver (every worker counts its own and sends the count
-  with its statistics), and in the reward when the batch is penalised.
-- Metrics: the core's `adaptive_kl/*` (docs/metrics.md) for the loss (`AdaptiveKL.record`, once per actor update,
-  from verl's aggregated KL and every completion's L_i and S_i) and, under `adaptive_kl/reward/`, the reward
-  placement's for the reward (`AdaptiveKL.penalize`, once per batch), in verl's metrics dict, so its loggers get them.
+  in the actor loss at the end of the actor update, in the driver (a worker whose sums say so counts its tokens and
+  sends them with its process), and in the reward when the batch is penalised.
+- Metrics: the core's `adaptive_kl/*` (docs/metrics.md) for the loss (`AdaptiveKL.record_sums`, once per actor
+  update, from the core's sums row of every micro-batch of every worker, its KL as verl aggregates it) and, under
+  `adaptive_kl/reward/`, the reward placement's for the reward (`AdaptiveKL.penalize`, once per batch), in verl's
+  metrics dict, so its loggers get them.
 
 The `adaptive_kl` block holds `AdaptiveKLConfig`'s fields; `adaptive_kl.reward.*` overrides any of them for the KL
 in the reward. `kl_placement` is verl's own switches above and is not set here.
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -53,12 +55,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..core import AdaptiveKL, AdaptiveKLConfig, KLTerm, shape_kl, shapes_per_token
-from ..core.adaptation import token_kl
+from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
+from ..core.adaptation import TokenKL, token_kl
 from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
-from ..core.numerics import KINDS, LogpCheck, NonFinite, keep_valid, masked_logps, nonfinite_error, upcast
+from ..core.numerics import KINDS, NonFinite, found_in_check, masked_logps, nonfinite_error, this_process
 from ..core.reductions import agg_mode_of, kl_reduction, loss_type_of_agg_mode
 from ..core.shapings import clipped_tokens
+from ..core.statistics import NAMES, KLStatistics
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
 from . import versions
 from .patching import PatchSet
@@ -209,22 +212,27 @@ def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
 # ----- the KL in the actor loss (runs in every actor worker) -------------------------------------------------------
 
 
+def verl_kl_penalty(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, *, kl_type: str) -> torch.Tensor:
+    """verl's per-token KL (`kl_penalty` of `kl_loss_type`) as the core's estimator (logp, ref, mask) -> k, taken of
+    the log-probs the core masked (0 on masked positions on both sides, where every verl KL type is 0)."""
+    return core_algos.kl_penalty(logprob=logp, ref_logprob=ref, kl_penalty=kl_type)
+
+
 class AdaptivePPOLoss:
     """verl's `ppo_loss` with its KL term adapted; installed on the actor workers with `set_loss_fn`. Picklable: the
     driver builds it and Ray ships it once.
 
     loss = ppo_loss with kl_loss_coef = beta_t and its KL term agg_loss(shape(k), mask, mode, global batch info),
-    k = verl's kl_penalty(log_prob, ref_log_prob, kl_loss_type) as ppo_loss computes it, beta_t = the micro-batch's
-    `adaptive_kl_beta` (the driver's controller), mode = `loss_agg_mode` (length_normalized: seq-mean-token-mean).
-    verl's per-token KL is taken where ppo_loss computes it (its `kl_penalty` and `agg_loss` calls, replaced for the
-    call), so the policy log-probs are padded once, by verl. Where nothing is shaped and verl's own KL and aggregation
-    apply (`none`, `dynamic`, `target`), the term is verl's own: ppo_loss itself with kl_loss_coef = beta_t.
+    k = verl's kl_penalty of `kl_loss_type` (or the configured `kl_estimator`) of the core's masked log-probs (the
+    core's pipeline, `token_kl`), beta_t = the micro-batch's `adaptive_kl_beta` (the driver's controller), mode =
+    `loss_agg_mode` (length_normalized: seq-mean-token-mean). ppo_loss's `kl_penalty` and `agg_loss` calls are
+    replaced for the call, so the policy log-probs are padded once, by verl. Where nothing is shaped and verl's own
+    KL and aggregation apply (`none`, `dynamic`, `target`), the term is verl's own: ppo_loss itself with kl_loss_coef
+    = beta_t (the pipeline then masks verl's per-token KL for the statistics, and checks the log-probs).
 
-    Metrics, per micro-batch: verl's `kl_loss` (the un-adapted KL, its stock meaning), `adaptive_kl/raw_kl` and
-    `adaptive_kl/adapted_kl` (verl's `Metric`s, aggregated over micro-batches and workers as verl aggregates its loss),
-    `adaptive_kl/current_beta`, and under `STATS` each completion's L_i and S_i and the clipped-token count, which the
-    driver hands to the core (`AdaptiveKL.record`) for the logged metrics and the controller's KL, and the count of
-    non-finite valid log-probs, on which the driver raises `NonFiniteLogProbError`."""
+    Metrics, per micro-batch: verl's own `kl_loss` (the un-adapted KL: its stock meaning) and `kl_coef` (beta_t), and
+    under `STATS` the core's sums row of the micro-batch (`KLStatistics`' fields in order) and the non-finite valid
+    log-probs found, which the driver hands to the core (`AdaptiveKL.record_sums`, `NonFiniteLogProbError`)."""
 
     def __init__(self, actor_config: Any, config: AdaptiveKLConfig) -> None:
         self.actor_config = actor_config
@@ -232,6 +240,10 @@ class AdaptivePPOLoss:
         self.agg_mode = kl_agg_mode(config, actor_config.loss_agg_mode)
         self.verl_term = (not shapes_per_token(config) and config.reads_trainer_kl
                           and self.agg_mode == actor_config.loss_agg_mode)
+        # What the pipeline runs: the configured estimator, or where the config reads the trainer's own KL, verl's
+        # kl_loss_type as the estimator.
+        self.pipeline_config = config if not config.reads_trainer_kl else dataclasses.replace(
+            config, kl_estimator=functools.partial(verl_kl_penalty, kl_type=actor_config.kl_loss_type))
         # A copy sharing global_batch_info (which ppo_loss fills in), whose kl_loss_coef is beta_t.
         self.stock_config = copy.copy(actor_config)
 
@@ -253,21 +265,24 @@ class AdaptivePPOLoss:
             patches.replace(losses, "kl_penalty", kl.per_token)
             patches.replace(losses, "agg_loss", kl.aggregate)
             loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
-        adapted = metrics["kl_loss"]  # ppo_loss's Metric of its KL term, with its aggregation over micro-batches
         if not self.verl_term:  # verl's kl_loss keeps its stock meaning: the un-adapted KL
-            metrics["kl_loss"] = Metric(value=kl.raw, aggregation=adapted.aggregation)
-        metrics[METRIC + "raw_kl"] = _copied(metrics["kl_loss"])
-        metrics[METRIC + "adapted_kl"] = _copied(adapted)
-        metrics[METRIC + "current_beta"] = self.stock_config.kl_loss_coef
-        metrics.update(kl.completion_stats())
+            metrics["kl_loss"] = Metric(value=kl.raw, aggregation=metrics["kl_loss"].aggregation)
+        metrics.update(kl.statistics())
         return loss, metrics
 
 
-def _copied(metric: Metric) -> Metric:
-    """A Metric with the same values in a list of its own (verl extends a Metric's list in place: one list per key)."""
-    copied = metric.init_list()
-    copied.extend(metric)
-    return copied
+def micro_batch_entries(tokens: float, batch_info: dict[str, Any]) -> float:
+    """How many entries one micro-batch's KL counts for in its sums row, `tokens` its valid tokens. verl's agg_loss
+    divides a micro-batch's KL by the whole mini-batch's valid tokens (`batch_num_tokens`, over every data-parallel
+    rank: every verl engine passes it) and multiplies it by dp_size (data parallelism averages the gradients); verl's
+    metric is then the sum over the micro-batches, averaged over the ranks. So a micro-batch counts for dp_size times
+    its share of the mini-batch's tokens (the shares of a mini-batch add up to 1 over all ranks), and
+    raw_kl = sum raw / entries is verl's KL of each mini-batch, averaged over the mini-batches. Without
+    batch_num_tokens (verl's per-micro-batch means): one entry per micro-batch, the core's count."""
+    batch_tokens = batch_info.get("batch_num_tokens")
+    if batch_tokens is None:
+        return 1.0
+    return tokens * int(batch_info.get("dp_size") or 1) / max(float(batch_tokens), 1.0)
 
 
 class _LossKL:
@@ -277,21 +292,16 @@ class _LossKL:
     def __init__(self, owner: AdaptivePPOLoss) -> None:
         self.owner = owner
         self.log_probs: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.kl_type = ""
         self.verl_kld: Optional[torch.Tensor] = None
-        self.kld: Optional[torch.Tensor] = None
-        self.mask: Optional[torch.Tensor] = None
-        self.weights: Optional[torch.Tensor] = None  # the mask as float32 (the adapted path)
-        self.raw: Optional[torch.Tensor] = None
-        self.check: Optional[LogpCheck] = None
-        # Sums that are non-finite where a valid log-prob is (see `nonfinite_counts`): of the masked log-ratio where
-        # verl's KL is adapted, the LogpCheck's for a configured estimator, the raw log-probs' where verl's term stands.
-        self.finite_test: Optional[torch.Tensor] = None
+        self.stage: Optional[TokenKL] = None
+        self.raw: Optional[torch.Tensor] = None  # verl's aggregation of the un-adapted KL, and of the adapted one
+        self.adapted: Optional[torch.Tensor] = None
+        self.batch_info: dict[str, Any] = {}
 
     def per_token(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
         """ppo_loss's per-token KL, remembered so that its aggregation below is recognised: verl's own where verl's
         term stands; else an empty stand-in, as the adapted KL needs the mask, which only `agg_loss` receives."""
-        self.log_probs, self.kl_type = (logprob, ref_logprob), kl_penalty
+        self.log_probs = (logprob, ref_logprob)
         if self.owner.verl_term:
             self.verl_kld = core_algos.kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=kl_penalty)
         else:
@@ -300,84 +310,68 @@ class _LossKL:
 
     def aggregate(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str,
                   **batch_info: Any) -> torch.Tensor:
-        """verl's agg_loss; for ppo_loss's KL term, the adapted KL aggregated by verl's agg_loss with the global
-        batch info ppo_loss passes, beside the un-adapted one for the metrics. The adapted KL is verl's `kl_loss_type`
-        of the masked log-ratio, or the configured `kl_estimator` of the core's masked log-probs (float32, masked
-        positions 0 with a zero gradient). Every path keeps a fast test for non-finite valid log-probs."""
+        """verl's agg_loss; for ppo_loss's KL term, the adapted KL (the core's pipeline: masked, checked, estimated,
+        shaped) aggregated by verl's agg_loss with the global batch info ppo_loss passes, beside the un-adapted one
+        for the metrics."""
         if loss_mat is not self.verl_kld:  # another of ppo_loss's terms (the entropy)
             return core_algos.agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
                                        **batch_info)
-        owner = self.owner
-        logprob, ref_logprob = self.log_probs
-        self.mask = loss_mask
-        if owner.verl_term:  # verl's own term, bit for bit
-            # Nothing here is masked: the fast test is the raw log-probs' plain sums (non-finite where a valid one
-            # is, and where a masked position holds NaN/inf, which `nonfinite_counts` then tells apart exactly;
-            # float32 sums, so a half-precision sum does not overflow). LogpCheck.of masked both tensors on every
-            # call for a value read on the error path only (~35 against ~8 us a call on a CPU, measured).
-            self.finite_test = torch.stack([logprob.detach().sum(dtype=torch.float32),
-                                            ref_logprob.detach().sum(dtype=torch.float32)])
-            self.kld = loss_mat.detach()
-            return core_algos.agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
-                                       **batch_info)
+        owner, (logprob, ref_logprob) = self.owner, self.log_probs
+        self.batch_info = batch_info
+        if owner.verl_term:  # verl's own term, bit for bit; the pipeline masks its KL for the statistics and checks
+            with torch.no_grad():
+                self.stage = token_kl(logprob, ref_logprob, loss_mask, owner.pipeline_config, per_token_kl=loss_mat)
+            self.adapted = core_algos.agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
+                                               **batch_info)
+            self.raw = self.adapted.detach()
+            return self.adapted
+        self.stage = stage = token_kl(logprob, ref_logprob, loss_mask, owner.pipeline_config)
         # verl's agg_loss multiplies the loss by its mask and sums it per sequence: given the mask as float32,
-        # converted once here for both aggregations and the statistics, it does so faster than with verl's bool mask
-        # (~10 us a call on a CPU at 8 x 1024, measured), with the same values (0/1; the counts exact).
-        self.weights = weights = loss_mask.float()
-        if owner.config.reads_trainer_kl:  # the trainer's own estimator: verl's kl_loss_type
-            # Every kl_penalty type (k1, abs, k2, k3, each with '+') is a function of logprob - ref_logprob alone:
-            # verl's KL is taken of the log-ratio, in float32 with masked positions 0 (the core's keep_valid), against
-            # a reference of 0. The same values and gradient as of the two masked log-probs (0 - r is ref - logprob
-            # exactly) for one masking instead of two, and one sum for the fast test instead of LogpCheck's two
-            # (non-finite where a valid log-prob is NaN or +-inf, on either side): ~7 us a call on a CPU, measured.
-            ratio = keep_valid(upcast(logprob) - ref_logprob, loss_mask)  # float32 by promotion for a half `ref`
-            kld = core_algos.kl_penalty(logprob=ratio, ref_logprob=ratio.new_zeros(()), kl_penalty=self.kl_type)
-            self.finite_test = ratio.detach().sum()
-            shaped = shape_kl(kld, owner.config)
-        else:  # a configured estimator replaces verl's kl_loss_type: the core's pipeline, up to the per-token k'
-            stage = token_kl(logprob, ref_logprob, weights, owner.config, names=LOSS_LOGPS)
-            kld, shaped, self.check = stage.kl, stage.shaped, stage.check
-            self.finite_test = self.check.sums
-        self.kld = kld.detach()  # 0 on masked positions: verl's KL of the masked log-ratio, or the core's
-        self.raw = core_algos.agg_loss(loss_mat=self.kld, loss_mask=weights, loss_agg_mode=loss_agg_mode,
+        # converted once here for both aggregations, it does so faster than with verl's bool mask (~10 us a call on a
+        # CPU at 8 x 1024, measured), with the same values (0/1; the counts exact).
+        weights = loss_mask.float()
+        self.raw = core_algos.agg_loss(loss_mat=stage.kl.detach(), loss_mask=weights, loss_agg_mode=loss_agg_mode,
                                        **batch_info)
-        return core_algos.agg_loss(loss_mat=shaped, loss_mask=weights, loss_agg_mode=owner.agg_mode, **batch_info)
+        self.adapted = core_algos.agg_loss(loss_mat=stage.shaped, loss_mask=weights, loss_agg_mode=owner.agg_mode,
+                                           **batch_info)
+        return self.adapted
 
-    def completion_stats(self) -> dict[str, list[float]]:
-        """Each completion's L_i and S_i = sum_t m k and the count of valid tokens at or above the clip threshold,
-        from the core's masked pass over the KL, and how many valid log-probs of each tensor are non-finite
-        (`nonfinite_counts`), as lists (verl concatenates lists over micro-batches, workers and mini-batches)."""
-        # Masked already where the KL is adapted (masking it again would change nothing: ~5 us); verl's own term's
-        # per-token KL is of the raw log-probs.
-        valid_kl = keep_valid(self.kld, self.mask) if self.owner.verl_term else self.kld
-        lengths, sums = self.mask.sum(-1, dtype=valid_kl.dtype), valid_kl.sum(-1)
-        at_threshold = clipped_tokens(valid_kl, self.owner.config, lengths)
-        policy, reference = self.nonfinite_counts()
-        # Small transfers, cheaper on a CPU than joining them first; verl's own Metrics (`.item()`) synchronise
-        # every micro-batch already.
-        return {STATS + "lengths": lengths.tolist(), STATS + "sequence_kl": sums.tolist(),
-                STATS + "at_threshold": [at_threshold.item()], STATS + "nonfinite_log_prob": [policy],
-                STATS + "nonfinite_ref_log_prob": [reference]}
+    def statistics(self) -> dict[str, list[float]]:
+        """The core's sums row of the micro-batch (`KLStatistics`, its fields in order), from L_i, S_i and the
+        micro-batch's scalars read to the host in one transfer (verl's own metrics synchronise every micro-batch
+        already): raw and adapted are verl's aggregations, counting for `micro_batch_entries`; and, where a valid
+        log-prob is non-finite, [tensor (its index in `KINDS`), process, tokens] for each: lists, which verl
+        concatenates over micro-batches, workers and mini-batches."""
+        stage, config = self.stage, self.owner.config
+        with torch.no_grad():  # statistics only: no graph
+            lengths = stage.valid.sum(-1, dtype=stage.kl.dtype)  # L_i and S_i as the core's kl_term takes them
+            clipped = clipped_tokens(stage.kl, config, lengths)
+            values = torch.cat([lengths, stage.kl.sum(-1), self.raw.view(1), self.adapted.view(1), clipped.view(1),
+                                stage.check.sums]).tolist()
+        count = len(lengths)
+        raw, adapted, clipped, policy, reference = values[2 * count:]
+        sums = KLStatistics.of_completions(
+            values[:count], values[count:2 * count], entries=micro_batch_entries(sum(values[:count]), self.batch_info),
+            raw=raw, adapted=adapted, clipped=clipped, policy_logps=policy, reference_logps=reference)
+        row = [getattr(sums, name) for name in NAMES]
+        found = [] if math.isfinite(policy) and math.isfinite(reference) else found_in_check(stage.check,
+                                                                                              this_process())
+        return {STATS + "sums": row,
+                STATS + "nonfinite": [number for item in found
+                                      for number in (KINDS.index(item.kind), item.process, item.tokens)]}
 
-    def nonfinite_counts(self) -> tuple[int, int]:
-        """How many valid log-probs of each tensor are non-finite: (0, 0) where the fast test's sums are finite (one
-        host transfer, read in Python: cheaper than torch.isfinite(...).all() on a CPU); else counted exactly on the
-        masked log-probs, so NaN/inf on masked positions (a false alarm of verl's term's unmasked test) counts 0."""
-        if all(map(math.isfinite, self.finite_test.view(-1).tolist())):
-            return 0, 0
-        check = self.check or LogpCheck.of(*self.log_probs, self.mask, **LOSS_LOGPS)
-        return check.counts()
 
-
-def raise_if_nonfinite(stats: dict[str, list[float]], step: int) -> None:
-    """`NonFiniteLogProbError` where the workers counted non-finite valid log-probs in an actor update (`stats`: the
-    per-micro-batch counts `completion_stats` sent, over every worker and mini-batch, which verl concatenates without
-    the worker's rank), naming verl's tensors."""
-    counts = (sum(stats["nonfinite_log_prob"]), sum(stats["nonfinite_ref_log_prob"]))
-    found = [NonFinite(f"verl's {LOSS_LOGPS[kind]}", kind, tokens=int(count))
-             for kind, count in zip(KINDS, counts) if count]
-    if found:
-        raise nonfinite_error(step, found, advice="check the actor's and the reference's forward in this precision")
+def raise_if_nonfinite(found: list[float], step: int) -> None:
+    """`NonFiniteLogProbError` where the workers found non-finite valid log-probs in an actor update: `found` the
+    [tensor, process, tokens] numbers `_LossKL.statistics` sent, which verl concatenates over micro-batches, workers
+    and mini-batches; each tensor named as verl calls it, with the worker's process and its tokens."""
+    tokens: dict[tuple[int, int], int] = {}
+    for kind, process, count in zip(found[::3], found[1::3], found[2::3]):
+        tokens[int(kind), int(process)] = tokens.get((int(kind), int(process)), 0) + int(count)
+    if tokens:
+        raise nonfinite_error(step, [NonFinite(f"verl's {LOSS_LOGPS[KINDS[kind]]}", KINDS[kind], process, count)
+                                     for (kind, process), count in sorted(tokens.items())],
+                              advice="check the actor's and the reference's forward in this precision")
 
 
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------
@@ -390,14 +384,16 @@ class RewardKLController:
     core's `WindowKL`: sum of k over valid tokens / their count), bounded by beta_min/beta_max."""
 
     def __init__(self, config: AdaptiveKLConfig, beta: float) -> None:
-        if "length_normalized" in config.kl_methods:
-            raise ValueError("adaptive_kl.reward: length_normalized acts on the KL in the loss; verl penalises the "
-                             "reward per token.")
         # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
-        # the core's `sequence_sum` KL_i (`configs_from` refuses any other kl_reduction for the reward). The core
-        # object is told the KL is in the reward, so each step reads the batch scored since the last one.
-        self.akl = AdaptiveKL(dataclasses.replace(config, kl_placement="reward", kl_reduction="sequence_sum"),
-                              beta=beta, loss_type="bnpo")
+        # the core's KL_i in the reward under kl_reduction 'loss_type' or 'sequence_sum', the two `configs_from`
+        # lets through. The core object is told the KL is in the reward, and its rules for that placement apply
+        # (each step reads the batch scored since the last one; length_normalized is refused).
+        try:
+            config = dataclasses.replace(config, kl_placement="reward")
+        except ValueError as error:  # the core's rule, named in verl's block
+            raise ValueError(f"adaptive_kl.reward.{error} In verl the reward's KL is always the sum over each "
+                             "completion's tokens: leave length_normalized out of adaptive_kl.reward.") from None
+        self.akl = AdaptiveKL(config, beta=beta, loss_type="bnpo")
         self._mean_reward: Optional[float] = None
         self.updates = 0
 
@@ -557,18 +553,14 @@ class AdaptiveKLTrainerMixin:
             patches.replace(trainer_base, "reduce_metrics", reduce_keeping_stats)
             batch = super()._update_actor(batch, metrics)
         batch.extra_info.pop(BETA_KEY, None)
-        # The raw and adapted KL as verl aggregated them (over micro-batches, workers and mini-batches), the worker's
-        # beta (the core logs the one it pushed)
-        worker = {key[len("actor/" + METRIC):]: metrics.pop(key)
-                  for key in [key for key in metrics if key.startswith("actor/" + METRIC)]}
-        raise_if_nonfinite(stats, step=self.loss_kl.completed_steps + 1)
-        term = KLTerm(raw=torch.tensor(worker["raw_kl"]), adapted=torch.tensor(worker["adapted_kl"]),
-                      sequence_kl=torch.tensor(stats["sequence_kl"]), lengths=torch.tensor(stats["lengths"]),
-                      at_threshold=torch.tensor(sum(stats["at_threshold"])))
+        step = self.loss_kl.completed_steps + 1
+        raise_if_nonfinite(stats["nonfinite"], step)
+        # The update's sums: every micro-batch's row, over every worker, mini-batch and PPO epoch.
+        rows = torch.tensor(stats["sums"], dtype=torch.float64).view(-1, len(NAMES)).tolist()
         if self._mean_reward is not None:
             self.loss_kl.observe_rewards(self._mean_reward)
-        (logged,) = self.loss_kl.record(term, gather=local, train=True, end_of_step=True,
-                                        completed_steps=self.loss_kl.completed_steps + 1)
+        (logged,) = self.loss_kl.record_sums([sum((KLStatistics(*row) for row in rows), KLStatistics())], train=True,
+                                             completed_steps=step)
         metrics.update(logged)
         return batch
 
