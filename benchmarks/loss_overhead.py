@@ -377,8 +377,9 @@ def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str], size: t
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         sized = ["--completions", str(size[0]), "--completion-length", str(size[1]), "--stock-repeats", str(repeats[0]),
                  "--core-repeats", str(repeats[1]), "--e2e-repeats", str(repeats[2])]
-        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, *sized, "--trainer", trainer, "--json",
-                        output], check=True, env=env, cwd=folder)
+        no_site = ["-S"] if sys.flags.no_site else []  # an emulated image's python (.ci/gpu/dry-run) stays so
+        subprocess.run([sys.executable, *no_site, os.path.abspath(__file__), *argv, *sized, "--trainer", trainer,
+                        "--json", output], check=True, env=env, cwd=folder)
         with open(output) as f:
             return json.load(f)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,40 @@ def test_loss_overhead_benchmark_smoke(tmp_path) -> None:
     assert all(row["ops_added"] > 0 for row in rows)
     core = {row["method"]: row for row in report["core_op"]}
     assert core["stock k3"]["ops"] == 0 and all(core[m]["ops"] > 0 for m in core if m != "stock k3")
+
+
+def test_unsloth_cost_benchmark_smoke(tmp_path) -> None:
+    """benchmarks/unsloth_cost.py at its small size on this CPU (Unsloth's generated trainer on a float32 Qwen2 of
+    hidden 64), one round each: every method and the A/A pair against stock on the captured batch, the whole step of
+    stock, one method and the KL in the reward (whose penalty is logged there only), and the summary line."""
+    if importlib.util.find_spec("unsloth") is None:
+        import pytest
+
+        if os.environ.get("ADAPTIVE_KL_REQUIRE_UNSLOTH"):
+            pytest.fail("unsloth is not installed, and ADAPTIVE_KL_REQUIRE_UNSLOTH is set")
+        pytest.skip("unsloth not installed (CI row a installs it)")
+    script = Path(__file__).parents[1] / "benchmarks" / "unsloth_cost.py"
+    report_path = tmp_path / "cost.json"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(script), "--size", "small", "--rounds", "1", "--warmup", "0",
+                             "--whole-rounds", "1", "--json", str(report_path)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert list(report["step"]) == ["stock", "stock (A/A)", "none", "clip", "sigmoid", "length_normalized", "dynamic",
+                                    "target", "clip+length_normalized+dynamic", "sigmoid+length_normalized"]
+    assert report["step"]["stock"]["ratio"] == 1.0 and all(row["n"] == 1 for row in report["step"].values())
+    assert report["device"]["kind"] == "cpu" and report["max_memory_ratio"] is None  # peak memory: CUDA only
+    whole = report["whole_step"]
+    assert list(whole) == ["stock", "sigmoid+length_normalized", "kl_in_reward"]
+    assert whole["stock"]["reward_penalty"] is None and whole["sigmoid+length_normalized"]["reward_penalty"] is None
+    assert whole["kl_in_reward"]["reward_penalty"] > 0
+    methods = [row["ratio"] for name, row in report["step"].items() if not name.startswith("stock")]
+    # the profile of stock's step and of the method with the largest ratio
+    profile = report["profile"]
+    assert report["step"][profile["method"]]["ratio"] == max(methods)
+    assert len(profile["stock"]) == len(profile["heaviest"]) == 12 and profile["stock"][0]["self_us"] > 0
+    assert math.isclose(report["loss_share"], report["step"]["stock"]["median_s"] / whole["stock"]["median_s"])
+    assert result.stdout.strip().splitlines()[-1] == (
+        f"max_step_ratio={max(methods):.3f} max_memory_ratio=n/a aa=[{report['aa_ci'][0]:.3f},"
+        f"{report['aa_ci'][1]:.3f}] loss_share={report['loss_share']:.3f}")

@@ -336,3 +336,41 @@ def kl_lab_recipes() -> dict:
     from unsloth_adaptive_kl.tools.trainer_lab import RECIPES
 
     return RECIPES
+
+
+def test_the_gpu_page_names_its_device_and_marks_a_cpu_run_as_not_a_gpu_result(monkeypatch) -> None:
+    """docs/gpu.md's blocks read docs/results/gpu/: a CUDA run is shown with its card; a CPU run (the dry run) is
+    marked as not a GPU result; a file not there says so instead of failing the build."""
+    hook = docs_generator()
+    cuda = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "cuda": "13.0", "driver": "580.1",
+            "precision": "bf16"}
+    cpu = {"kind": "cpu", "name": "x86_64", "cores": 2}
+    check = {"command": "python -m unsloth_adaptive_kl --gpu", "date": "2026-11-27", "versions": {"torch": "2.11.0",
+             "vllm": None}, "dry_run": False, "seconds": 300.0, "model": [{"name": "m", "ok": True, "detail": ""}],
+             "scenarios": {"unsloth-4bit": {"ran": True, "seconds": 61.0, "checks": [
+                 {"name": "a", "ok": True, "detail": "x"}, {"name": "b", "ok": False, "detail": "boom"}]},
+                 "vllm-kl-in-reward": {"ran": False, "why": "not asked for (--only)"}}}
+    files = {"check.json": {**check, "device": cuda}}
+    monkeypatch.setattr(hook, "_gpu", lambda name: files.get(name))
+    text = hook.gpu_check()
+    assert text.startswith("The run of 2026-11-27 on NVIDIA H100 80GB HBM3 (compute capability 9.0, CUDA 13.0, "
+                           "driver 580.1, bf16)") and "Versions: torch 2.11.0." in text  # vllm: None
+    assert "| `unsloth-4bit` | 61 | ok: a: x<br>**FAIL**: b: boom |" in text
+    assert "| `vllm-kl-in-reward` |  | not run: not asked for (--only) |" in text
+    files["check.json"] = {**check, "device": cpu, "dry_run": True}
+    assert hook.gpu_check().startswith("The dry run (each scenario's CPU equivalent) of 2026-11-27 on a CPU (x86_64, "
+                                       "2 cores; **not a GPU result**)")
+    assert hook.gpu_cost() == "No run of benchmarks/unsloth_cost.py is recorded in docs/results/gpu/cost.json."
+    row = {"median_s": 0.25, "ratio": 1.004, "ci": [0.99, 1.02], "peak_bytes": 3 * 2 ** 30, "memory_ratio": 1.0}
+    files["cost.json"] = {"command": "c", "date": "2026-11-27", "size": "0.5b", "device": cuda, "versions": {},
+                          "settings": {"model": {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936},
+                                       "lora_rank": 16, "prompts": 8, "completions": 8, "length": 256},
+                          "rounds": 12, "warmup": 2, "whole_rounds": 0, "step": {"stock": row, "clip": row},
+                          "whole_step": {}, "loss_share": None,
+                          "profile": {"method": "clip", "stock": [{"name": "aten::mm", "self_us": 1200.4, "calls": 8}],
+                                      "heaviest": [{"name": "aten::mm", "self_us": 1210.0, "calls": 8},
+                                                   {"name": "aten::where", "self_us": 15.2, "calls": 3}]}}
+    cost = hook.gpu_cost()
+    assert "hidden 896, 24 layers, vocabulary 151,936, LoRA r16; 8 prompts × 8 completions of 256 tokens" in cost
+    assert "| `clip` | 250.0 | 1.004 | [0.990, 1.020] | 3,072 | 1.000 |" in cost and "Whole GRPO step" not in cost
+    assert "| `aten::mm` | 1,200 | 1,210 |\n| `aten::where` |  | 15 |" in cost and "(GPU time, µs)" in cost

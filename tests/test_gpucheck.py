@@ -173,8 +173,9 @@ def test_run_all_reports_every_scenario_and_the_log_of_a_failed_one(tmp_path, ca
             return [Check("b: thing", False, "boom")], "line 1\nTraceback: boom"
         return [Check(f"{name}: thing", True, "fine")], "unused log"
 
-    checks = gpucheck.run_all(["a", "b"], str(tmp_path), run=run)
-    assert [check.name for check in checks][3:] == ["a: thing", "b: thing"] and all(c.ok for c in checks[:3])
+    model_checks, ran = gpucheck.run_all(["a", "b"], str(tmp_path), run=run)
+    assert len(model_checks) == 3 and all(c.ok for c in model_checks)
+    assert list(ran) == ["a", "b"] and [c.name for o in ran.values() for c in o.checks] == ["a: thing", "b: thing"]
     assert calls == [("a", True, str(tmp_path / "a"), gpucheck.SCENARIO_TIMEOUT_S),
                      ("b", True, str(tmp_path / "b"), gpucheck.SCENARIO_TIMEOUT_S)]
     out = capsys.readouterr().out
@@ -186,14 +187,15 @@ def test_run_all_runs_nothing_without_a_model_or_past_the_budget(tmp_path, monke
     def run(*args):
         raise AssertionError("no scenario may run")
 
-    spent = gpucheck.run_all(["a"], str(tmp_path / "one"), run=run, budget_s=20)
-    assert spent[-1].line() == "[FAIL] a: not run: the 20-second budget is spent"
+    _, spent = gpucheck.run_all(["a"], str(tmp_path / "one"), run=run, budget_s=20)
+    assert [c.line() for c in spent["a"].checks] == ["[FAIL] a: not run: the 20-second budget is spent"]
 
     def broken(model_dir):
         raise OSError("disk full")
 
     monkeypatch.setattr(gpucheck, "build_tiny_llama", broken)
-    checks = gpucheck.run_all(["a", "b"], str(tmp_path / "two"), run=run)
+    model_checks, ran = gpucheck.run_all(["a", "b"], str(tmp_path / "two"), run=run)
+    checks = model_checks + [check for outcome in ran.values() for check in outcome.checks]
     assert [check.line() for check in checks] == ["[FAIL] tiny Llama built and saved: OSError: disk full",
                                                    "[FAIL] a: not run: the tiny model could not be built",
                                                    "[FAIL] b: not run: the tiny model could not be built"]
@@ -210,7 +212,7 @@ def test_a_scenario_process_writes_its_checks_and_an_exception_as_a_fail_line(mo
 
 def fake_scenario(monkeypatch, script: str) -> None:
     """Runs `script` (python -c) as the scenario process, with RESULT its result path."""
-    monkeypatch.setattr(gpucheck, "scenario_command", lambda name, model_dir, work_dir, result: [
+    monkeypatch.setattr(gpucheck, "scenario_command", lambda name, model_dir, work_dir, result, dry_run=False: [
         sys.executable, "-c", f"RESULT = {result!r}\n" + script])
 
 
@@ -255,3 +257,66 @@ def test_only_selects_scenarios_by_name() -> None:
     assert gpucheck.parse_only("demo-model, trl-autocast") == ["demo-model", "trl-autocast"]
     with pytest.raises(SystemExit, match="unknown scenario nope; allowed: trl-autocast"):
         gpucheck.parse_only("nope")
+
+
+def test_run_all_runs_jobs_scenarios_at_once_and_reports_them_in_the_order_asked(tmp_path) -> None:
+    """With jobs=2 the two scenarios run at the same time (each waits at a barrier that needs both: one at a time,
+    the first would time out), and the outcomes come back in the order of the names."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=60)
+
+    def run(name, model_dir, work_dir, timeout):
+        barrier.wait()
+        return [Check(f"{name}: thing", True)], ""
+
+    _, ran = gpucheck.run_all(["b", "a"], str(tmp_path), run=run, jobs=2)
+    assert list(ran) == ["b", "a"] and all(o.checks[0].ok for o in ran.values())
+
+
+def test_the_results_json_names_the_device_and_every_scenario_run_or_not() -> None:
+    found = gpucheck.environment()
+    assert found["device"]["kind"] == "cpu" and found["device"]["cores"] == os.cpu_count()
+    assert torch.__version__.startswith(found["versions"]["torch"]) and found["versions"]["vllm"] is None
+    ran = {"trl-autocast": gpucheck.Ran([Check("x", True, "fine")], 12.5)}
+    data = gpucheck.results(found, [Check("model", True)], ran, dry_run=True, seconds=20.0, command="cmd")
+    assert data["dry_run"] is True and data["command"] == "cmd" and data["device"]["kind"] == "cpu"
+    assert list(data["scenarios"]) == list(gpucheck.SCENARIOS)
+    assert data["scenarios"]["trl-autocast"] == {"ran": True, "seconds": 12.5, "checks": [
+        {"name": "x", "ok": True, "detail": "fine", "untested": False}]}
+    assert all(data["scenarios"][name] == {"ran": False, "why": "not asked for (--only)"}
+               for name in gpucheck.SCENARIOS if name != "trl-autocast")
+    json.dumps(data)  # as written
+
+
+def test_the_dry_run_has_a_cpu_equivalent_for_every_scenario_but_vllms(model_dir, tmp_path, capsys) -> None:
+    assert set(gpucheck.DRY_RUN) == set(gpucheck.SCENARIOS) - {"vllm-kl-in-reward"}
+    result = tmp_path / "result.json"
+    assert gpucheck.scenario_process(["vllm-kl-in-reward", model_dir, str(tmp_path), str(result), "--dry-run"]) == 0
+    assert capsys.readouterr().out == "[FAIL] vllm-kl-in-reward: no CPU equivalent: not part of the dry run\n"
+    command = gpucheck.scenario_command("a", "m", "w", "r", dry_run=True)
+    assert command[-5:] == ["a", "m", "w", "r", "--dry-run"] and ("-S" in command) == bool(sys.flags.no_site)
+
+
+def test_the_dry_run_of_a_scenario_runs_without_cuda_and_writes_the_results(tmp_path) -> None:
+    """`--gpu --dry-run --only trl-fp16-scaler --json PATH` on this CPU: exit 0, the scenario's CPU equivalent in its
+    own process (2 steps in float32), and the JSON marked as a dry run on a CPU."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    path = tmp_path / "check.json"
+    result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "--gpu", "--dry-run", "--only",
+                             "trl-fp16-scaler", "--json", str(path)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(path.read_text())
+    assert (data["dry_run"], data["device"]["kind"]) == (True, "cpu")
+    (check,) = data["scenarios"]["trl-fp16-scaler"]["checks"]
+    assert check["ok"] and check["name"] == "TRL, fp32 (no GradScaler) on cpu", check
+    assert "2 of 2 optimizer steps applied" in check["detail"]
+    assert [name for name, s in data["scenarios"].items() if s["ran"]] == ["trl-fp16-scaler"]
+
+
+def test_the_gpu_flags_need_gpu(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "--json", "x.json", "--jobs", "2"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "--jobs, --json: only with --gpu" in result.stderr, result.stderr[-2000:]

@@ -423,3 +423,5 @@ def test_the_exact_settings_reach_the_optimum_through_unsloths_trainer(tmp_path)
         assert row["train"]["kl_opt"] < TOLERANCE, row
         assert abs(row["train"]["effective_beta"] - 0.5) < 0.025, row
         assert row["pad_probability"] < 1e-12  # 1 - the letters' probabilities in float64: rounding alone
+        # the scorer Unsloth's loss called, counted in the run (the GPU check's guard names it on CUDA)
+        assert row["logprob_path"].startswith("fused linear log-probs on the hidden states ("), row

@@ -12,13 +12,24 @@ parser.add_argument("--gpu", action="store_true",
                     "vLLM, reference sync with an 8-bit optimizer and the demo's --model path; needs a CUDA GPU "
                     "(exit 2 without one)")
 parser.add_argument("--only", default=None, help="with --gpu: comma-separated scenario names to run (default: all)")
+parser.add_argument("--jobs", type=int, default=None, help="with --gpu: scenarios run at once (default 1)")
+parser.add_argument("--json", default=None, metavar="PATH", help="with --gpu: write the results to PATH")
+parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                    help="with --gpu: a scenario whose turn comes later is not run (default 1500)")
+parser.add_argument("--dry-run", action="store_true",
+                    help="with --gpu: each scenario's CPU equivalent, on any machine (what a GPU run would import "
+                    "and call, checked before GPU time is spent)")
 args = parser.parse_args()
+gpu_only = {"--only": args.only, "--jobs": args.jobs, "--json": args.json, "--budget": args.budget,
+            "--dry-run": args.dry_run or None}
 if args.gpu:
-    from .tools.gpucheck import main as gpu_check
+    from .tools.gpucheck import BUDGET_S, main as gpu_check
 
-    sys.exit(gpu_check(args.only))
-if args.only is not None:
-    parser.error("--only needs --gpu")
+    sys.exit(gpu_check(args.only, args.jobs or 1, args.json, args.dry_run,
+                       BUDGET_S if args.budget is None else args.budget))
+given = [flag for flag, value in gpu_only.items() if value is not None]
+if given:
+    parser.error(f"{', '.join(given)}: only with --gpu")
 from .tools.selfcheck import main  # noqa: E402
 
 sys.exit(main())

@@ -419,6 +419,101 @@ def kl_lab_pad_is_eos(_: Optional[str] = None) -> str:
         ("unsloth_pad_is_eos", "unsloth"), ("trl", "trl"), ("unsloth", "unsloth"))))
 
 
+# ----- tested on a GPU: docs/results/gpu/ (.ci/gpu/run writes it; .ci/gpu/dry-run on a CPU) ------------------------
+
+def _gpu(name: str) -> Optional[dict]:
+    path = ROOT / "docs" / "results" / "gpu" / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _device(data: dict) -> str:
+    device = data["device"]
+    if device["kind"] == "cuda":
+        return (f"{device['name']} (compute capability {device['capability']}, CUDA {device['cuda']}, driver "
+                f"{device['driver']}, {device['precision']})")
+    return f"a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**)"
+
+
+def _versions(data: dict) -> str:
+    return ", ".join(f"{name} {version}" for name, version in data["versions"].items() if version)
+
+
+def gpu_check(_: Optional[str] = None) -> str:
+    """docs/results/gpu/check.json: each scenario's lines, or that it did not run."""
+    data = _gpu("check.json")
+    if data is None:
+        return "No run of the GPU check is recorded in docs/results/gpu/check.json."
+    kind = "dry run (each scenario's CPU equivalent)" if data["dry_run"] else "run"
+    rows = [["the tiny Llama", "", "<br>".join(_check_line(c) for c in data["model"])]]
+    for name, scenario in data["scenarios"].items():
+        if not scenario["ran"]:
+            rows.append([f"`{name}`", "", f"not run: {scenario['why']}"])
+        else:
+            rows.append([f"`{name}`", f"{scenario['seconds']:.0f}",
+                         "<br>".join(_check_line(c) for c in scenario["checks"])])
+    return (f"The {kind} of {data['date']} on {_device(data)}: `{data['command']}`, {data['seconds']:.0f} s in all. "
+            f"Versions: {_versions(data)}.\n\n" + _table(["scenario", "seconds", "checks"], rows))
+
+
+def _check_line(check: dict) -> str:
+    return f"{'ok' if check['ok'] else '**FAIL**'}: {check['name']}" + (f": {check['detail']}" if check["detail"] else "")
+
+
+def gpu_cost(_: Optional[str] = None) -> str:
+    """docs/results/gpu/cost.json (benchmarks/unsloth_cost.py): each variant against stock Unsloth."""
+    data = _gpu("cost.json")
+    if data is None:
+        return "No run of benchmarks/unsloth_cost.py is recorded in docs/results/gpu/cost.json."
+    size = data["settings"]
+    model = size["model"]
+
+    def rows(part: dict) -> list[list[str]]:
+        return [[f"`{name}`", f"{row['median_s'] * 1e3:.1f}", f"{row['ratio']:.3f}",
+                 "the reference" if name == "stock" else f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
+                 "" if not row["memory_ratio"] else f"{row['peak_bytes'] / 2 ** 20:,.0f}",
+                 "" if not row["memory_ratio"] else f"{row['memory_ratio']:.3f}"] for name, row in part.items()]
+
+    header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock"]
+    share = "" if data["loss_share"] is None else (
+        f" The captured-batch step is {data['loss_share']:.0%} of stock's whole step.")
+    text = (f"The `--size {data['size']}` run of {data['date']} on {_device(data)}: `{data['command']}`. Model: "
+            f"hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, vocabulary {model['vocab_size']:,}, "
+            f"LoRA r{size['lora_rank']}; {size['prompts']} prompts × {size['completions']} completions of "
+            f"{size['length']} tokens. Versions: {_versions(data)}.\n\n"
+            f"Captured batch (`compute_loss` forward and backward, then the optimizer's step; {data['rounds']} "
+            f"rounds after {data['warmup']} warm-up rounds):\n\n" + _table(header, rows(data["step"])))
+    profile = data["profile"]
+    times = {name: {op["name"]: op["self_us"] for op in profile[part]}
+             for name, part in (("stock", "stock"), (profile["method"], "heaviest"))}
+    names = list(dict.fromkeys([*times["stock"], *times[profile["method"]]]))
+    clock = "GPU" if data["device"]["kind"] == "cuda" else "CPU"
+    text += (f"\n\nWhere a step's time goes: torch.profiler's self time per step ({clock} time, µs) of the operations that take the most in stock's step or in that of "
+             f"`{profile['method']}` (the largest ratio above); a blank cell is an operation outside that step's "
+             f"top {len(profile['stock'])}:\n\n"
+             + _table(["operation", "stock", f"`{profile['method']}`"],
+                      [[f"`{name}`", *(f"{times[k][name]:,.0f}" if name in times[k] else "" for k in times)]
+                       for name in names]))
+    if data["whole_step"]:
+        text += (f"\n\nWhole GRPO step, generation included ({data['whole_rounds']} rounds):\n\n"
+                 + _table(header, rows(data["whole_step"])) + "\n\n" + share.strip())
+    return text
+
+
+def gpu_loss(_: Optional[str] = None) -> str:
+    """docs/results/gpu/loss_overhead.json (benchmarks/loss_overhead.py, run by .ci/gpu/run cost): the headlines."""
+    data = _gpu("loss_overhead.json")
+    if data is None:
+        return "No run of benchmarks/loss_overhead.py is recorded in docs/results/gpu/loss_overhead.json."
+    rows = []
+    for label, part in (("default", data), ("large", data["large"])):
+        headline = part["headline"]
+        rows.append([label, _size_label(part), f"{headline['ratio']:.3f}",
+                     f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]", f"[{headline['aa'][0]:.3f}, "
+                     f"{headline['aa'][1]:.3f}]", headline["ops_added"]])
+    return _table(["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"],
+                  rows)
+
+
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "kl_lab_trainer": kl_lab_trainer,
     "kl_lab_findings": kl_lab_findings,
@@ -446,6 +541,9 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "ref_sync_cost": ref_sync_cost,
     "verl_loss": verl_loss,
     "demo_results": demo_results,
+    "gpu_check": gpu_check,
+    "gpu_cost": gpu_cost,
+    "gpu_loss": gpu_loss,
 }
 
 

@@ -60,25 +60,29 @@ def precision_settings(device: str, precision: str) -> dict[str, Any]:
     return {"use_cpu": device == "cpu", "bf16": precision == "bf16", "fp16": precision == "fp16"}
 
 
-def load_policy(model_dir: str, backend: str, precision: str = "fp32", **unsloth_kwargs: Any) -> tuple[Any, Any]:
-    """(LoRA policy, tokenizer) from the saved model. 'trl': transformers in float32 (autocast does the rest) with
-    PEFT's LoRA; 'unsloth': `FastLanguageModel` in 4-bit, computing in `precision` (bf16 or fp16), with Unsloth's
-    LoRA; `unsloth_kwargs` go to `from_pretrained` (e.g. fast_inference=True)."""
+def load_policy(model_dir: str, backend: str, precision: str = "fp32", device: str = "cuda", rank: int = LORA_RANK,
+                **unsloth_kwargs: Any) -> tuple[Any, Any]:
+    """(LoRA policy of rank `rank`, tokenizer) from the saved model. 'trl': transformers in float32 (autocast does the
+    rest) with PEFT's LoRA; 'unsloth': `FastLanguageModel` in 4-bit, computing in `precision` (bf16 or fp16), with
+    Unsloth's LoRA (`unsloth_kwargs` go to `from_pretrained`, e.g. fast_inference=True); 'unsloth' on a CPU (the dry
+    run): `FastLanguageModel` imported but, as it loads on CUDA only, the 'trl' model made acceptable to Unsloth's
+    trainer (`tiny.as_unsloth_model`)."""
     if backend == "unsloth":
         from unsloth import FastLanguageModel
 
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-        model, tokenizer = FastLanguageModel.from_pretrained(model_dir, max_seq_length=MAX_SEQ_LENGTH, dtype=dtype,
-                                                             load_in_4bit=True, **unsloth_kwargs)
-        model = FastLanguageModel.get_peft_model(model, r=LORA_RANK, lora_alpha=2 * LORA_RANK,
-                                                 target_modules=LORA_TARGETS, random_state=0)
-        return model, tokenizer
+        if device == "cuda":
+            dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+            model, tokenizer = FastLanguageModel.from_pretrained(model_dir, max_seq_length=MAX_SEQ_LENGTH,
+                                                                 dtype=dtype, load_in_4bit=True, **unsloth_kwargs)
+            model = FastLanguageModel.get_peft_model(model, r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS,
+                                                     random_state=0)
+            return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .tiny import add_lora
+    from .tiny import add_lora, as_unsloth_model
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return add_lora(model, rank=LORA_RANK), AutoTokenizer.from_pretrained(model_dir)
+    model = add_lora(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), rank=rank)
+    return (as_unsloth_model(model) if backend == "unsloth" else model), AutoTokenizer.from_pretrained(model_dir)
 
 
 def chat_trainer(model_dir: str, work_dir: str, backend: str, device: str, precision: str,
@@ -87,7 +91,10 @@ def chat_trainer(model_dir: str, work_dir: str, backend: str, device: str, preci
     GRPOConfig fields. `policy`: a (model, tokenizer) already loaded."""
     from .selfcheck import tiny_trainer
 
-    model, tokenizer = policy or load_policy(model_dir, backend, precision)
+    model, tokenizer = policy or load_policy(model_dir, backend, precision, device)
+    # TRL's default, which Unsloth's generated config turns on for loss_type='dapo': the tiny Llama seldom samples
+    # EOS, so with it every completion of a batch can be truncated, masked out, and the loss's gradient all zero.
+    overrides.setdefault("mask_truncated_completions", False)
     return tiny_trainer(work_dir, model=model, tokenizer=tokenizer, prompts=CHAT_PROMPTS,
                         **precision_settings(device, precision), **overrides)
 
@@ -201,7 +208,7 @@ def fp16_grad_scaler(model_dir: str, work_dir: str, backend: str = "trl", device
     with no scaler): the scaler is there exactly when fp16 is on, its scale stays finite and positive, at least one
     step is applied (a scaler that skips every step trains nothing), the weights and metrics stay finite."""
     need = ("unsloth", "bitsandbytes") if backend == "unsloth" else ()
-    name = f"{'Unsloth 4-bit' if backend == 'unsloth' else 'TRL'}, {precision}" + (
+    name = f"{'TRL' if backend != 'unsloth' else 'Unsloth 4-bit' if device == 'cuda' else 'Unsloth'}, {precision}" + (
         " + GradScaler" if precision == "fp16" else " (no GradScaler)") + f" on {device}"
     missing = missing_packages(name, *need)
     if missing:
@@ -310,26 +317,32 @@ def no_recompile_check(name: str, trainer: Any, inputs: dict, compute: str = "co
                   + f": {change['frames']} frames compiled, {change['graphs']} new graphs")]
 
 
-def unsloth_4bit(model_dir: str, work_dir: str) -> list[Check]:
-    """Unsloth's FastLanguageModel in 4-bit with LoRA through its generated trainer (GPU only): the compiled loss on
-    the first step, `none` (and a clip no KL reaches) against stock Unsloth on the captured batch, each method of
-    `UNSLOTH_METHODS` on it, and no recompile while beta moves."""
-    name = "Unsloth 4-bit + LoRA"
+def unsloth_4bit(model_dir: str, work_dir: str, device: str = "cuda") -> list[Check]:
+    """Unsloth's FastLanguageModel in 4-bit with LoRA through its generated trainer: the compiled loss on the first
+    step (and which log-prob scorer it ran), `none` (and a clip no KL reaches) against stock Unsloth on the captured
+    batch, each method of `UNSLOTH_METHODS` on it, and no recompile while beta moves. On a CPU (the dry run) the same
+    code on the float32 model that `load_policy` gives there."""
+    name = "Unsloth 4-bit + LoRA" if device == "cuda" else "Unsloth + LoRA (float32, dry run on the CPU)"
     failure = missing_packages(name, "unsloth", "bitsandbytes", "triton") or import_unsloth(name)
     if failure:
         return failure
+    from .logprob_paths import counted_logprob_calls, describe
     from .selfcheck import captured_inputs, compare_with_stock, shifted_reference, stock_unsloth
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the summation bounds of the comparison are float32's
-    precision = native_precision()
-    trainer = chat_trainer(model_dir, work_dir, "unsloth", "cuda", precision, optim="adamw_torch", warmup_steps=0)
+    precision = native_precision() if device == "cuda" else "fp32"
+    trainer = chat_trainer(model_dir, work_dir, "unsloth", device, precision, optim="adamw_torch", warmup_steps=0)
     before = compile_counters()
-    inputs = captured_inputs(trainer, "compute_loss")  # one training step: the first compile of the loss
+    with counted_logprob_calls() as scorers:
+        inputs = captured_inputs(trainer, "compute_loss")  # one training step: the first compile of the loss
     compiled = counter_change(before, compile_counters())
-    checks = [Check(f"{name}: Unsloth's compiled loss runs (Triton)",
-                    compiled["graphs"] > 0 and compiled["kernels"] > 0,
-                    f"first step compiled {compiled['graphs']} graphs, {compiled['kernels']} Triton kernels "
-                    f"({precision})")]
+    # On a CPU, Unsloth's compile is off (UNSLOTH_COMPILE_DISABLE, set with UNSLOTH_ALLOW_CPU by
+    # selfcheck.generate_unsloth_trainer): the line reports what ran and checks nothing.
+    checks = [Check(f"{name}: Unsloth's compiled loss runs (Triton)" if device == "cuda"
+                    else f"{name}: Unsloth's loss runs (its compile is off on a CPU)",
+                    device != "cuda" or (compiled["graphs"] > 0 and compiled["kernels"] > 0),
+                    f"first step compiled {compiled['graphs']} graphs, {compiled['kernels']} kernels ({precision}); "
+                    f"log-probs: {describe(scorers)}")]
     checks += guarded(f"{name}: none == stock", lambda: compare_with_stock(
         f"{name} ({precision})", trainer, "compute_loss", lambda: stock_unsloth(trainer), inputs=inputs))
     shifted = shifted_reference(inputs)
@@ -339,9 +352,46 @@ def unsloth_4bit(model_dir: str, work_dir: str) -> list[Check]:
     return checks
 
 
-def unsloth_fp16_grad_scaler(model_dir: str, work_dir: str) -> list[Check]:
-    """`fp16_grad_scaler` on Unsloth's 4-bit model loaded in fp16 (GPU only)."""
-    return fp16_grad_scaler(model_dir, work_dir, backend="unsloth")
+def unsloth_fp16_grad_scaler(model_dir: str, work_dir: str, device: str = "cuda", steps: int = 4) -> list[Check]:
+    """`fp16_grad_scaler` on Unsloth's 4-bit model loaded in fp16 (on a CPU, the dry run: float32, no scaler)."""
+    return fp16_grad_scaler(model_dir, work_dir, backend="unsloth", device=device,
+                            precision="fp16" if device == "cuda" else "fp32", steps=steps)
+
+
+def unsloth_guard(model_dir: str, work_dir: str, steps: Optional[int] = None) -> list[Check]:
+    """The KL lab's end-to-end guard through Unsloth's generated trainer on this machine's device (its compiled loss
+    and, on CUDA, its fused log-prob scorer): k1 in the reward and k1_future in the loss, dr_grpo, `trainer_lab.STEPS`
+    steps of 64 completions, one seed, each run in its own worker process on the lab's model (not the saved tiny
+    Llama). Each must end within `GUARD_TOLERANCE` of pi*_beta with an effective beta within `GUARD_BETA_TOLERANCE`
+    of 0.5, the pad token's probability under 1e-12; each line names the log-prob scorers its run took. With fewer
+    `steps` (the dry run) the figures are printed and only their finiteness is checked."""
+    from . import trainer_lab
+
+    name = "KL lab guard through Unsloth"
+    failure = missing_packages(name, "unsloth")
+    if failure:
+        return failure
+    steps = steps or trainer_lab.STEPS
+    settings = [s for s in trainer_lab.trainer_settings() if s.label in ("k1 in the reward", "k1_future in the loss")]
+    table = trainer_lab.run_trainer_table("unsloth", settings, ["dr_grpo"], beta=0.5, steps=steps, seeds=[0],
+                                          processes=len(settings))
+    checks = []
+    for row in table["rows"]:
+        if "refused" in row:
+            checks.append(Check(f"{name}: {row['setting']}", False, f"refused: {row['refused']}"))
+            continue
+        kl_opt, beta = row["train"]["kl_opt"], row["train"]["effective_beta"]
+        finite = is_finite(kl_opt) and (beta is None or is_finite(beta))
+        within = (kl_opt < trainer_lab.GUARD_TOLERANCE and beta is not None
+                  and abs(beta - 0.5) <= trainer_lab.GUARD_BETA_TOLERANCE * 0.5 and row["pad_probability"] < 1e-12)
+        bound = (f"bound {trainer_lab.GUARD_TOLERANCE}, beta within {trainer_lab.GUARD_BETA_TOLERANCE:.0%}"
+                 if steps == trainer_lab.STEPS else f"{steps} of {trainer_lab.STEPS} steps: bound not checked")
+        checks.append(Check(f"{name}: {row['setting']} (dr_grpo, {steps} steps)",
+                            finite and (within or steps != trainer_lab.STEPS),
+                            f"KL(pi||pi*) {kl_opt:.4g}, effective beta {beta if beta is None else f'{beta:.4g}'}, "
+                            f"pad probability {row['pad_probability']:.2g} ({bound}); log-probs: "
+                            f"{row.get('logprob_path', 'not recorded')}"))
+    return checks
 
 
 def vllm_kl_in_reward(model_dir: str, work_dir: str, steps: int = 2) -> list[Check]:
@@ -453,4 +503,5 @@ SCENARIOS: dict[str, Callable[[str, str], list[Check]]] = {
     "vllm-kl-in-reward": vllm_kl_in_reward,
     "ref-sync-8bit": ref_sync_8bit,
     "demo-model": demo_model,
+    "unsloth-guard": unsloth_guard,
 }

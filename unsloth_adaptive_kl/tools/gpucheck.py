@@ -27,13 +27,16 @@ folder, and those with a CPU equivalent take a device and a precision as well: t
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
+import platform
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -102,10 +105,28 @@ def build_tiny_llama(model_dir: str) -> list[Check]:
 
 # ----- running them --------------------------------------------------------------------------------------------
 
-def run_scenario(name: str, model_dir: str, work_dir: str) -> list[Check]:
-    """One scenario in this process; an exception becomes its FAIL line."""
+# Each scenario's arguments in the dry run (`--gpu --dry-run`, no GPU needed): its CPU equivalent, in float32 (bf16
+# autocast for trl-autocast), for 1 to 4 steps. FastLanguageModel loads on CUDA only, so the Unsloth scenarios import it
+# and then train a transformers model through Unsloth's generated trainer (`load_policy`), and the demo runs with
+# `--backend trl`; vLLM has no CPU equivalent.
+DRY_RUN: dict[str, dict[str, Any]] = {
+    "trl-autocast": {"device": "cpu", "precision": "bf16", "steps": 1},
+    "trl-fp16-scaler": {"device": "cpu", "precision": "fp32", "steps": 2},
+    "unsloth-4bit": {"device": "cpu"},
+    "unsloth-fp16-scaler": {"device": "cpu", "steps": 2},
+    "ref-sync-8bit": {"device": "cpu", "precision": "fp32", "steps": 3},  # a step after the reset refills the state
+    "demo-model": {"backend": "trl", "steps": 1},
+    "unsloth-guard": {"steps": 4},
+}
+
+
+def run_scenario(name: str, model_dir: str, work_dir: str, dry_run: bool = False) -> list[Check]:
+    """One scenario in this process (with its `DRY_RUN` arguments in a dry run); an exception becomes its FAIL
+    line."""
+    if dry_run and name not in DRY_RUN:
+        return [Check(name, False, "no CPU equivalent: not part of the dry run")]
     try:
-        return SCENARIOS[name](model_dir, work_dir)
+        return SCENARIOS[name](model_dir, work_dir, **(DRY_RUN[name] if dry_run else {}))
     except Exception as error:  # reported, and the exit code says so
         return [Check(name, False, f"{type(error).__name__}: {error}")]
 
@@ -121,17 +142,20 @@ def scenario_env(work_dir: str) -> dict[str, str]:
             "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor_cache"), "PYTHONPATH": path}
 
 
-def scenario_command(name: str, model_dir: str, work_dir: str, result_path: str) -> list[str]:
-    """The command line of one scenario's process (`scenario_process`)."""
-    return [sys.executable, "-m", "unsloth_adaptive_kl.tools.gpucheck", name, model_dir, work_dir, result_path]
+def scenario_command(name: str, model_dir: str, work_dir: str, result_path: str, dry_run: bool = False) -> list[str]:
+    """The command line of one scenario's process (`scenario_process`). `sys.flags.no_site` is kept: a python
+    started with -S (an emulated image) starts its scenarios so too."""
+    return [sys.executable, *(["-S"] if sys.flags.no_site else []), "-m", "unsloth_adaptive_kl.tools.gpucheck", name,
+            model_dir, work_dir, result_path, *(["--dry-run"] if dry_run else [])]
 
 
-def run_isolated(name: str, model_dir: str, work_dir: str, timeout: float) -> tuple[list[Check], str]:
+def run_isolated(name: str, model_dir: str, work_dir: str, timeout: float, dry_run: bool = False
+                 ) -> tuple[list[Check], str]:
     """A scenario in a fresh Python process (`scenario_command`): its checks, read back from the JSON it writes (a
     FAIL line if it crashed or ran out of time), and its log."""
     os.makedirs(work_dir, exist_ok=True)
     result_path, log_path = os.path.join(work_dir, "result.json"), os.path.join(work_dir, "log.txt")
-    command = scenario_command(name, model_dir, work_dir, result_path)
+    command = scenario_command(name, model_dir, work_dir, result_path, dry_run)
     with open(log_path, "w") as log:
         try:
             code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=scenario_env(work_dir),
@@ -147,21 +171,45 @@ def run_isolated(name: str, model_dir: str, work_dir: str, timeout: float) -> tu
     return [Check(name, False, f"{reason}: {last}")], text
 
 
-def environment_lines() -> list[str]:
-    """The card and the versions this run used."""
-    lines = []
+PACKAGES = ("unsloth_adaptive_kl", "torch", "transformers", "trl", "peft", "accelerate", "unsloth", "unsloth_zoo",
+            "vllm", "bitsandbytes", "triton")
+
+
+def driver_version() -> Optional[str]:
+    """The NVIDIA driver's version (`nvidia-smi`), or None where it cannot be read."""
+    try:
+        output = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return output.strip().splitlines()[0] if output.strip() else None
+
+
+def environment() -> dict[str, Any]:
+    """The device this process computes on and the versions it uses, for a results JSON: {"device": {...},
+    "versions": {package: version or None}}."""
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(0)
-        lines.append(f"card: {torch.cuda.get_device_name(0)} (compute capability {major}.{minor}), "
-                     f"precision {native_precision()}, CUDA {torch.version.cuda}")
-    found = []
-    for package in ("unsloth_adaptive_kl", "torch", "transformers", "trl", "peft", "unsloth", "unsloth_zoo", "vllm",
-                    "bitsandbytes", "triton"):
+        device = {"kind": "cuda", "name": torch.cuda.get_device_name(0), "capability": f"{major}.{minor}",
+                  "precision": native_precision(), "cuda": torch.version.cuda, "driver": driver_version()}
+    else:
+        device = {"kind": "cpu", "name": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    versions: dict[str, Optional[str]] = {}
+    for package in PACKAGES:
         try:
-            found.append(f"{package}=={importlib.metadata.version(package.replace('_', '-'))}")
+            versions[package] = importlib.metadata.version(package.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
-            found.append(f"{package} (not installed)")
-    return lines + ["versions: " + ", ".join(found)]
+            versions[package] = None
+    return {"device": device, "versions": versions}
+
+
+def environment_lines(found: dict[str, Any]) -> list[str]:
+    """`environment()` as the check prints it."""
+    device = found["device"]
+    lines = [f"card: {device['name']} (compute capability {device['capability']}), precision {device['precision']}, "
+             f"CUDA {device['cuda']}, driver {device['driver']}"] if device["kind"] == "cuda" else []
+    return lines + ["versions: " + ", ".join(f"{package}=={version}" if version else f"{package} (not installed)"
+                                              for package, version in found["versions"].items())]
 
 
 def parse_only(only: Optional[str]) -> list[str]:
@@ -175,58 +223,101 @@ def parse_only(only: Optional[str]) -> list[str]:
 Runner = Callable[[str, str, str, float], tuple[list[Check], str]]
 
 
-def run_all(names: list[str], root: str, run: Runner = run_isolated, budget_s: float = BUDGET_S) -> list[Check]:
+@dataclass
+class Ran:
+    """One scenario's outcome: its checks and its wall-clock seconds."""
+    checks: list[Check]
+    seconds: float
+
+
+def run_all(names: list[str], root: str, run: Runner = run_isolated, budget_s: float = BUDGET_S, jobs: int = 1
+            ) -> tuple[list[Check], dict[str, Ran]]:
     """Build the tiny Llama under `root`, then each scenario of `names` through `run` (`run_isolated`: a fresh
-    process each), printing each check as it comes and, for a failed scenario, the last lines of its log. A scenario
-    is not run (a FAIL line says why) without a model or with less than 30 s of `budget_s` left."""
+    process each), `jobs` at a time, printing each check as it comes and, for a failed scenario, the last lines of
+    its log. A scenario is not run (a FAIL line says why) without a model or with less than 30 s of `budget_s` left
+    when its turn comes. Returns the model's checks and each scenario's outcome, in the order of `names`."""
+    from concurrent.futures import ThreadPoolExecutor
+
     start = time.perf_counter()
-    checks: list[Check] = []
+    lock = threading.Lock()
 
-    def report(new: list[Check]) -> None:
-        for check in new:
-            checks.append(check)
-            print(check.line(), flush=True)
-
-    model_dir = os.path.join(root, "tiny-llama")
-    try:
-        report(build_tiny_llama(model_dir))
-    except Exception as error:  # reported, and every scenario says it could not run
-        report([Check("tiny Llama built and saved", False, f"{type(error).__name__}: {error}")])
-    built = all(check.ok for check in checks)
-    for name in names:
-        left = budget_s - (time.perf_counter() - start)
-        if not built:
-            report([Check(name, False, "not run: the tiny model could not be built")])
-        elif left < 30:
-            report([Check(name, False, f"not run: the {budget_s:.0f}-second budget is spent")])
-        else:
-            new, log = run(name, model_dir, os.path.join(root, name), min(SCENARIO_TIMEOUT_S, left))
-            report(new)
-            if not all(check.ok for check in new):
+    def report(new: list[Check], log: str = "", name: str = "") -> None:
+        with lock:
+            for check in new:
+                print(check.line(), flush=True)
+            if log and not all(check.ok for check in new):
                 tail = log.splitlines()[-30:]
                 print(f"    --- {name}: the last {len(tail)} lines of its log ---", *("    " + line for line in tail),
                       sep="\n", flush=True)
-    return checks
+
+    model_dir = os.path.join(root, "tiny-llama")
+    try:
+        model_checks = build_tiny_llama(model_dir)
+    except Exception as error:  # reported, and every scenario says it could not run
+        model_checks = [Check("tiny Llama built and saved", False, f"{type(error).__name__}: {error}")]
+    report(model_checks)
+    built = all(check.ok for check in model_checks)
+
+    def one(name: str) -> Ran:
+        began = time.perf_counter()
+        left = budget_s - (began - start)
+        if not built:
+            new, log = [Check(name, False, "not run: the tiny model could not be built")], ""
+        elif left < 30:
+            new, log = [Check(name, False, f"not run: the {budget_s:.0f}-second budget is spent")], ""
+        else:
+            new, log = run(name, model_dir, os.path.join(root, name), min(SCENARIO_TIMEOUT_S, left))
+        report(new, log, name)
+        return Ran(new, time.perf_counter() - began)
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        outcomes = list(pool.map(one, names))
+    return model_checks, dict(zip(names, outcomes))
 
 
-def main(only: Optional[str] = None) -> int:
-    """The GPU check: 2 without CUDA, else 0 if every check holds and 1 otherwise. `only`: comma-separated scenario
-    names (all by default)."""
+def results(found: dict[str, Any], model_checks: list[Check], ran: dict[str, Ran], dry_run: bool, seconds: float,
+            command: str) -> dict[str, Any]:
+    """The run as JSON (docs/results/gpu/check.json; the docs render it): the device and versions, the tiny model's
+    checks, and every scenario of `SCENARIOS`, run or not."""
+    return {"command": command, "date": time.strftime("%Y-%m-%d"), **found, "dry_run": dry_run, "seconds": seconds,
+            "model": [asdict(check) for check in model_checks],
+            "scenarios": {name: ({"ran": True, "seconds": ran[name].seconds,
+                                  "checks": [asdict(check) for check in ran[name].checks]}
+                                 if name in ran else {"ran": False, "why": "not asked for (--only)"})
+                          for name in SCENARIOS}}
+
+
+def main(only: Optional[str] = None, jobs: int = 1, json_path: Optional[str] = None, dry_run: bool = False,
+         budget_s: float = BUDGET_S) -> int:
+    """The GPU check: 2 without CUDA (unless `dry_run`), else 0 if every check holds and 1 otherwise. `only`:
+    comma-separated scenario names (all by default); `jobs`: scenarios run at once; `json_path`: where to write
+    `results`; `dry_run`: every scenario's CPU equivalent (`DRY_RUN`), on any machine."""
     import tempfile
 
     names = parse_only(only)
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not dry_run:
         print(f"python -m unsloth_adaptive_kl --gpu needs a CUDA GPU: torch.cuda.is_available() is False here "
               f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}). On a CPU, run "
-              f"`python -m unsloth_adaptive_kl` (the self-check).")
+              f"`python -m unsloth_adaptive_kl` (the self-check), or `--gpu --dry-run` (the GPU check's CPU "
+              f"equivalents).")
         return 2
     start = time.perf_counter()
-    print("unsloth_adaptive_kl GPU check", *environment_lines(), sep="\n", flush=True)
+    found = environment()
+    print("unsloth_adaptive_kl GPU check" + (" (dry run: each scenario's CPU equivalent)" if dry_run else ""),
+          *environment_lines(found), sep="\n", flush=True)
+    run = functools.partial(run_isolated, dry_run=dry_run)
     with tempfile.TemporaryDirectory(prefix="adaptive_kl_gpucheck_") as root:
-        checks = run_all(names, root)
+        model_checks, ran = run_all(names, root, run, budget_s, jobs)
+    checks = model_checks + [check for outcome in ran.values() for check in outcome.checks]
     failed = [check for check in checks if not check.ok]
-    print(f"GPU check {'passed' if not failed else 'FAILED'}: {len(checks) - len(failed)} of {len(checks)} checks "
-          f"hold ({time.perf_counter() - start:.0f} s)")
+    seconds = time.perf_counter() - start
+    print(f"GPU check{' dry run' if dry_run else ''} {'passed' if not failed else 'FAILED'}: "
+          f"{len(checks) - len(failed)} of {len(checks)} checks hold ({seconds:.0f} s)")
+    if json_path:
+        command = "python -m unsloth_adaptive_kl " + " ".join(sys.argv[1:])
+        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(results(found, model_checks, ran, dry_run, seconds, command), f, indent=1)
     return 1 if failed else 0
 
 
@@ -236,8 +327,9 @@ def scenario_process(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="one scenario of the GPU check (run by `--gpu`)")
     for argument in ("name", "model_dir", "work_dir", "result"):
         parser.add_argument(argument)
+    parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
-    checks = run_scenario(args.name, args.model_dir, args.work_dir)
+    checks = run_scenario(args.name, args.model_dir, args.work_dir, args.dry_run)
     for check in checks:
         print(check.line(), flush=True)
     with open(args.result, "w") as f:

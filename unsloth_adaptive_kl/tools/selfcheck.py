@@ -94,7 +94,7 @@ def tiny_trainer(output_dir: str, model: Any = None, tokenizer: Any = None, prom
     from datasets import Dataset
     from transformers import PrinterCallback, set_seed
 
-    from .tiny import add_lora, build_tiny_model, build_tokenizer
+    from .tiny import add_lora, as_unsloth_model, build_tiny_model, build_tokenizer
 
     settings: dict[str, Any] = dict(
         output_dir=output_dir, use_cpu=device() == "cpu", bf16=False, fp16=False, report_to="none",
@@ -105,10 +105,7 @@ def tiny_trainer(output_dir: str, model: Any = None, tokenizer: Any = None, prom
     set_seed(0)
     if model is None:
         tokenizer = build_tokenizer()
-        model = add_lora(build_tiny_model(tokenizer, seed=0), seed=0)
-        for name in ("for_training", "for_inference"):  # what Unsloth's FastLanguageModel models have
-            setattr(model, name, lambda *a, **k: None)
-        model._unsloth_user_float32 = True  # keeps Unsloth from switching a float32 model to fp16
+        model = as_unsloth_model(add_lora(build_tiny_model(tokenizer, seed=0), seed=0))
     trainer = trl.GRPOTrainer(model=model, processing_class=tokenizer, args=trl.GRPOConfig(**settings),
                               reward_funcs=[length_reward],
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS if prompts is None else prompts}))

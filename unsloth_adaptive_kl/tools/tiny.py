@@ -85,6 +85,16 @@ def add_lora(model: Any, rank: int = 8, seed: int = 0) -> Any:
     return get_peft_model(model, lora_config(rank))
 
 
+def as_unsloth_model(model: Any) -> Any:
+    """A transformers `model` made acceptable to Unsloth's generated trainer without `FastLanguageModel` (which loads
+    on CUDA only): the two methods its models have, and float32 kept (Unsloth switches a model to fp16 where it sees
+    no bf16)."""
+    for name in ("for_training", "for_inference"):
+        setattr(model, name, lambda *a, **k: None)
+    model._unsloth_user_float32 = True
+    return model
+
+
 def verl_micro_batch(responses: int = 4, response_length: int = 8, prompt_length: int = 4,
                      seed: int = 0) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """One micro-batch as verl's actor update sees it (needs verl): (TensorDict of nested prompts, responses, mask,

@@ -26,6 +26,7 @@ Unsloth's own. The policy is a plain transformers model, not a FastLanguageModel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -40,6 +41,7 @@ from typing import Any, Collection, Optional, Sequence
 import torch
 
 from ..core import AdaptiveKLConfig
+from .logprob_paths import counted_logprob_calls, describe as describe_scorers
 from .tabular_lab import (ENVIRONMENTS, METHOD_FIELDS, REWARDS, Environment, Figures, Setting, Training, Tree,
                           beta_for_kl, beta_trained, chosen, show, train)
 
@@ -265,9 +267,9 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
 
             model = add_lora(model, seed=run.seed)
         if run.trainer == "unsloth":
-            for name in ("for_training", "for_inference"):  # what FastLanguageModel's models have
-                setattr(model, name, lambda *a, **k: None)
-            model._unsloth_user_float32 = True  # keep Unsloth from switching to fp16 where it sees no bf16
+            from .tiny import as_unsloth_model
+
+            model = as_unsloth_model(model)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the lab runs the settings the guards warn about, on purpose
             dataset = Dataset.from_dict({"prompt": list(TRAIN_PROMPTS) * BATCH})
@@ -280,12 +282,14 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
             for loaded in (trainer.model, getattr(trainer, "ref_model", None)):  # loaded from the saved weights
                 if loaded is not None:
                     bias_unit(loaded)
-            trainer.train()
+            with counted_logprob_calls() if run.trainer == "unsloth" else contextlib.nullcontext({}) as scorers:
+                trainer.train()
         policy = trainer.model.eval()
         tree = Tree(env)
         trained = {prompt: node_logits(policy, tokenizer, prompt, tree) for prompt in tables}
     pad_probability = max(float(1 - table.exp().sum(-1).min()) for table in trained.values())
-    return {"tables": trained, "in_effect": settings_in_effect(trainer.args), "pad_probability": pad_probability}
+    return {"tables": trained, "in_effect": settings_in_effect(trainer.args), "pad_probability": pad_probability,
+            **({"logprob_path": describe_scorers(scorers)} if scorers else {})}
 
 
 def _worker(job: tuple[LabRun, dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -462,7 +466,8 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
             predictions[prediction] = tabular_prediction(env, prediction, beta, tables)
         rows.append({**row, "learning_rate": run.lr, "in_effect": in_effect, "train": over_seeds(trained),
                      "held_out": over_seeds(held_out), "tabular": predictions[prediction],
-                     "pad_probability": max(result["pad_probability"] for result in mine)})
+                     "pad_probability": max(result["pad_probability"] for result in mine),
+                     **({"logprob_path": mine[0]["logprob_path"]} if "logprob_path" in mine[0] else {})})
     return {"trainer": trainer, "environment": dataclasses.asdict(env), "beta": beta, "steps": steps,
             "seeds": list(seeds), "batch": BATCH, "group_size": GROUP_SIZE, "train_prompts": list(TRAIN_PROMPTS),
             "held_out": HELD_OUT, "overrides": dict(overrides), "pad_is_eos": pad_is_eos,
@@ -472,6 +477,13 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
 # ----- output -------------------------------------------------------------------------------------------------------
 
 STEPS = 800
+# The end-to-end guard's bounds (tests/test_trainer_lab.py, tests/test_unsloth.py, the GPU check's unsloth-guard):
+# KL(pi || pi*_beta) averaged over the training prompts, and the effective beta's distance to beta, relative. Noise
+# floor (docs/results/kl_lab_trl.json, 800 steps, two seeds): k1 in the reward 0.0005 to 0.0013 in dr_grpo, the
+# defaults, accumulation, steps_per_generation=2 and LoRA, k1_future in the loss 0.0011 to 0.0019; a beta off by a
+# factor 1.25 (a normaliser off by a quarter) lands over 0.005 away and a factor 2 over 0.05 (tests/test_trainer_lab.py).
+GUARD_TOLERANCE = 0.005
+GUARD_BETA_TOLERANCE = 0.05
 HEADER = ["setting", "beta trained", "E[r]", "E[length]", "KL(pi||pi_ref)", "KL(pi||pi*) [seeds]",
           "effective beta [seeds]", "tabular: KL(pi||pi*) (estimator)", "measured - tabular", "tabular: effective beta",
           "held out: KL(pi||pi*)", "held out: effective beta"]
