@@ -67,7 +67,8 @@ class Size:
 
 
 SIZES = {
-    "0.5b": Size(QWEN2_5_0_5B, prompts=8, completions=8, length=256, rounds=12, whole_rounds=2),
+    # ~5 minutes on one GPU (an estimate): 14 rounds of 10 captured-batch steps, 6 whole steps of 256 tokens
+    "0.5b": Size(QWEN2_5_0_5B, prompts=8, completions=8, length=256, rounds=12, whole_rounds=1),
     "small": Size({**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512},
                   prompts=4, completions=4, length=16, rounds=6, whole_rounds=2),
@@ -270,28 +271,35 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         raise SystemExit(f"Unsloth's trainer could not be generated: {error}")
     started = time.perf_counter()
+    report: dict[str, Any] = {
+        "command": "python benchmarks/unsloth_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d"), "size": args.size, "settings": asdict(size), "rounds": rounds,
+        "warmup": args.warmup, "whole_rounds": whole_rounds, **gpucheck.environment()}
+
+    def write(**measured: Any) -> None:
+        """The report so far, written: the captured-batch part survives a run stopped during the whole steps."""
+        report.update(measured, seconds=time.perf_counter() - started)
+        step, whole = report["step"], report["whole_step"]
+        methods = [row for name, row in step.items() if name not in STOCK]
+        report["max_step_ratio"] = max(row["ratio"] for row in methods)
+        report["max_memory_ratio"] = max((row["memory_ratio"] or 0.0) for row in methods) or None
+        report["aa_ci"] = step["stock (A/A)"]["ci"]
+        report["loss_share"] = step["stock"]["median_s"] / whole["stock"]["median_s"] if whole else None
+        os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
     with tempfile.TemporaryDirectory() as folder:
         save_model(size, os.path.join(folder, "model"))
         trainer = build_trainer(size, os.path.join(folder, "model"), os.path.join(folder, "out"))
         step, profile = captured_steps(trainer, rounds, args.warmup)
+        write(step=step, profile=profile, whole_step={})
         whole = {}
         if whole_rounds:
             in_reward = build_trainer(size, "", os.path.join(folder, "reward"),
                                       policy=(trainer.model, trainer.processing_class), **KL_IN_REWARD)
             whole = whole_steps({"loss": trainer, "reward": in_reward}, whole_rounds)
-    report = {"command": "python benchmarks/unsloth_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "date": time.strftime("%Y-%m-%d"), "size": args.size, "settings": asdict(size), "rounds": rounds, "warmup": args.warmup,
-              "whole_rounds": whole_rounds, **gpucheck.environment(), "step": step, "whole_step": whole,
-              "profile": profile,
-              "seconds": time.perf_counter() - started}
-    methods = [row for name, row in step.items() if name not in STOCK]
-    report["max_step_ratio"] = max(row["ratio"] for row in methods)
-    report["max_memory_ratio"] = max((row["memory_ratio"] or 0.0) for row in methods) or None
-    report["aa_ci"] = step["stock (A/A)"]["ci"]
-    report["loss_share"] = step["stock"]["median_s"] / whole["stock"]["median_s"] if whole else None
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=1)
+            write(whole_step=whole)
     print(f"{'variant':<34}{'s/step':>10}{'x stock':>9}{'95% interval':>18}{'peak MiB':>10}{'x stock':>9}")
     for title, rows in (("captured batch", step), ("whole step", whole)):
         print(f"-- {title}")

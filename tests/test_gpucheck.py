@@ -320,3 +320,15 @@ def test_the_gpu_flags_need_gpu(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "--json", "x.json", "--jobs", "2"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "--jobs, --json: only with --gpu" in result.stderr, result.stderr[-2000:]
+
+
+def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_commands(tmp_path) -> None:
+    """.ci/gpu/run: its check runs every scenario of the GPU check except vLLM's (whose wheels cannot travel), with
+    Unsloth's first; an unknown command is a usage error (exit 2) before anything runs."""
+    script = ROOT / ".ci" / "gpu" / "run"
+    only = next(line.split("--only ")[1].split() for line in script.read_text().splitlines() if "--only " in line)
+    names = only[0].split(",")
+    assert sorted(names) == sorted(set(gpucheck.SCENARIOS) - {"vllm-kl-in-reward"}) and names[0] == "unsloth-4bit"
+    result = subprocess.run(["bash", str(script), "nope", str(tmp_path)], env={**os.environ, "SITE": str(tmp_path)},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr == "usage: .ci/gpu/run check|cost|loss OUT\n"

@@ -9,8 +9,8 @@ parser = argparse.ArgumentParser(prog="python -m unsloth_adaptive_kl",
                                  "trainers on a tiny model (the self-check), or, with --gpu, the GPU paths.")
 parser.add_argument("--gpu", action="store_true",
                     help="the GPU check: a tiny Llama through TRL autocast, Unsloth 4-bit + LoRA, fp16 GradScaler, "
-                    "vLLM, reference sync with an 8-bit optimizer and the demo's --model path; needs a CUDA GPU "
-                    "(exit 2 without one)")
+                    "vLLM, reference sync with an 8-bit optimizer, the demo's --model path and the KL lab's guard "
+                    "through Unsloth; needs a CUDA GPU (exit 2 without one, unless --dry-run)")
 parser.add_argument("--only", default=None, help="with --gpu: comma-separated scenario names to run (default: all)")
 parser.add_argument("--jobs", type=int, default=None, help="with --gpu: scenarios run at once (default 1)")
 parser.add_argument("--json", default=None, metavar="PATH", help="with --gpu: write the results to PATH")

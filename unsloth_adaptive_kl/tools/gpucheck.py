@@ -1,4 +1,5 @@
-"""`python -m unsloth_adaptive_kl --gpu`: the one-command check of the GPU paths, offline, in at most 25 minutes.
+"""`python -m unsloth_adaptive_kl --gpu`: the one-command check of the GPU paths, offline, in at most 25 minutes
+(`--budget`).
 
 It builds a tiny Llama that every GPU path can run (hidden size 256, head_dim 64, 128 tokens, 1024 positions, a
 character-level fast tokenizer with a chat template, pad != eos), saves it to a temporary folder, and runs each
@@ -16,10 +17,17 @@ see TRL's own trainer, and one crash or hang fails one scenario only). Each prin
 - `unsloth-fp16-scaler`: the same GradScaler check on the 4-bit model loaded in fp16 (what a T4 runs);
 - `vllm-kl-in-reward`: `fast_inference=True` (vLLM) generation with `kl_placement="reward"`;
 - `ref-sync-8bit`: `sync_ref_model=True` with bitsandbytes' `adamw_8bit` and the optimizer reset;
-- `demo-model`: the demo's `--model` path (tools/demo.py) on the saved model, a few steps.
+- `demo-model`: the demo's `--model` path (tools/demo.py) on the saved model, a few steps;
+- `unsloth-guard`: the KL lab's end-to-end guard through Unsloth's generated trainer on the device (the lab's own
+  model), each line naming the log-prob scorer Unsloth called.
+
+`--jobs N` runs N scenario processes at once, `--json PATH` writes the device, the versions and every line
+(`results`; docs/results/gpu/ holds the last run, rendered by docs/gpu.md), and `--dry-run` runs each scenario's CPU
+equivalent (`DRY_RUN`) on any machine: .ci/gpu/dry-run runs it in an emulation of the GPU machine's image, so that a
+GPU run spends no minute on an import error or a typo.
 
 A missing optional package (unsloth, vllm, bitsandbytes) is a FAIL line naming what to install. The exit code is 0
-only if every check holds, 1 otherwise, and 2 without a CUDA GPU. Every scenario takes the model folder and a work
+only if every check holds, 1 otherwise, and 2 without a CUDA GPU (unless `--dry-run`). Every scenario takes the model folder and a work
 folder, and those with a CPU equivalent take a device and a precision as well: the test suite runs them on a CPU
 (tests/test_gpucheck.py), so that this check does not rot between GPU runs.
 """
