@@ -104,20 +104,20 @@ def save_model(size: Size, model_dir: str) -> None:
 
 
 def build_trainer(size: Size, model_dir: str, output_dir: str, policy: Any = None, **overrides: Any) -> Any:
-    """Unsloth's generated trainer at `size`; `policy`: a (model, tokenizer) already loaded (else loaded here);
+    """Unsloth's generated trainer at `size` on the GPU check's chat prompts (`gpu_scenarios.chat_trainer`: TRL's
+    `mask_truncated_completions=False`); `policy`: a (model, tokenizer) already loaded (else loaded here);
     `overrides`: GRPOConfig fields."""
-    from unsloth_adaptive_kl.tools import gpu_scenarios, selfcheck
+    from unsloth_adaptive_kl.tools import gpu_scenarios
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     precision = gpu_scenarios.native_precision() if device == "cuda" else "fp32"
-    model, tokenizer = policy or gpu_scenarios.load_policy(model_dir, "unsloth", precision, device,
-                                                           rank=size.lora_rank)
-    return selfcheck.tiny_trainer(
-        output_dir, model=model, tokenizer=tokenizer, prompts=gpu_scenarios.CHAT_PROMPTS[:size.prompts],
+    policy = policy or gpu_scenarios.load_policy(model_dir, "unsloth", precision, device, rank=size.lora_rank)
+    return gpu_scenarios.chat_trainer(
+        model_dir, output_dir, "unsloth", device, precision, policy=policy,
         per_device_train_batch_size=size.prompts * size.completions, num_generations=size.completions,
         gradient_accumulation_steps=1, max_completion_length=size.length, optim="adamw_torch", warmup_steps=0,
         generation_kwargs={"min_new_tokens": size.length}, logging_steps=1000, beta=0.04, kl_clip_threshold=0.2,
-        mask_truncated_completions=False, **gpu_scenarios.precision_settings(device, precision), **overrides)
+        **overrides)
 
 
 def timed(function: Callable[[], Any]) -> tuple[float, int]:

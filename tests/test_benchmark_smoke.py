@@ -125,7 +125,10 @@ def test_unsloth_cost_benchmark_smoke(tmp_path) -> None:
     whole = report["whole_step"]
     assert list(whole) == ["stock", "sigmoid+length_normalized", "kl_in_reward"]
     assert whole["stock"]["reward_penalty"] is None and whole["sigmoid+length_normalized"]["reward_penalty"] is None
-    assert whole["kl_in_reward"]["reward_penalty"] > 0
+    # beta times k1's batch mean, which is of either sign: logged, finite and non-zero (the policy has left the
+    # reference in the steps before)
+    penalty = whole["kl_in_reward"]["reward_penalty"]
+    assert penalty is not None and math.isfinite(penalty) and penalty != 0
     methods = [row["ratio"] for name, row in report["step"].items() if not name.startswith("stock")]
     # the profile of stock's step and of the method with the largest ratio
     profile = report["profile"]
