@@ -332,3 +332,19 @@ def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_comm
     result = subprocess.run(["bash", str(script), "nope", str(tmp_path)], env={**os.environ, "SITE": str(tmp_path)},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stderr == "usage: .ci/gpu/run check|cost|loss OUT\n"
+
+
+def test_the_scenarios_keep_truncated_completions_in_the_loss(monkeypatch) -> None:
+    """Every scenario's trainer (and the cost benchmark's) gets TRL's mask_truncated_completions=False explicitly:
+    Unsloth's generated config turns it on for loss_type='dapo', and the tiny Llama, which seldom samples EOS, then had
+    every completion masked out of the loss (all-zero gradients in the dry run's Unsloth scenarios, which need Unsloth
+    and run in .ci/gpu/dry-run). A scenario that asks for it still gets it."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    seen = []
+    monkeypatch.setattr(selfcheck, "tiny_trainer", lambda work_dir, **kwargs: seen.append(kwargs))
+    scenarios.chat_trainer("m", "w", "unsloth", "cpu", "fp32", policy=("model", "tokenizer"), max_steps=1)
+    scenarios.chat_trainer("m", "w", "trl", "cpu", "fp32", policy=("model", "tokenizer"),
+                           mask_truncated_completions=True)
+    assert [kwargs["mask_truncated_completions"] for kwargs in seen] == [False, True]
+    assert seen[0]["max_steps"] == 1 and seen[0]["use_cpu"] is True and seen[0]["prompts"] == scenarios.CHAT_PROMPTS
