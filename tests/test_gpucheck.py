@@ -315,11 +315,15 @@ def test_the_dry_run_of_a_scenario_runs_without_cuda_and_writes_the_results(tmp_
     assert [name for name, s in data["scenarios"].items() if s["ran"]] == ["trl-fp16-scaler"]
 
 
-def test_the_gpu_flags_need_gpu(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "--json", "x.json", "--jobs", "2"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "--jobs, --json: only with --gpu" in result.stderr, result.stderr[-2000:]
+def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
+    """`python -m unsloth_adaptive_kl --json x.json --jobs 2` (the module run in this process): a usage error naming
+    both flags, before anything runs."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--json", "x.json", "--jobs", "2"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    assert exit_info.value.code == 2 and "error: --jobs, --json: only with --gpu" in capsys.readouterr().err
 
 
 def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_commands(tmp_path) -> None:
