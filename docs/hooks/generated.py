@@ -456,7 +456,8 @@ def gpu_check(_: Optional[str] = None) -> str:
 
 
 def _check_line(check: dict) -> str:
-    return f"{'ok' if check['ok'] else '**FAIL**'}: {check['name']}" + (f": {check['detail']}" if check["detail"] else "")
+    status = "ok" if check["ok"] else "**FAIL**"
+    return f"{status}: {check['name']}" + (f": {check['detail']}" if check["detail"] else "")
 
 
 def gpu_cost(_: Optional[str] = None) -> str:
@@ -487,8 +488,8 @@ def gpu_cost(_: Optional[str] = None) -> str:
              for name, part in (("stock", "stock"), (profile["method"], "heaviest"))}
     names = list(dict.fromkeys([*times["stock"], *times[profile["method"]]]))
     clock = "GPU" if data["device"]["kind"] == "cuda" else "CPU"
-    text += (f"\n\nWhere a step's time goes: torch.profiler's self time per step ({clock} time, µs) of the operations that take the most in stock's step or in that of "
-             f"`{profile['method']}` (the largest ratio above); a blank cell is an operation outside that step's "
+    text += (f"\n\nWhere a step's time goes: torch.profiler's self time per step ({clock} time, µs) of the "
+             f"operations that take the most in stock's step or in that of `{profile['method']}` (the largest ratio above); a blank cell is an operation outside that step's "
              f"top {len(profile['stock'])}:\n\n"
              + _table(["operation", "stock", f"`{profile['method']}`"],
                       [[f"`{name}`", *(f"{times[k][name]:,.0f}" if name in times[k] else "" for k in times)]

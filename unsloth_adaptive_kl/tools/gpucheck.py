@@ -27,9 +27,9 @@ equivalent (`DRY_RUN`) on any machine: .ci/gpu/dry-run runs it in an emulation o
 GPU run spends no minute on an import error or a typo.
 
 A missing optional package (unsloth, vllm, bitsandbytes) is a FAIL line naming what to install. The exit code is 0
-only if every check holds, 1 otherwise, and 2 without a CUDA GPU (unless `--dry-run`). Every scenario takes the model folder and a work
-folder, and those with a CPU equivalent take a device and a precision as well: the test suite runs them on a CPU
-(tests/test_gpucheck.py), so that this check does not rot between GPU runs.
+only if every check holds, 1 otherwise, and 2 without a CUDA GPU (unless `--dry-run`). Every scenario takes the model
+folder and a work folder, and those with a CPU equivalent take a device and a precision as well: the test suite runs
+them on a CPU (tests/test_gpucheck.py), so that this check does not rot between GPU runs.
 """
 
 from __future__ import annotations
