@@ -4,6 +4,9 @@ core's tests run where trl is not installed (CI row g); the trainer helpers impo
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -30,6 +33,24 @@ def constant_reward(value: float) -> Callable[..., list[float]]:
 
     reward.__name__ = f"constant_{value}"
     return reward
+
+
+@pytest.hookimpl(wrapper=True, optionalhook=True)  # optional: pytest without pytest-xdist runs too
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> Any:
+    """`-n auto`: pytest-xdist's count (a worker a core), at most 4 (`-n N` sets any other). Each worker holds about
+    1 GB (torch, trl, transformers) and its tests start trainer processes of up to 1 GB more; past 4, the longest
+    single tests (5-6 minutes) set the suite's time anyway."""
+    return min(4, (yield))
+
+
+def torchrun(script: Path, *args: str, timeout: int) -> None:
+    """`torchrun --standalone --nproc_per_node 2 SCRIPT ARGS` on CPU: --standalone takes a free port, so two tests
+    running at once (pytest -n) never meet on torchrun's default one."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+               *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -18,6 +15,7 @@ import torch
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, register_kl_estimator
 from unsloth_adaptive_kl.core.estimators import estimator_names
 
+from .conftest import torchrun
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 
 BETA = 0.04
@@ -466,11 +464,7 @@ def test_two_processes_with_batches_of_different_sizes_sum_both_by_hand(tmp_path
     over both, and beta_1 = beta_0 (1 + clip(KL / kl_target - 1, +-0.2) * 5 / kl_horizon)."""
     from . import distributed_core as run
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(Path(run.__file__)), str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(Path(run.__file__), str(tmp_path), timeout=300)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0] == ranks[1]
     batches = [run.batch(rank) for rank in (0, 1)]

@@ -245,9 +245,10 @@ def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
     demo = next(c for c in commands if "blackwell/test_adaptive_kl_grpo.py" in c)
     ci = (ROOT / ".ci" / "run").read_text()
     assert test == ("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.14.1 torchvision==0.29.1 && "
-                    'pip install -e ".[test,unsloth]" && ADAPTIVE_KL_REQUIRE_UNSLOTH=1 python -m pytest -q')
+                    'pip install -e ".[test,unsloth]" && ADAPTIVE_KL_REQUIRE_UNSLOTH=1 python -m pytest -q -n auto '
+                    "--dist loadfile")
     assert "pip install -q torch==2.14.1 torchvision==0.29.1" in ci and 'pip install -q -e ".[test,unsloth]"' in ci
-    assert "export ADAPTIVE_KL_REQUIRE_UNSLOTH=1" in ci and "python -m pytest -q" in ci
+    assert "export ADAPTIVE_KL_REQUIRE_UNSLOTH=1" in ci and "python -m pytest -q -n auto --dist loadfile" in ci
     assert demo.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && ")
     assert "pip install -q torch==2.13.0" in ci
 

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +11,7 @@ import pytest
 from unsloth_adaptive_kl import AdaptiveKLConfig
 from unsloth_adaptive_kl.core.controllers import DynamicBeta
 
-from .conftest import constant_reward, logged, make_trainer
+from .conftest import constant_reward, logged, make_trainer, torchrun
 
 DYNAMIC = dict(kl_adaptation_method="dynamic", gradient_accumulation_steps=1, beta=0.04)
 
@@ -100,11 +97,7 @@ def test_resume_without_the_state_file_warns_naming_it(tokenizer, tmp_path) -> N
 def test_two_processes_share_the_globally_averaged_beta(tmp_path) -> None:
     """Rank 0 rewards 1.0 and rank 1 rewards 0.6: the global mean 0.8 crosses a 0.7 threshold but not 0.9, while
     either rank alone would decide the other way for one of them."""
-    script = Path(__file__).with_name("distributed_beta.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), str(tmp_path)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(Path(__file__).with_name("distributed_beta.py"), str(tmp_path), timeout=300)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert ranks[0] == ranks[1]  # beta, the KL metrics and the penalties: over both processes, identical on each
     assert max(ranks[0]["loss 0.7"]["raw_kl"]) > 0 and max(ranks[0]["loss 0.7"]["sequence_kl"]) > 0

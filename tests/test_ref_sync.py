@@ -6,9 +6,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -22,7 +19,7 @@ import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations.ref_sync import STATE_FILE, AdapterReference, use_reference
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
 
-from .conftest import PROMPTS, constant_reward, grpo_args, logged, make_trainer
+from .conftest import PROMPTS, constant_reward, grpo_args, logged, make_trainer, torchrun
 
 HARD_SYNC = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=1.0)
 
@@ -301,11 +298,7 @@ def test_resume_after_a_sync_continues_as_the_uninterrupted_run(tokenizer, tmp_p
 # ----- two processes ------------------------------------------------------------------------------------------------
 
 def run_two_processes(mode: str, output_dir: Path) -> list[dict]:
-    script = Path(__file__).with_name("distributed_ref_sync.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script), mode, str(output_dir)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    torchrun(Path(__file__).with_name("distributed_ref_sync.py"), mode, str(output_dir), timeout=600)
     return [torch.load(output_dir / f"{mode}-rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 
