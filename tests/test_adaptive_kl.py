@@ -405,6 +405,39 @@ def test_bad_input_names_field_value_and_what_is_allowed(kwargs: dict, message: 
     assert str(raised.value) == message
 
 
+@pytest.mark.parametrize(("loss_type", "kwargs"), [("dapo", dict(token_normalizer=-8.0)),
+                                                 ("dapo", dict(token_normalizer=0)),
+                                                 ("dr_grpo", dict(max_completion_length=-4))])
+def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kwargs: dict) -> None:
+    """A negative normaliser would flip the KL term's sign (the loss would reward KL), a zero one divide by zero."""
+    ((name, value),) = kwargs.items()
+    logps, ref = batch()
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **kwargs)
+    assert str(raised.value) == (f"{name}={value!r} is invalid: allowed is a number > 0, or None where the loss_type "
+                                 "does not need it.")
+
+
+def test_beta_zero_with_an_adapted_setting_warns_that_it_has_no_effect() -> None:
+    with pytest.warns(UserWarning) as caught:
+        AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip+dynamic"), 0.0)
+    assert [str(w.message) for w in caught] == [
+        "kl_adaptation_method='clip+dynamic' has no effect: beta=0.0 turns the KL term off. Set beta > 0 to regularise."]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdaptiveKL(None, 0.0)  # stock: nothing to say
+
+
+@pytest.mark.parametrize("threshold", [0.7, 0.8])
+def test_dynamic_does_not_decay_at_a_mean_reward_equal_to_its_threshold(threshold: float) -> None:
+    """`r > reward_threshold`, in float32 as trainers average: float32(0.7) is 0.699999988, below the float 0.7,
+    and float32(0.8) is 0.800000012, above 0.8; neither mean decays beta, a mean one float32 step above does."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=threshold), BETA)
+    above = torch.nextafter(torch.tensor(threshold, dtype=torch.float32), torch.tensor(2.0)).item()
+    assert [akl.step(mean_reward=threshold), akl.step(mean_reward=torch.tensor(threshold).item()),
+            akl.step(mean_reward=above)] == [BETA, BETA, BETA * 0.9]
+
+
 def test_config_errors_are_the_grpo_config_messages() -> None:
     with pytest.raises(ValueError, match=r"^kl_clip_threshold=-1 is invalid: allowed is a finite number > 0\.$"):
         AdaptiveKLConfig(kl_clip_threshold=-1)

@@ -313,6 +313,27 @@ def test_the_trainer_sections_carry_no_typed_figure() -> None:
     assert len(markers) == len(set(markers)), markers
 
 
+# The numbers the results pages may carry in prose: the settings they name (seeds, steps, beta, thresholds, horizons,
+# sizes, versions, years), never a measured figure. Anything else must come through the docs hook.
+SETTINGS_IN_PROSE = {
+    "results.md": {"0", "1", "2", "3", "5", "12", "24", "30", "120", "0.04", "0.2", "0.9", "5e-3"},
+    "choosing-a-setting.md": {"0", "1", "2", "3", "5", "8", "30", "64", "100", "120", "1000", "10000", "2019", "0.001",
+                              "0.04", "0.2", "0.8", "0.9", "1.0", "1.15.0", "5e-3"},
+    "ground-truth.md": {"0", "1", "4", "7", "8", "31"},
+}
+
+
+@pytest.mark.parametrize("page", sorted(SETTINGS_IN_PROSE))
+def test_the_results_pages_carry_no_typed_figure(page: str) -> None:
+    """Every measured figure of the pages that report results reaches them through the docs hook, from the results
+    file its command wrote: the prose outside code blocks, inline code, maths, markers and links holds no number but
+    the settings it names."""
+    text = FENCE.sub("", (ROOT / "docs" / page).read_text())
+    text = re.sub(r"\\\(.*?\\\)|\\\[.*?\\\]|`[^`]*`|<!--.*?-->|\]\([^)]*\)|!\[[^\]]*\]", "", text, flags=re.DOTALL)
+    figures = set(re.findall(r"(?<![\w.])\d+(?:[.,]\d+)*(?:e-?\d+)?(?![\w])", text))
+    assert figures <= SETTINGS_IN_PROSE[page], sorted(figures - SETTINGS_IN_PROSE[page])
+
+
 @pytest.mark.parametrize("name", ["trl", "unsloth", "unsloth_pad_is_eos"])
 def test_each_trainer_lab_json_is_the_output_of_the_command_it_records(name: str) -> None:
     """A results file records the one command that wrote it, and what it says of the machine follows from that

@@ -10,7 +10,6 @@ import contextlib
 import copy
 import math
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -62,7 +61,6 @@ def recorded_calls() -> Iterator[dict[str, list[dict[str, Any]]]]:
 class RunPage:
     namespaces: list[dict[str, Any]]  # one per Python block, in page order
     folders: list[Path]
-    seconds: list[float]
     calls: dict[str, list[dict[str, Any]]]
 
     @property
@@ -82,18 +80,16 @@ class RunPage:
 @pytest.fixture(scope="module")
 def page(tmp_path_factory: pytest.TempPathFactory) -> RunPage:
     """Each block as tests/test_docs.py runs it: `exec` in a namespace of its own, the working directory a new folder."""
-    namespaces, folders, seconds = [], [], []
+    namespaces, folders = [], []
     with recorded_calls() as calls, pytest.MonkeyPatch.context() as patch:
         for index, code in enumerate(python_blocks()):
             folder = tmp_path_factory.mktemp(f"own_loop_block{index}")
             patch.chdir(folder)
             namespace: dict[str, Any] = {"__name__": "__main__"}
-            start = time.perf_counter()
             exec(compile(code, f"{PAGE.name} block {index}", "exec"), namespace)
-            seconds.append(time.perf_counter() - start)
             namespaces.append(namespace)
             folders.append(folder)
-    return RunPage(namespaces, folders, seconds, calls)
+    return RunPage(namespaces, folders, calls)
 
 
 # ----- hand formulas ----------------------------------------------------------------------------------------------
@@ -141,12 +137,11 @@ def same(a: Any, b: Any) -> bool:
 
 # ----- the page runs ----------------------------------------------------------------------------------------------
 
-def test_the_page_runs_on_torch_alone_in_seconds(page: RunPage) -> None:
-    """Every block ran (their own asserts included); the program is one of them; together well under a minute on a
-    CPU; and they import nothing but torch, the standard library's `copy` and this package."""
+def test_the_page_runs_on_torch_alone(page: RunPage) -> None:
+    """Every block ran (their own asserts included); the program is one of them; and they import nothing but torch,
+    the standard library's `copy` and this package."""
     assert len(page.namespaces) >= 3
     assert {"train", "grpo_step", "in_loss", "in_reward", "resumed"} <= set(page.program)
-    assert sum(page.seconds) < 30, page.seconds
     roots = set()
     for code in python_blocks():
         for node in ast.walk(ast.parse(code)):

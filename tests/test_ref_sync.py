@@ -89,6 +89,17 @@ def test_trl_sync_fields_are_checked_only_while_syncing(tmp_path) -> None:
     grpo_args(str(tmp_path), **{**HARD_SYNC, "ref_model_sync_steps": 1, "ref_model_sync_kl": 1e-3})
 
 
+@pytest.mark.parametrize(("name", "value", "off"), [("ref_model_sync_kl", 0.05, None),
+                                                    ("ref_model_sync_reset_optimizer", True, False)])
+def test_this_packages_sync_settings_without_syncing_are_refused(tmp_path, name: str, value: Any, off: Any) -> None:
+    """They act on the reference sync alone: with sync_ref_model=False they would do nothing."""
+    with pytest.raises(ValueError) as error:
+        grpo_args(str(tmp_path), **{name: value})
+    assert str(error.value) == (f"{name}={value!r} is invalid: allowed is {off!r} with sync_ref_model=False (the "
+                                "setting acts on the reference sync, which is off); set sync_ref_model=True to sync "
+                                "the reference.")
+
+
 def test_unpatch_restores_trls_refusal_of_peft_models(tokenizer, tmp_path) -> None:
     unsloth_adaptive_kl.unpatch()
     try:

@@ -13,13 +13,19 @@ import asyncio
 import copy
 import json
 import math
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import pytest
 
-tinker = pytest.importorskip("tinker")
+# Without the SDK these tests skip (the README's test command does not install it); `.ci/run` installs it in row g and
+# sets ADAPTIVE_KL_REQUIRE_TINKER=1, so there a missing or broken SDK is an error, not a skip.
+if os.environ.get("ADAPTIVE_KL_REQUIRE_TINKER") != "1":
+    pytest.importorskip("tinker")
+
+import tinker  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

@@ -51,6 +51,7 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     assert result["config_class"] == "unsloth_adaptive_kl.integrations.trl.GRPOConfig"
     assert result["config_mro"][:3] == ["GRPOConfig", "GRPOConfig", "AdaptiveKLConfig"]
     assert result["restored_same_class"] is True
+    assert result["patched_again"] is True
     assert (result["method"], result["threshold"]) == ("clip+dynamic", 0.5)
     assert result["restored"] == ["GRPOConfig", "clip+dynamic", 0.5]
     assert result["error"] == "kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0."
@@ -393,6 +394,21 @@ def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_pat
     assert results["refused"].startswith("pad_token_id=0 is invalid: allowed is a token other than the eos_token_id "
                                          "(0) with kl_adaptation_method='clip', kl_placement='loss': Unsloth's GRPO")
     assert own["warnings"] == []
+
+
+@needs_unsloth
+def test_unsloths_sample_weights_refuse_an_adapted_kl_at_construction_and_leave_none_stock(tmp_path) -> None:
+    """With Unsloth's per-completion weights on, building the trainer with `clip` raises the documented error (the
+    troubleshooting page's); `none` warns once, logs no adaptive_kl/* metric, and on a weighted batch its loss and
+    gradients are stock Unsloth's exactly (the shim hands the call to Unsloth's own loss)."""
+    results = run_scenario("sample_weights", tmp_path)
+    troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
+    assert f"NotImplementedError: {results['refused']}\n" in troubleshooting
+    assert len(results["warnings"]) == 1 and "the loss stays stock Unsloth's" in results["warnings"][0]
+    assert results["adaptive_metrics"] == []
+    assert len(results["weights"]) == 4 and any(weight > 0 for weight in results["weights"])  # the weights reach it
+    assert results["loss"] == results["stock_loss"]
+    assert results["grad_diff"] == 0.0 and results["grad_max"] > 0
 
 
 @needs_unsloth

@@ -877,12 +877,14 @@ def test_a_nonfinite_reward_log_prob_on_a_valid_token_raises_naming_verls_tensor
     assert "token_level_rewards" not in data.batch.keys() and torch.equal(data.batch["token_level_scores"], scores)
 
 
-def test_the_shaped_reward_kl_is_float32_of_the_masked_log_probs():
+@pytest.mark.parametrize("method", ["clip", "dynamic"])
+def test_the_reward_kl_is_float32_of_the_masked_log_probs(method):
     """bf16 old_log_probs / ref_log_prob with NaN and -inf in ref_log_prob on masked positions: the rewards are
-    float32 and finite, token_level_scores - beta * min(k, c) on valid tokens with k = old - ref of the float32 values
-    (verl's 'kl'), the scores themselves on masked ones; the metrics count the valid tokens alone."""
+    float32 and finite, token_level_scores - beta * min(k, c) (clip, the shaped route) or - beta * k (dynamic: verl's
+    own apply_kl_penalty) on valid tokens with k = old - ref of the float32 values (verl's 'kl'), the scores themselves
+    on masked ones; the metrics count the valid tokens alone, and the batch keeps its own log-probs."""
     threshold, beta = 0.2, 0.5
-    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=threshold),
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method=method, kl_clip_threshold=threshold),
                                       beta=beta)
     data = reward_batch(seed=8, batch_size=6, length=6)
     mask = data.batch["response_mask"]
@@ -895,10 +897,14 @@ def test_the_shaped_reward_kl_is_float32_of_the_masked_log_probs():
     old, ref = data.batch["old_log_probs"].float(), data.batch["ref_log_prob"].float()
     k = torch.where(mask.bool(), old - ref, 0.0)
     scores = data.batch["token_level_scores"].clone()
+    logps = {key: data.batch[key].clone() for key in ("old_log_probs", "ref_log_prob")}
     out, metrics = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
     rewards = out.batch["token_level_rewards"]
     assert rewards.dtype == torch.float32 and torch.isfinite(rewards).all()
-    torch.testing.assert_close(rewards, scores - beta * torch.clamp(k, max=threshold), rtol=0, atol=1e-7)
+    penalised = torch.clamp(k, max=threshold) if method == "clip" else k
+    torch.testing.assert_close(rewards, scores - beta * penalised, rtol=0, atol=1e-7)
+    for key, value in logps.items():
+        torch.testing.assert_close(out.batch[key], value, rtol=0, atol=0, equal_nan=True)
     assert metrics[verl_kl.REWARD_METRIC + "raw_kl"] == pytest.approx(float(k.sum(-1).mean()), rel=1e-6)
 
 

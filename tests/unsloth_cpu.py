@@ -292,7 +292,9 @@ def scenario_config(out: str) -> dict:
         error = None
     except ValueError as caught:
         error = str(caught)
+    unsloth_adaptive_kl.patch()  # again, once Unsloth generated its trainer: idempotent, not "imported after unsloth"
     return {
+        "patched_again": unsloth_adaptive_kl.is_patched() and trl.GRPOTrainer.__name__ == "UnslothGRPOTrainer",
         "config_class": f"{type(args).__module__}.{type(args).__name__}", "config_mro": [c.__name__ for c in type(args).__mro__][:4],
         "trainer_class": trl.GRPOTrainer.__name__,
         "method": args.kl_adaptation_method, "threshold": args.kl_clip_threshold,
@@ -781,7 +783,32 @@ def scenario_pad_is_eos(out: str) -> dict:
     return results
 
 
-SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
+def scenario_sample_weights(out: str) -> dict:
+    """UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE=1 with dapo (Unsloth weights each completion of the loss): an adapted KL is
+    refused at construction; `none` warns, trains a step, and on that step's batch (weights included) gives stock
+    Unsloth's loss and gradients."""
+    os.environ["UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE"] = "1"
+    results: dict[str, Any] = {}
+    try:
+        make_trainer(f"{out}/refused", kl_adaptation_method="clip")
+    except NotImplementedError as error:
+        results["refused"] = str(error)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = make_trainer(f"{out}/none", max_steps=1)
+    results["warnings"] = [str(w.message) for w in caught if "per-completion loss weights" in str(w.message)]
+    inputs = capture_inputs(trainer)
+    results["weights"] = inputs["unsloth_sample_weight"].tolist()
+    results["adaptive_metrics"] = sorted(key for key, values in trainer._metrics["train"].items()
+                                         if key.startswith("adaptive_kl/") and values)
+    loss, grads = loss_and_grads(trainer, inputs)
+    stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
+    results.update(loss=loss, stock_loss=stock_loss, grad_diff=max_abs_diff(grads, stock_grads),
+                   grad_max=max_abs(stock_grads))
+    return results
+
+
+SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "sample_weights": scenario_sample_weights, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
              "drift": scenario_drift, "reward": scenario_reward,
              "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings}
 

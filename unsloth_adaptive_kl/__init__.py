@@ -27,7 +27,7 @@ TRL_INSTALLED = importlib.util.find_spec("trl") is not None
 
 def patch() -> None:
     """Patch TRL and hook Unsloth's trainer generation. Idempotent. Raises ImportError when TRL is not installed or
-    when Unsloth already generated its GRPO trainer (import this package before unsloth), and
+    when, unpatched, Unsloth already generated its GRPO trainer (import this package before unsloth), and
     IncompatibleVersionError when an anchor the integration relies on is missing from the installed trl."""
     if not TRL_INSTALLED:
         raise ImportError("unsloth_adaptive_kl.patch() patches TRL, which is not installed: "
@@ -35,6 +35,8 @@ def patch() -> None:
                           "(or [unsloth]).")
     from .integrations import trl, unsloth
 
+    if trl.is_patched():  # already patched (an Unsloth trainer generated since then was hooked as it was generated)
+        return
     unsloth.check_import_order()
     trl.patch()
     unsloth.patch()

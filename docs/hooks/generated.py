@@ -10,8 +10,10 @@ returns. An unknown name fails the build. Sources:
 - `loss_overhead`, `loss_overhead_sanity`, `benchmark_headline` (each with `large` for the larger size),
   `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `steps`, `unsloth_steps`,
   `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
-- `demo_results NAME`: `docs/results/NAME/summary.json`, written by the demo;
-- `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`: `docs/results/kl_lab.json`, written by the KL lab;
+- `demo_results NAME`, `demo_value RUN:VARIANT:KEY:DIGITS[:std]`: `docs/results/NAME/summary.json`, written by the
+  demo;
+- `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`, `kl_lab_tables_show`, `kl_lab_target_reading`:
+  `docs/results/kl_lab.json`, written by the KL lab (the sentences are `tabular_findings`');
 - `kl_lab_trainer NAME`, `kl_lab_findings NAME`, `kl_lab_side_by_side`, `kl_lab_differences`, `kl_lab_pad_is_eos`:
   `docs/results/kl_lab_NAME.json` (trl, unsloth, unsloth_pad_is_eos), written by the KL lab through the trainers
   (`--trainer`); the findings' sentences are `trainer_lab.findings` and its neighbours.
@@ -335,6 +337,20 @@ def demo_results(name: Optional[str] = None) -> str:
             f"{data['settings']['seeds']} seeds of each seed's mean over the last {data.get('window', 12)} steps.")
 
 
+def demo_value(argument: Optional[str] = None) -> str:
+    """One figure of a committed demo run, inside a sentence: `RUN:VARIANT:KEY:DIGITS[:std]` is the mean over seeds of
+    KEY (a summary column: reward, completions/mean_length, adaptive_kl/raw_kl, ...) for VARIANT in
+    `docs/results/RUN/summary.json`, with DIGITS decimals (or a format such as `0e`); `:std` adds the seed-to-seed std
+    ("7.5 +/- 1.3")."""
+    run, rest = str(argument).split(":", 1)
+    std = rest.endswith(":std")
+    variant, key, digits = rest.removesuffix(":std").rsplit(":", 2)  # a variant may hold ':' (reward:sequence_sum)
+    data = json.loads((ROOT / "docs" / "results" / run / "summary.json").read_text())
+    mean, spread = next(item for item in data["summary"] if item["method"] == variant)[key]
+    style = digits if digits[-1].isalpha() else f"{digits}f"  # '2' -> 2 decimals; '0e' -> '6e-07'
+    return f"{mean:.{style}}" + (f" +/- {spread:.{style}}" if std else "")
+
+
 def _kl_lab() -> dict:
     return json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())
 
@@ -365,6 +381,20 @@ def kl_lab_run(_: Optional[str] = None) -> str:
             f"{training['groups']} groups of {training['group_size']} completions a step, {training['steps']} steps, "
             f"Adam at {training['learning_rate']} decayed linearly to 0, seeds {result['seeds']} averaged "
             "(a spread in KL(pi||pi*) above 0.05 between seeds is shown beside it).")
+
+
+def kl_lab_tables_show(_: Optional[str] = None) -> str:
+    """What the KL lab's two tables show (`tabular_findings.findings`), every figure computed from them."""
+    from unsloth_adaptive_kl.tools.tabular_findings import findings
+
+    return "\n".join(f"- {finding}" for finding in findings(_kl_lab()))
+
+
+def kl_lab_target_reading(_: Optional[str] = None) -> str:
+    """Each `target` run's beta against beta* (`tabular_findings.target_reading`)."""
+    from unsloth_adaptive_kl.tools.tabular_findings import target_reading
+
+    return "\n".join(f"- {reading}" for reading in target_reading(_kl_lab()["target"]))
 
 
 def _lab_through(trainer: str) -> dict:
@@ -523,6 +553,8 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "kl_lab_side_by_side": kl_lab_side_by_side,
     "kl_lab": kl_lab,
     "kl_lab_target": kl_lab_target,
+    "kl_lab_tables_show": kl_lab_tables_show,
+    "kl_lab_target_reading": kl_lab_target_reading,
     "kl_lab_run": kl_lab_run,
     "configuration": configuration,
     "tested_versions": tested_versions,
@@ -542,6 +574,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "ref_sync_cost": ref_sync_cost,
     "verl_loss": verl_loss,
     "demo_results": demo_results,
+    "demo_value": demo_value,
     "gpu_check": gpu_check,
     "gpu_cost": gpu_cost,
     "gpu_loss": gpu_loss,

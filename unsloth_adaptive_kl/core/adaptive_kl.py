@@ -14,6 +14,7 @@ One protocol, with two sets of doors onto it:
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict
 from typing import Any, Optional
 
@@ -60,6 +61,9 @@ class AdaptiveKL:
         if beta != 0:  # with beta = 0 there is no KL term to reduce (stock trainers skip it whatever the loss)
             loss_type_reduction(loss_type)
             kl_reduction(config, loss_type)
+        elif not config.is_stock_kl:
+            warnings.warn(f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL "
+                          "term off. Set beta > 0 to regularise.", UserWarning, stacklevel=2)
         self.config = config
         self.beta = float(beta)
         self.loss_type = loss_type

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-from .errors import KLEstimatorWarning
+from .errors import KLEstimatorWarning, reject
 from .estimators import estimator_names
 from .reductions import kl_reduction_settings
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
@@ -82,12 +82,6 @@ def warn_estimator_placement(estimator: Any, placement: str) -> None:
         warn_estimator_issue(K1_IN_LOSS, estimator)
     if placement == "reward" and estimator in NOT_LOG_RATIO_ESTIMATORS:
         warn_estimator_issue(NOT_LOG_RATIO_IN_REWARD, estimator)
-
-
-def reject(name: str, value: Any, allowed: str) -> ValueError:
-    """The ValueError for a bad setting, in the package's one wording: the field, its value and what is allowed
-    (the integrations use it for their trainers' fields too)."""
-    return ValueError(f"{name}={value!r} is invalid: allowed is {allowed}.")
 
 
 def parse_methods(value: Union[str, Sequence[str]]) -> tuple[str, ...]:

@@ -63,6 +63,11 @@ class ConstantBeta:
             setattr(self, name, value)
 
 
+def float32(value: float) -> float:
+    """`value` rounded to the nearest float32."""
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
 class DynamicBeta(ConstantBeta):
     """After an optimizer step that trained on a generation batch with mean reward r > reward_threshold:
     beta <- max(beta * dynamic_beta_decay, beta_min), at most once per generation batch;
@@ -75,12 +80,13 @@ class DynamicBeta(ConstantBeta):
         self.last_decayed_batch = 0
         self._config = config
         # Trainers average rewards in float32: a mean of exactly 0.8 arrives as 0.800000011920929, so the
-        # threshold is compared at the same precision ("> 0.8" must be false for rewards of 0.8).
-        self._threshold = torch.tensor(config.reward_threshold, dtype=torch.float32).item()
+        # threshold and the mean are compared in float32 ("> 0.8" must be false for rewards of 0.8, whether the mean
+        # arrives as a float32 or, from a loop of one's own, as the float 0.8).
+        self._threshold = float32(config.reward_threshold)
 
     def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
         config = self._config
-        if self.generation_batch != self.last_decayed_batch and self.batch_reward > self._threshold:
+        if self.generation_batch != self.last_decayed_batch and float32(self.batch_reward) > self._threshold:
             self.value = max(self.value * config.dynamic_beta_decay, config.beta_min)
             self.last_decayed_batch = self.generation_batch
         if config.beta_schedule_steps is not None and completed_steps >= config.beta_schedule_steps:

@@ -1,5 +1,12 @@
 """Every error and warning the package raises of its own, in one place (pure Python: the core and the integrations
-import it; users catch them from the top level, `from unsloth_adaptive_kl import NonFiniteLogProbError`)."""
+import it; users catch them from the top level, `from unsloth_adaptive_kl import NonFiniteLogProbError`), and
+`reject`, the one wording of a bad setting's ValueError."""
+
+
+def reject(name: str, value: object, allowed: str) -> ValueError:
+    """The ValueError for a bad setting, in the package's one wording: the field, its value and what is allowed
+    (the integrations use it for their trainers' fields too)."""
+    return ValueError(f"{name}={value!r} is invalid: allowed is {allowed}.")
 
 
 class NonFiniteLogProbError(FloatingPointError, ValueError):

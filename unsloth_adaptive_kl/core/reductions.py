@@ -1,5 +1,5 @@
 """The reductions of a per-token tensor to the loss's scalar, in one table (pure torch, a leaf: it imports only
-numerics). Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i, so the
+numerics and errors). Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i, so the
 per-token tensor is summed once per completion whatever the reduction.
 
 `REDUCTIONS` holds one `Reduction` record each (its function, the loss types it serves, its `kl_reduction` setting,
@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .errors import reject
 from .numerics import HALF_PRECISION, keep_valid, upcast
 
 
@@ -28,6 +29,14 @@ class ReductionContext:
 
     max_completion_length: Optional[int] = None
     token_normalizer: Optional[Union[torch.Tensor, float]] = None
+
+    def __post_init__(self) -> None:
+        # A number <= 0 would flip the KL term's sign or divide by zero. A tensor (the trainer's own count, on its
+        # device) is not read back here.
+        for name in ("max_completion_length", "token_normalizer"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or (isinstance(value, (int, float)) and not value > 0):
+                raise reject(name, value, "a number > 0, or None where the loss_type does not need it")
 
 
 # Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i, so the per-token

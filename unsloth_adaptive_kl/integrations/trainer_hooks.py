@@ -91,7 +91,8 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
     defaults) beside its adaptive-KL settings `config`: raise ValueError naming the first bad field, its value and what
     is allowed. With the KL in the reward, `multi_objective_aggregation` must sum before normalising; with
     `sync_ref_model=True`, `ref_model_mixup_alpha` is in (0, 1], `ref_model_sync_steps` an integer >= 1 and beta != 0
-    (with syncing off nothing reads them, so they are not checked). A non-stock KL built from the trainer's own
+    (with syncing off nothing reads TRL's, so they are not checked; this package's `ref_model_sync_kl` and
+    `ref_model_sync_reset_optimizer` must then be off). A non-stock KL built from the trainer's own
     per-token KL is refused where that KL carries a sequence-level weight (`sequence_weighted_kl`)."""
     if sequence_weighted_kl(args) and config.reads_trainer_kl and not config.kl_in_reward and not config.is_stock_kl:
         raise reject("use_bias_correction_kl", True,
@@ -109,6 +110,11 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
                      "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
                      "reward before the group statistics)")
     if not getattr(args, "sync_ref_model", False):
+        # this package's sync settings act on the reference sync alone: with it off they would do nothing
+        for name, off in (("ref_model_sync_kl", None), ("ref_model_sync_reset_optimizer", False)):
+            if getattr(args, name, off) is not off:
+                raise reject(name, getattr(args, name), f"{off!r} with sync_ref_model=False (the setting acts on the "
+                             "reference sync, which is off); set sync_ref_model=True to sync the reference")
         return
     alpha, steps = getattr(args, "ref_model_mixup_alpha", 0.6), getattr(args, "ref_model_sync_steps", 512)
     check_real("ref_model_mixup_alpha", alpha, is_real(alpha) and 0 < alpha <= 1,
@@ -138,14 +144,7 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
     # TRL's num_iterations: the optimizer passes over each generation batch (target counts a completion once per batch)
     adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type, num_iterations=trainer.args.num_iterations)
     check_trl_settings(trainer.args, config)
-    if trainer.beta == 0.0 and not config.is_stock_kl:
-        warnings.warn(
-            f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL term off "
-            "(and the trainer loads no reference model). Set beta > 0 to regularise.",
-            UserWarning,
-            stacklevel=3,
-        )
-    elif config.is_stock_kl and sequence_weighted_kl(trainer.args):  # stock: kept as the trainer computes it
+    if config.is_stock_kl and sequence_weighted_kl(trainer.args):  # stock: kept as the trainer computes it
         warnings.warn(
             "importance_sampling_level='sequence' with use_bias_correction_kl=True: the trainer multiplies each "
             "token's KL by the sequence-level importance ratio broadcast over the tokens, so the KL gradient gains the "

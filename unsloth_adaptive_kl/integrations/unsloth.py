@@ -63,6 +63,7 @@ from .versions import (
     UNSLOTH_ANCHORS,
     UNSLOTH_KL_LINE,
     UNSLOTH_LOSS_CALL,
+    UNSLOTH_PASSED_LOSS_KWARGS,
     UNSLOTH_REJECTED_TOKENS_LEAVE_KL,
     UNSLOTH_REWARD_METRIC,
     Anchor,
@@ -93,27 +94,19 @@ def generated_grpo_trainer() -> Optional[type]:
     return trainer if trainer.__name__ == GENERATED_CLASS else None
 
 
-# The keywords the generated compute_loss passes grpo_accumulated_loss (which hands them on to the loss), by which the
-# installed grpo_compute_loss reduces the loss; it reads each with a default, so a renamed one would silently differ.
-PASSED_LOSS_KWARGS = ("loss_type", "max_completion_length", "num_items_in_batch", "current_gradient_accumulation_steps",
-                      "num_processes")
-
-
 def _passed(kwargs: dict, name: str) -> Any:
     """kwargs[name]; where the generated compute_loss did not pass it, an IncompatibleVersionError naming it."""
     if name not in kwargs:
-        raise anchor_error("unsloth", Anchor("UnslothGRPOTrainer.compute_loss", f"{name} = ",
-                                             "a keyword its grpo_accumulated_loss call passes the loss, which reduces "
-                                             "the adapted KL as it reduces the loss"), "Unsloth's generated trainer: ")
+        raise _missing("unsloth", UNSLOTH_PASSED_LOSS_KWARGS[name])()
     return kwargs[name]
 
 
 def _normalisers(kwargs: dict, bnpo_rule: str) -> tuple[str, LossNormalisers]:
     """The installed grpo_compute_loss's loss_type reduction and normalisers, from the kwargs the trainer passes it
-    (`PASSED_LOSS_KWARGS`, each required; `steps_per_generation` is set by grpo_accumulated_loss itself, None in
+    (`versions.UNSLOTH_PASSED_LOSS_KWARGS`, each required; `steps_per_generation` is set by grpo_accumulated_loss itself, None in
     evaluation, as the installed loss reads it); bnpo divides as dapo does where `bnpo_rule` is 'global' (see
     versions.UNSLOTH_BNPO_RULES)."""
-    loss_type, max_length, items, accumulation, processes = (_passed(kwargs, name) for name in PASSED_LOSS_KWARGS)
+    loss_type, max_length, items, accumulation, processes = (_passed(kwargs, name) for name in UNSLOTH_PASSED_LOSS_KWARGS)
     if items is not None and loss_type == "bnpo" and bnpo_rule == "global":
         loss_type = "dapo"
     return loss_type, LossNormalisers(
@@ -156,12 +149,13 @@ class _AdaptiveEfficientGRPO:
         trainer, calls = active
         config = trainer.adaptive_kl.config
         kwargs = extra_kwargs or {}
-        if kwargs.get("sample_weight") is not None:
-            raise NotImplementedError(
-                "adaptive KL does not support Unsloth's per-sample loss weights (UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE / "
-                "UNSLOTH_GRPO_LOSS_AGGREGATION); unset them."
-            )
         stock = config.is_stock_kl
+        if kwargs.get("sample_weight") is not None:
+            if not stock:  # refused at construction (`_check_unsupported`); the variables were set after it
+                raise NotImplementedError(f"{SAMPLE_WEIGHTS}: they were set after the trainer was built")
+            calls.append(None)  # stock, untouched: no adaptive_kl/* metrics (warned at construction)
+            return cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages, beta, scaler,
+                                      n_chunks, extra_kwargs, upstream_scale)
         # Unsloth's KL line reads the masked reference; the estimator and the non-finite check read the raw one.
         raw_ref, ref = ref, masked_reference(ref, new, mask)
         outputs = list(cls.upstream.apply(new, old, ref, sampling, lm_head, input_ids, mask, advantages,
@@ -274,23 +268,39 @@ PAD_IS_EOS = ("Unsloth's GRPO loss masks every pad token out of the loss (`compl
               "page: the trainer's own k3 ended 0.79 from the optimum where TRL's ended 0.023)")
 
 
-def _check_pad_is_eos(upstream: Callable) -> Callable:
-    # Wraps the generated UnslothGRPOTrainer.__init__ (after `wrap_init`): with pad = EOS, refuse a KL this package
-    # adapts (it would be computed without the EOS tokens and still land elsewhere); the stock KL warns and stays stock.
+SAMPLE_WEIGHTS = ("Unsloth's per-completion loss weights (UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE=1 or "
+                  "UNSLOTH_GRPO_LOSS_AGGREGATION=prompt) reweight the loss's rows, which an adapted KL term does not "
+                  "follow")
+
+
+def _check_unsupported(upstream: Callable, sample_weight_mode: Optional[Callable[[], Any]]) -> Callable:
+    # Wraps the generated UnslothGRPOTrainer.__init__ (after `wrap_init`). Refuses, before training, a KL this package
+    # adapts where it cannot follow Unsloth's loss; the stock KL warns and stays stock:
+    # - Unsloth's per-completion weights, on where the generated module's own `_unsloth_grpo_sample_weight_mode()`
+    #   says so (it reads the environment variables when each batch is generated);
+    # - pad = EOS: the KL would be computed without the EOS tokens and still land elsewhere.
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         upstream(self, *args, **kwargs)
+        config = self.adaptive_kl.config
+        if sample_weight_mode is not None and sample_weight_mode() is not None and self.beta != 0.0:
+            if not config.is_stock_kl:
+                raise NotImplementedError(
+                    f"{SAMPLE_WEIGHTS}: kl_adaptation_method={config.kl_adaptation_method!r}, kl_placement="
+                    f"{config.kl_placement!r} is not supported with them. Unset them, or use "
+                    "kl_adaptation_method='none' with the KL in the loss (stock Unsloth)")
+            warnings.warn(f"{SAMPLE_WEIGHTS}: the loss stays stock Unsloth's, and no adaptive_kl/* metric is logged "
+                          "for the batches they weight.", UserWarning, stacklevel=2)
         tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor holds one
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None or pad != getattr(tokenizer, "eos_token_id", None):
             return
         fix = ("a tokenizer with a pad token of its own (FastLanguageModel.from_pretrained gives one; or set "
                "tokenizer.pad_token to an unused special token of the vocabulary)")
-        if not self.adaptive_kl.config.is_stock_kl:
+        if not config.is_stock_kl:
             raise reject("pad_token_id", pad, f"a token other than the eos_token_id ({pad}) with kl_adaptation_method="
-                         f"{self.adaptive_kl.config.kl_adaptation_method!r}, kl_placement="
-                         f"{self.adaptive_kl.config.kl_placement!r}: {PAD_IS_EOS}. Use {fix}; "
-                         "kl_adaptation_method='none' with the KL in the loss stays stock (it warns)")
+                         f"{config.kl_adaptation_method!r}, kl_placement={config.kl_placement!r}: {PAD_IS_EOS}. Use "
+                         f"{fix}; kl_adaptation_method='none' with the KL in the loss stays stock (it warns)")
         warnings.warn(f"pad_token_id={pad} is the eos_token_id: {PAD_IS_EOS}. Use {fix}.", UserWarning, stacklevel=2)
 
     return __init__
@@ -332,7 +342,8 @@ def _install(trainer_class: type) -> None:
     _patches.replace(config_class, "__post_init__", _wrap_config_post_init(config_class.__post_init__))
     _patches.replace(config_class, "__init__", _wrap_config_init(config_class.__init__))
     # The generated trainer's own methods, copied from TRL's source: TRL-side patches do not reach them.
-    _patches.replace(trainer_class, "__init__", _check_pad_is_eos(wrap_init(trainer_class.__init__)))
+    _patches.replace(trainer_class, "__init__", _check_unsupported(wrap_init(trainer_class.__init__),
+                                                                   getattr(module, "_unsloth_grpo_sample_weight_mode", None)))
     _patches.replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
     _patches.replace(trainer_class, "_generate_and_score_completions",
              wrap_generate_and_score(trainer_class._generate_and_score_completions,

@@ -235,7 +235,6 @@ class AdaptivePPOLoss:
     log-probs found, which the driver hands to the core (`AdaptiveKL.record_sums`, `NonFiniteLogProbError`)."""
 
     def __init__(self, actor_config: Any, config: AdaptiveKLConfig) -> None:
-        self.actor_config = actor_config
         self.config = config
         self.agg_mode = kl_agg_mode(config, actor_config.loss_agg_mode)
         self.verl_term = (not shapes_per_token(config) and config.reads_trainer_kl
@@ -248,8 +247,6 @@ class AdaptivePPOLoss:
         self.stock_config = copy.copy(actor_config)
 
     def __call__(self, model_output: Any, data: Any, dp_group: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
-        if not self.actor_config.use_kl_loss:
-            return losses.ppo_loss(self.stock_config, model_output, data, dp_group)
         beta = tu.get_non_tensor_data(data=data, key=BETA_KEY, default=None)
         if beta is None:  # the driver pushes beta_t with every actor update: without it the controller is not in use
             raise RuntimeError(
@@ -437,7 +434,7 @@ class RewardKLController:
 def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty: str = "kl") -> tuple[Any, dict]:
     """verl's `apply_kl_penalty` with the per-token KL shaped (clip/sigmoid); without shaping, verl's own function.
     token_level_rewards = token_level_scores - beta_t * shape(k), k verl's `kl_penalty` of the core's masked
-    log-probs (float32, 0 on masked positions, so k and shape(k) are 0 there); verl's metrics, plus the core's
+    log-probs (float32, 0 on masked positions, so k and shape(k) are 0 there; verl's own function is given them too); verl's metrics, plus the core's
     reward-placement metrics under `adaptive_kl/reward/`. A non-finite `old_log_probs` or `ref_log_prob` on a valid
     token raises `NonFiniteLogProbError` before any reward is penalised."""
     mask = data.batch["response_mask"]
@@ -445,7 +442,15 @@ def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty
     kld = core_algos.kl_penalty(old, ref, kl_penalty=kl_penalty)
     adaptive = kl_ctrl.penalize(kld, old, ref, mask)
     if not shapes_per_token(kl_ctrl.config):
-        data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=kl_ctrl, kl_penalty=kl_penalty)
+        # verl's own function, given the masked log-probs: a NaN or inf on a masked position (which verl multiplies
+        # by the mask: NaN * 0 is NaN) leaves the rewards finite. The batch keeps its own log-probs after it.
+        raw = {key: data.batch[key] for key in ("old_log_probs", "ref_log_prob")}
+        data.batch["old_log_probs"], data.batch["ref_log_prob"] = old, ref
+        try:
+            data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=kl_ctrl, kl_penalty=kl_penalty)
+        finally:
+            for key, value in raw.items():
+                data.batch[key] = value
     else:
         beta = kl_ctrl.value
         shaped = shape_kl(kld, kl_ctrl.config)  # every shaping maps a masked position's 0 to 0

@@ -24,7 +24,7 @@ from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 # What the CI matrix runs (.ci/run): the README's compatibility table lists the exact sets.
 TESTED: dict[str, SpecifierSet] = {
     "trl": SpecifierSet(">=1.9.1,<=1.16.0"),
-    "transformers": SpecifierSet(">=5.17.0,<=5.23.0"),
+    "transformers": SpecifierSet(">=5.17.0,<=5.24.0"),
     "torch": SpecifierSet(">=2.13.0,<=2.15.0"),
     "unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
     "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"),
@@ -133,7 +133,17 @@ UNSLOTH_REWARD_METRIC = Anchor("UnslothGRPOTrainer._generate_and_score_completio
 # (B, C + max_left_pad): this local, each row's left padding, puts them back in TRL's (B, C) layout for the KL in the
 # reward (trainer_hooks.trl_layout).
 UNSLOTH_LEFT_PAD_LOCAL = "left_pad_tokens_per_prompt"
+# The keywords the generated compute_loss passes grpo_accumulated_loss (which hands them on to the loss), by which the
+# installed grpo_compute_loss reduces the loss; it reads each with a default, so a renamed one would silently differ.
+# Checked in the source at patch time, and in the call's keywords at the first loss call.
+UNSLOTH_PASSED_LOSS_KWARGS = {
+    name: Anchor("UnslothGRPOTrainer.compute_loss", f"{name} = ", "a keyword its grpo_accumulated_loss call passes the "
+                 "loss, which reduces the adapted KL as it reduces the loss")
+    for name in ("loss_type", "max_completion_length", "num_items_in_batch", "current_gradient_accumulation_steps",
+                 "num_processes")
+}
 UNSLOTH_ANCHORS = (
+    *UNSLOTH_PASSED_LOSS_KWARGS.values(),
     UNSLOTH_KL_LINE,
     UNSLOTH_LOSS_CALL,
     UNSLOTH_REWARD_METRIC,

@@ -339,7 +339,8 @@ def default_settings(estimators: Sequence[str] = (), methods: Sequence[str] = ()
     settings.append(Setting("k1 in the reward, sequence_mean", "reward",
                             (("kl_estimator", "k1"), ("kl_reduction", "sequence_mean")), group=reductions))
     for estimator, reduction in (("k3", "sequence_mean"), ("k3", "token_mean"), ("k3", "sequence_sum"),
-                                 ("k1_future", "sequence_mean"), ("k1_future", "token_mean")):
+                                 ("k1_future", "sequence_mean"), ("k1_future", "token_mean"),
+                                 ("k1_future", "sequence_sum")):
         settings.append(Setting(f"{estimator} in the loss, {reduction}", "loss",
                                 (("kl_estimator", estimator), ("kl_reduction", reduction)), group=reductions))
     method_group = "methods (k3 in the loss, k1 in the reward)"
