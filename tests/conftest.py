@@ -3,11 +3,12 @@ core's tests run where trl is not installed (CI row g); the trainer helpers impo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -17,9 +18,30 @@ import torch
 torch.set_num_threads(1)  # on 2 cores thread oversubscription makes each step 30-100x slower
 
 import unsloth_adaptive_kl  # noqa: E402,F401  (patches TRL where it is installed)
+from unsloth_adaptive_kl.core import estimators, reductions, registry  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import stock_trl  # noqa: E402,F401  (stock TRL inside the block)
 
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
+
+# The name tables as the package defines them (its built-ins alone), taken before any test registers a name of its own.
+REGISTRIES = (registry.SHAPINGS, registry.BETA_CONTROLLERS, estimators._ESTIMATORS, reductions.REDUCTIONS)
+BUILT_INS = [dict(table) for table in REGISTRIES]
+
+
+@contextlib.contextmanager
+def built_in_registries() -> Iterator[None]:
+    """The name tables hold the package's built-ins alone inside the block (what a fresh process has), and whatever
+    they held before after it: a docs block prints what it prints run on its own."""
+    saved = [dict(table) for table in REGISTRIES]
+    try:
+        for table, built_in in zip(REGISTRIES, BUILT_INS):
+            table.clear()
+            table.update(built_in)
+        yield
+    finally:
+        for table, before in zip(REGISTRIES, saved):
+            table.clear()
+            table.update(before)
 
 
 def hash_reward(completions: list[str], **kwargs: Any) -> list[float]:

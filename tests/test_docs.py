@@ -6,9 +6,11 @@ fails on a broken anchor."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -16,11 +18,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import pytest
 
-from .conftest import make_trainer
+from .conftest import built_in_registries, make_trainer
 from unsloth_adaptive_kl.core.config import METHODS, AdaptiveKLConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +49,7 @@ class Block(NamedTuple):
     line: int
     code: str
     no_run: str  # the reason, or "" for a block that runs
+    shown: Optional[str] = None  # the `text` block right after it (blank lines between): what the page says it prints
 
     @property
     def id(self) -> str:
@@ -66,7 +69,9 @@ def python_blocks(path: Path) -> list[Block]:
         line = text.count("\n", 0, match.start()) + 1
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         reason = NO_RUN.search(before)
-        blocks.append(Block(path, line, match["body"], reason["reason"] if reason else ""))
+        after = FENCE.match(text, len(text) - len(text[match.end():].lstrip("\n")))  # the next block, blank lines between
+        shown = after["body"] if after and after["lang"] == "text" else None
+        blocks.append(Block(path, line, match["body"], reason["reason"] if reason else "", shown))
     return blocks
 
 
@@ -83,8 +88,20 @@ def test_the_docs_have_python_blocks_to_check() -> None:
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if not b.no_run], ids=lambda b: b.id)
 def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block runs on its own (the package's built-in names alone); where the page shows its output (a `text`
+    block right after it), it prints exactly that."""
     monkeypatch.chdir(tmp_path)
-    exec(compile(block.code, block.id, "exec"), {"__name__": "__main__"})
+    printed = io.StringIO()
+    with built_in_registries(), contextlib.redirect_stdout(printed):
+        exec(compile(block.code, block.id, "exec"), {"__name__": "__main__"})
+    if block.shown is not None:  # line by line, as the page indents it (a block inside a list is indented)
+        assert [line.strip() for line in printed.getvalue().strip().splitlines()] == [
+            line.strip() for line in block.shown.strip().splitlines()]
+
+
+def test_some_blocks_show_their_output() -> None:
+    """The comparison above has blocks to compare."""
+    assert len([block for block in BLOCKS if block.shown is not None and not block.no_run]) >= 5
 
 
 def imported_names(code: str) -> list[tuple[str, list[str]]]:
