@@ -103,10 +103,11 @@ def _passed(kwargs: dict, name: str) -> Any:
 
 def _normalisers(kwargs: dict, bnpo_rule: str) -> tuple[str, LossNormalisers]:
     """The installed grpo_compute_loss's loss_type reduction and normalisers, from the kwargs the trainer passes it
-    (`versions.UNSLOTH_PASSED_LOSS_KWARGS`, each required; `steps_per_generation` is set by grpo_accumulated_loss itself, None in
-    evaluation, as the installed loss reads it); bnpo divides as dapo does where `bnpo_rule` is 'global' (see
-    versions.UNSLOTH_BNPO_RULES)."""
-    loss_type, max_length, items, accumulation, processes = (_passed(kwargs, name) for name in UNSLOTH_PASSED_LOSS_KWARGS)
+    (`versions.UNSLOTH_PASSED_LOSS_KWARGS`, each required; `steps_per_generation` is set by grpo_accumulated_loss
+    itself, None in evaluation, as the installed loss reads it); bnpo divides as dapo does where `bnpo_rule` is
+    'global' (see versions.UNSLOTH_BNPO_RULES)."""
+    loss_type, max_length, items, accumulation, processes = (
+        _passed(kwargs, name) for name in UNSLOTH_PASSED_LOSS_KWARGS)
     if items is not None and loss_type == "bnpo" and bnpo_rule == "global":
         loss_type = "dapo"
     return loss_type, LossNormalisers(
@@ -342,8 +343,8 @@ def _install(trainer_class: type) -> None:
     _patches.replace(config_class, "__post_init__", _wrap_config_post_init(config_class.__post_init__))
     _patches.replace(config_class, "__init__", _wrap_config_init(config_class.__init__))
     # The generated trainer's own methods, copied from TRL's source: TRL-side patches do not reach them.
-    _patches.replace(trainer_class, "__init__", _check_unsupported(wrap_init(trainer_class.__init__),
-                                                                   getattr(module, "_unsloth_grpo_sample_weight_mode", None)))
+    weights = getattr(module, "_unsloth_grpo_sample_weight_mode", None)  # None where Unsloth has no such weights
+    _patches.replace(trainer_class, "__init__", _check_unsupported(wrap_init(trainer_class.__init__), weights))
     _patches.replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
     _patches.replace(trainer_class, "_generate_and_score_completions",
              wrap_generate_and_score(trainer_class._generate_and_score_completions,

@@ -434,7 +434,8 @@ class RewardKLController:
 def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty: str = "kl") -> tuple[Any, dict]:
     """verl's `apply_kl_penalty` with the per-token KL shaped (clip/sigmoid); without shaping, verl's own function.
     token_level_rewards = token_level_scores - beta_t * shape(k), k verl's `kl_penalty` of the core's masked
-    log-probs (float32, 0 on masked positions, so k and shape(k) are 0 there; verl's own function is given them too); verl's metrics, plus the core's
+    log-probs (float32, 0 on masked positions, so k and shape(k) are 0 there; verl's own function is given them too);
+    verl's metrics, plus the core's
     reward-placement metrics under `adaptive_kl/reward/`. A non-finite `old_log_probs` or `ref_log_prob` on a valid
     token raises `NonFiniteLogProbError` before any reward is penalised."""
     mask = data.batch["response_mask"]

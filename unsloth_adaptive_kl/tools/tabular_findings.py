@@ -61,9 +61,9 @@ def findings(result: dict[str, Any]) -> list[str]:
         lengths = [_row(result, env, f"{name} in the reward")["length"] for name in grows for env in ENVIRONMENTS]
         out.append(f"**{_names(grows)} in the reward do not regularise**: the KL to the reference ends at "
                    f"{min(kls):.3f} to {max(kls):.3f}, above the {_each(result, OFF, 'kl_ref')} of no KL at all, and "
-                   f"E[r] at {min(rewards):.3f} to {max(rewards):.3f}. As a reward their score-function gradient is not the KL's "
-                   "gradient (their value is not the log-ratio). They shorten completions (every extra token adds "
-                   f"\\( k \\geq 0 \\) to the summed penalty: E[length] {min(lengths):.3f} to {max(lengths):.3f} "
+                   f"E[r] at {min(rewards):.3f} to {max(rewards):.3f}. As a reward their score-function gradient is "
+                   "not the KL's gradient (their value is not the log-ratio). They shorten completions (every extra "
+                   f"token adds \\( k \\geq 0 \\) to the summed penalty: E[length] {min(lengths):.3f} to {max(lengths):.3f} "
                    f"against the optimum's {_each(result, OPTIMUM, 'length')}), which is why a length curve alone "
                    "does not reveal it. An explicit one there warns (`KLEstimatorWarning`).")
     for name in (name for name in K3_FAMILY if name not in grows):
@@ -101,12 +101,13 @@ def findings(result: dict[str, Any]) -> list[str]:
                "is not divided by the policy gradient's normaliser, so it acts as a larger beta: it ends "
                f"{_each(result, summed, 'kl_opt', 4)} from \\( \\pi^*_\\beta \\), on the frontier (regret "
                f"{_each(result, summed, 'regret', 4)}) at a KL to the reference of {_each(result, summed, 'kl_ref')}. "
-               "Shaping (`clip`, `sigmoid`) changes the value the KL-to-go sums, so a shaped k1_future is no longer the "
-               "exact gradient.")
+               "Shaping (`clip`, `sigmoid`) changes the value the KL-to-go sums, so a shaped k1_future is no longer "
+               "the exact gradient.")
 
     mean_reward, normalized = "k1 in the reward, sequence_mean", "length_normalized in the loss"
-    longer = all(_row(result, env, mean_reward)["length"] > _row(result, env, OPTIMUM)["length"] for env in ENVIRONMENTS)
-    shorter = all(_row(result, env, normalized)["length"] < _row(result, env, OPTIMUM)["length"] for env in ENVIRONMENTS)
+    optimum = {env: _row(result, env, OPTIMUM)["length"] for env in ENVIRONMENTS}
+    longer = all(_row(result, env, mean_reward)["length"] > optimum[env] for env in ENVIRONMENTS)
+    shorter = all(_row(result, env, normalized)["length"] < optimum[env] for env in ENVIRONMENTS)
     title = ("Per-completion means lengthen, length normalisation shortens" if longer and shorter
              else "Per-completion means and length normalisation move the length")
     out.append(f"**{title}**: with the optimum's E[length] at {_each(result, OPTIMUM, 'length')}, a per-completion "
