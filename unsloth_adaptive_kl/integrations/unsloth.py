@@ -265,8 +265,8 @@ def _wrap_config_init(upstream: Callable) -> Callable:
 
 PAD_IS_EOS = ("Unsloth's GRPO loss masks every pad token out of the loss (`completion_ids != pad_token_id`), so each "
               "completion's EOS token gets no policy gradient and no KL: the decision to stop is not trained, and a KL "
-              "setting lands elsewhere than in TRL's GRPOTrainer (the KL lab through Unsloth, in the Ground truth "
-              "page: the trainer's own k3 ended 0.79 from the optimum where TRL's ended 0.023)")
+              "setting lands elsewhere than in TRL's GRPOTrainer (the KL lab through Unsloth, on the docs' Ground "
+              "truth page, measures how far)")
 
 
 SAMPLE_WEIGHTS = ("Unsloth's per-completion loss weights (UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE=1 or "
