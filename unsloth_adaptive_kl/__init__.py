@@ -35,7 +35,8 @@ def patch() -> None:
                           "(or [unsloth]).")
     from .integrations import trl, unsloth
 
-    if trl.is_patched():  # already patched (an Unsloth trainer generated since then was hooked as it was generated)
+    if trl.is_patched():  # already patched; the Unsloth hook too (idempotent), in case it failed after TRL's
+        unsloth.patch()
         return
     unsloth.check_import_order()
     trl.patch()

@@ -9,6 +9,7 @@ integrations read it. `register_kl_reduction` adds a `kl_reduction` value, as th
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -35,7 +36,7 @@ class ReductionContext:
         # device) is not read back here.
         for name in ("max_completion_length", "token_normalizer"):
             value = getattr(self, name)
-            if isinstance(value, bool) or (isinstance(value, (int, float)) and not value > 0):
+            if isinstance(value, bool) or (isinstance(value, numbers.Real) and not value > 0):  # numpy's too
                 raise reject(name, value, "a number > 0, or None where the loss_type does not need it")
 
 

@@ -8,6 +8,7 @@ its setting label, as `tabular_lab.default_settings` writes it.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 ENVIRONMENTS = ("contains_a", "first_a")
@@ -16,6 +17,8 @@ OPTIMUM = "the optimum pi*"
 K1_VALUED = ("k1", "k1+", "k1_future")  # the estimators whose value is the log-ratio
 K3_FAMILY = ("k2", "k3", "k3+", "low_var_kl", "k3_bottom_percentile")
 OFF_FRONTIER = 0.05  # a frontier regret above this is named
+FRONTIER = 0.01  # a frontier regret below this is "on the frontier"
+EXACT, NEAR = 1e-3, 0.05  # KL(pi||pi*) below EXACT: on pi*; below NEAR: near it
 SETTLED = 0.05  # target: beta within 5 % of beta*
 TRACE_EVERY = 50  # target: steps between two recorded betas (tabular_lab.target_experiment)
 
@@ -33,102 +36,150 @@ def _kl_opt(value: float) -> str:
     return "0" if value < 5e-5 else f"{value:.4f}"
 
 
+def _span(values: Sequence[float]) -> str:
+    """'2.092 to 2.389', or one figure where all are the same at three decimals."""
+    low, high = f"{min(values):.3f}", f"{max(values):.3f}"
+    return low if low == high else f"{low} to {high}"
+
+
 def _names(names: Sequence[str]) -> str:
     quoted = [f"`{name}`" for name in names]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
+def _at_most(value: float) -> str:
+    """`value` rounded up to two significant digits: a bound that holds ('at most 2.2e-06' for 2.14e-06)."""
+    if value <= 0:
+        return "0"
+    unit = 10 ** (math.floor(math.log10(value)) - 1)
+    return f"{math.ceil(value / unit) * unit:.2g}"
+
+
+def _where(result: dict[str, Any], setting: str) -> str:
+    """Where a setting ends against pi*_beta, from its KL(pi||pi*) in both environments: on it, near it, or far."""
+    values = [_row(result, env, setting)["kl_opt"] for env in ENVIRONMENTS]
+    return "lands on" if max(values) < EXACT else "ends near" if max(values) < NEAR else "ends far from"
+
+
 def findings(result: dict[str, Any]) -> list[str]:
     """The Ground truth page's "What the tables show", from the lab's result (both environments). Every figure
-    reads "contains_a and first_a" where two are given."""
+    reads "contains_a and first_a" where two are given; every verdict (on, near, far, grows, shortens) is the
+    comparison of the figures beside it."""
     rows = {env: result["tables"][env]["rows"] for env in ENVIRONMENTS}
+    optimum = {env: _row(result, env, OPTIMUM) for env in ENVIRONMENTS}
+    off = {env: _row(result, env, OFF) for env in ENVIRONMENTS}
     out = []
 
     k1_rows = [row for env in ENVIRONMENTS for row in rows[env] if row.get("placement") == "reward"
                and row["setting"].split(" in the reward")[0] in K1_VALUED and "sequence_mean" not in row["setting"]]
     worst = max(row["kl_opt"] for row in k1_rows)
-    out.append(f"**k1 in the reward {'lands on' if worst < 1e-3 else 'ends near'} \\( \\pi^*_\\beta \\)**: in all "
+    out.append(f"**k1 in the reward {'lands on' if worst < EXACT else 'ends near'} \\( \\pi^*_\\beta \\)**: in all "
                f"{len(k1_rows)} of its rows (both environments, every loss type and reward scaling; `k1+` and "
-               f"`k1_future`, which have k1's value, alike) KL(pi||pi\\*) is at most {worst:.1e}. It is the "
-               "reward placement's default estimator: `kl_estimator=None` resolves to `k1` there.")
+               f"`k1_future`, which have k1's value, alike) KL(pi||pi\\*) is at most {_at_most(worst)}. It is the "
+               "reward placement's default estimator: `kl_estimator=None` resolves to `k1` there, with the summed "
+               f"KL of each completion (`sequence_sum`): E[length] {_each(result, 'k1 in the reward', 'length')}"
+               + (", the optimum's." if all(abs(_row(result, env, "k1 in the reward")["length"] - optimum[env]["length"])
+                                            < 0.01 for env in ENVIRONMENTS)
+                  else f" (the optimum's: {_each(result, OPTIMUM, 'length')})."))
 
-    off_kl = {env: _row(result, env, OFF)["kl_ref"] for env in ENVIRONMENTS}
-    grows = [name for name in K3_FAMILY if all(_row(result, env, f"{name} in the reward")["kl_ref"] >= off_kl[env]
-                                               for env in ENVIRONMENTS)]
+    def reward(name: str, env: str) -> dict[str, Any]:
+        return _row(result, env, f"{name} in the reward")
+
+    grows = [name for name in K3_FAMILY if all(reward(name, env)["kl_ref"] >= off[env]["kl_ref"] for env in ENVIRONMENTS)]
     if grows:
-        kls = [_row(result, env, f"{name} in the reward")["kl_ref"] for name in grows for env in ENVIRONMENTS]
-        rewards = [_row(result, env, f"{name} in the reward")["reward"] for name in grows for env in ENVIRONMENTS]
-        lengths = [_row(result, env, f"{name} in the reward")["length"] for name in grows for env in ENVIRONMENTS]
-        out.append(f"**{_names(grows)} in the reward do not regularise**: the KL to the reference ends at "
-                   f"{min(kls):.3f} to {max(kls):.3f}, above the {_each(result, OFF, 'kl_ref')} of no KL at all, and "
-                   f"E[r] at {min(rewards):.3f} to {max(rewards):.3f}. As a reward their score-function gradient is "
-                   "not the KL's gradient (their value is not the log-ratio). They shorten completions (every extra "
-                   f"token adds \\( k \\geq 0 \\) to the summed penalty: E[length] {min(lengths):.3f} to {max(lengths):.3f} "
-                   f"against the optimum's {_each(result, OPTIMUM, 'length')}), which is why a length curve alone "
-                   "does not reveal it. An explicit one there warns (`KLEstimatorWarning`).")
+        kls = {env: [reward(name, env)["kl_ref"] for name in grows] for env in ENVIRONMENTS}
+        lengths = {env: [reward(name, env)["length"] for name in grows] for env in ENVIRONMENTS}
+        shorter = all(max(lengths[env]) < optimum[env]["length"] for env in ENVIRONMENTS)
+        rewards = [reward(name, env)["reward"] for name in grows for env in ENVIRONMENTS]
+        span = "; ".join(f"{env}: {_span(kls[env])} against {off[env]['kl_ref']:.3f}" for env in ENVIRONMENTS)
+        length = "; ".join(f"{env}: {_span(lengths[env])} against the optimum's {optimum[env]['length']:.3f}"
+                           for env in ENVIRONMENTS)
+        out.append(f"**{_names(grows)} in the reward do not regularise**: the KL to the reference ends above that of "
+                   f"no KL at all ({span}), E[r] at {_span(rewards)}. As a reward their "
+                   "score-function gradient is not the KL's gradient (their value is not the log-ratio). "
+                   + (f"They shorten completions (every extra token adds \\( k \\geq 0 \\) to the summed penalty: "
+                      f"E[length] {length}), which is why a length curve alone does not reveal it. " if shorter else
+                      f"E[length]: {length}. ")
+                   + "An explicit one there warns (`KLEstimatorWarning`).")
     for name in (name for name in K3_FAMILY if name not in grows):
         setting = f"{name} in the reward"
-        out.append(f"**`{name}` in the reward** ends at a KL to the reference of {_each(result, setting, 'kl_ref')}"
-                   f" (no KL at all: {_each(result, OFF, 'kl_ref')}), E[r] {_each(result, setting, 'reward')}, and "
-                   f"KL(pi||pi\\*) {_each(result, setting, 'kl_opt', 4)}: far from the optimum wherever it holds the "
-                   "KL down. It warns (`KLEstimatorWarning`).")
+        out.append(f"**`{name}` in the reward {_where(result, setting)} \\( \\pi^*_\\beta \\)**: KL(pi||pi\\*) "
+                   f"{_each(result, setting, 'kl_opt', 4)}, at a KL to the reference of "
+                   f"{_each(result, setting, 'kl_ref')} (no KL at all: {_each(result, OFF, 'kl_ref')}) and E[r] "
+                   f"{_each(result, setting, 'reward')}. It warns (`KLEstimatorWarning`).")
 
     k1_loss = "k1 in the loss"
-    held = all(_row(result, env, k1_loss)["kl_ref"] >= off_kl[env] for env in ENVIRONMENTS)
-    out.append(f"**k1 in the loss {'does not regularise' if held else 'barely regularises'}**: its expected gradient "
-               f"is zero on-policy; the KL to the reference ends at {_each(result, k1_loss, 'kl_ref')}, against "
+    held = all(_row(result, env, k1_loss)["kl_ref"] >= off[env]["kl_ref"] for env in ENVIRONMENTS)
+    out.append(f"**k1 in the loss{' does not regularise' if held else ''}**: its expected gradient is zero "
+               f"on-policy; the KL to the reference ends at {_each(result, k1_loss, 'kl_ref')}, against "
                f"{_each(result, OFF, 'kl_ref')} with no KL. It warns.")
 
-    k3, k2 = "k3 in the loss", "k2 in the loss"
-    out.append(f"**k3 in the loss (TRL's, Unsloth's, verl's) ends near \\( \\pi^*_\\beta \\), not on it**: "
+    k3, k2, future = "k3 in the loss", "k2 in the loss", "k1_future in the loss"
+    apart = [env for env in ENVIRONMENTS if min(_row(result, env, k3)["kl_opt"], _row(result, env, k2)["kl_opt"])
+             > 3 * _row(result, env, future)["kl_opt"]]
+    out.append(f"**k3 in the loss (TRL's, Unsloth's, verl's) {_where(result, k3)} \\( \\pi^*_\\beta \\)**: "
                f"KL(pi||pi\\*) {_each(result, k3, 'kl_opt', 4)}; k2 (= k3+ = k1+ = TRL's bias-corrected k3 "
-               f"on-policy, one gradient) {_each(result, k2, 'kl_opt', 4)}. A per-token loss misses the KL of the "
-               "tokens that follow (Tang & Munos, 2025), so the claim that on-policy \"k2 as loss\" has the gradient "
-               "of \"k1 in the reward\" holds per token, not for a completion.")
+               f"on-policy, one gradient) {_each(result, k2, 'kl_opt', 4)}; k1_future, which adds the KL of the "
+               f"tokens that follow, {_each(result, future, 'kl_opt', 4)}. "
+               + (f"In {' and '.join(apart)} the per-token estimators end more than three times as far as k1_future: "
+                  "a per-token loss misses the KL of the tokens that follow (Tang & Munos, 2025), so the claim that "
+                  "on-policy \"k2 as loss\" has the gradient of \"k1 in the reward\" holds per token, not for a "
+                  "completion." if apart else ""))
 
     constant = ("k1_future in the loss", "k1_future in the loss, dapo, scale none")
     by_length = ("k1_future in the loss, grpo, scale none", "k1_future in the loss, sequence_mean")
+    grouped = [row["kl_opt"] for env in ENVIRONMENTS for row in rows[env]
+               if row["setting"].startswith("k1_future in the loss,") and row["setting"].endswith("scale group")]
     summed = "k1_future in the loss, sequence_sum"
     exact = max(_row(result, env, setting)["kl_opt"] for setting in constant for env in ENVIRONMENTS)
     moved = min(_row(result, env, setting)["kl_opt"] for setting in by_length for env in ENVIRONMENTS)
+    frontier = max(_row(result, env, summed)["regret"] for env in ENVIRONMENTS) < FRONTIER
     out.append("**k1_future in the loss** (`kl_estimator=\"k1_future\"`: the value of k1 per token, the gradient "
                "\\( \\operatorname{sg}\\big(\\sum_{s \\ge t} m_s k_{1,s}\\big)\\, \\nabla \\log \\pi_t \\), the "
                "KL-to-go, which sums to the whole completion's reverse-KL gradient) ends at most "
-               f"{_kl_opt(exact)} from \\( \\pi^*_\\beta \\) where its reduction weighs every completion as the "
-               "policy gradient's does (`dr_grpo`'s `max_length_mean`, `dapo`'s token sum over a fixed count within a "
-               "step); a reduction that divides each completion by its own length (`grpo`, `sequence_mean`) moves the "
-               f"fixed point: {moved:.4f} or more. `kl_reduction=\"sequence_sum\"` weighs every completion alike but "
-               "is not divided by the policy gradient's normaliser, so it acts as a larger beta: it ends "
-               f"{_each(result, summed, 'kl_opt', 4)} from \\( \\pi^*_\\beta \\), on the frontier (regret "
-               f"{_each(result, summed, 'regret', 4)}) at a KL to the reference of {_each(result, summed, 'kl_ref')}. "
+               f"{_at_most(exact)} from \\( \\pi^*_\\beta \\) with `scale_rewards=\"none\"` where its reduction "
+               "weighs every completion as the policy gradient's does (`dr_grpo`'s `max_length_mean`, `dapo`'s token "
+               "sum over a fixed count within a step). A reduction that divides each completion by its own length "
+               f"(`grpo`, `sequence_mean`) moves the fixed point: {moved:.4f} or more. With `scale_rewards=\"group\"` "
+               "(TRL's default) the advantages are divided by each group's reward spread and the KL term is not "
+               f"([the scale relation](#the-scale-relation-what-a-loss-side-beta-means)): {min(grouped):.4f} to "
+               f"{max(grouped):.4f}. `kl_reduction=\"sequence_sum\"` is not divided by the policy gradient's "
+               f"normaliser, so it acts as a larger beta: it ends {_each(result, summed, 'kl_opt', 4)} from "
+               f"\\( \\pi^*_\\beta \\){', on the frontier' if frontier else ''} (regret "
+               f"{_each(result, summed, 'regret', 4)}), at a KL to the reference of {_each(result, summed, 'kl_ref')}. "
                "Shaping (`clip`, `sigmoid`) changes the value the KL-to-go sums, so a shaped k1_future is no longer "
                "the exact gradient.")
 
     mean_reward, normalized = "k1 in the reward, sequence_mean", "length_normalized in the loss"
-    optimum = {env: _row(result, env, OPTIMUM)["length"] for env in ENVIRONMENTS}
-    longer = all(_row(result, env, mean_reward)["length"] > optimum[env] for env in ENVIRONMENTS)
-    shorter = all(_row(result, env, normalized)["length"] < optimum[env] for env in ENVIRONMENTS)
+    longer = all(_row(result, env, mean_reward)["length"] > optimum[env]["length"] for env in ENVIRONMENTS)
+    shorter = all(_row(result, env, normalized)["length"] < optimum[env]["length"] for env in ENVIRONMENTS)
     title = ("Per-completion means lengthen, length normalisation shortens" if longer and shorter
              else "Per-completion means and length normalisation move the length")
     out.append(f"**{title}**: with the optimum's E[length] at {_each(result, OPTIMUM, 'length')}, a per-completion "
-               f"mean of the KL in the reward (`sequence_mean`) ends at {_each(result, mean_reward, 'length')} and "
-               f"`length_normalized` in the loss at {_each(result, normalized, 'length')}, each at a KL(pi||pi\\*) "
-               f"of {_each(result, mean_reward, 'kl_opt', 4)} and {_each(result, normalized, 'kl_opt', 4)}. A summed "
-               "KL (`sequence_sum` in the reward, or the loss types that sum) keeps the optimum's length.")
+               f"mean of the KL in the reward (`sequence_mean`) ends at {_each(result, mean_reward, 'length')} "
+               f"(KL(pi||pi\\*) {_each(result, mean_reward, 'kl_opt', 4)}), and `length_normalized` in the loss at "
+               f"{_each(result, normalized, 'length')} (KL(pi||pi\\*) {_each(result, normalized, 'kl_opt', 4)}).")
 
     methods = [row for env in ENVIRONMENTS for row in rows[env] if row["group"].startswith("methods")
                and row["setting"].split(" in the ")[0] in ("clip", "dynamic", "target")]
-    grown = [row["kl_ref"] for row in methods if row["setting"].split(" in the ")[0] in ("clip", "dynamic")]
-    out.append(f"**The adaptive methods trade the objective for something else**: `clip` and `dynamic` let the KL to "
-               f"the reference grow to {min(grown):.3f} to {max(grown):.3f} (the optimum's: "
-               f"{_each(result, OPTIMUM, 'kl_ref')}; dynamic's `reward_threshold` is set below the optimum's reward so "
-               f"that it acts), `target` holds it at {_each(result, 'target in the loss', 'kl_ref')} in the loss and "
-               f"{_each(result, 'target in the reward', 'kl_ref')} in the reward; each ends within "
-               f"{max(row['regret'] for row in methods):.4f} of the reward-KL frontier rather than at "
-               "\\( \\pi^*_\\beta \\), which is what they are for. `sigmoid` in the loss ends "
-               f"{_each(result, 'sigmoid in the loss', 'kl_opt', 4)} from \\( \\pi^*_\\beta \\); in the reward, "
-               "shaping k1's signed values weakens the penalty and the KL to the reference ends at "
-               f"{_each(result, 'sigmoid in the reward', 'kl_ref')}.")
+    grown = [row for row in methods if row["setting"].split(" in the ")[0] in ("clip", "dynamic")]
+    grew = all(row["kl_ref"] > optimum[env]["kl_ref"] for env in ENVIRONMENTS for row in grown if row in rows[env])
+    regret = max(row["regret"] for row in methods)
+    sigmoid_reward = "sigmoid in the reward"
+    weaker = all(_row(result, env, sigmoid_reward)["kl_ref"] > optimum[env]["kl_ref"] for env in ENVIRONMENTS)
+    out.append(f"**The adaptive methods trade the objective for something else**: `clip` and `dynamic` "
+               f"{'let the KL to the reference grow to' if grew else 'end at a KL to the reference of'} "
+               f"{min(row['kl_ref'] for row in grown):.3f} to {max(row['kl_ref'] for row in grown):.3f} (the "
+               f"optimum's: {_each(result, OPTIMUM, 'kl_ref')}; dynamic's `reward_threshold` is set below the "
+               f"optimum's reward so that it acts), `target` ends at {_each(result, 'target in the loss', 'kl_ref')} "
+               f"in the loss and {_each(result, 'target in the reward', 'kl_ref')} in the reward; each ends "
+               + (f"within {_at_most(regret)} of the reward-KL frontier rather than at \\( \\pi^*_\\beta \\), which "
+                  "is what they are for. " if regret < FRONTIER else f"up to {regret:.4f} from the reward-KL "
+                  "frontier. ")
+               + f"`sigmoid` in the loss {_where(result, 'sigmoid in the loss')} \\( \\pi^*_\\beta \\) "
+               f"({_each(result, 'sigmoid in the loss', 'kl_opt', 4)}); in the reward the KL to the reference ends "
+               f"at {_each(result, sigmoid_reward, 'kl_ref')}"
+               + (", above the optimum's: shaping k1's signed values weakens the penalty." if weaker else "."))
 
     for env in ENVIRONMENTS:
         outliers = sorted((row for row in rows[env] if row["regret"] > OFF_FRONTIER), key=lambda row: -row["regret"])
@@ -136,15 +187,15 @@ def findings(result: dict[str, Any]) -> list[str]:
         named = "; ".join(f"{row['setting']} {row['regret']:.4f}" for row in outliers)
         out.append(f"**Off the frontier ({env})**: " + (
             f"{named} (frontier regret): they spend KL without buying reward with it; every other setting ends "
-            f"within {rest:.4f} of the frontier." if outliers else
+            f"within {_at_most(rest)} of the frontier." if outliers else
             f"no setting's frontier regret exceeds {OFF_FRONTIER:g}; the largest is {rest:.4f}."))
 
     closer = all(_row(result, "first_a", setting)["kl_opt"] < _row(result, "contains_a", setting)["kl_opt"]
                  for setting in (k3, k2))
     out.append(f"**With the reward saturated and the length free (first_a)**, the per-token estimators in the loss "
-               f"end {'closer to' if closer else 'as far from'} \\( \\pi^*_\\beta \\) than in contains_a: k3 "
-               f"{_each(result, k3, 'kl_opt', 4)}, k2 {_each(result, k2, 'kl_opt', 4)} (only the first token "
-               "matters there, so there is little KL-to-go to miss).")
+               f"end {'closer to' if closer else 'no closer to'} \\( \\pi^*_\\beta \\) than in contains_a: k3 "
+               f"{_each(result, k3, 'kl_opt', 4)}, k2 {_each(result, k2, 'kl_opt', 4)}"
+               + (" (only the first token matters there, so there is little KL-to-go to miss)." if closer else "."))
     return out
 
 
@@ -154,12 +205,12 @@ def target_reading(result: dict[str, Any]) -> list[str]:
     star, steps = result["beta_star"], result["training"]["steps"]
     out = []
     for run in result["runs"]:
-        betas = run["betas"]
+        betas = [*run["betas"], run["final_beta"]]
         within = [abs(beta / star - 1) <= SETTLED for beta in betas]
         settled = next((index for index in range(len(within)) if all(within[index:])), None)
         start = f"At \\( n/\\text{{kl\\_horizon}} = {run['rate']:g} \\), \\( \\beta \\) "
         if settled is None:
-            tail = betas[len(betas) // 2:]
+            tail = run["betas"][len(run["betas"]) // 2:]
             out.append(f"{start}never stays within {SETTLED:.0%} of \\( \\beta^* = {star:.3f} \\): over the second "
                        f"half it ranges from {min(tail):.3f} to {max(tail):.3f}, and the policy with it "
                        f"(KL(pi||pi\\*) {run['kl_opt']:.4f} at the end).")
