@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from .tabular_lab import TARGET_TRACE_EVERY
+
 ENVIRONMENTS = ("contains_a", "first_a")
 OFF = "beta = 0 (no KL)"
 OPTIMUM = "the optimum pi*"
@@ -20,7 +22,6 @@ OFF_FRONTIER = 0.05  # a frontier regret above this is named
 FRONTIER = 0.01  # a frontier regret below this is "on the frontier"
 EXACT, NEAR = 1e-3, 0.05  # KL(pi||pi*) below EXACT: on pi*; below NEAR: near it
 SETTLED = 0.05  # target: beta within 5 % of beta*
-TRACE_EVERY = 50  # target: steps between two recorded betas (tabular_lab.target_experiment)
 
 
 def _row(result: dict[str, Any], environment: str, setting: str) -> dict[str, Any]:
@@ -30,10 +31,6 @@ def _row(result: dict[str, Any], environment: str, setting: str) -> dict[str, An
 def _each(result: dict[str, Any], setting: str, column: str, digits: int = 3) -> str:
     """'0.447 and 0.473': the column in contains_a and first_a."""
     return " and ".join(f"{_row(result, env, setting)[column]:.{digits}f}" for env in ENVIRONMENTS)
-
-
-def _kl_opt(value: float) -> str:
-    return "0" if value < 5e-5 else f"{value:.4f}"
 
 
 def _span(values: Sequence[float]) -> str:
@@ -73,19 +70,20 @@ def findings(result: dict[str, Any]) -> list[str]:
     k1_rows = [row for env in ENVIRONMENTS for row in rows[env] if row.get("placement") == "reward"
                and row["setting"].split(" in the reward")[0] in K1_VALUED and "sequence_mean" not in row["setting"]]
     worst = max(row["kl_opt"] for row in k1_rows)
+    k1_length = all(abs(_row(result, env, "k1 in the reward")["length"] - optimum[env]["length"]) < 0.01
+                    for env in ENVIRONMENTS)
     out.append(f"**k1 in the reward {'lands on' if worst < EXACT else 'ends near'} \\( \\pi^*_\\beta \\)**: in all "
                f"{len(k1_rows)} of its rows (both environments, every loss type and reward scaling; `k1+` and "
                f"`k1_future`, which have k1's value, alike) KL(pi||pi\\*) is at most {_at_most(worst)}. It is the "
                "reward placement's default estimator: `kl_estimator=None` resolves to `k1` there, with the summed "
                f"KL of each completion (`sequence_sum`): E[length] {_each(result, 'k1 in the reward', 'length')}"
-               + (", the optimum's." if all(abs(_row(result, env, "k1 in the reward")["length"] - optimum[env]["length"])
-                                            < 0.01 for env in ENVIRONMENTS)
-                  else f" (the optimum's: {_each(result, OPTIMUM, 'length')})."))
+               + (", the optimum's." if k1_length else f" (the optimum's: {_each(result, OPTIMUM, 'length')})."))
 
     def reward(name: str, env: str) -> dict[str, Any]:
         return _row(result, env, f"{name} in the reward")
 
-    grows = [name for name in K3_FAMILY if all(reward(name, env)["kl_ref"] >= off[env]["kl_ref"] for env in ENVIRONMENTS)]
+    grows = [name for name in K3_FAMILY
+             if all(reward(name, env)["kl_ref"] >= off[env]["kl_ref"] for env in ENVIRONMENTS)]
     if grows:
         kls = {env: [reward(name, env)["kl_ref"] for name in grows] for env in ENVIRONMENTS}
         lengths = {env: [reward(name, env)["length"] for name in grows] for env in ENVIRONMENTS}
@@ -200,8 +198,9 @@ def findings(result: dict[str, Any]) -> list[str]:
 
 
 def target_reading(result: dict[str, Any]) -> list[str]:
-    """Each `target` run's beta against beta*, from its trace (one beta every `TRACE_EVERY` steps): the step from
-    which it stays within `SETTLED` of beta*, or its range over the second half where it never does."""
+    """Each `target` run's beta against beta*, from its trace (one beta every `TARGET_TRACE_EVERY` steps, then the
+    final one): the step from which it stays within `SETTLED` of beta*, or its range over the second half where it
+    never does."""
     star, steps = result["beta_star"], result["training"]["steps"]
     out = []
     for run in result["runs"]:
@@ -216,6 +215,6 @@ def target_reading(result: dict[str, Any]) -> list[str]:
                        f"(KL(pi||pi\\*) {run['kl_opt']:.4f} at the end).")
         else:
             out.append(f"{start}stays within {SETTLED:.0%} of \\( \\beta^* = {star:.3f} \\) from step "
-                       f"{settled * TRACE_EVERY:,} of {steps:,} on and ends at {run['final_beta']:.3f} "
+                       f"{settled * TARGET_TRACE_EVERY:,} of {steps:,} on and ends at {run['final_beta']:.3f} "
                        f"(KL(pi||pi\\*) {run['kl_opt']:.5f}).")
     return out

@@ -400,6 +400,7 @@ def run_table(env: Environment, settings: Sequence[Setting], beta: float, traini
             "completions": len(tree.completions), "rows": rows}
 
 
+TARGET_TRACE_EVERY = 50  # target: steps between two recorded betas
 TARGET_RATES = (0.005, 0.02, 0.1)  # completions per step / kl_horizon: the controller's largest relative step is 0.2x this
 
 
@@ -417,7 +418,7 @@ def target_experiment(env: Environment, beta: float, training: Training, rates: 
         setting = Setting(f"target, kl_horizon {horizon:g}", "reward",
                           (("kl_adaptation_method", "target"), ("kl_target", tau),
                            ("kl_target_measure", "sequence_sum"), ("kl_horizon", horizon)))
-        run = train(tree, setting, beta_0, training, seed, trace_every=50)
+        run = train(tree, setting, beta_0, training, seed, trace_every=TARGET_TRACE_EVERY)
         tail = run.betas[len(run.betas) // 2:]
         runs.append({"kl_horizon": horizon, "rate": rate, "final_beta": run.final_beta, "beta_tail_min": min(tail),
                      "beta_tail_max": max(tail), "kl_ref": run.figures.kl_ref,
