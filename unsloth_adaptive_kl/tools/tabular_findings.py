@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
+from . import tabular_lab
 from .tabular_lab import TARGET_TRACE_EVERY
 
-ENVIRONMENTS = ("contains_a", "first_a")
+ENVIRONMENTS = tuple(tabular_lab.ENVIRONMENTS)  # contains_a, first_a: the order every "x and y" pair reads
 OFF = "beta = 0 (no KL)"
 OPTIMUM = "the optimum pi*"
 K1_VALUED = ("k1", "k1+", "k1_future")  # the estimators whose value is the log-ratio
@@ -158,16 +159,16 @@ def findings(result: dict[str, Any]) -> list[str]:
                f"(KL(pi||pi\\*) {_each(result, mean_reward, 'kl_opt', 4)}), and `length_normalized` in the loss at "
                f"{_each(result, normalized, 'length')} (KL(pi||pi\\*) {_each(result, normalized, 'kl_opt', 4)}).")
 
-    methods = [row for env in ENVIRONMENTS for row in rows[env] if row["group"].startswith("methods")
+    methods = [(env, row) for env in ENVIRONMENTS for row in rows[env] if row["group"].startswith("methods")
                and row["setting"].split(" in the ")[0] in ("clip", "dynamic", "target")]
-    grown = [row for row in methods if row["setting"].split(" in the ")[0] in ("clip", "dynamic")]
-    grew = all(row["kl_ref"] > optimum[env]["kl_ref"] for env in ENVIRONMENTS for row in grown if row in rows[env])
-    regret = max(row["regret"] for row in methods)
+    grown = [(env, row) for env, row in methods if row["setting"].split(" in the ")[0] in ("clip", "dynamic")]
+    grew = all(row["kl_ref"] > optimum[env]["kl_ref"] for env, row in grown)
+    regret = max(row["regret"] for _, row in methods)
     sigmoid_reward = "sigmoid in the reward"
     weaker = all(_row(result, env, sigmoid_reward)["kl_ref"] > optimum[env]["kl_ref"] for env in ENVIRONMENTS)
     out.append(f"**The adaptive methods trade the objective for something else**: `clip` and `dynamic` "
                f"{'let the KL to the reference grow to' if grew else 'end at a KL to the reference of'} "
-               f"{min(row['kl_ref'] for row in grown):.3f} to {max(row['kl_ref'] for row in grown):.3f} (the "
+               f"{min(row['kl_ref'] for _, row in grown):.3f} to {max(row['kl_ref'] for _, row in grown):.3f} (the "
                f"optimum's: {_each(result, OPTIMUM, 'kl_ref')}; dynamic's `reward_threshold` is set below the "
                f"optimum's reward so that it acts), `target` ends at {_each(result, 'target in the loss', 'kl_ref')} "
                f"in the loss and {_each(result, 'target in the reward', 'kl_ref')} in the reward; each ends "
