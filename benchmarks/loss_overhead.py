@@ -328,10 +328,25 @@ def report(args: argparse.Namespace, trainer: Any, stock: list[float], rows: lis
     }
 
 
-def core_op(repeats: int) -> list[dict[str, Any]]:
+def where_time_goes(function: Callable[[], Any], calls: int = 20, count: int = 6) -> list[dict[str, Any]]:
+    """The `count` aten ops with the most self time over `calls` calls of `function` (torch.profiler, CPU), each with
+    its share of the self time of every aten op the call ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            function()
+    events = [event for event in prof.key_averages() if event.key.startswith("aten::")]
+    total = sum(event.self_cpu_time_total for event in events)
+    top = sorted(events, key=lambda event: event.self_cpu_time_total, reverse=True)[:count]
+    return [{"op": event.key, "share": event.self_cpu_time_total / total} for event in top]
+
+
+def core_op(repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The core op alone on a 64 x 4096 per-token KL (90 % valid tokens): the stock k3 expression, and k3 plus each
     method's adaptation (shaping, reductions, diagnostics), eager, with its aten op count; each method against the
-    stock k3 timed in its own interleaved rounds."""
+    stock k3 timed in its own interleaved rounds. Also where `none`'s time goes (`where_time_goes`): what every
+    method pays."""
     from unsloth_adaptive_kl import AdaptiveKLConfig
     from unsloth_adaptive_kl.core.adaptation import kl_term
     from unsloth_adaptive_kl.core.reductions import ReductionContext
@@ -365,7 +380,8 @@ def core_op(repeats: int) -> list[dict[str, Any]]:
         method_ms, stock_ms = statistics.median(samples["eager"]), statistics.median(samples["stock"])
         rows.append({"method": name, "median_ms": method_ms * 1e3, "x_k3": method_ms / stock_ms,
                      "ops": profile_counts(eager)[0] - base_ops})
-    return [{"method": "stock k3", "median_ms": statistics.median(stock_samples) * 1e3, "x_k3": 1.0, "ops": 0}, *rows]
+    stock_row = {"method": "stock k3", "median_ms": statistics.median(stock_samples) * 1e3, "x_k3": 1.0, "ops": 0}
+    return [stock_row, *rows], where_time_goes(lambda: term(AdaptiveKLConfig()))
 
 
 def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str], size: tuple[int, int],
@@ -458,11 +474,12 @@ def main(argv: list[str] | None = None) -> int:
         index = argv.index("--json")
         passthrough = argv[:index] + argv[index + 2:]
     torch.set_num_threads(1)
-    core = core_op(20 if args.smoke else 300)
+    core, profile = core_op(20 if args.smoke else 300)
     print("core op, 64 x 4096 per-token KL (eager ms; x the stock k3 expression; aten ops added)")
     for row in core:
         print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}  +{row['ops']} ops")
-    results: dict[str, Any] = {"core_op": core}
+    print("where none's core op spends its time: " + ", ".join(f"{op['op']} {op['share']:.0%}" for op in profile))
+    results: dict[str, Any] = {"core_op": core, "core_op_profile": profile}
     sizes = {"": ((args.completions, args.completion_length),
                   (args.stock_repeats, args.core_repeats, args.e2e_repeats)),
              "_large": ((args.large_completions, args.large_completion_length),

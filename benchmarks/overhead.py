@@ -170,7 +170,9 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
     elif variant == REF_SYNC:
         method = dict(REF_SYNC_CONFIG)
     else:
-        method = {"kl_adaptation_method": variant, "reward_threshold": 0.0}
+        method = {"kl_adaptation_method": variant}
+        if "dynamic" in variant:  # beta decays every step: a moving beta is what the step costs
+            method["reward_threshold"] = 0.0
     config = trl.GRPOConfig(
         output_dir=output_dir, use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",
         disable_tqdm=True, per_device_train_batch_size=args.batch, num_generations=4,
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_sync_forwards = forwards.pop(REF_SYNC)
     set_stock(False)
     memory = cuda_peak if torch.cuda.is_available() else {variant: peak_rss(variant, argv) for variant in VARIANTS}
-    core = {row["method"]: row["x_k3"] for row in core_op(50 if args.smoke else 300)}
+    core = {row["method"]: row["x_k3"] for row in core_op(50 if args.smoke else 300)[0]}
 
     stock_time = statistics.median(times["stock"])
     rows = []

@@ -116,8 +116,7 @@ def build_trainer(size: Size, model_dir: str, output_dir: str, policy: Any = Non
         model_dir, output_dir, "unsloth", device, precision, policy=policy,
         per_device_train_batch_size=size.prompts * size.completions, num_generations=size.completions,
         gradient_accumulation_steps=1, max_completion_length=size.length, optim="adamw_torch", warmup_steps=0,
-        generation_kwargs={"min_new_tokens": size.length}, logging_steps=1000, beta=0.04, kl_clip_threshold=0.2,
-        **overrides)
+        generation_kwargs={"min_new_tokens": size.length}, logging_steps=1000, beta=0.04, **overrides)
 
 
 def timed(function: Callable[[], Any]) -> tuple[float, int]:

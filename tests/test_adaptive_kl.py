@@ -428,6 +428,44 @@ def test_beta_zero_with_an_adapted_setting_warns_that_it_has_no_effect() -> None
         AdaptiveKL(None, 0.0)  # stock: nothing to say
 
 
+UNREAD = ". Leave it at its default, or choose a setting that reads it."
+
+
+def test_a_field_that_no_setting_in_effect_reads_warns_naming_it() -> None:
+    """Nothing silently does nothing: a field set away from its default that no method or estimator in effect reads
+    warns, at the config and again at `AdaptiveKL`, naming the field, its value and what reads it."""
+    cases = {
+        "kl_clip_threshold=0.5 has no effect: only kl_adaptation_method clip reads it, and kl_adaptation_method="
+        "'sigmoid' does not include it": dict(kl_adaptation_method="sigmoid", kl_clip_threshold=0.5),
+        "kl_target=0.2 has no effect: only kl_adaptation_method sigmoid or target reads it, and kl_adaptation_method="
+        "'none' includes neither": dict(kl_target=0.2),
+        "kl_percentile=0.5 has no effect: only kl_estimator 'k3_bottom_percentile' reads it, and the estimator in "
+        "effect is 'k1'": dict(kl_placement="reward", kl_percentile=0.5),
+    }
+    for message, settings in cases.items():
+        with pytest.warns(UserWarning) as caught:
+            AdaptiveKL(AdaptiveKLConfig(**settings), BETA)
+        assert [str(w.message) for w in caught] == [message + UNREAD] * 2
+    with pytest.warns(UserWarning) as caught:  # every unread field, in declaration order
+        AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5, kl_horizon=50.0, beta_max=0.1)
+    assert [str(w.message).split(" has")[0] for w in caught] == ["kl_horizon=50.0", "beta_max=0.1"]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(kl_adaptation_method="clip", kl_clip_threshold=0.5),
+    dict(kl_adaptation_method="target", kl_target=0.2, beta_min=0.01, kl_horizon=50.0, beta_max=0.1),
+    dict(kl_adaptation_method="sigmoid+dynamic", kl_target=0.2, beta_schedule_steps=None, dynamic_beta_decay=0.5),
+    dict(kl_estimator="k3_bottom_percentile", kl_percentile=0.5, kl_percentile_scale=2.0),
+    dict(kl_estimator="test_least_confident_half", kl_clip_threshold=0.5),  # a user's estimator may read any field
+    dict(kl_estimator=lambda logp, ref, mask: logp - ref, kl_target=0.5),
+    dict(kl_target=0.1, kl_clip_threshold=1.0),  # the defaults, spelled out
+], ids=["clip", "target", "sigmoid+dynamic", "percentile", "registered", "callable", "defaults"])
+def test_a_field_a_setting_in_effect_reads_says_nothing(settings: dict) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdaptiveKL(AdaptiveKLConfig(**settings), BETA)
+
+
 @pytest.mark.parametrize("threshold", [0.7, 0.8])
 def test_dynamic_does_not_decay_at_a_mean_reward_equal_to_its_threshold(threshold: float) -> None:
     """`r > reward_threshold`, in float32 as trainers average: float32(0.7) is 0.699999988, below the float 0.7,

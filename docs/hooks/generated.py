@@ -4,14 +4,16 @@ A page asks for one with a line of its own, `<!-- generated: NAME [ARGUMENT] -->
 `<!-- generated-inline: NAME [ARGUMENT] -->`; the hook replaces it with the Markdown that `GENERATORS[NAME](ARGUMENT)`
 returns. An unknown name fails the build. Sources:
 - `configuration`: `AdaptiveKLConfig`'s fields (type, default, help), what its validation allows (the text of the
-  ValueError it raises for a bad value) and `READ_BY` (below);
+  ValueError it raises for a bad value) and `read_by` (the core's `FIELD_READERS`);
 - `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
 - `demo_flags`: the demo's argparse parser;
 - `loss_overhead`, `loss_overhead_sanity`, `benchmark_headline` (each with `large` for the larger size),
-  `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `steps`, `unsloth_steps`,
-  `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
+  `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `core_op_profile`, `steps`,
+  `steps_against_aa`, `unsloth_steps`, `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
 - `demo_results NAME`, `demo_value RUN:VARIANT:KEY:DIGITS[:std]`: `docs/results/NAME/summary.json`, written by the
   demo;
+- `value FILE:PATHS:FORMAT`: one figure (or the range of several) of any committed results file;
+- `ci_record`: `docs/results/ci.json`, the record `.ci/run` writes (`.ci-record.json`);
 - `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`, `kl_lab_tables_show`, `kl_lab_target_reading`:
   `docs/results/kl_lab.json`, written by the KL lab (the sentences are `tabular_findings`');
 - `kl_lab_trainer NAME`, `kl_lab_findings NAME`, `kl_lab_side_by_side`, `kl_lab_differences`, `kl_lab_pad_is_eos`:
@@ -35,28 +37,15 @@ MARKER = re.compile(r"^<!-- generated: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? 
 INLINE = re.compile(r"<!-- generated-inline: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->")
 
 EVERY_METHOD = "every method"
-# Which methods read each `AdaptiveKLConfig` field: the configuration reference prints it and tests/test_docs.py holds
-# each field's help text to it. (Docs knowledge, so it lives with the docs, not in the config's metadata: those
-# keywords reach argparse through HfArgumentParser.)
-READ_BY: dict[str, tuple[str, ...]] = {
-    "kl_adaptation_method": (EVERY_METHOD,),
-    "kl_clip_threshold": ("clip",),
-    "kl_target": ("sigmoid", "target"),
-    "dynamic_beta_decay": ("dynamic",),
-    "reward_threshold": ("dynamic",),
-    "beta_min": ("dynamic", "target"),
-    "beta_schedule_steps": ("dynamic",),
-    "kl_estimator": (EVERY_METHOD,),
-    "kl_percentile": (EVERY_METHOD,),
-    "kl_percentile_scale": (EVERY_METHOD,),
-    "kl_reduction": (EVERY_METHOD,),
-    "kl_horizon": ("target",),
-    "beta_max": ("target",),
-    "kl_target_measure": ("target",),
-    "kl_placement": (EVERY_METHOD,),
-    "ref_model_sync_kl": (EVERY_METHOD,),
-    "ref_model_sync_reset_optimizer": (EVERY_METHOD,),
-}
+
+
+def read_by(name: str) -> tuple[str, ...]:
+    """The methods (or the estimator) that read an `AdaptiveKLConfig` field: the core's `FIELD_READERS`, every method
+    for the fields it does not list. The configuration reference prints it; tests/test_docs.py holds each field's help
+    text to it."""
+    from unsloth_adaptive_kl.core.config import FIELD_READERS
+
+    return FIELD_READERS.get(name, (EVERY_METHOD,))
 
 
 def _cell(text: Any) -> str:
@@ -93,10 +82,10 @@ def configuration(_: Optional[str] = None) -> str:
     hints = typing.get_type_hints(AdaptiveKLConfig)
     fields = dataclasses.fields(AdaptiveKLConfig)
     summary = _table(["field", "type", "default", "read by"],
-                     [[f"`{f.name}`", f"`{_type_name(hints[f.name])}`", f"`{f.default!r}`", ", ".join(READ_BY[f.name])]
+                     [[f"`{f.name}`", f"`{_type_name(hints[f.name])}`", f"`{f.default!r}`", ", ".join(read_by(f.name))]
                       for f in fields])
     sections = [f"### `{f.name}`\n\n{f.metadata['help']}\n\n- type: `{_type_name(hints[f.name])}`, default "
-                f"`{f.default!r}`\n- allowed: {allowed_values(f.name)}\n- read by: {', '.join(READ_BY[f.name])}"
+                f"`{f.default!r}`\n- allowed: {allowed_values(f.name)}\n- read by: {', '.join(read_by(f.name))}"
                 for f in fields]
     return "\n\n".join([summary, *sections])
 
@@ -246,13 +235,11 @@ def core_op(_: Optional[str] = None) -> str:
             + f"\n\nStock k3 expression alone: {stock['median_ms']:.3f} ms.")
 
 
-def core_op_target(limit: Optional[str] = None) -> str:
-    """Which methods' eager core op is within `limit` x the stock k3 expression in the committed run, and which not."""
-    bound = float(limit or 1.5)
-    rows = [r for r in _benchmark("loss_overhead.json")["core_op"] if r["method"] != "stock k3"]
-    within = [f"`{r['method']}` ({r['x_k3']:.2f})" for r in rows if r["x_k3"] <= bound]
-    above = [f"`{r['method']}` ({r['x_k3']:.2f})" for r in rows if r["x_k3"] > bound]
-    return (f"within it {', '.join(within) or 'no method'}; above it {', '.join(above) or 'no method'}")
+def core_op_profile(_: Optional[str] = None) -> str:
+    """Where `none`'s core op spends its time: the aten ops with the most self time, with their shares (those that
+    round to 1 % or more)."""
+    ops = [op for op in _benchmark("loss_overhead.json")["core_op_profile"] if op["share"] >= 0.005]
+    return ", ".join(f"`{op['op']}` {op['share'] * 100:.0f} %" for op in ops)
 
 
 def steps(_: Optional[str] = None) -> str:
@@ -268,6 +255,16 @@ def steps(_: Optional[str] = None) -> str:
             + f"\n\nA/A interval of the step ratio (stock against stock): [{aa[0]:.3f}, {aa[1]:.3f}]. Settings: "
             f"hidden {s['hidden']}, {s['layers']} layers, batch {s['batch']}, {s['completion_length']}-token "
             f"completions, {s['steps']} steps x {s['repeats']} timed passes, device `{data['device']}`.")
+
+
+def steps_against_aa(_: Optional[str] = None) -> str:
+    """Which variants' step ratio lies inside the step benchmark's A/A interval, and which outside it."""
+    data = _benchmark("overhead_cpu.json")
+    low, high = data["aa_interval"]
+    rows = [r for r in data["rows"] if not r["variant"].startswith("stock")]
+    inside = [f"`{r['variant']}` ({r['step_ratio']:.3f})" for r in rows if low <= r["step_ratio"] <= high]
+    outside = [f"`{r['variant']}` ({r['step_ratio']:.3f})" for r in rows if not low <= r["step_ratio"] <= high]
+    return f"inside it {', '.join(inside) or 'no variant'}; outside it {', '.join(outside) or 'no variant'}"
 
 
 def unsloth_steps(_: Optional[str] = None) -> str:
@@ -308,6 +305,57 @@ def verl_loss(_: Optional[str] = None) -> str:
             f"{data['responses']} responses of {data['response_length'] // 2} to {data['response_length']} tokens "
             f"after {data['prompt_length']}-token prompts, {data['repeats']} interleaved rounds, one CPU thread "
             f"(verl {data['verl']}, torch {data['torch']}).")
+
+
+def _values_at(data: Any, path: list[str]) -> list[Any]:
+    """The values at a dotted path in JSON data: `key` (an index for a list), `key[]` every item of its list,
+    `key[field=text]` the items of its list whose `field` reads `text`."""
+    if not path:
+        return [data]
+    key, _, selector = path[0].rstrip("]").partition("[")
+    found = data[int(key)] if isinstance(data, list) else data[key]
+    if "[" in path[0]:
+        field, _, text = selector.partition("=")
+        found = [item for item in found if not field or str(item[field]) == text]
+    else:
+        found = [found]
+    return [v for item in found for v in _values_at(item, path[1:])]
+
+
+def value(argument: Optional[str] = None) -> str:
+    """A figure of a committed results file inside a sentence: `FILE:PATHS:FORMAT`, FILE relative to the repository,
+    PATHS dotted keys (`rows[]` every item of the list `rows`, `rows[variant=stock]` those whose `variant` is `stock`;
+    several paths joined by `,`), FORMAT a format spec
+    (`,` for `557,056`, `.3f`, `.0%`). Several values give their range, "min-max" (one figure where they are equal)."""
+    file, paths, style = str(argument).split(":")
+    data = json.loads((ROOT / file).read_text())
+    found = [v for path in paths.split(",") for v in _values_at(data, path.split("."))]
+    low, high = f"{min(found):{style}}", f"{max(found):{style}}"
+    return low if low == high else f"{low}-{high}"
+
+
+CI_VERSIONS = ("trl", "transformers", "datasets", "torch", "unsloth")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def ci_record(_: Optional[str] = None) -> str:
+    """docs/results/ci.json, the record `.ci/run` writes: each row's versions and result, and how the run was made."""
+    data = json.loads((ROOT / "docs" / "results" / "ci.json").read_text())
+    rows = []
+    for row in data["rows"]:
+        versions = row["versions"]
+        result = row["result"].split(" in ")[0] if row["pytest_seconds"] is not None else row["result"]
+        took = f"{_minutes(row['pytest_seconds'])}" if row["pytest_seconds"] is not None else ""
+        rows.append([f"({row['row']})", *(versions.get(name, "none") for name in CI_VERSIONS),
+                     f"{result}: exit {row['exit']}", took, _minutes(row["ended_at"])])
+    machine = data["machine"]
+    return (_table(["row", *CI_VERSIONS, "result", "pytest", "ended at"], rows)
+            + f"\n\nRun on {data['date']} from a clean clone of `{data['commit'][:7]}`, on {machine['cores']} cores "
+            f"({machine['cpu']}, {machine['arch']}): {_minutes(data['seconds'])} in all, exit {data['exit']}. "
+            "The rows with `pytest` run tests; the others run the self-check, a resolution or the docs build.")
 
 
 RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completion length", 1),
@@ -568,13 +616,16 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "loss_overhead_max": loss_overhead_max,
     "loss_overhead_sanity": loss_overhead_sanity,
     "core_op": core_op,
-    "core_op_target": core_op_target,
+    "core_op_profile": core_op_profile,
     "steps": steps,
+    "steps_against_aa": steps_against_aa,
     "unsloth_steps": unsloth_steps,
     "ref_sync_cost": ref_sync_cost,
     "verl_loss": verl_loss,
     "demo_results": demo_results,
     "demo_value": demo_value,
+    "value": value,
+    "ci_record": ci_record,
     "gpu_check": gpu_check,
     "gpu_cost": gpu_cost,
     "gpu_loss": gpu_loss,

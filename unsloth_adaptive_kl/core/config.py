@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .errors import KLEstimatorWarning, reject
-from .estimators import estimator_names
+from .estimators import BUILT_IN_ESTIMATORS, estimator_names
 from .reductions import kl_reduction_settings
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
@@ -63,6 +63,23 @@ _ESTIMATOR_WARNINGS = {
                              "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the "
                              "KL's, and the KL lab measures k3 in the reward not regularising at all (the KL to the "
                              "reference as large as with beta=0, or larger). Use {reward_fix}.",
+}
+
+
+# The fields that only some settings read, with the methods or the estimator that read them. Set away from its default
+# while none of its readers is in effect, a field does nothing, and validation says so (`unread_fields`).
+FIELD_READERS: dict[str, tuple[str, ...]] = {
+    "kl_clip_threshold": ("clip",),
+    "kl_target": ("sigmoid", "target"),
+    "dynamic_beta_decay": ("dynamic",),
+    "reward_threshold": ("dynamic",),
+    "beta_min": ("dynamic", "target"),
+    "beta_schedule_steps": ("dynamic",),
+    "kl_horizon": ("target",),
+    "beta_max": ("target",),
+    "kl_target_measure": ("target",),
+    "kl_percentile": ("k3_bottom_percentile",),
+    "kl_percentile_scale": ("k3_bottom_percentile",),
 }
 
 
@@ -362,6 +379,33 @@ class AdaptiveKLConfig:
                        "None or a finite number > 0")
         if not isinstance(self.ref_model_sync_reset_optimizer, bool):
             raise reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
+        for name in self.unread_fields():
+            warnings.warn(self._unread_message(name), UserWarning)  # attributed here: once per process and message
+
+    def _unread_message(self, name: str) -> str:
+        readers = FIELD_READERS[name]
+        if readers[0] in BUILT_IN_ESTIMATORS:
+            why = f"kl_estimator {readers[0]!r} reads it, and the estimator in effect is {self.estimator!r}"
+        else:
+            missing = "does not include it" if len(readers) == 1 else "includes neither"
+            why = (f"kl_adaptation_method {' or '.join(readers)} reads it, and "
+                   f"kl_adaptation_method={self.kl_adaptation_method!r} {missing}")
+        return (f"{name}={getattr(self, name)!r} has no effect: only {why}. Leave it at its default, or choose a "
+                "setting that reads it.")
+
+    def reads(self, name: str) -> bool:
+        """Whether a setting in effect reads the field `name`: one of its `FIELD_READERS` (a method or the estimator),
+        or any field it does not list. Also True while a method or an estimator a user registered is in effect: it
+        receives the config and may read any field."""
+        methods, estimator = self.kl_methods, self.estimator
+        if name not in FIELD_READERS or any(method not in METHODS for method in methods):
+            return True
+        return estimator not in BUILT_IN_ESTIMATORS or bool({*methods, estimator}.intersection(FIELD_READERS[name]))
+
+    def unread_fields(self) -> list[str]:
+        """The fields set away from their defaults that no setting in effect reads: each does nothing."""
+        return [spec.name for spec in dataclasses.fields(AdaptiveKLConfig)
+                if getattr(self, spec.name) != spec.default and not self.reads(spec.name)]
 
     def _validate_placement(self, methods: tuple[str, ...]) -> None:
         if self.kl_placement not in KL_PLACEMENTS:

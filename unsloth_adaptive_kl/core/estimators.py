@@ -142,3 +142,8 @@ def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, confi
     estimator sees them, so whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient."""
     logp, ref = masked_logps(logp, ref, mask)
     return run_estimator(logp, ref, mask, config)
+
+
+# The estimators this package defines (registered above); a name registered later is a user's, which may read any
+# config field (`config.unread_fields`).
+BUILT_IN_ESTIMATORS = estimator_names()

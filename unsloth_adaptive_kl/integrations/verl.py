@@ -51,6 +51,7 @@ import logging
 import math
 import os
 import warnings
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -170,7 +171,14 @@ def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
         raise ValueError(f"adaptive_kl.reward.{name}={reward_overrides[name]!r} is not used with verl: "
                          f"{LOSS_ONLY[name]}.")
     shared = {name: value for name, value in fields.items() if name not in LOSS_ONLY}
-    return AdaptiveKLConfig(**fields), AdaptiveKLConfig(**{**shared, **reward_overrides})
+    reward_fields = {**shared, **reward_overrides}
+    # A shared field goes to the config that reads it (one that neither reads stays with the loss's, which says so
+    # once); a field under `reward` is the reward's.
+    loss_reads = AdaptiveKLConfig.unvalidated_from(SimpleNamespace(**fields)).reads
+    reward_reads = AdaptiveKLConfig.unvalidated_from(SimpleNamespace(**reward_fields)).reads
+    loss = {name: value for name, value in fields.items() if loss_reads(name) or not reward_reads(name)}
+    reward = {name: value for name, value in reward_fields.items() if name in reward_overrides or reward_reads(name)}
+    return AdaptiveKLConfig(**loss), AdaptiveKLConfig(**reward)
 
 
 def kl_agg_mode(config: AdaptiveKLConfig, loss_agg_mode: str) -> str:

@@ -106,7 +106,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for method in args.methods:  # bad names fail here, before any training
         settings = variant_settings(method, args.beta)
         trl_fields = {k: settings.pop(k) for k in TRL_SYNC_FIELDS if k in settings}  # TRL's, not AdaptiveKLConfig's
-        config = AdaptiveKLConfig(kl_target=args.kl_target, kl_horizon=args.kl_horizon, **settings)
+        config = AdaptiveKLConfig(**settings, **method_fields(settings, args))
         check_trl_settings(argparse.Namespace(**trl_fields), config)
     return args
 
@@ -133,6 +133,15 @@ def variant_settings(label: str, beta: float) -> dict[str, Any]:
             key = "kl_estimator" if field_name == "estimator" else field_name
             return {key: label.split("=", 1)[1], "beta": beta}
     return {"kl_adaptation_method": label, "beta": beta}
+
+
+def method_fields(settings: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The demo's values of the fields only some methods read (`dynamic` decays above a reward of 0.8 with no
+    cut-off; `--kl-target`, `--kl-horizon`), those that the variant's `settings` read: an unread one would warn."""
+    variant = AdaptiveKLConfig.unvalidated_from(argparse.Namespace(**settings))
+    values = {"reward_threshold": 0.8, "beta_schedule_steps": None, "kl_target": args.kl_target,
+              "kl_horizon": args.kl_horizon}
+    return {name: value for name, value in values.items() if variant.reads(name)}
 
 
 # ----- the tiny default task ----------------------------------------------------------------------------------
@@ -291,8 +300,7 @@ def run_one(task: Task, method: str, seed: int, args: argparse.Namespace, on_ste
         output_dir=os.path.join(args.output_dir, "runs", f"{method}-seed{seed}"),
         **variant, loss_type=args.loss_type, max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", disable_tqdm=True, seed=seed, data_seed=seed, temperature=1.0,
-        reward_threshold=0.8, beta_schedule_steps=None, kl_target=args.kl_target, kl_horizon=args.kl_horizon,
-        **settings,
+        **method_fields(variant, args), **settings,
     )
     set_seed(seed)
     model, tokenizer = task.make_policy(seed)

@@ -9,6 +9,7 @@ naming what to install (`missing_packages`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
@@ -276,10 +277,15 @@ def guarded(name: str, part: Callable[[], list[Check]]) -> list[Check]:
 
 
 def use_method(trainer: Any, method: str, **fields: Any) -> None:
-    """Switch a trainer to `method` (with a clip threshold that some tokens of `shifted_reference` pass)."""
+    """Switch a trainer to `method` with `fields`, the other fields only some methods read at their defaults (for
+    `clip`, a threshold that some tokens of `shifted_reference` pass)."""
+    from ..core.config import FIELD_READERS, AdaptiveKLConfig
     from ..integrations.trainer_hooks import attach_runtime
 
-    for field, value in {"kl_adaptation_method": method, "kl_clip_threshold": 0.2, **fields}.items():
+    settings = {spec.name: spec.default for spec in dataclasses.fields(AdaptiveKLConfig) if spec.name in FIELD_READERS}
+    if "clip" in method.split("+"):
+        settings["kl_clip_threshold"] = 0.2
+    for field, value in {**settings, "kl_adaptation_method": method, **fields}.items():
         setattr(trainer.args, field, value)
     attach_runtime(trainer)
 
