@@ -363,7 +363,15 @@ SETTINGS_IN_PROSE = {
     "quickstart-trl.md": {"1", "2", "0.3", "0.9", "0.04", "0.036", "0.0324", "1.15.0", "2.14.1", "5.17.0"},
     "quickstart-unsloth.md": {"0", "1", "4", "0.1", "0.04", "2026.10.7"},
     "configuration.md": set(),
+    "compatibility.md": {"0", "1", "2", "3", "4", "5", "6", "8", "25", "30", "64", "0.5", "128", "256", "512", "800",
+                         "1.15", "1.16", "1024", "2.11", "2.15", "5.24", "0.005", "0.9.1", "1.9.0", "1.9.1", "1e-12",
+                         "1.14.1", "2.13.0", "5.17.0", "2026.10.7", "2026.10.9"},
+    "contributing.md": {"2", "4", "10", "20", "25", "2026.10.7", "2026.10.9"},
 }
+
+
+def test_every_page_but_the_changelog_is_held_to_its_settings() -> None:
+    assert set(SETTINGS_IN_PROSE) | {"changelog.md"} == {page.name for page in (ROOT / "docs").glob("*.md")}
 
 
 @pytest.mark.parametrize("page", sorted(SETTINGS_IN_PROSE))

@@ -335,6 +335,7 @@ def value(argument: Optional[str] = None) -> str:
 
 
 CI_VERSIONS = ("trl", "transformers", "datasets", "torch", "unsloth")
+CI_OTHERS = ("liger-kernel", "tinker", "verl")
 
 
 def _minutes(seconds: float) -> str:
@@ -347,12 +348,16 @@ def ci_record(_: Optional[str] = None) -> str:
     rows = []
     for row in data["rows"]:
         versions = row["versions"]
-        result = row["result"].split(" in ")[0] if row["pytest_seconds"] is not None else row["result"]
+        result = re.sub(r", \d+ warnings?", "", row["result"].split(" in ")[0])  # pytest's counts, or what ran
+        if result.startswith("mkdocs"):
+            result += f" (mkdocs {versions['mkdocs']}, mkdocs-material {versions['mkdocs-material']})"
         took = f"{_minutes(row['pytest_seconds'])}" if row["pytest_seconds"] is not None else ""
-        rows.append([f"({row['row']})", *(versions.get(name, "none") for name in CI_VERSIONS),
+        others = ", ".join(f"{name} {version}" for name, version in versions.items() if name in CI_OTHERS)
+        name, _, detail = row["row"].partition(" ")  # "e (the wheel's file name)", "h (resolution)"
+        rows.append([f"({name}) {detail.strip('()')}".strip(), *(versions.get(n, "none") for n in CI_VERSIONS), others,
                      f"{result}: exit {row['exit']}", took, _minutes(row["ended_at"])])
     machine = data["machine"]
-    return (_table(["row", *CI_VERSIONS, "result", "pytest", "ended at"], rows)
+    return (_table(["row", *CI_VERSIONS, "also", "result", "pytest", "ended at"], rows)
             + f"\n\nRun on {data['date']} from a clean clone of `{data['commit'][:7]}`, on {machine['cores']} cores "
             f"({machine['cpu']}, {machine['arch']}): {_minutes(data['seconds'])} in all, exit {data['exit']}. "
             "The rows with `pytest` run tests; the others run the self-check, a resolution or the docs build.")
