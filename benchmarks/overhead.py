@@ -171,7 +171,7 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
         method = dict(REF_SYNC_CONFIG)
     else:
         method = {"kl_adaptation_method": variant}
-        if "dynamic" in variant:  # beta decays every step: a moving beta is what the step costs
+        if "dynamic" in variant.split("+"):  # beta decays every step: a moving beta is what the step costs
             method["reward_threshold"] = 0.0
     config = trl.GRPOConfig(
         output_dir=output_dir, use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none",

@@ -295,3 +295,22 @@ def test_ref_sync_labels_and_flag() -> None:
         demo.parse_args(["--methods", "ref_sync:30", "--beta", "0"])
     with pytest.raises(SystemExit):
         demo.parse_args(["--ref-sync", "--kl-in-reward"])
+
+
+def test_each_variant_gets_only_the_method_fields_it_reads_and_an_unread_flag_is_refused(capsys) -> None:
+    """The demo's `dynamic` settings and `--kl-target` / `--kl-horizon` reach the variants that read them (an unread
+    field would warn that it does nothing); a flag that no variant of the run reads is refused by name."""
+    from unsloth_adaptive_kl.tools import demo
+
+    args = demo.parse_args(["--methods", "none,sigmoid,dynamic,target", "--kl-target", "0.3", "--kl-horizon", "50"])
+    fields = {method: demo.method_fields(demo.variant_settings(method, args.beta), args) for method in args.methods}
+    assert fields == {"none": {}, "sigmoid": {"kl_target": 0.3},
+                      "dynamic": {"reward_threshold": 0.8, "beta_schedule_steps": None},
+                      "target": {"kl_target": 0.3, "kl_horizon": 50.0}}
+    for flags, message in ((["--kl-target", "0.3"], "--kl-target=0.3 has no effect: no variant of this run reads "
+                                                     "kl_target"),
+                           (["--kl-horizon", "50"], "--kl-horizon=50.0 has no effect: no variant of this run reads "
+                                                    "kl_horizon")):
+        with pytest.raises(SystemExit):
+            demo.parse_args(["--methods", "none,clip,sigmoid" if "horizon" in flags[0] else "none,clip", *flags])
+        assert message in capsys.readouterr().err

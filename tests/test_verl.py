@@ -306,18 +306,23 @@ def test_a_field_verl_does_not_read_is_refused_naming_it(block, message):
 
 def test_a_shared_field_goes_to_the_config_that_reads_it_and_one_neither_reads_warns_once():
     """A field at the top of the block acts on both KLs: it goes where a method reads it (kl_clip_threshold to the
-    loss's clip, kl_target to the reward's target), silently; one that neither reads warns once, naming it."""
+    loss's clip, kl_target to the reward's target), silently; one that neither reads, or that `reward` overrides and
+    the loss does not read, warns once, naming it."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loss, reward = verl_kl.configs_from({"kl_adaptation_method": "clip", "kl_clip_threshold": 0.5, "kl_target": 0.2,
                                              "reward": {"kl_adaptation_method": "target"}})
     assert (loss.kl_clip_threshold, loss.kl_target) == (0.5, 0.1) and (reward.kl_clip_threshold, reward.kl_target) == (
         1.0, 0.2)
-    with pytest.warns(UserWarning) as caught:
-        verl_kl.configs_from({"kl_adaptation_method": "clip", "beta_max": 0.2})
-    assert [str(w.message) for w in caught] == [
-        "beta_max=0.2 has no effect: only kl_adaptation_method target reads it, and kl_adaptation_method='clip' does "
-        "not include it. Leave it at its default, or choose a setting that reads it."]
+    for block in ({"kl_adaptation_method": "clip", "beta_max": 0.2},  # read by neither
+                  {"kl_adaptation_method": "clip", "beta_max": 0.2,  # the reward's own value replaces it there
+                   "reward": {"kl_adaptation_method": "target", "beta_max": 0.3}}):
+        with pytest.warns(UserWarning) as caught:
+            loss, reward = verl_kl.configs_from(block)
+        assert [str(w.message) for w in caught] == [
+            "beta_max=0.2 has no effect: only kl_adaptation_method target reads it, and kl_adaptation_method='clip' "
+            "does not include it. Leave it at its default, or choose a setting that reads it."]
+    assert (loss.beta_max, reward.beta_max) == (0.2, 0.3)
 
 
 def test_the_loss_only_fields_are_not_inherited_by_the_reward():

@@ -316,7 +316,7 @@ def _values_at(data: Any, path: list[str]) -> list[Any]:
     found = data[int(key)] if isinstance(data, list) else data[key]
     if "[" in path[0]:
         field, _, text = selector.partition("=")
-        found = [item for item in found if not field or str(item[field]) == text]
+        found = [item for item in found if not field or str(item.get(field)) == text]
     else:
         found = [found]
     return [v for item in found for v in _values_at(item, path[1:])]
@@ -325,11 +325,20 @@ def _values_at(data: Any, path: list[str]) -> list[Any]:
 def value(argument: Optional[str] = None) -> str:
     """A figure of a committed results file inside a sentence: `FILE:PATHS:FORMAT`, FILE relative to the repository,
     PATHS dotted keys (`rows[]` every item of the list `rows`, `rows[variant=stock]` those whose `variant` is `stock`;
-    several paths joined by `,`), FORMAT a format spec
-    (`,` for `557,056`, `.3f`, `.0%`). Several values give their range, "min-max" (one figure where they are equal)."""
-    file, paths, style = str(argument).split(":")
+    several paths joined by `,`), FORMAT a format spec (`,` for `557,056`, `.3f`, `.0%`). Several values give their
+    range, "min-max" (one figure where they are equal). No value, or a null one, fails the build."""
+    file, rest = str(argument).split(":", 1)
+    paths, style = rest.rsplit(":", 1)
     data = json.loads((ROOT / file).read_text())
-    found = [v for path in paths.split(",") for v in _values_at(data, path.split("."))]
+    found, path = [], []
+    # dotted keys, paths joined by ',': split outside brackets (a selector's text may hold dots, commas and colons)
+    for part, separator in re.findall(r"((?:[^.,\[]|\[[^\]]*\])+)([.,]?)", paths):
+        path.append(part)
+        if separator != ".":
+            found += _values_at(data, path)
+            path = []
+    if not found or any(v is None for v in found):
+        raise ValueError(f"value {argument}: {found or 'nothing'} at that path")
     low, high = f"{min(found):{style}}", f"{max(found):{style}}"
     return low if low == high else f"{low}-{high}"
 

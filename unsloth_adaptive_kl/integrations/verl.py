@@ -149,8 +149,9 @@ def _plain(block: Any) -> dict[str, Any]:
 
 
 def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
-    """(loss config, reward config) from the `adaptive_kl` block: its fields for both (the `LOSS_ONLY` ones for the
-    loss alone), `reward.*` overriding them for the KL in the reward. A ValueError names an unknown field,
+    """(loss config, reward config) from the `adaptive_kl` block: its fields for each config whose settings read them
+    (the `LOSS_ONLY` ones for the loss alone), `reward.*` overriding them for the KL in the reward; a field that no
+    config reads warns once. A ValueError names an unknown field,
     `kl_placement`, a field verl never reads (`NOT_READ_BY_VERL`) and a `LOSS_ONLY` field under `reward`."""
     fields = _plain(block)
     reward_overrides = _plain(fields.pop("reward", None))
@@ -172,11 +173,13 @@ def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
                          f"{LOSS_ONLY[name]}.")
     shared = {name: value for name, value in fields.items() if name not in LOSS_ONLY}
     reward_fields = {**shared, **reward_overrides}
-    # A shared field goes to the config that reads it (one that neither reads stays with the loss's, which says so
-    # once); a field under `reward` is the reward's.
+    # A shared field goes to the config that reads it; one that only the loss's reads, that neither reads, or that
+    # `reward` overrides stays with the loss's, which says so if it does not read it. A field under `reward` is the
+    # reward's.
     loss_reads = AdaptiveKLConfig.unvalidated_from(SimpleNamespace(**fields)).reads
     reward_reads = AdaptiveKLConfig.unvalidated_from(SimpleNamespace(**reward_fields)).reads
-    loss = {name: value for name, value in fields.items() if loss_reads(name) or not reward_reads(name)}
+    loss = {name: value for name, value in fields.items()
+            if loss_reads(name) or name in reward_overrides or not reward_reads(name)}
     reward = {name: value for name, value in reward_fields.items() if name in reward_overrides or reward_reads(name)}
     return AdaptiveKLConfig(**loss), AdaptiveKLConfig(**reward)
 

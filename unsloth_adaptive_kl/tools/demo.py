@@ -103,11 +103,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(loss_types()))}")
     from ..integrations.trainer_hooks import TRL_SYNC_FIELDS, check_trl_settings  # TRL's rules (imports trl)
 
+    read = set()
     for method in args.methods:  # bad names fail here, before any training
         settings = variant_settings(method, args.beta)
         trl_fields = {k: settings.pop(k) for k in TRL_SYNC_FIELDS if k in settings}  # TRL's, not AdaptiveKLConfig's
-        config = AdaptiveKLConfig(**settings, **method_fields(settings, args))
+        fields = method_fields(settings, args)
+        read |= set(fields)
+        config = AdaptiveKLConfig(**settings, **fields)
         check_trl_settings(argparse.Namespace(**trl_fields), config)
+    for flag, field_name in (("--kl-target", "kl_target"), ("--kl-horizon", "kl_horizon")):
+        value = getattr(args, field_name)
+        if value != parser.get_default(field_name) and field_name not in read:  # nothing silently does nothing
+            parser.error(f"{flag}={value} has no effect: no variant of this run reads {field_name} (allowed with a "
+                         "variant that does: sigmoid or target for --kl-target, target for --kl-horizon)")
     return args
 
 
