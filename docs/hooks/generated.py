@@ -360,7 +360,7 @@ def ci_record(_: Optional[str] = None) -> str:
         result = re.sub(r", \d+ warnings?", "", row["result"].split(" in ")[0])  # pytest's counts, or what ran
         if result.startswith("mkdocs"):
             result += f" (mkdocs {versions['mkdocs']}, mkdocs-material {versions['mkdocs-material']})"
-        took = f"{_minutes(row['pytest_seconds'])}" if row["pytest_seconds"] is not None else ""
+        took = _minutes(row["pytest_seconds"]) if row["pytest_seconds"] is not None else ""
         others = ", ".join(f"{name} {version}" for name, version in versions.items() if name in CI_OTHERS)
         name, _, detail = row["row"].partition(" ")  # "e (the wheel's file name)", "h (resolution)"
         rows.append([f"({name}) {detail.strip('()')}".strip(), *(versions.get(n, "none") for n in CI_VERSIONS), others,
