@@ -14,20 +14,28 @@ import torch
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, register_kl_estimator
 from unsloth_adaptive_kl.core.estimators import estimator_names
+from unsloth_adaptive_kl.core.tolerance import k1_magnitude, k3_gradient_magnitude, k3_magnitude
 
 from .conftest import torchrun
+from .float32_error import assert_float32_close
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 
 BETA = 0.04
 LENGTHS = torch.tensor([4.0, 2.0, 1.0])
-MASK = (torch.arange(4)[None] < LENGTHS[:, None]).double()
+MASK = (torch.arange(4)[None] < LENGTHS[:, None]).float()
 
 
 def batch(seed: int = 0, requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 log-probs in [-3, 0] (the core's compute dtype), so r = ref - logp lies in [-3, 3]."""
     generator = torch.Generator().manual_seed(seed)
-    logps = (-torch.rand(3, 4, generator=generator, dtype=torch.float64) * 3).requires_grad_(requires_grad)
-    ref = -torch.rand(3, 4, generator=generator, dtype=torch.float64) * 3
+    logps = (-torch.rand(3, 4, generator=generator) * 3).requires_grad_(requires_grad)
+    ref = -torch.rand(3, 4, generator=generator) * 3
     return logps, ref
+
+
+def exact(x: torch.Tensor) -> torch.Tensor:
+    """The same values in float64 (a leaf of its own where `x` requires a gradient): the exact side of a comparison."""
+    return x.detach().double().requires_grad_(x.requires_grad)
 
 
 def k3_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -45,32 +53,55 @@ HAND = {
 }
 
 
+def token_weights(loss_type: str, ctx: dict) -> torch.Tensor:
+    """d HAND[loss_type] / d k_t: the weight of each token's KL in the term (the reduction is linear in the sums)."""
+    k = torch.zeros(3, 4, dtype=torch.float64, requires_grad=True)
+    return torch.autograd.grad(HAND[loss_type](k.sum(-1), ctx), k)[0] * MASK
+
+
 @pytest.mark.parametrize("loss_type", sorted(HAND))
 def test_none_is_beta_times_the_k3_term_of_the_loss_type(loss_type: str) -> None:
+    """The float32 term and gradient against the exact (float64) formula of the same inputs, within the float32 bound
+    of the arithmetic: the value's 13 operations (k3's 5, exp counted twice; 3 additions over 4 tokens; the
+    reduction's at most 4, grpo's / L_i and mean; beta), the gradient's 7 (exp(r) - 1 from the forward's exp, times
+    the upstream gradient, beta, the reduction's at most 2 divisions); sequence_kl's 11 (k3, the sums, the mean)."""
     logps, ref = batch()
     ctx = {"max_completion_length": 4, "token_normalizer": 5.0}
     term, metrics = AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **ctx)
-    want = BETA * HAND[loss_type](k3_by_hand(logps, ref).sum(-1), ctx)
-    assert term.item() == pytest.approx(want.item(), rel=1e-12)
+    exact_logps = exact(logps)
+    want = BETA * HAND[loss_type](k3_by_hand(exact_logps, exact(ref)).sum(-1), ctx)
+    magnitude = BETA * HAND[loss_type]((k3_magnitude(logps, ref) * MASK).sum(-1), ctx)
+    assert_float32_close(term.item(), want.item(), magnitude, 13)
     (grad,) = torch.autograd.grad(term, logps)
-    (want_grad,) = torch.autograd.grad(want, logps)
-    assert torch.allclose(grad, want_grad, rtol=1e-12, atol=0)
-    assert metrics["adaptive_kl/raw_kl"] == metrics["adaptive_kl/adapted_kl"] == pytest.approx(want.item() / BETA)
+    (want_grad,) = torch.autograd.grad(want, exact_logps)
+    assert want_grad[MASK > 0].ne(0).all()
+    assert_float32_close(grad, want_grad, BETA * token_weights(loss_type, ctx) * k3_gradient_magnitude(logps, ref), 7)
+    assert metrics["adaptive_kl/raw_kl"] == metrics["adaptive_kl/adapted_kl"]
+    assert_float32_close(metrics["adaptive_kl/raw_kl"], want.item() / BETA, magnitude / BETA, 12)
     assert metrics["adaptive_kl/current_beta"] == BETA
-    assert metrics["adaptive_kl/sequence_kl"] == pytest.approx(k3_by_hand(logps, ref).sum(-1).mean().item())
+    assert_float32_close(metrics["adaptive_kl/sequence_kl"], k3_by_hand(exact(logps), exact(ref)).sum(-1).mean().item(),
+                         (k3_magnitude(logps, ref) * MASK).sum(-1).mean(), 11)
 
 
 def test_clip_sigmoid_and_length_normalisation_follow_their_formulas() -> None:
+    """Against the exact formulas of the same float32 inputs, within the float32 bound: clip (1-Lipschitz, so k's
+    error passes unchanged) in 12 operations (k3's 5, the 6 additions over 7 tokens and the division, beta);
+    sigmoid(k - 0.2) k, whose derivative in k is at most 1 + k / 4 and whose own roundings (the subtraction, the
+    sigmoid's 5 with exp counted twice, the product) are at most k (|k| + 1.2), in 18 (then / L_i, the mean, beta)."""
     logps, ref = batch(requires_grad=False)
-    k = k3_by_hand(logps, ref)
+    k = k3_by_hand(exact(logps), exact(ref))
+    assert ((k - 0.3).abs() > 1e-4).all()  # no token's float32 k3 can fall on the other side of the threshold
     clip = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3), BETA, "bnpo")
     term, metrics = clip.kl_loss(logps, ref, MASK)
-    assert term.item() == pytest.approx(BETA * (k.clamp(max=0.3) * MASK).sum().item() / 7, rel=1e-12)
+    magnitude = k3_magnitude(logps, ref) * MASK
+    assert_float32_close(term.item(), BETA * (k.clamp(max=0.3) * MASK).sum().item() / 7, BETA * magnitude.sum() / 7, 12)
     assert metrics["adaptive_kl/clip_fraction"] == pytest.approx(((k >= 0.3) & (MASK > 0)).sum().item() / 7)
     sigmoid = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="sigmoid+length_normalized", kl_target=0.2), BETA, "dapo")
     term, _ = sigmoid.kl_loss(logps, ref, MASK, token_normalizer=5.0)  # length_normalized: dapo's normaliser unused
     shaped = torch.sigmoid(k - 0.2) * k * MASK
-    assert term.item() == pytest.approx(BETA * (shaped.sum(-1) / LENGTHS).mean().item(), rel=1e-12)
+    shaped_magnitude = ((1 + k / 4) * magnitude + k * (k.abs() + 1.2)) * MASK
+    assert_float32_close(term.item(), BETA * (shaped.sum(-1) / LENGTHS).mean().item(),
+                         BETA * (shaped_magnitude.sum(-1) / LENGTHS).mean(), 18 + 3 + 1 + 3 + 1)
 
 
 def k1_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -79,25 +110,27 @@ def k1_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def test_reward_penalty_is_beta_times_each_completions_shaped_kl() -> None:
     """The reward placement's default estimator is k1 (SPEC 3.12): penalty_i = beta * sum_t m min(logp - ref, c), and
-    beta * sum_t m (logp - ref) / L_i for sequence_mean; k3 there, set explicitly, warns and gives the k3 sums."""
+    beta * sum_t m (logp - ref) / L_i for sequence_mean; k3 there, set explicitly, warns and gives the k3 sums. Each
+    within the float32 bound against the exact values: k1's subtraction, 3 additions and beta (5 operations; / L_i
+    one more), k3's 5 for its 1 (9)."""
     logps, ref = batch(requires_grad=False)
-    k1 = k1_by_hand(logps, ref)
+    k1 = k1_by_hand(exact(logps), exact(ref))
+    k1_parts = BETA * (k1_magnitude(logps, ref) * MASK).sum(-1)
     summed = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.05),
                         BETA)
     penalty = summed.reward_penalty(logps, ref, MASK)[0]
     assert penalty.dtype == torch.float32  # as trainers gather rewards
-    assert torch.allclose(penalty.double(), BETA * (k1.clamp(max=0.05) * MASK).sum(-1), rtol=1e-6, atol=0)
+    assert_float32_close(penalty, BETA * (k1.clamp(max=0.05) * MASK).sum(-1), k1_parts, 5)
     assert (k1.clamp(max=0.05) != k1).any() and (k1 < 0).any()  # the clip binds, and k1 has negative tokens
     assert summed.last_metrics["adaptive_kl/reward_penalty"] == pytest.approx(penalty.mean().item())
     mean = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_reduction="sequence_mean"), BETA)
-    assert torch.allclose(mean.reward_penalty(logps, ref, MASK)[0].double(), BETA * k1.sum(-1) / LENGTHS, rtol=1e-6,
-                          atol=0)
-    k3 = k3_by_hand(logps, ref)
+    assert_float32_close(mean.reward_penalty(logps, ref, MASK)[0], BETA * k1.sum(-1) / LENGTHS, k1_parts / LENGTHS, 6)
+    k3 = k3_by_hand(exact(logps), exact(ref))
     with pytest.warns(KLEstimatorWarning, match=r"^kl_estimator='k3' with kl_placement='reward': "):
         explicit_k3 = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="clip",
                                                   kl_clip_threshold=0.3, kl_estimator="k3"), BETA)
-    assert torch.allclose(explicit_k3.reward_penalty(logps, ref, MASK)[0].double(),
-                          BETA * (k3.clamp(max=0.3) * MASK).sum(-1), rtol=1e-6, atol=0)
+    assert_float32_close(explicit_k3.reward_penalty(logps, ref, MASK)[0], BETA * (k3.clamp(max=0.3) * MASK).sum(-1),
+                         BETA * (k3_magnitude(logps, ref) * MASK).sum(-1), 9)
     with pytest.raises(ValueError, match="kl_placement='reward' puts beta \\* KL into the rewards"):
         summed.kl_loss(logps, ref, MASK)
     with pytest.raises(ValueError, match=r"^kl_reduction='token_mean' is invalid: allowed is one of loss_type, "
@@ -152,10 +185,16 @@ def test_each_placement_defaults_to_its_estimator_and_the_guards_warn() -> None:
 
 
 def k1_future_by_hand(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """G_t = sum_{s >= t} m_s (logp_s - ref_s), the KL-to-go of each completion, token by token."""
-    k1 = (logps - ref).detach() * MASK
+    """G_t = sum_{s >= t} m_s (logp_s - ref_s), the KL-to-go of each completion, token by token (float64)."""
+    k1 = (logps.double() - ref.double()).detach() * MASK
     return torch.tensor([[k1[i, t:].sum().item() for t in range(k1.size(1))] for i in range(k1.size(0))],
-                        dtype=logps.dtype) * MASK
+                        dtype=torch.float64) * MASK
+
+
+def k1_future_magnitude(logps: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The parts of G_t: sum_{s >= t} m_s (|logp_s| + |ref_s|)."""
+    parts = k1_magnitude(logps, ref) * MASK
+    return parts.flip(-1).cumsum(-1).flip(-1) * MASK
 
 
 def test_k1_future_has_the_value_of_k1_and_the_kl_to_go_as_gradient() -> None:
@@ -168,14 +207,19 @@ def test_k1_future_has_the_value_of_k1_and_the_kl_to_go_as_gradient() -> None:
     with pytest.warns(KLEstimatorWarning):
         k1 = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1"), BETA, "dr_grpo")
     k1_term, k1_metrics = k1.kl_loss(logps, ref, MASK, max_completion_length=4)
-    assert term.item() == k1_term.item() == pytest.approx(BETA * k1_by_hand(logps, ref).sum().item() / 12, rel=1e-12)
+    # float32 against the exact value: k1's subtraction, 6 additions, / 12 and beta (9 operations); the gradient's
+    # KL-to-go: the subtraction, at most 3 additions, beta and / 12 (6)
+    value, value_magnitude = BETA * k1_by_hand(exact(logps), exact(ref)).sum().item() / 12, BETA * (
+        k1_magnitude(logps, ref) * MASK).sum() / 12
+    assert term.item() == k1_term.item()
+    assert_float32_close(term.item(), value, value_magnitude, 9)
     assert metrics == k1_metrics
     (grad,) = torch.autograd.grad(term, logps)
     to_go = k1_future_by_hand(logps, ref)
-    assert torch.allclose(grad, BETA / 12 * to_go, rtol=1e-12, atol=0)
+    assert_float32_close(grad, BETA / 12 * to_go, BETA / 12 * k1_future_magnitude(logps, ref), 6)
     assert (to_go * MASK != k1_by_hand(logps, ref)).any()  # the KL of the tokens that follow counts
     (k1_grad,) = torch.autograd.grad(k1_term, logps)
-    assert torch.equal(k1_grad, BETA / 12 * MASK)
+    assert_float32_close(k1_grad, BETA / 12 * MASK.double(), BETA / 12 * MASK, 3)  # beta in float32, * and / 12
     reward = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_estimator="k1_future"), BETA)
     assert torch.equal(reward.reward_penalty(logps.detach(), ref, MASK)[0],
                        AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(logps.detach(), ref, MASK)[0])
@@ -184,8 +228,8 @@ def test_k1_future_has_the_value_of_k1_and_the_kl_to_go_as_gradient() -> None:
     term, _ = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1_future"), BETA, "dr_grpo").kl_loss(
         garbage, ref, MASK, max_completion_length=4)
     (grad,) = torch.autograd.grad(term, garbage)
-    assert term.item() == pytest.approx(BETA * k1_by_hand(logps, ref).sum().item() / 12, rel=1e-12)
-    assert torch.allclose(grad, BETA / 12 * to_go, rtol=1e-12, atol=0)
+    assert_float32_close(term.item(), value, value_magnitude, 9)
+    assert_float32_close(grad, BETA / 12 * to_go, BETA / 12 * k1_future_magnitude(logps, ref), 6)
 
 
 def test_dynamic_decays_once_per_generation_batch_and_cuts_off() -> None:
@@ -338,7 +382,9 @@ def test_reward_penalty_metrics_match_their_definitions() -> None:
     assert_metrics_match(metrics, by_definition(k1, MASK, method="clip", raw=REDUCE["sequence_sum"],
                                                 adapted=REDUCE["sequence_sum"], beta=BETA, clip=0.3, penalty=True),
                          rel=1e-5)
-    assert torch.allclose(penalty.double(), BETA * (torch.clamp(k1, max=0.3) * MASK).sum(-1), rtol=1e-6)
+    exact_k1 = k1_by_hand(exact(logps), exact(ref))  # float32 bound: k1's subtraction, 3 additions, beta
+    assert_float32_close(penalty, BETA * (torch.clamp(exact_k1, max=0.3) * MASK).sum(-1),
+                         BETA * (k1_magnitude(logps, ref) * MASK).sum(-1), 5)
 
 
 def test_the_kl_in_the_reward_applies_the_schedule_cut_off_when_a_batch_is_scored() -> None:
@@ -493,11 +539,15 @@ register_kl_estimator("test_least_confident_half")(least_confident_k3)
 
 
 def test_a_registered_estimator_is_used_by_name() -> None:
+    """The registered estimator runs on the core's float32 inputs; against its exact value (the selection of tokens
+    is the same: ordering survives the conversion to float64) in 12 operations (k3's 5, the 6 additions over 7
+    tokens and the division, beta; x 2 is exact)."""
     logps, ref = batch()
     akl = AdaptiveKL(AdaptiveKLConfig(kl_estimator="test_least_confident_half"), BETA, "bnpo")
     term, _ = akl.kl_loss(logps, ref, MASK)
-    want = BETA * least_confident_k3(logps, ref, MASK).sum() / LENGTHS.sum()
-    assert term.item() == pytest.approx(want.item(), rel=1e-12)
+    want = BETA * least_confident_k3(exact(logps), exact(ref), MASK).sum() / LENGTHS.sum()
+    selected = least_confident_k3(exact(logps), exact(ref), MASK) != 0
+    assert_float32_close(term.item(), want.item(), BETA * (2 * k3_magnitude(logps, ref) * selected).sum() / 7, 12)
     assert 0 < term.item() < AdaptiveKL(None, BETA, "bnpo").kl_loss(logps, ref, MASK)[0].item()
 
 

@@ -15,7 +15,7 @@ import torch.fx
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError
 from unsloth_adaptive_kl.core.reductions import ReductionContext
 from unsloth_adaptive_kl.core.estimators import estimate_kl
-from unsloth_adaptive_kl.core.numerics import keep_valid
+from unsloth_adaptive_kl.core.numerics import in_float32, keep_valid
 from unsloth_adaptive_kl.core.statistics import NAMES
 
 from .kl_terms import adapted_kl_term
@@ -55,13 +55,20 @@ def k3_term_by_hand(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, l
     return float((sums.sum() / lengths.sum()).detach())
 
 
-@pytest.mark.parametrize("dtype", [*HALF, torch.float32], ids=str)
+def in_dtype(dtype: torch.dtype, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors in `dtype`: rounded for half precision; for float64, with a part below float32's precision added
+    (1e-10 against an ulp of 2.4e-7 at these magnitudes), which rounding to float32 removes."""
+    extra = 1e-10 if dtype == torch.float64 else 0.0
+    return [x.to(dtype) + extra for x in tensors]
+
+
+@pytest.mark.parametrize("dtype", [*HALF, torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 @pytest.mark.parametrize("method", ["none", "clip", "sigmoid+length_normalized+dynamic"])
-def test_half_precision_inputs_give_the_float32_result_of_the_same_inputs(dtype, estimator, method) -> None:
+def test_every_input_dtype_gives_the_float32_result_of_its_values_in_float32(dtype, estimator, method) -> None:
     settings = dict(kl_estimator=estimator, kl_adaptation_method=method, kl_clip_threshold=0.02)
     logp, ref, mask = batch()
-    logp, ref, mask = logp.to(dtype), ref.to(dtype), mask.to(dtype)  # the rounded inputs
+    (logp, ref), mask = in_dtype(dtype, logp, ref), mask.to(dtype)  # the inputs as that dtype holds them
     half_leaf = logp.clone().requires_grad_(True)
     term, metrics = AdaptiveKL(config(**settings), BETA, "grpo").kl_loss(half_leaf, ref, mask)
     full_leaf = logp.float().requires_grad_(True)
@@ -71,16 +78,16 @@ def test_half_precision_inputs_give_the_float32_result_of_the_same_inputs(dtype,
     assert metrics == pytest.approx(want_metrics, rel=1e-6, abs=1e-12)
     term.backward()
     want.backward()
-    assert half_leaf.grad.dtype == dtype  # the gradient reaches the half-precision log-probs
+    assert half_leaf.grad.dtype == dtype  # the gradient reaches the log-probs in their own dtype
     assert torch.equal(half_leaf.grad, full_leaf.grad.to(dtype))
     if estimator == "k3" and method == "none":  # and the float32 value is the k3 term of those inputs, by hand
         assert want.item() == pytest.approx(BETA * k3_term_by_hand(logp, ref, mask, "grpo"), rel=1e-5)
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_reward_penalty_of_half_precision_inputs_is_the_float32_one(dtype) -> None:
+@pytest.mark.parametrize("dtype", [*HALF, torch.float64], ids=str)
+def test_reward_penalty_of_any_input_dtype_is_the_float32_one(dtype) -> None:
     logp, ref, mask = batch(seed=1)
-    logp, ref, mask = logp.to(dtype), ref.to(dtype), mask.to(dtype)
+    (logp, ref), mask = in_dtype(dtype, logp, ref), mask.to(dtype)
     settings = dict(kl_placement="reward", kl_adaptation_method="clip", kl_clip_threshold=0.02)
     penalty = AdaptiveKL(config(**settings), BETA).reward_penalty(logp, ref, mask)[0]
     want = AdaptiveKL(config(**settings), BETA).reward_penalty(logp.float(), ref.float(), mask.float())[0]
@@ -113,24 +120,26 @@ def test_bnpo_over_80000_half_precision_tokens_counts_every_token(dtype) -> None
     assert lengths.dtype == torch.float32 and lengths.tolist() == [40_000.0, 40_000.0]
 
 
-def test_float32_and_float64_inputs_are_not_copied_to_another_dtype() -> None:
-    from unsloth_adaptive_kl.core.numerics import upcast
-
+def test_float32_input_is_not_copied_and_a_float64_normaliser_is_rounded_too() -> None:
     x = torch.zeros(3)
-    assert upcast(x) is x and upcast(x.double()).dtype == torch.float64
+    assert in_float32(x) is x and in_float32(x.double()).dtype == torch.float32
     logp, ref, mask = batch()
-    term, _ = AdaptiveKL(None, BETA, "grpo").kl_loss(logp.double(), ref.double(), mask.double())
-    assert term.dtype == torch.float64
+    normaliser = torch.tensor(mask.sum().item() + 1e-9, dtype=torch.float64)  # float32 rounds the 1e-9 away
+    term, _ = AdaptiveKL(None, BETA, "dapo").kl_loss(logp.double(), ref.double(), mask.double(),
+                                                     token_normalizer=normaliser)
+    want, _ = AdaptiveKL(None, BETA, "dapo").kl_loss(logp, ref, mask, token_normalizer=mask.sum())
+    assert term.dtype == torch.float32 and torch.equal(term, want)
 
 
-@pytest.mark.parametrize("dtype", HALF, ids=str)
-def test_a_torch_fx_traced_loss_computes_half_precision_in_float32(dtype) -> None:
-    """Tinker's route: torch.fx traces the core, where a tensor is a Proxy without a dtype, so `upcast` is the one
-    upcast there. The traced k3 term of half-precision log-probs is float32 and equals the float32 computation of the
-    same (rounded) values; a half-precision computation differs (exp and the sums rounded to 8 or 11 bits)."""
+@pytest.mark.parametrize("dtype", [*HALF, torch.float64], ids=str)
+def test_a_torch_fx_traced_loss_computes_in_float32(dtype) -> None:
+    """Tinker's route: torch.fx traces the core, where a tensor is a Proxy without a dtype, so `in_float32` is the
+    one conversion there. The traced k3 term of half-precision or float64 log-probs is float32 and equals the float32
+    computation of the same values in float32; a half-precision computation differs (exp and the sums rounded to 8 or
+    11 bits)."""
     settings = config(kl_estimator="k3", kl_adaptation_method="clip", kl_clip_threshold=0.02)
     logp, ref, mask = batch(seed=7)
-    logp, ref = logp.to(dtype), ref.to(dtype)
+    logp, ref = in_dtype(dtype, logp, ref)
 
     def loss(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         per_token = estimate_kl(logp, ref, mask, settings)
@@ -262,8 +271,8 @@ MASKS = {"float": lambda m: m, "long": lambda m: m.long(), "bool": lambda m: m.b
 @pytest.mark.parametrize("grad", [False, True], ids=["no grad", "grad"])
 def test_keep_valid_is_torch_where_bit_for_bit_values_and_gradients(dtype, mask_kind, grad) -> None:
     """The core's masking against `torch.where(mask != 0, x, 0)` written out: the same bits on every position (a NaN or
-    inf on a valid token stays, anything on a masked one is 0), the same gradient (0 on masked positions), float32 for
-    half precision."""
+    inf on a valid token stays, anything on a masked one is 0), the same gradient (0 on masked positions), float32
+    whatever the dtype."""
     logp, _, mask = batch(seed=5)
     mask = MASKS[mask_kind](mask)
     x = logp.to(dtype)
@@ -274,7 +283,7 @@ def test_keep_valid_is_torch_where_bit_for_bit_values_and_gradients(dtype, mask_
         x[tuple(index)] = value
     leaf, want_leaf = x.clone().requires_grad_(grad), x.clone().requires_grad_(grad)
     got = keep_valid(leaf, mask)
-    want = torch.where(mask != 0, want_leaf.to(torch.promote_types(dtype, torch.float32)), 0.0)
+    want = torch.where(mask != 0, want_leaf.to(torch.float32), 0.0)
     assert got.dtype == want.dtype and torch.equal(got.nan_to_num(), want.nan_to_num())
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isposinf(), want.isposinf())
     assert got[mask == 0].eq(0).all()

@@ -13,8 +13,8 @@ tensor:
            the reward one KL_i per completion
 
 Notation: k the per-token KL estimate, m the mask, L_i = sum_t m, S_i = sum_t m k (the raw KL of completion i).
-Everything is computed in float32 for half-precision input (float64 stays float64), and is traceable torch (no
-`.item()`), so it also runs inside `torch.compile(fullgraph=True)`.
+Everything is computed in float32 whatever the input's dtype (bf16/fp16 upcast, float64 rounded), and is traceable
+torch (no `.item()`), so it also runs inside `torch.compile(fullgraph=True)`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from .estimators import run_estimator
 from .numerics import LogpCheck, keep_valid, valid_positions
 from .reductions import REDUCTIONS, REWARD_LOSS_TYPE_SETTING, ReductionContext, kl_reduction, loss_type_reduction
-from .reductions import reduction_of_setting, upcast_context
+from .reductions import context_in_float32, reduction_of_setting
 from .shapings import clipped_tokens, shape_kl
 
 if TYPE_CHECKING:  # the pipeline reads the config's fields; the config does not import the pipeline
@@ -70,7 +70,7 @@ class KLTerm:
     sequence_kl: S_i = sum_t m k, each completion's summed un-adapted KL (detached). lengths: L_i.
     at_threshold: how many valid tokens have k >= kl_clip_threshold (`clip` only; 0 otherwise).
     check: the non-finite check of the log-probs the KL came from.
-    All float32 for half-precision input (float64 for float64 input)."""
+    All float32, whatever the input's dtype."""
 
     raw: torch.Tensor
     adapted: torch.Tensor
@@ -112,7 +112,7 @@ def kl_term(
             raw = per_completion(sums, lengths)
             adapted = raw if adapted_sums is sums else per_completion(adapted_sums, lengths)
             return KLTerm(raw, adapted, sums, lengths, at_threshold, stage.check)
-        ctx = upcast_context(context)
+        ctx = context_in_float32(context)
         raw_reduction, adapted_reduction = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
         adapted = REDUCTIONS[adapted_reduction].reduce(adapted_sums, lengths, ctx)
         if adapted_sums is sums and adapted_reduction == raw_reduction:  # nothing adapted: the same number

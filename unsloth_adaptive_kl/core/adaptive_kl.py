@@ -109,8 +109,8 @@ class AdaptiveKL:
         reference sync see only training batches). The metrics are floats under the `adaptive_kl/*` names (one host
         transfer).
 
-        Numerics: computed in float32 whatever the dtype of the inputs (bf16/fp16 are upcast; the gradient flows back
-        to them); the returned term is float32 for half-precision input (float64 for float64). A NaN or +-inf in
+        Numerics: computed in float32 whatever the dtype of the inputs (bf16/fp16 upcast, float64 rounded; the
+        gradient flows back in the inputs' dtype); the returned term is float32. A NaN or +-inf in
         `logps` or `ref_logps` on a valid token raises `NonFiniteLogProbError` (a FloatingPointError and ValueError)
         naming the step, the tensor and how many tokens; masked positions may hold anything (their KL is 0, with a
         zero gradient)."""

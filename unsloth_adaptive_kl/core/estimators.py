@@ -137,9 +137,9 @@ def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, confi
     """The estimator in effect (`config.estimator`: `kl_estimator`, or the placement's default for None), a registered
     name or a callable (logp, ref, mask) -> per-token KL.
 
-    Computed in float32 for half-precision input (bf16/fp16 are upcast; float32 and float64 stay as they are), so the
-    result is never below float32. Masked positions (mask == 0) of logp and ref are replaced by 0 before the
-    estimator sees them, so whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient."""
+    The estimator is given float32 whatever the input's dtype (bf16/fp16 upcast, float64 rounded; float32 is not
+    copied). Masked positions (mask == 0) of logp and ref are replaced by 0 before the estimator sees them, so
+    whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient."""
     logp, ref = masked_logps(logp, ref, mask)
     return run_estimator(logp, ref, mask, config)
 

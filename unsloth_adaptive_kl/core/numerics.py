@@ -1,8 +1,8 @@
 """Numerics shared by the core (pure torch, traceable): the float32 compute dtype, masked positions set to 0 before
 any estimator sees them, and the check for non-finite log-probs on valid tokens.
 
-- `upcast(x)`: x in float32 for half precision (bf16, fp16); float32 and float64 are returned as they are (no copy).
-- `keep_valid(x, mask) = torch.where(mask != 0, upcast(x), 0)`: masked positions may hold anything (NaN, +-inf, huge
+- `in_float32(x)`: x in float32 whatever its dtype (bf16 and fp16 upcast, float64 rounded); float32 is not copied.
+- `keep_valid(x, mask) = torch.where(mask != 0, in_float32(x), 0)`: masked positions may hold anything (NaN, +-inf, huge
   gaps) and give the value 0 with a gradient of exactly 0 (where's backward selects, it does not multiply); a NaN or
   inf on a valid position stays, so the sums it enters are non-finite and the check below reports it. A product
   `m * x` would not do: its value is NaN for a non-finite x on a masked position, and its backward multiplies the
@@ -23,16 +23,15 @@ import torch
 
 from .errors import NonFiniteLogProbError
 
-HALF_PRECISION = (torch.float16, torch.bfloat16)
 KINDS = ("policy", "reference")  # the two tensors a `LogpCheck` checks, in its order
 
 
-def upcast(x: torch.Tensor) -> torch.Tensor:
-    """float32 for half-precision input (bf16, fp16), else `x` itself (float32 and float64 are not copied).
-    Autograd carries the gradient back to the half-precision tensor. No branch on the dtype, so torch.fx can trace
-    it (a custom loss traced by torch.fx, where a tensor is a Proxy without a dtype): `.to` of the promoted
-    dtype is the tensor itself where nothing changes."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+def in_float32(x: torch.Tensor) -> torch.Tensor:
+    """`x` in float32, whatever its dtype: the one compute dtype of the core, so a term is the same float32 figure at
+    every door (a float64 own loop included). Autograd carries the gradient back in the given dtype. No branch on the
+    dtype, so torch.fx can trace it (a custom loss traced by torch.fx, where a tensor is a Proxy without a dtype):
+    `.to(torch.float32)` of a float32 tensor is the tensor itself (no copy)."""
+    return x.to(torch.float32)
 
 
 def valid_positions(mask: torch.Tensor) -> torch.Tensor:
@@ -41,10 +40,10 @@ def valid_positions(mask: torch.Tensor) -> torch.Tensor:
 
 
 def keep_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`torch.where(mask != 0, upcast(x), 0)`: x on valid positions (a NaN or inf there stays), 0 with a zero gradient
-    on masked ones, whatever they hold; float32 for half-precision x. A bool `mask` is used as it is (`.bool()` returns
-    it): a caller masking several tensors converts the mask once (`valid_positions`)."""
-    return torch.where(mask.bool(), upcast(x), 0.0)
+    """`torch.where(mask != 0, in_float32(x), 0)`: x on valid positions (a NaN or inf there stays), 0 with a zero
+    gradient on masked ones, whatever they hold; float32 whatever x's dtype. A bool `mask` is used as it is
+    (`.bool()` returns it): a caller masking several tensors converts the mask once (`valid_positions`)."""
+    return torch.where(mask.bool(), in_float32(x), 0.0)
 
 
 def masked_logps(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .errors import reject
-from .numerics import HALF_PRECISION, keep_valid, upcast
+from .numerics import in_float32, keep_valid
 
 
 @dataclass(frozen=True)
@@ -212,16 +212,17 @@ def loss_type_of_agg_mode(agg_mode: str, field: str = "loss_agg_mode") -> str:
 
 
 def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
-    """Apply the named reduction to a per-token tensor (in float32 for half-precision input)."""
+    """Apply the named reduction to a per-token tensor (in float32 whatever its dtype)."""
     sums = keep_valid(x, mask).sum(-1)
-    return REDUCTIONS[reduction].reduce(sums, mask.sum(-1, dtype=sums.dtype), upcast_context(ctx))
+    return REDUCTIONS[reduction].reduce(sums, mask.sum(-1, dtype=sums.dtype), context_in_float32(ctx))
 
 
-def upcast_context(ctx: ReductionContext) -> ReductionContext:
-    """A half-precision tensor `token_normalizer` in float32 (the same object otherwise)."""
+def context_in_float32(ctx: ReductionContext) -> ReductionContext:
+    """A floating tensor `token_normalizer` of another dtype in float32 (the same object otherwise: a float32 or an
+    integer count divides a float32 sum as it is)."""
     normalizer = ctx.token_normalizer
-    if isinstance(normalizer, torch.Tensor) and normalizer.dtype in HALF_PRECISION:
-        return ReductionContext(ctx.max_completion_length, upcast(normalizer))
+    if isinstance(normalizer, torch.Tensor) and normalizer.is_floating_point() and normalizer.dtype != torch.float32:
+        return ReductionContext(ctx.max_completion_length, in_float32(normalizer))
     return ctx
 
 

@@ -4,6 +4,8 @@ differently."""
 
 from __future__ import annotations
 
+import torch
+
 EPS32 = 2.0**-23  # float32 machine epsilon, torch.finfo(torch.float32).eps
 
 
@@ -19,3 +21,29 @@ def two_path_logp_tolerance(max_logit: float, vocabulary: int) -> float:
     plain one): each rounds log-sum-exp over `vocabulary` terms of size <= e^max_logit relative to the max, an
     absolute error of at most (vocabulary * EPS32) plus EPS32 * |max_logit| for the subtraction."""
     return EPS32 * (vocabulary + abs(max_logit))
+
+
+def float32_chain_tolerance(operations: int, magnitude: torch.Tensor | float) -> torch.Tensor | float:
+    """Bound on |computed - exact| for `operations` chained float32 operations on float32 inputs, to first order:
+    each returns its exact result times (1 + d), |d| <= EPS32 / 2, and no intermediate exceeds `magnitude`, the same
+    chain applied to the magnitudes of its parts (|a| + |b| for a +- b; see the `*_magnitude` functions). Count exp
+    (and log) as two operations: a vectorised exp is accurate to 1 ulp, twice a correctly rounded operation's error."""
+    return operations * EPS32 / 2 * magnitude
+
+
+def k3_magnitude(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per token, the parts of k3 = exp(r) - r - 1, r = ref - logp: exp(r) (1 + |r|) + |r| + 1, in float64. exp
+    also carries the rounding of r (exp(r (1 + d)) = exp(r) (1 + r d + ...)), so its part counts 1 + |r| times."""
+    r = ref.detach().double() - logp.detach().double()
+    return torch.exp(r) * (1 + r.abs()) + r.abs() + 1
+
+
+def k3_gradient_magnitude(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per token, the parts of dk3/dlogp = 1 - exp(r): exp(r) (1 + |r|) + 1, in float64."""
+    r = ref.detach().double() - logp.detach().double()
+    return torch.exp(r) * (1 + r.abs()) + 1
+
+
+def k1_magnitude(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per token, the parts of k1 = logp - ref: |logp| + |ref|, in float64."""
+    return logp.detach().double().abs() + ref.detach().double().abs()
