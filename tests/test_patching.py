@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
+from typing import Optional
+
 import pytest
 import torch
 import trl
@@ -104,6 +108,58 @@ def test_missing_anchor_is_refused_naming_anchor_version_and_tested_range(monkey
         monkeypatch.undo()
         unsloth_adaptive_kl.patch()
     assert unsloth_adaptive_kl.is_patched()
+
+
+def stand_in_resolver(tmp_path, anchors: tuple, dropped: Optional[versions.Anchor]):
+    """Maps each anchor's function name to a stand-in function (in a file, so its source can be read) whose body
+    holds, as comments, the texts of every anchor of that name but `dropped`'s."""
+    names = sorted({anchor.function for anchor in anchors})
+    lines = []
+    for index, name in enumerate(names):
+        lines.append(f"def f{index}():")
+        lines += [f"    # {anchor.text}" for anchor in anchors if anchor.function == name and anchor is not dropped]
+        lines.append("    pass")
+    (tmp_path / "stand_in.py").write_text("\n".join(lines) + "\n")
+    spec = importlib.util.spec_from_file_location("stand_in", tmp_path / "stand_in.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return lambda name: getattr(module, f"f{names.index(name)}")
+
+
+@pytest.mark.parametrize(("function", "package"), [("UnslothGRPOTrainer._generate_and_score_completions", "unsloth"),
+                                                   ("UnslothGRPOTrainer.compute_loss", "unsloth"),
+                                                   ("grpo_compute_loss", "unsloth_zoo"),
+                                                   ("grpo_accumulated_loss", "unsloth_zoo"),
+                                                   ("_unsloth_grpo_sample_weight", "unsloth")])
+def test_a_missing_unsloth_anchor_names_the_package_it_belongs_to(tmp_path, function: str, package: str) -> None:
+    """Unsloth generates UnslothGRPOTrainer's methods; the loss functions inlined beside them are unsloth_zoo's. A
+    missing anchor names its own package, its installed version and the install that fixes it."""
+    from unsloth_adaptive_kl.integrations.unsloth import anchor_package
+
+    dropped = next(anchor for anchor in versions.UNSLOTH_ANCHORS if anchor.function == function)
+    resolve = stand_in_resolver(tmp_path, versions.UNSLOTH_ANCHORS, dropped)
+    assert versions.missing_anchors(versions.UNSLOTH_ANCHORS, resolve) == [dropped]
+    with pytest.raises(versions.IncompatibleVersionError) as caught:
+        versions.check_anchors(anchor_package, versions.UNSLOTH_ANCHORS, resolve, "Unsloth's generated trainer: ")
+    message = str(caught.value)
+    assert re.search(rf"^unsloth_adaptive_kl cannot patch {package}(==[\w.]+| \(not installed\)) \(tested: "
+                     rf"{package}>=2026\.10\.7,<=2026\.10\.9\): the anchor `", message), message
+    assert f"was not found in Unsloth's generated trainer: {function}." in message
+    assert message.endswith(f"pip install '{package}>=2026.10.7,<=2026.10.9'.")
+
+
+@pytest.mark.parametrize("package", ["unsloth", "unsloth_zoo"])
+def test_an_untested_unsloth_or_unsloth_zoo_whose_anchors_hold_warns_naming_it(tmp_path, monkeypatch, package) -> None:
+    from unsloth_adaptive_kl.integrations.unsloth import anchor_package
+
+    found = {"unsloth": Version("2026.10.9"), "unsloth_zoo": Version("2026.10.9"), package: Version("2026.12.1")}
+    monkeypatch.setattr(versions, "installed_version", found.__getitem__)
+    monkeypatch.setattr(versions, "_warned", set())
+    resolve = stand_in_resolver(tmp_path, versions.UNSLOTH_ANCHORS, None)
+    with pytest.warns(versions.UntestedVersionWarning) as caught:
+        versions.check_anchors(anchor_package, versions.UNSLOTH_ANCHORS, resolve)
+    assert [str(warning.message).split(" (tested")[0] for warning in caught] == [
+        f"unsloth_adaptive_kl is untested with {package}==2026.12.1"]
 
 
 def test_every_trl_anchor_is_found_in_the_installed_trl() -> None:

@@ -182,6 +182,7 @@ def test_hook_failure_inside_unsloths_generation_stops_adaptive_runs_before_trai
     assert len(logged) == 1 and logged[0].startswith("Unsloth: Could not patch trl.trainer.grpo_trainer: ")
     original = logged[0].removeprefix("Unsloth: Could not patch trl.trainer.grpo_trainer: ")
     assert "the anchor `loss_i = loss_i + beta * kl_i  # renamed`" in original
+    assert original.startswith("unsloth_adaptive_kl cannot patch unsloth_zoo==")  # grpo_compute_loss is unsloth_zoo's
     for label in ("clip", "dynamic", "kl_in_reward", "k2", "ref_sync"):
         assert result[label] == {"type": "IncompatibleVersionError", "message": original, "notes": [SWALLOWED_NOTE]}
     # What the failed install had replaced is undone: the generated module's own loss and methods
@@ -405,10 +406,28 @@ def test_unsloths_sample_weights_refuse_an_adapted_kl_at_construction_and_leave_
     troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
     assert f"NotImplementedError: {results['refused']}\n" in troubleshooting
     assert len(results["warnings"]) == 1 and "the loss stays stock Unsloth's" in results["warnings"][0]
-    assert results["adaptive_metrics"] == []
+    assert results["adaptive_metrics"] == [] and results["logged_kl"]  # the step logged, its KL stock Unsloth's
     assert len(results["weights"]) == 4 and any(weight > 0 for weight in results["weights"])  # the weights reach it
     assert results["loss"] == results["stock_loss"]
     assert results["grad_diff"] == 0.0 and results["grad_max"] > 0
+    grpo = results["grpo"]  # exclusion alone with grpo: Unsloth ignores it (and says so), so nothing is refused
+    assert grpo["ours"] == [] and grpo["unsloth_ignores"] and grpo["weights"] is None
+    assert "adaptive_kl/clip_fraction" in grpo["adaptive_metrics"]
+
+
+@pytest.mark.parametrize(("mode", "weighted"), [
+    (None, ()),
+    ((True, False), ("bnpo", "dapo", "cispo", "vespo")),
+    ((False, True), ("grpo", "sapo", "bnpo", "dapo", "cispo", "vespo", "dr_grpo")),
+    ((True, True), ("grpo", "sapo", "bnpo", "dapo", "cispo", "vespo", "dr_grpo")),
+])
+def test_unsloths_weights_are_refused_only_where_unsloth_applies_them(mode, weighted) -> None:
+    """Unsloth's `_unsloth_grpo_sample_weight` (2026.10.7-10.9, whose rule the anchors pin) weights with prompt-level
+    aggregation for every loss type but luspo, with zero-variance exclusion alone for bnpo/dapo/cispo/vespo only."""
+    from unsloth_adaptive_kl.integrations.unsloth import unsloth_weights_loss
+
+    loss_types = ("grpo", "sapo", "bnpo", "dapo", "cispo", "vespo", "dr_grpo", "luspo")
+    assert tuple(t for t in loss_types if unsloth_weights_loss(mode, t)) == weighted
 
 
 @needs_unsloth

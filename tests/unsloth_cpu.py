@@ -783,12 +783,28 @@ def scenario_pad_is_eos(out: str) -> dict:
     return results
 
 
+def logged_adaptive_metrics(trainer: Any) -> list[str]:
+    """The adaptive_kl/* names the trainer logged (its log history: `_metrics` is emptied at each log)."""
+    return sorted({key for entry in trainer.state.log_history for key in entry if key.startswith("adaptive_kl/")})
+
+
 def scenario_sample_weights(out: str) -> dict:
     """UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE=1 with dapo (Unsloth weights each completion of the loss): an adapted KL is
     refused at construction; `none` warns, trains a step, and on that step's batch (weights included) gives stock
-    Unsloth's loss and gradients."""
+    Unsloth's loss and gradients. With grpo, which Unsloth does not weight under exclusion alone, `clip` is built
+    without a word of ours, trains a step on unweighted batches and logs its metrics."""
     os.environ["UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE"] = "1"
     results: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unweighted = make_trainer(f"{out}/grpo", kl_adaptation_method="clip", kl_clip_threshold=0.05,
+                                  loss_type="grpo", max_steps=1)
+        weights = capture_inputs(unweighted).get("unsloth_sample_weight")  # trains the step
+    results["grpo"] = {
+        "ours": [str(w.message) for w in caught if "per-completion loss weights" in str(w.message)],
+        "unsloth_ignores": any("ignored for loss_type=grpo" in str(w.message) for w in caught),
+        "weights": weights,
+        "adaptive_metrics": logged_adaptive_metrics(unweighted)}
     try:
         make_trainer(f"{out}/refused", kl_adaptation_method="clip")
     except NotImplementedError as error:
@@ -799,8 +815,8 @@ def scenario_sample_weights(out: str) -> dict:
     results["warnings"] = [str(w.message) for w in caught if "per-completion loss weights" in str(w.message)]
     inputs = capture_inputs(trainer)
     results["weights"] = inputs["unsloth_sample_weight"].tolist()
-    results["adaptive_metrics"] = sorted(key for key, values in trainer._metrics["train"].items()
-                                         if key.startswith("adaptive_kl/") and values)
+    results["adaptive_metrics"] = logged_adaptive_metrics(trainer)
+    results["logged_kl"] = any("kl" in entry for entry in trainer.state.log_history)
     loss, grads = loss_and_grads(trainer, inputs)
     stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
     results.update(loss=loss, stock_loss=stock_loss, grad_diff=max_abs_diff(grads, stock_grads),

@@ -73,7 +73,6 @@ from .versions import (
     generation_local,
     source,
     unsloth_bnpo_rule,
-    warn_if_untested,
 )
 
 RL_MODULE = "unsloth.models.rl"
@@ -274,17 +273,28 @@ SAMPLE_WEIGHTS = ("Unsloth's per-completion loss weights (UNSLOTH_GRPO_ZERO_VARI
                   "follow")
 
 
-def _check_unsupported(upstream: Callable, sample_weight_mode: Optional[Callable[[], Any]]) -> Callable:
+def unsloth_weights_loss(mode: Optional[tuple[bool, bool]], loss_type: str) -> bool:
+    """Whether Unsloth weights the loss's completions, as its `_unsloth_grpo_sample_weight` decides (anchored:
+    UNSLOTH_SAMPLE_WEIGHT_RULE) from `mode`, its `_unsloth_grpo_sample_weight_mode()` (exclude, prompt_level) or None:
+    prompt-level aggregation for every loss type but luspo, zero-variance exclusion alone for the token-normalised
+    bnpo, dapo, cispo and vespo. Elsewhere Unsloth warns that it ignores them, and the loss is unweighted."""
+    if mode is None:
+        return False
+    _, prompt_level = mode
+    return loss_type != "luspo" if prompt_level else loss_type in ("bnpo", "dapo", "cispo", "vespo")
+
+
+def _check_unsupported(upstream: Callable, sample_weight_mode: Callable[[], Any]) -> Callable:
     # Wraps the generated UnslothGRPOTrainer.__init__ (after `wrap_init`). Refuses, before training, a KL this package
     # adapts where it cannot follow Unsloth's loss; the stock KL warns and stays stock:
-    # - Unsloth's per-completion weights, on where the generated module's own `_unsloth_grpo_sample_weight_mode()`
-    #   says so (it reads the environment variables when each batch is generated);
+    # - Unsloth's per-completion weights, where the generated module's own `_unsloth_grpo_sample_weight_mode()` and
+    #   the loss type say it weights the loss (it reads the environment variables when each batch is generated);
     # - pad = EOS: the KL would be computed without the EOS tokens and still land elsewhere.
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         upstream(self, *args, **kwargs)
         config = self.adaptive_kl.config
-        if sample_weight_mode is not None and sample_weight_mode() is not None and self.beta != 0.0:
+        if unsloth_weights_loss(sample_weight_mode(), self.args.loss_type) and self.beta != 0.0:
             if not config.is_stock_kl:
                 raise NotImplementedError(
                     f"{SAMPLE_WEIGHTS}: kl_adaptation_method={config.kl_adaptation_method!r}, kl_placement="
@@ -305,6 +315,16 @@ def _check_unsupported(upstream: Callable, sample_weight_mode: Optional[Callable
         warnings.warn(f"pad_token_id={pad} is the eos_token_id: {PAD_IS_EOS}. Use {fix}.", UserWarning, stacklevel=2)
 
     return __init__
+
+
+# The functions of the generated module that unsloth inlines from unsloth_zoo.rl_replacements.
+ZOO_FUNCTIONS = ("grpo_compute_loss", "grpo_accumulated_loss")
+
+
+def anchor_package(anchor: Anchor) -> str:
+    """The package an Unsloth anchor belongs to: the generated module is unsloth's (UnslothGRPOTrainer's methods,
+    generated from TRL's source, and unsloth's own helpers) but for the loss functions it inlines from unsloth_zoo."""
+    return "unsloth_zoo" if anchor.function in ZOO_FUNCTIONS else "unsloth"
 
 
 def anchor_resolver(trainer_class: type) -> Callable[[str], Any]:
@@ -329,8 +349,7 @@ def _install(trainer_class: type) -> None:
         if not hasattr(owner, name):
             raise _missing("unsloth", Anchor(name, name, "a name the integration hooks"))()
 
-    check_anchors("unsloth_zoo", UNSLOTH_ANCHORS, anchor_resolver(trainer_class), "Unsloth's generated trainer: ")
-    warn_if_untested("unsloth")
+    check_anchors(anchor_package, UNSLOTH_ANCHORS, anchor_resolver(trainer_class), "Unsloth's generated trainer: ")
     installed = source(module.grpo_compute_loss)
     _AdaptiveEfficientGRPO.compute_loss = module.grpo_compute_loss
     _AdaptiveEfficientGRPO.bnpo_rule = unsloth_bnpo_rule(installed)
@@ -343,8 +362,8 @@ def _install(trainer_class: type) -> None:
     _patches.replace(config_class, "__post_init__", _wrap_config_post_init(config_class.__post_init__))
     _patches.replace(config_class, "__init__", _wrap_config_init(config_class.__init__))
     # The generated trainer's own methods, copied from TRL's source: TRL-side patches do not reach them.
-    weights = getattr(module, "_unsloth_grpo_sample_weight_mode", None)  # None where Unsloth has no such weights
-    _patches.replace(trainer_class, "__init__", _check_unsupported(wrap_init(trainer_class.__init__), weights))
+    _patches.replace(trainer_class, "__init__", _check_unsupported(wrap_init(trainer_class.__init__),
+                                                                   module._unsloth_grpo_sample_weight_mode))
     _patches.replace(trainer_class, "compute_loss", _wrap_compute_loss(trainer_class.compute_loss))
     _patches.replace(trainer_class, "_generate_and_score_completions",
              wrap_generate_and_score(trainer_class._generate_and_score_completions,

@@ -142,6 +142,12 @@ UNSLOTH_PASSED_LOSS_KWARGS = {
     for name in ("loss_type", "max_completion_length", "num_items_in_batch", "current_gradient_accumulation_steps",
                  "num_processes")
 }
+# Unsloth's per-completion loss weights (UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE=1, UNSLOTH_GRPO_LOSS_AGGREGATION=prompt):
+# its `_unsloth_grpo_sample_weight` reads `_unsloth_grpo_sample_weight_mode()` (exclude, prompt_level) and gives no
+# weights for these loss types, which integrations/unsloth.py's `unsloth_weights_loss` follows.
+UNSLOTH_SAMPLE_WEIGHT_RULE = ("settings = _unsloth_grpo_sample_weight_mode()",
+                              'if (prompt_level and loss_type == "luspo") or (',
+                              'not prompt_level and loss_type not in ("bnpo", "dapo", "cispo", "vespo")')
 UNSLOTH_ANCHORS = (
     *UNSLOTH_PASSED_LOSS_KWARGS.values(),
     UNSLOTH_KL_LINE,
@@ -159,6 +165,8 @@ UNSLOTH_ANCHORS = (
            "the dapo/cispo/vespo normaliser's accumulation window"),
     *reward_placement_anchors("UnslothGRPOTrainer._generate_and_score_completions"),
     reference_forward_anchor("UnslothGRPOTrainer._generate_and_score_completions"),
+    *(Anchor("_unsloth_grpo_sample_weight", text, "the settings under which Unsloth weights the loss's completions")
+      for text in UNSLOTH_SAMPLE_WEIGHT_RULE),
 )
 # unsloth_zoo 2026.10.9 drops rollout_rs's rejected tokens from every loss term, the KL included (2026.10.7 only
 # from the policy term): where this line is present, the KL is masked by the function's `rs_keep` at the KL line.
@@ -301,12 +309,16 @@ def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleV
     )
 
 
-def check_anchors(package: str, anchors: tuple[Anchor, ...], resolve: Callable[[str], Any], where: str = "") -> None:
-    """Raise IncompatibleVersionError for the first missing anchor; warn once per version outside the tested range."""
+def check_anchors(package: str | Callable[[Anchor], str], anchors: tuple[Anchor, ...], resolve: Callable[[str], Any],
+                  where: str = "") -> None:
+    """Raise IncompatibleVersionError for the first missing anchor, naming the package it belongs to (`package`, or
+    `package(anchor)` where the anchors belong to several); else warn once per version outside the tested range."""
+    owner = package if callable(package) else (lambda anchor: package)
     missing = missing_anchors(anchors, resolve)
     if missing:
-        raise anchor_error(package, missing[0], where)
-    warn_if_untested(package)
+        raise anchor_error(owner(missing[0]), missing[0], where)
+    for name in dict.fromkeys(map(owner, anchors)):
+        warn_if_untested(name)
 
 
 def warn_if_untested(package: str) -> None:
