@@ -10,8 +10,11 @@ on two gloo processes, without accelerate's routing) is tested with the referenc
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,14 +28,20 @@ CONFIGS = {"ddp": ROOT / "docs" / "accelerate" / "ddp.yaml", "fsdp2": ROOT / "do
 DECAY, BETA = 0.5, 0.04
 
 
-def launch(config: Path, output_dir: Path, device: str) -> list[dict]:
-    """`accelerate launch --config_file config --num_processes 2` the run script; each rank's JSON."""
+def accelerate_launch(arguments: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`accelerate launch ARGUMENTS` run from `cwd` with this checkout importable; it must succeed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes", "2",
-               "--main_process_port", "0", str(SCRIPT), str(output_dir), device]
-    result = subprocess.run(command, env=env, cwd=output_dir, capture_output=True, text=True, timeout=540)
+    result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", *arguments], env=env, cwd=cwd,
+                            capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def launch(config: Path, output_dir: Path, device: str) -> list[dict]:
+    """`accelerate launch --config_file config --num_processes 2` the run script; each rank's JSON."""
+    accelerate_launch(["--config_file", str(config), "--num_processes", "2", "--main_process_port", "0", str(SCRIPT),
+                       str(output_dir), device], output_dir)
     files = sorted(output_dir.glob("rank*.json"))
     assert [f.name for f in files] == ["rank0.json", "rank1.json"], "both processes must write their own rank's file"
     return [json.loads(f.read_text()) for f in files]
@@ -62,3 +71,31 @@ def test_two_processes_on_cpu_log_the_same_beta_and_metrics(name: str, tmp_path:
         assert (rank["distributed_type"], rank["backend"], rank["model"]) == \
             ("MULTI_CPU", "gloo", "DistributedDataParallel"), rank
 
+
+
+PAGE = ROOT / "docs" / "scaling-out.md"
+PRINTED = re.compile(r"process \d of \d: step \d+ reward [\d.]+ beta [\d.]+ raw_kl [\d.]+")
+
+
+def test_the_pages_two_process_example_prints_what_the_page_shows(tmp_path: Path) -> None:
+    """The page's train.py (its python block that prints per process) under the page's two-process command, as a user
+    runs them from a checkout: each process prints its three steps, both the same values. Where the installed versions
+    are those of the test command's CI row (docs/results/ci.json's row a, which the page names), the lines are exactly
+    the ones the page shows; with other versions (the matrix's other rows) only the agreement is checked."""
+    text = PAGE.read_text()
+    (script,) = [block for block in re.findall(r"```python\n(.*?)```", text, re.S) if "accelerator.state" in block]
+    command, shown = re.search(r"```bash\n(accelerate launch [^\n]*--num_processes 2 [^\n]*)\n```\s*```text\n(.*?)```",
+                               text, re.S).groups()
+    (tmp_path / "train.py").write_text(script)
+    (tmp_path / "docs" / "accelerate").mkdir(parents=True)
+    shutil.copy(CONFIGS["ddp"], tmp_path / "docs" / "accelerate" / "ddp.yaml")
+    assert command.split()[:2] == ["accelerate", "launch"]
+    result = accelerate_launch(command.split()[2:], tmp_path)
+    printed = sorted(PRINTED.findall(result.stdout))  # the processes' lines may interleave, even within a line
+    steps = {rank: [line.split(": ", 1)[1] for line in printed if line.startswith(f"process {rank} of 2:")]
+             for rank in (0, 1)}
+    assert len(printed) == 6 and len(steps[0]) == 3 and steps[0] == steps[1], printed
+    row_a = next(row for row in json.loads((ROOT / "docs/results/ci.json").read_text())["rows"] if row["row"] == "a")
+    if all(importlib.metadata.version(name) == row_a["versions"][name]
+           for name in ("trl", "transformers", "torch", "accelerate")):
+        assert printed == sorted(line.strip() for line in shown.strip().splitlines())
