@@ -342,12 +342,9 @@ def where_time_goes(function: Callable[[], Any], calls: int = 20, count: int = 6
     return [{"op": event.key, "share": event.self_cpu_time_total / total} for event in top]
 
 
-def core_op(repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The core op alone on a 64 x 4096 per-token KL (90 % valid tokens): the stock k3 expression, and k3 plus each
-    method's adaptation (shaping, reductions, diagnostics), eager, with its aten op count; each method against the
-    stock k3 timed in its own interleaved rounds. Also where `none`'s time goes (`where_time_goes`): what every
-    method pays."""
-    from unsloth_adaptive_kl import AdaptiveKLConfig
+def core_pipeline() -> tuple[Callable[[], torch.Tensor], Callable[[Any], Any]]:
+    """On a 64 x 4096 per-token KL (90 % valid tokens): the stock k3 expression, and the core's pipeline for a config
+    (k3 plus the method's adaptation: shaping, reductions, diagnostics)."""
     from unsloth_adaptive_kl.core.adaptation import kl_term
     from unsloth_adaptive_kl.core.reductions import ReductionContext
 
@@ -367,6 +364,15 @@ def core_op(repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         own = stock() if config.estimator == "k3" else None
         return kl_term(logp, ref, mask, config, loss_type="dapo", context=ctx, per_token_kl=own, with_grad=True)
 
+    return stock, term
+
+
+def core_op(repeats: int) -> list[dict[str, Any]]:
+    """The core op alone (`core_pipeline`): the stock k3 expression, and each method's pipeline, eager, with its aten
+    op count; each method against the stock k3 timed in its own interleaved rounds."""
+    from unsloth_adaptive_kl import AdaptiveKLConfig
+
+    stock, term = core_pipeline()
     base_ops = profile_counts(stock)[0]
     rows = []
     stock_samples: list[float] = []
@@ -381,7 +387,15 @@ def core_op(repeats: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         rows.append({"method": name, "median_ms": method_ms * 1e3, "x_k3": method_ms / stock_ms,
                      "ops": profile_counts(eager)[0] - base_ops})
     stock_row = {"method": "stock k3", "median_ms": statistics.median(stock_samples) * 1e3, "x_k3": 1.0, "ops": 0}
-    return [stock_row, *rows], where_time_goes(lambda: term(AdaptiveKLConfig()))
+    return [stock_row, *rows]
+
+
+def core_op_profile() -> list[dict[str, Any]]:
+    """Where `none`'s core op spends its time (`where_time_goes`): what every method pays."""
+    from unsloth_adaptive_kl import AdaptiveKLConfig
+
+    term = core_pipeline()[1]
+    return where_time_goes(lambda: term(AdaptiveKLConfig()))
 
 
 def run_trainer(trainer: str, args: argparse.Namespace, argv: list[str], size: tuple[int, int],
@@ -474,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         index = argv.index("--json")
         passthrough = argv[:index] + argv[index + 2:]
     torch.set_num_threads(1)
-    core, profile = core_op(20 if args.smoke else 300)
+    core, profile = core_op(20 if args.smoke else 300), core_op_profile()
     print("core op, 64 x 4096 per-token KL (eager ms; x the stock k3 expression; aten ops added)")
     for row in core:
         print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}  +{row['ops']} ops")

@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     ref_sync_forwards = forwards.pop(REF_SYNC)
     set_stock(False)
     memory = cuda_peak if torch.cuda.is_available() else {variant: peak_rss(variant, argv) for variant in VARIANTS}
-    core = {row["method"]: row["x_k3"] for row in core_op(50 if args.smoke else 300)[0]}
+    core = {row["method"]: row["x_k3"] for row in core_op(50 if args.smoke else 300)}
 
     stock_time = statistics.median(times["stock"])
     rows = []
