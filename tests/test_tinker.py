@@ -689,6 +689,63 @@ def test_the_custom_and_the_traced_routes_share_their_checks() -> None:
             route(akl, clip_epsilon=1.5)
 
 
+# What a prompt position (mask 0) of each Datum input holds in `with_garbage_on_prompts`.
+GARBAGE = {"logprobs": math.nan, "advantages": math.nan, "ref_logprobs": -math.inf}
+
+
+def with_garbage_on_prompts(data: list[Any]) -> list[Any]:
+    """The Datums with NaN / -inf on every prompt position (mask 0) of the sampler's log-probs, the advantages and
+    the reference log-probs."""
+    out = []
+    for datum in data:
+        mask = datum.loss_fn_inputs["mask"].to_torch()
+        inputs = dict(datum.loss_fn_inputs)
+        for key, value in GARBAGE.items():
+            inputs[key] = types.TensorData.from_torch(torch.where(mask > 0, inputs[key].to_torch().float(), value))
+        out.append(types.Datum(model_input=datum.model_input, loss_fn_inputs=inputs))
+    return out
+
+
+def test_prompt_positions_may_hold_anything_in_both_routes(fake_tinker: Tinker) -> None:
+    """SPEC 3.13 at Tinker's routes 1 and 3: NaN or -inf on the prompt positions (mask 0) of the sampler's log-probs,
+    the advantages and the reference log-probs give the clean batch's loss and model gradients exactly, through the
+    SDK; so do NaN policy log-probs there, handed to route 1's loss as the SDK hands them (its PPO-clip surrogate
+    read its inputs unmasked: the gradient was NaN, route 3's loss NaN)."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3), beta=0.5, loss_type="grpo")
+    clean = with_advantages(make_data(fake_tinker.initial, seed=23), ADVANTAGES)
+    dirty = with_garbage_on_prompts(clean)
+    assert all(torch.isnan(d.loss_fn_inputs["advantages"].to_torch()).any() for d in dirty)
+    loss_fn = integration.grpo_kl_loss(akl)
+    logps, mask = policy_logprobs(fake_tinker.initial, clean).detach(), stacked(clean, "mask")
+    direct = {}
+    for name, data, policy in (("clean", clean, logps), ("dirty", dirty, torch.where(mask > 0, logps, math.nan))):
+        rows = [policy[i, : len(d.loss_fn_inputs["target_tokens"].tolist())].clone().requires_grad_(True)
+                for i, d in enumerate(data)]
+        loss, _ = loss_fn(data, rows)
+        loss.backward()
+        direct[name] = (loss.detach(), [row.grad for row in rows])
+    assert torch.isfinite(direct["dirty"][0]) and torch.equal(direct["dirty"][0], direct["clean"][0])
+    for got, want in zip(direct["dirty"][1], direct["clean"][1]):
+        assert torch.isfinite(got).all() and torch.equal(got, want)
+    assert any(grad.abs().sum() > 0 for grad in direct["clean"][1])
+
+    fn, ranks = integration.traceable_grpo_loss(akl)
+    handle = fake_tinker.client.create_custom_loss(fn, ranks).result(timeout=30)
+    for route in ("custom", "traced"):
+        runs = {}
+        for name, data in (("clean", clean), ("dirty", dirty)):
+            fake_tinker.service.zero_grad()
+            if route == "custom":
+                result = fake_tinker.training.forward_backward_custom(data, integration.grpo_kl_loss(akl))
+            else:
+                result = fake_tinker.training.forward_backward_custom(integration.traced_loss_data(akl, data), handle)
+            runs[name] = (result.result(timeout=30).metrics["loss:sum"], fake_tinker.service.grads())
+        assert math.isfinite(runs["dirty"][0]) and runs["dirty"][0] == runs["clean"][0], route
+        assert runs["dirty"][1].keys() == runs["clean"][1].keys() and runs["clean"][1]
+        for key, grad in runs["dirty"][1].items():
+            assert torch.isfinite(grad).all() and torch.equal(grad, runs["clean"][1][key]), (route, key)
+
+
 def test_the_traced_loss_returns_the_check_and_check_traced_loss_raises_on_it(fake_tinker: Tinker) -> None:
     """The traced loss returns the core's non-finite check as metrics: summed over datums, the sums of the valid
     policy and reference log-probs, by hand; check_traced_loss passes them. Where the service's forward gives a NaN

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -197,9 +198,13 @@ class ReferenceSync(TrainerCallback):
                        os.path.join(folder, STATE_FILE))
 
     def load(self, folder: str) -> None:
-        """Restore what `save` wrote, if the checkpoint has it (a run saved without syncing has not)."""
+        """Restore what `save` wrote; a checkpoint without it (saved without syncing, or the file lost) warns, naming
+        it, and the reference restarts as the initial one (no sync so far)."""
         path = os.path.join(folder, STATE_FILE)
         if not os.path.exists(path):
+            warnings.warn(f"adaptive_kl: {path} is missing: the synced reference restarts as the initial reference "
+                          "(no sync so far), as a checkpoint saved without sync_ref_model has it.", UserWarning,
+                          stacklevel=3)
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.syncs, self.last_sync_step = state["syncs"], state["last_sync_step"]

@@ -35,7 +35,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from ..core import AdaptiveKL, ReductionContext, reduce_kl
 from ..core.adaptation import kl_term, token_kl
-from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, nonfinite_error
+from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.reductions import kl_reduction, loss_type_reduction
 from ..core.statistics import device_sums, gather_statistics
 
@@ -122,10 +122,14 @@ def _batch(data: Sequence["types.Datum"], key: str) -> torch.Tensor:
     return _stack([_input(datum, key) for datum in data])
 
 
-def _ppo_clip_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, low: float,
-                       high: float) -> torch.Tensor:
-    """GRPO's per-token PPO-clip surrogate: -min(ratio A, clip(ratio, low, high) A), ratio = exp(logprobs - old).
+def _ppo_clip_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """GRPO's per-token PPO-clip surrogate: -min(ratio A, clip(ratio, low, high) A), ratio = exp(logprobs - old), of
+    the valid (mask != 0) positions: the three inputs are set to 0 elsewhere first (the core's `keep_valid`), so a
+    prompt or padding position may hold anything (NaN, -inf) and still give 0 with a zero gradient, as the KL's do.
     Plain torch, so torch.fx traces it inside `traceable_grpo_loss` as it runs eagerly in `GRPOKLLoss`."""
+    valid = valid_positions(mask)
+    logprobs, old_logprobs, advantages = (keep_valid(x, valid) for x in (logprobs, old_logprobs, advantages))
     ratio = torch.exp(logprobs - old_logprobs)
     return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
 
@@ -214,7 +218,7 @@ class GRPOKLLoss:
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
         check_datum_logps(old, ref, mask, self.training_step)
-        surrogate = _ppo_clip_surrogate(logps, old, advantages, self.clip_low, self.clip_high)
+        surrogate = _ppo_clip_surrogate(logps, old, advantages, mask, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
         term = kl_term(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context, with_grad=True)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.training_step)
@@ -360,7 +364,7 @@ def traceable_grpo_loss(
     low, high = clip_bounds(clip_epsilon, clip_epsilon_high)
 
     def adaptive_kl_grpo(logprobs, sampling_logprobs, advantages, ref_logprobs, mask, pg_weights, kl_weights, beta):
-        pg = (pg_weights * _ppo_clip_surrogate(logprobs, sampling_logprobs, advantages, low, high)).sum()
+        pg = (pg_weights * _ppo_clip_surrogate(logprobs, sampling_logprobs, advantages, mask, low, high)).sum()
         stage = token_kl(logprobs, ref_logprobs, mask, config)  # the core's pipeline, up to the per-token k'
         adapted = (kl_weights * stage.shaped).sum()
         kl_part = beta * adapted
