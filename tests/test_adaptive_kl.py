@@ -138,6 +138,21 @@ def test_reward_penalty_is_beta_times_each_completions_shaped_kl() -> None:
         AdaptiveKLConfig(kl_reduction="token_mean", kl_placement="reward")  # one KL per completion
 
 
+@pytest.mark.parametrize(("name", "value", "off"), [("ref_model_sync_kl", 0.05, None),
+                                                    ("ref_model_sync_reset_optimizer", True, False)])
+def test_reference_sync_settings_without_a_reference_sync_are_refused(name: str, value: object, off: object) -> None:
+    """A loop of your own (and Tinker's routes, which build this object) syncs no reference, so the settings that act
+    on the sync would do nothing: refused by name, as TRL's trainer refuses them with sync_ref_model=False; a loop
+    that syncs (reference_sync=True, as TRL's and Unsloth's trainers pass with sync_ref_model=True) takes them."""
+    config = AdaptiveKLConfig(**{name: value})
+    with pytest.raises(ValueError) as error:
+        AdaptiveKL(config, BETA)
+    assert str(error.value) == (f"{name}={value!r} is invalid: allowed is {off!r} without a reference sync (the setting "
+                                "acts on the reference sync, which is off); AdaptiveKL syncs no reference itself: "
+                                "TRL's and Unsloth's trainers do, with sync_ref_model=True.")
+    assert getattr(AdaptiveKL(config, BETA, reference_sync=True).config, name) == value
+
+
 def test_each_door_refuses_the_other_placement_and_the_step_reads_its_own() -> None:
     """reward_penalty refuses the loss placement as kl_loss refuses the reward one, so a stray call in a loss-placement
     loop cannot replace the step's KL (it once took last_raw_kl from 1.897 to 0.616 and moved target's beta); the step

@@ -38,7 +38,9 @@ class AdaptiveKL:
     messages): `config` the adaptive-KL fields (None: the defaults, i.e. `none`), `beta` the initial coefficient
     (finite, >= 0, >= beta_min), `loss_type` the GRPO loss whose reduction the KL term follows (grpo, bnpo, dr_grpo,
     dapo, cispo, vespo, sapo, luspo), `num_iterations` mu, the optimizer passes over each generation batch (a trainer's
-    PPO-style epochs): `target` counts each generated completion once per batch whatever mu.
+    PPO-style epochs): `target` counts each generated completion once per batch whatever mu. `reference_sync`: whether
+    the loop syncs the reference (TRL's and Unsloth's trainers with sync_ref_model=True); without one,
+    `ref_model_sync_kl` and `ref_model_sync_reset_optimizer` would do nothing and are refused.
 
     Per optimizer step of a loop: `kl_loss` (KL in the loss) or `reward_penalty` (KL in the reward) on each
     (micro-)batch, then `step(mean_reward=...)` once; `train=False` on an evaluation pass. `state_dict()` /
@@ -49,7 +51,7 @@ class AdaptiveKL:
     host once, for the metrics and the controller together."""
 
     def __init__(self, config: Optional[AdaptiveKLConfig], beta: float, loss_type: str = "grpo", *,
-                 num_iterations: int = 1) -> None:
+                 num_iterations: int = 1, reference_sync: bool = False) -> None:
         config = AdaptiveKLConfig() if config is None else config
         if not isinstance(config, AdaptiveKLConfig):
             raise TypeError(f"config must be an AdaptiveKLConfig (or None for the defaults), not {type(config).__name__}")
@@ -58,6 +60,9 @@ class AdaptiveKL:
             raise reject("num_iterations", num_iterations, "an integer >= 1 (the optimizer passes over each "
                          "generation batch)")
         config.validate_adaptive_kl(beta=beta)
+        if not reference_sync:
+            config.refuse_sync_settings("without a reference sync", "AdaptiveKL syncs no reference itself: TRL's and "
+                                        "Unsloth's trainers do, with sync_ref_model=True")
         if beta != 0:  # with beta = 0 there is no KL term to reduce (stock trainers skip it whatever the loss)
             loss_type_reduction(loss_type)
             kl_reduction(config, loss_type)

@@ -68,6 +68,9 @@ _ESTIMATOR_WARNINGS = {
 
 # The fields that only some settings read, with the methods or the estimator that read them. Set away from its default
 # while none of its readers is in effect, a field does nothing, and validation says so (`unread_fields`).
+# This package's reference-sync fields, each with its off value: they act on the sync of TRL's and Unsloth's trainers
+# (sync_ref_model=True), and where no sync runs a value other than off is refused (`refuse_sync_settings`).
+REFERENCE_SYNC_FIELDS: dict[str, Any] = {"ref_model_sync_kl": None, "ref_model_sync_reset_optimizer": False}
 FIELD_READERS: dict[str, tuple[str, ...]] = {
     "kl_clip_threshold": ("clip",),
     "kl_target": ("sigmoid", "target"),
@@ -381,6 +384,14 @@ class AdaptiveKLConfig:
             raise reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
         for name in self.unread_fields():
             warnings.warn(self._unread_message(name), UserWarning)  # attributed here: once per process and message
+
+    def refuse_sync_settings(self, where: str, fix: str) -> None:
+        """`ref_model_sync_kl` and `ref_model_sync_reset_optimizer` act on a reference sync alone: where none runs
+        (`where`) a ValueError names the first one set, its value and `fix`."""
+        for name, off in REFERENCE_SYNC_FIELDS.items():
+            if getattr(self, name) is not off:
+                raise reject(name, getattr(self, name), f"{off!r} {where} (the setting acts on the reference sync, "
+                             f"which is off); {fix}")
 
     def _unread_message(self, name: str) -> str:
         readers = FIELD_READERS[name]

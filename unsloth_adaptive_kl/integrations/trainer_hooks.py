@@ -110,11 +110,7 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
                      "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
                      "reward before the group statistics)")
     if not getattr(args, "sync_ref_model", False):
-        # this package's sync settings act on the reference sync alone: with it off they would do nothing
-        for name, off in (("ref_model_sync_kl", None), ("ref_model_sync_reset_optimizer", False)):
-            if getattr(args, name, off) is not off:
-                raise reject(name, getattr(args, name), f"{off!r} with sync_ref_model=False (the setting acts on the "
-                             "reference sync, which is off); set sync_ref_model=True to sync the reference")
+        config.refuse_sync_settings("with sync_ref_model=False", "set sync_ref_model=True to sync the reference")
         return
     alpha, steps = getattr(args, "ref_model_mixup_alpha", 0.6), getattr(args, "ref_model_sync_steps", 512)
     check_real("ref_model_mixup_alpha", alpha, is_real(alpha) and 0 < alpha <= 1,
@@ -142,7 +138,8 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
     (`trainer.adaptive_kl`)."""
     config = AdaptiveKLConfig.unvalidated_from(trainer.args)
     # TRL's num_iterations: the optimizer passes over each generation batch (target counts a completion once per batch)
-    adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type, num_iterations=trainer.args.num_iterations)
+    adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type, num_iterations=trainer.args.num_iterations,
+                             reference_sync=bool(getattr(trainer.args, "sync_ref_model", False)))
     check_trl_settings(trainer.args, config)
     if config.is_stock_kl and sequence_weighted_kl(trainer.args):  # stock: kept as the trainer computes it
         warnings.warn(
