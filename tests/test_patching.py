@@ -162,6 +162,23 @@ def test_an_untested_unsloth_or_unsloth_zoo_whose_anchors_hold_warns_naming_it(t
         f"unsloth_adaptive_kl is untested with {package}==2026.12.1"]
 
 
+def test_an_anchor_with_another_form_takes_either_and_names_both_when_neither_is_there(tmp_path) -> None:
+    """The luspo reduction is checked in the form of trl >= 1.10 or in trl 1.9.1's (which sums over the padding too):
+    either passes; a source with neither is refused, naming both forms."""
+    (luspo,) = [anchor for anchor in versions.TRL_ANCHORS if anchor.reason == "the luspo reduction"]
+    assert luspo.or_text == ("loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()",)
+    for index, form in enumerate((luspo.text, *luspo.or_text)):
+        (tmp_path / str(index)).mkdir()
+        resolve = stand_in_resolver(tmp_path / str(index), (versions.Anchor(luspo.function, form, luspo.reason),), None)
+        assert versions.missing_anchors((luspo,), resolve) == []
+    neither = stand_in_resolver(tmp_path, (luspo,), luspo)
+    assert versions.missing_anchors((luspo,), neither) == [luspo]
+    with pytest.raises(versions.IncompatibleVersionError, match=re.escape(
+            "the anchor `loss = (per_token_loss * mask).sum(-1).mean()` or `loss = (per_token_loss * mask.sum(1, "
+            "keepdim=True)).mean()` (the luspo reduction) was not found in GRPOTrainer._compute_loss.")):
+        versions.check_anchors("trl", (luspo,), neither)
+
+
 def test_every_trl_anchor_is_found_in_the_installed_trl() -> None:
     assert versions.missing_anchors(versions.TRL_ANCHORS, trl_patch._stock_function) == []
 

@@ -34,12 +34,14 @@ TESTED: dict[str, SpecifierSet] = {
 
 @dataclass(frozen=True)
 class Anchor:
-    """`text` must occur in the source of `function` (or, for `signature=True`, equal its parameter list)."""
+    """`text` must occur in the source of `function` (or, for `signature=True`, equal its parameter list); `or_text`:
+    the other forms a tested version has instead, any one of which will do."""
 
     function: str
     text: str
     reason: str
     signature: bool = False
+    or_text: tuple[str, ...] = ()
 
 
 # trl.GRPOTrainer (integrations/trl.py). The KL line is where the per-token KL is taken from; the normaliser lines are
@@ -98,6 +100,9 @@ TRL_ANCHORS = (
            "the grpo/sapo reduction"),
     Anchor("GRPOTrainer._compute_loss", "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
            "the bnpo reduction"),
+    # trl 1.9.1 sums luspo's loss over every position, padding included (docs/methods.md names the exception)
+    Anchor("GRPOTrainer._compute_loss", "loss = (per_token_loss * mask).sum(-1).mean()", "the luspo reduction",
+           or_text=("loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()",)),
     Anchor("GRPOTrainer._compute_loss",
            "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
            "the dr_grpo reduction"),
@@ -161,6 +166,7 @@ UNSLOTH_ANCHORS = (
            "the grpo/sapo reduction"),
     Anchor("grpo_compute_loss", "loss = (loss_i * mask).sum() / (loss_i.size(0) * max_completion_length)",
            "the dr_grpo reduction"),
+    Anchor("grpo_compute_loss", "loss = (loss_i * mask).sum(-1).mean()", "the luspo reduction"),
     Anchor("grpo_compute_loss", "normalizer = normalizer * current_gradient_accumulation_steps / steps_per_generation",
            "the dapo/cispo/vespo normaliser's accumulation window"),
     *reward_placement_anchors("UnslothGRPOTrainer._generate_and_score_completions"),
@@ -295,7 +301,7 @@ def missing_anchors(anchors: tuple[Anchor, ...], resolve: Callable[[str], Any]) 
             missing.append(anchor)
             continue
         text = _text(function, anchor.signature)
-        if (text != anchor.text) if anchor.signature else (anchor.text not in text):
+        if (text != anchor.text) if anchor.signature else not any(t in text for t in (anchor.text, *anchor.or_text)):
             missing.append(anchor)
     return missing
 
@@ -303,7 +309,8 @@ def missing_anchors(anchors: tuple[Anchor, ...], resolve: Callable[[str], Any]) 
 def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleVersionError:
     found = describe(package)
     return IncompatibleVersionError(
-        f"unsloth_adaptive_kl cannot patch {found}: the anchor `{anchor.text}` ({anchor.reason}) was not found in "
+        f"unsloth_adaptive_kl cannot patch {found}: the anchor `{'` or `'.join((anchor.text, *anchor.or_text))}` "
+        f"({anchor.reason}) was not found in "
         f"{where}{anchor.function}. Adaptive KL cannot be applied; install a tested version: "
         f"pip install '{package}{tested_range(package)}'."
     )
