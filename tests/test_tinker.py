@@ -477,6 +477,32 @@ def test_record_step_kl_feeds_the_target_controller(fake_tinker: Tinker) -> None
     assert akl.current_beta != 0.1
 
 
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_an_evaluation_batch_with_train_false_reaches_no_controller(fake_tinker: Tinker, placement: str) -> None:
+    """SPEC 3.14 at Tinker's doors: record_step_kl / kl_penalized_data of an evaluation batch with train=False, between
+    the training batch and the step, leave `target`'s beta where the run without it goes (and it would move it:
+    the evaluation batch's KL differs), and still return that batch's metrics."""
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.05, kl_horizon=20.0, kl_placement=placement)
+    train_data = with_advantages(make_data(fake_tinker.initial, seed=7), ADVANTAGES)
+    eval_data = with_advantages(make_data(fake_tinker.initial, seed=8), ADVANTAGES)
+    rewards = [1.0, 0.0, 0.5, 0.25]
+
+    def feed(akl: AdaptiveKL, data: list[Any], train: bool) -> dict[str, float]:
+        if placement == "reward":
+            return integration.kl_penalized_data(akl, data, rewards, group_size=2, train=train)[1]
+        result = fake_tinker.training.forward_backward_custom(data, integration.grpo_kl_loss(akl)).result(timeout=30)
+        return integration.record_step_kl(akl, data, result, train=train)
+
+    betas = {}
+    for run, eval_train in (("without", None), ("train=False", False), ("train=True", True)):
+        akl = AdaptiveKL(config, beta=0.1, loss_type="grpo")
+        feed(akl, train_data, True)
+        if eval_train is not None:
+            assert feed(akl, eval_data, eval_train)["adaptive_kl/raw_kl"] > 0
+        betas[run] = akl.step()
+    assert betas["train=False"] == betas["without"] != betas["train=True"]
+
+
 # ----- 2. the KL in the reward: the built-in importance_sampling loss ------------------------------------------------
 
 def hand_k1(logps: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -258,18 +258,20 @@ def record_step_kl(
     *,
     max_completion_length: Optional[int] = None,
     token_normalizer: Optional[Number] = None,
+    train: bool = True,
 ) -> dict[str, float]:
     """On the caller's thread, after a custom forward_backward: hand the batch's KL to `akl` as `akl.kl_loss` would
     (without gradient), so the next `akl.step()` sees it (the `target` controller reads it; the others ignore it).
     The log-probs are the ones the result carries (`loss_fn_outputs[i]["logprobs"]`, the policy the loss saw).
-    Returns the core's `adaptive_kl/*` metrics of the batch. Call it once per forward_backward_custom."""
+    Returns the core's `adaptive_kl/*` metrics of the batch. Call it once per forward_backward_custom; `train=False`
+    for an evaluation batch, whose KL the next step does not read."""
     if len(result.loss_fn_outputs) != len(data):
         raise ValueError(f"{len(data)} Datums but the result has {len(result.loss_fn_outputs)} outputs")
     logps = _stack([output[SAMPLING_LOGPROBS].to_torch().flatten() for output in result.loss_fn_outputs])
     mask = _batch(data, MASK)
     with torch.no_grad():
-        _, metrics = akl.kl_loss(logps, _batch(data, REF_LOGPROBS), mask,
-                                 max_completion_length=max_completion_length, token_normalizer=token_normalizer)
+        _, metrics = akl.kl_loss(logps, _batch(data, REF_LOGPROBS), mask, max_completion_length=max_completion_length,
+                                 token_normalizer=token_normalizer, train=train)
     return metrics
 
 
@@ -283,6 +285,7 @@ def kl_penalized_data(
     *,
     scale_by_std: bool = False,
     std_epsilon: float = 1e-4,
+    train: bool = True,
 ) -> tuple[list["types.Datum"], dict[str, float]]:
     """The KL in the reward, for Tinker's built-in `importance_sampling` loss (one forward_backward, no custom pass):
 
@@ -297,14 +300,15 @@ def kl_penalized_data(
     Returns the Datums with `advantages` = A_i on the completion tokens (mask), 0 elsewhere, as a float32 TensorData
     (the other inputs unchanged), and the metrics: the core's `adaptive_kl/*` (with `adaptive_kl/reward_penalty`,
     the mean P_i), `reward/mean` (un-penalised: pass it to `akl.step(mean_reward=...)`) and `reward/penalized_mean`.
-    Send `builtin_loss_data(datums)` to `forward_backward(..., "importance_sampling")`."""
+    Send `builtin_loss_data(datums)` to `forward_backward(..., "importance_sampling")`. `train=False` for an
+    evaluation batch: the next `akl.step()` reads the KL of the training batch scored before it, not this one's."""
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if len(data) != rewards.numel():
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
     if group_size < 1 or len(data) % group_size:
         raise ValueError(f"group_size={group_size!r} must be >= 1 and divide the {len(data)} completions")
     logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
-    penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask)
+    penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask, train=train)
     penalized = (rewards - penalty.to(torch.float32)).view(-1, group_size)
     advantages = penalized - penalized.mean(dim=1, keepdim=True)
     if scale_by_std:
