@@ -36,7 +36,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-from unsloth_adaptive_kl import AdaptiveKLConfig, NonFiniteLogProbError  # noqa: E402
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError  # noqa: E402
 from unsloth_adaptive_kl.integrations import verl as verl_kl  # noqa: E402
 from unsloth_adaptive_kl.core.numerics import LogpCheck  # noqa: E402
 from unsloth_adaptive_kl.core.statistics import NAMES, KLStatistics  # noqa: E402
@@ -539,6 +539,22 @@ def test_reward_controller_state_dict_round_trips():
     assert resumed.value == ctrl.value and resumed.state_dict() == ctrl.state_dict()
     with pytest.raises(ValueError, match="length_normalized"):
         verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), beta=0.1)
+
+
+def test_a_checkpoint_without_a_kls_controller_state_warns_naming_it():
+    """A KL this run adapts whose state the checkpoint lacks (saved with that KL off: use_kl_loss switched on between
+    runs) warns, naming it, and its controller keeps its initial beta; the other KL's state is restored."""
+    config = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5)
+    saved = verl_kl.RewardKLController(config, beta=0.1)
+    saved.observe_rewards(1.0)
+    ray_trainer.apply_kl_penalty(reward_batch(seed=0), kl_ctrl=saved, kl_penalty="kl")
+    run = types.SimpleNamespace(loss_kl=AdaptiveKL(config, beta=0.2),
+                                reward_kl=verl_kl.RewardKLController(config, beta=0.1))
+    state = json.loads(json.dumps({"global_steps": 1, "loss": None, "reward": saved.state_dict()}))
+    with pytest.warns(UserWarning, match=r"^adaptive_kl: the checkpoint holds no controller state for the KL in the "
+                                         r"loss \(saved with it off\): its controller restarts from its initial beta\.$"):
+        verl_kl.AdaptiveKLTrainerMixin.load_adaptive_kl_state(run, state)
+    assert run.reward_kl.value == saved.value == pytest.approx(0.1 * 0.9) and run.loss_kl.current_beta == 0.2
 
 
 # ----- the logged adaptive_kl/* metrics, against their definitions (docs/metrics.md) --------------------------------

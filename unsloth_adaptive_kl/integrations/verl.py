@@ -588,9 +588,16 @@ class AdaptiveKLTrainerMixin:
                 "reward": None if self.reward_kl is None else self.reward_kl.state_dict()}
 
     def load_adaptive_kl_state(self, state: dict[str, Any]) -> None:
+        """Each controller's state from a checkpoint's `adaptive_kl.json`; a KL this run adapts whose state the
+        checkpoint lacks (saved with that KL off) warns, naming it: its controller restarts from its initial beta."""
         for name, target in (("loss", self.loss_kl), ("reward", self.reward_kl)):
-            if target is not None and state.get(name) is not None:
-                target.load_state_dict(state[name])
+            if target is None:
+                continue
+            if state.get(name) is None:
+                warnings.warn(f"adaptive_kl: the checkpoint holds no controller state for the KL in the {name} (saved "
+                              "with it off): its controller restarts from its initial beta.", stacklevel=2)
+                continue
+            target.load_state_dict(state[name])
 
     def _save_checkpoint(self) -> None:
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
