@@ -137,6 +137,25 @@ def test_trl_parser_cli_round_trip(tmp_path) -> None:
     assert (args.dynamic_beta_decay, args.reward_threshold, args.beta_min, args.beta_schedule_steps) == (0.5, 0.25, 0.01, 7)
 
 
+def test_beta_schedule_steps_none_parses_with_trl_parser_and_yaml_not_plain_hfargumentparser(tmp_path, capsys) -> None:
+    """What the configuration page says of the one field whose None differs from its default: TrlParser and YAML's
+    null set it; transformers' HfArgumentParser reads an optional integer as an integer and stops on 'None'."""
+    from transformers import HfArgumentParser
+
+    argv = ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--kl_adaptation_method", "dynamic",
+            "--beta_schedule_steps", "None"]
+    (args,) = TrlParser((trl.GRPOConfig,)).parse_args_and_config(argv)
+    assert args.beta_schedule_steps is None
+    config_file = tmp_path / "grpo.yaml"
+    config_file.write_text(f"output_dir: {tmp_path}\nuse_cpu: true\nkl_adaptation_method: dynamic\n"
+                           "beta_schedule_steps: null\n")
+    (args,) = TrlParser((trl.GRPOConfig,)).parse_args_and_config(["--config", str(config_file)])
+    assert args.beta_schedule_steps is None
+    with pytest.raises(SystemExit):
+        HfArgumentParser((trl.GRPOConfig,)).parse_args_into_dataclasses(argv)
+    assert "argument --beta_schedule_steps/--beta-schedule-steps: invalid int value: 'None'" in capsys.readouterr().err
+
+
 def test_trl_parser_yaml_round_trip_and_cli_error(tmp_path) -> None:
     config_file = tmp_path / "grpo.yaml"
     config_file.write_text(
