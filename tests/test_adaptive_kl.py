@@ -149,7 +149,7 @@ def test_reference_sync_settings_without_a_reference_sync_are_refused(name: str,
         AdaptiveKL(config, BETA)
     assert str(error.value) == (f"{name}={value!r} is invalid: allowed is {off!r} without a reference sync (the setting "
                                 "acts on the reference sync, which is off); AdaptiveKL syncs no reference itself: "
-                                "TRL's and Unsloth's trainers do, with sync_ref_model=True.")
+                                "a trainer's integration does, with sync_ref_model=True.")
     assert getattr(AdaptiveKL(config, BETA, reference_sync=True).config, name) == value
 
 

@@ -39,7 +39,7 @@ class AdaptiveKL:
     (finite, >= 0, >= beta_min), `loss_type` the GRPO loss whose reduction the KL term follows (grpo, bnpo, dr_grpo,
     dapo, cispo, vespo, sapo, luspo), `num_iterations` mu, the optimizer passes over each generation batch (a trainer's
     PPO-style epochs): `target` counts each generated completion once per batch whatever mu. `reference_sync`: whether
-    the loop syncs the reference (TRL's and Unsloth's trainers with sync_ref_model=True); without one,
+    the loop syncs the reference (a trainer's integration with sync_ref_model=True); without one,
     `ref_model_sync_kl` and `ref_model_sync_reset_optimizer` would do nothing and are refused.
 
     Per optimizer step of a loop: `kl_loss` (KL in the loss) or `reward_penalty` (KL in the reward) on each
@@ -61,8 +61,8 @@ class AdaptiveKL:
                          "generation batch)")
         config.validate_adaptive_kl(beta=beta)
         if not reference_sync:
-            config.refuse_sync_settings("without a reference sync", "AdaptiveKL syncs no reference itself: TRL's and "
-                                        "Unsloth's trainers do, with sync_ref_model=True")
+            config.refuse_sync_settings("without a reference sync", "AdaptiveKL syncs no reference itself: a "
+                                        "trainer's integration does, with sync_ref_model=True")
         if beta != 0:  # with beta = 0 there is no KL term to reduce (stock trainers skip it whatever the loss)
             loss_type_reduction(loss_type)
             kl_reduction(config, loss_type)

@@ -66,7 +66,7 @@ _ESTIMATOR_WARNINGS = {
 }
 
 
-# This package's reference-sync fields, each with its off value: they act on the sync of TRL's and Unsloth's trainers
+# This package's reference-sync fields, each with its off value: they act on a trainer's reference sync
 # (sync_ref_model=True), and where no sync runs a value other than off is refused (`refuse_sync_settings`).
 REFERENCE_SYNC_FIELDS: dict[str, Any] = {"ref_model_sync_kl": None, "ref_model_sync_reset_optimizer": False}
 # The fields that only some settings read, with the methods or the estimator that read them. Set away from its default
