@@ -16,6 +16,7 @@ from unsloth_adaptive_kl import KLEstimatorWarning
 from unsloth_adaptive_kl.tools.selfcheck import backward_grads, loss_and_grads
 from unsloth_adaptive_kl.integrations import trl as trl_patch
 from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
+from unsloth_adaptive_kl.integrations.versions import TRL_ANCHORS
 
 from .conftest import logged, make_trainer, stock_trl
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition
@@ -282,7 +283,7 @@ TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_
 # trl 1.9.1's luspo sums its per-token loss over every position, padding included
 # (`(per_token_loss * mask.sum(1, keepdim=True)).mean()`, later masked first), so its stock KL counts the padded
 # positions' KL, which this package keeps out (a masked position gives 0, whatever it holds): there `none` is not stock.
-UNMASKED_LUSPO = "loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()"
+(UNMASKED_LUSPO,) = next(anchor for anchor in TRL_ANCHORS if anchor.reason == "the luspo reduction").or_text
 STOCK_LOSS_TYPES = [loss_type for loss_type in loss_types()
                     if not (loss_type == "luspo" and UNMASKED_LUSPO in inspect.getsource(
                         trl_patch._stock_function("GRPOTrainer._compute_loss")))]
