@@ -9,6 +9,7 @@ import ast
 import contextlib
 import dataclasses
 import importlib
+import importlib.metadata
 import importlib.util
 import io
 import json
@@ -38,6 +39,9 @@ def docs_generator() -> Any:
 
 FENCE = re.compile(r"^```(?P<lang>[\w+-]*)[^\n]*\n(?P<body>.*?)^```$", re.MULTILINE | re.DOTALL)
 NO_RUN = re.compile(r"<!-- no-run: (?P<reason>.+) -->\s*$")
+# Between a block and its output: what it prints depends on the versions (a training run's sampling and arithmetic),
+# and the page shows it with the test command's versions, those of docs/results/ci.json's row a.
+VERSIONED = "<!-- output with the test command's versions -->"
 # Unsloth insists on being imported first and takes over the process: its blocks' imports are checked in a child.
 SEPARATE_PROCESS_MODULES = {"unsloth", "unsloth_zoo", "vllm"}
 # An integration's own package, and our module that needs it: their names are checked where its extra is installed
@@ -51,6 +55,7 @@ class Block(NamedTuple):
     code: str
     no_run: str  # the reason, or "" for a block that runs
     shown: Optional[str] = None  # the `text` block right after it (blank lines between): what the page says it prints
+    at_row_a: bool = False  # `shown` is what it prints with the test command's versions (a VERSIONED marker between)
 
     @property
     def id(self) -> str:
@@ -70,9 +75,12 @@ def python_blocks(path: Path) -> list[Block]:
         line = text.count("\n", 0, match.start()) + 1
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         reason = NO_RUN.search(before)
-        after = FENCE.match(text, len(text) - len(text[match.end():].lstrip("\n")))  # the next block, blank lines between
+        rest = text[match.end():].lstrip("\n")
+        at_row_a = rest.startswith(VERSIONED)
+        rest = rest[len(VERSIONED):].lstrip("\n") if at_row_a else rest
+        after = FENCE.match(text, len(text) - len(rest))  # the next block, blank lines (and the marker) between
         shown = after["body"] if after and after["lang"] == "text" else None
-        blocks.append(Block(path, line, match["body"], reason["reason"] if reason else "", shown))
+        blocks.append(Block(path, line, match["body"], reason["reason"] if reason else "", shown, at_row_a))
     return blocks
 
 
@@ -87,17 +95,35 @@ def test_the_docs_have_python_blocks_to_check() -> None:
     assert len({block.path for block in BLOCKS}) >= 5
 
 
+# Hugging Face's Trainer prints each log as a dict (its PrinterCallback, with disable_tqdm=True): a page shows what
+# its own code prints and leaves those out.
+TRAINER_LOG = re.compile(r"^\{'.*\}$")
+ROW_A = next(row for row in json.loads((ROOT / "docs/results/ci.json").read_text())["rows"] if row["row"] == "a")
+TRAINING_VERSIONS = ("torch", "trl", "transformers", "accelerate", "peft", "datasets")
+
+
+def at_the_test_commands_versions() -> bool:
+    try:
+        return all(importlib.metadata.version(name) == ROW_A["versions"][name] for name in TRAINING_VERSIONS)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
 @pytest.mark.parametrize("block", [b for b in BLOCKS if not b.no_run], ids=lambda b: b.id)
 def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every block runs on its own (the package's built-in names alone); where the page shows its output (a `text`
-    block right after it), it prints exactly that."""
+    block right after it), it prints exactly that, the trainer's own log lines aside; output marked VERSIONED, where
+    the installed versions are the test command's."""
     monkeypatch.chdir(tmp_path)
     printed = io.StringIO()
     with built_in_registries(), contextlib.redirect_stdout(printed):
         exec(compile(block.code, block.id, "exec"), {"__name__": "__main__"})
-    if block.shown is not None:  # line by line, as the page indents it (a block inside a list is indented)
-        assert [line.strip() for line in printed.getvalue().strip().splitlines()] == [
-            line.strip() for line in block.shown.strip().splitlines()]
+    if block.shown is None or block.at_row_a and not at_the_test_commands_versions():
+        return
+    # line by line, as the page indents it (a block inside a list is indented)
+    lines = [line.strip() for line in printed.getvalue().strip().splitlines()]
+    assert [line for line in lines if not TRAINER_LOG.match(line)] == [
+        line.strip() for line in block.shown.strip().splitlines()]
 
 
 def test_some_blocks_show_their_output() -> None:
@@ -358,7 +384,7 @@ SETTINGS_IN_PROSE = {
     "tinker.md": {"0", "1", "0.38.0", "127.0.0.1"},  # mask values, the SDK version, loopback
     "verl.md": {"0", "1", "2", "4", "6", "8", "12", "2653", "3.11", "0.9.1", "1.9.1", "2.13.0"},
     "troubleshooting.md": {"0", "1", "2", "4", "8", "0.7", "1.14", "1.15", "1.16", "6586", "1.15.0", "2026.10",
-                           "2026.10.7", "2026.10.9"},
+                           "2026.10.7", "2026.10.8", "2026.10.9"},
     "gpu.md": {"0", "4", "10", "13", "15", "64", "3.12"},
     "quickstart-trl.md": {"1", "2", "0.3", "0.9", "0.04", "0.036", "0.0324", "1.15.0", "2.14.1", "5.17.0"},
     "quickstart-unsloth.md": {"0", "1", "4", "0.1", "0.04", "2026.10.7"},

@@ -316,14 +316,14 @@ def test_the_dry_run_of_a_scenario_runs_without_cuda_and_writes_the_results(tmp_
 
 
 def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
-    """`python -m unsloth_adaptive_kl --json x.json --jobs 2` (the module run in this process): a usage error naming
-    both flags, before anything runs."""
+    """`python -m unsloth_adaptive_kl --budget 60 --jobs 2` (the module run in this process): a usage error naming
+    both flags, before anything runs (`--json` is the self-check's too)."""
     import runpy
 
-    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--json", "x.json", "--jobs", "2"])
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--budget", "60", "--jobs", "2"])
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-    assert exit_info.value.code == 2 and "error: --jobs, --json: only with --gpu" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: --jobs, --budget: only with --gpu" in capsys.readouterr().err
 
 
 def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_commands(tmp_path) -> None:

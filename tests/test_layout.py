@@ -56,6 +56,19 @@ def test_the_tree_shows_core_integrations_and_tools() -> None:
     assert sorted(path.name for path in PACKAGE.glob("*.py")) == ["__init__.py", "__main__.py"]
 
 
+def test_the_how_it_works_tree_names_every_module_in_its_folder() -> None:
+    """docs/how-it-works.md's tree: each module's file name appears under its folder's line (a sub-package's own
+    __init__.py aside), and the page names no module that is not there."""
+    page = (PACKAGE.parent / "docs" / "how-it-works.md").read_text()
+    tree = page[page.index("```text\nunsloth_adaptive_kl/\n"):]
+    tree = tree[:tree.index("\n```")]
+    folders = re.split(r"\n  (?=\w+/ )", tree)  # the top level, then one part a sub-package
+    shown = {part.split("/", 1)[0] if i else "": set(re.findall(r"\b\w+\.py\b", part)) for i, part in enumerate(folders)}
+    modules = {folder: {path.name for path in (PACKAGE / folder).glob("*.py")} - ({"__init__.py"} if folder else set())
+               for folder in ("", "core", "integrations", "tools")}
+    assert shown == modules
+
+
 def test_the_core_imports_only_torch_the_standard_library_and_itself() -> None:
     for name, path in MODULES.items():
         if not name.startswith("unsloth_adaptive_kl.core"):

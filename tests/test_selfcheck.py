@@ -3,6 +3,7 @@ non-zero naming the anchor when one is missing."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -12,17 +13,19 @@ from pathlib import Path
 
 from unsloth_adaptive_kl.integrations import versions
 
+from .selfcheck_record import assert_like_the_record, run_self_check
+
 ROOT = Path(__file__).parents[1]
 
 
 def run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # on the CPU even where a GPU is visible, as every test here runs
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_self_check_passes_on_this_install(tmp_path) -> None:
-    result = run(["-m", "unsloth_adaptive_kl"], tmp_path)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    result, record = run_self_check(tmp_path)
     out = result.stdout
     for package in ("trl", "transformers", "torch"):
         assert f"] {package} version: {package}==" in out
@@ -37,6 +40,8 @@ def test_self_check_passes_on_this_install(tmp_path) -> None:
         assert "[ok] Unsloth's generated trainer on cpu: clip above every KL == stock" in out
     assert "[FAIL]" not in out
     assert "self-check passed" in out.splitlines()[-1]
+    assert record["versions"]["torch"] == importlib.metadata.version("torch")
+    assert_like_the_record(record, "selfcheck.json")
 
 
 def test_self_check_names_a_missing_anchor_and_fails(tmp_path) -> None:

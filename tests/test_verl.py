@@ -8,6 +8,7 @@ registries, one gloo process group, and an HF-generate rollout), so this process
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import itertools
 import json
 import math
@@ -1120,3 +1121,13 @@ def test_self_check_holds_verl_to_its_stock_loss(monkeypatch):
         f"[FAIL] verl anchors: {len(versions.VERL_ANCHORS) - 1} of {len(versions.VERL_ANCHORS)} found",
         "[FAIL] verl anchor missing: `a line verl moved` in workers.utils.losses.ppo_loss (why it mattered)"]
     assert len(failed) == 3
+
+
+def test_the_self_check_prints_what_the_verl_page_shows(tmp_path):
+    """docs/verl.md shows the self-check's output from docs/results/selfcheck_verl.json; run here (verl with its
+    core extras, no trl: CI's verl row), it prints the same lines but their measured figures."""
+    from selfcheck_record import assert_like_the_record, run_self_check
+
+    _, record = run_self_check(tmp_path)
+    assert record["versions"]["verl"] == importlib.metadata.version("verl")
+    assert_like_the_record(record, "selfcheck_verl.json")

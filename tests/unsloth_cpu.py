@@ -2,8 +2,9 @@
 
     python tests/unsloth_cpu.py SCENARIO OUTPUT_JSON
 
-Unsloth 2026.10.x has no CPU backend: with UNSLOTH_ALLOW_CPU=1 it takes its GPU code path, and since PatchFastRL
-then skips generation, `_patch_trl_rl_trainers("grpo_trainer")` is called here, as PatchFastRL would on a GPU.
+Unsloth's generated GRPO trainer has no CPU path (2026.10.7 and 2026.10.8 refuse a machine without an accelerator;
+2026.10.9's CPU backend trains with TRL's own trainers and generates none): with UNSLOTH_ALLOW_CPU=1 Unsloth takes its
+GPU code path, and since PatchFastRL then skips generation, `_patch_trl_rl_trainers("grpo_trainer")` is called here, as PatchFastRL would on a GPU.
 UNSLOTH_COMPILE_DISABLE=1 turns off Unsloth's `_maybe_compile` helpers, whose guards recompile on every new chunk
 shape (10-60 s each on CPU); the GRPO loss itself stays compiled (torch_compile_with_fallback ignores the flag).
 """

@@ -13,14 +13,15 @@ parser.add_argument("--gpu", action="store_true",
                     "through Unsloth; needs a CUDA GPU (exit 2 without one, unless --dry-run)")
 parser.add_argument("--only", default=None, help="with --gpu: comma-separated scenario names to run (default: all)")
 parser.add_argument("--jobs", type=int, default=None, help="with --gpu: scenarios run at once (default 1)")
-parser.add_argument("--json", default=None, metavar="PATH", help="with --gpu: write the results to PATH")
+parser.add_argument("--json", default=None, metavar="PATH",
+                    help="write what was checked to PATH as JSON, with the versions and the machine")
 parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                     help="with --gpu: a scenario whose turn comes later is not run (default 1500)")
 parser.add_argument("--dry-run", action="store_true",
                     help="with --gpu: each scenario's CPU equivalent, on any machine (what a GPU run would import "
                     "and call, checked before GPU time is spent)")
 args = parser.parse_args()
-gpu_only = {"--only": args.only, "--jobs": args.jobs, "--json": args.json, "--budget": args.budget,
+gpu_only = {"--only": args.only, "--jobs": args.jobs, "--budget": args.budget,
             "--dry-run": args.dry_run or None}
 if args.gpu:
     from .tools.gpucheck import BUDGET_S, main as gpu_check
@@ -32,4 +33,4 @@ if given:
     parser.error(f"{', '.join(given)}: only with --gpu")
 from .tools.selfcheck import main  # noqa: E402
 
-sys.exit(main())
+sys.exit(main(args.json))

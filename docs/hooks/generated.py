@@ -372,6 +372,15 @@ def ci_record(_: Optional[str] = None) -> str:
             "The rows with `pytest` run tests; the others run the self-check, a resolution or the docs build.")
 
 
+def self_check(name: Optional[str] = None) -> str:
+    """docs/results/NAME (selfcheck.json by default), written by `python -m unsloth_adaptive_kl --json ...`: what the
+    self-check printed, with the versions and the machine it ran on."""
+    data = json.loads((ROOT / "docs" / "results" / (name or "selfcheck.json")).read_text())
+    installed = ", ".join(f"{package} {version}" for package, version in data["versions"].items())
+    return (f"Its output on {data['date']} with {installed}, on a {data['hardware']} (`{data['command']}`):\n\n"
+            "```text\n" + "\n".join(data["lines"]) + "\n```")
+
+
 RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completion length", 1),
                   ("adaptive_kl/raw_kl", "raw KL", 3), ("adaptive_kl/adapted_kl", "adapted KL", 3),
                   ("adaptive_kl/sequence_kl", "KL per completion", 2))
@@ -640,6 +649,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "demo_value": demo_value,
     "value": value,
     "ci_record": ci_record,
+    "self_check": self_check,
     "gpu_check": gpu_check,
     "gpu_cost": gpu_cost,
     "gpu_loss": gpu_loss,

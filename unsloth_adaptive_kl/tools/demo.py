@@ -33,6 +33,7 @@ import torch
 
 from ..core.reductions import loss_types
 from ..core.config import AdaptiveKLConfig
+from .machine import hardware
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
 # --kl-in-reward: the KL as a loss term (stock) against the KL in the reward, per-token mean and summed, and the
@@ -476,19 +477,5 @@ def environment() -> dict[str, Any]:
             versions[package] = importlib.metadata.version(package.replace("_", "-"))
         except importlib.metadata.PackageNotFoundError:
             pass
-    if torch.cuda.is_available():
-        hardware = torch.cuda.get_device_name(0)
-    else:
-        cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo")
-                    if line.startswith("model name")), platform.processor() or platform.machine())
-        hardware = f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     command = " ".join(["python", "blackwell/test_adaptive_kl_grpo.py", *sys.argv[1:]])
-    return {"command": command, "versions": versions, "hardware": hardware, "python": platform.python_version()}
-
-
-def _read_lines(path: str) -> list[str]:
-    try:
-        with open(path) as f:
-            return f.read().splitlines()
-    except OSError:
-        return []
+    return {"command": command, "versions": versions, "hardware": hardware(), "python": platform.python_version()}

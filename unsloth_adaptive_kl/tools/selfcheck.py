@@ -13,7 +13,9 @@ as users must) and its generated trainer is checked the same way. Exit code 0 on
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -26,7 +28,9 @@ from ..integrations import versions
 from ..integrations.patching import PatchSet
 from ..core.tolerance import (float32_chain_tolerance, k3_gradient_magnitude, k3_magnitude,
                               reordered_sum_tolerance)
+from .machine import hardware
 
+VERSION_PACKAGES = ("trl", "transformers", "torch", "unsloth", "unsloth_zoo")  # reported against the tested ranges
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
 NO_OP_CLIP = dict(kl_adaptation_method="clip", kl_clip_threshold=1e6)  # above every per-token KL of the check
 
@@ -45,7 +49,7 @@ class Check:
 
 def version_checks() -> list[Check]:
     return [Check(f"{package} version", True, versions.describe(package), untested=versions.is_tested(package) is False)
-            for package in ("trl", "transformers", "torch", "unsloth", "unsloth_zoo")]
+            for package in VERSION_PACKAGES]
 
 
 def anchor_checks(package: str, anchors: tuple, resolve: Callable[[str], Any]) -> list[Check]:
@@ -335,15 +339,19 @@ def verl_checks(_: str) -> list[Check]:
     return checks
 
 
-def main() -> int:
+def main(json_path: Optional[str] = None) -> int:
+    """Print each check as it ends; 0 if every check holds, else 1. `json_path`: also write what was printed there,
+    with the command, the date, the machine and the versions (docs/results/selfcheck.json is such a record)."""
     import tempfile
 
     start = time.perf_counter()
     torch.backends.cuda.matmul.allow_tf32 = False  # the summation bounds are float32's
-    print(f"unsloth_adaptive_kl self-check (device: {device()})")
+    printed = [f"unsloth_adaptive_kl self-check (device: {device()})"]
+    print(printed[0])
     checks = version_checks()
     for check in checks:
-        print(check.line(), flush=True)
+        printed.append(check.line())
+        print(printed[-1], flush=True)
     with tempfile.TemporaryDirectory() as output_dir:
         parts = [lambda _: core_checks()]  # the core needs torch alone; the trainers' checks need their packages
         if importlib.util.find_spec("trl"):
@@ -355,9 +363,30 @@ def main() -> int:
         for part in parts:
             for check in part(output_dir):
                 checks.append(check)
-                print(check.line(), flush=True)
+                printed.append(check.line())
+                print(printed[-1], flush=True)
     failed = [check for check in checks if not check.ok]
     seconds = time.perf_counter() - start
-    print(f"self-check {'passed' if not failed else 'FAILED'}: {len(checks) - len(failed)} of {len(checks)} checks "
-          f"hold ({seconds:.0f} s)")
+    printed.append(f"self-check {'passed' if not failed else 'FAILED'}: {len(checks) - len(failed)} of {len(checks)} "
+                   f"checks hold ({seconds:.0f} s)")
+    print(printed[-1])
+    if json_path:
+        write_record(json_path, printed, passed=not failed)
     return 1 if failed else 0
+
+
+def write_record(json_path: str, printed: list[str], passed: bool) -> None:
+    """The run as JSON: the command that wrote it, the date, the machine, the installed versions of the packages it
+    checks, and its lines as printed (this package's lines only: a trainer's own banner and notices are not ours)."""
+    installed = {}
+    for package in (*VERSION_PACKAGES, "verl"):
+        try:
+            installed[package] = str(versions.installed_version(package))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    record = {"command": " ".join(["python -m unsloth_adaptive_kl", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
+              "hardware": hardware(), "versions": installed, "passed": passed, "lines": printed}
+    os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")

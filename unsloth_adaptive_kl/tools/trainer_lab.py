@@ -18,7 +18,8 @@ prompt the gradient never saw?). Each row also gives the effective beta: the bet
 policy's KL to the reference, the beta the setting acted as. Beside it, the tabular lab's prediction for the same
 setting on the same reference (the model's initial tables) with the loss type and reward scaling the trainer ran.
 
-Unsloth on a machine without CUDA: Unsloth 2026.10.x has no CPU backend, so the lab sets `UNSLOTH_ALLOW_CPU=1` and
+Unsloth on a machine without CUDA: Unsloth's generated trainer has no CPU path (2026.10.9's CPU backend trains with
+TRL's own trainers), so the lab sets `UNSLOTH_ALLOW_CPU=1` and
 generates the trainer itself as `PatchFastRL` does on a GPU (`_patch_trl_rl_trainers("grpo_trainer")`), with
 Unsloth's prefix grouper off (it needs FastLanguageModel's attention); the trainer, its config and its loss are
 Unsloth's own. The policy is a plain transformers model, not a FastLanguageModel, on a GPU too.

@@ -1,0 +1,63 @@
+"""A message a docs page quotes in a `text` block (an error or a warning of this package) is the one the package
+raises today, as a traceback or a warning prints it: `module.Class: message` for the package's own classes, the
+version it found written X.Y.Z where the page does."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
+from unsloth_adaptive_kl.integrations import unsloth, versions
+
+ROOT = Path(__file__).parents[1]
+
+
+def quoted(page: str, starts: str) -> list[str]:
+    """The `text` blocks of docs/PAGE that start with `starts`."""
+    blocks = re.findall(r"```text\n(.*?)\n```", (ROOT / "docs" / page).read_text(), re.S)
+    return [block for block in blocks if block.startswith(starts)]
+
+
+def as_printed(error: BaseException) -> str:
+    """The last line of a traceback (or a warning's text): the class's qualified name where it is not a builtin."""
+    kind = type(error)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    return f"{name}: {error}"
+
+
+def test_the_missing_anchor_error_is_quoted_as_raised() -> None:
+    """compatibility.md and troubleshooting.md quote the error for a trl whose `_compute_loss` lacks the KL line."""
+    error = versions.anchor_error("trl", versions.TRL_KL_LINE)
+    printed = as_printed(error).replace(f"trl=={versions.installed_version('trl')} (", "trl==X.Y.Z (")
+    pages = quoted("compatibility.md", "unsloth_adaptive_kl.") + quoted("troubleshooting.md", "unsloth_adaptive_kl.")
+    assert len(pages) == 2 and pages == [printed] * 2, (pages, printed)
+
+
+def test_the_untested_version_warning_is_quoted_as_warned(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(versions, "installed_version", lambda package: versions.Version("99.0.0"))
+    monkeypatch.setattr(versions, "_warned", set())
+    with pytest.warns(versions.UntestedVersionWarning) as caught:
+        versions.warn_if_untested("trl")
+    (warning,) = caught
+    printed = f"{warning.category.__name__}: {warning.message}".replace("trl==99.0.0 (", "trl==X.Y.Z (")
+    assert quoted("troubleshooting.md", "UntestedVersionWarning") == [printed]
+
+
+def test_the_late_import_error_is_quoted_as_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once Unsloth has generated its trainer (stood in for by a non-None `generated_grpo_trainer`)."""
+    monkeypatch.setattr(unsloth, "generated_grpo_trainer", lambda: object)
+    with pytest.raises(ImportError) as caught:
+        unsloth.check_import_order()
+    assert quoted("troubleshooting.md", "ImportError") == [as_printed(caught.value)]
+
+
+def test_the_beta_zero_warning_is_quoted_as_warned() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.0, loss_type="dapo")
+    (warning,) = caught
+    assert quoted("methods.md", "UserWarning: kl_adaptation_method") == [f"UserWarning: {warning.message}"]
