@@ -295,6 +295,29 @@ def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
     assert "pip install -q torch==2.13.0" in ci
 
 
+def test_readme_methods_column_says_what_the_committed_demo_run_shows() -> None:
+    """README's "on the demo task" column against the committed runs (docs/results/default, and options for `target`):
+    a method "holds length" where its mean completion length is nearer stock's (`none`) than the drift without a KL
+    (`beta=0`), "length drifts" where it is nearer the drift, and "costs reward" where its reward is below stock's by
+    more than both runs' spreads over seeds."""
+    def means(run: str) -> dict[str, dict[str, list[float]]]:
+        return {row["method"]: row for row in json.loads((ROOT / f"docs/results/{run}/summary.json").read_text())["summary"]}
+
+    default, options = means("default"), means("options")
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("|---|", readme.index("## Methods")):]  # the rows under the header
+    rows = re.findall(r"^\| `(\w+)`(?: \(default\))? \|[^\n]*\| ([a-z ]+) \|$", table, re.M)
+    assert [method for method, _ in rows] == ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target"]
+    stock, drift = default["none"]["completions/mean_length"][0], default["beta=0"]["completions/mean_length"][0]
+    for method, claim in rows:
+        row = default.get(method) or options[method]
+        length, (reward, spread) = row["completions/mean_length"][0], row["reward"]
+        said = {"holds length": abs(length - stock) < abs(length - drift),
+                "length drifts": abs(length - drift) < abs(length - stock),
+                "costs reward": default["none"]["reward"][0] - reward > spread + default["none"]["reward"][1]}
+        assert said[claim], (method, claim, length, reward)
+
+
 def test_verl_page_command_is_the_one_the_end_to_end_test_runs() -> None:
     """docs/verl.md's command switches the integration on exactly as tests/test_verl.py's end-to-end run does: the
     environment variable, the trainer name and every adaptive_kl and KL override it passes to main_ppo."""
