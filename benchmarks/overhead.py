@@ -8,7 +8,8 @@ Per method and for `none`, against the unpatched stock GRPOTrainer:
   generation via min_new_tokens so every variant trains on equally long completions);
 - model forward calls per step (forward hook on the causal LM): must equal stock with the KL in the loss; the KL in
   the reward (`kl_in_reward`) adds one no-grad policy forward per generation batch;
-- peak memory: RSS of a fresh process per variant on CPU, torch.cuda.max_memory_allocated on GPU;
+- peak memory: on CPU, the peak RSS a variant's run adds in a fresh process (the imports' peak cleared), on GPU
+  torch.cuda.max_memory_allocated;
 - the core op on a 64 x 4096 per-token KL against the stock k3 expression alone;
 - reference syncing on (`ref_sync`: `sync_ref_model=True`, a hard reset, alpha 1, after every step), interleaved with
   the others but kept out of the rows: its forwards per step against stock (0 extra: the reference forward with the
@@ -215,9 +216,29 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
 
 
 def memory_child(variant: str, args: argparse.Namespace) -> None:
-    """Run one variant in this fresh process and print its peak RSS (bytes) as JSON."""
+    """Run one variant in this fresh process and print as JSON the RSS its run added at its peak (bytes): the model,
+    the trainer and training, above what the imports hold. The imports' own peak, the same in every variant and about
+    a GB, is cleared first (Linux: writing 5 to /proc/self/clear_refs resets the peak RSS to the current RSS);
+    without /proc the whole process's peak is reported."""
+    import datasets  # noqa: F401  (the imports' memory, before the peak is reset)
+    import peft  # noqa: F401
+    import trl  # noqa: F401
+
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = proc_status_bytes("VmRSS")
+    except OSError:
+        before = 0
     run(variant, args, os.path.join("/tmp", "adaptive_kl_bench_memory"))
-    print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    peak = proc_status_bytes("VmHWM") if before else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak_rss_bytes": peak - before}))
+
+
+def proc_status_bytes(field: str) -> int:
+    """A `kB` field of /proc/self/status (VmRSS: the resident set now; VmHWM: its peak), in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
 
 
 def peak_rss(variant: str, argv: list[str]) -> int:
