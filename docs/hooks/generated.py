@@ -250,7 +250,7 @@ def steps(_: Optional[str] = None) -> str:
              "" if r["core_ratio"] is None else f"{r['core_ratio']:.2f}"] for r in data["rows"]]
     aa = data["aa_interval"]
     s = data["settings"]
-    return (_table(["variant", "s/step", "x stock", "forwards/step", "extra forwards", "peak RSS MiB", "x stock",
+    return (_table(["variant", "s/step", "x stock", "forwards/step", "extra forwards", "run's peak RSS MiB", "x stock",
                     "core op x k3"], rows)
             + f"\n\nA/A interval of the step ratio (stock against stock): [{aa[0]:.3f}, {aa[1]:.3f}]. Settings: "
             f"hidden {s['hidden']}, {s['layers']} layers, batch {s['batch']}, {s['completion_length']}-token "
