@@ -4,6 +4,8 @@ core's tests run where trl is not installed (CI row g); the trainer helpers impo
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -152,3 +154,14 @@ def make_trainer(
 
 def logged(trainer: Any, key: str) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if key in entry]
+
+
+def at_the_test_commands_versions(names: tuple[str, ...]) -> bool:
+    """Whether the installed `names` have the versions of the test command's CI row (docs/results/ci.json's row a),
+    those the pages name where they show a run's output."""
+    rows = json.loads((Path(__file__).parents[1] / "docs" / "results" / "ci.json").read_text())["rows"]
+    row_a = next(row for row in rows if row["row"] == "a")
+    try:
+        return all(importlib.metadata.version(name) == row_a["versions"][name] for name in names)
+    except importlib.metadata.PackageNotFoundError:
+        return False

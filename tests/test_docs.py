@@ -9,7 +9,6 @@ import ast
 import contextlib
 import dataclasses
 import importlib
-import importlib.metadata
 import importlib.util
 import io
 import json
@@ -23,7 +22,7 @@ from typing import Any, NamedTuple, Optional
 
 import pytest
 
-from .conftest import built_in_registries, make_trainer
+from .conftest import at_the_test_commands_versions, built_in_registries, make_trainer
 from unsloth_adaptive_kl.core.config import FIELD_READERS, METHODS, AdaptiveKLConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,15 +97,7 @@ def test_the_docs_have_python_blocks_to_check() -> None:
 # Hugging Face's Trainer prints each log as a dict (its PrinterCallback, with disable_tqdm=True): a page shows what
 # its own code prints and leaves those out.
 TRAINER_LOG = re.compile(r"^\{'.*\}$")
-ROW_A = next(row for row in json.loads((ROOT / "docs/results/ci.json").read_text())["rows"] if row["row"] == "a")
 TRAINING_VERSIONS = ("torch", "trl", "transformers", "accelerate", "peft", "datasets")
-
-
-def at_the_test_commands_versions() -> bool:
-    try:
-        return all(importlib.metadata.version(name) == ROW_A["versions"][name] for name in TRAINING_VERSIONS)
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if not b.no_run], ids=lambda b: b.id)
@@ -118,7 +109,7 @@ def test_python_block_runs(block: Block, tmp_path: Path, monkeypatch: pytest.Mon
     printed = io.StringIO()
     with built_in_registries(), contextlib.redirect_stdout(printed):
         exec(compile(block.code, block.id, "exec"), {"__name__": "__main__"})
-    if block.shown is None or block.at_row_a and not at_the_test_commands_versions():
+    if block.shown is None or block.at_row_a and not at_the_test_commands_versions(TRAINING_VERSIONS):
         return
     # line by line, as the page indents it (a block inside a list is indented)
     lines = [line.strip() for line in printed.getvalue().strip().splitlines()]

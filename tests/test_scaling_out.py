@@ -10,7 +10,6 @@ on two gloo processes, without accelerate's routing) is tested with the referenc
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import re
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import accelerate  # noqa: F401  (a base dependency: this test is never skipped for want of it)
 import pytest
+
+from .conftest import at_the_test_commands_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("scaling_out_run.py")
@@ -95,7 +96,5 @@ def test_the_pages_two_process_example_prints_what_the_page_shows(tmp_path: Path
     steps = {rank: [line.split(": ", 1)[1] for line in printed if line.startswith(f"process {rank} of 2:")]
              for rank in (0, 1)}
     assert len(printed) == 6 and len(steps[0]) == 3 and steps[0] == steps[1], printed
-    row_a = next(row for row in json.loads((ROOT / "docs/results/ci.json").read_text())["rows"] if row["row"] == "a")
-    if all(importlib.metadata.version(name) == row_a["versions"][name]
-           for name in ("trl", "transformers", "torch", "accelerate")):
+    if at_the_test_commands_versions(("trl", "transformers", "torch", "accelerate")):
         assert printed == sorted(line.strip() for line in shown.strip().splitlines())

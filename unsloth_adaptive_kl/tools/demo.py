@@ -33,7 +33,7 @@ import torch
 
 from ..core.reductions import loss_types
 from ..core.config import AdaptiveKLConfig
-from .machine import hardware
+from .machine import hardware, installed_versions
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
 # --kl-in-reward: the KL as a loss term (stock) against the KL in the reward, per-token mean and summed, and the
@@ -468,14 +468,8 @@ def write_outputs(rows: list[dict], summary: list[dict], args: argparse.Namespac
 
 def environment() -> dict[str, Any]:
     """What produced a run: the command line, the installed versions and the hardware."""
-    import importlib.metadata
     import platform
 
-    versions = {}
-    for package in ("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth", "unsloth_zoo"):
-        try:
-            versions[package] = importlib.metadata.version(package.replace("_", "-"))
-        except importlib.metadata.PackageNotFoundError:
-            pass
+    versions = installed_versions(("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth", "unsloth_zoo"))
     command = " ".join(["python", "blackwell/test_adaptive_kl_grpo.py", *sys.argv[1:]])
     return {"command": command, "versions": versions, "hardware": hardware(), "python": platform.python_version()}

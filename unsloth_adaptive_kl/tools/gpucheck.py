@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.metadata
 import json
 import os
 import platform
@@ -50,6 +49,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .gpu_scenarios import CHAT_PROMPTS, MAX_SEQ_LENGTH, SCENARIOS, native_precision
+from .machine import installed_versions
 from .selfcheck import Check
 
 
@@ -202,13 +202,8 @@ def environment() -> dict[str, Any]:
                   "precision": native_precision(), "cuda": torch.version.cuda, "driver": driver_version()}
     else:
         device = {"kind": "cpu", "name": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    versions: dict[str, Optional[str]] = {}
-    for package in PACKAGES:
-        try:
-            versions[package] = importlib.metadata.version(package.replace("_", "-"))
-        except importlib.metadata.PackageNotFoundError:
-            versions[package] = None
-    return {"device": device, "versions": versions}
+    installed = installed_versions(PACKAGES)
+    return {"device": device, "versions": {package: installed.get(package) for package in PACKAGES}}
 
 
 def environment_lines(found: dict[str, Any]) -> list[str]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
+from typing import Iterable
 
 import torch
 
@@ -21,3 +23,14 @@ def hardware() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
                platform.processor() or platform.machine())
     return f"CPU: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def installed_versions(packages: Iterable[str]) -> dict[str, str]:
+    """{package: version} for each of `packages` that is installed, in their order."""
+    found = {}
+    for package in packages:
+        try:
+            found[package] = importlib.metadata.version(package.replace("_", "-"))
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found

@@ -13,7 +13,6 @@ as users must) and its generated trainer is checked the same way. Exit code 0 on
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -28,7 +27,7 @@ from ..integrations import versions
 from ..integrations.patching import PatchSet
 from ..core.tolerance import (float32_chain_tolerance, k3_gradient_magnitude, k3_magnitude,
                               reordered_sum_tolerance)
-from .machine import hardware
+from .machine import hardware, installed_versions
 
 VERSION_PACKAGES = ("trl", "transformers", "torch", "unsloth", "unsloth_zoo")  # reported against the tested ranges
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
@@ -378,14 +377,9 @@ def main(json_path: Optional[str] = None) -> int:
 def write_record(json_path: str, printed: list[str], passed: bool) -> None:
     """The run as JSON: the command that wrote it, the date, the machine, the installed versions of the packages it
     checks, and its lines as printed (this package's lines only: a trainer's own banner and notices are not ours)."""
-    installed = {}
-    for package in (*VERSION_PACKAGES, "verl"):
-        try:
-            installed[package] = str(versions.installed_version(package))
-        except importlib.metadata.PackageNotFoundError:
-            pass
     record = {"command": " ".join(["python -m unsloth_adaptive_kl", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
-              "hardware": hardware(), "versions": installed, "passed": passed, "lines": printed}
+              "hardware": hardware(), "versions": installed_versions((*VERSION_PACKAGES, "verl")), "passed": passed,
+              "lines": printed}
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
     with open(json_path, "w") as f:
         json.dump(record, f, indent=1)
