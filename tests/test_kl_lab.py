@@ -181,3 +181,21 @@ def test_the_words_the_docs_use_for_the_lab_hold_in_its_tables() -> None:
     assert all(10 * future < row("contains_a", f"{name} in the loss")["kl_opt"] < 0.05 for name in ("k3", "k2"))
     # "k1_future is exact with scale_rewards='none'": with 'group' it is not
     assert all(row(env, "k1_future in the loss, dr_grpo, scale group")["kl_opt"] > 0.1 for env in ("contains_a", "first_a"))
+
+
+def test_the_saturated_length_finding_reads_the_drift_from_the_table() -> None:
+    """first_a under TRL's defaults: the verdict and the share are (E[length] - the optimum's) / (no KL's - the
+    optimum's), recomputed here; moving that row's length to the optimum's, or halfway, changes the words. The home
+    page's "weaken the term and they drift (... in the exact lab under TRL's default reward scaling)" and Choosing a
+    setting's "the exact lab's completions then drift as far as with no KL" rest on it."""
+    from unsloth_adaptive_kl.tools.tabular_findings import TRL_DEFAULTS, saturated_length
+
+    stored = json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())
+    rows = {row["setting"]: row for row in stored["tables"]["first_a"]["rows"]}
+    best, off, stock = (rows[name]["length"] for name in ("the optimum pi*", "beta = 0 (no KL)", TRL_DEFAULTS))
+    sentence = saturated_length(stored)
+    assert f"({round(100 * (stock - best) / (off - best))}% of no KL's drift)" in sentence
+    assert "drift as far as no KL does" in sentence  # the committed run: 2.930 against 2.906 with no KL
+    for length, words in ((best, "TRL's defaults hold the length"), ((best + off) / 2, "drift part of the way")):
+        rows[TRL_DEFAULTS]["length"] = length
+        assert words in saturated_length(stored)

@@ -189,6 +189,7 @@ def findings(result: dict[str, Any]) -> list[str]:
             f"within {_at_most(rest)} of the frontier." if outliers else
             f"no setting's frontier regret exceeds {OFF_FRONTIER:g}; the largest is {rest:.4f}."))
 
+    out.append(saturated_length(result))
     closer = all(_row(result, "first_a", setting)["kl_opt"] < _row(result, "contains_a", setting)["kl_opt"]
                  for setting in (k3, k2))
     out.append(f"**With the reward saturated and the length free (first_a)**, the per-token estimators in the loss "
@@ -196,6 +197,30 @@ def findings(result: dict[str, Any]) -> list[str]:
                f"{_each(result, k3, 'kl_opt', 4)}, k2 {_each(result, k2, 'kl_opt', 4)}"
                + (" (only the first token matters there, so there is little KL-to-go to miss)." if closer else "."))
     return out
+
+
+TRL_DEFAULTS = "k3+ in the loss, dapo, scale group"  # loss_type, scale_rewards and k3 times the ratio: TRL's defaults
+AS_FAR = 0.9  # a drift of at least this share of no KL's is "as far as no KL"
+
+
+def saturated_length(result: dict[str, Any]) -> str:
+    """first_a's length under TRL's defaults, as a share of the drift without a KL: (E[length] - the optimum's) /
+    (no KL's E[length] - the optimum's), beside the same term without the group scaling and k1 in the reward."""
+    env, unscaled, in_reward = "first_a", "k3+ in the loss, dapo, scale none", "k1 in the reward, dapo, scale group"
+    best, off, stock = (_row(result, env, name) for name in (OPTIMUM, OFF, TRL_DEFAULTS))
+    share = (stock["length"] - best["length"]) / (off["length"] - best["length"])
+    verdict = ("let the length drift as far as no KL does" if share >= AS_FAR else
+               "let the length drift part of the way" if share > 0 else "hold the length")
+    return (f"**Once the reward saturates, TRL's defaults {verdict} (first_a)**: with `loss_type=\"dapo\"`, "
+            "`scale_rewards=\"group\"` and k3 times the importance ratio (TRL's defaults: the lab's k3+), E[length] "
+            f"ends at {stock['length']:.3f}, against the optimum's {best['length']:.3f} and {off['length']:.3f} with "
+            f"no KL at all ({share:.0%} of no KL's drift), KL(pi||pi\\*) {stock['kl_opt']:.4f}. The reward reads only "
+            "the first token, so in expectation only the KL term acts on the tokens after it, and the group scaling "
+            "makes that term act weaker than its beta ([the scale relation](#the-scale-relation-what-a-loss-side-beta-means)). With "
+            f"`scale_rewards=\"none\"` the same term ends at E[length] {_row(result, env, unscaled)['length']:.3f} "
+            f"(KL(pi||pi\\*) {_row(result, env, unscaled)['kl_opt']:.4f}); k1 in the reward, with TRL's defaults "
+            f"otherwise, at {_row(result, env, in_reward)['length']:.3f} "
+            f"(KL(pi||pi\\*) {_row(result, env, in_reward)['kl_opt']:.4f}).")
 
 
 def target_reading(result: dict[str, Any]) -> list[str]:
