@@ -479,11 +479,74 @@ def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kw
                                  "does not need it.")
 
 
+@pytest.mark.parametrize("value", [torch.tensor(0), torch.tensor(-4.0), torch.tensor(math.nan)])
+def test_a_tensor_normaliser_that_is_not_positive_is_refused_as_a_number_is(value: torch.Tensor) -> None:
+    """A loop's own count as a tensor: -4 would flip the term's sign (the loss would reward KL), 0 and NaN blow it up."""
+    logps, ref = batch()
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=value)
+    assert str(raised.value) == (f"token_normalizer={value.item()!r} is invalid: allowed is a number > 0, or None "
+                                 "where the loss_type does not need it.")
+    with pytest.raises(ValueError, match=r"^token_normalizer is invalid: a tensor of shape \(3,\); allowed is one"):
+        AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=LENGTHS)
+    term, _ = AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=torch.tensor(7))
+    want = BETA * (k3_by_hand(exact(logps), exact(ref)).sum() / 7)
+    assert_float32_close(term.item(), want.item(), BETA * (k3_magnitude(logps, ref) * MASK).sum() / 7, 13)
+
+
+@pytest.mark.parametrize(("logps", "ref", "mask"), [
+    ((3, 4), (3, 4), (3, 1)),  # a mask per completion: every completion would count one token
+    ((3, 4), (3, 1), (3, 4)),  # one reference log-prob per completion, broadcast
+    ((3, 4), (3, 4), (3,)),  # lengths instead of a mask
+    ((4,), (4,), (4,)),  # one completion without its batch dimension
+])
+def test_a_batch_whose_shapes_would_broadcast_is_refused_naming_each_shape(logps, ref, mask) -> None:
+    shapes = {"logps": logps, "ref_logps": ref, "mask": mask}
+    expected = ", ".join(f"{name} {shape}" for name, shape in shapes.items())
+    for placement, door in (("loss", "kl_loss"), ("reward", "reward_penalty")):
+        akl = AdaptiveKL(AdaptiveKLConfig(kl_placement=placement), BETA)
+        with pytest.raises(ValueError) as raised:
+            getattr(akl, door)(*(torch.zeros(shape) - 1 for shape in shapes.values()))
+        assert str(raised.value) == ("logps, ref_logps, mask must be (B, T) tensors of one shape (B completions, T "
+                                     f"completion tokens; mask 1 on each completion's tokens, 0 on padding): got "
+                                     f"{expected}.")
+
+
+def test_the_kl_gradient_reaches_the_policy_alone() -> None:
+    """A reference whose forward kept its graph (a loop's own, without torch.no_grad) gets no gradient from the KL
+    term, and the policy's gradient is the one of a detached reference: k3's d/dlogp = 1 - exp(ref - logp), by hand."""
+    logps, ref = batch()
+    ref = ref.clone().requires_grad_(True)
+    term, _ = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=100.0), BETA).kl_loss(
+        logps, ref, MASK)
+    term.backward()
+    assert ref.grad is None
+    weights = BETA * MASK / LENGTHS[:, None] / 3  # grpo: the mean over 3 completions of each one's sum / L_i
+    by_hand = weights.double() * (1 - (exact(ref) - exact(logps)).exp())
+    assert_float32_close(logps.grad, by_hand, weights * k3_gradient_magnitude(logps, ref), 7)
+
+
+@pytest.mark.parametrize("mean_reward", [math.nan, math.inf])
+def test_a_mean_reward_that_is_not_finite_is_refused(mean_reward: float) -> None:
+    """`dynamic` compares it with reward_threshold: NaN would never decay beta, silently."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.0), BETA)
+    with pytest.raises(ValueError) as raised:
+        akl.step(mean_reward=mean_reward)
+    assert str(raised.value) == (f"mean_reward={mean_reward!r} is invalid: allowed is a finite number (the batch's mean "
+                                 "reward), or None where the step scored no new generation batch.")
+    assert akl.step(mean_reward=torch.tensor(0.5)) == pytest.approx(BETA * 0.9)  # a tensor is a number
+
+
 def test_beta_zero_with_an_adapted_setting_warns_that_it_has_no_effect() -> None:
     with pytest.warns(UserWarning) as caught:
         AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip+dynamic"), 0.0)
     assert [str(w.message) for w in caught] == [
         "kl_adaptation_method='clip+dynamic' has no effect: beta=0.0 turns the KL term off. Set beta > 0 to regularise."]
+    with pytest.warns(UserWarning) as caught:  # the fields the user set, not the method left at 'none'
+        AdaptiveKL(AdaptiveKLConfig(kl_estimator="k2", kl_reduction="token_mean"), 0.0)
+    assert [str(w.message) for w in caught] == [
+        "kl_estimator='k2', kl_reduction='token_mean' have no effect: beta=0.0 turns the KL term off. Set beta > 0 to "
+        "regularise."]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         AdaptiveKL(None, 0.0)  # stock: nothing to say

@@ -65,6 +65,9 @@ BAD_VALUES = [
     ("beta_schedule_steps", -5, "an integer >= 1, or None"),
     ("beta_schedule_steps", 2.5, "an integer >= 1, or None"),
     ("beta_schedule_steps", True, "an integer >= 1, or None"),
+    ("beta", -0.1, "a finite number >= 0"),  # TRL's own field: named, not the beta_min it bounds
+    ("beta", math.nan, "a finite number >= 0"),
+    ("beta", math.inf, "a finite number >= 0"),  # refused with the config, not when the trainer is built
 ]
 
 

@@ -558,6 +558,33 @@ def test_reward_penalty_route(fake_tinker: Tinker, estimator: Any) -> None:
     assert_model_grads(fake_tinker, expected)
 
 
+def test_an_unscored_reward_or_a_group_size_that_is_not_a_count_is_refused() -> None:
+    """One NaN reward would make every advantage of its group NaN, prompt positions included (NaN * 0); a group_size of
+    2.0 or True is not a count (True would be groups of one: every advantage 0)."""
+    data = [integration.completion_datum([1, 2], [3, 4, 5], [-1.0, -1.2, -0.8], [-1.1, -1.0, -0.9])
+            for _ in range(4)]
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
+    with pytest.raises(ValueError, match=r"^rewards hold NaN or \+-inf at completion\(s\) \[1, 3\]: every reward must "
+                                         r"be a finite number"):
+        integration.kl_penalized_data(akl, data, [1.0, math.nan, 0.0, math.inf], group_size=2)
+    for group_size in (2.0, True, 3, 0):
+        with pytest.raises(ValueError) as raised:
+            integration.kl_penalized_data(akl, data, [1.0, 0.0, 0.0, 1.0], group_size=group_size)
+        assert str(raised.value) == (f"group_size={group_size!r} is invalid: allowed is an integer >= 1 that divides "
+                                     "the 4 completions.")
+
+
+@pytest.mark.parametrize(("loss_type", "missing"), [("dapo", "token_normalizer"), ("dr_grpo", "max_completion_length")])
+def test_a_loss_missing_its_divisor_is_refused_when_built_not_on_the_sdks_thread(loss_type: str, missing: str) -> None:
+    """grpo_kl_loss knows the loss type when it is built: a divisor left out would raise only later, inside the SDK's
+    call of the loss; with it, the loss builds."""
+    akl = AdaptiveKL(None, beta=0.1, loss_type=loss_type)
+    with pytest.raises(ValueError, match=rf"^grpo_kl_loss: the '\w+' reduction \(loss_type='{loss_type}'.*\) needs "
+                                         rf"{missing}: pass it to grpo_kl_loss\(\.\.\.\)$"):
+        integration.grpo_kl_loss(akl)
+    assert integration.grpo_kl_loss(akl, **{missing: 8}).beta == 0.1
+
+
 def test_tensor_inputs_not_lists() -> None:
     """Why every input is a TensorData: the SDK turns a plain list into a tensor only for keys it knows."""
     with pytest.raises(KeyError, match="ref_logprobs"):

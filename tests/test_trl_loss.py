@@ -367,6 +367,63 @@ def test_beta_zero_warns_and_logs_no_adaptive_metrics(tokenizer, tmp_path) -> No
     assert logged_metric_keys(trainer.state.log_history) == set()
 
 
+class _OwnLossTrainer:
+    """A GRPOTrainer subclass whose `_compute_loss` is a copy of TRL's (here: the stock function itself), as recipes
+    that rewrite the loss do: it never calls the patched one."""
+
+    def _compute_loss(self, model, inputs):
+        return trl_patch._stock_compute_loss(self, model, inputs)
+
+
+class _SuperLossTrainer:
+    """A subclass whose override calls super(): the adaptive KL runs."""
+
+    def _compute_loss(self, model, inputs):
+        return super()._compute_loss(model, inputs)
+
+
+def subclassed_trainer(tokenizer, output_dir: str, mixin: type, **overrides: Any):
+    trainer = make_trainer(tokenizer, output_dir, max_steps=2, **overrides)
+    trainer.__class__ = type(f"My{mixin.__name__}", (mixin, type(trainer)), {})
+    return trainer
+
+
+def test_a_subclass_loss_that_bypasses_the_patched_one_stops_the_run(tokenizer, tmp_path) -> None:
+    """An adapted setting trained through an override that never calls the patched `_compute_loss` would train with
+    the stock KL, log no adaptive_kl/ metric and never move beta: the next generation raises, naming the class and the
+    setting. The stock KL only warns (its loss is stock either way); an override calling super() is not flagged."""
+    trainer = subclassed_trainer(tokenizer, str(tmp_path / "a"), _OwnLossTrainer, kl_adaptation_method="clip+dynamic",
+                                 reward_threshold=-1.0)
+    with pytest.raises(RuntimeError, match=r"^adaptive_kl: 1 optimizer step\(s\) of My_OwnLossTrainer ran without the "
+                                           r"adaptive KL's loss hook .* \(kl_adaptation_method='clip\+dynamic'\)$"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and trainer.adaptive_kl.completed_steps == 0
+    trainer = subclassed_trainer(tokenizer, str(tmp_path / "b"), _OwnLossTrainer)
+    with pytest.warns(UserWarning, match=r"With kl_adaptation_method='none' the loss is stock; only the metrics are "
+                                         r"missing\.$"):
+        trainer.train()
+    trainer = subclassed_trainer(tokenizer, str(tmp_path / "c"), _SuperLossTrainer, kl_adaptation_method="clip+dynamic",
+                                 reward_threshold=-1.0)
+    trainer.train()
+    assert trainer.adaptive_kl.completed_steps == 2 and trainer.adaptive_kl.current_beta == pytest.approx(0.04 * 0.81)
+
+
+def test_a_callable_estimator_that_would_not_survive_a_checkpoint_is_refused_when_the_trainer_is_built(
+        tokenizer, tmp_path) -> None:
+    """Every checkpoint pickles the trainer's config (training_args.bin): a lambda would crash the first save, after
+    training started. A module-level function pickles, and is accepted."""
+    with pytest.raises(ValueError, match=r"^kl_estimator=<function .*<lambda>.* is invalid: allowed is a registered "
+                                         r"estimator's name .* \((PicklingError|AttributeError): "):
+        make_trainer(tokenizer, str(tmp_path), kl_estimator=lambda logp, ref, mask: (logp - ref) ** 2 / 2)
+    assert make_trainer(tokenizer, str(tmp_path), kl_estimator=half_squared_log_ratio).adaptive_kl.config.kl_estimator \
+        is half_squared_log_ratio
+
+
+def half_squared_log_ratio(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """k2, as a module-level function (it pickles by reference)."""
+    return (logp - ref) ** 2 / 2
+
+
 def test_unknown_loss_type_for_a_method_is_rejected_before_training(tokenizer, tmp_path, monkeypatch) -> None:
     trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip")
     from unsloth_adaptive_kl.core import adaptation

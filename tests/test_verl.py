@@ -40,6 +40,7 @@ from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError  # noqa: E402
 from unsloth_adaptive_kl.integrations import verl as verl_kl  # noqa: E402
 from unsloth_adaptive_kl.core.numerics import LogpCheck  # noqa: E402
+from unsloth_adaptive_kl.core.config import canonical_methods  # noqa: E402
 from unsloth_adaptive_kl.core.statistics import NAMES, KLStatistics  # noqa: E402
 from unsloth_adaptive_kl.integrations import versions  # noqa: E402
 from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError  # noqa: E402
@@ -508,20 +509,35 @@ def test_reward_clip_shapes_the_per_token_kl():
     assert ctrl.updates == 1
 
 
-@pytest.mark.parametrize("block", [{"kl_adaptation_method": "length_normalized"},
-                                   {"reward": {"kl_adaptation_method": "dynamic+length_normalized"}}])
-def test_length_normalized_in_the_reward_is_the_cores_refusal_in_verls_names(block):
-    """length_normalized reaching the KL in the reward (inherited from the block, or set under reward): the core's
-    own refusal of it with kl_placement='reward', named under verl's adaptive_kl.reward, and what verl does instead."""
-    _, reward = verl_kl.configs_from(block)
+@pytest.mark.parametrize(("block", "where", "advice"), [
+    ({"kl_adaptation_method": "length_normalized"}, "adaptive_kl",
+     "; set +adaptive_kl.reward.kl_adaptation_method=none to keep length_normalized for the KL in the actor loss alone."),
+    ({"reward": {"kl_adaptation_method": "dynamic+length_normalized"}}, "adaptive_kl.reward", ".")])
+def test_length_normalized_in_the_reward_is_refused_naming_the_field_that_set_it(block, where, advice):
+    """length_normalized reaching the KL in the reward, inherited from the block or set under reward: refused when the
+    trainer is built, naming the field the user set and, where it was inherited, how to keep it for the loss (not the
+    core's advice, kl_reduction='sequence_mean', which verl refuses under reward)."""
     with pytest.raises(ValueError) as raised:
-        verl_kl.RewardKLController(reward, beta=0.1)
-    message = str(raised.value)
-    with pytest.raises(ValueError) as core:
-        AdaptiveKLConfig(kl_adaptation_method=reward.kl_adaptation_method, kl_placement="reward")
-    assert message.startswith(f"adaptive_kl.reward.{core.value}")
-    assert message.endswith("In verl the reward's KL is always the sum over each completion's tokens: leave "
-                            "length_normalized out of adaptive_kl.reward.")
+        _GuardedTrainer(trainer_config(**block))
+    method = canonical_methods((block.get("reward") or block)["kl_adaptation_method"])  # as the config stores it
+    assert str(raised.value) == (
+        f"{where}.kl_adaptation_method={method!r} is invalid with algorithm.use_kl_in_reward=True: allowed is methods "
+        "without length_normalized there (verl's reward KL is the sum over each completion's tokens)" + advice)
+    assert _GuardedTrainer(trainer_config(use_kl_in_reward=False, **block)).reward_kl is None  # the loss alone: fine
+
+
+def test_verls_own_adaptive_reward_controller_is_refused_naming_its_field():
+    """algorithm.kl_ctrl.type=adaptive with the KL in the reward: this package's controller would replace verl's and
+    leave its target_kl and horizon unread (with `none` too), so it is refused before training; with the KL in the
+    reward off verl never builds that controller, and the setting passes."""
+    config = trainer_config()
+    config.algorithm.kl_ctrl.type = "adaptive"
+    with pytest.raises(ValueError, match=r"^algorithm\.kl_ctrl\.type='adaptive' is invalid with "
+                                         r"trainer\.v1\.trainer_mode=adaptive_kl and algorithm\.use_kl_in_reward=True: "
+                                         r"allowed is 'fixed'\..*\+adaptive_kl\.reward\.kl_adaptation_method=target"):
+        _GuardedTrainer(config)
+    config.algorithm.use_kl_in_reward = False
+    assert _GuardedTrainer(config).reward_kl is None
 
 
 def test_reward_controller_state_dict_round_trips():

@@ -52,7 +52,9 @@ def token_kl(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, c
     a trainer computed itself) masked; k' = shape(k). `names` (policy=, reference=): what a non-finite error calls the
     two tensors (where they came from)."""
     valid = valid_positions(mask)
-    logp, ref = keep_valid(logps, valid), keep_valid(ref_logps, valid)
+    # The KL's gradient is the policy's alone: a reference handed over with a graph (a loop's own reference forward)
+    # gets none.
+    logp, ref = keep_valid(logps, valid), keep_valid(ref_logps.detach(), valid)
     check = LogpCheck.of_masked(logp, ref, **(names or {}))
     kl = keep_valid(run_estimator(logp, ref, valid, config) if per_token_kl is None else per_token_kl, valid)
     return TokenKL(valid, kl, shape_kl(kl, config), check)

@@ -67,8 +67,9 @@ class AdaptiveKL:
             loss_type_reduction(loss_type)
             kl_reduction(config, loss_type)
         elif not config.is_stock_kl:
-            warnings.warn(f"kl_adaptation_method={config.kl_adaptation_method!r} has no effect: beta=0.0 turns the KL "
-                          "term off. Set beta > 0 to regularise.", UserWarning, stacklevel=2)
+            fields = config.adapted_fields()
+            warnings.warn(f"{', '.join(fields)} {'has' if len(fields) == 1 else 'have'} no effect: beta=0.0 turns the "
+                          "KL term off. Set beta > 0 to regularise.", UserWarning, stacklevel=2)
         self.config = config
         self.beta = float(beta)
         self.loss_type = loss_type
@@ -122,6 +123,9 @@ class AdaptiveKL:
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
+        check_batch(logps, ref_logps, mask, per_token_kl)
+        if isinstance(token_normalizer, torch.Tensor):  # read once: a count <= 0 would flip or blow up the term
+            check_token_normalizer(token_normalizer)
         term = self.term(logps, ref_logps, mask, ctx=ReductionContext(max_completion_length, token_normalizer),
                          per_token_kl=per_token_kl, with_grad=True)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.completed_steps + 1,
@@ -152,6 +156,7 @@ class AdaptiveKL:
         if not self.config.kl_in_reward:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
+        check_batch(logps, ref_logps, mask, per_token_kl)
         penalty, self.last_metrics = self.penalize(
             self.term(logps, ref_logps, mask, per_token_kl=per_token_kl), gather=gather or local,
             train=train, completed_steps=self.completed_steps)
@@ -165,6 +170,9 @@ class AdaptiveKL:
         an engine that aggregates its own loss does), else what the step's training `kl_loss` calls or the last
         training `reward_penalty` saw."""
         if mean_reward is not None:
+            if not math.isfinite(float(mean_reward)):  # dynamic would silently never decay
+                raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
+                             "the step scored no new generation batch")
             self.observe_rewards(mean_reward)
         self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
@@ -295,6 +303,31 @@ class AdaptiveKL:
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
         self.controller.load_state_dict(state)
+
+
+def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,
+                per_token_kl: Optional[torch.Tensor] = None) -> None:
+    """A loop's batch is (B, T) tensors of one shape: a (B, 1) mask or reference would broadcast, and every
+    completion would silently count one token, or all share one reference log-prob. A ValueError names each shape."""
+    given = {"logps": logps, "ref_logps": ref_logps, "mask": mask}
+    if per_token_kl is not None:
+        given["per_token_kl"] = per_token_kl
+    for name, tensor in given.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (B, T), not {type(tensor).__name__}")
+    if logps.dim() != 2 or any(tensor.shape != logps.shape for tensor in given.values()):
+        shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in given.items())
+        raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B completions, T completion "
+                         f"tokens; mask 1 on each completion's tokens, 0 on padding): got {shapes}.")
+
+
+def check_token_normalizer(value: torch.Tensor) -> None:
+    """A tensor token normaliser (dapo/cispo/vespo's count of active tokens) is one number, read once and checked as a
+    number is (`ReductionContext`)."""
+    if value.numel() != 1:
+        raise ValueError(f"token_normalizer is invalid: a tensor of shape {tuple(value.shape)}; allowed is one number "
+                         "> 0 (the micro-batch's active tokens).")
+    ReductionContext(token_normalizer=value.item())
 
 
 def _sums(saved: Any) -> Optional[KLStatistics]:

@@ -322,6 +322,14 @@ class AdaptiveKLConfig:
             return "k1" if self.kl_in_reward else "k3"
         return self.kl_estimator
 
+    def adapted_fields(self) -> list[str]:
+        """The KL-shaping fields set away from stock, as `name=value` (what `is_stock_kl` reads): what a beta of 0
+        leaves without effect."""
+        stock = {"kl_adaptation_method": "none", "kl_estimator": None, "kl_reduction": "loss_type",
+                 "kl_placement": "loss"}
+        return [f"{name}={getattr(self, name)!r}" for name, value in stock.items() if getattr(self, name) != value
+                and not (name == "kl_estimator" and self.kl_estimator == STOCK_ESTIMATOR)]
+
     @property
     def kl_in_reward(self) -> bool:
         """True when beta * KL_i is subtracted from each completion's reward instead of added to the loss."""
@@ -331,6 +339,8 @@ class AdaptiveKLConfig:
         """Raise ValueError naming the field, the value and what is allowed for the first bad field. `beta`: the KL
         coefficient in use, which bounds beta_min and beta_max (None: unknown, not checked)."""
         methods = self.kl_methods  # parsed here once: every later call reads it
+        if beta is not None:  # the trainer's own field, named before the fields it bounds
+            check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
         check_real("kl_clip_threshold", self.kl_clip_threshold,
                    is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
                    "a finite number > 0")

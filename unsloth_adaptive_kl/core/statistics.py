@@ -93,7 +93,9 @@ class KLStatistics:
         if self.entries and not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
             raise FloatingPointError(
                 f"adaptive KL: non-finite KL at step {step}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
-                "The policy and reference log-probs diverged beyond float range.")
+                "The policy and reference log-probs are finite on valid tokens, so the KL itself is not: an "
+                "estimator that exponentiates the log-ratio (k2, k3) overflowed float32 where they diverged, or a "
+                "per-token KL handed in (per_token_kl, a trainer's own) holds a NaN or inf on a valid token.")
         values = {"raw_kl": raw_kl, "adapted_kl": adapted_kl, "current_beta": beta,
                   "sequence_kl": self.kl / self.completions if self.completions else math.nan,
                   "length_kl_corr": self.length_kl_corr()}

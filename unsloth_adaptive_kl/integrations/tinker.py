@@ -36,7 +36,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from ..core import AdaptiveKL, ReductionContext, reduce_kl
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
-from ..core.reductions import kl_reduction, loss_type_reduction
+from ..core.errors import reject
+from ..core.reductions import REDUCTIONS, kl_reduction, loss_type_reduction
 from ..core.statistics import device_sums, gather_statistics
 
 __all__ = [
@@ -208,6 +209,13 @@ class GRPOKLLoss:
         self.loss_type = akl.loss_type
         self.training_step = akl.completed_steps + 1  # the step this loss trains, as the non-finite message names it
         self.context = ReductionContext(max_completion_length, token_normalizer)
+        # A reduction missing its divisor would raise only when the SDK calls the loss, on its thread: ask both of
+        # this step's reductions (the policy gradient's and the KL's) now, on a one-completion probe.
+        for reduction in {loss_type_reduction(self.loss_type), kl_reduction(self.config, self.loss_type)}:
+            try:
+                REDUCTIONS[reduction].reduce(torch.zeros(1), torch.ones(1), self.context)
+            except ValueError as error:
+                raise ValueError(f"grpo_kl_loss: {error}: pass it to grpo_kl_loss(...)") from None
 
     def __call__(
         self, data: list["types.Datum"], logprobs: list[torch.Tensor]
@@ -305,8 +313,12 @@ def kl_penalized_data(
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if len(data) != rewards.numel():
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
-    if group_size < 1 or len(data) % group_size:
-        raise ValueError(f"group_size={group_size!r} must be >= 1 and divide the {len(data)} completions")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 or len(data) % group_size:
+        raise reject("group_size", group_size, f"an integer >= 1 that divides the {len(data)} completions")
+    unscored = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+    if unscored:  # one NaN would make every advantage of its group NaN, prompt positions included (NaN * 0)
+        raise ValueError(f"rewards hold NaN or +-inf at completion(s) {unscored}: every reward must be a finite number "
+                         "(score each completion, or leave an unscored completion's group out of the batch)")
     logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
     penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask, train=train)
     penalized = (rewards - penalty.to(torch.float32)).view(-1, group_size)

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import sys
 import warnings
 from typing import Any, Callable
@@ -123,6 +124,20 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
                      "beta > 0 to sync the reference")
 
 
+def check_estimator_saves(config: AdaptiveKLConfig) -> None:
+    """A callable `kl_estimator` must pickle: every checkpoint saves the trainer's config with it (training_args.bin),
+    and a lambda or a local function would crash the first save, after training has started."""
+    if not callable(config.kl_estimator):
+        return
+    try:
+        pickle.dumps(config.kl_estimator)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise reject("kl_estimator", config.kl_estimator,
+                     "a registered estimator's name (register_kl_estimator('my_kl') on a function, then "
+                     "kl_estimator='my_kl') or a module-level function: every checkpoint pickles the trainer's config "
+                     f"with it, and this one does not pickle ({type(error).__name__}: {error})") from None
+
+
 def sequence_weighted_kl(args: Any) -> bool:
     """Whether the trainer's own per-token KL carries a sequence-level weight: with beta != 0,
     importance_sampling_level='sequence' and use_bias_correction_kl=True, TRL's `_compute_loss` (and unsloth_zoo's
@@ -141,6 +156,7 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
     adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type, num_iterations=trainer.args.num_iterations,
                              reference_sync=bool(getattr(trainer.args, "sync_ref_model", False)))
     check_trl_settings(trainer.args, config)
+    check_estimator_saves(config)
     if config.is_stock_kl and sequence_weighted_kl(trainer.args):  # stock: kept as the trainer computes it
         warnings.warn(
             "importance_sampling_level='sequence' with use_bias_correction_kl=True: the trainer multiplies each "
@@ -354,6 +370,8 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
         rewards = self._metrics[mode]["reward"]
         logged = len(rewards)
         runtime = self.adaptive_kl
+        if mode == "train" and self.beta != 0.0:
+            check_loss_hook_ran(self)
         if not (runtime.config.kl_in_reward and self.beta != 0.0):
             output = upstream(self, *args, **kwargs)
             if mode == "train":
@@ -378,6 +396,28 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
         return output
 
     return _generate_and_score_completions
+
+
+def check_loss_hook_ran(trainer: Any) -> None:
+    """At each training generation: the optimizer steps since the last one must each have ended in the loss hook
+    (`record_metrics`, which moves the controller). A trainer subclass whose own `_compute_loss` / `compute_loss`
+    does not call the patched one trains with the stock KL term, logs no `adaptive_kl/` metric and never moves beta:
+    with an adapted setting that is an error, with the stock KL a warning (the loss is stock either way)."""
+    runtime, steps = trainer.adaptive_kl, trainer.state.global_step
+    seen, trainer._adaptive_kl_progress = getattr(trainer, "_adaptive_kl_progress", None), (steps, runtime.completed_steps)
+    if seen is None or steps <= seen[0] or runtime.completed_steps != seen[1]:
+        return
+    config = runtime.config
+    message = (f"adaptive_kl: {steps - seen[0]} optimizer step(s) of {type(trainer).__name__} ran without the adaptive "
+               "KL's loss hook (GRPOTrainer._compute_loss, in Unsloth's trainer its compute_loss): an override of "
+               "_compute_loss or compute_loss that does not call super() trains with the stock KL term, logs no "
+               "adaptive_kl/ metric and never moves beta. Call super()._compute_loss(model, inputs) (or "
+               "super().compute_loss(...)) from the override.")
+    if config.is_stock_kl and not getattr(trainer.args, "sync_ref_model", False):
+        warnings.warn(message + " With kl_adaptation_method='none' the loss is stock; only the metrics are missing.",
+                      UserWarning, stacklevel=3)
+    else:
+        raise RuntimeError(f"{message} ({', '.join(config.adapted_fields() or ['sync_ref_model=True'])})")
 
 
 def wrap_save_checkpoint(upstream: Callable) -> Callable:

@@ -391,16 +391,21 @@ class RewardKLController:
     with `observe_rewards` before verl scores the batch); `target` reads the batch's KL as `penalize` measured it (the
     core's `WindowKL`: sum of k over valid tokens / their count), bounded by beta_min/beta_max."""
 
-    def __init__(self, config: AdaptiveKLConfig, beta: float) -> None:
+    def __init__(self, config: AdaptiveKLConfig, beta: float, field: str = "adaptive_kl.reward") -> None:
         # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
         # the core's KL_i in the reward under kl_reduction 'loss_type' or 'sequence_sum', the two `configs_from`
         # lets through. The core object is told the KL is in the reward, and its rules for that placement apply
-        # (each step reads the batch scored since the last one; length_normalized is refused).
-        try:
-            config = dataclasses.replace(config, kl_placement="reward")
-        except ValueError as error:  # the core's rule, named in verl's block
-            raise ValueError(f"adaptive_kl.reward.{error} In verl the reward's KL is always the sum over each "
-                             "completion's tokens: leave length_normalized out of adaptive_kl.reward.") from None
+        # (each step reads the batch scored since the last one). length_normalized is refused in verl's terms
+        # (`field`: where the method was set): the core's advice, kl_reduction='sequence_mean', is not verl's.
+        if "length_normalized" in config.kl_methods:
+            methods = "+".join(method for method in config.kl_methods if method != "length_normalized") or "none"
+            raise ValueError(
+                f"{field}.kl_adaptation_method={config.kl_adaptation_method!r} is invalid with "
+                "algorithm.use_kl_in_reward=True: allowed is methods without length_normalized there (verl's reward "
+                "KL is the sum over each completion's tokens)"
+                + (f"; set +adaptive_kl.reward.kl_adaptation_method={methods} to keep length_normalized for the "
+                   "KL in the actor loss alone." if field == "adaptive_kl" else "."))
+        config = dataclasses.replace(config, kl_placement="reward")
         self.akl = AdaptiveKL(config, beta=beta, loss_type="bnpo")
         self._mean_reward: Optional[float] = None
         self.updates = 0
@@ -508,7 +513,18 @@ class AdaptiveKLTrainerMixin:
                                       num_iterations=int(actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)))
         self.reward_kl: Optional[RewardKLController] = None
         if config.algorithm.use_kl_in_reward:
-            self.reward_kl = RewardKLController(reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef))
+            kind = config.algorithm.kl_ctrl.get("type", "fixed")
+            if kind != "fixed":  # verl's own controller would be replaced by ours, its target_kl and horizon unread
+                raise ValueError(
+                    f"algorithm.kl_ctrl.type={kind!r} is invalid with trainer.v1.trainer_mode=adaptive_kl and "
+                    "algorithm.use_kl_in_reward=True: allowed is 'fixed'. This package's controller takes the place "
+                    "of verl's kl_ctrl_in_reward; for its target-KL rule (the same rule, Ziegler et al., on the "
+                    "batch's token-mean KL) set +adaptive_kl.reward.kl_adaptation_method=target with "
+                    "+adaptive_kl.reward.kl_target=<target_kl> and +adaptive_kl.reward.kl_horizon=<horizon>, or "
+                    "leave trainer_mode unset for verl's own.")
+            inherited = "kl_adaptation_method" not in _plain(_plain(config.get("adaptive_kl")).get("reward"))
+            self.reward_kl = RewardKLController(reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef),
+                                                field="adaptive_kl" if inherited else "adaptive_kl.reward")
             self.kl_ctrl_in_reward = self.reward_kl
         if self.loss_kl is None and self.reward_kl is None:
             warnings.warn("adaptive_kl: neither actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is "
