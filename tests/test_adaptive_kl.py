@@ -468,7 +468,8 @@ def test_bad_input_names_field_value_and_what_is_allowed(kwargs: dict, message: 
 
 @pytest.mark.parametrize(("loss_type", "kwargs"), [("dapo", dict(token_normalizer=-8.0)),
                                                  ("dapo", dict(token_normalizer=0)),
-                                                 ("dr_grpo", dict(max_completion_length=-4))])
+                                                 ("dr_grpo", dict(max_completion_length=-4)),
+                                                 ("dr_grpo", dict(max_completion_length=True))])
 def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kwargs: dict) -> None:
     """A negative normaliser would flip the KL term's sign (the loss would reward KL), a zero one divide by zero."""
     ((name, value),) = kwargs.items()
@@ -477,6 +478,73 @@ def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kw
         AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **kwargs)
     assert str(raised.value) == (f"{name}={value!r} is invalid: allowed is a number > 0, or None where the loss_type "
                                  "does not need it.")
+
+
+def test_an_all_masked_micro_batch_adds_nothing_to_a_token_mean() -> None:
+    """bnpo's sum_i S_i / max(sum_i L_i, 1): a micro-batch with no valid token (all padding, a truncated completion
+    masked out) gives 0, not 0 / 0."""
+    term, metrics = AdaptiveKL(None, BETA, "bnpo").kl_loss(*batch(), torch.zeros(3, 4))
+    assert term.item() == 0.0 and metrics["adaptive_kl/raw_kl"] == 0.0
+
+
+def test_clip_fraction_counts_a_token_exactly_at_the_threshold() -> None:
+    """clip_fraction = #{k >= kl_clip_threshold} / tokens: with k1+ (the log-ratio as value) of [1, 0.5, 0, 0] and a
+    threshold of 1, the first token is at it: 1 of 4."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=1.0, kl_estimator="k1+"), BETA)
+    _, metrics = akl.kl_loss(torch.tensor([[1.0, 0.5, 0.0, 0.0]]), torch.zeros(1, 4), torch.ones(1, 4))
+    assert metrics["adaptive_kl/clip_fraction"] == 0.25
+
+
+def test_the_reward_penalty_carries_no_gradient() -> None:
+    """The penalty enters the advantages, which GRPO treats as constants: no graph is kept from the log-probs."""
+    logps, ref = batch()
+    penalty, _ = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(logps, ref, MASK)
+    assert logps.requires_grad and not penalty.requires_grad and penalty.grad_fn is None
+
+
+def test_two_batches_scored_before_one_step_are_that_steps_kl() -> None:
+    """The KL in the reward, two generation batches scored before `step()`: the step's KL is their pooled token mean,
+    (2 + 3) / (2 + 1) of k1, not the last batch's 3."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="target"), BETA)
+    akl.reward_penalty(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.ones(1, 2))  # k1 sum 2, 2 tokens
+    akl.reward_penalty(torch.tensor([[-3.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[1.0, 0.0]]))  # k1 sum 3, 1 token
+    akl.step()
+    assert akl.last_raw_kl == pytest.approx(-5 / 3)
+
+
+def test_an_evaluation_pass_through_the_trainer_door_moves_nothing() -> None:
+    """`record_sums(..., train=False)`: the metrics of an evaluation pass; `dynamic` with a pending reward above its
+    threshold neither decays nor counts a step, and the training sums of the step in progress stay."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
+    akl.kl_loss(*batch(), MASK)
+    akl.observe_rewards(0.95)
+    akl.record_sums([], train=False, completed_steps=0)
+    assert (akl.completed_steps, akl.current_beta) == (0, BETA)
+    akl.step()
+    assert akl.current_beta == pytest.approx(BETA * 0.9) and math.isfinite(akl.last_raw_kl)
+
+
+def test_a_step_without_a_valid_token_keeps_the_last_kl() -> None:
+    """A KL-triggered reference sync reads `last_raw_kl`: a step that trained on no valid token has no KL, and leaves
+    the last one (k3 of r = 1: e - 2) where it was rather than NaN (which would skip the sync silently)."""
+    akl = AdaptiveKL(None, BETA)
+    akl.kl_loss(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.ones(1, 2))
+    akl.step()
+    akl.kl_loss(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.zeros(1, 2))
+    akl.step()
+    assert akl.last_raw_kl == pytest.approx(math.e - 2, rel=1e-6)
+
+
+def test_target_never_moves_beta_above_beta_max() -> None:
+    """A KL far above kl_target raises beta by at most 20 % * n / kl_horizon an update; beta_max caps it: 0.04 with
+    n = 3 and kl_horizon = 3 would reach 0.048, 0.0576, ..., and stops at 0.05."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1e-3, kl_horizon=3.0, beta_max=0.05),
+                     BETA)
+    betas = []
+    for _ in range(3):
+        akl.kl_loss(*batch(), MASK)
+        betas.append(akl.step())
+    assert betas == pytest.approx([0.048, 0.05, 0.05])
 
 
 @pytest.mark.parametrize("value", [torch.tensor(0), torch.tensor(-4.0), torch.tensor(math.nan)])

@@ -65,6 +65,10 @@ BAD_VALUES = [
     ("beta_schedule_steps", -5, "an integer >= 1, or None"),
     ("beta_schedule_steps", 2.5, "an integer >= 1, or None"),
     ("beta_schedule_steps", True, "an integer >= 1, or None"),
+    ("beta_max", 0.02, "None or a finite number >= beta_min and >= beta=0.04"),  # target would cut beta at once
+    ("kl_percentile", 0.0, "a number with 0 < x <= 1"),  # would keep one token, whatever the batch
+    ("kl_percentile_scale", 0.0, "a finite number > 0"),  # would zero the KL term
+    ("kl_horizon", 0.0, "a finite number > 0"),  # target's update would divide by zero mid-training
     ("beta", -0.1, "a finite number >= 0"),  # TRL's own field: named, not the beta_min it bounds
     ("beta", math.nan, "a finite number >= 0"),
     ("beta", math.inf, "a finite number >= 0"),  # refused with the config, not when the trainer is built
@@ -105,6 +109,20 @@ def test_bad_value_rejected_at_construction(tmp_path, field: str, value, allowed
 def test_bad_value_rejected_by_standalone_config() -> None:
     with pytest.raises(ValueError, match=r"kl_target=-1 is invalid: allowed is a finite number >= 0"):
         AdaptiveKLConfig(kl_target=-1)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    (dict(kl_adaptation_method="target", kl_target=0.0),
+     "kl_target=0.0 is invalid: allowed is a finite number > 0 with kl_adaptation_method target."),
+    (dict(kl_adaptation_method="length_normalized", kl_reduction="token_mean"),  # would drop the length normalisation
+     "kl_reduction='token_mean' is invalid: allowed is 'loss_type' or 'sequence_mean' with kl_adaptation_method "
+     "length_normalized."),
+    (dict(ref_model_sync_kl=0.0), "ref_model_sync_kl=0.0 is invalid: allowed is None or a finite number > 0."),
+])
+def test_a_combination_that_would_divide_by_zero_or_drop_a_method_is_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKLConfig(**fields)
+    assert str(raised.value) == message
 
 
 def test_methods_given_as_list_or_string_are_canonical(tmp_path) -> None:

@@ -76,6 +76,14 @@ def test_low_var_kl_clamps_large_ratios() -> None:
     # r = ref - logp = 24 on the last token: clamped to 20, k3 = e^20 - 21 > 10, clamped to 10
     assert estimate("low_var_kl", LOGP)[1, 2].item() == 10.0
     assert estimate("k3", LOGP)[1, 2].item() > 1e10
+    # Between the two clamps: r = -10.5 is inside [-20, 20] and k3 = e^-10.5 + 9.5 inside [-10, 10], so low_var_kl is
+    # k3 there, with its gradient 1 - e^r; r = -15 gives e^-15 + 14, clamped to 10, with no gradient.
+    logp = torch.zeros(1, 2, requires_grad=True)
+    value = estimate_kl(logp, torch.tensor([[-10.5, -15.0]]), torch.ones(1, 2),
+                        AdaptiveKLConfig(kl_estimator="low_var_kl"))
+    assert value[0, 0].item() == pytest.approx(math.exp(-10.5) + 9.5, rel=1e-6) and value[0, 1].item() == 10.0
+    value.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([1 - math.exp(-10.5), 0.0], rel=1e-6)
 
 
 @pytest.mark.parametrize("name", sorted(GRADIENTS))
@@ -170,6 +178,9 @@ def test_diagnostics_against_numpy() -> None:
     repeated = KLStatistics(completions=4, tokens=1 + 2 + 3 + 4, tokens_sq=1 + 4 + 9 + 16, kl=4 * 0.1,
                             kl_sq=4 * 0.1 * 0.1, tokens_kl=(1 + 2 + 3 + 4) * 0.1)
     assert math.isnan(repeated.length_kl_corr())  # S_i = 0.1 each: its variance is rounding error, not a spread
+    # S_i = 0.3 each, summed on the host: 3 * (3 * 0.09) - 0.9^2 rounds to 2.2e-16, not 0: still no spread
+    summed = KLStatistics.of_completions([1, 2, 3], [0.3] * 3, entries=1, raw=0.0, adapted=0.0)
+    assert summed.completions * summed.kl_sq - summed.kl ** 2 > 0 and math.isnan(summed.length_kl_corr())
 
 
 @pytest.mark.parametrize("name", list(estimator_names()))
