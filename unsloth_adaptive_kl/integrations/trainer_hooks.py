@@ -404,7 +404,8 @@ def check_loss_hook_ran(trainer: Any) -> None:
     does not call the patched one trains with the stock KL term, logs no `adaptive_kl/` metric and never moves beta:
     with an adapted setting that is an error, with the stock KL a warning (the loss is stock either way)."""
     runtime, steps = trainer.adaptive_kl, trainer.state.global_step
-    seen, trainer._adaptive_kl_progress = getattr(trainer, "_adaptive_kl_progress", None), (steps, runtime.completed_steps)
+    seen = getattr(trainer, "_adaptive_kl_progress", None)
+    trainer._adaptive_kl_progress = (steps, runtime.completed_steps)
     if seen is None or steps <= seen[0] or runtime.completed_steps != seen[1]:
         return
     config = runtime.config
