@@ -206,8 +206,9 @@ AS_FAR = 0.9  # a drift of at least this share of no KL's is "as far as no KL"
 def saturated_length(result: dict[str, Any]) -> str:
     """first_a's length under TRL's defaults, as a share of the drift without a KL: (E[length] - the optimum's) /
     (no KL's E[length] - the optimum's), beside the same term without the group scaling and k1 in the reward."""
-    env, unscaled, in_reward = "first_a", "k3+ in the loss, dapo, scale none", "k1 in the reward, dapo, scale group"
-    best, off, stock = (_row(result, env, name) for name in (OPTIMUM, OFF, TRL_DEFAULTS))
+    env = "first_a"
+    best, off, stock, unscaled, in_reward = (_row(result, env, name) for name in (
+        OPTIMUM, OFF, TRL_DEFAULTS, "k3+ in the loss, dapo, scale none", "k1 in the reward, dapo, scale group"))
     share = (stock["length"] - best["length"]) / (off["length"] - best["length"])
     verdict = ("let the length drift as far as no KL does" if share >= AS_FAR else
                "let the length drift part of the way" if share > 0 else "hold the length")
@@ -218,10 +219,9 @@ def saturated_length(result: dict[str, Any]) -> str:
             "the first token, so in expectation only the KL term acts on the tokens after it, and the group scaling "
             "makes that term act weaker than its beta "
             "([the scale relation](#the-scale-relation-what-a-loss-side-beta-means)). With "
-            f"`scale_rewards=\"none\"` the same term ends at E[length] {_row(result, env, unscaled)['length']:.3f} "
-            f"(KL(pi||pi\\*) {_row(result, env, unscaled)['kl_opt']:.4f}); k1 in the reward, with TRL's defaults "
-            f"otherwise, at {_row(result, env, in_reward)['length']:.3f} "
-            f"(KL(pi||pi\\*) {_row(result, env, in_reward)['kl_opt']:.4f}).")
+            f"`scale_rewards=\"none\"` the same term ends at E[length] {unscaled['length']:.3f} "
+            f"(KL(pi||pi\\*) {unscaled['kl_opt']:.4f}); k1 in the reward, with TRL's defaults otherwise, at "
+            f"{in_reward['length']:.3f} (KL(pi||pi\\*) {in_reward['kl_opt']:.4f}).")
 
 
 def target_reading(result: dict[str, Any]) -> list[str]:
