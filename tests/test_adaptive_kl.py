@@ -312,7 +312,8 @@ def test_target_steps_from_a_kl_measured_by_the_loop() -> None:
     assert akl.last_raw_kl == 0.15 and akl.completed_steps == 1
     assert akl.step(kl=WindowKL(token_mean=0.09, sequence_sum=0.3, completions=8)) == pytest.approx(
         BETA * 1.1 * 0.9, rel=1e-12)
-    assert akl.step() == pytest.approx(BETA * 1.1 * 0.9, rel=1e-12)  # no KL seen: beta holds
+    with pytest.warns(UserWarning, match="beta holds at step 3: target moves beta from the KL"):
+        assert akl.step() == pytest.approx(BETA * 1.1 * 0.9, rel=1e-12)  # no KL seen: beta holds, and says so
 
 def test_state_dict_resumes_exactly() -> None:
     config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.05, kl_horizon=10.0, beta_max=0.1)
@@ -446,7 +447,8 @@ def test_a_format_2_state_loads_without_the_steps_kl() -> None:
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target"), BETA)
     akl.load_state_dict(state)
     assert (akl.current_beta, akl.completed_steps, math.isnan(akl.last_raw_kl)) == (0.05, 3, True)
-    assert akl.step() == 0.05  # no KL seen since the resume: beta holds
+    with pytest.warns(UserWarning, match="beta holds at step 4"):
+        assert akl.step() == 0.05  # no KL seen since the resume: beta holds
 
 
 @pytest.mark.parametrize(
@@ -533,6 +535,33 @@ def test_a_step_without_a_valid_token_keeps_the_last_kl() -> None:
     akl.kl_loss(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.zeros(1, 2))
     akl.step()
     assert akl.last_raw_kl == pytest.approx(math.e - 2, rel=1e-6)
+
+
+def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
+    """`dynamic` before any mean reward, and `target` (the KL in the loss) with no valid token trained on since the
+    last step, would keep beta without a word: each warns, naming the step and the call that feeds it. A step that has
+    its input, or a later pass over the same batch (mean_reward None), or the KL in the reward between scored batches
+    (mu passes over one), holds or moves silently as documented."""
+    dynamic = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
+    with pytest.warns(UserWarning, match=r"beta holds at step 1: no mean reward has been passed: dynamic decays "
+                                         r"beta from each new generation batch's mean reward, step\(mean_reward"):
+        assert dynamic.step() == BETA
+    target = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=8.0), BETA)
+    target.kl_loss(*batch(), MASK, train=False)  # an evaluation batch feeds no step
+    with pytest.warns(UserWarning, match=r"beta holds at step 1: target moves beta from the KL of the valid tokens"):
+        assert target.step() == BETA
+    target.kl_loss(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.zeros(1, 2))  # no valid token
+    with pytest.warns(UserWarning, match="beta holds at step 2"):
+        target.step()
+    in_reward = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), BETA)
+    in_reward.reward_penalty(*batch(), MASK)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dynamic.step(mean_reward=0.95) == pytest.approx(BETA * 0.9) and dynamic.step() == pytest.approx(
+            BETA * 0.9)  # the second pass over the same batch: no reward, no decay, no warning
+        target.kl_loss(*batch(), MASK)
+        assert target.step() != BETA
+        assert in_reward.step() != BETA and in_reward.step() == in_reward.current_beta  # mu = 2: one scored batch
 
 
 def test_target_never_moves_beta_above_beta_max() -> None:

@@ -230,3 +230,18 @@ def test_validation_runs_once_per_config_and_once_per_trainer(tokenizer, tmp_pat
     with pytest.raises(ValueError, match=r"^kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0"):
         trainer()
     assert calls == {"adaptive_kl": 3, "trl": 2}
+
+
+@pytest.mark.parametrize(("fields", "adapted"), [
+    ({}, []),
+    ({"kl_adaptation_method": ["none"]}, []),  # a list naming no method is 'none'
+    ({"kl_estimator": "k3"}, []),  # the trainer's own estimator, named
+    ({"kl_adaptation_method": "clip"}, ["kl_adaptation_method='clip'"]),
+    ({"kl_estimator": "k1", "kl_reduction": "token_mean"}, ["kl_estimator='k1'", "kl_reduction='token_mean'"]),
+    ({"kl_placement": "reward"}, ["kl_placement='reward'"]),  # k1 by default there: the placement alone is named
+])
+def test_the_stock_kl_is_exactly_no_adapted_field(fields, adapted) -> None:
+    """`is_stock_kl` (the trainer's own KL term, kept as the trainer computes it) and `adapted_fields` (what the beta=0
+    warning names) are one table: stock exactly when no field is named."""
+    config = AdaptiveKLConfig(**fields)
+    assert (config.adapted_fields(), config.is_stock_kl) == (adapted, not adapted)

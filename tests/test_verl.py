@@ -954,6 +954,7 @@ def test_the_reward_kl_is_float32_of_the_masked_log_probs(method):
     k = torch.where(mask.bool(), old - ref, 0.0)
     scores = data.batch["token_level_scores"].clone()
     logps = {key: data.batch[key].clone() for key in ("old_log_probs", "ref_log_prob")}
+    ctrl.observe_rewards(0.5)  # as the trainer does before verl scores the batch
     out, metrics = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
     rewards = out.batch["token_level_rewards"]
     assert rewards.dtype == torch.float32 and torch.isfinite(rewards).all()

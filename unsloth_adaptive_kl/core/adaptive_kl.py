@@ -168,14 +168,33 @@ class AdaptiveKL:
         generation batch (`dynamic` decays at most once per generation batch: pass None for further optimizer steps
         on the same batch). `target` reads the step's KL: `kl`, where the loop measured it itself (a `WindowKL`, as
         an engine that aggregates its own loss does), else what the step's training `kl_loss` calls or the last
-        training `reward_penalty` saw."""
+        training `reward_penalty` saw.
+
+        A step that leaves beta where it is for want of an input says so (a UserWarning): `dynamic` before any
+        `mean_reward` was passed, `target` (the KL in the loss) with no valid token in a training `kl_loss` since the
+        last step and no `kl`."""
         if mean_reward is not None:
             if not math.isfinite(float(mean_reward)):  # dynamic would silently never decay
                 raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
                              "the step scored no new generation batch")
             self.observe_rewards(mean_reward)
+        self._warn_if_held(kl)
         self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
+
+    def _warn_if_held(self, kl: Optional[WindowKL]) -> None:
+        """A controller that cannot move for want of its input would hold beta silently: say which input is missing."""
+        kind, step = controller_kind(self.controller), self.completed_steps + 1
+        if kind == "dynamic" and self.controller.generation_batch == 0:
+            missing = ("no mean reward has been passed: dynamic decays beta from each new generation batch's mean "
+                       "reward, step(mean_reward=...)")
+        elif kind == "target" and kl is None and not self.config.kl_in_reward and not self._trained.completions:
+            missing = ("target moves beta from the KL of the valid tokens the step trained on, and no training "
+                       "kl_loss saw one since the last step (call kl_loss(..., train=True) before step(), or pass "
+                       "step(kl=WindowKL(...)))")
+        else:
+            return
+        warnings.warn(f"adaptive KL: beta holds at step {step}: {missing}.", UserWarning, stacklevel=3)
 
     # ----- the trainer integrations -----------------------------------------------------------------------------
 

@@ -309,9 +309,9 @@ class AdaptiveKLConfig:
 
     @property
     def is_stock_kl(self) -> bool:
-        """True when the KL term is the trainer's own: no method, stock estimator and reduction."""
-        return (not self.kl_methods and self.reads_trainer_kl and self.kl_reduction == "loss_type"
-                and self.kl_placement == "loss")
+        """True when the KL term is the trainer's own: no field of `adapted_fields` set (no method, the stock estimator
+        and reduction, in the loss)."""
+        return not self.adapted_fields()
 
     @property
     def estimator(self) -> Union[str, Callable[..., Any]]:
@@ -323,12 +323,13 @@ class AdaptiveKLConfig:
         return self.kl_estimator
 
     def adapted_fields(self) -> list[str]:
-        """The KL-shaping fields set away from stock, as `name=value` (what `is_stock_kl` reads): what a beta of 0
-        leaves without effect."""
-        stock = {"kl_adaptation_method": "none", "kl_estimator": None, "kl_reduction": "loss_type",
-                 "kl_placement": "loss"}
-        return [f"{name}={getattr(self, name)!r}" for name, value in stock.items() if getattr(self, name) != value
-                and not (name == "kl_estimator" and self.kl_estimator == STOCK_ESTIMATOR)]
+        """The KL-shaping fields set away from the trainer's own KL term, as `name=value`: a method, an estimator
+        other than the stock one, a `kl_reduction`, the KL in the reward. None set is `is_stock_kl`; with a beta of 0
+        they have no effect."""
+        adapted = {"kl_adaptation_method": bool(self.kl_methods),
+                   "kl_estimator": self.kl_estimator not in (None, STOCK_ESTIMATOR),
+                   "kl_reduction": self.kl_reduction != "loss_type", "kl_placement": self.kl_in_reward}
+        return [f"{name}={getattr(self, name)!r}" for name, away in adapted.items() if away]
 
     @property
     def kl_in_reward(self) -> bool:
