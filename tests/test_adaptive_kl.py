@@ -539,9 +539,10 @@ def test_a_step_without_a_valid_token_keeps_the_last_kl() -> None:
 
 def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
     """`dynamic` before any mean reward, and `target` (the KL in the loss) with no valid token trained on since the
-    last step, would keep beta without a word: each warns, naming the step and the call that feeds it. A step that has
-    its input, or a later pass over the same batch (mean_reward None), or the KL in the reward between scored batches
-    (mu passes over one), holds or moves silently as documented."""
+    last step, would keep beta without a word: the first such step warns, naming it and the call that feeds it, at
+    every door (`step`, and `record_sums` where an engine gathers its own sums). A step that has its input, or a later
+    pass over the same batch (mean_reward None), or the KL in the reward between scored batches (mu passes over one),
+    holds or moves silently as documented."""
     dynamic = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
     with pytest.warns(UserWarning, match=r"beta holds at step 1: no mean reward has been passed: dynamic decays "
                                          r"beta from each new generation batch's mean reward, step\(mean_reward"):
@@ -550,9 +551,16 @@ def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
     target.kl_loss(*batch(), MASK, train=False)  # an evaluation batch feeds no step
     with pytest.warns(UserWarning, match=r"beta holds at step 1: target moves beta from the KL of the valid tokens"):
         assert target.step() == BETA
-    target.kl_loss(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.zeros(1, 2))  # no valid token
-    with pytest.warns(UserWarning, match="beta holds at step 2"):
-        target.step()
+    masked = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=8.0), BETA)
+    masked.kl_loss(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.zeros(1, 2))  # no valid token
+    with pytest.warns(UserWarning, match="beta holds at step 1: target moves"):
+        masked.step()
+    with warnings.catch_warnings():  # said once a run: a loop that never feeds it is not told every step
+        warnings.simplefilter("error")
+        assert masked.step() == BETA
+    engine = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)  # a door that gathers its own sums
+    with pytest.warns(UserWarning, match="beta holds at step 1: no mean reward has been passed"):
+        engine.record_sums([], train=True, completed_steps=1)
     in_reward = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), BETA)
     in_reward.reward_penalty(*batch(), MASK)
     with warnings.catch_warnings():
@@ -589,6 +597,52 @@ def test_a_tensor_normaliser_that_is_not_positive_is_refused_as_a_number_is(valu
     term, _ = AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=torch.tensor(7))
     want = BETA * (k3_by_hand(exact(logps), exact(ref)).sum() / 7)
     assert_float32_close(term.item(), want.item(), BETA * (k3_magnitude(logps, ref) * MASK).sum() / 7, 13)
+
+
+def test_a_divisor_no_reduction_reads_warns_and_one_read_does_not() -> None:
+    """A dapo loop that forgot `loss_type='dapo'` (the default is grpo) hands over its token count, which grpo's
+    sequence mean never reads: the KL term is mean_i S_i / L_i, not sum_i S_i / 7. That says so, naming the field,
+    the loss types that read it and the reductions in effect; a divisor one of them reads (dapo's normaliser for its
+    raw KL under length normalisation, dr_grpo's length) or a registered reduction (which may read either) is quiet."""
+    logps, ref = batch()
+    with pytest.warns(UserWarning) as caught:
+        term, _ = AdaptiveKL(None, BETA).kl_loss(logps, ref, MASK, token_normalizer=7.0)
+    assert [str(warning.message) for warning in caught] == [
+        "token_normalizer=7.0 has no effect: only loss_type dapo, cispo or vespo reads it, and loss_type='grpo' reduces "
+        "the loss by sequence_mean. Leave it None, or declare the loss type your loss reduces as "
+        "(AdaptiveKL(..., loss_type=...))."]
+    k = k3_by_hand(exact(logps), exact(ref))
+    magnitude = BETA * ((k3_magnitude(logps, ref) * MASK).sum(-1) / LENGTHS).mean()
+    assert_float32_close(term.item(), BETA * (k.sum(-1) / LENGTHS).mean().item(), magnitude, 12)
+    with pytest.warns(UserWarning, match=r"^max_completion_length=4 has no effect: only loss_type dr_grpo reads it, "
+                                         r"and loss_type='dapo' reduces the loss by token_sum_normalized and the KL "
+                                         r"by token_mean\."):
+        AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA, "dapo").kl_loss(
+            logps, ref, MASK, max_completion_length=4, token_normalizer=7.0)
+    quiet = [(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), "dapo", {"token_normalizer": 7.0}),
+             (None, "dr_grpo", {"max_completion_length": 4})]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for config, loss_type, divisors in quiet:
+            AdaptiveKL(config, BETA, loss_type).kl_loss(logps, ref, MASK, **divisors)
+
+
+def test_a_mask_that_is_not_zeros_and_ones_is_refused() -> None:
+    """A per-token weight handed over as the mask would count each nonzero entry as one whole token (the KL of a
+    token weighted 0.5 counted in full): refused, naming how many entries and one of them; float, integer and bool
+    masks of 0 and 1 pass."""
+    logps, ref = batch()
+    weights = MASK.clone()
+    weights[0, 1], weights[2, 0] = 0.5, 2.0
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(None, BETA).kl_loss(logps, ref, weights)
+    assert str(raised.value) == ("mask must hold 0 and 1 only (1 on each completion's tokens, 0 on padding): 2 entries "
+                                 "are neither, e.g. 0.5. A per-token weight is not a mask: each nonzero entry would "
+                                 "count as one whole token.")
+    with pytest.raises(ValueError, match="^mask must hold 0 and 1 only"):
+        AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(logps, ref, weights)
+    terms = [AdaptiveKL(None, BETA).kl_loss(logps, ref, mask)[0] for mask in (MASK, MASK.long(), MASK.bool())]
+    assert terms[0].item() == terms[1].item() == terms[2].item()
 
 
 @pytest.mark.parametrize(("logps", "ref", "mask"), [

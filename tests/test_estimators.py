@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -268,7 +269,9 @@ def test_a_registered_reduction_is_selected_by_kl_reduction_in_every_placement()
         assert reductions.kl_reduction_settings()[-1] == "max_completion"
         logp = torch.zeros(KL.shape)
         akl = AdaptiveKL(AdaptiveKLConfig(kl_reduction="max_completion"), beta=0.5, loss_type="grpo")
-        loss, metrics = akl.kl_loss(logp, logp, MASK, per_token_kl=KL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a registered reduction may divide by either: no divisor is unread
+            loss, metrics = akl.kl_loss(logp, logp, MASK, per_token_kl=KL, max_completion_length=4)
         assert loss.item() == pytest.approx(0.5 * 3.0)
         assert metrics["adaptive_kl/raw_kl"] == pytest.approx((2.6 / 3 + 3.0) / 2)  # grpo's own reduction
         reward = AdaptiveKL(AdaptiveKLConfig(kl_reduction="max_completion", kl_placement="reward"), beta=0.5)

@@ -24,7 +24,7 @@ from .adaptation import KLTerm, kl_term
 from .config import AdaptiveKLConfig, check_real, is_real, reject
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
-from .reductions import ReductionContext, kl_reduction, loss_type_reduction
+from .reductions import ReductionContext, kl_reduction, loss_type_reduction, warn_unread_context
 from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
 STATE_FORMAT = 4  # `state_dict()`'s format: 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
@@ -84,6 +84,7 @@ class AdaptiveKL:
         # before the first.
         self.last_raw_kl = math.nan
         self.last_metrics: dict[str, float] = {}
+        self._held_warned = False  # a step held beta for want of its input and said so (once per run)
 
     @property
     def current_beta(self) -> float:
@@ -126,8 +127,9 @@ class AdaptiveKL:
         check_batch(logps, ref_logps, mask, per_token_kl)
         if isinstance(token_normalizer, torch.Tensor):  # read once: a count <= 0 would flip or blow up the term
             check_token_normalizer(token_normalizer)
-        term = self.term(logps, ref_logps, mask, ctx=ReductionContext(max_completion_length, token_normalizer),
-                         per_token_kl=per_token_kl, with_grad=True)
+        ctx = ReductionContext(max_completion_length, token_normalizer)
+        warn_unread_context(ctx, self.config, self.loss_type)
+        term = self.term(logps, ref_logps, mask, ctx=ctx, per_token_kl=per_token_kl, with_grad=True)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.completed_steps + 1,
                                     gather=gather or local)
         if train:
@@ -170,7 +172,7 @@ class AdaptiveKL:
         an engine that aggregates its own loss does), else what the step's training `kl_loss` calls or the last
         training `reward_penalty` saw.
 
-        A step that leaves beta where it is for want of an input says so (a UserWarning): `dynamic` before any
+        The first step that leaves beta where it is for want of an input says so (a UserWarning): `dynamic` before any
         `mean_reward` was passed, `target` (the KL in the loss) with no valid token in a training `kl_loss` since the
         last step and no `kl`."""
         if mean_reward is not None:
@@ -178,23 +180,8 @@ class AdaptiveKL:
                 raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
                              "the step scored no new generation batch")
             self.observe_rewards(mean_reward)
-        self._warn_if_held(kl)
         self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
-
-    def _warn_if_held(self, kl: Optional[WindowKL]) -> None:
-        """A controller that cannot move for want of its input would hold beta silently: say which input is missing."""
-        kind, step = controller_kind(self.controller), self.completed_steps + 1
-        if kind == "dynamic" and self.controller.generation_batch == 0:
-            missing = ("no mean reward has been passed: dynamic decays beta from each new generation batch's mean "
-                       "reward, step(mean_reward=...)")
-        elif kind == "target" and kl is None and not self.config.kl_in_reward and not self._trained.completions:
-            missing = ("target moves beta from the KL of the valid tokens the step trained on, and no training "
-                       "kl_loss saw one since the last step (call kl_loss(..., train=True) before step(), or pass "
-                       "step(kl=WindowKL(...)))")
-        else:
-            return
-        warnings.warn(f"adaptive KL: beta holds at step {step}: {missing}.", UserWarning, stacklevel=3)
 
     # ----- the trainer integrations -----------------------------------------------------------------------------
 
@@ -264,6 +251,7 @@ class AdaptiveKL:
         """The one place the controller moves: once per optimizer step, from the step's KL `window` (by default, as
         the placement says: the sums the step trained on, n counted once per generation batch; with the KL in the
         reward, those of the batch scored since the last step), which also becomes `last_raw_kl`."""
+        self._warn_if_held(completed_steps, window)
         if window is None and self.config.kl_in_reward:
             window = None if self._scored is None else self._scored.window()
         elif window is None:
@@ -273,6 +261,24 @@ class AdaptiveKL:
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
         self.completed_steps = completed_steps
+
+    def _warn_if_held(self, step: int, kl: Optional[WindowKL]) -> None:
+        """A controller that cannot move for want of its input would hold beta silently: say which input is missing,
+        the first time (every door ends its steps in `_end_step`, so each says it alike)."""
+        if self._held_warned:
+            return
+        kind = controller_kind(self.controller)
+        if kind == "dynamic" and self.controller.generation_batch == 0:
+            missing = ("no mean reward has been passed: dynamic decays beta from each new generation batch's mean "
+                       "reward, step(mean_reward=...)")
+        elif kind == "target" and kl is None and not self.config.kl_in_reward and not self._trained.completions:
+            missing = ("target moves beta from the KL of the valid tokens the step trained on, and no training "
+                       "kl_loss saw one since the last step (call kl_loss(..., train=True) before step(), or pass "
+                       "step(kl=WindowKL(...)))")
+        else:
+            return
+        warnings.warn(f"adaptive KL: beta holds at step {step}: {missing}.", UserWarning, stacklevel=4)
+        self._held_warned = True
 
     def state_dict(self) -> dict[str, Any]:
         """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",
@@ -327,7 +333,8 @@ class AdaptiveKL:
 def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,
                 per_token_kl: Optional[torch.Tensor] = None) -> None:
     """A loop's batch is (B, T) tensors of one shape: a (B, 1) mask or reference would broadcast, and every
-    completion would silently count one token, or all share one reference log-prob. A ValueError names each shape."""
+    completion would silently count one token, or all share one reference log-prob. A ValueError names each shape,
+    or the entries of a mask that are neither 0 nor 1."""
     given = {"logps": logps, "ref_logps": ref_logps, "mask": mask}
     if per_token_kl is not None:
         given["per_token_kl"] = per_token_kl
@@ -338,6 +345,12 @@ def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
         shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in given.items())
         raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B completions, T completion "
                          f"tokens; mask 1 on each completion's tokens, 0 on padding): got {shapes}.")
+    if mask.dtype != torch.bool:  # one read of the loop's mask: the core counts any nonzero entry as a whole token
+        other = (mask != 0) & (mask != 1)
+        if bool(other.any()):
+            raise ValueError(f"mask must hold 0 and 1 only (1 on each completion's tokens, 0 on padding): "
+                             f"{int(other.sum())} entries are neither, e.g. {mask[other][0].item()!r}. A per-token "
+                             "weight is not a mask: each nonzero entry would count as one whole token.")
 
 
 def check_token_normalizer(value: torch.Tensor) -> None:

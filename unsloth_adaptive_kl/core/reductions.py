@@ -10,6 +10,7 @@ integrations read it. `register_kl_reduction` adds a `kl_reduction` value, as th
 from __future__ import annotations
 
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -17,6 +18,9 @@ import torch
 
 from .errors import reject
 from .numerics import in_float32, keep_valid
+
+
+CONTEXT_FIELDS = ("max_completion_length", "token_normalizer")
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class ReductionContext:
     def __post_init__(self) -> None:
         # A number <= 0 would flip the KL term's sign or divide by zero. A tensor (the trainer's own count, on its
         # device) is not read back here.
-        for name in ("max_completion_length", "token_normalizer"):
+        for name in CONTEXT_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or (isinstance(value, numbers.Real) and not value > 0):  # numpy's too
                 raise reject(name, value, "a number > 0, or None where the loss_type does not need it")
@@ -60,6 +64,7 @@ class Reduction:
         there).
     agg_mode: its name where a trainer picks its loss aggregation by a `loss_agg_mode` ('token-mean',
         'seq-mean-token-mean', ...); None where it has none.
+    reads: the `ReductionContext` fields it divides by (a registered reduction's function may read either).
     """
 
     name: str
@@ -68,17 +73,18 @@ class Reduction:
     setting: Optional[str] = None
     per_completion: Optional[PerCompletion] = None
     agg_mode: Optional[str] = None
+    reads: tuple[str, ...] = ()
 
 
 REDUCTIONS: dict[str, Reduction] = {}
 
 
 def register_reduction(name: str, *, loss_types: tuple[str, ...] = (), setting: Optional[str] = None,
-                       per_completion: Optional[PerCompletion] = None,
-                       agg_mode: Optional[str] = None) -> Callable[[ReduceFn], ReduceFn]:
+                       per_completion: Optional[PerCompletion] = None, agg_mode: Optional[str] = None,
+                       reads: tuple[str, ...] = ()) -> Callable[[ReduceFn], ReduceFn]:
     """Decorator: the decorated `fn(S, L, ctx) -> scalar` becomes the reduction `name` (`REDUCTIONS[name]`), with the
-    loss types, `kl_reduction` setting, per-completion form and `loss_agg_mode` name given. A taken name or setting is
-    a ValueError."""
+    loss types, `kl_reduction` setting, per-completion form, `loss_agg_mode` name and context fields read given. A
+    taken name or setting is a ValueError."""
     taken = [reduction.name for reduction in REDUCTIONS.values()] + list(kl_reduction_settings())
     if not isinstance(name, str) or not name or name in taken or (setting is not None and setting in taken):
         raise ValueError(f"register_kl_reduction({name!r}): allowed is a new, non-empty name (taken: "
@@ -87,7 +93,7 @@ def register_reduction(name: str, *, loss_types: tuple[str, ...] = (), setting: 
     def add(function: ReduceFn) -> ReduceFn:
         if not callable(function):
             raise TypeError(f"register_kl_reduction({name!r}) decorates a function, not {type(function).__name__}")
-        REDUCTIONS[name] = Reduction(name, function, tuple(loss_types), setting, per_completion, agg_mode)
+        REDUCTIONS[name] = Reduction(name, function, tuple(loss_types), setting, per_completion, agg_mode, reads)
         return function
 
     return add
@@ -100,7 +106,7 @@ def register_kl_reduction(name: str, *, per_completion: Optional[PerCompletion] 
     (max_completion_length, token_normalizer), in every loop, as 'token_mean' or 'sequence_mean' do. With
     `per_completion` (`(S, L) -> KL_i`), it is allowed with kl_placement='reward' too. Register before the config is
     built: the value is validated there. A taken name is a ValueError."""
-    return register_reduction(name, setting=name, per_completion=per_completion)
+    return register_reduction(name, setting=name, per_completion=per_completion, reads=CONTEXT_FIELDS)
 
 
 def kl_reduction_settings(reward: bool = False) -> tuple[str, ...]:
@@ -142,7 +148,8 @@ def token_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext)
     return sums.sum() / lengths.sum().clamp(min=1.0)
 
 
-@register_reduction("max_length_mean", loss_types=("dr_grpo",), agg_mode="seq-mean-token-sum-norm")
+@register_reduction("max_length_mean", loss_types=("dr_grpo",), agg_mode="seq-mean-token-sum-norm",
+                    reads=("max_completion_length",))
 def max_length_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
     """sum_i S_i / (B * max_completion_length) (dr_grpo)."""
     if ctx.max_completion_length is None:
@@ -150,7 +157,8 @@ def max_length_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionCon
     return sums.sum() / (sums.size(0) * ctx.max_completion_length)
 
 
-@register_reduction("token_sum_normalized", loss_types=("dapo", "cispo", "vespo"), agg_mode="token-sum")
+@register_reduction("token_sum_normalized", loss_types=("dapo", "cispo", "vespo"), agg_mode="token-sum",
+                    reads=("token_normalizer",))
 def token_sum_normalized(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
     """sum_i S_i / token_normalizer, the window's active tokens per micro-batch (dapo, cispo, vespo)."""
     if ctx.token_normalizer is None:
@@ -189,6 +197,25 @@ def kl_reduction(config: Any, loss_type: str) -> str:
     if "length_normalized" in config.kl_methods:
         return "sequence_mean"
     return loss_type_reduction(loss_type)
+
+
+def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> None:
+    """Warn for each divisor a loop passed in `ctx` that neither the loss's reduction (`loss_type`'s) nor the KL's
+    (`kl_reduction(config, loss_type)`) reads: it would do nothing, most likely because the loop normalises its loss
+    as another loss type than the one it declared (once per process and message, Python's default filter)."""
+    loss, kl = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
+    read = {*REDUCTIONS[loss].reads, *REDUCTIONS[kl].reads}
+    for field in CONTEXT_FIELDS:
+        value = getattr(ctx, field)
+        if value is None or field in read:
+            continue
+        *others, last = [loss for reduction in REDUCTIONS.values() if field in reduction.reads
+                         for loss in reduction.loss_types]
+        warnings.warn(f"{field}={value!r} has no effect: only loss_type {', '.join(others)}{' or ' * bool(others)}"
+                      f"{last} reads it, and loss_type={loss_type!r} reduces the loss by {loss}"
+                      f"{'' if kl == loss else f' and the KL by {kl}'}. Leave it None, or declare the loss type your "
+                      "loss reduces as (AdaptiveKL(..., loss_type=...)).",
+                      UserWarning)  # attributed here: once per process and message
 
 
 def agg_mode_of(reduction: str) -> str:

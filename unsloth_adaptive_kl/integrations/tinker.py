@@ -37,7 +37,7 @@ from ..core import AdaptiveKL, ReductionContext, reduce_kl
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.errors import reject
-from ..core.reductions import REDUCTIONS, kl_reduction, loss_type_reduction
+from ..core.reductions import REDUCTIONS, kl_reduction, loss_type_reduction, warn_unread_context
 from ..core.statistics import device_sums, gather_statistics
 
 __all__ = [
@@ -209,6 +209,7 @@ class GRPOKLLoss:
         self.loss_type = akl.loss_type
         self.training_step = akl.completed_steps + 1  # the step this loss trains, as the non-finite message names it
         self.context = ReductionContext(max_completion_length, token_normalizer)
+        warn_unread_context(self.context, self.config, self.loss_type)
         # A reduction missing its divisor would raise only when the SDK calls the loss, on its thread: ask both of
         # this step's reductions (the policy gradient's and the KL's) now, on a one-completion probe.
         for reduction in {loss_type_reduction(self.loss_type), kl_reduction(self.config, self.loss_type)}:
@@ -419,6 +420,7 @@ def traced_loss_data(
     mask = _batch(data, MASK)
     check_datum_logps(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask, akl.completed_steps + 1)
     context = ReductionContext(max_completion_length, token_normalizer)
+    warn_unread_context(context, akl.config, akl.loss_type)
     pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context)
     kl_weights = _reduction_weights(mask, kl_reduction(akl.config, akl.loss_type), context)
     beta_value = torch.tensor(akl.current_beta if beta is None else float(beta), dtype=torch.float32)

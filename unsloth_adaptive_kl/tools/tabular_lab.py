@@ -296,7 +296,9 @@ def train(tree: Tree, setting: Setting, beta: float, training: Training, seed: i
         ratio = torch.exp(logps - logps.detach())  # on-policy: 1, with the gradient of log pi
         loss = policy_loss(-ratio * advantage.unsqueeze(-1), mask, setting.loss_type, max_length)
         if setting.placement == "loss":
-            term, _ = akl.kl_loss(logps, ref, mask, max_completion_length=max_length, token_normalizer=mask.sum())
+            term, _ = akl.kl_loss(  # each divisor where the loss type reads it (policy_loss's)
+                logps, ref, mask, max_completion_length=max_length if setting.loss_type == "dr_grpo" else None,
+                token_normalizer=mask.sum() if setting.loss_type in ("dapo", "cispo", "vespo") else None)
             loss = loss + term
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
