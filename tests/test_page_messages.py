@@ -61,3 +61,19 @@ def test_the_beta_zero_warning_is_quoted_as_warned() -> None:
         AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.0, loss_type="dapo")
     (warning,) = caught
     assert quoted("methods.md", "UserWarning: kl_adaptation_method") == [f"UserWarning: {warning.message}"]
+
+
+def test_the_held_beta_and_unread_divisor_warnings_are_quoted_as_warned() -> None:
+    """troubleshooting.md quotes the first step of each controller that holds beta for want of its input, and a
+    token_normalizer that grpo's reduction does not read."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), beta=0.04).step()
+        AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target"), beta=0.04).step()
+        AdaptiveKL(None, beta=0.04).kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
+                                            token_normalizer=7.0)
+    printed = [f"UserWarning: {warning.message}" for warning in caught]
+    assert quoted("troubleshooting.md", "UserWarning: adaptive KL: beta holds") == ["\n".join(printed[:2])]
+    assert quoted("troubleshooting.md", "UserWarning: token_normalizer") == [printed[2]]
