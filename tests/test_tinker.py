@@ -15,6 +15,7 @@ import json
 import math
 import os
 import threading
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
@@ -560,18 +561,23 @@ def test_reward_penalty_route(fake_tinker: Tinker, estimator: Any) -> None:
 
 def test_an_unscored_reward_or_a_group_size_that_is_not_a_count_is_refused() -> None:
     """One NaN reward would make every advantage of its group NaN, prompt positions included (NaN * 0); a group_size of
-    2.0 or True is not a count (True would be groups of one: every advantage 0)."""
+    2.0 or True is not a count, and a group of one (1, or True) has the advantage 0 whatever its reward, NaN with
+    scale_by_std (a sample std of one value); a std_epsilon of 0 divides a group of equal rewards by 0."""
     data = [integration.completion_datum([1, 2], [3, 4, 5], [-1.0, -1.2, -0.8], [-1.1, -1.0, -0.9])
             for _ in range(4)]
     akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
     with pytest.raises(ValueError, match=r"^rewards hold NaN or \+-inf at completion\(s\) \[1, 3\]: every reward must "
                                          r"be a finite number"):
         integration.kl_penalized_data(akl, data, [1.0, math.nan, 0.0, math.inf], group_size=2)
-    for group_size in (2.0, True, 3, 0):
+    for group_size in (2.0, True, 3, 0, 1):
         with pytest.raises(ValueError) as raised:
             integration.kl_penalized_data(akl, data, [1.0, 0.0, 0.0, 1.0], group_size=group_size)
-        assert str(raised.value) == (f"group_size={group_size!r} is invalid: allowed is an integer >= 1 that divides "
-                                     "the 4 completions.")
+        assert str(raised.value) == (f"group_size={group_size!r} is invalid: allowed is an integer >= 2 that divides "
+                                     "the 4 completions (a group's completions of one prompt).")
+    for epsilon in (0.0, -1e-4, math.nan, math.inf):
+        with pytest.raises(ValueError, match=rf"^std_epsilon={epsilon!r} is invalid: allowed is a finite number > 0"):
+            integration.kl_penalized_data(akl, data, [1.0, 1.0, 0.0, 1.0], group_size=2, scale_by_std=True,
+                                          std_epsilon=epsilon)
 
 
 @pytest.mark.parametrize(("loss_type", "missing"), [("dapo", "token_normalizer"), ("dr_grpo", "max_completion_length")])
@@ -866,3 +872,188 @@ def test_the_tinker_pages_blocks_compile_and_their_names_exist() -> None:
                 assert all(hasattr(module, alias.name) for alias in node.names), node.module
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tinker":
                 assert hasattr(tinker, node.attr), f"tinker.{node.attr}"
+
+
+# ----- what a user passes: validations, clip bounds, scale_by_std, overrides ------------------------------------------
+
+def test_completion_datum_refuses_what_it_cannot_align() -> None:
+    """completion_datum needs a prompt token and a completion token, and exactly one sampler and one reference
+    log-prob per completion token: anything else would misalign the inputs with target_tokens."""
+    with pytest.raises(ValueError, match="^completion_datum needs at least one prompt token and one completion token$"):
+        integration.completion_datum([1, 2], [], [], [])
+    with pytest.raises(ValueError, match=r"^completion_datum: 2 completion tokens but 1 sampling and 2 reference "):
+        integration.completion_datum([1, 2], [3, 4], [-1.0], [-1.0, -2.0])
+    with pytest.raises(ValueError, match=r"^completion_datum: 2 completion tokens but 2 sampling and 1 reference "):
+        integration.completion_datum([1, 2], [3, 4], [-1.0, -2.0], [-1.0])
+
+
+def test_mismatched_batches_are_refused_not_broadcast() -> None:
+    """Every count must agree, and the error names the two: a Datum input of another length than target_tokens (T = 4
+    here, 3 given; in a batch with a longer Datum, padding would hide it and misalign the tokens), log-prob tensors /
+    result outputs / rewards of another count than the Datums (one reward for two Datums would broadcast to both);
+    and the custom loss refuses the reward placement (its KL would be computed in the loss as well)."""
+    datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)
+    row = torch.full((4,), -1.0)
+    short = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+        **datum.loss_fn_inputs, "ref_logprobs": types.TensorData.from_torch(torch.tensor([0.0, -0.7, -1.0]))})
+    longer = integration.completion_datum([1, 2, 3], [4, 5, 6], [-0.5, -1.5, -1.0], [-0.7, -1.0, -1.0])
+    longer.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"^loss_fn_inputs\['ref_logprobs'\] has shape \[3\], target_tokens \[4\]: "):
+        integration.grpo_kl_loss(akl)([short, longer], [row, torch.full((5,), -1.0)])
+    with pytest.raises(ValueError, match=r"^1 Datums but 2 log-prob tensors$"):
+        integration.grpo_kl_loss(akl)([datum], [row, row])
+    two_outputs = types.ForwardBackwardOutput(
+        loss_fn_output_type="ArrayRecord", loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(row)}] * 2)
+    with pytest.raises(ValueError, match=r"^1 Datums but the result has 2 outputs$"):
+        integration.record_step_kl(akl, [datum], two_outputs)
+    with pytest.raises(ValueError, match=r"^kl_placement='reward' puts beta \* KL into the rewards: use "
+                                         r"kl_penalized_data\(\.\.\.\)"):
+        integration.grpo_kl_loss(AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1))
+    reward_akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
+    with pytest.raises(ValueError, match=r"^2 Datums but 1 rewards$"):
+        integration.kl_penalized_data(reward_akl, [datum] * 2, [1.0], group_size=2)
+
+
+def test_clip_bounds_and_an_asymmetric_high_clip_in_both_routes() -> None:
+    """Allowed: 0 <= clip_epsilon < 1 and clip_epsilon_high >= 0 (None: clip_epsilon), bounds (1 - eps, 1 + eps_high).
+    With eps=0.2, eps_high=0.28 on one completion (mask 0,1,1,1; old log-probs -1; KL 0: ref = policy), three tokens:
+    ratio 0.5, A=-1: -min(-0.5, -0.8) = 0.8 (the low bound binds); ratio 1.25, A=1: -1.25 (inside [0.8, 1.28], not
+    inside 1.2); ratio 1.5, A=1: -min(1.5, 1.28) = -1.28. grpo's mean over the 3 tokens: PG = (0.8 - 1.25 - 1.28)/3
+    = -0.57667 in routes 1 and 3, and only the unclipped token has a gradient, -ratio A / 3 = -1.25/3."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="grpo")
+    for clip_epsilon, clip_epsilon_high, bounds in ((0.2, None, (0.8, 1.2)), (0.2, 0.28, (0.8, 1.28)),
+                                                    (0.0, 0.0, (1.0, 1.0)), (0.1, 0.3, (0.9, 1.3))):
+        loss_fn = integration.grpo_kl_loss(akl, clip_epsilon=clip_epsilon, clip_epsilon_high=clip_epsilon_high)
+        assert (loss_fn.clip_low, loss_fn.clip_high) == pytest.approx(bounds)
+    for clip_epsilon, clip_epsilon_high in ((1.0, None), (-0.1, None), (0.2, -0.1)):
+        for route in (integration.grpo_kl_loss, integration.traceable_grpo_loss):
+            with pytest.raises(ValueError, match=rf"^clip_epsilon={clip_epsilon!r} / clip_epsilon_high="
+                                                 rf"{clip_epsilon_high!r}: allowed is 0 <= clip_epsilon < 1"):
+                route(akl, clip_epsilon=clip_epsilon, clip_epsilon_high=clip_epsilon_high)
+
+    ratios = [0.5, 1.25, 1.5]
+    policy = [0.0] + [-1.0 + math.log(r) for r in ratios]
+    datum = integration.completion_datum([1, 2], [3, 4, 5], [-1.0] * 3, policy[1:])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, -1.0, 1.0, 1.0]))
+    pg = (0.8 - 1.25 - 1.28) / 3
+
+    row = torch.tensor(policy, requires_grad=True)
+    loss, metrics = integration.grpo_kl_loss(akl, clip_epsilon=0.2, clip_epsilon_high=0.28)([datum], [row])
+    assert metrics["grpo/pg_loss"] == pytest.approx(pg, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(pg, rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(row.grad, torch.tensor([0.0, 0.0, -1.25 / 3, 0.0]), **TIGHT)
+
+    fn, ranks = integration.traceable_grpo_loss(akl, clip_epsilon=0.2, clip_epsilon_high=0.28)
+    (traced,) = integration.traced_loss_data(akl, [datum])
+    inputs = [traced.loss_fn_inputs[name].to_torch() for name in list(ranks)[1:]]
+    row = torch.tensor(policy, requires_grad=True)
+    loss, metrics = fn(row, *inputs)
+    assert float(metrics["custom/grpo/pg_loss:sum"].detach()) == pytest.approx(pg, rel=1e-5)
+    loss.backward()
+    torch.testing.assert_close(row.grad, torch.tensor([0.0, 0.0, -1.25 / 3, 0.0]), **TIGHT)
+
+
+def test_kl_penalized_data_scale_by_std() -> None:
+    """With scale_by_std, A_i = (r'_i - mean_g r') / (std_g r' + std_epsilon), std the sample (n - 1) standard
+    deviation of the group, as TRL's GRPO; std_epsilon 1e-4 by default. Four identical completions (k1 = logp - ref =
+    0.25, 0, 0.5, kl_adaptation_method none: P = 0.1 * 0.75 = 0.075 each, so it cancels within a group), rewards
+    (0, 2e-4 | 1, 3): group 1 is +-1e-4 / (sqrt(2) 1e-4 + 1e-4) = +-0.41421 (the epsilon is of the order of the
+    spread), group 2 +-1 / (sqrt(2) + 1e-4); std_epsilon=0.5 gives +-1 / (sqrt(2) + 0.5) in group 2.
+    reward/mean = 1.00005, reward/penalized_mean = 1.00005 - 0.075."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward", kl_adaptation_method="none"), beta=0.1)
+    data = [integration.completion_datum([1, 2], [3, 4, 5], [-1.0, -1.5, -0.5], [-1.25, -1.5, -1.0])] * 4
+    rewards = [0.0, 2e-4, 1.0, 3.0]
+
+    def expected(epsilon: float) -> list[float]:
+        out = []
+        for group in (rewards[:2], rewards[2:]):
+            mean = sum(group) / 2
+            std = math.sqrt(sum((r - mean) ** 2 for r in group) / (2 - 1))
+            out += [(r - mean) / (std + epsilon) for r in group]
+        return out
+
+    assert expected(1e-4)[:2] == pytest.approx([-0.41421, 0.41421], rel=1e-4)
+    for kwargs, epsilon in (({}, 1e-4), ({"std_epsilon": 0.5}, 0.5)):
+        datums, metrics = integration.kl_penalized_data(akl, data, rewards, group_size=2, scale_by_std=True, **kwargs)
+        for datum, advantage in zip(datums, expected(epsilon)):
+            mask = datum.loss_fn_inputs["mask"].to_torch()
+            torch.testing.assert_close(datum.loss_fn_inputs["advantages"].to_torch(), advantage * mask,
+                                       rtol=1e-3, atol=1e-6)
+        assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(0.075, rel=1e-5)
+        assert metrics["reward/mean"] == pytest.approx(1.00005, rel=1e-6)
+        assert metrics["reward/penalized_mean"] == pytest.approx(1.00005 - 0.075, rel=1e-6)
+
+
+def test_record_step_kl_reduces_with_the_divisor_it_is_given() -> None:
+    """record_step_kl of a dr_grpo batch: the KL is sum_i sum_t m k3 / (B * max_completion_length), k3 = exp(r) - r - 1,
+    r = ref - logp, on the log-probs the result carries: completion 1 r = (-0.5, 0.5), completion 2 r = (0, 0, 1), so
+    (e^-0.5 - 0.5 + e^0.5 - 1.5 + e - 2) / (2 * 8) = 0.060846."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="dr_grpo")
+    data = [integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-1.5, -0.5]),
+            integration.completion_datum([1], [2, 3, 4], [-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0])]
+    rows = ([0.0, -1.0, -1.0], [-1.0, -1.0, -2.0])  # the policy's log-probs, as the result carries them
+    result = types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[
+        {"logprobs": types.TensorData.from_torch(torch.tensor(row))} for row in rows])
+    kl = (math.exp(-0.5) - 0.5 + math.exp(0.5) - 1.5 + math.e - 2) / (2 * 8)
+    assert kl == pytest.approx(0.060846, rel=1e-4)
+    metrics = integration.record_step_kl(akl, data, result, max_completion_length=8)
+    assert metrics["adaptive_kl/raw_kl"] == pytest.approx(kl, rel=1e-5)
+    assert metrics["adaptive_kl/adapted_kl"] == pytest.approx(kl, rel=1e-5)
+
+
+def test_traced_loss_data_takes_the_beta_it_is_given() -> None:
+    """traced_loss_data's beta (a pipelined loop's beta of the step the batch trains) overrides akl.current_beta
+    (0.2, the default): the traced loss's KL part is that beta times its KL, K = sum_t k3 / L here (one completion,
+    ref - logp = (0.5, -0.5): K = (e^0.5 - 1.5 + e^-0.5 - 0.5) / 2 = 0.12763)."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.2, loss_type="grpo")
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0, 1.0]))
+    fn, ranks = integration.traceable_grpo_loss(akl)
+    kl = (math.exp(0.5) - 1.5 + math.exp(-0.5) - 0.5) / 2
+    for kwargs, beta in (({}, 0.2), ({"beta": 0.7}, 0.7)):
+        (traced,) = integration.traced_loss_data(akl, [datum], **kwargs)
+        inputs = [traced.loss_fn_inputs[name].to_torch() for name in list(ranks)[1:]]
+        _, metrics = fn(torch.tensor([0.0, -1.0, -1.0]), *inputs)
+        assert float(metrics["custom/adaptive_kl/adapted_kl:sum"]) == pytest.approx(kl, rel=1e-5)
+        assert float(metrics["custom/grpo/kl_term:sum"]) == pytest.approx(beta * kl, rel=1e-5)
+
+
+def test_check_traced_loss_raises_on_an_infinite_log_prob_too() -> None:
+    """A log-prob of -inf (a token of probability 0) on a valid token makes the traced loss's sum -inf, not NaN:
+    check_traced_loss raises on it as on a NaN, naming the tensor (the policy's or the reference's); finite sums
+    pass."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)
+    policy, reference = "custom/adaptive_kl/policy_logprobs:sum", "custom/adaptive_kl/ref_logprobs:sum"
+
+    def result(policy_sum: float, ref_sum: float) -> Any:
+        return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[],
+                                           metrics={policy: policy_sum, reference: ref_sum})
+
+    integration.check_traced_loss(akl, result(-5.0, -6.0))
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the ref_logprobs \(the reference tensor\): "
+                                                    r"non-finite"):
+        integration.check_traced_loss(akl, result(-5.0, -math.inf))
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the logprobs \(the policy's, in the traced "
+                                                    r"loss\) \(the policy tensor\): non-finite"):
+        integration.check_traced_loss(akl, result(math.inf, -6.0))
+
+
+def test_a_divisor_the_loss_type_does_not_read_warns_in_both_loss_routes() -> None:
+    """As in a loop of your own: a grpo `akl` (the default loss type) divides by neither divisor, so a token_normalizer
+    handed to grpo_kl_loss, or a max_completion_length to traced_loss_data, warns that it has no effect, naming the
+    loss types that read it; the dr_grpo divisor given to a dr_grpo `akl` is quiet."""
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    grpo = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)
+    with pytest.warns(UserWarning, match=r"^token_normalizer=7\.0 has no effect: only loss_type dapo, cispo or vespo "
+                                         r"reads it, and loss_type='grpo' reduces the loss by sequence_mean\."):
+        integration.grpo_kl_loss(grpo, token_normalizer=7.0)
+    with pytest.warns(UserWarning, match=r"^max_completion_length=8 has no effect: only loss_type dr_grpo reads it"):
+        integration.traced_loss_data(grpo, [datum], max_completion_length=8)
+    dr_grpo = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="dr_grpo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integration.grpo_kl_loss(dr_grpo, max_completion_length=8)
+        integration.traced_loss_data(dr_grpo, [datum], max_completion_length=8)

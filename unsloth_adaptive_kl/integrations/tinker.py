@@ -36,6 +36,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from ..core import AdaptiveKL, ReductionContext, reduce_kl
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
+from ..core.config import check_real
 from ..core.errors import reject
 from ..core.reductions import REDUCTIONS, kl_reduction, loss_type_reduction, warn_unread_context
 from ..core.statistics import device_sums, gather_statistics
@@ -314,8 +315,12 @@ def kl_penalized_data(
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if len(data) != rewards.numel():
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1 or len(data) % group_size:
-        raise reject("group_size", group_size, f"an integer >= 1 that divides the {len(data)} completions")
+    # A group of one has the advantage 0 whatever its reward (and NaN with scale_by_std: a sample std of one value).
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2 or len(data) % group_size:
+        raise reject("group_size", group_size, f"an integer >= 2 that divides the {len(data)} completions (a "
+                     "group's completions of one prompt)")
+    check_real("std_epsilon", std_epsilon, 0 < std_epsilon < math.inf, "a finite number > 0 (a group of equal "
+               "rewards has a std of 0)")
     unscored = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if unscored:  # one NaN would make every advantage of its group NaN, prompt positions included (NaN * 0)
         raise ValueError(f"rewards hold NaN or +-inf at completion(s) {unscored}: every reward must be a finite number "
