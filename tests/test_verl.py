@@ -1148,3 +1148,235 @@ def test_the_self_check_prints_what_the_verl_page_shows(tmp_path):
     _, record = run_self_check(tmp_path)
     assert record["versions"]["verl"] == importlib.metadata.version("verl")
     assert_like_the_record(record, "selfcheck_verl.json")
+
+
+# ----- what a mutation audit of verl.py found unpinned ----------------------------------------------------------------
+
+
+def test_a_reward_field_that_its_methods_do_not_read_is_kept_and_warns_naming_it():
+    """A field set under `reward` is the reward's, read or not: adaptive_kl.reward.beta_max=0.35 with the reward's
+    clip (which reads no beta_max) stays in the reward's config and warns once, naming it (nothing silently does
+    nothing); the loss's config (target) keeps its default (None: no cap), as it never sees reward.*."""
+    with pytest.warns(UserWarning) as caught:
+        loss, reward = verl_kl.configs_from({"kl_adaptation_method": "target",
+                                             "reward": {"kl_adaptation_method": "clip", "beta_max": 0.35}})
+    assert [str(w.message) for w in caught] == [
+        "beta_max=0.35 has no effect: only kl_adaptation_method target reads it, and kl_adaptation_method='clip' "
+        "does not include it. Leave it at its default, or choose a setting that reads it."]
+    assert reward.beta_max == 0.35 and loss.beta_max == AdaptiveKLConfig().beta_max
+
+
+def test_a_micro_batchs_entries_are_its_share_of_the_mini_batchs_tokens_times_dp_size():
+    """entries = tokens * dp_size / batch_num_tokens, by hand: 3 of a mini-batch's 12 valid tokens on 2 ranks count
+    3 * 2 / 12 = 0.5, on one rank (dp_size absent) 3 / 12 = 0.25; without batch_num_tokens (verl's per-micro-batch
+    means) one entry, whatever its tokens; a mini-batch without a valid token (batch_num_tokens 0) counts 0 entries
+    instead of dividing by zero."""
+    assert verl_kl.micro_batch_entries(3.0, {"batch_num_tokens": 12, "dp_size": 2}) == 0.5
+    assert verl_kl.micro_batch_entries(3.0, {"batch_num_tokens": 12}) == 0.25
+    assert verl_kl.micro_batch_entries(3.0, {}) == 1.0
+    assert verl_kl.micro_batch_entries(0.0, {"batch_num_tokens": 0, "dp_size": 2}) == 0.0
+
+
+def test_length_normalized_logs_the_raw_kl_as_loss_agg_mode_reduces_it():
+    """length_normalized with loss_agg_mode=token-mean: the adapted term is reduced seq-mean-token-mean (each
+    completion's mean k, averaged: mean_i S_i / L_i), but raw_kl and verl's actor/kl_loss keep verl's token-mean of
+    the un-adapted k (sum_i S_i / sum_i L_i), by hand; the two differ on this batch of unequal lengths."""
+    batch = make_batch(seed=11, kl_scale=3.0, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
+    logged = logged_actor_metrics(batch, "token-mean", kl_adaptation_method="length_normalized")
+    k, mask = per_token(batch)
+    lengths, sums = mask.sum(-1).double(), (k * mask).sum(-1).double()
+    token_mean, sequence_mean = float(sums.sum() / lengths.sum()), float((sums / lengths).mean())
+    assert abs(token_mean - sequence_mean) > 1e-3
+    assert logged[verl_kl.METRIC + "raw_kl"] == pytest.approx(token_mean, rel=1e-6)
+    assert logged["actor/kl_loss"] == pytest.approx(token_mean, rel=1e-6)
+    assert logged[verl_kl.METRIC + "adapted_kl"] == pytest.approx(sequence_mean, rel=1e-6)
+
+
+def test_nonfinite_log_probs_in_two_micro_batches_of_one_worker_are_counted_together():
+    """A NaN in the actor's forward on one valid token of sample 1 (micro-batch 1) and one of sample 6 (micro-batch
+    2) of the same worker: one error naming verl's tensor, 1 + 1 = 2 valid tokens on process 0."""
+    batch = with_policy_value(with_policy_value(make_batch(seed=13), 1, 0, math.nan), 6, 0, math.nan)
+    with pytest.raises(NonFiniteLogProbError,
+                       match=r"at step 1: .*verl's log_prob \(the actor's forward\) \(the policy tensor\): 2 valid "
+                             r"token\(s\) on process 0\."):
+        logged_actor_metrics(batch, "token-mean", micro_batches=2, kl_adaptation_method="clip", kl_clip_threshold=0.3)
+
+
+def test_a_batch_whose_reward_was_not_observed_does_not_decay_the_reward_beta_again():
+    """dynamic in the reward (reward_threshold 0.5, decay 0.5, beta_0 0.1): a batch observed with mean reward 1.0
+    decays beta to 0.1 * 0.5 = 0.05 after verl's update; the next batch, whose reward was not observed (verl's padding
+    alone: no mean reward), leaves beta at 0.05: a reward counts for its own batch only. Each batch is penalised at
+    the beta of its time: scores - beta * k on valid tokens."""
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5,
+                                                       dynamic_beta_decay=0.5), beta=0.1)
+    for seed, observed, beta, after in ((0, 1.0, 0.1, 0.05), (1, None, 0.05, 0.05)):
+        if observed is not None:
+            ctrl.observe_rewards(observed)
+        data = reward_batch(seed=seed)
+        mask = data.batch["response_mask"]
+        k = (data.batch["old_log_probs"] - data.batch["ref_log_prob"]) * mask
+        scores = data.batch["token_level_scores"].clone()
+        out, _ = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
+        torch.testing.assert_close(out.batch["token_level_rewards"], scores - beta * k, rtol=0, atol=1e-7)
+        assert ctrl.value == pytest.approx(after, rel=1e-12)
+
+
+def test_the_trainer_runs_as_verls_sync_mode_and_refuses_distillation_with_the_kl_in_the_loss():
+    """verl's mode logic keys on its own names: the trainer sets trainer.v1.trainer_mode=sync for verl's base class.
+    distillation with the KL in the loss is refused; with the loss's KL off it is not ours to refuse. Neither KL on
+    warns that there is nothing to adapt."""
+    config = trainer_config(use_kl_in_reward=False)
+    _GuardedTrainer(config)
+    assert config.trainer.v1.trainer_mode == "sync"
+    config = trainer_config(use_kl_in_reward=False)
+    config.distillation = {"enabled": True}
+    with pytest.raises(ValueError, match=r"^adaptive_kl: the KL in the loss with distillation is not supported\.$"):
+        _GuardedTrainer(config)
+    config = trainer_config(use_kl_loss=False)
+    config.distillation = {"enabled": True}
+    assert _GuardedTrainer(config).loss_kl is None
+    with pytest.warns(UserWarning, match=r"^adaptive_kl: neither actor_rollout_ref\.actor\.use_kl_loss nor "
+                                         r"algorithm\.use_kl_in_reward is on: there is no KL to adapt\.$"):
+        trainer = _GuardedTrainer(trainer_config(use_kl_loss=False, use_kl_in_reward=False))
+    assert trainer.loss_kl is None and trainer.reward_kl is None
+
+
+class _PenalisingTrainer(_StubTrainer):
+    """verl's _compute_advantage, its step 1: apply_kl_penalty as verl's V1 trainer module references it, with
+    verl's kl_ctrl_in_reward and algorithm.kl_penalty; the module's function seen during the call is recorded."""
+
+    def _compute_advantage(self, batch, metrics):
+        self.seen = trainer_base.apply_kl_penalty
+        self.penalised, kl_metrics = trainer_base.apply_kl_penalty(
+            self.reward_data, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=self.config.algorithm.kl_penalty)
+        metrics.update(kl_metrics)
+        return batch
+
+
+class _PenalisingAdaptiveTrainer(verl_kl.AdaptiveKLTrainerMixin, _PenalisingTrainer):
+    pass
+
+
+def test_the_trainers_reward_kl_is_ours_for_the_step_and_verls_function_after_it(monkeypatch):
+    """_compute_advantage with the KL in the reward (clip+dynamic, threshold 0.2, reward_threshold 0.5, decay 0.5,
+    kl_coef 0.1): verl's step penalises with our controller in verl's kl_ctrl_in_reward, each valid token's reward
+    scores - 0.1 * min(old - ref, 0.2) by hand; the batch's mean reward (3.0 + 1.0) / 2 = 2.0 > 0.5 decays beta to
+    0.05; the metrics are under actor/ and adaptive_kl/reward/. After the step the V1 trainer module holds verl's own
+    apply_kl_penalty again."""
+    store = {"sample-0": [1.0, 2.0], "sample-1": [0.5, 0.5]}
+    monkeypatch.setitem(sys.modules, "transfer_queue", types.SimpleNamespace(
+        kv_batch_get=lambda keys, partition_id, select_fields: {"rm_scores": torch.tensor([store[k] for k in keys])}))
+    stock = trainer_base.apply_kl_penalty
+    trainer = _PenalisingAdaptiveTrainer(trainer_config(
+        use_kl_loss=False, kl_adaptation_method="clip+dynamic", kl_clip_threshold=0.2, reward_threshold=0.5,
+        dynamic_beta_decay=0.5))
+    trainer.reward_data = data = reward_batch(seed=4)
+    mask = data.batch["response_mask"]
+    k = (data.batch["old_log_probs"] - data.batch["ref_log_prob"]) * mask
+    scores = data.batch["token_level_scores"].clone()
+    metrics = {}
+    trainer._compute_advantage(_ScoredBatch([False, False]), metrics)
+    assert trainer.seen is verl_kl.apply_adaptive_kl_penalty and trainer_base.apply_kl_penalty is stock
+    assert (k > 0.2).any()
+    torch.testing.assert_close(trainer.penalised.batch["token_level_rewards"],
+                               scores - 0.1 * torch.clamp(k, max=0.2), rtol=0, atol=1e-7)
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.1 == metrics[verl_kl.REWARD_METRIC + "current_beta"]
+    assert trainer.reward_kl.value == pytest.approx(0.05, rel=1e-12)
+
+
+def test_the_loss_beta_moves_with_each_batchs_reward_and_the_update_leaves_verl_as_it_was():
+    """dynamic in the loss (reward_threshold 0.25, decay 0.5, beta_0 0.37): an update after a batch of mean reward 0.5
+    decays beta to 0.37 * 0.5 = 0.185; the next update pushes 0.185 to every micro-batch (verl's actor/kl_coef) and,
+    its batch's reward 0.0 being below the threshold, keeps it. Each update leaves the batch's meta info without the
+    pushed beta and verl's V1 trainer module with its own reduce_metrics."""
+    from verl.utils.metric import reduce_metrics
+
+    batch = make_batch(seed=11)
+    trainer, logged = actor_update(batch, "token-mean", kl_adaptation_method="dynamic", reward_threshold=0.25,
+                                   dynamic_beta_decay=0.5)
+    assert logged["actor/kl_coef"] == 0.37 and trainer.loss_kl.current_beta == pytest.approx(0.185, rel=1e-12)
+    assert trainer_base.reduce_metrics is reduce_metrics
+    meta, metrics = types.SimpleNamespace(extra_info={}), {}
+    trainer._mean_reward = 0.0
+    trainer._update_actor(meta, metrics)
+    assert metrics["actor/kl_coef"] == pytest.approx(0.185, rel=1e-12)
+    assert metrics[verl_kl.METRIC + "current_beta"] == pytest.approx(0.185, rel=1e-12)
+    assert trainer.loss_kl.current_beta == pytest.approx(0.185, rel=1e-12)
+    assert verl_kl.BETA_KEY not in meta.extra_info and trainer_base.reduce_metrics is reduce_metrics
+
+
+class _CheckpointingTrainer(_StubTrainer):
+    """verl's checkpoint calls: `_save_checkpoint` records whether our state file was already written (it must be,
+    before verl marks the checkpoint latest); `_load_checkpoint` sets global_steps as verl's resume does."""
+
+    resumed_step = 0
+
+    def _save_checkpoint(self):
+        self.state_written_first = os.path.exists(os.path.join(
+            self.config.trainer.default_local_dir, f"global_step_{self.global_steps}", verl_kl.STATE_FILE))
+
+    def _load_checkpoint(self):
+        self.global_steps = self.resumed_step
+
+
+class _CheckpointedTrainer(verl_kl.AdaptiveKLTrainerMixin, _CheckpointingTrainer):
+    pass
+
+
+def test_a_checkpoint_restores_each_kls_beta_from_the_folder_verl_resumes(tmp_path, monkeypatch):
+    """dynamic for both KLs (reward_threshold 0), the loss's decay 0.5 and the reward's 0.25, beta_0 0.1 each: after
+    one observed batch the loss's beta is 0.05, the reward's 0.025. Saved at step 1 (before verl's own save), a new
+    run resuming step 1 gets 0.05 and 0.025 back, each in its own KL: with resume_mode=auto from
+    default_local_dir/global_step_1, relative to the working directory; with resume_mode=resume_path from
+    resume_from_path (default_local_dir empty). A fresh run (step 0) reads nothing; a resume without the file warns,
+    naming it, and keeps beta_0."""
+    def config(**trainer):
+        cfg = trainer_config(kl_adaptation_method="dynamic", reward_threshold=0.0, dynamic_beta_decay=0.5,
+                             reward={"dynamic_beta_decay": 0.25})
+        cfg.trainer.update({"resume_mode": "auto", "default_local_dir": "ckpt", **trainer})
+        return cfg
+
+    monkeypatch.chdir(tmp_path)
+    saved = _CheckpointedTrainer(config())
+    saved.loss_kl.step(1.0)
+    saved.reward_kl.observe_rewards(1.0)
+    saved.reward_kl.update(current_kl=0.0, n_steps=1)
+    assert (saved.loss_kl.current_beta, saved.reward_kl.value) == (0.05, 0.025)
+    saved.global_steps = 1
+    saved._save_checkpoint()
+    assert saved.state_written_first
+
+    def resumed(step, **trainer):
+        run = _CheckpointedTrainer(config(**trainer))
+        run.resumed_step = step
+        run._load_checkpoint()
+        return run.loss_kl.current_beta, run.reward_kl.value
+
+    assert resumed(1) == (0.05, 0.025)
+    os.rename(tmp_path / "ckpt" / "global_step_1", tmp_path / "elsewhere")
+    assert resumed(1, resume_mode="resume_path", resume_from_path=str(tmp_path / "elsewhere")) == (0.05, 0.025)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resumed(0) == (0.1, 0.1)
+    missing = os.path.join(str(tmp_path), "ckpt", "global_step_1", verl_kl.STATE_FILE)
+    with pytest.warns(UserWarning, match=rf"^adaptive_kl: {re.escape(missing)} is missing: the controllers restart "
+                                         r"from their initial beta\.$"):
+        assert resumed(1) == (0.1, 0.1)
+
+
+def test_the_loss_alone_reads_each_batchs_mean_reward_of_verls_nested_scores(monkeypatch):
+    """The KL in the loss alone (dynamic; the reward's KL off): _compute_advantage still reads the batch's mean
+    reward for the loss's controller. verl's transfer queue returns rm_scores nested, one row per sample of its own
+    length: each real sample's row summed, [1, 2, 0] -> 3.0 and [0.5] -> 0.5, averaged: 1.75 (the padding sample
+    skipped)."""
+    store = {"sample-0": [1.0, 2.0, 0.0], "sample-1": [7.0], "sample-2": [0.5]}
+
+    def kv_batch_get(keys, partition_id, select_fields):
+        return {"rm_scores": torch.nested.as_nested_tensor([torch.tensor(store[key]) for key in keys],
+                                                           layout=torch.jagged)}
+
+    monkeypatch.setitem(sys.modules, "transfer_queue", types.SimpleNamespace(kv_batch_get=kv_batch_get))
+    trainer = _RewardTrainer(trainer_config(use_kl_in_reward=False, kl_adaptation_method="dynamic"))
+    assert trainer.reward_kl is None
+    trainer._compute_advantage(_ScoredBatch([False, True, False]), {})
+    assert trainer._mean_reward == pytest.approx((3.0 + 0.5) / 2, rel=1e-7)
