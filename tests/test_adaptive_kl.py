@@ -619,6 +619,12 @@ def test_a_divisor_no_reduction_reads_warns_and_one_read_does_not() -> None:
                                          r"by token_mean\."):
         AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA, "dapo").kl_loss(
             logps, ref, MASK, max_completion_length=4, token_normalizer=7.0)
+    with warnings.catch_warnings(record=True) as caught:  # a loop's count per batch: one message, whatever it is
+        warnings.simplefilter("default")
+        for count in (7, 6, 5):
+            AdaptiveKL(None, BETA).kl_loss(logps, ref, MASK, token_normalizer=torch.tensor(count))
+    assert [str(warning.message)[:60] for warning in caught] == [
+        "token_normalizer (a tensor) has no effect: only loss_type da"]
     quiet = [(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), "dapo", {"token_normalizer": 7.0}),
              (None, "dr_grpo", {"max_completion_length": 4})]
     with warnings.catch_warnings():

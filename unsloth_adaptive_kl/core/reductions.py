@@ -211,7 +211,9 @@ def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> N
             continue
         *others, last = [loss for reduction in REDUCTIONS.values() if field in reduction.reads
                          for loss in reduction.loss_types]
-        warnings.warn(f"{field}={value!r} has no effect: only loss_type {', '.join(others)}{' or ' * bool(others)}"
+        # A tensor's value (a count that changes every batch) is left out, so the message is said once, not per call.
+        given = f"{field} (a tensor)" if isinstance(value, torch.Tensor) else f"{field}={value!r}"
+        warnings.warn(f"{given} has no effect: only loss_type {', '.join(others)}{' or ' * bool(others)}"
                       f"{last} reads it, and loss_type={loss_type!r} reduces the loss by {loss}"
                       f"{'' if kl == loss else f' and the KL by {kl}'}. Leave it None, or declare the loss type your "
                       "loss reduces as (AdaptiveKL(..., loss_type=...)).",
