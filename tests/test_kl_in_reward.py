@@ -420,3 +420,55 @@ def test_k1_in_the_loss_warns_and_the_defaults_do_not(tokenizer, tmp_path) -> No
         for fields in ({}, {"kl_placement": "reward"}, {"kl_estimator": "k1_future"},
                        {"kl_placement": "reward", "kl_estimator": "k1"}):
             make_trainer(tokenizer, str(tmp_path), max_steps=1, **fields)
+
+
+def test_tool_response_tokens_carry_no_reward_penalty(tokenizer, tmp_path) -> None:
+    """TRL's tool_mask (0 on the tokens a tool returned, which the policy did not sample) masks them out of KL_i as the
+    completion mask does, on the rewards `_calculate_rewards` returns (no tool calls on CPU: the generation's locals are
+    stand-ins named as TRL names them). beta = 0.5, k1 = logp - ref, sequence_sum:
+    row 0: k1 = [0.5, -1.0, 1.0], completion mask [1, 1, 1], tool mask [1, 0, 1]: KL = 0.5 + 1.0 = 1.5 (0.5 with the
+    tool token); row 1: k1 = [0.5, 1.0, -1.0], completion mask [1, 1, 0], tool mask [0, 1, 1]: KL = 1.0 (1.5 with it).
+    The penalty column is -0.5 * [1.5, 1.0] = [-0.75, -0.5], its mean 0.625 is added back to the reward metric."""
+    from unsloth_adaptive_kl.integrations.trainer_hooks import _CallRecorder, wrap_calculate_rewards
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, beta=0.5, kl_reduction="sequence_sum", **REWARD)
+    calculate = wrap_calculate_rewards(lambda self: torch.tensor([[1.0], [0.0]]), lambda name: RuntimeError(name))
+    scoring = {"train": False, "recorder": _CallRecorder(lambda *args, **kwargs: None)}
+    trainer._adaptive_kl_scoring = scoring
+
+    def generation() -> torch.Tensor:  # the locals of TRL's _generate_and_score_completions that the hook reads
+        old_per_token_logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -1.0, -3.0]])  # noqa: F841
+        sampling_per_token_logps = None  # noqa: F841
+        ref_per_token_logps = torch.tensor([[-1.5, -1.0, -1.5], [-0.7, -2.0, -2.0]])  # noqa: F841
+        completion_mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # noqa: F841
+        tool_mask = torch.tensor([[1, 0, 1], [0, 1, 1]])  # noqa: F841
+        return calculate(trainer)
+
+    rewards = generation()
+    torch.testing.assert_close(rewards, torch.tensor([[1.0, -0.75], [0.0, -0.5]]), rtol=0, atol=1e-6)
+    assert scoring["mean_penalty"] == pytest.approx(0.625, abs=1e-6)
+    assert trainer.current_beta == 0.5
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_evaluation_never_feeds_the_beta_controller_a_reward(tokenizer, tmp_path, placement: str) -> None:
+    """Only training generation batches count for the dynamic controller (SPEC: one observed mean reward per
+    training generation batch): after evaluate() it has seen no batch (generation_batch 0, no reward), no optimizer
+    step completed, beta is 0.5 and is logged under evaluation's metrics; one training step with reward 1.0 above the
+    0.8 threshold then counts one batch and decays once, to 0.5 * 0.9 = 0.45."""
+    from datasets import Dataset
+
+    from .conftest import PROMPTS
+
+    settings = REWARD if placement == "reward" else dict(gradient_accumulation_steps=1)
+    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), max_steps=1, beta=0.5,
+                           kl_adaptation_method="dynamic", reward_threshold=0.8, dynamic_beta_decay=0.9, **settings)
+    trainer.eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
+    metrics = trainer.evaluate()
+    assert metrics["eval_adaptive_kl/current_beta"] == 0.5  # logged as evaluation's, not training's
+    controller = trainer.adaptive_kl.controller
+    assert controller.generation_batch == 0 and math.isnan(controller.batch_reward) and controller.value == 0.5
+    assert trainer.adaptive_kl.completed_steps == 0  # evaluation completes no optimizer step
+    trainer.train()
+    assert (controller.generation_batch, controller.batch_reward) == (1, pytest.approx(1.0))
+    assert trainer.current_beta == pytest.approx(0.45)

@@ -57,3 +57,26 @@ def test_none_with_liger_trains_as_stock(tokenizer, tmp_path) -> None:
         stock_losses, stock_params = run("stock")
     assert patched_losses == stock_losses and len(stock_losses) == 2
     assert all(torch.equal(a, b) for a, b in zip(patched_params, stock_params))
+
+
+class _LigerLossTrainer:
+    """A trainer whose compute_loss hands the loss to Liger's fused loss, as GRPOTrainer.compute_loss does in trl 1.9.1
+    - 1.13.0 (the refusal reads the installed source, so it is exercised here on any trl)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return self.compute_liger_loss(model, inputs)
+
+
+@pytest.mark.parametrize("setting", NON_STOCK, ids=lambda setting: "-".join(f"{k}={v}" for k, v in setting.items()))
+def test_a_compute_loss_that_calls_liger_refuses_every_adapted_setting_and_leaves_none_and_beta_zero(tmp_path,
+                                                                                                   setting) -> None:
+    def config(**fields):
+        return trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **CPU_LIGER,
+                              **fields)
+
+    with pytest.raises(ValueError, match=r"^use_liger_kernel=True is invalid with adaptive KL \(") as raised:
+        check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04, **setting))
+    assert "use_liger_kernel=False, or trl>=1.14" in str(raised.value)
+    check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04))  # none: stock, Liger's loss is the stock one
+    if "sync_ref_model" not in setting:  # beta = 0: no KL term to drop (sync with beta = 0 is refused on its own)
+        check_loss_not_replaced(_LigerLossTrainer, config(beta=0.0, **setting))

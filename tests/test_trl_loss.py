@@ -559,3 +559,38 @@ def unsloth_adaptive_kl_estimators() -> tuple[str, ...]:
     from unsloth_adaptive_kl.core.estimators import estimator_names
 
     return estimator_names()
+
+
+def test_a_subclass_loss_that_bypasses_the_patched_one_stops_a_syncing_run_with_the_stock_kl(tokenizer,
+                                                                                            tmp_path) -> None:
+    """Reference syncing is this package's setting even with the stock KL (its KL trigger and step count come from the
+    loss hook): an override that never calls the patched `_compute_loss` raises at the next generation, naming
+    sync_ref_model=True, rather than warning as the stock KL alone does. One step ran (global_step 1), none in the
+    hook (completed_steps 0)."""
+    trainer = subclassed_trainer(tokenizer, str(tmp_path), _OwnLossTrainer, sync_ref_model=True,
+                                 ref_model_sync_steps=1, ref_model_mixup_alpha=1.0)
+    assert trainer.adaptive_kl.config.is_stock_kl
+    with pytest.raises(RuntimeError, match=r"^adaptive_kl: 1 optimizer step\(s\) of My_OwnLossTrainer ran without the "
+                                           r"adaptive KL's loss hook .* \(sync_ref_model=True\)$"):
+        trainer.train()
+    assert trainer.state.global_step == 1 and trainer.adaptive_kl.completed_steps == 0
+
+
+def test_two_generations_in_one_optimizer_step_are_not_taken_for_a_bypassed_loss_hook(tokenizer, tmp_path) -> None:
+    """steps_per_generation=1 with gradient_accumulation_steps=2: each optimizer step's two micro-batches come from
+    two generation batches, so the second generation of a step sees no new optimizer step (global_step unchanged) and
+    no new hook-ended step, which is not a bypass. clip+dynamic with reward_threshold=-1 decays beta once per step
+    (0.9 each): after 2 steps beta = 0.04 * 0.9**2 = 0.0324."""
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=2, steps_per_generation=1,
+                           kl_adaptation_method="clip+dynamic", reward_threshold=-1.0)
+    generations: list[int] = []
+    upstream = trainer._generate_and_score_completions
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        generations.append(trainer.state.global_step)
+        return upstream(*args, **kwargs)
+
+    trainer._generate_and_score_completions = counted
+    trainer.train()
+    assert generations == [0, 0, 1, 1]
+    assert trainer.adaptive_kl.completed_steps == 2 and trainer.current_beta == pytest.approx(0.0324)

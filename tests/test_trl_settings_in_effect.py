@@ -150,3 +150,15 @@ def test_settings_whose_kl_carries_no_sequence_weight_are_accepted(tmp_path, set
     """Only a KL term built from the trainer's sequence-weighted k3 is refused: another estimator and the KL in the
     reward are computed from the log-probs, beta=0 has no KL, and `none` stays stock (it warns on the trainer)."""
     assert grpo_args(str(tmp_path), **settings).importance_sampling_level == settings["importance_sampling_level"]
+
+
+def test_k3_named_in_the_reward_is_accepted_with_sequence_level_bias_correction(tmp_path) -> None:
+    """The KL in the reward is computed from the log-probs, never from the trainer's sequence-weighted k3, even with
+    k3 named (which reads like the trainer's own estimator): the config is built, with the reward placement's k3
+    warning only, not the #6586 refusal."""
+    from unsloth_adaptive_kl import KLEstimatorWarning
+
+    with pytest.warns(KLEstimatorWarning, match=r"^kl_estimator='k3' with kl_placement='reward'"):
+        args = grpo_args(str(tmp_path), **SEQUENCE, kl_adaptation_method="dynamic", kl_placement="reward",
+                         kl_estimator="k3")
+    assert (args.importance_sampling_level, args.use_bias_correction_kl, args.estimator) == ("sequence", True, "k3")
