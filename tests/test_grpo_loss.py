@@ -84,3 +84,17 @@ def test_another_estimator_is_computed_from_the_raw_log_probs() -> None:
     out.backward()
     expected = torch.tensor([[0.5, -1.0, 0.0], [0.0, 0.0, 0.0]]) * BETA / 3  # d/dlogp 0.5 (logp - ref)^2 = logp - ref
     assert torch.allclose(policy.grad, expected)
+
+
+def test_the_loss_type_passed_overrides_the_objects_for_the_kl_reduction() -> None:
+    """Unsloth's integration passes the reduction in effect for the micro-batch (its bnpo rule), which may differ
+    from the one the AdaptiveKL object was built with: the KL is reduced as the loss_type passed. The trainer's KL on
+    the valid tokens is (0.3, 0.1 | 0.6): grpo (the object's) gives ((0.3 + 0.1) / 2 + 0.6 / 1) / 2 = 0.4, bnpo
+    (passed) (0.3 + 0.1 + 0.6) / 3 = 1 / 3; with clip above 1.0 (no clipping) the loss adds BETA * 1 / 3."""
+    adaptive_kl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=1.0), BETA, "grpo")
+    trainer_kl = torch.tensor([[0.3, 0.1, 0.0], [0.6, 0.0, 0.0]])
+    out, term = adapted_loss(adaptive_kl, torch.tensor(0.0), trainer_kl, POLICY, REF, MASK, normalisers(), "bnpo")
+    assert float(term.raw) == pytest.approx((0.3 + 0.1 + 0.6) / 3)
+    assert float(out) == pytest.approx(BETA * (0.3 + 0.1 + 0.6) / 3)
+    _, term = adapted_loss(adaptive_kl, torch.tensor(0.0), trainer_kl, POLICY, REF, MASK, normalisers())
+    assert float(term.raw) == pytest.approx(((0.3 + 0.1) / 2 + 0.6) / 2)

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -16,7 +17,9 @@ import trl.trainer.utils as trl_utils
 from transformers import TrainerCallback
 
 import unsloth_adaptive_kl
-from unsloth_adaptive_kl.integrations.ref_sync import STATE_FILE, AdapterReference, use_reference
+from unsloth_adaptive_kl.integrations import ref_sync
+from unsloth_adaptive_kl.integrations.ref_sync import (STATE_FILE, AdapterReference, ReferenceSync, SyncSchedule,
+                                                        check_supported, use_reference)
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
 
 from .conftest import PROMPTS, constant_reward, grpo_args, logged, make_trainer, torchrun
@@ -361,3 +364,124 @@ def test_fsdp2_sharded_reference_mixes_exchanges_and_checkpoints_whole_tensors(t
         expected = unsharded(input_ids=torch.arange(2, 8).view(1, 6)).logits
     assert torch.allclose(first["reference_logits"], expected, atol=1e-6)
     assert (first["reference_logits"] - first["policy_logits"]).abs().max() > 1e-2
+
+
+# ----- the schedule, the checkpointed state and the refusals, on hand-made objects ----------------------------------
+
+def test_a_sync_is_due_on_multiples_of_the_steps_and_only_above_the_kl_trigger() -> None:
+    """due(step, kl) = step % steps == 0 and (min_kl is None or kl > min_kl): with steps = 3, after steps 3 and 6 of
+    1-7 (not after step 1); with min_kl = 1e-3, a KL of 2e-3 (or inf) triggers, exactly 1e-3 is not above it, 5e-4 is
+    below, and NaN (no KL measured) never triggers."""
+    every_3 = SyncSchedule(steps=3, alpha=1.0, min_kl=None, reset_optimizer=False)
+    assert [step for step in range(1, 8) if every_3.due(step, math.nan)] == [3, 6]
+    trigger = SyncSchedule(steps=1, alpha=1.0, min_kl=1e-3, reset_optimizer=False)
+    assert [trigger.due(5, kl) for kl in (2e-3, math.inf, 1e-3, 5e-4, math.nan)] == [True, True, False, False, False]
+
+
+class HandMadeTrainer:
+    """What `ReferenceSync` reads of a trainer: the (unwrapped) model, no `ref_model` (a PEFT-like policy whose
+    trainable tensors are the reference's), the step's raw KL, an optimizer and the metrics."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.ref_model = model, None
+        self.accelerator = SimpleNamespace(unwrap_model=lambda m: m)
+        self.adaptive_kl = SimpleNamespace(last_raw_kl=math.nan)
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        self._metrics = {"train": {}}
+
+
+def synced_linear(steps: int, alpha: float) -> tuple[ReferenceSync, torch.nn.Linear, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    initial = [p.detach().clone() for p in layer.parameters()]
+    sync = ReferenceSync(HandMadeTrainer(layer), SyncSchedule(steps=steps, alpha=alpha, min_kl=None,
+                                                              reset_optimizer=False))
+    sync.on_train_begin(None, None, None)
+    return sync, layer, initial
+
+
+def test_the_checkpoint_restores_the_count_the_last_sync_step_and_the_reference(tmp_path) -> None:
+    """A Linear(3, 2), weight and bias trainable, syncing every 2 steps with alpha = 0.5: the policy moves by +2 after
+    training starts, so the sync after step 2 gives R = 0.5 (P0 + 2) + 0.5 P0 = P0 + 1 (step 1 syncs nothing; before
+    the first sync the reference forward is the stock one, after it the copy). Saved and loaded into a fresh run
+    (policy P0) before it is bound (restored when training starts) and after: 1 sync, last at step 2, R = P0 + 1."""
+    sync, layer, initial = synced_linear(steps=2, alpha=0.5)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(2.0)
+    sync.on_step_end(None, SimpleNamespace(global_step=1), None)
+    assert (sync.syncs, sync.last_sync_step, sync.moved_adapter()) == (0, 0, None)
+    assert sync.trainer._metrics["train"]["adaptive_kl/ref_syncs"] == [0.0]
+    sync.on_step_end(None, SimpleNamespace(global_step=2), None)
+    assert (sync.syncs, sync.last_sync_step, sync.moved_adapter()) == (1, 2, sync.reference)
+    assert sync.trainer._metrics["train"]["adaptive_kl/ref_syncs"] == [1.0]
+    assert all(torch.allclose(r, p0 + 1.0, atol=1e-6) for r, p0 in zip(sync.reference.tensors, initial))
+    assert all(torch.equal(p, p0 + 2.0) for p, p0 in zip(layer.parameters(), initial))  # the policy is not written
+    sync.save(str(tmp_path), write=True)
+    for bound_before_loading in (False, True):
+        resumed, _, _ = synced_linear(steps=2, alpha=0.5)
+        if not bound_before_loading:
+            resumed.reference = None
+        resumed.load(str(tmp_path))
+        resumed.bind()
+        assert (resumed.syncs, resumed.last_sync_step) == (1, 2)
+        assert resumed.moved_adapter() is resumed.reference
+        assert all(torch.allclose(r, p0 + 1.0, atol=1e-6) for r, p0 in zip(resumed.reference.tensors, initial))
+
+
+def test_a_checkpointed_reference_of_other_tensors_is_refused(tmp_path) -> None:
+    """The checkpoint holds the reference of weight and bias; a model whose bias is frozen has the reference of its
+    weight alone: loading refuses, naming the unexpected tensor, instead of loading part of it."""
+    sync, _, _ = synced_linear(steps=1, alpha=1.0)
+    sync.save(str(tmp_path), write=True)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2)
+    layer.bias.requires_grad_(False)
+    other = ReferenceSync(HandMadeTrainer(layer), SyncSchedule(steps=1, alpha=1.0, min_kl=None, reset_optimizer=False))
+    other.load(str(tmp_path))
+    with pytest.raises(ValueError) as error:
+        other.bind()
+    assert str(error.value).startswith(f"The checkpoint's synced reference ({STATE_FILE}) has other tensors than this "
+                                       "model's reference: missing [], unexpected ['bias'].")
+
+
+@pytest.mark.parametrize(("state", "message"), [
+    (SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=3), fsdp_plugin=None),
+     "sync_ref_model=True is not supported under DeepSpeed ZeRO-3 by unsloth_adaptive_kl"),
+    (SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=SimpleNamespace(fsdp_version=1)),
+     "sync_ref_model=True is supported with FSDP2 (fsdp_version=2), not FSDP1, by unsloth_adaptive_kl"),
+], ids=["zero3", "fsdp1"])
+def test_zero3_and_fsdp1_are_refused_before_training(state: Any, message: str) -> None:
+    with pytest.raises(NotImplementedError) as error:
+        check_supported(SimpleNamespace(accelerator=SimpleNamespace(state=state)))
+    assert str(error.value).startswith(message)
+    for supported in (SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2), fsdp_plugin=None),
+                      SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=SimpleNamespace(fsdp_version=2)),
+                      SimpleNamespace()):
+        check_supported(SimpleNamespace(accelerator=SimpleNamespace(state=supported)))
+
+
+def test_an_exchange_failing_midway_restores_exactly_the_tensors_already_exchanged(monkeypatch) -> None:
+    """The reference is the policy + 1; the second exchange (the bias) fails, as an out-of-memory clone would: the
+    weight, already exchanged, gets its own values back, and the bias, never exchanged, is not exchanged afterwards
+    (policy and reference both as they were)."""
+    layer = torch.nn.Linear(3, 2)
+    reference = AdapterReference(layer)
+    with torch.no_grad():
+        for r in reference.tensors:
+            r.add_(1.0)
+    weights = [p.detach().clone() for p in layer.parameters()]
+    real_exchange, calls = ref_sync._exchange, []
+
+    def second_fails(a: torch.Tensor, b: torch.Tensor) -> None:
+        calls.append(a.shape)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        real_exchange(a, b)
+
+    monkeypatch.setattr(ref_sync, "_exchange", second_fails)
+    with pytest.raises(RuntimeError, match="out of memory"), reference.swapped_in():
+        pass
+    assert calls == [layer.weight.shape, layer.bias.shape, layer.weight.shape]  # the weight exchanged back alone
+    assert all(torch.equal(w, p) for w, p in zip(weights, layer.parameters()))
+    assert all(torch.equal(r, w + 1.0) for r, w in zip(reference.tensors, weights))
