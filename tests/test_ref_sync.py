@@ -210,13 +210,18 @@ def test_reference_forward_uses_the_synced_reference_and_leaves_the_policy_untou
     assert (output["ref_per_token_logps"][mask] - policy_logps[mask]).abs().max() > 1e-4
 
 
-def test_exchange_is_undone_when_the_reference_forward_raises() -> None:
+def reference_one_above() -> tuple[torch.nn.Linear, AdapterReference, list[torch.Tensor]]:
+    """A Linear(3, 2), its reference (every tensor the policy's + 1) and a copy of the policy's tensors."""
     layer = torch.nn.Linear(3, 2)
     reference = AdapterReference(layer)
     with torch.no_grad():
         for r in reference.tensors:
             r.add_(1.0)
-    weights = [p.detach().clone() for p in layer.parameters()]
+    return layer, reference, [p.detach().clone() for p in layer.parameters()]
+
+
+def test_exchange_is_undone_when_the_reference_forward_raises() -> None:
+    layer, reference, weights = reference_one_above()
     with pytest.raises(RuntimeError, match="forward failed"), reference.swapped_in():
         assert torch.equal(layer.weight, weights[0] + 1.0)
         raise RuntimeError("forward failed")
@@ -465,12 +470,7 @@ def test_an_exchange_failing_midway_restores_exactly_the_tensors_already_exchang
     """The reference is the policy + 1; the second exchange (the bias) fails, as an out-of-memory clone would: the
     weight, already exchanged, gets its own values back, and the bias, never exchanged, is not exchanged afterwards
     (policy and reference both as they were)."""
-    layer = torch.nn.Linear(3, 2)
-    reference = AdapterReference(layer)
-    with torch.no_grad():
-        for r in reference.tensors:
-            r.add_(1.0)
-    weights = [p.detach().clone() for p in layer.parameters()]
+    layer, reference, weights = reference_one_above()
     real_exchange, calls = ref_sync._exchange, []
 
     def second_fails(a: torch.Tensor, b: torch.Tensor) -> None:
