@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,6 +109,18 @@ def test_loss_side_beta_acts_as_beta_times_g_over_g_minus_one(tree: Tree) -> Non
     run = train(tree, Setting("passed", "loss", (("kl_estimator", "k1_future"),), beta_scale="passed"), beta,
                 TRAINING, seed=0)
     assert kl(run.logp, optimum(tree, beta * g / (g - 1))) <= 0.003 < run.figures.kl_opt
+
+
+@pytest.mark.parametrize("loss_type, config", [("grpo", ()), ("dr_grpo", ()), ("dapo", ()), ("luspo", ()),
+                                                ("dapo", (("kl_reduction", "sequence_mean"),))])
+def test_the_lab_passes_each_divisor_its_step_reduces_by_and_no_other(
+        tree: Tree, loss_type: str, config: tuple[tuple[str, str], ...]) -> None:
+    """Two steps of each loss type: a divisor the step reduces by left out raises (dr_grpo's max_completion_length,
+    dapo's token_normalizer), one it does not read warns that it has no effect, here an error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*has no effect")
+        run = train(tree, Setting("k3", config=config, loss_type=loss_type), 0.1, replace(TRAINING, steps=2), seed=0)
+    assert math.isfinite(run.figures.kl_ref)
 
 
 def test_target_settles_at_the_beta_whose_optimum_has_the_target_kl(tree: Tree) -> None:

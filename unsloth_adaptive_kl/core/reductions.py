@@ -199,12 +199,19 @@ def kl_reduction(config: Any, loss_type: str) -> str:
     return loss_type_reduction(loss_type)
 
 
+def context_read(config: Any, loss_type: str) -> frozenset[str]:
+    """The `ReductionContext` fields that the loss's reduction (`loss_type`'s) or the KL's
+    (`kl_reduction(config, loss_type)`) divides by: the divisors a loop passes with each batch."""
+    return frozenset({*REDUCTIONS[loss_type_reduction(loss_type)].reads,
+                      *REDUCTIONS[kl_reduction(config, loss_type)].reads})
+
+
 def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> None:
-    """Warn for each divisor a loop passed in `ctx` that neither the loss's reduction (`loss_type`'s) nor the KL's
-    (`kl_reduction(config, loss_type)`) reads: it would do nothing, most likely because the loop normalises its loss
-    as another loss type than the one it declared (once per process and message, Python's default filter)."""
+    """Warn for each divisor a loop passed in `ctx` that `context_read(config, loss_type)` leaves out: it would do
+    nothing, most likely because the loop normalises its loss as another loss type than the one it declared (once
+    per process and message, Python's default filter)."""
     loss, kl = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
-    read = {*REDUCTIONS[loss].reads, *REDUCTIONS[kl].reads}
+    read = context_read(config, loss_type)
     for field in CONTEXT_FIELDS:
         value = getattr(ctx, field)
         if value is None or field in read:

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig
+from ..core.reductions import context_read
 
 # ----- environments -------------------------------------------------------------------------------------------------
 
@@ -282,6 +283,7 @@ def train(tree: Tree, setting: Setting, beta: float, training: Training, seed: i
     n = training.groups * training.group_size
     max_length = tree.env.max_length
     reference_logps = tree.token_logps(tree.reference_table)
+    read = context_read(akl.config, setting.loss_type)  # the divisors the step's reductions read, and only those
     betas = []
     for step in range(steps):
         with torch.no_grad():
@@ -296,9 +298,8 @@ def train(tree: Tree, setting: Setting, beta: float, training: Training, seed: i
         ratio = torch.exp(logps - logps.detach())  # on-policy: 1, with the gradient of log pi
         loss = policy_loss(-ratio * advantage.unsqueeze(-1), mask, setting.loss_type, max_length)
         if setting.placement == "loss":
-            term, _ = akl.kl_loss(  # each divisor where the loss type reads it (policy_loss's)
-                logps, ref, mask, max_completion_length=max_length if setting.loss_type == "dr_grpo" else None,
-                token_normalizer=mask.sum() if setting.loss_type in ("dapo", "cispo", "vespo") else None)
+            divisors = {"max_completion_length": max_length, "token_normalizer": mask.sum()}
+            term, _ = akl.kl_loss(logps, ref, mask, **{name: divisors[name] for name in read})
             loss = loss + term
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
