@@ -572,6 +572,32 @@ def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
         assert in_reward.step() != BETA and in_reward.step() == in_reward.current_beta  # mu = 2: one scored batch
 
 
+@pytest.mark.parametrize("door", ["kl_loss", "reward_penalty", "step"])
+def test_a_setting_changed_after_the_run_started_is_refused_at_the_next_door(door: str) -> None:
+    """kl_clip_threshold set to -1 after the object was built (validated: 1.0) would clip every token's KL to -1 and
+    flip the term's sign; dynamic's reward_threshold set to 0.5 would be read by no controller (it keeps 0.9); the
+    other placement would be refused by the door as a wrong call, not as the change it is. Each door names the field,
+    both values and how to change it; the same value set again is no change."""
+    placement = "reward" if door == "reward_penalty" else "loss"
+    config = AdaptiveKLConfig(kl_adaptation_method="clip+dynamic", kl_clip_threshold=1.0, reward_threshold=0.9,
+                              kl_placement=placement)
+    akl = AdaptiveKL(config, BETA, "bnpo")
+    logps, ref = batch(requires_grad=False)
+    call = {"kl_loss": lambda: akl.kl_loss(logps, ref, MASK), "step": lambda: akl.step(mean_reward=1.0),
+            "reward_penalty": lambda: akl.reward_penalty(logps, ref, MASK)}[door]
+    config.kl_clip_threshold = 1  # equal to 1.0: no change
+    call()
+    other = "loss" if placement == "reward" else "reward"
+    for name, value, was in (("kl_clip_threshold", -1.0, 1.0), ("reward_threshold", 0.5, 0.9),
+                             ("kl_placement", other, placement)):
+        setattr(config, name, value)
+        with pytest.raises(ValueError, match=rf"^{name} changed from {was!r} to {value!r} after the run started: .* "
+                                             r"new\.load_state_dict\(old\.state_dict\(\)\)\.$"):
+            call()
+        setattr(config, name, was)
+    call()
+
+
 def test_target_never_moves_beta_above_beta_max() -> None:
     """A KL far above kl_target raises beta by at most 20 % * n / kl_horizon an update; beta_max caps it: 0.04 with
     n = 3 and kl_horizon = 3 would reach 0.048, 0.0576, ..., and stops at 0.05."""

@@ -77,3 +77,15 @@ def test_the_held_beta_and_unread_divisor_warnings_are_quoted_as_warned() -> Non
     printed = [f"UserWarning: {warning.message}" for warning in caught]
     assert quoted("troubleshooting.md", "UserWarning: adaptive KL: beta holds") == ["\n".join(printed[:2])]
     assert quoted("troubleshooting.md", "UserWarning: token_normalizer") == [printed[2]]
+
+
+def test_the_changed_setting_error_is_quoted_as_raised() -> None:
+    """troubleshooting.md quotes a clip threshold set after the run started (in a loop of your own)."""
+    import torch
+
+    config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.5)
+    akl = AdaptiveKL(config, beta=0.04)
+    config.kl_clip_threshold = 1.0
+    with pytest.raises(ValueError) as raised:
+        akl.kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
+    assert quoted("troubleshooting.md", "ValueError: kl_clip_threshold changed") == [as_printed(raised.value)]

@@ -1057,3 +1057,16 @@ def test_a_divisor_the_loss_type_does_not_read_warns_in_both_loss_routes() -> No
         warnings.simplefilter("error")
         integration.grpo_kl_loss(dr_grpo, max_completion_length=8)
         integration.traced_loss_data(dr_grpo, [datum], max_completion_length=8)
+
+
+def test_a_setting_changed_after_the_run_started_is_refused_in_both_loss_routes() -> None:
+    """As in a loop of your own: akl's kl_clip_threshold set to 0 after it was built (validated: 0.5) would clip every
+    token's KL to 0, taking the KL term out; grpo_kl_loss and traced_loss_data refuse it before a loss is built,
+    naming the field and both values."""
+    config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.5)
+    akl = AdaptiveKL(config, beta=0.1)
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    config.kl_clip_threshold = 0.0
+    for route in (lambda: integration.grpo_kl_loss(akl), lambda: integration.traced_loss_data(akl, [datum])):
+        with pytest.raises(ValueError, match=r"^kl_clip_threshold changed from 0\.5 to 0\.0 after the run started"):
+            route()

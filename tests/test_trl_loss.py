@@ -367,6 +367,24 @@ def test_beta_zero_warns_and_logs_no_adaptive_metrics(tokenizer, tmp_path) -> No
     assert logged_metric_keys(trainer.state.log_history) == set()
 
 
+@pytest.mark.parametrize("where", ["args", "adaptive_kl.config"])
+def test_a_setting_changed_after_the_trainer_was_built_stops_the_first_loss(tokenizer, tmp_path, monkeypatch,
+                                                                           where: str) -> None:
+    """The trainer's AdaptiveKL was built from args.kl_clip_threshold=1.0 in __init__; set to 2.0 afterwards (a
+    callback, a notebook cell) on the args it would clip nothing differently, on the AdaptiveKL's copy it would act
+    unvalidated. The first micro-batch's loss says so (of two per optimizer step): no term is recorded."""
+    trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip", kl_clip_threshold=1.0)
+    setattr(trainer.args if where == "args" else trainer.adaptive_kl.config, "kl_clip_threshold", 2.0)
+    recorded = []
+    record = trainer.adaptive_kl.record
+    monkeypatch.setattr(trainer.adaptive_kl, "record",
+                        lambda *args, **kwargs: recorded.append(1) or record(*args, **kwargs))
+    with pytest.raises(ValueError, match=r"^kl_clip_threshold changed from 1\.0 to 2\.0 after the run started: .*a "
+                                         r"trainer builds it in its __init__\)\. Set it before;"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not recorded
+
+
 class _OwnLossTrainer:
     """A GRPOTrainer subclass whose `_compute_loss` is a copy of TRL's (here: the stock function itself), as recipes
     that rewrite the loss do: it never calls the patched one."""

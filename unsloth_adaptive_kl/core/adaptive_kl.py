@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 
 from .adaptation import KLTerm, kl_term
-from .config import AdaptiveKLConfig, check_real, is_real, reject
+from .config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, is_real, reject, settings_of
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
 from .reductions import ReductionContext, kl_reduction, loss_type_reduction, warn_unread_context
@@ -71,6 +71,7 @@ class AdaptiveKL:
             warnings.warn(f"{', '.join(fields)} {'has' if len(fields) == 1 else 'have'} no effect: beta=0.0 turns the "
                           "KL term off. Set beta > 0 to regularise.", UserWarning, stacklevel=2)
         self.config = config
+        self._settings = settings_of(config)  # what the run was validated and built with (`check_settings`)
         self.beta = float(beta)
         self.loss_type = loss_type
         self.num_iterations = num_iterations
@@ -121,6 +122,7 @@ class AdaptiveKL:
         `logps` or `ref_logps` on a valid token raises `NonFiniteLogProbError` (a FloatingPointError and ValueError)
         naming the step, the tensor and how many tokens; masked positions may hold anything (their KL is 0, with a
         zero gradient)."""
+        self.check_settings()
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
@@ -155,6 +157,7 @@ class AdaptiveKL:
         included (also in `last_metrics`); the next `step` reads the batch's KL, unless `train=False` (an evaluation
         batch). Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid token raises
         `NonFiniteLogProbError`."""
+        self.check_settings()
         if not self.config.kl_in_reward:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
@@ -183,6 +186,22 @@ class AdaptiveKL:
         self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
 
+    def check_settings(self, source: Any = None) -> None:
+        """A ValueError where a field of `source` (default: `config`; a trainer passes its args, which `config` was
+        copied from) no longer holds the value this object was built with. The settings are validated, and the beta
+        controller and a trainer's hooks chosen, once, when a run starts: a value set later would be used unchecked,
+        or not at all. Every door checks, per batch and per step (a comparison of the fields' values)."""
+        found = settings_of(self.config if source is None else source)
+        if found == self._settings:
+            return
+        name, built, now = next(change for change in zip(ADAPTIVE_KL_FIELDS, self._settings, found)
+                                if change[1] != change[2])
+        raise ValueError(
+            f"{name} changed from {built!r} to {now!r} after the run started: adaptive-KL settings are validated, "
+            "and the beta controller built, once, when the run's AdaptiveKL is built (a trainer builds it in its "
+            "__init__). Set it before; in a loop of your own, build a new AdaptiveKL with it and carry beta and the "
+            "step over with new.load_state_dict(old.state_dict()).")
+
     # ----- the trainer integrations -----------------------------------------------------------------------------
 
     def term(self, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, *,
@@ -194,6 +213,7 @@ class AdaptiveKL:
         the KL itself. Without `with_grad`, the loss's term records a graph only where it replaces the trainer's own
         (`config.is_stock_kl` is False). `names`: what a non-finite error calls the two tensors, which `record` or
         `penalize` reports at the step's end."""
+        self.check_settings()
         return kl_term(logps, ref_logps, mask, self.config, loss_type=loss_type or self.loss_type, context=ctx,
                        per_token_kl=per_token_kl, with_grad=with_grad, names=names)
 
@@ -251,6 +271,7 @@ class AdaptiveKL:
         """The one place the controller moves: once per optimizer step, from the step's KL `window` (by default, as
         the placement says: the sums the step trained on, n counted once per generation batch; with the KL in the
         reward, those of the batch scored since the last step), which also becomes `last_raw_kl`."""
+        self.check_settings()
         self._warn_if_held(completed_steps, window)
         if window is None and self.config.kl_in_reward:
             window = None if self._scored is None else self._scored.window()

@@ -201,6 +201,7 @@ class GRPOKLLoss:
         max_completion_length: Optional[int] = None,
         token_normalizer: Optional[Number] = None,
     ) -> None:
+        akl.check_settings()
         if akl.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards: use kl_penalized_data(...) with "
                              "the built-in importance_sampling loss instead of grpo_kl_loss(...)")
@@ -422,6 +423,7 @@ def traced_loss_data(
     sequence_mean) and beta (rank 0; default `akl.current_beta`, read here, on the caller's thread). A NaN or +-inf
     in the Datums' `logprobs` or `ref_logprobs` on a valid token raises `NonFiniteLogProbError` here, before anything
     is sent."""
+    akl.check_settings()
     mask = _batch(data, MASK)
     check_datum_logps(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask, akl.completed_steps + 1)
     context = ReductionContext(max_completion_length, token_normalizer)

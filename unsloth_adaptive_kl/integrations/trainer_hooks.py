@@ -471,6 +471,7 @@ def record_metrics(trainer: Any, term: Any) -> None:
     term, the step still ends here); at an optimizer-step boundary in training (every call in evaluation) log the
     queued micro-batches' metrics and move beta (like TRL's adaptive entropy controller: once per optimizer step,
     effective from the next step)."""
+    trainer.adaptive_kl.check_settings(trainer.args)  # the args its config was copied from: changed, they would not act
     mode = "train" if trainer.model.training else "eval"
     logged = trainer.adaptive_kl.record(
         term, gather=trainer.accelerator.gather, train=mode == "train",
