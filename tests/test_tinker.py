@@ -1070,3 +1070,18 @@ def test_a_setting_changed_after_the_run_started_is_refused_in_both_loss_routes(
     for route in (lambda: integration.grpo_kl_loss(akl), lambda: integration.traced_loss_data(akl, [datum])):
         with pytest.raises(ValueError, match=r"^kl_clip_threshold changed from 0\.5 to 0\.0 after the run started"):
             route()
+
+
+def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> None:
+    """As the own-loop doors and route 2 (`reward_penalty`) refuse it: a Datum mask of per-token weights (0.5 on a
+    completion token) would count that token whole in the reductions' lengths; routes 1 and 3 name the input and
+    how many entries before a loss is computed."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
+    datum.loss_fn_inputs["mask"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0, 0.5]))
+    message = r"^loss_fn_inputs\['mask'\] must hold 0 and 1 only .*: 1 entries are neither, e\.g\. 0\.5\."
+    with pytest.raises(ValueError, match=message):
+        integration.grpo_kl_loss(akl)([datum], [torch.full((3,), -1.0, requires_grad=True)])
+    with pytest.raises(ValueError, match=message):
+        integration.traced_loss_data(akl, [datum])

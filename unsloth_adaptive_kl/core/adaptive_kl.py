@@ -366,12 +366,19 @@ def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
         shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in given.items())
         raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B completions, T completion "
                          f"tokens; mask 1 on each completion's tokens, 0 on padding): got {shapes}.")
-    if mask.dtype != torch.bool:  # one read of the loop's mask: the core counts any nonzero entry as a whole token
-        other = (mask != 0) & (mask != 1)
-        if bool(other.any()):
-            raise ValueError(f"mask must hold 0 and 1 only (1 on each completion's tokens, 0 on padding): "
-                             f"{int(other.sum())} entries are neither, e.g. {mask[other][0].item()!r}. A per-token "
-                             "weight is not a mask: each nonzero entry would count as one whole token.")
+    check_mask(mask)
+
+
+def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
+    """A ValueError where a loop's mask holds entries other than 0 and 1, naming how many: the core counts any
+    nonzero entry as a whole token, so a per-token weight would silently count as one (one read of the mask)."""
+    if mask.dtype == torch.bool:
+        return
+    other = (mask != 0) & (mask != 1)
+    if bool(other.any()):
+        raise ValueError(f"{name} must hold 0 and 1 only (1 on each completion's tokens, 0 on padding): "
+                         f"{int(other.sum())} entries are neither, e.g. {mask[other][0].item()!r}. A per-token "
+                         "weight is not a mask: each nonzero entry would count as one whole token.")
 
 
 def check_token_normalizer(value: torch.Tensor) -> None:

@@ -445,9 +445,10 @@ class AdaptiveKLConfig:
 
 
 ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)
+_DEFAULTS = tuple((spec.name, spec.default) for spec in dataclasses.fields(AdaptiveKLConfig))
 
 
 def settings_of(source: Any) -> tuple[Any, ...]:
     """The adaptive-KL fields' values that `source` (a config, or a trainer's args it was copied from) holds, in
     `ADAPTIVE_KL_FIELDS` order, a field it lacks at its default (as `AdaptiveKLConfig.unvalidated_from` reads it)."""
-    return tuple(getattr(source, spec.name, spec.default) for spec in dataclasses.fields(AdaptiveKLConfig))
+    return tuple([getattr(source, name, default) for name, default in _DEFAULTS])

@@ -34,6 +34,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("unsloth_adaptive_kl.integrations.tinker needs the Tinker SDK: pip install tinker") from error
 
 from ..core import AdaptiveKL, ReductionContext, reduce_kl
+from ..core.adaptive_kl import check_mask
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.config import check_real
@@ -158,10 +159,12 @@ def clip_bounds(clip_epsilon: float, clip_epsilon_high: Optional[float]) -> tupl
     return 1.0 - clip_epsilon, 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
 
 
-def check_datum_logps(sampled: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, step: int) -> None:
-    """`NonFiniteLogProbError` where the Datums' sampler log-probs (the PPO ratio's denominator) or reference
-    log-probs hold a NaN or +-inf on a valid (mask=1) token, naming each and how many tokens: routes 1 and 3, before
-    a loss is computed from them (route 2's `reward_penalty` checks the same two tensors in the core)."""
+def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, step: int) -> None:
+    """The rules of the core's own-loop doors, for routes 1 and 3 before a loss is computed from the Datums (route 2's
+    `reward_penalty` is such a door): a ValueError where the mask holds an entry other than 0 and 1;
+    `NonFiniteLogProbError` where the sampler log-probs (the PPO ratio's denominator) or the reference log-probs hold a
+    NaN or +-inf on a valid (mask=1) token, naming each and how many tokens."""
+    check_mask(mask, f"loss_fn_inputs[{MASK!r}]")
     found = found_in_check(LogpCheck.of(sampled, ref, mask, **DATUM_LOGPS))
     if found:
         raise nonfinite_error(step, found)
@@ -228,7 +231,7 @@ class GRPOKLLoss:
         logps = _stack(logprobs)
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
-        check_datum_logps(old, ref, mask, self.training_step)
+        check_datum_batch(old, ref, mask, self.training_step)
         surrogate = _ppo_clip_surrogate(logps, old, advantages, mask, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
         term = kl_term(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context, with_grad=True)
@@ -425,7 +428,7 @@ def traced_loss_data(
     is sent."""
     akl.check_settings()
     mask = _batch(data, MASK)
-    check_datum_logps(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask, akl.completed_steps + 1)
+    check_datum_batch(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask, akl.completed_steps + 1)
     context = ReductionContext(max_completion_length, token_normalizer)
     warn_unread_context(context, akl.config, akl.loss_type)
     pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context)
