@@ -598,6 +598,21 @@ def test_a_setting_changed_after_the_run_started_is_refused_at_the_next_door(doo
     call()
 
 
+def test_a_new_setting_between_steps_carries_the_run_over_through_the_state() -> None:
+    """What the refusal above advises: dynamic at reward_threshold 0.8 decays 0.04 -> 0.02 on a mean reward of 0.9;
+    a new AdaptiveKL at reward_threshold 0.95 that loads the state starts at 0.02, step 1, and holds on 0.9 where the
+    old one would have decayed to 0.01, then decays on 0.99 to 0.01."""
+    old = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.8, dynamic_beta_decay=0.5),
+                     BETA)
+    assert old.step(mean_reward=0.9) == pytest.approx(0.02)
+    new = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.95, dynamic_beta_decay=0.5),
+                     BETA)
+    new.load_state_dict(old.state_dict())
+    assert (new.current_beta, new.completed_steps) == (pytest.approx(0.02), 1)
+    assert [new.step(mean_reward=0.9), new.step(mean_reward=0.99)] == pytest.approx([0.02, 0.01])
+    assert new.completed_steps == 3
+
+
 def test_target_never_moves_beta_above_beta_max() -> None:
     """A KL far above kl_target raises beta by at most 20 % * n / kl_horizon an update; beta_max caps it: 0.04 with
     n = 3 and kl_horizon = 3 would reach 0.048, 0.0576, ..., and stops at 0.05."""
