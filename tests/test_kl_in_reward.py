@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import warnings
 from typing import Any, Callable
 
@@ -472,3 +473,27 @@ def test_evaluation_never_feeds_the_beta_controller_a_reward(tokenizer, tmp_path
     trainer.train()
     assert (controller.generation_batch, controller.batch_reward) == (1, pytest.approx(1.0))
     assert trainer.current_beta == pytest.approx(0.45)
+
+
+def test_a_generation_without_a_local_the_penalty_reads_is_an_error_naming_it(tokenizer, tmp_path) -> None:
+    """The reward penalty reads the log-probs and masks from the locals of TRL's `_generate_and_score_completions`
+    where it calls `_calculate_rewards`: a trl that renamed one of them (here tool_mask) raises IncompatibleVersionError
+    naming that local, through the installed `GRPOTrainer._calculate_rewards`."""
+    from unsloth_adaptive_kl.integrations.trainer_hooks import _CallRecorder
+    from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, **REWARD)
+    trainer._adaptive_kl_scoring = {"train": False, "recorder": _CallRecorder(lambda *args, **kwargs: None)}
+    prompts, completions = ["ab:"] * 4, ["a#", "b", "cc", "#"]
+
+    def generation() -> torch.Tensor:  # TRL's locals at the call, but for tool_mask
+        old_per_token_logps = torch.zeros(4, 2)  # noqa: F841
+        sampling_per_token_logps = None  # noqa: F841
+        ref_per_token_logps = torch.zeros(4, 2)  # noqa: F841
+        completion_mask = torch.ones(4, 2)  # noqa: F841
+        return trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, [[3, 4]] * 4)
+
+    with pytest.raises(IncompatibleVersionError, match=re.escape(
+            "the anchor `tool_mask = ` (read where it calls _calculate_rewards, for the KL in the reward) was not "
+            "found in _generate_and_score_completions.")):
+        generation()

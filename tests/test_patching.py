@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 from typing import Optional
 
@@ -15,17 +16,20 @@ from packaging.version import Version
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import trl as trl_patch
 from unsloth_adaptive_kl.integrations import versions
+from unsloth_adaptive_kl.integrations.ref_sync import use_reference
 
 from .conftest import make_trainer
 
-PATCHED_METHODS = ["__init__", "_compute_loss", "_generate_and_score_completions", "_save_checkpoint",
-                   "_load_optimizer_and_scheduler"]
+PATCHED_METHODS = ["__init__", "_compute_loss", "_generate_and_score_completions", "_calculate_rewards",
+                   "_save_checkpoint", "_load_optimizer_and_scheduler"]
 
 
 def snapshot() -> dict:
     trainer = trl_patch.StockGRPOTrainer
     return {
-        "GRPOConfig": (trl.GRPOConfig, trl.trainer.grpo_config.GRPOConfig, trl.trainer.grpo_trainer.GRPOConfig),
+        "GRPOConfig": (trl.GRPOConfig, trl.trainer.GRPOConfig, trl.trainer.grpo_config.GRPOConfig,
+                       trl.trainer.grpo_trainer.GRPOConfig),
+        "use_adapter": trl.trainer.grpo_trainer.use_adapter,
         "methods": tuple(vars(trainer).get(name) for name in PATCHED_METHODS),
         "current_beta": "current_beta" in vars(trainer),
         "kernel": trl_utils._ChunkedLogProbFunction,
@@ -42,11 +46,13 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
         unsloth_adaptive_kl.unpatch()
         stock = snapshot()
         assert not unsloth_adaptive_kl.is_patched()
-        assert stock["GRPOConfig"] == (trl_patch.StockGRPOConfig,) * 3
+        assert stock["GRPOConfig"] == (trl_patch.StockGRPOConfig,) * 4
         assert stock["methods"] == (
             trl_patch._stock_init, trl_patch._stock_compute_loss, trl_patch._stock_generate_and_score,
-            trl_patch._stock_save_checkpoint, trl_patch._stock_load_optimizer_and_scheduler,
+            trl_patch._stock_calculate_rewards, trl_patch._stock_save_checkpoint,
+            trl_patch._stock_load_optimizer_and_scheduler,
         )
+        assert stock["use_adapter"] is trl_utils.use_adapter and patched["use_adapter"] is use_reference
         assert stock["current_beta"] is False
         if trl_patch.kernel_lacks_cpu_path():  # trl 1.15 only: the fallback stands in for the kernel
             assert stock["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback.upstream
@@ -57,7 +63,7 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
     finally:
         unsloth_adaptive_kl.patch()
     assert snapshot() == patched
-    assert patched["GRPOConfig"] == (unsloth_adaptive_kl.GRPOConfig,) * 3
+    assert patched["GRPOConfig"] == (unsloth_adaptive_kl.GRPOConfig,) * 4
     assert all(method is not None for method in patched["methods"])
 
 
@@ -232,3 +238,95 @@ def test_a_patch_set_block_restores_instance_inherited_and_absent_attributes_eve
     assert Owner.inherited == "class value" and owner.inherited == "class value"
     Owner.inherited = "changed on the class"
     assert owner.inherited == "changed on the class"  # still read through the class, not a frozen copy
+
+
+def test_the_stock_function_of_a_class_or_method_trl_lacks_is_none_so_its_anchor_is_reported_missing() -> None:
+    """`_stock_function` resolves 'Owner.attribute' on GRPOTrainer (patched here: the replacement, which wraps the
+    stock function, so the anchors are read from the stock source) or on a class of trl.trainer.callbacks. A trl that
+    dropped the class or the method gives None, which check_anchors reports as that anchor missing (the
+    IncompatibleVersionError naming it), not as an AttributeError from inside patch()."""
+    assert inspect.unwrap(trl_patch._stock_function("GRPOTrainer._compute_loss")) is trl_patch._stock_compute_loss
+    assert (trl_patch._stock_function("SyncRefModelCallback._sync_target_model")
+            is trl.trainer.callbacks.SyncRefModelCallback._sync_target_model)
+    for function in ("NoSuchCallback._sync_target_model", "SyncRefModelCallback._no_such_method"):
+        assert trl_patch._stock_function(function) is None
+        anchor = versions.Anchor(function, "alpha", "a stand-in")
+        with pytest.raises(versions.IncompatibleVersionError,
+                           match=re.escape(f"the anchor `alpha` (a stand-in) was not found in {function}.")):
+            versions.check_anchors("trl", (anchor,), trl_patch._stock_function)
+
+
+def kl_line_without_the_log_prob_call(self, model, inputs):
+    """A changed trl: the KL line is there, but the policy log-probs no longer come from
+    `self._get_per_token_logps_and_entropies`."""
+    per_token_kl = torch.zeros(1, 2)
+    return (per_token_kl + self.beta * per_token_kl).sum()
+
+
+def test_a_loss_that_never_calls_the_policy_log_prob_method_is_an_error_naming_that_anchor(tokenizer, tmp_path,
+                                                                                         monkeypatch) -> None:
+    """The adapted KL reads the policy log-probs the stock loss computes: a trl whose `_compute_loss` reaches the KL
+    line without calling `_get_per_token_logps_and_entropies` raises IncompatibleVersionError naming that call, not an
+    IndexError."""
+    trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip")
+    monkeypatch.setattr(trl_patch, "_stock_compute_loss", kl_line_without_the_log_prob_call)
+    with pytest.raises(versions.IncompatibleVersionError, match=re.escape(
+            "the anchor `= self._get_per_token_logps_and_entropies(` (the policy log-probs, for a non-default "
+            "kl_estimator) was not found in GRPOTrainer._compute_loss.")):
+        trainer._compute_loss(trainer.model, {"completion_mask": torch.ones(1, 2)})
+
+
+class _UnloggedRewards(list):
+    """A reward metric list that keeps nothing appended: a changed trl that no longer logs the mean reward there."""
+
+    def append(self, value: object) -> None:
+        pass
+
+
+def test_a_generation_that_logs_no_mean_reward_is_an_error_naming_that_anchor(tokenizer, tmp_path) -> None:
+    """The dynamic beta reads the mean reward the stock generation appends to `_metrics["train"]["reward"]`: when one
+    training generation appends none, IncompatibleVersionError names that line."""
+    from .conftest import PROMPTS
+
+    trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="dynamic")
+    trainer.model.train()
+    trainer._metrics["train"]["reward"] = _UnloggedRewards()
+    with pytest.raises(versions.IncompatibleVersionError, match=re.escape(
+            'the anchor `self._metrics[mode]["reward"].append(` (the mean reward the dynamic beta reads) was not found '
+            "in GRPOTrainer._generate_and_score_completions.")):
+        trainer._generate_and_score_completions([{"prompt": prompt} for prompt in PROMPTS[:4]])
+
+
+def test_a_patch_set_restores_newest_first_down_to_a_kept_count_and_knows_what_it_replaced() -> None:
+    """Three replacements, the first and third of one attribute: `restore(keep=1)` undoes the newest two (value back
+    to 'first', other back to 'other'), `restore()` the first (value back to 'original'); `len` counts the
+    replacements held and `replaced` answers for the owner and name of a held one only."""
+    from unsloth_adaptive_kl.integrations.patching import PatchSet
+
+    class Owner:
+        value = "original"
+        other = "other"
+
+    patches = PatchSet()
+    patches.replace(Owner, "value", "first")
+    patches.replace(Owner, "other", "changed")
+    patches.replace(Owner, "value", "second")
+    assert len(patches) == 3 and patches.replaced(Owner, "value") and patches.replaced(Owner, "other")
+    assert not patches.replaced(Owner, "absent") and not patches.replaced(type("Another", (), {}), "value")
+    patches.restore(keep=1)
+    assert len(patches) == 1 and (Owner.value, Owner.other) == ("first", "other")
+    assert patches.replaced(Owner, "value") and not patches.replaced(Owner, "other")
+    patches.restore()
+    assert not patches and len(patches) == 0 and (Owner.value, Owner.other) == ("original", "other")
+
+
+def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:
+    """`unsloth_adaptive_kl.patch()` returns early when TRL is patched; the integration's own `patch()`, called
+    directly, is idempotent as well: a second call records no second replacement (13 here: the 12 patch points and
+    the CPU fallback kernel where trl's has no CPU path, 12 otherwise) and leaves the fallback's upstream TRL's kernel,
+    not the fallback itself (which would call itself on an accelerator)."""
+    installed = len(trl_patch._patches)
+    upstream = trl_patch.ChunkedLogProbWithCPUFallback.upstream
+    trl_patch.patch()
+    assert len(trl_patch._patches) == installed == 12 + trl_patch.kernel_lacks_cpu_path()
+    assert trl_patch.ChunkedLogProbWithCPUFallback.upstream is upstream

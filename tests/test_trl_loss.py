@@ -228,7 +228,9 @@ def test_log_ratios_of_50_give_finite_loss_and_gradients(tokenizer, tmp_path, me
 def test_garbage_on_masked_reference_positions_leaves_loss_and_gradients_untouched(tokenizer, tmp_path, method,
                                                                                    garbage) -> None:
     """The trainer's own KL (its k3 line) with NaN, -inf or a huge gap on padded reference positions: the loss and
-    every gradient equal those of the clean batch (SPEC 3.13; stock TRL's 0 * NaN would poison the gradient)."""
+    every gradient equal those of the clean batch (SPEC 3.13; stock TRL's 0 * NaN would poison the gradient). The
+    trainer's batch keeps its reference tensor as it was: the stock loss reads a copy (TRL reuses the batch over
+    num_iterations and steps_per_generation)."""
     results = []
     for dirty in (False, True):
         trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_adaptation_method=method,
@@ -236,7 +238,10 @@ def test_garbage_on_masked_reference_positions_leaves_loss_and_gradients_untouch
         inputs = fixed_inputs(trainer, tokenizer)
         if dirty:
             inputs["ref_per_token_logps"][inputs["completion_mask"] == 0] = garbage
+        reference = inputs["ref_per_token_logps"]
+        before = reference.clone()
         loss = trainer._compute_loss(trainer.model, inputs)
+        assert inputs["ref_per_token_logps"] is reference and torch.equal(reference.nan_to_num(), before.nan_to_num())
         results.append((loss.detach(), backward_grads(trainer, loss)))
     (clean_loss, clean_grads), (dirty_loss, dirty_grads) = results
     assert math.isfinite(dirty_loss.item()) and dirty_loss.item() == clean_loss.item()
@@ -612,3 +617,63 @@ def test_two_generations_in_one_optimizer_step_are_not_taken_for_a_bypassed_loss
     trainer.train()
     assert generations == [0, 0, 1, 1]
     assert trainer.adaptive_kl.completed_steps == 2 and trainer.current_beta == pytest.approx(0.0324)
+
+
+def test_tool_response_tokens_are_out_of_the_adapted_kl_in_the_loss(tokenizer, tmp_path) -> None:
+    """TRL's tool_mask (0 on the tokens a tool returned) masks them out of the loss as the completion mask does: the
+    adapted KL part and its gradient are the formula's with the mask completion_mask * tool_mask. Lengths 5, 3, 1, 4;
+    tool mask 0 on tokens 1-2 of row 0 and token 2 of row 3, 1 elsewhere (padding included): 13 - 3 = 10 tokens
+    count, rows 0 and 3 by 3 each (grpo's per-completion mean)."""
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="grpo", kl_adaptation_method="clip",
+                               kl_clip_threshold=0.3)
+    inputs = fixed_inputs(trainer, tokenizer)
+    tool_mask = torch.ones(4, T, dtype=torch.long)
+    tool_mask[0, 1:3] = 0
+    tool_mask[3, 2] = 0
+    kl_part, grads = kl_part_and_grads(trainer, {**inputs, "tool_mask": tool_mask})
+    mask = inputs["completion_mask"] * tool_mask
+    assert mask.sum(-1).tolist() == [3, 3, 1, 3]
+    expected = expected_kl_part(trainer, {**inputs, "completion_mask": mask}, policy_logps(trainer.model, inputs))
+    assert_matches_formula(trainer, kl_part, grads, expected)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_in_evaluation_the_kl_part_takes_no_accumulation_or_generation_split(tokenizer, tmp_path, loss_type) -> None:
+    """In evaluation TRL neither accumulates nor splits the generation batch: grpo's loss is not divided by the
+    accumulation steps, dapo's normaliser is num_items_in_batch itself, not num_items_in_batch * GA /
+    steps_per_generation. So the adapted KL part (clip at 0.3) is the training formula times GA = 2 for grpo
+    (beta * the mean of the per-completion means) and times GA / steps_per_generation = 2 / 2 = 1 for dapo
+    (beta * the token sum / num_items_in_batch)."""
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_adaptation_method="clip",
+                               kl_clip_threshold=0.3)
+    trainer.model.eval()
+    inputs = fixed_inputs(trainer, tokenizer)
+    kl_part, grads = kl_part_and_grads(trainer, inputs)
+    training_formula = expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs))
+    factor = GA / (trainer.args.steps_per_generation if loss_type == "dapo" else 1)
+    assert factor == (2 if loss_type == "grpo" else 1)
+    assert_matches_formula(trainer, kl_part, grads, training_formula * factor)
+
+
+def test_dapo_divides_the_kl_part_by_each_process_share_of_the_tokens_as_trl_does(tokenizer, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """dapo's normaliser is num_items_in_batch (the generation batch's tokens over all processes) / the process count
+    (times GA / steps_per_generation). With the accelerator reporting 2 processes (one runs here; only the normalisers
+    read the count), a no-op adaptation (clip above every KL) gives stock TRL's loss and gradients, whose KL part is
+    twice that of 1 process: a KL part divided by all the tokens would be half of it."""
+    import accelerate
+
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="dapo", kl_adaptation_method="clip",
+                               kl_clip_threshold=1e3)
+    inputs = fixed_inputs(trainer, tokenizer)
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+    with stock_trl():
+        stock_loss, stock_grads = loss_and_grads(trainer, "_compute_loss", inputs)
+    loss, grads = loss_and_grads(trainer, "_compute_loss", inputs)
+    kl_part, _ = kl_part_and_grads(trainer, inputs)
+    tokens = int(inputs["completion_mask"].sum())
+    assert abs(loss - stock_loss) <= reordered_sum_tolerance(tokens, abs(stock_loss))
+    assert abs(kl_part.item()) > 100 * reordered_sum_tolerance(tokens, abs(stock_loss))
+    stock_grad_max = max(g.abs().max().item() for g in stock_grads)
+    assert max((g - s).abs().max().item() for g, s in zip(grads, stock_grads)) <= 2 * reordered_sum_tolerance(
+        tokens, stock_grad_max)
