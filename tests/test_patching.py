@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
+import sys
+import types
+import warnings
 from typing import Optional
 
 import pytest
@@ -15,6 +18,7 @@ from packaging.version import Version
 
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import trl as trl_patch
+from unsloth_adaptive_kl.integrations import unsloth as unsloth_patch
 from unsloth_adaptive_kl.integrations import versions
 from unsloth_adaptive_kl.integrations.ref_sync import use_reference
 
@@ -33,6 +37,8 @@ def snapshot() -> dict:
         "methods": tuple(vars(trainer).get(name) for name in PATCHED_METHODS),
         "current_beta": "current_beta" in vars(trainer),
         "kernel": trl_utils._ChunkedLogProbFunction,
+        # unsloth is not imported in the test process: its hook is the import hook, waiting for unsloth.models.rl
+        "unsloth_hooks": sys.meta_path.count(unsloth_patch._FINDER),
     }
 
 
@@ -54,6 +60,7 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
         )
         assert stock["use_adapter"] is trl_utils.use_adapter and patched["use_adapter"] is use_reference
         assert stock["current_beta"] is False
+        assert (patched["unsloth_hooks"], stock["unsloth_hooks"]) == (1, 0)  # installed once, removed
         if trl_patch.kernel_lacks_cpu_path():  # trl 1.15 only: the fallback stands in for the kernel
             assert stock["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback.upstream
             assert patched["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback
@@ -95,6 +102,44 @@ def test_newer_untested_trl_whose_anchors_hold_warns_once_and_is_patched(monkeyp
 def compute_loss_without_the_kl_line(self, model, inputs):
     """A changed trl: the KL is added to the loss some other way."""
     return model(inputs)
+
+
+def test_unsloths_generator_loaded_before_the_hook_is_wrapped_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where unsloth.models.rl is loaded before the hook is installed (an Unsloth that generated no trainer when
+    imported), patch() wraps its generator at once, and once however often it is called: a generation that gives no
+    GRPO trainer warns once, not once a wrapper, and unpatch() gives Unsloth its own generator back."""
+    def _patch_trl_rl_trainers(trainer_file: str = "grpo_trainer") -> None:
+        """Unsloth's generator, generating nothing (TRL's GRPOTrainer stays)."""
+
+    rl = types.ModuleType("unsloth.models.rl")
+    rl._patch_trl_rl_trainers = _patch_trl_rl_trainers
+    unsloth_adaptive_kl.unpatch()
+    try:
+        monkeypatch.setitem(sys.modules, "unsloth.models.rl", rl)
+        unsloth_adaptive_kl.patch()
+        unsloth_adaptive_kl.patch()  # TRL patched already: the Unsloth hook alone, again
+        assert unsloth_patch._FINDER not in sys.meta_path
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            rl._patch_trl_rl_trainers("grpo_trainer")
+        assert [str(w.message).split(" (")[0] for w in caught] == ["Unsloth did not generate UnslothGRPOTrainer"]
+        unsloth_adaptive_kl.unpatch()
+        assert rl._patch_trl_rl_trainers is _patch_trl_rl_trainers
+    finally:
+        monkeypatch.undo()
+        unsloth_adaptive_kl.unpatch()
+        unsloth_adaptive_kl.patch()
+    assert unsloth_patch._FINDER in sys.meta_path
+
+
+def test_unsloths_generated_module_loaded_is_the_late_import_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsloth's generated module `UnslothGRPOTrainer` loaded means Unsloth generated its trainer from TRL's source
+    without this package's hook, even where trl's GRPOTrainer is not that module's class: too late, as when it is."""
+    monkeypatch.setitem(sys.modules, "UnslothGRPOTrainer", types.ModuleType("UnslothGRPOTrainer"))
+    assert unsloth_patch.generated_grpo_trainer() is None
+    with pytest.raises(ImportError, match="^unsloth_adaptive_kl was imported after unsloth, which has already "
+                                          "generated UnslothGRPOTrainer"):
+        unsloth_patch.check_import_order()
 
 
 def test_missing_anchor_is_refused_naming_anchor_version_and_tested_range(monkeypatch) -> None:

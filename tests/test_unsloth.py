@@ -12,7 +12,9 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +55,9 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     assert result["config_mro"][:3] == ["GRPOConfig", "GRPOConfig", "AdaptiveKLConfig"]
     assert result["restored_same_class"] is True
     assert result["patched_again"] is True
+    # generation called again: the hooked loss still wraps Unsloth's own, and nothing is replaced a second time
+    assert result["generated_again"] == {"loss": "_AdaptiveEfficientGRPO", "upstream": "UnslothEfficientGRPO",
+                                         "replacements_added": 0}
     assert (result["method"], result["threshold"]) == ("clip+dynamic", 0.5)
     assert result["restored"] == ["GRPOConfig", "clip+dynamic", 0.5]
     assert result["error"] == "kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0."
@@ -109,6 +114,11 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
             assert part["grad_diff"] <= grad_tolerance, (loss_type, method, part["grad_diff"], grad_tolerance)
             # current_beta * adapted_kl is the KL part of the loss, without the GA factor (2 here)
             assert part["metric_product"] == pytest.approx(2 * part["kl_part"], rel=1e-4), (loss_type, method)
+            # the stock `kl` metric whatever the method (the compiled loss, run with beta=0.0, reports 0): Unsloth's
+            # mean over completions of their token mean of k3, eager or compiled on the same inputs (k3 of log ratios
+            # within +/-1.5: a few tenths)
+            assert entry["stock_kl"] > 0.05
+            assert abs(part["kl_metric"] - entry["stock_kl"]) <= reordered_sum_tolerance(TOKENS, entry["stock_kl"])
             if "metrics" in part:  # each logged adaptive_kl/* value against docs/metrics.md's definition
                 assert_metrics_match(part["metrics"], part["expected_metrics"], rel=1e-4, abs_=1e-6)
         assert sum("metrics" in entry[method] for method in METHODS) == 6, loss_type
@@ -178,13 +188,16 @@ def test_generated_trainer_dynamic_beta_metrics_and_no_recompiles(tmp_path) -> N
 def test_hook_failure_inside_unsloths_generation_stops_adaptive_runs_before_training(tmp_path) -> None:
     """One anchor broken, then Unsloth's own patch_trl_rl_trainers() (as PatchFastRL calls it on a GPU), whose
     try/except swallows the hook's error: every adaptive setting fails at construction with that error; `none`
-    trains as stock Unsloth, with a warning naming it."""
+    trains as stock Unsloth, with a warning naming it. Then a second generation call whose install fails midway, past
+    the anchors: what it had replaced is undone, and the first refusal stands."""
     from unsloth_adaptive_kl.integrations.unsloth import SWALLOWED_NOTE
 
     result = run_scenario("hook_failure", tmp_path)
     assert result["trainer_class"] == "UnslothGRPOTrainer"  # Unsloth generated its trainer; the hook failed on it
     logged = [message for message in result["unsloth_log"] if "grpo_trainer" in message]
     assert len(logged) == 1 and logged[0].startswith("Unsloth: Could not patch trl.trainer.grpo_trainer: ")
+    # the generations of the trainer files after grpo_trainer's (rloo, sft, ...) are none of the hook's business
+    assert [message for message in result["unsloth_log"] if "unsloth_adaptive_kl" in message] == logged
     original = logged[0].removeprefix("Unsloth: Could not patch trl.trainer.grpo_trainer: ")
     assert "the anchor `loss_i = loss_i + beta * kl_i  # renamed`" in original
     assert original.startswith("unsloth_adaptive_kl cannot patch unsloth_zoo==")  # grpo_compute_loss is unsloth_zoo's
@@ -196,6 +209,13 @@ def test_hook_failure_inside_unsloths_generation_stops_adaptive_runs_before_trai
     assert len(none["warnings"]) == 1 and original in none["warnings"][0]
     assert none["steps"] == 1 and none["has_adaptive_kl"] is False
     assert "kl" in none["logged"] and not [key for key in none["logged"] if key.startswith("adaptive_kl/")]
+    # A second generation whose install fails midway: what it replaced is undone, Unsloth's generator stays hooked,
+    # the trainer keeps the refusal of the first failure, and `clip` is still refused with that first error.
+    midway = result["midway"]
+    assert midway["raised"] == "the _save_checkpoint hook failed"
+    assert midway["efficient_grpo"] == "UnslothEfficientGRPO"
+    assert midway["replaced"] == [["unsloth.models.rl", "_patch_trl_rl_trainers"], ["UnslothGRPOTrainer", "__init__"]]
+    assert midway["clip"] == original
 
 
 FAKE_RL = '''
@@ -203,26 +223,31 @@ import sys, types
 import trl.trainer.grpo_trainer as grpo_trainer
 
 def _patch_trl_rl_trainers(trainer_file="grpo_trainer"):
-    """Stands in for a changed Unsloth: generates a trainer whose module lacks UnslothEfficientGRPO."""
-    if MODE == "fail":
-        return  # generation failed: TRL's trainer stays
+    """Stands in for a changed Unsloth: generates a GRPO trainer whose module lacks UnslothEfficientGRPO."""
+    if MODE == "fail" or trainer_file != "grpo_trainer":
+        return  # generation failed, or another trainer: TRL's GRPO trainer stays
     module = types.ModuleType("UnslothGRPOTrainer")
     module.UnslothGRPOTrainer = type("UnslothGRPOTrainer", (grpo_trainer.GRPOTrainer,), {"__module__": "UnslothGRPOTrainer"})
     sys.modules["UnslothGRPOTrainer"] = module
     grpo_trainer.GRPOTrainer = module.UnslothGRPOTrainer
 
 def patch_trl_rl_trainers():
-    _patch_trl_rl_trainers("grpo_trainer")
+    for trainer_file in ("dpo_trainer", "grpo_trainer", "sft_trainer"):  # each of trl.trainer's, as Unsloth's does
+        _patch_trl_rl_trainers(trainer_file)
 '''
 
 
-@pytest.mark.parametrize("mode", ["changed", "fail"])
+@pytest.mark.parametrize("mode", ["changed", "fail", "renamed"])
 def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> None:
+    """A stand-in unsloth whose generation (called for each trainer file, GRPO's second) gives a trainer without the
+    names the hook needs (changed), gives none (fail: one warning, for grpo_trainer alone), or whose generator is
+    renamed (the hook cannot wrap it: the import fails naming it)."""
     fake = tmp_path / "fake"
     (fake / "unsloth" / "models").mkdir(parents=True)
     (fake / "unsloth" / "__init__.py").write_text("from .models import rl\nrl.patch_trl_rl_trainers()\n")
     (fake / "unsloth" / "models" / "__init__.py").write_text("")
-    (fake / "unsloth" / "models" / "rl.py").write_text(f"MODE = {mode!r}\n" + FAKE_RL)
+    rl = FAKE_RL.replace("_patch_trl_rl_trainers", "_generate_trainer") if mode == "renamed" else FAKE_RL
+    (fake / "unsloth" / "models" / "rl.py").write_text(f"MODE = {mode!r}\n" + rl)
     script = textwrap.dedent("""
         import warnings
         import unsloth_adaptive_kl
@@ -239,14 +264,21 @@ def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> No
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    warned = [line for line in result.stdout.splitlines() if line.startswith("WARNING")]
     if mode == "changed":
         assert "ERROR unsloth_adaptive_kl cannot patch unsloth" in result.stdout
         assert "the anchor `UnslothEfficientGRPO` (a name the integration hooks) was not found" in result.stdout
         assert re.search(r"unsloth(==[\w.]+| \(not installed\)) \(tested: unsloth>=2026\.10\.7,<=2026\.10\.9\)",
                          result.stdout)
+        assert warned == []  # dpo_trainer's generation, before it, is none of the hook's business
+    elif mode == "renamed":
+        assert "ERROR unsloth_adaptive_kl cannot patch unsloth" in result.stdout
+        # before any generation: the message names the module, not "Unsloth's generated trainer"
+        assert ("the anchor `_patch_trl_rl_trainers` (the function that generates Unsloth's trainer) was not found in "
+                "unsloth.models.rl." in result.stdout)
     else:
         assert "IMPORTED" in result.stdout
-        assert "WARNING Unsloth did not generate UnslothGRPOTrainer" in result.stdout
+        assert len(warned) == 1 and warned[0].startswith("WARNING Unsloth did not generate UnslothGRPOTrainer")
 
 
 @needs_unsloth
@@ -379,9 +411,42 @@ def test_a_loss_keyword_the_generated_trainer_stops_passing_is_an_error_naming_i
     assert integration._normalisers(passed, "micro_batch") == ("dapo", LossNormalisers(16, 40.0, 4, None, 2))
     assert integration._normalisers({**passed, "steps_per_generation": 8}, "micro_batch")[1].steps_per_generation == 8
     assert integration._normalisers({**passed, "loss_type": "bnpo"}, "global")[0] == "dapo"
+    # no token count to divide by (None): bnpo keeps its own reduction under either rule
+    assert integration._normalisers({**passed, "loss_type": "bnpo", "num_items_in_batch": None}, "global")[0] == "bnpo"
+    assert integration._normalisers({**passed, "loss_type": "bnpo"}, "micro_batch")[0] == "bnpo"
     for name in passed:
         with pytest.raises(IncompatibleVersionError, match=rf"`{name} = `.*UnslothGRPOTrainer\.compute_loss"):
             integration._normalisers({key: value for key, value in passed.items() if key != name}, "micro_batch")
+
+
+def test_a_generated_compute_loss_that_does_not_call_the_compiled_loss_once_is_an_error() -> None:
+    """The generated compute_loss must reach the shim (`UnslothEfficientGRPO.apply`) once per call: where a changed
+    Unsloth calls it zero or two times, the wrapper raises IncompatibleVersionError naming that call instead of
+    logging a step without a KL term, or one of two. The shim sees the running trainer only inside the call: after it
+    (here, after the error) `_ACTIVE` is unset again, so a later call of the shim outside compute_loss runs stock."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl.integrations import unsloth as integration
+    from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError
+
+    seen: list = []
+
+    def generated(self: Any, model: Any, inputs: int, return_outputs: bool = False, num_items_in_batch: Any = None
+                  ) -> float:
+        """Unsloth's compute_loss, as far as the wrapper sees it: `inputs` shim calls, each recording its term."""
+        trainer, calls = integration._ACTIVE.get()
+        seen.append(trainer)
+        calls.extend([None] * inputs)
+        return 0.5
+
+    compute_loss, trainer = integration._wrap_compute_loss(generated), SimpleNamespace(beta=0.04)
+    for shim_calls in (0, 2):
+        with pytest.raises(IncompatibleVersionError, match=r"unsloth_zoo.*`UnslothEfficientGRPO\.apply\(` \(the "
+                           r"compiled loss, which the adaptive loss wraps\) was not found in Unsloth's generated "
+                           r"trainer: grpo_accumulated_loss"):
+            compute_loss(trainer, None, shim_calls)
+        assert integration._ACTIVE.get() is None
+    assert seen == [trainer, trainer]
 
 
 @needs_unsloth
@@ -406,7 +471,8 @@ def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_pat
 def test_unsloths_sample_weights_refuse_an_adapted_kl_at_construction_and_leave_none_stock(tmp_path) -> None:
     """With Unsloth's per-completion weights on, building the trainer with `clip` raises the documented error (the
     troubleshooting page's); `none` warns once, logs no adaptive_kl/* metric, and on a weighted batch its loss and
-    gradients are stock Unsloth's exactly (the shim hands the call to Unsloth's own loss)."""
+    gradients are stock Unsloth's exactly (the shim hands the call to Unsloth's own loss). Set only after a `clip`
+    trainer was built, they stop its first loss call; with beta = 0 (no KL term) `clip` is built without a word."""
     results = run_scenario("sample_weights", tmp_path)
     troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
     assert f"NotImplementedError: {results['refused']}\n" in troubleshooting
@@ -414,6 +480,12 @@ def test_unsloths_sample_weights_refuse_an_adapted_kl_at_construction_and_leave_
     assert results["adaptive_metrics"] == [] and results["logged_kl"]  # the step logged, its KL stock Unsloth's
     assert len(results["weights"]) == 4 and any(weight > 0 for weight in results["weights"])  # the weights reach it
     assert results["loss"] == results["stock_loss"]
+    # set only after a `clip` trainer was built: its first loss call stops the run, naming them
+    assert results["set_late"] == (
+        "Unsloth's per-completion loss weights (UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE=1 or UNSLOTH_GRPO_LOSS_AGGREGATION="
+        "prompt) reweight the loss's rows, which an adapted KL term does not follow: they were set after the trainer "
+        "was built")
+    assert results["beta_zero"] == []  # beta = 0: no KL term, so `clip` is neither refused nor warned about
     assert results["grad_diff"] == 0.0 and results["grad_max"] > 0
     grpo = results["grpo"]  # exclusion alone with grpo: Unsloth ignores it (and says so), so nothing is refused
     assert grpo["ours"] == [] and grpo["unsloth_ignores"] and grpo["weights"] is None
@@ -433,6 +505,41 @@ def test_unsloths_weights_are_refused_only_where_unsloth_applies_them(mode, weig
 
     loss_types = ("grpo", "sapo", "bnpo", "dapo", "cispo", "vespo", "dr_grpo", "luspo")
     assert tuple(t for t in loss_types if unsloth_weights_loss(mode, t)) == weighted
+
+
+@pytest.mark.parametrize("beta", [0.04, 0.0])
+def test_the_pad_check_reads_a_processors_tokenizer_and_passes_one_without_pad_or_eos(beta: float) -> None:
+    """The construction check of pad = EOS (`_check_unsupported`, run after the generated __init__), Unsloth's sample
+    weights off (mode None): with a processor as processing_class it reads the tokenizer the processor holds (pad 0 =
+    EOS 0: `clip` refused; with beta = 0 there is no KL term, so, as for the sample weights, only the stock warning
+    about the EOS's policy gradient); a tokenizer with neither a pad nor an EOS token (None = None) has no EOS for
+    Unsloth's mask to drop, so nothing is refused or warned."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl import AdaptiveKLConfig
+    from unsloth_adaptive_kl.integrations.unsloth import _check_unsupported
+    from unsloth_adaptive_kl.tools.tiny import build_tokenizer
+
+    def generated_init(self: Any, processing_class: Any) -> None:
+        """What the generated __init__ (wrapped by `wrap_init`) leaves on the trainer, as far as the check reads it."""
+        self.processing_class, self.beta, self.args = processing_class, beta, SimpleNamespace(loss_type="dapo")
+        self.adaptive_kl = SimpleNamespace(config=AdaptiveKLConfig(kl_adaptation_method="clip"))
+
+    init = _check_unsupported(generated_init, lambda: None)
+    processor = SimpleNamespace(tokenizer=build_tokenizer("ab", pad_is_eos=True))
+    if beta:
+        with pytest.raises(ValueError, match=r"^pad_token_id=0 is invalid: allowed is a token other than the "
+                                             r"eos_token_id \(0\) with kl_adaptation_method='clip'"):
+            init(SimpleNamespace(), processor)
+    else:
+        with pytest.warns(UserWarning, match=r"^pad_token_id=0 is the eos_token_id: Unsloth's GRPO loss masks"):
+            init(SimpleNamespace(), processor)
+    tokenizer = build_tokenizer("ab")
+    tokenizer.pad_token = tokenizer.eos_token = None
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        init(SimpleNamespace(), tokenizer)
 
 
 @needs_unsloth

@@ -299,6 +299,11 @@ def scenario_config(out: str) -> dict:
     except ValueError as caught:
         error = str(caught)
     unsloth_adaptive_kl.patch()  # again, once Unsloth generated its trainer: idempotent, not "imported after unsloth"
+    # Unsloth's generation called again (PatchFastRL runs it for each model loaded; Unsloth answers "already patched"):
+    # the hook's wrapper runs again on the same trainer, and the install must not hook it twice
+    hook = unsloth_adaptive_kl.integrations.unsloth
+    replaced, generated = len(hook._patches), sys.modules[trl.GRPOTrainer.__module__]
+    rl._patch_trl_rl_trainers("grpo_trainer")
     return {
         "patched_again": unsloth_adaptive_kl.is_patched() and trl.GRPOTrainer.__name__ == "UnslothGRPOTrainer",
         "config_class": f"{type(args).__module__}.{type(args).__name__}", "config_mro": [c.__name__ for c in type(args).__mro__][:4],
@@ -309,6 +314,9 @@ def scenario_config(out: str) -> dict:
         "is_ours_subclassed": type(args) is not unsloth_adaptive_kl.GRPOConfig
         and issubclass(type(args), unsloth_adaptive_kl.GRPOConfig),
         "error": error, "guards": guards,
+        "generated_again": {"loss": generated.UnslothEfficientGRPO.__qualname__,
+                            "upstream": hook._AdaptiveEfficientGRPO.upstream.__qualname__,
+                            "replacements_added": len(hook._patches) - replaced},
     }
 
 
@@ -324,7 +332,7 @@ def scenario_losses(out: str) -> dict:
         loss, grads = loss_and_grads(trainer, inputs)
         stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
         entry: dict[str, Any] = {"none_loss": loss, "stock_loss": stock_loss, "none_grad_diff": max_abs_diff(grads, stock_grads),
-                                 "stock_grad_max": max_abs(stock_grads)}
+                                 "stock_grad_max": max_abs(stock_grads), "stock_kl": trainer._metrics["train"]["kl"][-1]}
         trainer.beta = 0.0
         policy, policy_grads = loss_and_grads(trainer, inputs)
         trainer.beta = 0.04
@@ -346,7 +354,8 @@ def scenario_losses(out: str) -> dict:
             entry[label] = {"kl_part": total - policy, "expected": expected.item(),
                              "grad_diff": max_abs_diff(kl_grads, expected_grads), "grad_max": max_abs(expected_grads),
                              "metric_product": trainer._metrics["train"]["adaptive_kl/current_beta"][-1]
-                             * trainer._metrics["train"]["adaptive_kl/adapted_kl"][-1]}
+                             * trainer._metrics["train"]["adaptive_kl/adapted_kl"][-1],
+                             "kl_metric": trainer._metrics["train"]["kl"][-1]}
             if estimator == "k3" and reduction == "loss_type":  # every logged value and its definition
                 entry[label]["metrics"] = {key: values[-1] for key, values in trainer._metrics["train"].items()
                                            if key.startswith("adaptive_kl/") and len(values) > before.get(key, 0)}
@@ -706,7 +715,40 @@ def scenario_hook_failure(out: str) -> dict:
     results["none"] = {"warnings": [str(w.message) for w in caught if "without unsloth_adaptive_kl" in str(w.message)],
                        "has_adaptive_kl": hasattr(trainer, "adaptive_kl"), "steps": trainer.state.global_step,
                        "logged": sorted({key for entry in trainer.state.log_history for key in entry})}
+    results["midway"] = failure_midway(out)
     return results
+
+
+def failure_midway(out: str) -> dict:
+    """Unsloth's generation called again (Unsloth: "already patched"), now with every anchor found and a hook that
+    fails midway through the install, once it replaced the loss, the config's methods and four of the trainer's: what
+    the hook holds replaced afterwards, what the generated module's loss is, and what `clip` gets at construction."""
+    from unsloth_adaptive_kl.integrations import versions
+
+    hook = unsloth_adaptive_kl.integrations.unsloth
+    module = sys.modules[trl.GRPOTrainer.__module__]
+
+    def failing(upstream: Any) -> Any:
+        raise RuntimeError("the _save_checkpoint hook failed")
+
+    hook.UNSLOTH_ANCHORS, wrap_save_checkpoint, hook.wrap_save_checkpoint = (versions.UNSLOTH_ANCHORS,
+                                                                             hook.wrap_save_checkpoint, failing)
+    try:
+        rl._patch_trl_rl_trainers("grpo_trainer")
+    except RuntimeError as error:
+        raised = str(error)
+    else:
+        raised = None
+    finally:
+        hook.wrap_save_checkpoint = wrap_save_checkpoint
+    try:
+        make_trainer(f"{out}/midway", max_steps=1, kl_adaptation_method="clip")
+    except Exception as error:
+        clip = str(error)
+    else:
+        clip = None
+    return {"raised": raised, "clip": clip, "efficient_grpo": module.UnslothEfficientGRPO.__qualname__,
+            "replaced": [(owner.__name__, name) for owner, name, _ in hook._patches._originals]}
 
 
 def scenario_settings(out: str) -> dict:
@@ -798,9 +840,24 @@ def scenario_sample_weights(out: str) -> dict:
     """UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE=1 with dapo (Unsloth weights each completion of the loss): an adapted KL is
     refused at construction; `none` warns, trains a step, and on that step's batch (weights included) gives stock
     Unsloth's loss and gradients. With grpo, which Unsloth does not weight under exclusion alone, `clip` is built
-    without a word of ours, trains a step on unweighted batches and logs its metrics."""
-    os.environ["UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE"] = "1"
+    without a word of ours, trains a step on unweighted batches and logs its metrics. Before all that: a `clip` trainer
+    built before the variable is set, trained after; and `clip` with beta = 0 built with it set."""
     results: dict[str, Any] = {}
+    # built before the variable is set: Unsloth reads it when each batch is generated, so the loss meets the weights
+    late = make_trainer(f"{out}/late", kl_adaptation_method="clip", max_steps=1)
+    os.environ["UNSLOTH_GRPO_ZERO_VARIANCE_EXCLUDE"] = "1"
+    try:
+        late.train()
+    except NotImplementedError as error:
+        results["set_late"] = str(error)
+    with warnings.catch_warnings(record=True) as caught:  # beta = 0: no KL to adapt, so nothing to refuse
+        warnings.simplefilter("always")
+        try:
+            make_trainer(f"{out}/beta_zero", kl_adaptation_method="clip", beta=0.0)
+        except NotImplementedError as error:
+            results["beta_zero"] = str(error)
+        else:
+            results["beta_zero"] = [str(w.message) for w in caught if "per-completion loss weights" in str(w.message)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         unweighted = make_trainer(f"{out}/grpo", kl_adaptation_method="clip", kl_clip_threshold=0.05,

@@ -308,7 +308,7 @@ def _check_unsupported(upstream: Callable, sample_weight_mode: Callable[[], Any]
             return
         fix = ("a tokenizer with a pad token of its own (FastLanguageModel.from_pretrained gives one; or set "
                "tokenizer.pad_token to an unused special token of the vocabulary)")
-        if not config.is_stock_kl:
+        if not config.is_stock_kl and self.beta != 0.0:  # beta = 0: no KL term to land elsewhere, as for the weights
             raise reject("pad_token_id", pad, f"a token other than the eos_token_id ({pad}) with kl_adaptation_method="
                          f"{config.kl_adaptation_method!r}, kl_placement={config.kl_placement!r}: {PAD_IS_EOS}. Use "
                          f"{fix}; kl_adaptation_method='none' with the KL in the loss stays stock (it warns)")
@@ -447,9 +447,9 @@ def _wrap_patch_trl_rl_trainers(upstream: Callable) -> Callable:
 
 
 def _hook_rl_module(module: Any) -> None:
-    if not hasattr(module, "_patch_trl_rl_trainers"):
-        raise _missing("unsloth", Anchor("unsloth.models.rl._patch_trl_rl_trainers", "_patch_trl_rl_trainers",
-                                         "the function that generates Unsloth's trainer"))()
+    if not hasattr(module, "_patch_trl_rl_trainers"):  # before any generation: not "Unsloth's generated trainer"
+        raise anchor_error("unsloth", Anchor(RL_MODULE, "_patch_trl_rl_trainers",
+                                             "the function that generates Unsloth's trainer"))
     _patches.replace(module, "_patch_trl_rl_trainers", _wrap_patch_trl_rl_trainers(module._patch_trl_rl_trainers))
 
 
