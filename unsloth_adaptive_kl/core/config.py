@@ -284,8 +284,8 @@ class AdaptiveKLConfig:
         them to `AdaptiveKL(config, beta)`, which validates them, once, against the beta in use. Built without
         `__init__`, whose `__post_init__` would validate them a second time."""
         config = cls.__new__(cls)
-        for spec in dataclasses.fields(cls):
-            setattr(config, spec.name, getattr(source, spec.name, spec.default))
+        for name, value in zip(ADAPTIVE_KL_FIELDS, settings_of(source)):
+            setattr(config, name, value)
         if not isinstance(config.kl_adaptation_method, str):  # a list: `kl_methods` reads the joined string
             config.kl_adaptation_method = canonical_methods(config.kl_adaptation_method)
         return config
