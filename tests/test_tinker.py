@@ -720,6 +720,7 @@ def test_traced_loss_data_refuses_a_nonfinite_log_prob_on_a_valid_token() -> Non
     for key, value, name in (("ref_logprobs", math.nan, r"loss_fn_inputs\['ref_logprobs'\]"),
                              ("logprobs", math.inf, r"loss_fn_inputs\['logprobs'\] \(the sampler's\)")):
         datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
+        datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(4))
         values = datum.loss_fn_inputs[key].to_torch().clone()
         values[0] = value  # a prompt position
         datum.loss_fn_inputs[key] = types.TensorData.from_torch(values)
@@ -1046,6 +1047,7 @@ def test_a_divisor_the_loss_type_does_not_read_warns_in_both_loss_routes() -> No
     handed to grpo_kl_loss, or a max_completion_length to traced_loss_data, warns that it has no effect, naming the
     loss types that read it; the dr_grpo divisor given to a dr_grpo `akl` is quiet."""
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
     grpo = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)
     with pytest.warns(UserWarning, match=r"^token_normalizer=7\.0 has no effect: only loss_type dapo, cispo or vespo "
                                          r"reads it, and loss_type='grpo' reduces the loss by sequence_mean\."):
@@ -1070,6 +1072,91 @@ def test_a_setting_changed_after_the_run_started_is_refused_in_both_loss_routes(
     for route in (lambda: integration.grpo_kl_loss(akl), lambda: integration.traced_loss_data(akl, [datum])):
         with pytest.raises(ValueError, match=r"^kl_clip_threshold changed from 0\.5 to 0\.0 after the run started"):
             route()
+
+
+def test_a_loss_built_keeps_its_settings_and_a_later_change_is_refused_at_the_next_door() -> None:
+    """A loss is built with the settings checked then (as with its beta): kl_clip_threshold set to -5 on akl's
+    config after grpo_kl_loss was built would have clipped every token's KL to -5 in that loss (on ccb0d5c: the
+    adapted KL of this batch -5 * 2 tokens... a negative KL term). The loss keeps 0.5: its K is min(k3, 0.5) summed
+    over the completion's 2 tokens / 2 (grpo), k3 = exp(r) - r - 1 of r = ref - logp by hand; the next akl.step()
+    refuses the change, naming both values."""
+    config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.5)
+    akl = AdaptiveKL(config, beta=0.1)
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -2.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.zeros(3))
+    loss_fn = integration.grpo_kl_loss(akl)
+    config.kl_clip_threshold = -5.0
+    _, metrics = loss_fn([datum], [torch.tensor([0.0, -1.0, -1.0], requires_grad=True)])
+    k3 = [math.exp(r) - r - 1 for r in (0.5, -1.5)]  # 0.1487, 0.7231: the second is clipped to 0.5
+    assert metrics["adaptive_kl/adapted_kl"] == pytest.approx((k3[0] + 0.5) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match=r"^kl_clip_threshold changed from 0\.5 to -5\.0 after the run started"):
+        akl.step()
+
+
+def test_a_nonfinite_advantage_on_a_completion_token_is_refused_in_both_loss_routes() -> None:
+    """A NaN advantage on a completion token made route 1's loss and every gradient NaN (and route 3's), where a NaN
+    log-prob there raises: both refuse it before a loss is computed, naming the input, the count and the Datum; on a
+    prompt position (mask 0) it is padding and passes."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
+    good = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    good.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([math.nan, 1.0, 1.0]))
+    bad = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    bad.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, math.inf, math.nan]))
+    logps = [torch.full((3,), -1.0, requires_grad=True) for _ in range(2)]
+    loss, _ = integration.grpo_kl_loss(akl)([good], logps[:1])
+    assert math.isfinite(float(loss.detach()))
+    integration.traced_loss_data(akl, [good])
+    message = (r"^loss_fn_inputs\['advantages'\] holds NaN or \+-inf on 2 valid \(mask=1\) token\(s\), in Datum\(s\) "
+               r"\[1\]: allowed is a finite advantage")
+    with pytest.raises(ValueError, match=message):
+        integration.grpo_kl_loss(akl)([good, bad], logps)
+    with pytest.raises(ValueError, match=message):
+        integration.traced_loss_data(akl, [good, bad])
+
+
+def test_the_traced_route_refuses_a_registered_reduction_its_weights_do_not_reproduce() -> None:
+    """traced_loss_data turns the KL reduction into per-token weights (its gradient at 0), exact for a reduction linear
+    in the per-completion sums S_i. A registered mean_i (S_i / L_i)^2 has the gradient 0 at 0: the traced loss took
+    K = 0 where grpo_kl_loss takes K = mean_i (S_i / L_i)^2 (on ccb0d5c, silently). Now it is refused, naming the
+    setting; a linear registered reduction (2 * mean_i S_i) passes, its weights 2 / B on each valid token."""
+    from unsloth_adaptive_kl import register_kl_reduction
+    from unsloth_adaptive_kl.core import reductions
+
+    data = []
+    for ref in ([-0.5, -1.5], [-1.0, -3.0]):
+        datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], ref)
+        datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.zeros(3))
+        data.append(datum)
+    try:
+        register_kl_reduction("squared_mean")(lambda sums, lengths, ctx: ((sums / lengths) ** 2).mean())
+        register_kl_reduction("twice_sum_mean")(lambda sums, lengths, ctx: 2 * sums.mean())
+        squared = AdaptiveKL(AdaptiveKLConfig(kl_reduction="squared_mean"), beta=0.1)
+        _, metrics = integration.grpo_kl_loss(squared)(data, [torch.full((3,), -1.0, requires_grad=True)] * 2)
+        k3 = [[math.exp(r) - r - 1 for r in rows] for rows in ([0.5, -0.5], [0.0, -2.0])]
+        assert metrics["adaptive_kl/adapted_kl"] == pytest.approx(
+            sum((sum(row) / 2) ** 2 for row in k3) / 2, rel=1e-6)
+        with pytest.raises(ValueError, match=r"^kl_reduction='squared_mean' is invalid for the traced loss: its "
+                                             r"reduction is not linear in the per-completion sums .*grpo_kl_loss"):
+            integration.traced_loss_data(squared, data)
+        linear = AdaptiveKL(AdaptiveKLConfig(kl_reduction="twice_sum_mean"), beta=0.1)
+        traced = integration.traced_loss_data(linear, data)
+        assert [d.loss_fn_inputs["kl_weights"].to_torch().tolist() for d in traced] == [[0.0, 1.0, 1.0]] * 2
+    finally:
+        for name in ("squared_mean", "twice_sum_mean"):
+            reductions.REDUCTIONS.pop(name, None)
+
+
+def test_traced_loss_data_refuses_the_kl_in_the_reward_as_the_other_loss_doors_do() -> None:
+    """grpo_kl_loss and traceable_grpo_loss refuse kl_placement='reward'; traced_loss_data accepted it (on ccb0d5c)
+    and returned the Datums of a loss the settings do not put the KL in. One message names the door."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    for door, call in (("grpo_kl_loss", lambda: integration.grpo_kl_loss(akl)),
+                       ("traceable_grpo_loss", lambda: integration.traceable_grpo_loss(akl)),
+                       ("traced_loss_data", lambda: integration.traced_loss_data(akl, [datum]))):
+        with pytest.raises(ValueError, match=rf"^kl_placement='reward' puts beta \* KL into the rewards: use "
+                                             rf"kl_penalized_data\(\.\.\.\) .* instead of {door}\(\.\.\.\)$"):
+            call()
 
 
 def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> None:

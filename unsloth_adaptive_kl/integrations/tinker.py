@@ -23,6 +23,7 @@ Python list is only accepted by the SDK for the keys it knows, and `ref_logprobs
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable, Optional, Sequence, Union
 
@@ -159,15 +160,29 @@ def clip_bounds(clip_epsilon: float, clip_epsilon_high: Optional[float]) -> tupl
     return 1.0 - clip_epsilon, 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
 
 
-def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, step: int) -> None:
+def check_loss_placement(akl: AdaptiveKL, door: str) -> None:
+    """Routes 1 and 3 put beta * KL into the loss: a ValueError where the settings put it into the rewards."""
+    if akl.config.kl_in_reward:
+        raise ValueError(f"kl_placement='reward' puts beta * KL into the rewards: use kl_penalized_data(...) with the "
+                         f"built-in importance_sampling loss instead of {door}(...)")
+
+
+def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      step: int) -> None:
     """The rules of the core's own-loop doors, for routes 1 and 3 before a loss is computed from the Datums (route 2's
-    `reward_penalty` is such a door): a ValueError where the mask holds an entry other than 0 and 1;
-    `NonFiniteLogProbError` where the sampler log-probs (the PPO ratio's denominator) or the reference log-probs hold a
-    NaN or +-inf on a valid (mask=1) token, naming each and how many tokens."""
+    `reward_penalty` is such a door, and it computes the advantages from rewards it checks): a ValueError where the
+    mask holds an entry other than 0 and 1, or an advantage on a valid (mask=1) token is NaN or +-inf (the loss and
+    every gradient would be NaN); `NonFiniteLogProbError` where the sampler log-probs (the PPO ratio's denominator) or
+    the reference log-probs hold a NaN or +-inf on a valid token, naming each and how many tokens."""
     check_mask(mask, f"loss_fn_inputs[{MASK!r}]")
     found = found_in_check(LogpCheck.of(sampled, ref, mask, **DATUM_LOGPS))
     if found:
         raise nonfinite_error(step, found)
+    bad = (mask != 0) & ~torch.isfinite(advantages)
+    if bool(bad.any()):
+        raise ValueError(f"loss_fn_inputs[{ADVANTAGES!r}] holds NaN or +-inf on {int(bad.sum())} valid (mask=1) "
+                         f"token(s), in Datum(s) {bad.any(-1).nonzero().flatten().tolist()}: allowed is a finite "
+                         "advantage on every completion token (a NaN one makes the loss and every gradient NaN).")
 
 
 # ----- 1. the KL in the loss: a loss_fn for forward_backward_custom ---------------------------------------------------
@@ -205,12 +220,10 @@ class GRPOKLLoss:
         token_normalizer: Optional[Number] = None,
     ) -> None:
         akl.check_settings()
-        if akl.config.kl_in_reward:
-            raise ValueError("kl_placement='reward' puts beta * KL into the rewards: use kl_penalized_data(...) with "
-                             "the built-in importance_sampling loss instead of grpo_kl_loss(...)")
+        check_loss_placement(akl, "grpo_kl_loss")
         self.clip_low, self.clip_high = clip_bounds(clip_epsilon, clip_epsilon_high)
         self.beta = akl.current_beta
-        self.config = akl.config
+        self.config = copy.copy(akl.config)  # the settings checked now: a later change to akl's is refused at akl.step
         self.loss_type = akl.loss_type
         self.training_step = akl.completed_steps + 1  # the step this loss trains, as the non-finite message names it
         self.context = ReductionContext(max_completion_length, token_normalizer)
@@ -231,7 +244,7 @@ class GRPOKLLoss:
         logps = _stack(logprobs)
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
-        check_datum_batch(old, ref, mask, self.training_step)
+        check_datum_batch(old, ref, advantages, mask, self.training_step)
         surrogate = _ppo_clip_surrogate(logps, old, advantages, mask, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
         term = kl_term(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context, with_grad=True)
@@ -381,9 +394,9 @@ def traceable_grpo_loss(
     every controller (beta is an input; `target` needs `record_step_kl`); the per-token estimators k1, k2, k3,
     low_var_kl, k1+, k3+, k1_future (its KL-to-go runs over the datum, which is one completion) and registered
     callables torch.fx can trace. Not: k3_bottom_percentile (a batch statistic)."""
-    config = akl.config
-    if config.kl_in_reward:
-        raise ValueError("kl_placement='reward': there is no KL in the loss to trace; use kl_penalized_data(...)")
+    akl.check_settings()
+    check_loss_placement(akl, "traceable_grpo_loss")
+    config = copy.copy(akl.config)  # traced once: a later change to akl's settings is refused by traced_loss_data
     if isinstance(config.estimator, str) and config.estimator in _BATCH_ESTIMATORS:
         raise ValueError(f"kl_estimator={config.estimator!r} selects tokens by a batch-wide percentile, which a "
                          "per-datum loss cannot see: use grpo_kl_loss(...) (the whole batch) instead")
@@ -404,11 +417,21 @@ def traceable_grpo_loss(
     return adaptive_kl_grpo, ranks
 
 
-def _reduction_weights(mask: torch.Tensor, reduction: str, context: ReductionContext) -> torch.Tensor:
-    """d reduce(x) / d x_t for the core's named reduction: m_t * w_i (each reduction is linear in x)."""
+def _reduction_weights(mask: torch.Tensor, reduction: str, context: ReductionContext, setting: str) -> torch.Tensor:
+    """d reduce(x) / d x_t for the core's named reduction: m_t * w_i. Exact only for a reduction linear in the
+    per-completion sums, as every built-in one is; a registered one (`register_kl_reduction`) may not be, so the
+    weights are checked against the reduction itself on a probe batch of this mask, and a ValueError naming `setting`
+    (the field and its value) refuses one they do not reproduce (the traced loss would silently compute another KL)."""
     x = torch.zeros_like(mask, requires_grad=True)
     with torch.enable_grad():
         (weights,) = torch.autograd.grad(reduce_kl(x, mask, reduction, context), x)
+    probe = torch.rand(mask.shape, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    reduced, weighted = float(reduce_kl(probe, mask, reduction, context)), float((weights * probe).sum())
+    if not (math.isfinite(reduced) and math.isclose(reduced, weighted, rel_tol=1e-4, abs_tol=1e-6)):
+        raise ValueError(f"{setting} is invalid for the traced loss: its reduction is not linear in the "
+                         f"per-completion sums (on a probe batch it gives {reduced!r}, its per-token weights "
+                         f"{weighted!r}), and traceable_grpo_loss reduces by per-token weights. Allowed: a reduction "
+                         "linear in the sums (every built-in one), or grpo_kl_loss(...), which reduces the whole batch.")
     return weights
 
 
@@ -427,12 +450,15 @@ def traced_loss_data(
     in the Datums' `logprobs` or `ref_logprobs` on a valid token raises `NonFiniteLogProbError` here, before anything
     is sent."""
     akl.check_settings()
+    check_loss_placement(akl, "traced_loss_data")
     mask = _batch(data, MASK)
-    check_datum_batch(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), mask, akl.completed_steps + 1)
+    check_datum_batch(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), _batch(data, ADVANTAGES), mask,
+                      akl.completed_steps + 1)
     context = ReductionContext(max_completion_length, token_normalizer)
     warn_unread_context(context, akl.config, akl.loss_type)
-    pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context)
-    kl_weights = _reduction_weights(mask, kl_reduction(akl.config, akl.loss_type), context)
+    reduction = kl_reduction(akl.config, akl.loss_type)
+    pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context, f"loss_type={akl.loss_type!r}")
+    kl_weights = _reduction_weights(mask, reduction, context, f"kl_reduction={reduction!r}")
     beta_value = torch.tensor(akl.current_beta if beta is None else float(beta), dtype=torch.float32)
     out = []
     for i, datum in enumerate(data):
