@@ -540,7 +540,8 @@ def test_a_step_without_a_valid_token_keeps_the_last_kl() -> None:
 def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
     """`dynamic` before any mean reward, and `target` (the KL in the loss) with no valid token trained on since the
     last step, would keep beta without a word: the first such step warns, naming it and the call that feeds it, at
-    every door (`step`, and `record_sums` where an engine gathers its own sums). A step that has its input, or a later
+    every door (`step`, and `record_sums` where an engine gathers its own sums); `target` with the KL in the reward
+    before any training batch was scored too. A step that has its input, or a later
     pass over the same batch (mean_reward None), or the KL in the reward between scored batches (mu passes over one),
     holds or moves silently as documented."""
     dynamic = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
@@ -561,6 +562,11 @@ def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
     engine = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)  # a door that gathers its own sums
     with pytest.warns(UserWarning, match="beta holds at step 1: no mean reward has been passed"):
         engine.record_sums([], train=True, completed_steps=1)
+    unscored = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), BETA)
+    unscored.reward_penalty(*batch(), MASK, train=False)  # the KL in the reward, no training batch scored
+    with pytest.warns(UserWarning, match=r"beta holds at step 1: target moves beta from the KL of the generation "
+                                         r"batch scored for the step, and no training reward_penalty has scored one"):
+        assert unscored.step() == BETA  # ccb0d5c: silent, where the loss placement warns
     in_reward = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), BETA)
     in_reward.reward_penalty(*batch(), MASK)
     with warnings.catch_warnings():
@@ -726,12 +732,16 @@ def test_the_kl_gradient_reaches_the_policy_alone() -> None:
 
 @pytest.mark.parametrize("mean_reward", [math.nan, math.inf])
 def test_a_mean_reward_that_is_not_finite_is_refused(mean_reward: float) -> None:
-    """`dynamic` compares it with reward_threshold: NaN would never decay beta, silently."""
+    """`dynamic` compares it with reward_threshold: NaN would never decay beta, +inf always, silently. Refused at
+    `step` and at `observe_rewards`, which the trainer hooks and verl's controllers call (on ccb0d5c they took it)."""
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.0), BETA)
     with pytest.raises(ValueError) as raised:
         akl.step(mean_reward=mean_reward)
     assert str(raised.value) == (f"mean_reward={mean_reward!r} is invalid: allowed is a finite number (the batch's mean "
                                  "reward), or None where the step scored no new generation batch.")
+    with pytest.raises(ValueError, match=r"^mean_reward=(nan|inf) is invalid"):  # the trainers' and verl's door
+        akl.observe_rewards(mean_reward)
+    assert akl.controller.generation_batch == 0
     assert akl.step(mean_reward=torch.tensor(0.5)) == pytest.approx(BETA * 0.9)  # a tensor is a number
 
 

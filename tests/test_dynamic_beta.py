@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -49,6 +51,44 @@ def test_at_most_one_decay_per_generation_batch(tokenizer, tmp_path) -> None:
     )
     trainer.train()
     assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.02, 0.02, 0.01])
+
+
+def rewards_by_step(values: list[Any]) -> Any:
+    """A reward function giving every completion of the n-th generation batch values[n] (None: unscored)."""
+    calls = []
+
+    def reward(completions: list[Any], **kwargs: Any) -> list[Any]:
+        calls.append(1)
+        return [values[len(calls) - 1]] * len(completions)
+
+    return reward
+
+
+def test_a_batch_no_reward_function_scored_has_no_mean_reward_and_dynamic_does_not_decay_on_it(tokenizer, tmp_path,
+                                                                                              caplog) -> None:
+    """TRL logs NaN as the mean reward of a batch whose completions every reward function left unscored (None), and
+    trains on. That batch has no mean reward: beta decays after step 1 (reward 1.0 > 0.8), holds after step 2 (no
+    reward), decays after step 3 (1.0): 0.04, 0.02, 0.02, then 0.01; two batches had a mean reward. The core refuses
+    NaN from a loop of one's own, so the hook passes none (before that rule, NaN was observed as a batch that never
+    decays: the same betas, three batches)."""
+    trainer = make_trainer(tokenizer, str(tmp_path), rewards_by_step([1.0, None, 1.0]), max_steps=3,
+                           dynamic_beta_decay=0.5, **DYNAMIC)
+    trainer.train()
+    assert "All reward functions returned None" in caplog.text  # TRL's warning, at the batch
+    unscored = logged(trainer, "reward")[1]
+    assert unscored is None or math.isnan(unscored)  # NaN, which the log history keeps as None
+    assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.02, 0.02])
+    assert trainer.current_beta == pytest.approx(0.01)
+    assert trainer.adaptive_kl.controller.generation_batch == 2
+
+
+def test_an_infinite_mean_reward_is_refused_as_in_a_loop_of_ones_own(tokenizer, tmp_path) -> None:
+    """A reward function returning inf: TRL logs a mean reward of inf, on which dynamic decayed (on ccb0d5c) where
+    step(mean_reward=inf) is refused. Now refused at the trainer's door too, naming the value, before step 2's loss."""
+    trainer = make_trainer(tokenizer, str(tmp_path), rewards_by_step([1.0, math.inf]), max_steps=2, **DYNAMIC)
+    with pytest.raises(ValueError, match=r"^mean_reward=inf is invalid: allowed is a finite number"):
+        trainer.train()
+    assert trainer.state.global_step == 1
 
 
 def test_controller_state_round_trip() -> None:

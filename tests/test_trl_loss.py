@@ -390,6 +390,18 @@ def test_a_setting_changed_after_the_trainer_was_built_stops_the_first_loss(toke
     assert trainer.state.global_step == 0 and not recorded
 
 
+def test_at_beta_zero_a_setting_changed_after_the_trainer_was_built_is_refused_too(tokenizer, tmp_path) -> None:
+    """At beta 0 the loss is stock (no KL term) and returned before the adaptive KL runs; on ccb0d5c that early
+    return skipped the settings check the own loop makes at beta 0 too. A change is refused at the first loss."""
+    with pytest.warns(UserWarning, match=r"kl_adaptation_method='clip' has no effect: beta=0.0"):
+        trainer = make_trainer(tokenizer, str(tmp_path), beta=0.0, kl_adaptation_method="clip", kl_clip_threshold=1.0)
+    trainer.args.kl_adaptation_method = "sigmoid"
+    with pytest.raises(ValueError, match=r"^kl_adaptation_method changed from 'clip' to 'sigmoid' after the run "
+                                         r"started"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+
+
 class _OwnLossTrainer:
     """A GRPOTrainer subclass whose `_compute_loss` is a copy of TRL's (here: the stock function itself), as recipes
     that rewrite the loss do: it never calls the patched one."""

@@ -449,6 +449,32 @@ def test_a_generated_compute_loss_that_does_not_call_the_compiled_loss_once_is_a
     assert seen == [trainer, trainer]
 
 
+def test_at_beta_zero_the_loss_hook_returns_unsloths_loss_but_refuses_a_setting_changed_mid_run() -> None:
+    """At beta 0 the wrapper hands the call to Unsloth's compute_loss untouched (no KL term: the shim is not active
+    in it); on ccb0d5c that early return also skipped the settings check every other door makes, there too. Unchanged
+    args: Unsloth's loss; kl_adaptation_method changed on the args after the trainer was built: refused, naming it."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
+    from unsloth_adaptive_kl.integrations import unsloth as integration
+
+    active: list = []
+
+    def generated(self: Any, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+                  ) -> float:
+        active.append(integration._ACTIVE.get())
+        return 0.5
+
+    args = AdaptiveKLConfig()
+    trainer = SimpleNamespace(beta=0.0, args=args, adaptive_kl=AdaptiveKL(AdaptiveKLConfig(), beta=0.0))
+    compute_loss = integration._wrap_compute_loss(generated)
+    assert compute_loss(trainer, None, None) == 0.5 and active == [None]
+    args.kl_adaptation_method = "clip"
+    with pytest.raises(ValueError, match=r"^kl_adaptation_method changed from 'none' to 'clip' after the run started"):
+        compute_loss(trainer, None, None)
+    assert active == [None]
+
+
 @needs_unsloth
 def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_path) -> None:
     """Unsloth's loss receives the mask `completion_ids != pad_token_id` (TRL's includes each completion's EOS): with

@@ -179,9 +179,6 @@ class AdaptiveKL:
         `mean_reward` was passed, `target` (the KL in the loss) with no valid token in a training `kl_loss` since the
         last step and no `kl`."""
         if mean_reward is not None:
-            if not math.isfinite(float(mean_reward)):  # dynamic would silently never decay
-                raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
-                             "the step scored no new generation batch")
             self.observe_rewards(mean_reward)
         self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
@@ -218,7 +215,11 @@ class AdaptiveKL:
                        per_token_kl=per_token_kl, with_grad=with_grad, names=names)
 
     def observe_rewards(self, mean_reward: float) -> None:
-        """The mean reward over all processes of a new training generation batch (un-penalised)."""
+        """The mean reward over all processes of a new training generation batch (un-penalised): a finite number, at
+        every door (`dynamic` would decay on +inf and never on NaN, silently); else a ValueError naming it."""
+        if not math.isfinite(float(mean_reward)):
+            raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
+                         "the step scored no new generation batch")
         self.controller.observe_rewards(mean_reward)
 
     def record(
@@ -296,6 +297,11 @@ class AdaptiveKL:
             missing = ("target moves beta from the KL of the valid tokens the step trained on, and no training "
                        "kl_loss saw one since the last step (call kl_loss(..., train=True) before step(), or pass "
                        "step(kl=WindowKL(...)))")
+        elif kind == "target" and kl is None and self.config.kl_in_reward and self._scored is None \
+                and math.isnan(self.last_raw_kl):  # later steps on a batch already read may hold: it was read
+            missing = ("target moves beta from the KL of the generation batch scored for the step, and no training "
+                       "reward_penalty has scored one yet (call reward_penalty(..., train=True) before step(), or "
+                       "pass step(kl=WindowKL(...)))")
         else:
             return
         warnings.warn(f"adaptive KL: beta holds at step {step}: {missing}.", UserWarning, stacklevel=4)

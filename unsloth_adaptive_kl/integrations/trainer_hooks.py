@@ -377,7 +377,7 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
             if mode == "train":
                 if len(rewards) != logged + 1:
                     raise missing_reward_metric()
-                runtime.observe_rewards(rewards[-1])
+                observe_mean_reward(runtime, rewards[-1])
             return output
         scoring = {"train": mode == "train", "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
         with PatchSet() as patches:  # for this one generation, on the trainer instance
@@ -392,10 +392,19 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
         for name, value in scoring["metrics"].items():
             self._metrics[mode][name].append(value)
         if mode == "train":  # the un-penalised mean reward (the penalty was added back above)
-            runtime.observe_rewards(rewards[-1])
+            observe_mean_reward(runtime, rewards[-1])
         return output
 
     return _generate_and_score_completions
+
+
+def observe_mean_reward(runtime: AdaptiveKL, mean_reward: float) -> None:
+    """The trainer's logged mean reward of a training generation batch, to the controller. TRL logs NaN where no
+    completion of the batch was scored (every reward function returned None for each, which TRL warns of, row by row):
+    the batch has no mean reward, as a loop's `step(mean_reward=None)` has none, and `dynamic` does not decay on it.
+    +-inf (a reward function's) is refused by the core, as at every door."""
+    if not math.isnan(mean_reward):
+        runtime.observe_rewards(mean_reward)
 
 
 def check_loss_hook_ran(trainer: Any) -> None:

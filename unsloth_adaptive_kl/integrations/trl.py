@@ -122,7 +122,8 @@ def _stock_loss_and_kl(
 # Replaces trl.GRPOTrainer._compute_loss (wraps it; the loss is then its policy part + beta_t * adapted KL).
 @functools.wraps(_stock_compute_loss)
 def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
-    if self.beta == 0.0:
+    if self.beta == 0.0:  # no KL term: stock, but a setting changed mid-run is refused as at every door
+        self.adaptive_kl.check_settings(self.args)
         return _stock_compute_loss(self, model, inputs)
     config = self.adaptive_kl.config
     if config.kl_in_reward:  # beta * KL_i is in the advantages: the loss keeps the stock KL metric, not its term

@@ -180,7 +180,8 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
     # Replaces UnslothGRPOTrainer.compute_loss (wraps it: exposes the trainer to the shim, then logs the metrics).
     @functools.wraps(upstream)
     def compute_loss(self: Any, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
-        if self.beta == 0.0:
+        if self.beta == 0.0:  # no KL term: stock, but a setting changed mid-run is refused as at every door
+            self.adaptive_kl.check_settings(self.args)
             return upstream(self, model, inputs, return_outputs, num_items_in_batch)
         calls: list = []
         token = _ACTIVE.set((self, calls))
