@@ -72,11 +72,12 @@ def test_the_held_beta_and_unread_divisor_warnings_are_quoted_as_warned() -> Non
         warnings.simplefilter("always")
         AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), beta=0.04).step()
         AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target"), beta=0.04).step()
+        AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), beta=0.04).step()
         AdaptiveKL(None, beta=0.04).kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
                                             token_normalizer=7.0)
     printed = [f"UserWarning: {warning.message}" for warning in caught]
-    assert quoted("troubleshooting.md", "UserWarning: adaptive KL: beta holds") == ["\n".join(printed[:2])]
-    assert quoted("troubleshooting.md", "UserWarning: token_normalizer") == [printed[2]]
+    assert quoted("troubleshooting.md", "UserWarning: adaptive KL: beta holds") == ["\n".join(printed[:3])]
+    assert quoted("troubleshooting.md", "UserWarning: token_normalizer") == [printed[3]]
 
 
 def test_the_changed_setting_error_is_quoted_as_raised() -> None:

@@ -400,6 +400,47 @@ def test_a_loss_only_field_with_the_kl_in_the_loss_off_is_refused(field, value):
     assert getattr(_GuardedTrainer(trainer_config(**{field: value})).loss_kl.config, field) == value
 
 
+def test_a_coefficient_of_zero_warns_in_verls_terms_and_only_for_fields_that_were_set():
+    """kl_loss_coef = 0 / kl_coef = 0 turn a KL off: a field of the block that would then do nothing is named with its
+    block and the verl setting that turned it off. On ccb0d5c the warning named the core's `beta` and, for the reward,
+    `kl_placement='reward'` (a field verl refuses), even with `none` set nowhere."""
+    import warnings
+
+    def caught(config):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _GuardedTrainer(config)
+        return [str(w.message) for w in seen if "no effect" in str(w.message)]
+
+    config = trainer_config()
+    config.actor_rollout_ref.actor.kl_loss_coef = 0.0
+    config.algorithm.kl_ctrl.kl_coef = 0.0
+    assert caught(config) == []  # nothing set: stock verl at 0, nothing to say
+    config.adaptive_kl = {"kl_adaptation_method": "clip", "reward": {"kl_adaptation_method": "dynamic"}}
+    assert caught(config) == [
+        "adaptive_kl.kl_adaptation_method='clip' has no effect: actor_rollout_ref.actor.kl_loss_coef=0.0 turns this KL "
+        "term off. Set actor_rollout_ref.actor.kl_loss_coef > 0 to regularise.",
+        "adaptive_kl.reward.kl_adaptation_method='dynamic' has no effect: algorithm.kl_ctrl.kl_coef=0.0 turns this KL "
+        "term off. Set algorithm.kl_ctrl.kl_coef > 0 to regularise."]
+
+
+def test_a_registered_kl_reduction_verl_cannot_aggregate_is_refused_when_the_trainer_is_built():
+    """verl aggregates the KL by a loss_agg_mode name, which a registered reduction has not: on ccb0d5c the trainer
+    was built and the actor workers' loss raised "the 'my_mean' reduction has no loss_agg_mode name" at _setup. Now
+    the driver's __init__ refuses it, naming the field, the value and the settings allowed."""
+    from unsloth_adaptive_kl import register_kl_reduction
+    from unsloth_adaptive_kl.core import reductions
+
+    try:
+        register_kl_reduction("my_mean")(lambda sums, lengths, ctx: (sums / lengths.clamp(min=1)).mean())
+        with pytest.raises(ValueError, match=r"^adaptive_kl\.kl_reduction='my_mean' is invalid where the KL is "
+                                             r"aggregated by a loss_agg_mode name: .* Allowed is one of loss_type, "
+                                             r"sequence_sum, sequence_mean, token_mean\.$"):
+            _GuardedTrainer(trainer_config(use_kl_in_reward=False, kl_reduction="my_mean"))
+    finally:
+        reductions.REDUCTIONS.pop("my_mean", None)
+
+
 def test_verls_default_reward_estimator_is_the_log_ratio():
     """The KL in verl's reward is verl's own apply_kl_penalty with algorithm.kl_penalty, whose default is 'kl' (k1):
     the reward placement's default of SPEC 3.12 holds in verl as shipped, silently."""
@@ -496,15 +537,22 @@ def test_reward_target_controller_follows_the_token_mean_kl_within_bounds():
 
 
 def test_reward_clip_shapes_the_per_token_kl():
+    """clip in the reward: verl's own apply_kl_penalty subtracts beta * min(k, 0.1) (its kl_penalty replaced by the
+    shaped KL for the call, and restored: on ccb0d5c the integration restated verl's formula and metrics) and logs
+    its metric of the KL it subtracted; the core's raw and adapted KL under adaptive_kl/reward/."""
+    stock_kl_penalty = core_algos.kl_penalty
     ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.1), beta=0.5)
     data = reward_batch(seed=7)
     mask = data.batch["response_mask"]
     kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], "low_var_kl") * mask
     scores = data.batch["token_level_scores"].clone()
     out, metrics = verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="low_var_kl")
-    torch.testing.assert_close(out.batch["token_level_rewards"], scores - 0.5 * torch.clamp(kld, max=0.1) * mask)
-    verl_kl_measure = float((kld.sum(-1) / mask.sum(-1)).mean())
-    assert metrics["actor/reward_kl_penalty"] == pytest.approx(verl_kl_measure)
+    shaped = torch.clamp(kld, max=0.1) * mask
+    torch.testing.assert_close(out.batch["token_level_rewards"], scores - 0.5 * shaped)
+    # verl's own apply_kl_penalty ran, on the shaped KL: its metric is the mean of each sequence's token mean of it
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx(float((shaped.sum(-1) / mask.sum(-1)).mean()))
+    assert metrics["actor/reward_kl_penalty"] < float((kld.sum(-1) / mask.sum(-1)).mean())
+    assert core_algos.kl_penalty is stock_kl_penalty
     assert metrics[verl_kl.REWARD_METRIC + "adapted_kl"] < metrics[verl_kl.REWARD_METRIC + "raw_kl"]
     assert ctrl.updates == 1
 
@@ -846,6 +894,18 @@ def test_a_nonfinite_log_prob_on_a_valid_token_stops_the_actor_update_naming_ver
                        match=rf"at step 1: .*verl's {re.escape(tensor)} \(the \w+ tensor\): 1 valid token\(s\) on "
                              r"process 0\."):
         logged_actor_metrics(batch, "token-mean", kl_adaptation_method=method, kl_clip_threshold=0.3)
+
+
+@pytest.mark.parametrize("method", ["none", "clip"])
+def test_an_infinite_reference_log_prob_leaves_the_workers_gradient_finite_so_the_error_follows_the_update(method):
+    """What docs/verl.md says of the check: a -inf ref_log_prob on a valid token gives a finite loss and gradient on
+    the worker (verl's low_var_kl clamps the log-ratio to 20, the KL to 10), so verl's engine applies that update; the
+    micro-batch ships the count on which the driver then raises."""
+    batch = with_response_value(make_batch(seed=13), "ref_log_prob", 2, 0, -math.inf)
+    total, grad, metrics = run_loss(adaptive(actor_config(), method, kl_clip_threshold=0.3), batch, 1, beta=0.1)
+    assert torch.isfinite(total) and bool(torch.isfinite(grad).all())
+    with pytest.raises(NonFiniteLogProbError, match=r"ref_log_prob \(the reference tensor\): 1 valid token"):
+        verl_kl.raise_if_nonfinite(metrics[0][verl_kl.STATS + "nonfinite"], step=1)
 
 
 def test_the_adapted_loss_kl_is_computed_in_float32_from_bf16_log_probs():

@@ -227,12 +227,16 @@ def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> N
                       UserWarning)  # attributed here: once per process and message
 
 
-def agg_mode_of(reduction: str) -> str:
+def agg_mode_of(reduction: str, field: str = "kl_reduction") -> str:
     """The `loss_agg_mode` name of the named reduction (e.g. of `kl_reduction(config, loss_type)`: how a trainer that
-    aggregates by such names reduces the adapted KL). A ValueError where it has none."""
+    aggregates by such names reduces the adapted KL). A ValueError where it has none (a registered reduction), naming
+    `field` (the setting, as the trainer's integration spells it), the reduction and the settings allowed there."""
     agg_mode = REDUCTIONS[reduction].agg_mode
     if agg_mode is None:
-        raise ValueError(f"the {reduction!r} reduction has no loss_agg_mode name")
+        allowed = [setting for setting in kl_reduction_settings()
+                   if setting == "loss_type" or reduction_of_setting(setting).agg_mode is not None]
+        raise ValueError(f"{field}={reduction!r} is invalid where the KL is aggregated by a loss_agg_mode name: the "
+                         f"reduction has none (a registered one). Allowed is one of {', '.join(allowed)}.")
     return agg_mode
 
 

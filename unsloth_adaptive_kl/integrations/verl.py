@@ -73,7 +73,6 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer  # noqa: E402
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.metric import Metric, reduce_metrics  # noqa: E402
-from verl.utils.torch_functional import masked_mean  # noqa: E402
 from verl.workers.config.actor import ActorConfig  # noqa: E402
 from verl.workers.utils import losses  # noqa: E402
 
@@ -188,7 +187,8 @@ def kl_agg_mode(config: AdaptiveKLConfig, loss_agg_mode: str) -> str:
     """verl's aggregation of the adapted KL: that of the core's `kl_reduction` for the loss type of `loss_agg_mode`
     (`kl_reduction`'s, length normalisation's, else `loss_agg_mode` itself). An unknown `loss_agg_mode` is a
     ValueError naming actor_rollout_ref.actor.loss_agg_mode and the allowed modes."""
-    return agg_mode_of(kl_reduction(config, loss_type_of_agg_mode(loss_agg_mode, field=AGG_MODE_FIELD)))
+    return agg_mode_of(kl_reduction(config, loss_type_of_agg_mode(loss_agg_mode, field=AGG_MODE_FIELD)),
+                       field="adaptive_kl.kl_reduction")
 
 
 # verl's names for the core's estimator guards, for KLEstimatorWarning's text: the KL in the actor loss
@@ -385,6 +385,21 @@ def raise_if_nonfinite(found: list[float], step: int) -> None:
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------
 
 
+def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, field: str,
+                     placed: Optional[AdaptiveKLConfig] = None, **kwargs: Any) -> AdaptiveKL:
+    """The core's `AdaptiveKL` of `placed` (default: `config`, the fields as the `field` block set them) at beta =
+    verl's `coefficient`, whose beta-0 warning speaks verl's terms: the block's fields that would have no effect and
+    the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement verl sets)."""
+    fields = config.adapted_fields()
+    if beta == 0.0 and fields:
+        warnings.warn(f"{', '.join(f'{field}.{setting}' for setting in fields)} {'has' if len(fields) == 1 else 'have'} "
+                      f"no effect: {coefficient}=0.0 turns this KL term off. Set {coefficient} > 0 to regularise.",
+                      UserWarning, stacklevel=3)
+    with warnings.catch_warnings():  # said above, in verl's terms
+        warnings.filterwarnings("ignore", message=r".* no effect: beta=0\.0 turns the KL term off", category=UserWarning)
+        return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
+
+
 class RewardKLController:
     """Our controller in place of verl's `kl_ctrl_in_reward`: `value` is beta_t, and verl's `apply_kl_penalty`
     calls `update(current_kl=, n_steps=)` once per batch. `dynamic` reads the batch's mean reward (set by the trainer
@@ -405,8 +420,8 @@ class RewardKLController:
                 "KL is the sum over each completion's tokens)"
                 + (f"; set +adaptive_kl.reward.kl_adaptation_method={methods} to keep length_normalized for the "
                    "KL in the actor loss alone." if field == "adaptive_kl" else "."))
-        config = dataclasses.replace(config, kl_placement="reward")
-        self.akl = AdaptiveKL(config, beta=beta, loss_type="bnpo")
+        self.akl = verl_adaptive_kl(config, beta, "algorithm.kl_ctrl.kl_coef", field,
+                                    placed=dataclasses.replace(config, kl_placement="reward"), loss_type="bnpo")
         self._mean_reward: Optional[float] = None
         self.updates = 0
 
@@ -448,33 +463,28 @@ class RewardKLController:
 
 
 def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty: str = "kl") -> tuple[Any, dict]:
-    """verl's `apply_kl_penalty` with the per-token KL shaped (clip/sigmoid); without shaping, verl's own function.
-    token_level_rewards = token_level_scores - beta_t * shape(k), k verl's `kl_penalty` of the core's masked
-    log-probs (float32, 0 on masked positions, so k and shape(k) are 0 there; verl's own function is given them too);
-    verl's metrics, plus the core's
-    reward-placement metrics under `adaptive_kl/reward/`. A non-finite `old_log_probs` or `ref_log_prob` on a valid
-    token raises `NonFiniteLogProbError` before any reward is penalised."""
+    """verl's own `apply_kl_penalty`, given the core's masked log-probs (float32, 0 on masked positions: a NaN or inf
+    there, which verl multiplies by the mask, NaN * 0 being NaN, leaves the rewards finite) and, where a method shapes
+    the per-token KL (clip/sigmoid), the shaped KL in place of its `kl_penalty`: token_level_rewards =
+    token_level_scores - beta_t * shape(k), k verl's `kl_penalty` of those log-probs, and verl's metrics of the KL it
+    subtracted; plus the core's reward-placement metrics under `adaptive_kl/reward/`. A non-finite `old_log_probs` or
+    `ref_log_prob` on a valid token raises `NonFiniteLogProbError` before any reward is penalised."""
     mask = data.batch["response_mask"]
     old, ref = masked_logps(data.batch["old_log_probs"], data.batch["ref_log_prob"], mask)
     kld = core_algos.kl_penalty(old, ref, kl_penalty=kl_penalty)
     adaptive = kl_ctrl.penalize(kld, old, ref, mask)
-    if not shapes_per_token(kl_ctrl.config):
-        # verl's own function, given the masked log-probs: a NaN or inf on a masked position (which verl multiplies
-        # by the mask: NaN * 0 is NaN) leaves the rewards finite. The batch keeps its own log-probs after it.
-        raw = {key: data.batch[key] for key in ("old_log_probs", "ref_log_prob")}
-        data.batch["old_log_probs"], data.batch["ref_log_prob"] = old, ref
-        try:
+    raw = {key: data.batch[key] for key in ("old_log_probs", "ref_log_prob")}  # the batch keeps its own after
+    data.batch["old_log_probs"], data.batch["ref_log_prob"] = old, ref
+    try:
+        with PatchSet() as patches:
+            if shapes_per_token(kl_ctrl.config):
+                shaped = shape_kl(kld, kl_ctrl.config)  # every shaping maps a masked position's 0 to 0
+                # Replaces verl's core_algos.kl_penalty, as apply_kl_penalty calls it (anchored), for this call only.
+                patches.replace(core_algos, "kl_penalty", lambda *args, **kwargs: shaped)
             data, metrics = ray_trainer.apply_kl_penalty(data, kl_ctrl=kl_ctrl, kl_penalty=kl_penalty)
-        finally:
-            for key, value in raw.items():
-                data.batch[key] = value
-    else:
-        beta = kl_ctrl.value
-        shaped = shape_kl(kld, kl_ctrl.config)  # every shaping maps a masked position's 0 to 0
-        data.batch["token_level_rewards"] = data.batch["token_level_scores"] - beta * shaped
-        current_kl = float(masked_mean(kld, mask=mask, axis=-1).mean())  # verl's own measure, for its stock metric
-        kl_ctrl.update(current_kl=current_kl, n_steps=data.batch.batch_size[0])
-        metrics = {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+    finally:
+        for key, value in raw.items():
+            data.batch[key] = value
     metrics.update({REWARD_METRIC + key[len(METRIC):]: value for key, value in adaptive.items()})
     return data, metrics
 
@@ -508,9 +518,11 @@ class AdaptiveKLTrainerMixin:
             if config.get("distillation") is not None and config.distillation.get("enabled", False):
                 raise ValueError("adaptive_kl: the KL in the loss with distillation is not supported.")
             # The update's per-completion statistics hold each completion once per PPO epoch: target's n counts it once.
-            self.loss_kl = AdaptiveKL(loss_config, beta=float(actor.kl_loss_coef),
-                                      loss_type=loss_type_of_agg_mode(actor.loss_agg_mode, field=AGG_MODE_FIELD),
-                                      num_iterations=int(actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)))
+            self.loss_kl = verl_adaptive_kl(
+                loss_config, float(actor.kl_loss_coef), "actor_rollout_ref.actor.kl_loss_coef", "adaptive_kl",
+                loss_type=loss_type_of_agg_mode(actor.loss_agg_mode, field=AGG_MODE_FIELD),
+                num_iterations=int(actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)))
+            kl_agg_mode(loss_config, actor.loss_agg_mode)  # a kl_reduction verl cannot aggregate: now, not on a worker
         self.reward_kl: Optional[RewardKLController] = None
         if config.algorithm.use_kl_in_reward:
             kind = config.algorithm.kl_ctrl.get("type", "fixed")

@@ -195,6 +195,8 @@ VERL_ANCHORS = (
            "verl's kl_loss metric, whose aggregation the adaptive_kl/* metrics share"),
     Anchor("trainer.ppo.core_algos.agg_loss", "batch_num_tokens: Optional[int] = None",
            "agg_loss's global normalisation arguments"),
+    Anchor("trainer.ppo.ray_trainer.apply_kl_penalty", "kld = core_algos.kl_penalty(",
+           "the per-token KL verl subtracts from the rewards, which clip and sigmoid replace by the shaped KL"),
     Anchor("trainer.ppo.ray_trainer.apply_kl_penalty", "beta = kl_ctrl.value", "the reward KL reads the controller's value"),
     Anchor("trainer.ppo.ray_trainer.apply_kl_penalty", "kl_ctrl.update(current_kl=current_kl, n_steps=batch_size)",
            "the reward KL updates the controller once per batch"),
