@@ -129,6 +129,10 @@ def test_target_settles_at_the_beta_whose_optimum_has_the_target_kl(tree: Tree) 
     assert result["beta_star"] == pytest.approx(0.5, rel=1e-6)
     assert run["final_beta"] == pytest.approx(result["beta_star"], rel=0.05)
     assert run["kl_ref"] == pytest.approx(result["tau"], rel=0.10)
+    # the page's "beta over the second half" (the first starts at beta_0 = 0.2) and KL(pi||pi*) to pi* of beta = 0.5,
+    # not of the beta_0 the run was started at (0.2, whose optimum is far from 0.5's)
+    assert run["betas"][0] < 0.25 and 0.45 < run["beta_tail_min"] <= run["beta_tail_max"] < 0.55
+    assert run["kl_opt"] < 0.002 < 0.1 < kl(optimum(tree, 0.5), optimum(tree, 0.2))
 
 
 def test_a_registered_estimator_runs_in_the_lab_from_the_command_line(capsys) -> None:
@@ -209,6 +213,353 @@ def test_the_saturated_length_finding_reads_the_drift_from_the_table() -> None:
     sentence = saturated_length(stored)
     assert f"({round(100 * (stock - best) / (off - best))}% of no KL's drift)" in sentence
     assert "drift as far as no KL does" in sentence  # the committed run: 2.930 against 2.906 with no KL
-    for length, words in ((best, "TRL's defaults hold the length"), ((best + off) / 2, "drift part of the way")):
+    for length, words in ((best, "TRL's defaults hold the length"), ((best + off) / 2, "drift part of the way"),
+                          (best + 0.8 * (off - best), "drift part of the way"),  # "as far" from 90 % of no KL's on
+                          (best + 0.95 * (off - best), "drift as far as no KL does")):
         rows[TRL_DEFAULTS]["length"] = length
         assert words in saturated_length(stored)
+
+
+# ----- the exact figures, the GRPO loop's pieces and the rendered cells, against hand computations ------------------
+# (added by a mutation audit of the KL lab: each pins figures that reach docs/ground-truth.md and that the tests above
+# let change unnoticed)
+
+# A three-completion tree: one letter 'a', at most two tokens: "" (EOS), "a" (a, EOS), "aa"; lengths 1, 2, 2
+# (EOS counted), rewards (contains_a) 0, 1, 1. A zero reference table gives pi_ref = (1/2, 1/4, 1/4).
+SMALL = Environment("contains_a", tokens=1, max_length=2)
+
+
+def small_tree() -> Tree:
+    return Tree(SMALL, torch.zeros(2, 2))
+
+
+def policy_table(p_empty: float, p_a: float) -> torch.Tensor:
+    """The logits (rows "", "a"; columns a, EOS) of the policy with pi("") = p_empty, pi("a") = p_a."""
+    rest = 1 - p_empty
+    return torch.tensor([[math.log(rest), math.log(p_empty)],
+                         [math.log((rest - p_a) / rest), math.log(p_a / rest)]], dtype=torch.float64)
+
+
+def bernoulli_kl(m: float) -> float:
+    """KL((1 - m, m) || (1/2, 1/2)): on the small tree, the KL of any policy that keeps the reference's proportions
+    inside the rewarded completions (every pi*_beta) to the reference, m its reward."""
+    return m * math.log(2 * m) + (1 - m) * math.log(2 * (1 - m))
+
+
+def test_the_exact_figures_of_a_three_completion_policy_are_the_hand_computed_ones() -> None:
+    """pi = (0.2, 0.3, 0.5) against pi_ref = (1/2, 1/4, 1/4) and pi*_0.5 = (1, e^2 / 2, e^2 / 2) / (1 + e^2): every
+    column of Figures by hand; the frontier's reward at the policy's KL solves bernoulli_kl(m) = KL by bisection on m
+    (not on beta), and beta_for_kl is then 1 / logit(m) (pi*_beta' puts m = e^(1/beta') / (1 + e^(1/beta')) on 'a')."""
+    tree, beta = small_tree(), 0.5
+    assert tree.completions == [(1,), (0, 1), (0, 0)]
+    logp = tree.log_probs(policy_table(0.2, 0.3))
+    pi, ref = [0.2, 0.3, 0.5], [0.5, 0.25, 0.25]
+    e2 = math.exp(2.0)
+    star = [1 / (1 + e2), e2 / (2 * (1 + e2)), e2 / (2 * (1 + e2))]
+    assert optimum(tree, beta).exp().tolist() == pytest.approx(star, rel=1e-6)  # pi_ref in float32
+    kl_ref = sum(p * math.log(p / q) for p, q in zip(pi, ref))
+    kl_opt = sum(p * math.log(p / q) for p, q in zip(pi, star))
+    low, high = 0.5, 1.0
+    for _ in range(100):
+        m = (low + high) / 2
+        low, high = (m, high) if bernoulli_kl(m) < kl_ref else (low, m)
+    frontier = (low + high) / 2
+    figures = Figures.of(tree, logp, beta)
+    assert figures.reward == pytest.approx(0.8, abs=1e-7)
+    assert figures.length == pytest.approx(0.2 * 1 + 0.3 * 2 + 0.5 * 2, abs=1e-7)
+    assert figures.kl_ref == pytest.approx(kl_ref, abs=1e-7)
+    assert figures.kl_opt == pytest.approx(kl_opt, abs=1e-7)
+    assert figures.objective == pytest.approx(0.8 - beta * kl_ref, abs=1e-7)
+    assert figures.regret == pytest.approx(frontier - 0.8, abs=1e-6) and figures.regret > 0.005
+    assert beta_for_kl(tree, kl_ref) == pytest.approx(1 / math.log(frontier / (1 - frontier)), rel=1e-5)
+    # the optimum's own row: E[r] = e^2 / (1 + e^2), E[length] = (1 + 2 e^2) / (1 + e^2), objective beta log Z with
+    # Z = sum_y pi_ref(y) exp(r(y) / beta) = (1 + e^2) / 2, on the frontier
+    best = Figures.of(tree, optimum(tree, beta), beta)
+    assert (best.reward, best.length) == pytest.approx((e2 / (1 + e2), (1 + 2 * e2) / (1 + e2)), rel=1e-6)
+    assert best.objective == pytest.approx(beta * math.log((1 + e2) / 2), rel=1e-6)
+    assert best.kl_opt == 0.0 and abs(best.regret) < 1e-9
+    # beyond log 2, the KL of the reference restricted to the rewarded completions, the frontier's reward is 1
+    assert frontier_reward(tree, math.log(2) + 1e-3) == 1.0 > frontier_reward(tree, math.log(2) - 1e-3)
+
+
+def test_the_advantages_are_trls_by_hand() -> None:
+    """r_i - the group's mean, divided by the group's unbiased std (TRL: .std(), Bessel's correction) + 1e-4 for
+    'group', by the batch's for 'batch', left alone for 'none'. Groups of 4: (1, 0, 0, 0) has mean 1/4 and std
+    sqrt(0.75 / 3) = 1/2; (1, 1, 0, 0) mean 1/2 and std sqrt(1 / 3); the batch's std is sqrt(1.875 / 7)."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0])
+    centred = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
+    assert tabular_lab.advantages(rewards, 4, "none").tolist() == pytest.approx(centred)
+    group = [c / (0.5 + 1e-4) for c in centred[:4]] + [c / (math.sqrt(1 / 3) + 1e-4) for c in centred[4:]]
+    assert tabular_lab.advantages(rewards, 4, "group").tolist() == pytest.approx(group, rel=1e-6)
+    batch = [c / (math.sqrt(1.875 / 7) + 1e-4) for c in centred]
+    assert tabular_lab.advantages(rewards, 4, "batch").tolist() == pytest.approx(batch, rel=1e-6)
+
+
+def test_each_loss_type_reduces_the_per_token_loss_as_trl_does_by_hand() -> None:
+    """Two completions of 2 and 1 tokens, per-token losses (1, 2) and (3), max_length 4: grpo each completion's mean,
+    then their mean ((1.5 + 3) / 2); dapo and bnpo the token sum over the token count (6 / 3); dr_grpo the sum over
+    completions x max_length (6 / 8); luspo the completions' sums' mean ((3 + 3) / 2). Padding never counts."""
+    per_token = torch.tensor([[1.0, 2.0, 7.0, 7.0], [3.0, 7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    for loss_type, expected in (("grpo", 2.25), ("dapo", 2.0), ("bnpo", 2.0), ("dr_grpo", 0.75), ("luspo", 3.0)):
+        assert float(tabular_lab.policy_loss(per_token, mask, loss_type, 4)) == pytest.approx(expected), loss_type
+
+
+def test_the_eos_bias_is_added_to_the_references_eos_logit() -> None:
+    plain, biased = (Tree(Environment(eos_bias=bias)).reference_table for bias in (0.0, 1.5))
+    assert torch.equal(biased[:, :2], plain[:, :2]) and torch.allclose(biased[:, 2] - plain[:, 2], torch.tensor(1.5))
+
+
+def test_the_table_cells_are_the_rows_figures_in_the_headers_order() -> None:
+    """The Ground truth page's cells (tabular_lab.table_rows under HEADER, target_rows under TARGET_HEADER): each
+    figure in its column; KL(pi||pi*) below 5e-5 reads 0, a seeds' spread above 0.05 is shown beside it, a regret below
+    0 (the bisection's rounding) reads 0."""
+    assert tabular_lab.HEADER[2:] == ["E[r]", "E[length]", "KL(pi||pi_ref)", "KL(pi||pi*)", "objective",
+                                      "frontier regret"]
+    rows = [{"setting": "one", "group": "g", "beta_trained": 0.4375, "reward": 0.111, "length": 2.222, "kl_ref": 0.333,
+             "kl_opt": 0.0444, "kl_opt_spread": 0.06, "objective": -0.1234, "regret": -0.002},
+            {"setting": "two", "group": "g", "beta_trained": 0.5, "reward": 0.9, "length": 3.0, "kl_ref": 0.5,
+             "kl_opt": 3e-5, "kl_opt_spread": 0.04, "objective": 0.65, "regret": 0.0123}]
+    assert tabular_lab.table_rows({"rows": rows}) == [("g", [
+        ["one", "0.4375", "0.111", "2.222", "0.333", "0.0444 (spread 0.060)", "-0.1234", "0.0000"],
+        ["two", "0.5", "0.900", "3.000", "0.500", "0", "0.6500", "0.0123"]])]
+    assert tabular_lab.TARGET_HEADER == ["kl_horizon", "completions / kl_horizon", "final beta",
+                                         "beta over the second half", "KL(pi||pi_ref)", "KL(pi||pi*_beta*)"]
+    run = {"kl_horizon": 12800.0, "rate": 0.02, "final_beta": 0.49619, "beta_tail_min": 0.4892, "beta_tail_max": 0.5109,
+           "kl_ref": 0.44559, "kl_opt": 7.3e-05}
+    assert tabular_lab.target_rows({"runs": [run]}) == [
+        ["12800", "0.02", "0.4962", "0.489 - 0.511", "0.4456", "0.00007"]]
+
+
+def test_a_tables_row_is_its_seeds_mean_and_spread() -> None:
+    """run_table's row: each figure the mean of the seeds' runs (train, called here one seed at a time), the spread
+    the largest minus the smallest KL(pi||pi*), beta trained beta (G - 1) / G in the loss; first the optimum's row."""
+    env, beta, training = ENVIRONMENTS["contains_a"], 0.5, replace(TRAINING, steps=5)
+    settings = [Setting("k1 in the reward", "reward", (("kl_estimator", "k1"),)), Setting("k3 in the loss")]
+    table = tabular_lab.run_table(env, settings, beta, training, [0, 1])
+    assert [row["setting"] for row in table["rows"]] == ["the optimum pi*", "k1 in the reward", "k3 in the loss"]
+    assert table["rows"][0]["kl_opt"] == 0.0 and table["completions"] == 31
+    for setting, row in zip(settings, table["rows"][1:]):
+        runs = [train(Tree(env), setting, beta, training, seed) for seed in (0, 1)]
+        figures = [run.figures for run in runs]
+        assert figures[0].kl_opt != figures[1].kl_opt  # two seeds, two runs
+        for column in ("reward", "length", "kl_ref", "kl_opt", "objective", "regret"):
+            assert row[column] == pytest.approx((getattr(figures[0], column) + getattr(figures[1], column)) / 2,
+                                                abs=1e-9), column
+        assert row["kl_opt_spread"] == pytest.approx(abs(figures[0].kl_opt - figures[1].kl_opt), abs=1e-12)
+    assert [row["beta_trained"] for row in table["rows"][1:]] == [0.5, pytest.approx(0.5 * 7 / 8)]
+
+
+def test_the_controller_observes_the_reward_before_the_kl_penalty(monkeypatch) -> None:
+    """step(mean_reward=) gets the batch's mean of the rewards themselves (0 or 1 each: a multiple of 1/256 for 256
+    completions), not the rewards less k1 in the reward, as the integrations pass it (dynamic's threshold reads it)."""
+    seen = []
+
+    class Recording(tabular_lab.AdaptiveKL):
+        def step(self, *args, **kwargs):
+            seen.append(kwargs["mean_reward"])
+            return super().step(*args, **kwargs)
+
+    tree = Tree(ENVIRONMENTS["contains_a"])
+    setting = Setting("dynamic in the reward", "reward", (("kl_adaptation_method", "dynamic"),
+                                                          ("reward_threshold", 0.6)))
+    monkeypatch.setattr(tabular_lab, "AdaptiveKL", Recording)
+    train(tree, setting, 0.5, replace(TRAINING, steps=6, learning_rate=0.5), seed=0)
+    assert len(seen) == 6 and all(0 <= value <= 1 and (value * 256) == round(value * 256) for value in seen)
+
+
+def test_k1_future_in_the_loss_with_dapo_reaches_the_optimum_and_with_grpo_does_not(tree: Tree) -> None:
+    """dapo divides the policy gradient and the KL term by the same step's token count (the lab passes it as
+    token_normalizer), so k1_future lands on pi*; grpo divides each completion by its own length and moves the fixed
+    point (the Ground truth page's claims)."""
+    dapo = train(tree, Setting("dapo", "loss", (("kl_estimator", "k1_future"),), loss_type="dapo"), 0.5, TRAINING, 0)
+    grpo = train(tree, Setting("grpo", "loss", (("kl_estimator", "k1_future"),), loss_type="grpo"), 0.5, TRAINING, 0)
+    assert dapo.figures.kl_opt <= 0.003 < 0.01 < grpo.figures.kl_opt
+
+
+def test_the_command_line_runs_target_at_a_constant_rate_and_the_tables_at_the_steps_asked(monkeypatch) -> None:
+    """The page states the target runs' 1500 steps "at a constant learning rate" and the tables' rate "decayed
+    linearly to 0": the command line's and the committed run's trainings."""
+    seen = {}
+
+    def target(env, beta, training, *args, **kwargs):
+        seen.update(env=env, beta=beta, training=training)
+        return {"beta_star": beta, "tau": 0.4, "beta_0": 0.2, "runs": []}
+
+    monkeypatch.setattr(kl_lab, "target_experiment", target)
+    result = kl_lab.main(["--only", "no setting has this label", "--processes", "1", "--steps", "7", "--beta", "0.3"])
+    assert seen == {"env": ENVIRONMENTS["contains_a"], "beta": 0.3,
+                    "training": Training(steps=1500, schedule="constant")}
+    assert [table["training"]["steps"] for table in result["tables"].values()] == [7, 7]
+    assert {table["training"]["schedule"] for table in result["tables"].values()} == {"linear"}
+    stored = json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())
+    assert stored["target"]["training"]["schedule"] == "constant" and stored["target"]["training"]["steps"] == 1500
+    assert {table["training"]["schedule"] for table in stored["tables"].values()} == {"linear"}
+
+
+# ----- the Ground truth page's sentences (tabular_findings) against the figures beside them --------------------------
+
+def stored_lab() -> dict:
+    return json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())
+
+
+def set_figure(result: dict, env: str, setting: str, column: str, value: float) -> None:
+    next(r for r in result["tables"][env]["rows"] if r["setting"] == setting)[column] = value
+
+
+def finding(result: dict, title: str) -> str:
+    from unsloth_adaptive_kl.tools.tabular_findings import findings
+
+    (sentence,) = [f for f in findings(result) if title in f]
+    return sentence
+
+
+def test_the_bounds_and_ranges_the_findings_print() -> None:
+    """'at most' rounds up to two significant digits (a bound that holds), a range reads low to high."""
+    from unsloth_adaptive_kl.tools.tabular_findings import _at_most, _span
+
+    assert [_at_most(v) for v in (2.14e-06, 0.0123, 0.05, 0.00061, 0.0)] == ["2.2e-06", "0.013", "0.05", "0.00061", "0"]
+    assert _span([2.389, 2.092, 2.2]) == "2.092 to 2.389" and _span([2.0, 2.0004]) == "2.000"
+
+
+def test_each_verdict_of_the_committed_findings_is_the_comparison_of_its_figures() -> None:
+    """On the committed tables, each verdict word against the figures as read here (the thresholds: KL(pi||pi*) below
+    1e-3 is "on", below 0.05 "near"; a regret below 0.01 "on the frontier", above 0.05 "off" it). The verdicts are
+    computed here, so a re-run that moves a figure across a threshold moves the expected word with it; the comment
+    beside each says what the committed run gives."""
+    result = stored_lab()
+    envs = ("contains_a", "first_a")
+
+    def row(env: str, setting: str) -> dict:
+        return next(r for r in result["tables"][env]["rows"] if r["setting"] == setting)
+
+    def both(setting: str, column: str) -> list:
+        return [row(env, setting)[column] for env in envs]
+
+    def where(setting: str) -> str:
+        worst = max(both(setting, "kl_opt"))
+        return "lands on" if worst < 1e-3 else "ends near" if worst < 0.05 else "ends far from"
+
+    best, off = {env: row(env, "the optimum pi*") for env in envs}, {env: row(env, "beta = 0 (no KL)") for env in envs}
+    # k1 in the reward: 3 estimators with k1's value + 5 other loss-type / scaling rows, in 2 environments
+    k1 = [f"{name} in the reward" for name in ("k1", "k1+", "k1_future")] + [
+        f"k1 in the reward, {loss}, scale {scale}" for loss, scale in (
+            ("dr_grpo", "group"), ("dapo", "none"), ("dapo", "group"), ("grpo", "none"), ("grpo", "group"))]
+    worst = max(row(env, s)["kl_opt"] for env in envs for s in k1)
+    sentence = finding(result, "**k1 in the reward")
+    assert sentence.startswith(f"**k1 in the reward {'lands on' if worst < 1e-3 else 'ends near'}")  # lands on
+    assert "in all 16 of its rows" in sentence and f"at most {_ceil2(worst)}" in sentence  # 2.2e-06
+    held = all(row(env, "k1 in the loss")["kl_ref"] >= off[env]["kl_ref"] for env in envs)  # 2.676 > 1.458 etc.
+    assert finding(result, "**k1 in the loss").startswith(
+        "**k1 in the loss does not regularise**" if held else "**k1 in the loss**")
+    k3 = finding(result, "**k3 in the loss")
+    assert k3.startswith(f"**k3 in the loss (TRL's, Unsloth's, verl's) {where('k3 in the loss')}")  # 0.0091: near
+    apart = [env for env in envs if min(row(env, "k3 in the loss")["kl_opt"], row(env, "k2 in the loss")["kl_opt"])
+             > 3 * row(env, "k1_future in the loss")["kl_opt"]]  # contains_a (first_a: 0.0007 against 0.0004)
+    assert (f"In {' and '.join(apart)} the per-token estimators" in k3) if apart else "per-token estimators" not in k3
+    future = finding(result, "**k1_future in the loss**")
+    exact = max(both("k1_future in the loss", "kl_opt") + both("k1_future in the loss, dapo, scale none", "kl_opt"))
+    moved = min(both("k1_future in the loss, grpo, scale none", "kl_opt")
+                + both("k1_future in the loss, sequence_mean", "kl_opt"))
+    assert f"ends at most {_ceil2(exact)} from" in future and f"moves the fixed point: {moved:.4f} or more" in future
+    on_frontier = max(both("k1_future in the loss, sequence_sum", "regret")) < 0.01  # 0.0006 and 0.0004
+    assert (", on the frontier (regret" in future) == on_frontier
+    longer = all(row(env, "k1 in the reward, sequence_mean")["length"] > best[env]["length"] for env in envs)
+    shorter = all(row(env, "length_normalized in the loss")["length"] < best[env]["length"] for env in envs)
+    assert ("**Per-completion means lengthen, length normalisation shortens**" in finding(result, "**Per-completion")
+            ) == (longer and shorter)  # 3.153 and 2.207 against 2.721
+    methods = finding(result, "**The adaptive methods")
+    grew = all(row(env, f"{m} in the {p}")["kl_ref"] > best[env]["kl_ref"]
+               for env in envs for m in ("clip", "dynamic") for p in ("loss", "reward"))  # 0.770 to 1.546 > 0.473
+    assert ("`clip` and `dynamic` let the KL to the reference grow to" in methods) == grew
+    assert f"`sigmoid` in the loss {where('sigmoid in the loss')}" in methods  # 0.0055: near
+    weaker = all(row(env, "sigmoid in the reward")["kl_ref"] > best[env]["kl_ref"] for env in envs)  # 1.169 > 0.447
+    assert (", above the optimum's: shaping" in methods) == weaker
+    closer = all(row("first_a", s)["kl_opt"] < row("contains_a", s)["kl_opt"]
+                 for s in ("k3 in the loss", "k2 in the loss"))  # 0.0014 < 0.0091, 0.0007 < 0.0208
+    assert f"end {'closer to' if closer else 'no closer to'}" in finding(result, "**With the reward saturated")
+    for env in envs:
+        named = sorted((r for r in result["tables"][env]["rows"] if r["regret"] > 0.05), key=lambda r: -r["regret"])
+        sentence = finding(result, f"**Off the frontier ({env})**")  # first_a: k3_bottom_percentile's two rows
+        if named:
+            assert sentence.startswith(f"**Off the frontier ({env})**: " + "; ".join(
+                f"{r['setting']} {r['regret']:.4f}" for r in named) + " (frontier regret)")
+        else:
+            assert "no setting's frontier regret exceeds 0.05" in sentence
+
+
+def _ceil2(value: float) -> str:
+    """value rounded up at its second significant digit, by decimal arithmetic (the findings' 'at most')."""
+    from decimal import ROUND_CEILING, Decimal
+
+    exact = Decimal(repr(value))
+    return f"{float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - 1), ROUND_CEILING)):.2g}"
+
+
+def test_a_finding_changes_its_words_when_its_figures_say_otherwise() -> None:
+    """Each verdict moved by one figure: the words follow the figure, not the run the page was written from."""
+    result = stored_lab()
+    set_figure(result, "first_a", "k1+ in the reward", "kl_opt", 0.004)  # one k1-valued row off pi*, still near
+    assert finding(result, "**k1 in the reward").startswith("**k1 in the reward ends near")
+    assert "at most 0.004" in finding(result, "**k1 in the reward")
+    result = stored_lab()
+    best = next(r for r in result["tables"]["contains_a"]["rows"] if r["setting"] == "the optimum pi*")["length"]
+    set_figure(result, "contains_a", "k1 in the reward", "length", best + 0.05)
+    assert "(the optimum's: " in finding(result, "**k1 in the reward")
+    result = stored_lab()
+    set_figure(result, "first_a", "k2 in the reward", "kl_ref", 1.0)  # below no KL's 1.675 in one environment
+    assert finding(result, "do not regularise**: the KL to the reference ends above").startswith(
+        "**`k3`, `k3+` and `low_var_kl` in the reward do not regularise**")
+    assert finding(result, "**`k2` in the reward").startswith("**`k2` in the reward ends far from")
+    result = stored_lab()
+    set_figure(result, "contains_a", "k3+ in the reward", "length", best + 0.1)  # one of them longer than pi*'s
+    assert "They shorten completions" not in finding(result, "in the reward do not regularise")
+    result = stored_lab()
+    set_figure(result, "contains_a", "k3 in the loss", "kl_opt", 0.2)  # far in one environment
+    assert finding(result, "**k3 in the loss").startswith("**k3 in the loss (TRL's, Unsloth's, verl's) ends far from")
+    set_figure(result, "contains_a", "k3 in the loss", "kl_opt", 0.0091)
+    set_figure(result, "first_a", "k3 in the loss", "kl_opt", 0.0005)  # on pi* in one environment only: near
+    assert finding(result, "**k3 in the loss").startswith("**k3 in the loss (TRL's, Unsloth's, verl's) ends near")
+    result = stored_lab()
+    set_figure(result, "first_a", "clip in the loss", "kl_ref", 0.3)  # below the optimum's 0.473
+    assert "`clip` and `dynamic` end at a KL to the reference of 0.300 to" in finding(result, "**The adaptive methods")
+    result = stored_lab()
+    set_figure(result, "contains_a", "k3 in the loss, token_mean", "regret", 0.07)
+    assert "k3 in the loss, token_mean 0.0700 (frontier regret)" in finding(result, "**Off the frontier (contains_a)**")
+    set_figure(result, "contains_a", "k3 in the loss, token_mean", "regret", 0.05)  # not above 0.05
+    assert "no setting's frontier regret exceeds 0.05; the largest is 0.0500" in finding(
+        result, "**Off the frontier (contains_a)**")
+
+
+def test_the_target_reading_is_the_step_from_which_beta_stays_within_five_percent() -> None:
+    """One beta every 50 steps, then the final one, against beta* = 0.5: within 5 % are 0.49, 0.51, 0.52 and 0.505;
+    0.535 (7 %) and 0.4 are not. Settling is from the last entry outside on; a final beta outside means it never
+    settles, and the second half of the trace is its range."""
+    from unsloth_adaptive_kl.tools.tabular_findings import target_reading
+
+    settles = {"rate": 0.02, "betas": [0.2, 0.4, 0.49, 0.535, 0.51, 0.52], "final_beta": 0.505, "kl_opt": 1e-4}
+    never = {"rate": 0.1, "betas": [0.2, 0.3, 0.45, 0.55, 0.6, 0.52], "final_beta": 0.58, "kl_opt": 0.012}
+    late = {"rate": 0.005, "betas": [0.2, 0.49, 0.5, 0.5, 0.5, 0.5], "final_beta": 0.6, "kl_opt": 0.02}
+    result = {"beta_star": 0.5, "training": {"steps": 300}, "runs": [settles, never, late]}
+    first, second, third = target_reading(result)
+    assert "stays within 5% of \\( \\beta^* = 0.500 \\) from step 200 of 300 on and ends at 0.505" in first
+    assert "never stays within 5%" in second and "over the second half it ranges from 0.520 to 0.600" in second
+    assert "never stays within 5%" in third  # every traced beta within, the final one not
+
+
+def test_the_trace_holds_beta_after_steps_0_n_2n(monkeypatch) -> None:
+    """target_reading turns trace entry i into "step i * 50": the trace is beta after steps 0, n, 2n, ... (0-based)."""
+    after = []
+
+    class Recording(tabular_lab.AdaptiveKL):
+        def step(self, *args, **kwargs):
+            result = super().step(*args, **kwargs)
+            after.append(self.current_beta)
+            return result
+
+    monkeypatch.setattr(tabular_lab, "AdaptiveKL", Recording)
+    setting = Setting("target", "reward", (("kl_adaptation_method", "target"), ("kl_target", 0.1),
+                                           ("kl_target_measure", "sequence_sum"), ("kl_horizon", 100.0)))
+    run = train(Tree(ENVIRONMENTS["contains_a"]), setting, 0.2, replace(TRAINING, steps=7), seed=0, trace_every=3)
+    assert len(set(after)) == 7  # beta moves every step
+    assert run.betas == [after[0], after[3], after[6]] and run.final_beta == after[-1]

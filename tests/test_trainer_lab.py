@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl.tools import kl_lab, trainer_lab
-from unsloth_adaptive_kl.tools.tabular_lab import ENVIRONMENTS, Tree, kl, optimum
+from unsloth_adaptive_kl.tools.tabular_lab import ENVIRONMENTS, Setting, Tree, kl, optimum
 
 ENV = ENVIRONMENTS["contains_a"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,3 +277,130 @@ def test_predict_reproduces_the_committed_rows_predictions() -> None:
         for name, value in row["tabular"].items():
             assert found[name] == (pytest.approx(value, rel=1e-5, abs=1e-6) if isinstance(value, float) else value), (
                 setting, name)
+
+
+# ----- the trainer tables' sentences and cells, from hand-made rows (a mutation audit found them unpinned) ----------
+
+def lab_row(recipe: str, setting: str, seeds: list, tabular: float, *, placement: str = "loss", betas: list = (),
+            estimator: str = "k1", unmodelled: tuple = (), held_out: float = 0.0) -> dict:
+    """A trainer table's row as run_trainer_table writes it, with only the figures the sentences read."""
+    betas = list(betas) or [0.5] * len(seeds)
+    real = [b for b in betas if b is not None]
+    return {"recipe": recipe, "setting": setting, "placement": placement, "in_effect": {
+                "beta": 0.4375, "loss_type": "dr_grpo", "scale_rewards": "none"},
+            "train": {"kl_opt": sum(seeds) / len(seeds), "kl_opt_seeds": list(seeds), "effective_beta_seeds": betas,
+                      "effective_beta": sum(real) / len(real) if real else None},
+            "held_out": {"kl_opt": held_out, "effective_beta": 0.45},
+            "tabular": {"kl_opt": tabular, "estimator": estimator, "unmodelled": list(unmodelled)}}
+
+
+def test_inside_is_the_seeds_range_to_four_decimals() -> None:
+    """A prediction or the other trainer's figure agrees with a row when it lies in its seeds' range of KL(pi||pi*),
+    widened by half a unit of the 4th decimal the tables print (so one seed means equal to 4 decimals)."""
+    two, one = lab_row("r", "s", [0.001, 0.003], 0.0), lab_row("r", "s", [0.001], 0.0)
+    assert [trainer_lab.inside(v, two) for v in (0.002, 0.00304, 0.0009600, 0.0032, 0.0009)] == [
+        True, True, True, False, False]
+    assert [trainer_lab.inside(v, one) for v in (0.00104, 0.00106, 0.00094)] == [True, False, False]
+
+
+def test_the_trainer_findings_name_the_rows_their_figures_pick() -> None:
+    """trainer_lab.findings on a hand-made table: the noise floor is the k1-in-the-reward rows the tabular lab models
+    (dr_grpo, 2 seeds), those it does not (mu2) named apart and LoRA left out; "measured against predicted" counts the
+    3 modelled rows with a KL (beta = 0 has no fixed point: not counted, though its difference is the largest), 2 of
+    them within their seeds' range, the largest difference k1's 0.0009 - 0.0001; the k3+ row is named."""
+    table = {"beta": 0.5, "rows": [
+        lab_row("dr_grpo", "beta = 0 (no KL)", [0.9, 1.0], 0.5, placement="off", betas=[None, None]),
+        lab_row("dr_grpo", "k1 in the reward", [0.0005, 0.0013], 0.0001, placement="reward", betas=[0.49, 0.51],
+                held_out=0.0123),
+        lab_row("dr_grpo", "k1_future in the loss", [0.0011, 0.0019], 0.0015, estimator="k1_future"),
+        lab_row("dr_grpo", "sigmoid in the loss", [0.014, 0.016], 0.0151, estimator="k3+"),
+        lab_row("mu2", "k1 in the reward", [0.002, 0.004], 0.0001, placement="reward",
+                unmodelled=("num_iterations=2",)),
+        lab_row("lora", "k1 in the reward", [0.007, 0.009], 0.0001, placement="reward", unmodelled=("LoRA",))]}
+    noise, measured, *rest = trainer_lab.findings(table)
+    assert noise.startswith("**k1 in the reward, the noise floor**: over 2 runs (1 recipes the tabular lab models x "
+                            "seeds) it ends 0.0005 to 0.0013 from pi*_0.5, at an effective beta of 0.49 to 0.51: "
+                            "`dr_grpo` 0.0009 [0.0005 - 0.0013]; in the recipes the tabular lab does not model: "
+                            "`mu2` 0.0030 [0.0020 - 0.0040].")
+    assert measured.startswith("**Measured against predicted**, in the 3 rows whose recipe the tabular lab models")
+    assert ("the prediction lies within the seeds' range in 2; the largest difference is `dr_grpo`, k1 in the reward: "
+            "0.0009 [0.0005 - 0.0013] against 0.0001 predicted. The 1 rows") in measured
+    assert "`dr_grpo`, sigmoid in the loss 0.0150 [0.0140 - 0.0160] against 0.0151." in measured
+    held = next(sentence for sentence in rest if sentence.startswith("**The prompt never trained on**"))
+    assert "k1 in the reward ends 0.0123 from its pi*" in held
+    # Unsloth against TRL: 0.0012 lies in TRL's k1 range, 0.0030 not in k1_future's
+    unsloth = {"rows": [lab_row("dr_grpo", "k1 in the reward", [0.0012], 0.0001),
+                        lab_row("dr_grpo", "k1_future in the loss", [0.0030], 0.0015)]}
+    (sentence,) = trainer_lab.differences(table, unsloth)
+    assert sentence == ("**Unsloth against TRL**: in 1 of 2 rows Unsloth's KL(pi||pi*) lies within TRL's seeds' range: "
+                        "the others, TRL's range against Unsloth's figure: `dr_grpo`, k1_future in the loss 0.0015 "
+                        "[0.0011 - 0.0019] against 0.0030.")
+
+
+def test_the_reward_function_reads_the_decoded_letters() -> None:
+    """contains_a: 1 when an 'a' is anywhere; first_a: 1 when the first letter is 'a' (EOS and pads decode to
+    nothing, other characters are skipped)."""
+    contains, first = (trainer_lab.reward_function(ENVIRONMENTS[name]) for name in ("contains_a", "first_a"))
+    texts = ["", "a", "b", "ba", "ab", "bbb", "bba"]
+    assert contains(texts) == [0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert first(texts) == [0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    assert contains.__name__ == "contains_a"
+
+
+def test_over_seeds_counts_the_seeds_beyond_every_optimum() -> None:
+    """Three seeds, one beyond every optimum: 1 counted, the two others' betas averaged, the KL averaged over all."""
+    seeds = [{"kl_opt": 0.1, "effective_beta": 0.4}, {"kl_opt": 0.2, "effective_beta": None},
+             {"kl_opt": 0.3, "effective_beta": 0.6}]
+    row = trainer_lab.over_seeds(seeds)
+    assert row["beyond_seeds"] == 1 and row["effective_beta"] == pytest.approx(0.5)
+    assert row["kl_opt"] == pytest.approx(0.2) and row["kl_opt_seeds"] == [0.1, 0.2, 0.3]
+
+
+def test_a_temperature_is_named_as_not_modelled() -> None:
+    assert trainer_lab.prediction_of({**IN_EFFECT, "temperature": 0.7}).unmodelled == (
+        "temperature=0.7: sampling from a tempered policy",)
+
+
+def test_a_trainer_rows_figures_are_each_prompts_policy_against_its_own_optimum(tables, monkeypatch) -> None:
+    """run_trainer_table's assembly, with the trainer replaced by a stand-in that returns known policies (another
+    prompt's reference table: seed 0 shifts the training prompts by one, seed 1 by two; the held-out prompt gets
+    "aab"'s): each seed's KL(pi||pi*) is the mean over the training prompts of KL(pi || pi*_0.5 of that prompt's
+    reference), the held-out one against the held-out prompt's, computed here from the closed form; the cells read
+    those figures, measured minus predicted, and Unsloth minus TRL."""
+    prompts, held = trainer_lab.TRAIN_PROMPTS, trainer_lab.HELD_OUT
+    in_effect = {**{name: None for name in trainer_lab.TRAINER_FIELDS}, **trainer_lab.KL_DEFAULTS, **IN_EFFECT,
+                 "beta": 0.5, "kl_placement": "reward", "kl_estimator": "k1"}
+
+    def policies(seed: int) -> dict:
+        shift = 1 + seed
+        return {**{p: tables[prompts[(i + shift) % 3]] for i, p in enumerate(prompts)}, held: tables["aab"]}
+
+    def stand_in(run, tables_):
+        return {"tables": policies(run.seed), "in_effect": in_effect, "pad_probability": 0.0}
+
+    monkeypatch.setattr(trainer_lab, "train_through", stand_in)
+    setting = Setting("k1 in the reward", "reward", (("kl_estimator", "k1"),))
+    table = trainer_lab.run_trainer_table("trl", [setting], ["dr_grpo"], 0.5, 1, [0, 1])
+    tree = Tree(ENV)
+
+    def away(table_: torch.Tensor, prompt: str) -> float:  # KL(pi || pi*_0.5) by the closed form, in float64
+        logp, ref = tree.log_probs(table_.double()), tree.log_probs(tables[prompt].double())
+        star = ref + tree.rewards.double() / 0.5
+        star = star - torch.logsumexp(star, 0)
+        return float((logp.exp() * (logp - star)).sum())
+
+    expected = [sum(away(policies(seed)[p], p) for p in prompts) / 3 for seed in (0, 1)]
+    (row,) = table["rows"]
+    assert row["train"]["kl_opt_seeds"] == pytest.approx(expected, rel=1e-6) and expected[0] != expected[1]
+    assert row["train"]["kl_opt"] == pytest.approx(sum(expected) / 2, rel=1e-6)
+    assert row["held_out"]["kl_opt"] == pytest.approx(away(tables["aab"], held), rel=1e-6)
+    assert row["held_out"]["kl_opt"] > 0.01  # another prompt's reference: not the held-out one's optimum
+    ((_, (cells,)),) = trainer_lab.trainer_rows(table)
+    header = trainer_lab.HEADER
+    assert cells[header.index("measured - tabular")] == f"{row['train']['kl_opt'] - row['tabular']['kl_opt']:.4f}"
+    assert cells[header.index("held out: KL(pi||pi*)")] == f"{row['held_out']['kl_opt']:.4f}"
+    assert cells[header.index("KL(pi||pi*) [seeds]")] == (
+        f"{row['train']['kl_opt']:.4f} [{min(expected):.4f} - {max(expected):.4f}]")
+    other = json.loads(json.dumps({**table, "rows": [{**row, "train": {**row["train"], "kl_opt": 0.5}}]}))
+    _, (side,) = trainer_lab.side_by_side_rows(table, other)
+    assert side[trainer_lab.SIDE_BY_SIDE.index("Unsloth - TRL")] == f"{0.5 - row['train']['kl_opt']:.4f}"
