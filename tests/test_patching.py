@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import math
 import re
 import sys
 import types
@@ -375,3 +376,330 @@ def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:
     trl_patch.patch()
     assert len(trl_patch._patches) == installed == 12 + trl_patch.kernel_lacks_cpu_path()
     assert trl_patch.ChunkedLogProbWithCPUFallback.upstream is upstream
+
+
+def test_each_tested_range_ends_at_versions_the_recorded_ci_run_installed() -> None:
+    """versions.TESTED is what the CI matrix runs: every bound of every range (trl 1.9.1 and 1.16.0, ...) is a version
+    one row of the last recorded `.ci/run` (docs/results/ci.json) installed, so a user on a version CI ran gets no
+    UntestedVersionWarning and a range never claims a version no row ran."""
+    import json
+    from pathlib import Path
+
+    rows = json.loads((Path(__file__).parents[1] / "docs" / "results" / "ci.json").read_text())["rows"]
+    ran = {(package, Version(version).base_version) for row in rows for package, version in row["versions"].items()}
+    for package, specifiers in versions.TESTED.items():
+        for specifier in specifiers:
+            assert (package, specifier.version) in ran, (package, str(specifier))
+
+
+def _innermost_of_three_wrappers() -> str:
+    return "the innermost function's own line"
+
+
+def _wrap(function):
+    def wrapper(*args, **kwargs):  # no functools.wraps, as Unsloth wraps some generated methods
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+class _HeldByAClosure:
+    """the source of a class a closure holds"""
+
+
+def _recursive():
+    def countdown(n: int) -> int:
+        return n if n <= 0 else countdown(n - 1)  # its own closure holds countdown itself
+
+    return countdown
+
+
+def test_source_reads_through_three_wrappers_and_only_functions_and_ends_on_a_recursive_closure() -> None:
+    """`source` is what every anchor is looked up in: a function wrapped three times without functools.wraps is read
+    down to its own body; a closure cell that holds a class or a string is not read as source; a recursive function
+    (its closure holds itself) is read without a RecursionError; a built-in and a function made by exec (no file) have
+    none, so an anchor in them is reported missing, not a TypeError or OSError out of patch()."""
+    assert "the innermost function's own line" in versions.source(_wrap(_wrap(_wrap(_innermost_of_three_wrappers))))
+
+    held_class, held_text = _HeldByAClosure, "a string a closure holds"
+
+    def holds_a_class_and_a_string():
+        return held_class, held_text
+
+    read = versions.source(holds_a_class_and_a_string)
+    assert "def holds_a_class_and_a_string" in read and "the source of a class a closure holds" not in read
+
+    assert "countdown(n - 1)" in versions.source(_recursive())
+
+    namespace: dict = {}
+    exec("def generated(self):\n    per_token_loss = per_token_loss + self.beta * per_token_kl\n", namespace)
+    assert versions.source(len) == versions.source(namespace["generated"]) == ""
+    objects = {"GRPOTrainer._compute_loss": namespace["generated"], "GRPOTrainer._save_checkpoint": len}
+    anchors = (versions.TRL_KL_LINE, versions.Anchor("GRPOTrainer._save_checkpoint", "self, model", "a stand-in"))
+    assert versions.missing_anchors(anchors, objects.get) == list(anchors)
+
+
+def test_a_signature_anchor_holds_for_that_exact_parameter_list_only(monkeypatch) -> None:
+    """`_save_checkpoint(self, model, trial)`, the beta state's checkpoint hook, is found in the installed trl; a trl
+    whose method gains a parameter, or loses one, is refused naming the signature, as a missing line is."""
+    (anchor,) = [a for a in versions.TRL_ANCHORS if a.function == "GRPOTrainer._save_checkpoint"]
+    assert anchor.signature and anchor.text == "self, model, trial"
+    assert versions.missing_anchors((anchor,), trl_patch._stock_function) == []
+
+    def gained(self, model, trial, metrics=None): ...
+
+    def lost(self, model): ...
+
+    for changed in (gained, lost):
+        assert versions.missing_anchors((anchor,), lambda name: changed) == [anchor]
+        with pytest.raises(versions.IncompatibleVersionError, match=re.escape(
+                "the anchor `self, model, trial` (the beta state saved with checkpoints) was not found in "
+                "GRPOTrainer._save_checkpoint.")):
+            versions.check_anchors("trl", (anchor,), lambda name: changed)
+
+
+def test_a_refusal_names_the_first_missing_anchor_and_warns_no_untested_version(tmp_path, monkeypatch) -> None:
+    """An untested trl (1.99.0) with two anchors missing: the error names the first in the order checked, and no
+    UntestedVersionWarning (which says every anchor was found) comes with it; once the anchors hold, that version warns,
+    once."""
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda p: Version("1.99.0") if p == "trl" else real(p))
+    monkeypatch.setattr(versions, "_warned", set())
+    anchors = (versions.TRL_KL_LINE, versions.TRL_LOGPS_CALL, versions.TRL_REWARD_METRIC)
+    reward_metric_only = stand_in_resolver(tmp_path, anchors[2:], None)("GRPOTrainer._generate_and_score_completions")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(versions.IncompatibleVersionError, match=re.escape(f"the anchor `{anchors[0].text}`")):
+            versions.check_anchors("trl", anchors, lambda name: reward_metric_only)
+    assert caught == []
+    with pytest.warns(versions.UntestedVersionWarning) as caught:
+        versions.check_anchors("trl", anchors[2:], lambda name: reward_metric_only)
+        versions.check_anchors("trl", anchors[2:], lambda name: reward_metric_only)
+    assert [str(w.message).split(" (")[0] for w in caught] == ["unsloth_adaptive_kl is untested with trl==1.99.0"]
+
+
+@pytest.fixture
+def stand_in_verl(tmp_path, monkeypatch):
+    """A package named verl (verl itself is not installed in most CI rows; where it is, its modules are set aside for
+    the test and put back after): verl.trainer.core_algos with a function and a class, imported by name as
+    resolve_verl imports verl's."""
+    for name in [name for name in sys.modules if name == "verl" or name.startswith("verl.")]:
+        monkeypatch.delitem(sys.modules, name)
+    (tmp_path / "verl" / "trainer").mkdir(parents=True)
+    (tmp_path / "verl" / "__init__.py").write_text("")
+    (tmp_path / "verl" / "trainer" / "__init__.py").write_text("")
+    (tmp_path / "verl" / "trainer" / "core_algos.py").write_text(
+        "def agg_loss(loss_mat, batch_num_tokens=None):\n"
+        "    return loss_mat.sum() / batch_num_tokens\n\n\n"
+        "class Controller:\n"
+        "    def update(self, current_kl, n_steps):\n"
+        "        self.value = current_kl\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in [name for name in sys.modules if name == "verl" or name.startswith("verl.")]:
+        del sys.modules[name]
+
+
+def test_resolve_verl_takes_the_longest_module_then_attributes_and_none_for_what_is_gone(stand_in_verl) -> None:
+    """'trainer.core_algos.agg_loss' is verl.trainer.core_algos's agg_loss (the module imported by its own name, not
+    looked up as an attribute of verl.trainer, which it is not before it is imported); a method through its class; a
+    function, module or package verl no longer has is None, so that anchor is missing even where its line still stands
+    elsewhere in the module."""
+    function = versions.resolve_verl("trainer.core_algos.agg_loss")
+    import verl.trainer.core_algos as core_algos
+
+    assert function is core_algos.agg_loss
+    assert versions.resolve_verl("trainer.core_algos.Controller.update") is core_algos.Controller.update
+    for gone in ("trainer.core_algos.renamed_agg_loss", "trainer.core_algos.Controller.renamed",
+                 "trainer.no_such_module.agg_loss", "no_such_package.agg_loss"):
+        assert versions.resolve_verl(gone) is None, gone
+    moved = versions.Anchor("trainer.core_algos.renamed_agg_loss", "return loss_mat.sum() / batch_num_tokens",
+                            "a line now in another function of the module")
+    kept = versions.Anchor("trainer.core_algos.agg_loss", "return loss_mat.sum() / batch_num_tokens", "the line")
+    assert versions.missing_anchors((kept, moved), versions.resolve_verl) == [moved]
+
+
+def test_unsloth_zoos_bnpo_rule_is_read_from_its_grpo_compute_loss_and_a_third_form_is_refused() -> None:
+    """Given num_items_in_batch, unsloth_zoo 2026.10.7 reduces bnpo by the global token count, 2026.10.9 by the
+    micro-batch's own tokens (docs/estimators.md): read from the installed grpo_compute_loss (its file, not imported);
+    a grpo_compute_loss with neither form is an IncompatibleVersionError naming unsloth_zoo, both forms and the install
+    that fixes it."""
+    import ast
+    import importlib.metadata
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("unsloth_zoo")
+    if spec is None:
+        pytest.skip("unsloth_zoo is not installed")
+    expected = {"2026.10.7": "global", "2026.10.9": "micro_batch"}.get(importlib.metadata.version("unsloth_zoo"))
+    if expected is None:
+        pytest.skip("an unsloth_zoo outside the tested range")
+    path = Path(spec.submodule_search_locations[0]) / "rl_replacements.py"
+    text = path.read_text()
+    (function,) = [node for node in ast.parse(text).body
+                   if isinstance(node, ast.FunctionDef) and node.name == "grpo_compute_loss"]
+    assert versions.unsloth_bnpo_rule(ast.get_source_segment(text, function)) == expected
+
+    with pytest.raises(versions.IncompatibleVersionError) as caught:
+        versions.unsloth_bnpo_rule('    elif loss_type in ["dapo"]:\n')
+    message = str(caught.value)
+    assert message.startswith("unsloth_adaptive_kl cannot patch unsloth_zoo==")
+    assert ('the anchor `elif loss_type in ["bnpo", "cispo", "dapo", "vespo"]: or elif loss_type in ["cispo", "dapo", '
+            '"vespo"]:` (the bnpo reduction) was not found in Unsloth\'s generated trainer: grpo_compute_loss.'
+            ) in message
+    assert message.endswith("pip install 'unsloth_zoo>=2026.10.7,<=2026.10.9'.")
+
+
+def _raw_logits(z: torch.Tensor, softcap: float, logit_scale: float, temperature: float) -> torch.Tensor:
+    """The h W^T + b that trl's kernel (`_transform`) turns into the logits `z` = softcap * tanh(logit_scale * (h W^T
+    + b) / softcap) / temperature, each step undone by hand."""
+    return softcap * torch.atanh(temperature * z / softcap) / logit_scale
+
+
+def test_the_cpu_fallback_gives_hand_computed_log_probs_entropy_and_statistics_through_every_logit_step() -> None:
+    """Two tokens whose logits, after the bias, the logit scale, the softcap and the temperature, are ln [1, 2, 1]
+    (p = [1/4, 1/2, 1/4]) and ln [3, 1, 1] (p = [3/5, 1/5, 1/5]), targets 1 and 2: log p = ln 1/2 and ln 1/5; entropy
+    1.5 ln 2 and -(0.6 ln 0.6 + 0.4 ln 0.2); log(sum p^2) = ln 3/8 and ln 11/25; mean logit ln 2 / 3 and ln 3 / 3; the
+    first token's target is its argmax, the second's is not."""
+    from unsloth_adaptive_kl.integrations.trl_cpu_fallback import chunked_logprob_torch
+
+    softcap, logit_scale, temperature = 3.0, 0.5, 2.0
+    z = torch.log(torch.tensor([[1.0, 2.0, 1.0], [3.0, 1.0, 1.0]], dtype=torch.float64))
+    raw = _raw_logits(z, softcap, logit_scale, temperature)  # [token, vocab]
+    bias = torch.tensor([0.25, -0.5, 0.0], dtype=torch.float64)
+    hidden = torch.eye(2)  # token i reads weight column i
+    weight = (raw - bias).T.float()  # [vocab, hidden]
+    logprobs, entropy, log_sum_sq, mean_logits, is_top1 = chunked_logprob_torch(
+        hidden, weight, bias.float(), torch.tensor([1, 2]), temperature, 4, softcap, logit_scale)
+    ln = math.log
+    expected = {"log p": [ln(1 / 2), ln(1 / 5)], "entropy": [1.5 * ln(2), -(0.6 * ln(0.6) + 0.4 * ln(0.2))],
+                "log sum p^2": [ln(3 / 8), ln(11 / 25)], "mean logit": [ln(2) / 3, ln(3) / 3]}
+    for name, got in zip(expected, (logprobs, entropy, log_sum_sq, mean_logits)):
+        assert got.dtype == torch.float32 and got.tolist() == pytest.approx(expected[name], rel=1e-5, abs=1e-6), name
+    assert is_top1.tolist() == [True, False]
+
+
+def reference_logprobs(hidden, weight, bias, targets, temperature, softcap, logit_scale):
+    """trl's kernel's outputs in float64 from its docstring's formula, on the logits as computed in the inputs' dtype
+    (the kernel's projection tile is in that dtype; everything after it in float32)."""
+    z = torch.nn.functional.linear(hidden, weight, bias).double() * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    log_norm = torch.logsumexp(z, dim=-1)
+    p = torch.exp(z - log_norm[:, None])
+    logprobs = z.gather(-1, targets[:, None])[:, 0] - log_norm
+    entropy = log_norm - (p * z).sum(-1)
+    return logprobs, entropy, torch.log((p * p).sum(-1)), z.mean(-1), z.argmax(-1) == targets
+
+
+@pytest.mark.parametrize(("dtype", "softcap", "logit_scale", "temperature"),
+                         [(torch.float32, None, 1.0, 1.0), (torch.float32, 30.0, 0.25, 0.7),
+                          (torch.float64, 5.0, 2.0, 1.3), (torch.bfloat16, 30.0, 1.0, 0.9)])
+def test_the_cpu_fallback_matches_the_kernels_formula_in_value_dtype_and_gradient(dtype, softcap, logit_scale,
+                                                                               temperature) -> None:
+    """Random tokens over a 50-word vocabulary against the formula in float64: log-probs, entropy, log(sum p^2), mean
+    logit and top-1 (float32 results, as the kernel's, from bfloat16 inputs too), and the gradient of log p + entropy
+    for the hidden states, weight and bias; the statistics outside that gradient, as the kernel marks them."""
+    from unsloth_adaptive_kl.integrations.trl_cpu_fallback import chunked_logprob_torch
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 16, generator=g).to(dtype).requires_grad_()
+    weight = torch.randn(50, 16, generator=g).to(dtype).requires_grad_()
+    bias = torch.randn(50, generator=g).to(dtype).requires_grad_()
+    targets = torch.randint(0, 50, (7,), generator=g)
+    targets[0] = int(torch.nn.functional.linear(hidden, weight, bias)[0].argmax())  # one target that is the argmax
+    got = chunked_logprob_torch(hidden, weight, bias, targets, temperature, 8, softcap, logit_scale)
+    want = reference_logprobs(hidden, weight, bias, targets, temperature, softcap, logit_scale)
+    assert [x.dtype for x in got] == [torch.float32] * 4 + [torch.bool]
+    for name, a, b in zip(("log p", "entropy", "log sum p^2", "mean logit"), got, want):
+        assert torch.allclose(a.double(), b, rtol=1e-5, atol=1e-5), name
+    assert torch.equal(got[4], want[4]) and bool(got[4][0])
+    assert [x.requires_grad for x in got] == [True, True, False, False, False]
+    grads = torch.autograd.grad((got[0] + got[1]).sum(), (hidden, weight, bias))
+    want_grads = torch.autograd.grad((want[0] + want[1]).sum(), (hidden, weight, bias))
+    for a, b in zip(grads, want_grads):
+        assert torch.allclose(a.double(), b.double(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_cpu_fallback_computes_only_the_requested_statistics() -> None:
+    """As the kernel: each optional output is None unless named in `outputs`; the log-probs always come."""
+    from unsloth_adaptive_kl.integrations.trl_cpu_fallback import OPTIONAL_OUTPUTS, chunked_logprob_torch
+
+    hidden, weight, targets = torch.randn(3, 4), torch.randn(6, 4), torch.tensor([0, 5, 2])
+    for requested in [(), *((name,) for name in OPTIONAL_OUTPUTS)]:
+        got = chunked_logprob_torch(hidden, weight, None, targets, 1.0, 8, outputs=requested)
+        assert got[0] is not None
+        assert [name for name, x in zip(OPTIONAL_OUTPUTS, got[1:]) if x is not None] == list(requested)
+
+
+def test_the_cpu_fallback_sends_accelerator_tensors_to_trls_kernel_and_cpu_tensors_to_torch(monkeypatch) -> None:
+    """`ChunkedLogProbWithCPUFallback.apply` with trl's kernel as `upstream` (stood in for: the Triton kernel needs a
+    GPU): a tensor on another device (meta here) goes to the kernel with every argument, a CPU tensor to the torch path;
+    without the kernel (no Triton) every tensor takes the torch path."""
+    from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+
+    calls = []
+
+    class Kernel:
+        @staticmethod
+        def apply(*args):
+            calls.append(args)
+            return "the kernel's outputs"
+
+    def inputs(device: str) -> tuple:
+        return torch.randn(2, 4, device=device), torch.randn(6, 4, device=device), None, \
+            torch.tensor([0, 5], device=device), 1.0, 8
+
+    monkeypatch.setattr(ChunkedLogProbWithCPUFallback, "upstream", Kernel)
+    on_meta = inputs("meta")
+    assert ChunkedLogProbWithCPUFallback.apply(*on_meta) == "the kernel's outputs"
+    assert len(calls) == 1 and all(a is b for a, b in zip(calls[0], on_meta, strict=True))
+    on_cpu = inputs("cpu")
+    logprobs = ChunkedLogProbWithCPUFallback.apply(*on_cpu)[0]
+    assert torch.allclose(logprobs, torch.log_softmax(on_cpu[0] @ on_cpu[1].T, -1)[[0, 1], [0, 5]]) and len(calls) == 1
+    monkeypatch.setattr(ChunkedLogProbWithCPUFallback, "upstream", None)
+    assert ChunkedLogProbWithCPUFallback.apply(*on_meta)[0].device.type == "meta" and len(calls) == 1
+
+
+def test_a_package_importable_without_its_metadata_is_applied_with_one_warning_its_version_unknown(tmp_path,
+                                                                                                 monkeypatch) -> None:
+    """A package run from a source checkout on the path (verl run from its own clone, say) is importable with no
+    package metadata: where its anchors hold it is applied, with one UntestedVersionWarning saying its version is
+    unknown, not a PackageNotFoundError out of the import. A name nothing installs stands for it, with a tested range."""
+    from packaging.specifiers import SpecifierSet
+
+    absent = "unsloth_adaptive_kl_absent_package"
+    monkeypatch.setitem(versions.TESTED, absent, SpecifierSet("==1.0"))
+    monkeypatch.setattr(versions, "_warned", set())
+    anchor = versions.Anchor("f", "the line it relies on", "a stand-in")
+    resolve = stand_in_resolver(tmp_path, (anchor,), None)
+    with pytest.warns(versions.UntestedVersionWarning) as caught:
+        versions.check_anchors(absent, (anchor,), resolve)
+        versions.check_anchors(absent, (anchor,), resolve)
+    assert [str(warning.message) for warning in caught] == [
+        f"unsloth_adaptive_kl is untested with {absent} of unknown version (no package metadata) (tested: {absent}==1.0); "
+        "every anchor it relies on was found, so it is applied. `python -m unsloth_adaptive_kl` checks it on this "
+        "machine."]
+
+
+@pytest.mark.parametrize("local", ["ref_per_token_logps", "tool_mask"])
+def test_a_trl_whose_generation_renamed_a_local_the_reward_kl_reads_is_refused_at_patch_time(tmp_path,
+                                                                                               local: str) -> None:
+    """The KL in the reward reads `_generate_and_score_completions`'s log-prob and mask locals where it calls
+    `_calculate_rewards`: the installed trl's own method with one of them renamed is refused by the patch-time check,
+    naming that local, not left to fail at the first generation with kl_placement="reward"."""
+    import textwrap
+
+    stock = textwrap.dedent(inspect.getsource(trl_patch._stock_generate_and_score))
+    (tmp_path / "changed_trl.py").write_text("from __future__ import annotations\n\n"
+                                             + stock.replace(f"{local} = ", f"{local}_renamed = "))
+    spec = importlib.util.spec_from_file_location("changed_trl", tmp_path / "changed_trl.py")
+    changed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(changed)
+    function = "GRPOTrainer._generate_and_score_completions"
+    with pytest.raises(versions.IncompatibleVersionError, match=re.escape(
+            f"the anchor `{local} = ` (read where it calls _calculate_rewards, for the KL in the reward) was not found "
+            f"in {function}.")):
+        versions.check_anchors("trl", versions.TRL_ANCHORS, lambda name: changed._generate_and_score_completions
+                               if name == function else trl_patch._stock_function(name))

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from unsloth_adaptive_kl.integrations import versions
 
 from .selfcheck_record import assert_like_the_record, run_self_check
@@ -75,3 +77,34 @@ def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:
     trl_line = next(check for check in selfcheck.version_checks() if check.name == "trl version")
     assert trl_line.ok
     assert trl_line.line() == f"[untested] trl version: trl==1.99.0 (tested: trl{versions.tested_range('trl')})"
+
+
+@pytest.mark.parametrize(("version", "status"), [("1.9.1", "ok"), ("1.16.0", "ok"), ("1.9.0", "untested"),
+                                                 ("1.16.1", "untested")])
+def test_the_trl_version_line_is_untested_just_outside_the_tested_range(monkeypatch, version, status) -> None:
+    """The tested trl range is 1.9.1 to 1.16.0, both ends included (docs/changelog.md): its ends are reported ok, the
+    releases just outside it untested."""
+    from packaging.version import Version
+
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda p: Version(version) if p == "trl" else real(p))
+    trl_line = next(check for check in selfcheck.version_checks() if check.name == "trl version")
+    assert trl_line.line() == f"[{status}] trl version: trl=={version} (tested: trl>=1.9.1,<=1.16.0)"
+
+
+def test_a_package_not_installed_is_reported_so_not_as_untested(monkeypatch) -> None:
+    """On a TRL-only install the Unsloth lines say '(not installed)', with the range, lower bound first, and are not
+    marked untested: a package with a tested range and no installed distribution (a real lookup, of a name nothing
+    installs) is reported the same way."""
+    from packaging.specifiers import SpecifierSet
+
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    absent = "unsloth_adaptive_kl_absent_package"
+    monkeypatch.setitem(versions.TESTED, absent, SpecifierSet("<=2.0,>=1.0"))
+    monkeypatch.setattr(selfcheck, "VERSION_PACKAGES", (absent,))
+    assert versions.is_tested(absent) is None
+    assert [check.line() for check in selfcheck.version_checks()] == [
+        f"[ok] {absent} version: {absent} (not installed) (tested: {absent}>=1.0,<=2.0)"]

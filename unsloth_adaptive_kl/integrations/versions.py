@@ -331,12 +331,17 @@ def check_anchors(package: str | Callable[[Anchor], str], anchors: tuple[Anchor,
 
 
 def warn_if_untested(package: str) -> None:
-    """One UntestedVersionWarning per (package, version) outside the tested range."""
-    found = str(installed_version(package))
-    if Version(found) not in TESTED[package] and (package, found) not in _warned:
-        _warned.add((package, found))
+    """One UntestedVersionWarning per (package, version) outside the tested range, or with no version to read (a
+    source checkout on the path, importable without its package metadata)."""
+    try:
+        version: Optional[Version] = installed_version(package)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    found = f"{package}=={version}" if version is not None else f"{package} of unknown version (no package metadata)"
+    if (version is None or version not in TESTED[package]) and (package, str(version)) not in _warned:
+        _warned.add((package, str(version)))
         warnings.warn(
-            f"unsloth_adaptive_kl is untested with {package}=={found} (tested: {package}{tested_range(package)}); every "
+            f"unsloth_adaptive_kl is untested with {found} (tested: {package}{tested_range(package)}); every "
             "anchor it relies on was found, so it is applied. `python -m unsloth_adaptive_kl` checks it on this machine.",
             UntestedVersionWarning,
             stacklevel=4,
