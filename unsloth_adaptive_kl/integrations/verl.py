@@ -220,6 +220,21 @@ def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
             warn_estimator_issue(NOT_LOG_RATIO_IN_REWARD, kl_penalty, VERL_REWARD_FIELDS)
 
 
+def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, field: str,
+                     placed: Optional[AdaptiveKLConfig] = None, **kwargs: Any) -> AdaptiveKL:
+    """The core's `AdaptiveKL` of `placed` (default: `config`, the fields as the `field` block set them) at beta =
+    verl's `coefficient`, whose beta-0 warning speaks verl's terms: the block's fields that would have no effect and
+    the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement verl sets)."""
+    fields = config.adapted_fields()
+    if beta == 0.0 and fields:
+        warnings.warn(f"{', '.join(f'{field}.{setting}' for setting in fields)} {'has' if len(fields) == 1 else 'have'} "
+                      f"no effect: {coefficient}=0.0 turns this KL term off. Set {coefficient} > 0 to regularise.",
+                      UserWarning, stacklevel=3)
+    with warnings.catch_warnings():  # said above, in verl's terms
+        warnings.filterwarnings("ignore", message=r".* no effect: beta=0\.0 turns the KL term off", category=UserWarning)
+        return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
+
+
 # ----- the KL in the actor loss (runs in every actor worker) -------------------------------------------------------
 
 
@@ -383,21 +398,6 @@ def raise_if_nonfinite(found: list[float], step: int) -> None:
 
 
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------
-
-
-def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, field: str,
-                     placed: Optional[AdaptiveKLConfig] = None, **kwargs: Any) -> AdaptiveKL:
-    """The core's `AdaptiveKL` of `placed` (default: `config`, the fields as the `field` block set them) at beta =
-    verl's `coefficient`, whose beta-0 warning speaks verl's terms: the block's fields that would have no effect and
-    the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement verl sets)."""
-    fields = config.adapted_fields()
-    if beta == 0.0 and fields:
-        warnings.warn(f"{', '.join(f'{field}.{setting}' for setting in fields)} {'has' if len(fields) == 1 else 'have'} "
-                      f"no effect: {coefficient}=0.0 turns this KL term off. Set {coefficient} > 0 to regularise.",
-                      UserWarning, stacklevel=3)
-    with warnings.catch_warnings():  # said above, in verl's terms
-        warnings.filterwarnings("ignore", message=r".* no effect: beta=0\.0 turns the KL term off", category=UserWarning)
-        return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
 
 
 class RewardKLController:
