@@ -564,9 +564,14 @@ def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
         engine.record_sums([], train=True, completed_steps=1)
     unscored = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), BETA)
     unscored.reward_penalty(*batch(), MASK, train=False)  # the KL in the reward, no training batch scored
-    with pytest.warns(UserWarning, match=r"beta holds at step 1: target moves beta from the KL of the generation "
-                                         r"batch scored for the step, and no training reward_penalty has scored one"):
+    held = (r"beta holds at step 1: target moves beta from the KL of the valid tokens of the generation batch scored "
+            r"for the step, and no training reward_penalty has scored one")
+    with pytest.warns(UserWarning, match=held):
         assert unscored.step() == BETA  # ccb0d5c: silent, where the loss placement warns
+    empty = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), BETA)
+    empty.reward_penalty(torch.tensor([[-1.0, -1.0]]), torch.zeros(1, 2), torch.zeros(1, 2))  # scored: no valid token
+    with pytest.warns(UserWarning, match=held):
+        assert empty.step() == BETA  # the step that holds says so, not a later one
     in_reward = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), BETA)
     in_reward.reward_penalty(*batch(), MASK)
     with warnings.catch_warnings():

@@ -297,11 +297,11 @@ class AdaptiveKL:
             missing = ("target moves beta from the KL of the valid tokens the step trained on, and no training "
                        "kl_loss saw one since the last step (call kl_loss(..., train=True) before step(), or pass "
                        "step(kl=WindowKL(...)))")
-        elif kind == "target" and kl is None and self.config.kl_in_reward and self._scored is None \
-                and math.isnan(self.last_raw_kl):  # later steps on a batch already read may hold: it was read
-            missing = ("target moves beta from the KL of the generation batch scored for the step, and no training "
-                       "reward_penalty has scored one yet (call reward_penalty(..., train=True) before step(), or "
-                       "pass step(kl=WindowKL(...)))")
+        elif (kind == "target" and kl is None and self.config.kl_in_reward and math.isnan(self.last_raw_kl)
+              and (self._scored is None or not self._scored.completions)):  # later steps on a batch read may hold
+            missing = ("target moves beta from the KL of the valid tokens of the generation batch scored for the "
+                       "step, and no training reward_penalty has scored one yet (call reward_penalty(..., "
+                       "train=True) before step(), or pass step(kl=WindowKL(...)))")
         else:
             return
         warnings.warn(f"adaptive KL: beta holds at step {step}: {missing}.", UserWarning, stacklevel=4)
