@@ -64,8 +64,8 @@ def test_the_beta_zero_warning_is_quoted_as_warned() -> None:
 
 
 def test_the_held_beta_and_unread_divisor_warnings_are_quoted_as_warned() -> None:
-    """troubleshooting.md quotes the first step of each controller that holds beta for want of its input, and a
-    token_normalizer that grpo's reduction does not read."""
+    """troubleshooting.md quotes the first step of each controller that holds beta for want of its input (and a loop
+    of your own that never calls step()), and a token_normalizer that grpo's reduction does not read."""
     import torch
 
     with warnings.catch_warnings(record=True) as caught:
@@ -73,11 +73,16 @@ def test_the_held_beta_and_unread_divisor_warnings_are_quoted_as_warned() -> Non
         AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), beta=0.04).step()
         AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target"), beta=0.04).step()
         AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_placement="reward"), beta=0.04).step()
+        forgot = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), beta=0.04)
+        optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+        for _ in range(3):  # a loop of your own that never calls forgot.step()
+            forgot.kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
+            optimizer.step()
         AdaptiveKL(None, beta=0.04).kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
                                             token_normalizer=7.0)
     printed = [f"UserWarning: {warning.message}" for warning in caught]
-    assert quoted("troubleshooting.md", "UserWarning: adaptive KL: beta holds") == ["\n".join(printed[:3])]
-    assert quoted("troubleshooting.md", "UserWarning: token_normalizer") == [printed[3]]
+    assert quoted("troubleshooting.md", "UserWarning: adaptive KL: beta holds") == ["\n".join(printed[:4])]
+    assert quoted("troubleshooting.md", "UserWarning: token_normalizer") == [printed[4]]
 
 
 def test_the_changed_setting_error_is_quoted_as_raised() -> None:

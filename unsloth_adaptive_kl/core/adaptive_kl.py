@@ -24,6 +24,7 @@ from .adaptation import KLTerm, kl_term
 from .config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, is_real, reject, settings_of
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
+from .optimizer_steps import OptimizerSteps
 from .reductions import ReductionContext, kl_reduction, loss_type_reduction, warn_unread_context
 from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
@@ -86,6 +87,8 @@ class AdaptiveKL:
         self.last_raw_kl = math.nan
         self.last_metrics: dict[str, float] = {}
         self._held_warned = False  # a step held beta for want of its input and said so (once per run)
+        self._optimizer_steps = OptimizerSteps()  # a loop of your own: optimizer steps since its last `step()`
+        self._unstepped_warned = False
 
     @property
     def current_beta(self) -> float:
@@ -131,6 +134,8 @@ class AdaptiveKL:
             check_token_normalizer(token_normalizer)
         ctx = ReductionContext(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
+        if train:
+            self._warn_if_unstepped("kl_loss")
         term = self.term(logps, ref_logps, mask, ctx=ctx, per_token_kl=per_token_kl, with_grad=True)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.completed_steps + 1,
                                     gather=gather or local)
@@ -162,6 +167,8 @@ class AdaptiveKL:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
         check_batch(logps, ref_logps, mask, per_token_kl)
+        if train:
+            self._warn_if_unstepped("reward_penalty")
         penalty, self.last_metrics = self.penalize(
             self.term(logps, ref_logps, mask, per_token_kl=per_token_kl), gather=gather or local,
             train=train, completed_steps=self.completed_steps)
@@ -279,6 +286,7 @@ class AdaptiveKL:
         elif window is None:
             window = self._trained.window(self.num_iterations)
         self._trained, self._scored = KLStatistics(), None
+        self._optimizer_steps.reset()
         if window is not None:
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
@@ -306,6 +314,24 @@ class AdaptiveKL:
             return
         warnings.warn(f"adaptive KL: beta holds at step {step}: {missing}.", UserWarning, stacklevel=4)
         self._held_warned = True
+
+    def _warn_if_unstepped(self, door: str) -> None:
+        """A loop of your own that never calls `step()` would train on with beta where it started, silently. The
+        optimizer steps are counted from the first training batch (`OptimizerSteps`); one optimizer's second step
+        since the last `step()` is said, once per run (one may come before the loop's `akl.step()`, not two).
+        Nothing to say for a constant beta."""
+        kind = controller_kind(self.controller)
+        if kind == "constant" or self._unstepped_warned:
+            return
+        self._optimizer_steps.start()
+        optimizer, count = self._optimizer_steps.most()
+        if count < 2:
+            return
+        since = "the last akl.step()" if self.completed_steps else f"the first training {door}, and no akl.step()"
+        warnings.warn(f"adaptive KL: beta holds at step {self.completed_steps + 1}: {type(optimizer).__name__} has "
+                      f"stepped {count} times since {since}: {kind} moves beta in akl.step() alone, once per optimizer "
+                      "step (call akl.step(mean_reward=...) after each optimizer.step()).", UserWarning, stacklevel=3)
+        self._unstepped_warned = True
 
     def state_dict(self) -> dict[str, Any]:
         """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",
