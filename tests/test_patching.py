@@ -414,11 +414,20 @@ def _recursive():
     return countdown
 
 
+def _with_an_empty_cell():
+    def reads_a_name_not_bound_yet():
+        return bound_later  # a cell of _with_an_empty_cell's, empty when it returns
+
+    return reads_a_name_not_bound_yet
+    bound_later = None  # never reached: the cell stays empty
+
+
 def test_source_reads_through_three_wrappers_and_only_functions_and_ends_on_a_recursive_closure() -> None:
     """`source` is what every anchor is looked up in: a function wrapped three times without functools.wraps is read
     down to its own body; a closure cell that holds a class or a string is not read as source; a recursive function
-    (its closure holds itself) is read without a RecursionError; a built-in and a function made by exec (no file) have
-    none, so an anchor in them is reported missing, not a TypeError or OSError out of patch()."""
+    (its closure holds itself) is read without a RecursionError, one with an empty cell without a ValueError; a
+    built-in and a function made by exec (no file) have none, so an anchor in them is reported missing, not a
+    TypeError or OSError out of patch()."""
     assert "the innermost function's own line" in versions.source(_wrap(_wrap(_wrap(_innermost_of_three_wrappers))))
 
     held_class, held_text = _HeldByAClosure, "a string a closure holds"
@@ -430,6 +439,7 @@ def test_source_reads_through_three_wrappers_and_only_functions_and_ends_on_a_re
     assert "def holds_a_class_and_a_string" in read and "the source of a class a closure holds" not in read
 
     assert "countdown(n - 1)" in versions.source(_recursive())
+    assert "return bound_later" in versions.source(_with_an_empty_cell())  # an empty cell has no source: no ValueError
 
     namespace: dict = {}
     exec("def generated(self):\n    per_token_loss = per_token_loss + self.beta * per_token_kl\n", namespace)

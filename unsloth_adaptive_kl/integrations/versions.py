@@ -270,8 +270,16 @@ def source(function: Any, depth: int = 3) -> str:
     except (OSError, TypeError):
         return ""
     cells = getattr(function, "__closure__", None) or ()
-    wrapped = [cell.cell_contents for cell in cells if inspect.isfunction(cell.cell_contents)]
+    wrapped = [inner for inner in map(_contents, cells) if inspect.isfunction(inner)]
     return "\n".join([text, *(source(inner, depth - 1) for inner in wrapped if depth > 0)])
+
+
+def _contents(cell: Any) -> Any:
+    """A closure cell's value; None for an empty one (a name its scope has not bound), which has no source."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 def _text(function: Any, signature: bool) -> str:
