@@ -584,64 +584,63 @@ def test_a_step_that_holds_beta_for_want_of_its_input_says_so() -> None:
         assert in_reward.step() != BETA and in_reward.step() == in_reward.current_beta  # mu = 2: one scored batch
 
 
-def _own_loop(akl: AdaptiveKL, optimizers: list, plan: str, iterations: int = 3, accumulate: int = 1) -> list[str]:
-    """A loop of your own on a (3, 4) policy table: each iteration `accumulate` training micro-batches, then per
-    character of `plan` "o" every optimizer's step(), "a" akl.step(mean_reward=0.9); the warnings it gave."""
+def _own_loop(akl: AdaptiveKL, optimizers: list, script: str) -> list[str]:
+    """A loop of your own on a (3, 4) policy table, one character at a time: "b" a training batch (kl_loss and its
+    backward, or with the KL in the reward reward_penalty), "o" every optimizer's step(), "a" akl.step(mean_reward=0.9);
+    the warnings it gave."""
     logits = optimizers[0].param_groups[0]["params"][0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(iterations):
-            for _ in range(accumulate):
-                logps = torch.log_softmax(logits, dim=-1)
-                if akl.config.kl_in_reward:
-                    akl.reward_penalty(logps.detach(), batch()[1], MASK)
-                    logps.sum().backward()
-                else:
-                    akl.kl_loss(logps, batch()[1], MASK)[0].backward()
-            for call in plan:
-                for optimizer in optimizers if call == "o" else []:
-                    optimizer.step()
-                    optimizer.zero_grad()
-                if call == "a":
-                    akl.step(mean_reward=0.9)
+        for call in script:
+            logps = torch.log_softmax(logits, dim=-1)
+            if call == "b" and akl.config.kl_in_reward:
+                akl.reward_penalty(logps.detach(), batch()[1], MASK)
+                logps.sum().backward()
+            elif call == "b":
+                akl.kl_loss(logps, batch()[1], MASK)[0].backward()
+            for optimizer in optimizers if call == "o" else []:
+                optimizer.step()
+                optimizer.zero_grad()
+            if call == "a":
+                akl.step(mean_reward=0.9)
     return [str(warning.message) for warning in caught]
 
 
 def test_a_loop_of_your_own_that_never_calls_step_is_told_beta_holds() -> None:
-    """A loop that never calls `akl.step()` trains on with beta where it started: the first kl_loss after an optimizer
-    stepped twice since the last `step()` (or the first training batch) says so, naming the optimizer and the count.
-    One step between (akl.step() before or after optimizer.step()), accumulation, two optimizers stepping once each,
-    a constant beta: silent. The watch goes with the object."""
+    """A loop that never calls `akl.step()` trains on with beta where it started: the second training batch since the
+    last `step()` (or the first training batch) that an optimizer step came before says so, naming the optimizer.
+    akl.step() before or after optimizer.step(), accumulation, two optimizers, an optimizer stepped several times per
+    step (ZeRO-3's sub-groups), a constant beta: silent. The watch goes with the object."""
     def fresh(method: str = "dynamic", placement: str = "loss") -> AdaptiveKL:
         return AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method=method, kl_placement=placement), BETA)
 
     def table(kind=torch.optim.AdamW) -> torch.optim.Optimizer:
         return kind([torch.zeros(3, 4, requires_grad=True)], lr=0.1)
 
-    never = (r"adaptive KL: beta holds at step 1: AdamW has stepped 2 times since the first training {door}, and no "
+    never = (r"adaptive KL: beta holds at step 1: AdamW has stepped twice since the first training {door}, and no "
              r"akl.step\(\): {kind} moves beta in akl.step\(\) alone, once per optimizer step \(call "
              r"akl.step\(mean_reward=...\) after each optimizer.step\(\)\).")
     forgot, optimizer = fresh(), [table()]
-    printed = _own_loop(forgot, optimizer, "o", iterations=2)
-    assert printed == []  # one step may precede akl.step(); the second has not been followed by a batch yet
-    (printed,) = _own_loop(forgot, optimizer, "o", iterations=1)  # the third batch: a second step has passed
+    assert _own_loop(forgot, optimizer, "bobo") == []  # one step may come before akl.step()
+    (printed,) = _own_loop(forgot, optimizer, "b")  # a second step has passed between batches
     assert re.fullmatch(never.format(door="kl_loss", kind="dynamic"), printed)
-    assert forgot.current_beta == BETA and _own_loop(forgot, optimizer, "o") == []  # said once a run
-    (printed,) = _own_loop(fresh("target", "reward"), [table()], "o")
+    assert forgot.current_beta == BETA and _own_loop(forgot, optimizer, "bobob") == []  # said once a run
+    (printed,) = _own_loop(fresh("target", "reward"), [table()], "bobob")
     assert re.fullmatch(never.format(door="reward_penalty", kind="target"), printed)
-    for plan, accumulate in (("oa", 1), ("ao", 1), ("oa", 3)):
+    for script in ("boa" * 4, "bao" * 4, "bbboa" * 4, "booooa" * 4):
         akl = fresh()
-        assert _own_loop(akl, [table()], plan, iterations=4, accumulate=accumulate) == []
-        assert akl.current_beta == pytest.approx(BETA * 0.9 ** 4, rel=1e-12)
-    assert _own_loop(fresh(), [table(), table(torch.optim.SGD)], "oa", iterations=4) == []  # once each
-    assert _own_loop(fresh("clip"), [table()], "o", iterations=4) == []  # a constant beta: nothing held
-    every_other = fresh()
-    (printed,) = _own_loop(every_other, [table(torch.optim.SGD)], "aoo", iterations=2)
-    assert printed.startswith("adaptive KL: beta holds at step 2: SGD has stepped 2 times since the last akl.step(): ")
+        assert _own_loop(akl, [table()], script) == [], script
+        assert akl.current_beta == pytest.approx(BETA * 0.9 ** script.count("a"), rel=1e-12)
+    assert _own_loop(fresh(), [table(), table(torch.optim.SGD)], "boa" * 4) == []  # each steps once a step
+    assert _own_loop(fresh("clip"), [table()], "bo" * 4) == []  # a constant beta: nothing held
+    later, optimizer = fresh(), [table(torch.optim.SGD)]
+    assert _own_loop(later, optimizer, "boabob") == []  # the step before akl.step() is that step's
+    (printed,) = _own_loop(later, optimizer, "ob")
+    assert printed.startswith("adaptive KL: beta holds at step 2: SGD has stepped twice since the last akl.step(): ")
     from torch.optim.optimizer import _global_optimizer_post_hooks as hooks
 
     before = len(hooks)
-    del every_other, forgot
+    del later, forgot
     assert len(hooks) == before - 2  # the watch goes with the object
 
 

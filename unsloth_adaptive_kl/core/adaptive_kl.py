@@ -87,7 +87,8 @@ class AdaptiveKL:
         self.last_raw_kl = math.nan
         self.last_metrics: dict[str, float] = {}
         self._held_warned = False  # a step held beta for want of its input and said so (once per run)
-        self._optimizer_steps = OptimizerSteps()  # a loop of your own: optimizer steps since its last `step()`
+        self._optimizer_steps = OptimizerSteps()  # a loop of your own: did an optimizer step between its batches?
+        self._stepped_batches = 0  # training batches since the last `step()` that an optimizer step came before
         self._unstepped_warned = False
 
     @property
@@ -286,7 +287,8 @@ class AdaptiveKL:
         elif window is None:
             window = self._trained.window(self.num_iterations)
         self._trained, self._scored = KLStatistics(), None
-        self._optimizer_steps.reset()
+        self._optimizer_steps.take()
+        self._stepped_batches = 0
         if window is not None:
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
@@ -316,21 +318,22 @@ class AdaptiveKL:
         self._held_warned = True
 
     def _warn_if_unstepped(self, door: str) -> None:
-        """A loop of your own that never calls `step()` would train on with beta where it started, silently. The
-        optimizer steps are counted from the first training batch (`OptimizerSteps`); one optimizer's second step
-        since the last `step()` is said, once per run (one may come before the loop's `akl.step()`, not two).
+        """A loop of your own that never calls `step()` would train on with beta where it started, silently. From its
+        first training batch on, a training batch that an optimizer step came before is counted (`OptimizerSteps`); the
+        second since the last `step()` is said, once per run (one may come before the loop's `akl.step()`, not two).
         Nothing to say for a constant beta."""
         kind = controller_kind(self.controller)
         if kind == "constant" or self._unstepped_warned:
             return
         self._optimizer_steps.start()
-        optimizer, count = self._optimizer_steps.most()
-        if count < 2:
+        optimizer = self._optimizer_steps.take()
+        self._stepped_batches += bool(optimizer)
+        if self._stepped_batches < 2:
             return
         since = "the last akl.step()" if self.completed_steps else f"the first training {door}, and no akl.step()"
-        warnings.warn(f"adaptive KL: beta holds at step {self.completed_steps + 1}: {type(optimizer).__name__} has "
-                      f"stepped {count} times since {since}: {kind} moves beta in akl.step() alone, once per optimizer "
-                      "step (call akl.step(mean_reward=...) after each optimizer.step()).", UserWarning, stacklevel=3)
+        warnings.warn(f"adaptive KL: beta holds at step {self.completed_steps + 1}: {optimizer} has stepped twice "
+                      f"since {since}: {kind} moves beta in akl.step() alone, once per optimizer step (call "
+                      "akl.step(mean_reward=...) after each optimizer.step()).", UserWarning, stacklevel=3)
         self._unstepped_warned = True
 
     def state_dict(self) -> dict[str, Any]:

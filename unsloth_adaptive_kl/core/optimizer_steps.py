@@ -1,45 +1,44 @@
-"""Optimizer steps taken since a loop last called `AdaptiveKL.step()`.
+"""Optimizer steps taken between a loop's training batches, so that a loop that never calls `AdaptiveKL.step()` is told.
 
 A loop of your own moves beta by calling `akl.step()` after each `optimizer.step()`; a loop that never does trains on
 with beta where it started, and nothing in `kl_loss` can tell one step's micro-batches from the next's. The optimizer
-can: torch calls every global optimizer step hook (`register_optimizer_step_post_hook`) after
-each `step()` of any `torch.optim.Optimizer` (bitsandbytes' and accelerate's wrapped ones included). Counted per
-optimizer, so that two optimizers stepping once each per iteration count one step each.
+can: torch calls every global optimizer step hook (`register_optimizer_step_post_hook`) after each `step()` of any
+`torch.optim.Optimizer` (bitsandbytes' and accelerate's wrapped ones included). What counts is whether an optimizer
+stepped between two training batches, not how often: DeepSpeed's ZeRO-3 steps its optimizer once per parameter
+sub-group, and a second optimizer (a reward model's, say) may step beside the policy's.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 class OptimizerSteps:
-    """Each optimizer's `step()` calls since `start()` or the last `reset()`. The hook keeps the counts alone (not
-    this object), and is removed when this object is collected."""
+    """Whether any optimizer stepped since the last `take()`, and which one last did. The hook holds this object
+    weakly and is removed when it is collected."""
 
     def __init__(self) -> None:
-        self.counts: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = weakref.WeakKeyDictionary()
+        self.stepped = ""  # the class name of the optimizer that stepped last since `take()`; "" if none did
         self.started = False
 
     def start(self) -> None:
-        """Count from now on (idempotent)."""
+        """Watch from now on (idempotent)."""
         if self.started:
             return
-        counts = self.counts
+        watch = weakref.ref(self)
 
-        def count(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-            counts[optimizer] = counts.get(optimizer, 0) + 1
+        def note(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+            steps = watch()
+            if steps is not None:
+                steps.stepped = type(optimizer).__name__
 
-        handle = register_optimizer_step_post_hook(count)
-        weakref.finalize(self, handle.remove)
+        weakref.finalize(self, register_optimizer_step_post_hook(note).remove)
         self.started = True
 
-    def reset(self) -> None:
-        self.counts.clear()
-
-    def most(self) -> tuple[Optional[torch.optim.Optimizer], int]:
-        """The optimizer that stepped most since the last reset, and how many times (None, 0 if none did)."""
-        return max(self.counts.items(), key=lambda item: item[1], default=(None, 0))
+    def take(self) -> str:
+        """The optimizer that stepped since the last `take()` ("" if none did), and start over."""
+        stepped, self.stepped = self.stepped, ""
+        return stepped
