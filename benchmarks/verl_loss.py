@@ -6,7 +6,8 @@
 On one micro-batch as verl's actor update sees it (nested prompts and responses, the policy log-probs of every
 token as the model output), forward + backward of:
 - stock: verl's own `ppo_loss` with its KL term (`use_kl_loss=True`, `kl_loss_type=low_var_kl`, `token-mean`);
-- each method: `AdaptivePPOLoss` (verl's `ppo_loss` with its KL term off, plus beta times the adapted KL);
+- each method: `AdaptivePPOLoss` (one call of verl's `ppo_loss` whose `kl_penalty` and `agg_loss` give the adapted
+  KL for that call, at kl_loss_coef = beta; verl's own KL term where nothing is shaped);
 - an A/A control: a second, identical stock loss.
 Round-robin in a rotating order (benchmarks/loss_overhead.py `interleaved`); each row is median(method) /
 median(stock) with a bootstrap 95 % interval. The model's forward and backward, which a real step adds to both, are
