@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -352,3 +354,208 @@ def test_the_scenarios_keep_truncated_completions_in_the_loss(monkeypatch) -> No
                            mask_truncated_completions=True)
     assert [kwargs["mask_truncated_completions"] for kwargs in seen] == [False, True]
     assert seen[0]["max_steps"] == 1 and seen[0]["use_cpu"] is True and seen[0]["prompts"] == scenarios.CHAT_PROMPTS
+
+
+# ----- what a mutation audit of tools/gpucheck.py found unpinned: what counts as a pass, what the JSON holds ----------
+
+
+def save_llama(hidden_size: int = 256, num_heads: int = 4, vocab_size: int = 128, positions: int = 1024):
+    """A stand-in for `save_tiny_llama`: a one-layer Llama of head_dim 64 (explicit) with the given sizes, and the
+    chat tokenizer."""
+    def save(model_dir: str, seed: int = 0):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from unsloth_adaptive_kl.tools.tiny import CHAT_ALPHABET, CHAT_TEMPLATE, build_tokenizer
+
+        tokenizer = build_tokenizer(CHAT_ALPHABET, chat_template=CHAT_TEMPLATE, vocab_size=vocab_size)
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                             num_hidden_layers=1, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+                             head_dim=64, max_position_embeddings=positions, pad_token_id=tokenizer.pad_token_id,
+                             eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        return model
+
+    return save
+
+
+@pytest.mark.parametrize(("sizes", "detail"), [
+    ({}, None),
+    ({"hidden_size": 96, "num_heads": 1}, "hidden 96, head_dim 64, vocab 128, max_position_embeddings 1024"),
+    ({"vocab_size": 100}, "hidden 256, head_dim 64, vocab 100, max_position_embeddings 1024"),
+    ({"positions": 511}, "hidden 256, head_dim 64, vocab 128, max_position_embeddings 511"),
+], ids=["all-sizes-fit", "hidden-not-a-multiple-of-64", "vocab-not-a-multiple-of-64", "positions-below-512"])
+def test_the_shapes_check_fails_for_each_size_a_gpu_path_cannot_run(tmp_path, monkeypatch, sizes, detail) -> None:
+    """bitsandbytes' 4-bit blocks need hidden and vocab sizes that are multiples of 64, and the scenarios sequences of
+    up to MAX_SEQ_LENGTH = 512 positions: a model off in any one size alone fails the shapes check."""
+    monkeypatch.setattr(gpucheck, "save_tiny_llama", save_llama(**sizes))
+    checks = gpucheck.build_tiny_llama(str(tmp_path / "m"))
+    assert [c.ok for c in checks] == [detail is None, True, True], [c.line() for c in checks]
+    if detail is not None:
+        assert checks[0].detail == f"{detail} (max_seq_length 512)"
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def lowercase_normalizer(folder: Path) -> None:
+    edit_json(folder / "tokenizer.json", normalizer={"type": "Lowercase"})
+
+
+def perturbed_weights(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1e-3
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("edit", "failed"), [
+    (lambda f: edit_json(f / "tokenizer_config.json", padding_side="right"), "tiny Llama: tokenizer reloads"),
+    (lambda f: (f / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}"),
+     "tiny Llama: tokenizer reloads"),
+    (lowercase_normalizer, "tiny Llama: tokenizer reloads"),  # 'What is 2 + 3?' no longer decodes to itself
+    (lambda f: (edit_json(f / "tokenizer_config.json", pad_token="<eos>"),
+                edit_json(f / "config.json", pad_token_id=1)),
+     "tiny Llama: tokenizer reloads"),  # pad == eos, in the tokenizer and the config alike
+    (lambda f: edit_json(f / "config.json", pad_token_id=5), "tiny Llama: tokenizer reloads"),  # config's pad != its
+    (perturbed_weights, "tiny Llama: weights reload"),
+], ids=["padding-right", "other-chat-template", "decode-not-round-trip", "pad-is-eos", "config-pad-id-differs",
+        "weights-differ"])
+def test_the_reload_checks_fail_for_a_saved_folder_that_differs_from_the_model(tmp_path, monkeypatch, edit, failed):
+    """The tiny Llama's folder changed after saving, one thing at a time: the check of that thing fails, and only
+    it."""
+    real = gpucheck.save_tiny_llama
+
+    def save_then_edit(model_dir: str, seed: int = 0):
+        model = real(model_dir, seed)
+        edit(Path(model_dir))
+        return model
+
+    monkeypatch.setattr(gpucheck, "save_tiny_llama", save_then_edit)
+    checks = gpucheck.build_tiny_llama(str(tmp_path / "m"))
+    assert [c.name for c in checks if not c.ok] == [failed], [c.line() for c in checks]
+    if failed == "tiny Llama: weights reload":
+        diff = float(checks[2].detail.split()[-1])
+        assert 0 < diff < 1  # the norm's 1e-3 shift, times hidden states of size ~1, through the output layer
+
+
+def test_run_isolated_reports_the_last_line_a_crashed_scenario_printed(tmp_path, monkeypatch) -> None:
+    fake_scenario(monkeypatch, "print('loading the model')\nprint('RuntimeError: out of memory')\nprint()\n"
+                  "raise SystemExit(1)")
+    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "crash"), timeout=60)
+    assert checks == [Check("x", False, "the process exited 1: RuntimeError: out of memory")]
+    fake_scenario(monkeypatch, "raise SystemExit(3)")
+    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "silent"), timeout=60)
+    assert checks == [Check("x", False, "the process exited 3: no output")]
+
+
+def test_run_all_gives_each_scenario_what_is_left_of_the_budget_and_its_own_time(tmp_path, monkeypatch) -> None:
+    """A clock that each scenario moves by 50 s, a 100 s budget: the first runs with 100 s, the second with the 50 s
+    left, the third (0 s left, under 30) does not run; each outcome takes its own 50 s."""
+    clock = [1000.0]
+    monkeypatch.setattr(gpucheck, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(gpucheck, "build_tiny_llama", lambda model_dir: [Check("model", True)])
+    timeouts = []
+
+    def run(name, model_dir, work_dir, timeout):
+        timeouts.append(timeout)
+        clock[0] += 50
+        return [Check(f"{name}: thing", True)], ""
+
+    _, ran = gpucheck.run_all(["a", "b", "c"], str(tmp_path), run=run, budget_s=100)
+    assert timeouts == [100, 50]
+    assert [(o.checks[0].line(), o.seconds) for o in ran.values()] == [
+        ("[ok] a: thing", 50), ("[ok] b: thing", 50), ("[FAIL] c: not run: the 100-second budget is spent", 0)]
+
+
+def test_run_all_prints_the_last_30_lines_of_a_failed_scenarios_log(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(gpucheck, "build_tiny_llama", lambda model_dir: [Check("model", True)])
+    log = "\n".join(f"log line {i}" for i in range(1, 41))
+    gpucheck.run_all(["a"], str(tmp_path), run=lambda *args: ([Check("a", False, "boom")], log))
+    out = capsys.readouterr().out
+    assert "    --- a: the last 30 lines of its log ---\n    log line 11\n" in out and out.endswith("    log line 40\n")
+    assert "log line 10\n" not in out
+
+
+def fake_run(monkeypatch, model_checks: list, outcomes: dict) -> None:
+    """`main` (a dry run, so that no GPU is needed) with the model's checks and the scenarios' outcomes given."""
+    monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu", "name": "x", "cores": 2},
+                                                          "versions": {"torch": "2.0"}})
+    monkeypatch.setattr(gpucheck, "run_all", lambda names, root, run, budget_s, jobs: (
+        model_checks, {name: gpucheck.Ran(checks, 1.0) for name, checks in outcomes.items()}))
+
+
+@pytest.mark.parametrize(("model_ok", "scenario_ok", "code", "summary"), [
+    (True, (True, True), 0, "passed: 3 of 3"), (False, (True, True), 1, "FAILED: 2 of 3"),
+    (True, (True, False), 1, "FAILED: 2 of 3"), (True, (False, True), 1, "FAILED: 2 of 3")])
+def test_main_passes_only_if_the_model_and_every_scenario_check_holds(monkeypatch, tmp_path, capsys, model_ok,
+                                                                       scenario_ok, code, summary) -> None:
+    fake_run(monkeypatch, [Check("model", model_ok)], {
+        "trl-autocast": [Check("a", scenario_ok[0])], "demo-model": [Check("b", scenario_ok[1])]})
+    path = tmp_path / "out" / "check.json"
+    assert gpucheck.main(only="trl-autocast,demo-model", json_path=str(path), dry_run=True) == code
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(rf"GPU check dry run {summary} checks hold \(\d+ s\)", last), last
+    data = json.loads(path.read_text())
+    assert data["dry_run"] is True and data["model"] == [
+        {"name": "model", "ok": model_ok, "detail": "", "untested": False}]
+    assert [c["ok"] for name in ("trl-autocast", "demo-model") for c in data["scenarios"][name]["checks"]] == list(
+        scenario_ok)
+
+
+def test_the_environment_of_a_cuda_machine_names_the_card_and_every_package(monkeypatch) -> None:
+    """A CUDA machine as torch and nvidia-smi would report it (faked here): the device's fields, its printed line,
+    and every package of PACKAGES in the versions, None where it is not installed."""
+    monkeypatch.setattr(gpucheck.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpucheck.torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(gpucheck.torch.cuda, "get_device_name", lambda index: "NVIDIA H200")
+    monkeypatch.setattr(gpucheck.torch.version, "cuda", "12.4")
+    monkeypatch.setattr(gpucheck, "native_precision", lambda: "bf16")
+    monkeypatch.setattr(gpucheck, "driver_version", lambda: "550.54.15")
+    monkeypatch.setattr(gpucheck, "installed_versions", lambda packages: {"torch": "2.9.0", "trl": "1.15.0"})
+    found = gpucheck.environment()
+    assert found["device"] == {"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0", "precision": "bf16",
+                               "cuda": "12.4", "driver": "550.54.15"}
+    assert list(found["versions"]) == list(gpucheck.PACKAGES)
+    assert {p: v for p, v in found["versions"].items() if v} == {"torch": "2.9.0", "trl": "1.15.0"}
+    lines = gpucheck.environment_lines(found)
+    assert lines[0] == "card: NVIDIA H200 (compute capability 9.0), precision bf16, CUDA 12.4, driver 550.54.15"
+    assert lines[1].startswith("versions: unsloth_adaptive_kl (not installed), torch==2.9.0, transformers (not "
+                               "installed), trl==1.15.0, peft (not installed)")
+    assert len(lines) == 2
+
+
+def test_the_driver_version_is_the_first_cards_or_none(monkeypatch) -> None:
+    def smi(stdout=None, error=None):
+        def run(*args, **kwargs):
+            if error:
+                raise error
+            return subprocess.CompletedProcess(args, 0, stdout=stdout)
+        return run
+
+    monkeypatch.setattr(gpucheck.subprocess, "run", smi("550.54.15\n550.54.15\n"))  # two cards
+    assert gpucheck.driver_version() == "550.54.15"
+    monkeypatch.setattr(gpucheck.subprocess, "run", smi(""))
+    assert gpucheck.driver_version() is None
+    monkeypatch.setattr(gpucheck.subprocess, "run", smi(error=FileNotFoundError("nvidia-smi")))
+    assert gpucheck.driver_version() is None
+
+
+def test_run_all_runs_no_scenario_when_any_model_check_fails(tmp_path, monkeypatch) -> None:
+    """A model that was built but whose tokenizer did not reload as saved: the scenarios would test a broken model,
+    so none runs."""
+    monkeypatch.setattr(gpucheck, "build_tiny_llama", lambda model_dir: [
+        Check("tiny Llama: shapes every GPU path runs", True), Check("tiny Llama: tokenizer reloads", False),
+        Check("tiny Llama: weights reload", True)])
+
+    def run(*args):
+        raise AssertionError("no scenario may run")
+
+    _, ran = gpucheck.run_all(["a"], str(tmp_path), run=run)
+    assert [c.line() for c in ran["a"].checks] == ["[FAIL] a: not run: the tiny model could not be built"]

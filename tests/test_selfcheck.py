@@ -3,17 +3,23 @@ non-zero naming the anchor when one is missing."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from unsloth_adaptive_kl.integrations import versions
+from unsloth_adaptive_kl.tools.selfcheck import Check
 
 from .selfcheck_record import assert_like_the_record, run_self_check
 
@@ -108,3 +114,367 @@ def test_a_package_not_installed_is_reported_so_not_as_untested(monkeypatch) -> 
     assert versions.is_tested(absent) is None
     assert [check.line() for check in selfcheck.version_checks()] == [
         f"[ok] {absent} version: {absent} (not installed) (tested: {absent}>=1.0,<=2.0)"]
+
+
+# ----- what a mutation audit of tools/selfcheck.py found unpinned: a check must fail when what it checks is broken --
+
+
+def test_a_failed_check_reads_fail_even_when_its_version_is_untested() -> None:
+    assert Check("x", True).line() == "[ok] x"
+    assert Check("x", False, "off by 2").line() == "[FAIL] x: off by 2"
+    assert Check("x", False, "off by 2", untested=True).line() == "[FAIL] x: off by 2"
+
+
+def _anchored() -> int:
+    value = 41 + 1  # the line the anchor below names
+    return value
+
+
+def test_anchor_checks_count_the_found_anchors_and_name_each_missing_one() -> None:
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    present = versions.Anchor("_anchored", "value = 41 + 1", "it is here")
+    changed = versions.Anchor("_anchored", "value = 41 + 2", "the line changed")
+    gone = versions.Anchor("_gone", "anything", "the function is gone")
+    resolve = {"_anchored": _anchored}.get
+    assert [c.line() for c in selfcheck.anchor_checks("pkg", (present,), resolve)] == ["[ok] pkg anchors: 1 of 1 found"]
+    assert [c.line() for c in selfcheck.anchor_checks("pkg", (present, changed, gone), resolve)] == [
+        "[FAIL] pkg anchors: 1 of 3 found",
+        "[FAIL] pkg anchor missing: `value = 41 + 2` in _anchored (the line changed)",
+        "[FAIL] pkg anchor missing: `anything` in _gone (the function is gone)"]
+
+
+def broken_core(monkeypatch, change) -> None:
+    """`core_checks` on an `AdaptiveKL` whose KL term is `change(term, logps)`."""
+    import unsloth_adaptive_kl.core as core
+    from unsloth_adaptive_kl.core.adaptive_kl import AdaptiveKL
+
+    class Broken(AdaptiveKL):
+        def kl_loss(self, logps, ref, mask, *args, **kwargs):
+            term, rest = super().kl_loss(logps, ref, mask, *args, **kwargs)
+            return change(term, logps), rest
+
+    monkeypatch.setattr(core, "AdaptiveKL", Broken)
+
+
+def test_the_core_check_holds_for_the_core_and_fails_for_its_value_or_one_gradient_off(monkeypatch) -> None:
+    """The float32 bounds of `core_checks` (16 and 7 operations of EPS32 / 2 = 6e-8 on magnitudes a few times the
+    values) are a few 1e-6 of the loss and below 1e-7 per gradient: a core whose value alone is 1e-4 off, or whose
+    gradient of one token alone is 1e-3 * beta / 24 = 1.7e-6 off (beta / (4 sequences * 6 tokens) is that token's
+    weight), is outside them, and the check must say so."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    (honest,) = selfcheck.core_checks()
+    assert honest.ok, honest.line()
+    loss, hand = float(honest.detail.split()[1]), float(honest.detail.split()[3])
+    bound, grad_bound = (float(part.split(")")[0]) for part in honest.detail.split("(bound ")[1:])
+    step = 1e-3 * 0.04 / 24
+    assert bound < 1e-4 * loss / 10 and grad_bound < step / 10  # each change below is over 10 times its bound
+    broken_core(monkeypatch, lambda term, logps: term + 1e-4 * term.detach())  # value only: the same gradient
+    (value,) = selfcheck.core_checks()
+    assert not value.ok, value.line()
+    assert float(value.detail.split()[1]) / loss == pytest.approx(1 + 1e-4, abs=1e-6)
+    assert float(value.detail.split()[3]) == hand and value.detail.endswith(honest.detail.split("), ")[1])
+    # the first token's gradient 1.7e-6 too large, the value unchanged (x - x.detach() is 0)
+    broken_core(monkeypatch, lambda term, logps: term + step * (logps[0, 0] - logps[0, 0].detach()))
+    (gradient,) = selfcheck.core_checks()
+    assert not gradient.ok and gradient.detail.split("), ")[0] == honest.detail.split("), ")[0], gradient.line()
+    assert float(gradient.detail.split("max grad diff ")[1].split()[0]) == pytest.approx(step, rel=0.05)
+
+
+def test_length_reward_is_a_tenth_of_the_length_mod_5_of_a_text_or_of_the_last_message() -> None:
+    from unsloth_adaptive_kl.tools.selfcheck import length_reward
+
+    conversation = [{"role": "user", "content": "abcdefgh"}, {"role": "assistant", "content": "abcd"}]
+    assert length_reward(["abc", "abcdefg", "abcde", conversation]) == pytest.approx([0.3, 0.2, 0.0, 0.4])
+
+
+def test_shifted_reference_moves_the_reference_from_minus_1_to_plus_1_nat_on_a_copy() -> None:
+    from unsloth_adaptive_kl.tools.selfcheck import shifted_reference
+
+    ref = torch.zeros(2, 3)
+    inputs = {"ref_per_token_logps": ref, "completion_mask": torch.ones(2, 3)}
+    shifted = shifted_reference(inputs)
+    torch.testing.assert_close(shifted["ref_per_token_logps"], torch.tensor([[-1.0, -0.6, -0.2], [0.2, 0.6, 1.0]]),
+                               rtol=0, atol=1e-6)
+    assert shifted["completion_mask"] is inputs["completion_mask"]
+    assert inputs["ref_per_token_logps"] is ref and torch.equal(ref, torch.zeros(2, 3))  # the captured batch unchanged
+
+
+def linear_trainer():
+    """A stand-in trainer: y = w . x + b, w of 2 weights, and a frozen parameter that must get no gradient."""
+    model = torch.nn.Linear(2, 1)
+    model.register_parameter("frozen", torch.nn.Parameter(torch.ones(1), requires_grad=False))
+    return types.SimpleNamespace(model=model)
+
+
+def test_backward_grads_returns_this_loss_gradients_and_refuses_missing_or_all_zero_ones() -> None:
+    from unsloth_adaptive_kl.tools.selfcheck import MissingGradients, backward_grads
+
+    trainer = linear_trainer()
+    w, b = trainer.model.weight, trainer.model.bias
+    for p in (w, b):
+        p.grad = torch.full_like(p, 100.0)  # left over from an earlier backward: not this loss's
+    grads = backward_grads(trainer, (w * torch.tensor([[1.0, 2.0]])).sum() + 3 * b.sum())
+    assert [g.tolist() for g in grads] == [[[1.0, 2.0]], [3.0]]
+    assert w.grad is None and b.grad is None  # cleared after
+    grads = backward_grads(trainer, w.sum() + 0 * b.sum())  # one zero gradient among non-zero ones is a gradient
+    assert [g.tolist() for g in grads] == [[[1.0, 1.0]], [0.0]]
+    with pytest.raises(MissingGradients, match="^1 of 2 trained parameters got no gradient$"):
+        backward_grads(trainer, w.sum())
+    with pytest.raises(MissingGradients, match="^every gradient is zero$"):
+        backward_grads(trainer, 0 * (w.sum() + b.sum()))
+
+
+@pytest.fixture(scope="module")
+def trl_trainer_and_batch(tmp_path_factory):
+    """The self-check's TRL trainer and one captured batch, its reference moved as the self-check moves it."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    trainer = selfcheck.tiny_trainer(str(tmp_path_factory.mktemp("selfcheck")))
+    inputs = selfcheck.captured_inputs(trainer, "_compute_loss")
+    trainer.default_clip_threshold = trainer.args.kl_clip_threshold
+    return trainer, inputs
+
+
+@contextlib.contextmanager
+def changed_stock(trainer, change):
+    """Stock TRL inside the block, its loss `change(loss)`."""
+    from unsloth_adaptive_kl.tools.selfcheck import stock_trl
+
+    with stock_trl():
+        stock = trainer._compute_loss
+        trainer._compute_loss = lambda model, inputs: change(stock(model, inputs))
+        try:
+            yield
+        finally:
+            del trainer._compute_loss
+
+
+def compare(trainer, inputs, stock) -> list[str]:
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    trainer._metrics["train"].clear()
+    trainer.args.kl_clip_threshold = trainer.default_clip_threshold  # as built: the comparisons set it themselves
+    return [check.line() for check in selfcheck.compare_with_stock("TRL", trainer, "_compute_loss", stock, inputs)]
+
+
+def test_compare_with_stock_fails_a_loss_or_one_parameters_gradient_1e_4_off(trl_trainer_and_batch) -> None:
+    """The comparison's bounds are tokens * EPS32 of the loss and twice that of the largest gradient, tokens <= 32 (4
+    completions of at most 8): under 8e-6 of each. The hook on the real trainer holds; against a stock loss 1e-4 off
+    (its gradients unchanged), or the last trained parameter's gradient 1e-4 of the largest gradient off (the loss
+    unchanged), both comparisons fail."""
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    assert 0 < int(inputs["completion_mask"].sum()) <= 32
+    honest = compare(trainer, inputs, stock_trl)
+    assert [line.split(": ")[0] for line in honest] == ["[ok] TRL", "[ok] TRL", "[ok] TRL"], honest
+    assert [line.split(": ")[1] for line in honest] == ["stock gradients", "none == stock",
+                                                        "clip above every KL == stock"]
+
+    lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda loss: loss + 1e-4 * loss.detach().abs()))
+    assert lines[0].startswith("[ok] TRL: stock gradients") and all(line.startswith("[FAIL]") for line in lines[1:])
+
+    with stock_trl():
+        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+    step = 1e-4 * max(g.abs().max().item() for g in grads)
+    last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
+    lines = compare(trainer, inputs, lambda: changed_stock(
+        trainer, lambda loss: loss + step * (last.sum() - last.sum().detach())))
+    assert lines[0].startswith("[ok] TRL: stock gradients") and all(line.startswith("[FAIL]") for line in lines[1:])
+    assert all(f"max grad diff {step:.2g}" in line for line in lines[1:]), lines
+
+
+def test_compare_with_stock_fails_when_the_hook_is_not_in_effect(trl_trainer_and_batch) -> None:
+    """Unpatched, the 'adapted' loss is stock's and equals it: what fails the comparison is that no adaptive_kl
+    metric was logged."""
+    from unsloth_adaptive_kl.tools.selfcheck import stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    with stock_trl():
+        lines = compare(trainer, inputs, contextlib.nullcontext)
+    assert [line.split(": ")[:2] for line in lines] == [
+        ["[ok] TRL", "stock gradients"], ["[FAIL] TRL", "none == stock"],
+        ["[FAIL] TRL", "clip above every KL == stock"]]
+    assert all(line.endswith(", adaptive_kl metrics not logged") for line in lines[1:]), lines
+
+
+def test_compare_with_stock_really_runs_clip_in_its_second_comparison(trl_trainer_and_batch, monkeypatch) -> None:
+    """With a threshold the per-token KLs of the moved reference (up to e - 2 = 0.72) exceed, clip changes the loss,
+    and the second comparison must fail while `none` still holds."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    trainer, inputs = trl_trainer_and_batch
+    monkeypatch.setattr(selfcheck, "NO_OP_CLIP", dict(kl_adaptation_method="clip", kl_clip_threshold=0.01))
+    lines = compare(trainer, inputs, selfcheck.stock_trl)
+    assert [line.split(": ")[0] for line in lines] == ["[ok] TRL", "[ok] TRL", "[FAIL] TRL"], lines
+
+
+def test_compare_with_stock_fails_on_missing_stock_or_adapted_gradients(trl_trainer_and_batch) -> None:
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    trainer, inputs = trl_trainer_and_batch
+    lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda loss: 0 * loss))
+    assert lines == ["[FAIL] TRL: stock gradients: every gradient is zero"]
+
+    @contextlib.contextmanager
+    def stock():  # the stock loss as it is; the adapted one, outside the block, times 0
+        with selfcheck.stock_trl():
+            del trainer._compute_loss
+            try:
+                yield
+            finally:
+                trainer._compute_loss = zero
+
+    def zero(model, inputs):
+        return 0 * type(trainer)._compute_loss(trainer, model, inputs)
+
+    trainer._compute_loss = zero
+    try:
+        lines = compare(trainer, inputs, stock)
+    finally:
+        del trainer._compute_loss
+    assert lines[0].startswith("[ok] TRL: stock gradients")
+    assert lines[1:] == ["[FAIL] TRL: none == stock: every gradient is zero",
+                         "[FAIL] TRL: clip above every KL == stock: every gradient is zero"]
+
+
+def test_the_trl_checks_fail_and_compare_nothing_when_trl_is_not_patched(monkeypatch, tmp_path) -> None:
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("nothing may be compared")
+
+    monkeypatch.setattr(selfcheck, "tiny_trainer", no_trainer)
+    with selfcheck.stock_trl():
+        checks = selfcheck.trl_checks(str(tmp_path))
+    assert [c.line() for c in checks if not c.ok] == ["[FAIL] trl patched"]
+    assert len(checks) == 2  # the anchors' and the patch's
+
+
+def test_the_unsloth_checks_fail_on_a_failed_generation_a_fallback_or_an_unhooked_trainer(monkeypatch, tmp_path):
+    """Without importing Unsloth here: its generation failing, falling back to TRL's trainer, or a generated trainer
+    whose module does not hold the hooked loss are FAIL lines, and nothing is compared."""
+    from unsloth_adaptive_kl.integrations import unsloth as unsloth_patch
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    def no_trainer(*args, **kwargs):
+        raise AssertionError("nothing may be compared")
+
+    monkeypatch.setattr(selfcheck, "tiny_trainer", no_trainer)
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: "ImportError: no unsloth_zoo")
+    assert [c.line() for c in selfcheck.unsloth_checks(str(tmp_path))] == [
+        "[FAIL] Unsloth trainer generated and hooked: ImportError: no unsloth_zoo"]
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: None)
+    monkeypatch.setattr(unsloth_patch, "generated_grpo_trainer", lambda: None)
+    assert [c.line() for c in selfcheck.unsloth_checks(str(tmp_path))] == [
+        "[FAIL] Unsloth trainer generated: Unsloth fell back to TRL's trainer (see its warning)"]
+    generated = types.ModuleType("unsloth_adaptive_kl_test_generated")
+    generated.UnslothEfficientGRPO = object()  # Unsloth's own, not the hooked one
+    generated.UnslothGRPOTrainer = type("UnslothGRPOTrainer", (), {"__module__": generated.__name__})
+    monkeypatch.setitem(sys.modules, generated.__name__, generated)
+    monkeypatch.setattr(unsloth_patch, "generated_grpo_trainer", lambda: generated.UnslothGRPOTrainer)
+    monkeypatch.setattr(versions, "UNSLOTH_ANCHORS", ())
+    assert [c.line() for c in selfcheck.unsloth_checks(str(tmp_path))] == [
+        "[ok] unsloth anchors: 0 of 0 found", "[FAIL] Unsloth trainer hooked"]
+
+
+def test_generating_unsloths_trainer_turns_on_its_cpu_switch_and_returns_an_import_error(monkeypatch) -> None:
+    """On this CPU machine: UNSLOTH_ALLOW_CPU and UNSLOTH_COMPILE_DISABLE set to 1, and an Unsloth that cannot be
+    imported (None in sys.modules, without importing the real one here) returned as the error the FAIL line shows."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    for name in ("UNSLOTH_ALLOW_CPU", "UNSLOTH_COMPILE_DISABLE"):
+        monkeypatch.setenv(name, "unset")  # so that the test's end removes what the call sets
+        monkeypatch.delenv(name)
+    monkeypatch.setitem(sys.modules, "unsloth", None)
+    error = selfcheck.generate_unsloth_trainer()
+    assert error == "ModuleNotFoundError: import of unsloth halted; None in sys.modules"
+    assert (os.environ["UNSLOTH_ALLOW_CPU"], os.environ["UNSLOTH_COMPILE_DISABLE"]) == ("1", "1")
+
+
+def fake_parts(monkeypatch, installed: set, **parts) -> None:
+    """`main` with each part's checks given and only `installed` of trl, unsloth and verl found."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(selfcheck.importlib.util, "find_spec", lambda name, *a: (
+        (object() if name in installed else None) if name in ("trl", "unsloth", "verl") else real(name, *a)))
+    monkeypatch.setattr(selfcheck, "version_checks", lambda: [Check("trl version", True, "trl==9.0", untested=True)])
+    monkeypatch.setattr(selfcheck, "core_checks", lambda: [Check("core", True, "fine")])
+    for name, checks in parts.items():
+        monkeypatch.setattr(selfcheck, name, lambda output_dir, checks=checks: checks)
+
+
+def test_main_fails_on_any_failed_check_and_writes_what_it_printed(monkeypatch, tmp_path, capsys) -> None:
+    """`main` with every part installed and its checks given: two FAILs among 6 checks, the last one of them, are
+    exit 1 and 'FAILED: 4 of 6', and the record says it did not pass, with the lines as printed and verl among the
+    versions looked up."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    fake_parts(monkeypatch, {"trl", "unsloth", "verl"}, trl_checks=[Check("trl a", True), Check("trl b", False, "off")],
+               unsloth_checks=[Check("unsloth a", True)], verl_checks=[Check("verl a", False)])
+    looked_up = []
+    monkeypatch.setattr(selfcheck, "installed_versions", lambda packages: looked_up.extend(packages) or {})
+    torch.backends.cuda.matmul.allow_tf32 = True
+    assert selfcheck.main(str(tmp_path / "out" / "record.json")) == 1
+    assert torch.backends.cuda.matmul.allow_tf32 is False  # the summation bounds are float32's
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:-1] == ["[untested] trl version: trl==9.0", "[ok] core: fine", "[ok] trl a", "[FAIL] trl b: off",
+                         "[ok] unsloth a", "[FAIL] verl a"]
+    assert re.fullmatch(r"self-check FAILED: 4 of 6 checks hold \(\d+ s\)", out[-1]), out[-1]
+    record = json.loads((tmp_path / "out" / "record.json").read_text())
+    assert record["passed"] is False and record["lines"] == out
+    assert looked_up == ["trl", "transformers", "torch", "unsloth", "unsloth_zoo", "verl"]
+
+
+def test_main_runs_the_trainer_parts_only_where_their_packages_are_and_passes_when_every_check_holds(
+        monkeypatch, tmp_path, capsys) -> None:
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    parts = dict(trl_checks=[Check("trl a", True)], unsloth_checks=[Check("unsloth a", True)],
+                 verl_checks=[Check("verl a", True)])
+    fake_parts(monkeypatch, {"unsloth", "verl"}, **parts)  # no trl: no TRL or Unsloth trainer to check
+    assert selfcheck.main(str(tmp_path / "record.json")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:-1] == ["[untested] trl version: trl==9.0", "[ok] core: fine", "[ok] verl a"]
+    assert re.fullmatch(r"self-check passed: 3 of 3 checks hold \(\d+ s\)", out[-1]), out[-1]
+    assert json.loads((tmp_path / "record.json").read_text())["passed"] is True
+    fake_parts(monkeypatch, {"trl", "unsloth"}, **parts)
+    assert selfcheck.main() == 0
+    assert capsys.readouterr().out.splitlines()[3:-1] == ["[ok] trl a", "[ok] unsloth a"]
+
+
+def test_stock_unsloth_bypasses_the_shim_and_the_compute_loss_wrapper_inside_the_block_only() -> None:
+    """Unsloth's own loss path inside the block (without importing Unsloth: a generated module of the same shape,
+    the shim keeping Unsloth's function as `upstream`, the wrapper as `__wrapped__`); the hooks again after it."""
+    import functools
+
+    from unsloth_adaptive_kl.tools.selfcheck import stock_unsloth
+
+    def unsloths_loss(*args, **kwargs):
+        return "unsloth's"
+
+    def shim(*args, **kwargs):
+        return "adapted"
+
+    shim.upstream = unsloths_loss
+
+    def compute_loss(self, model, inputs):
+        return "unsloth's compute_loss"
+
+    @functools.wraps(compute_loss)
+    def wrapper(self, model, inputs):
+        return "wrapped"
+
+    module = types.ModuleType("unsloth_adaptive_kl_test_generated_module")
+    module.UnslothEfficientGRPO = shim
+    trainer_class = type("UnslothGRPOTrainer", (), {"__module__": module.__name__, "compute_loss": wrapper})
+    sys.modules[module.__name__] = module
+    try:
+        with stock_unsloth(trainer_class()):
+            assert module.UnslothEfficientGRPO is unsloths_loss and trainer_class.compute_loss is compute_loss
+        assert module.UnslothEfficientGRPO is shim and trainer_class.compute_loss is wrapper
+    finally:
+        del sys.modules[module.__name__]
