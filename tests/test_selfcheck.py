@@ -300,6 +300,32 @@ def test_compare_with_stock_fails_when_the_hook_is_not_in_effect(trl_trainer_and
     assert all(line.endswith(", adaptive_kl metrics not logged") for line in lines[1:]), lines
 
 
+def test_each_comparison_reads_the_metrics_its_own_run_logged(trl_trainer_and_batch) -> None:
+    """Stock TRL's loss for the stock run and the clip comparison, the hook for `none` alone: the clip line fails for
+    want of its own metrics (`none`'s were read as its own, and it passed)."""
+    from unsloth_adaptive_kl.tools.selfcheck import stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    hooked = trainer._compute_loss
+    with stock_trl():
+        stock = type(trainer)._compute_loss
+    calls = []
+
+    def hook_then_stock(model, batch):
+        calls.append(len(calls))
+        return hooked(model, batch) if len(calls) == 2 else stock(trainer, model, batch)
+
+    trainer._compute_loss = hook_then_stock
+    try:
+        lines = compare(trainer, inputs, contextlib.nullcontext)
+    finally:
+        del trainer._compute_loss
+    assert len(calls) == 3
+    assert [line.split(": ")[:2] for line in lines] == [
+        ["[ok] TRL", "stock gradients"], ["[ok] TRL", "none == stock"], ["[FAIL] TRL", "clip above every KL == stock"]]
+    assert lines[2].endswith(", adaptive_kl metrics not logged"), lines
+
+
 def test_compare_with_stock_really_runs_clip_in_its_second_comparison(trl_trainer_and_batch, monkeypatch) -> None:
     """With a threshold the per-token KLs of the moved reference (up to e - 2 = 0.72) exceed, clip changes the loss,
     and the second comparison must fail while `none` still holds."""

@@ -197,6 +197,7 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
         for field, value in {"kl_adaptation_method": "none", **settings}.items():
             setattr(trainer.args, field, value)
         attach_runtime(trainer)
+        trainer._metrics["train"].pop("adaptive_kl/adapted_kl", None)  # logged by this run, not an earlier one
         try:
             loss, grads = loss_and_grads(trainer, compute, inputs)
         except MissingGradients as error:
