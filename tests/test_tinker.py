@@ -855,8 +855,9 @@ def test_traceable_loss_limits() -> None:
 
 
 def test_the_tinker_pages_blocks_compile_and_their_names_exist() -> None:
-    """docs/tinker.md's blocks need the service (no-run): here, with the SDK installed, each compiles and every name it
-    imports exists in tinker and in this integration."""
+    """docs/tinker.md's blocks need the service (no-run): here, with the SDK installed, each compiles, every name it
+    imports exists in tinker and in this integration, and each method it calls on the service and training clients is
+    one of theirs."""
     import ast
     import importlib
     import re
@@ -864,7 +865,8 @@ def test_the_tinker_pages_blocks_compile_and_their_names_exist() -> None:
 
     page = (Path(__file__).parents[1] / "docs" / "tinker.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
+    clients = {"service": tinker.ServiceClient, "training_client": tinker.TrainingClient}
     for code in blocks:
         tree = ast.parse(code)
         for node in ast.walk(tree):
@@ -873,6 +875,8 @@ def test_the_tinker_pages_blocks_compile_and_their_names_exist() -> None:
                 assert all(hasattr(module, alias.name) for alias in node.names), node.module
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "tinker":
                 assert hasattr(tinker, node.attr), f"tinker.{node.attr}"
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in clients:
+                assert hasattr(clients[node.value.id], node.attr), f"{node.value.id}.{node.attr}"
 
 
 # ----- what a user passes: validations, clip bounds, scale_by_std, overrides ------------------------------------------
