@@ -236,6 +236,13 @@ def test_run_isolated_reads_the_checks_back_and_reports_a_crash_or_a_hang(tmp_pa
                   "import sys\nprint('CUDA error: an illegal memory access', file=sys.stderr)\nsys.exit(134)")
     checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "crash"), timeout=60)
     assert checks == [Check("x", False, "the process exited 134: CUDA error: an illegal memory access")]
+    fake_scenario(monkeypatch, "print('loading the model')\nprint('RuntimeError: out of memory')\nprint()\n"
+                  "raise SystemExit(1)")  # the last line it printed, empty lines passed over
+    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "last"), timeout=60)
+    assert checks == [Check("x", False, "the process exited 1: RuntimeError: out of memory")]
+    fake_scenario(monkeypatch, "raise SystemExit(3)")
+    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "silent"), timeout=60)
+    assert checks == [Check("x", False, "the process exited 3: no output")]
 
     fake_scenario(monkeypatch, "import time\nprint('compiling', flush=True)\ntime.sleep(60)")
     checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "hang"), timeout=2)
@@ -443,16 +450,6 @@ def test_the_reload_checks_fail_for_a_saved_folder_that_differs_from_the_model(t
     if failed == "tiny Llama: weights reload":
         diff = float(checks[2].detail.split()[-1])
         assert 0 < diff < 1  # the norm's 1e-3 shift, times hidden states of size ~1, through the output layer
-
-
-def test_run_isolated_reports_the_last_line_a_crashed_scenario_printed(tmp_path, monkeypatch) -> None:
-    fake_scenario(monkeypatch, "print('loading the model')\nprint('RuntimeError: out of memory')\nprint()\n"
-                  "raise SystemExit(1)")
-    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "crash"), timeout=60)
-    assert checks == [Check("x", False, "the process exited 1: RuntimeError: out of memory")]
-    fake_scenario(monkeypatch, "raise SystemExit(3)")
-    checks, _ = gpucheck.run_isolated("x", "model", str(tmp_path / "silent"), timeout=60)
-    assert checks == [Check("x", False, "the process exited 3: no output")]
 
 
 def test_run_all_gives_each_scenario_what_is_left_of_the_budget_and_its_own_time(tmp_path, monkeypatch) -> None:
