@@ -88,7 +88,6 @@ class AdaptiveKL:
         self.last_metrics: dict[str, float] = {}
         self._held_warned = False  # a step held beta for want of its input and said so (once per run)
         self._optimizer_steps = OptimizerSteps()  # a loop of your own: did an optimizer step between its batches?
-        self._stepped_batches = 0  # training batches since the last `step()` that an optimizer step came before
         self._unstepped_warned = False
 
     @property
@@ -287,8 +286,7 @@ class AdaptiveKL:
         elif window is None:
             window = self._trained.window(self.num_iterations)
         self._trained, self._scored = KLStatistics(), None
-        self._optimizer_steps.take()
-        self._stepped_batches = 0
+        self._optimizer_steps.reset()
         if window is not None:
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
@@ -326,9 +324,8 @@ class AdaptiveKL:
         if kind == "constant" or self._unstepped_warned:
             return
         self._optimizer_steps.start()
-        optimizer = self._optimizer_steps.take()
-        self._stepped_batches += bool(optimizer)
-        if self._stepped_batches < 2:
+        optimizer = self._optimizer_steps.batch()
+        if self._optimizer_steps.batches < 2:
             return
         since = "the last akl.step()" if self.completed_steps else f"the first training {door}, and no akl.step()"
         warnings.warn(f"adaptive KL: beta holds at step {self.completed_steps + 1}: {optimizer} has stepped twice "

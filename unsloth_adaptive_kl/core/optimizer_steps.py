@@ -17,11 +17,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
 class OptimizerSteps:
-    """Whether any optimizer stepped since the last `take()`, and which one last did. The hook holds this object
-    weakly and is removed when it is collected."""
+    """The training batches since `reset()` that an optimizer step came before (`batches`), and which optimizer last
+    stepped. The hook holds this object weakly and is removed when it is collected."""
 
     def __init__(self) -> None:
-        self.stepped = ""  # the class name of the optimizer that stepped last since `take()`; "" if none did
+        self.stepped = ""  # the class name of the optimizer that stepped last since the previous batch; "" if none did
+        self.batches = 0
         self.started = False
 
     def start(self) -> None:
@@ -38,7 +39,13 @@ class OptimizerSteps:
         weakref.finalize(self, register_optimizer_step_post_hook(note).remove)
         self.started = True
 
-    def take(self) -> str:
-        """The optimizer that stepped since the last `take()` ("" if none did), and start over."""
+    def batch(self) -> str:
+        """A training batch: counted if an optimizer stepped since the previous one, whose class name it returns ("" if
+        none did)."""
         stepped, self.stepped = self.stepped, ""
+        self.batches += bool(stepped)
         return stepped
+
+    def reset(self) -> None:
+        """The loop's `akl.step()`: a step taken before it was that step's."""
+        self.stepped, self.batches = "", 0
