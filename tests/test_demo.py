@@ -258,6 +258,10 @@ def test_ref_sync_variant_syncs_on_schedule(tmp_path) -> None:
     code = demo.main(["--quick", "--methods", "none,ref_sync:2,ref_sync:2:reset", "--pretrain-steps", "5",
                       "--output-dir", str(tmp_path)])
     assert code == 0
+    # what produced the run is the argv main was given, not this pytest process's sys.argv
+    assert json.loads((tmp_path / "summary.json").read_text())["environment"]["command"] == (
+        "python blackwell/test_adaptive_kl_grpo.py --quick --methods none,ref_sync:2,ref_sync:2:reset "
+        f"--pretrain-steps 5 --output-dir {tmp_path}")
     rows = json.loads((tmp_path / "metrics.json").read_text())
     by_method = {m: [r for r in rows if r["method"] == m] for m in ("none", "ref_sync:2", "ref_sync:2:reset")}
     assert all(len(v) == 4 for v in by_method.values())

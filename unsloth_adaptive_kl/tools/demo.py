@@ -22,6 +22,7 @@ import json
 import math
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -85,8 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The run's settings; `args.command` is the command line that gives them (what summary.json records: the
+    notebook and tests pass `argv` themselves, so `sys.argv` would name their own process)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.command = shlex.join(["python", "blackwell/test_adaptive_kl_grpo.py", *argv])
     if args.quick:
         args.steps, args.seeds, args.pretrain_steps = QUICK["steps"], QUICK["seeds"], QUICK["pretrain_steps"]
     def listed(value: str, prefix: str = "") -> list[str]:
@@ -271,7 +275,7 @@ def model_task(args: argparse.Namespace) -> Task:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype="auto")
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
         return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")), tokenizer
 
     tokenizer = None
@@ -460,16 +464,15 @@ def write_outputs(rows: list[dict], summary: list[dict], args: argparse.Namespac
         writer.writerows(rows)
     with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
         json.dump(rows, f)
-    settings = {k: v for k, v in vars(args).items()}
+    settings = {k: v for k, v in vars(args).items() if k != "command"}
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
         json.dump({"settings": settings, "wall_seconds": seconds, "window": max(1, args.steps // 10),
-                   "environment": environment(), "summary": summary}, f, indent=1)
+                   "environment": environment(args.command), "summary": summary}, f, indent=1)
 
 
-def environment() -> dict[str, Any]:
+def environment(command: str) -> dict[str, Any]:
     """What produced a run: the command line, the installed versions and the hardware."""
     import platform
 
     versions = installed_versions(("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth", "unsloth_zoo"))
-    command = " ".join(["python", "blackwell/test_adaptive_kl_grpo.py", *sys.argv[1:]])
     return {"command": command, "versions": versions, "hardware": hardware(), "python": platform.python_version()}
