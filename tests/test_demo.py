@@ -301,6 +301,29 @@ def test_ref_sync_labels_and_flag() -> None:
         demo.parse_args(["--ref-sync", "--kl-in-reward"])
 
 
+def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_allowed(capsys) -> None:
+    """Each was accepted, to fail later or never: a negative beta failed each run after the reference's pretraining;
+    a negative learning rate at each run's optimizer; negative pretraining steps pretrained nothing; no variant ran
+    nothing; a variant listed twice merged its two runs' rows into one summary line."""
+    from unsloth_adaptive_kl.tools import demo
+
+    for flags, message in ((["--learning-rate", "-1"], "--learning-rate=-1.0 is invalid: allowed is a finite number > 0"),
+                           (["--learning-rate", "inf"], "--learning-rate=inf is invalid: allowed is a finite number > 0"),
+                           (["--pretrain-steps", "-3"], "--pretrain-steps=-3 is invalid: allowed is an integer >= 0"),
+                           (["--methods", ","], "--methods=',' is invalid: allowed is a comma-separated list of at "
+                                                "least one variant"),
+                           (["--methods", "none,clip,none"], "variant 'none' is listed twice: allowed is each variant "
+                                                             "once")):
+        with pytest.raises(SystemExit):
+            demo.parse_args(flags)
+        assert message in capsys.readouterr().err, flags
+    for beta in ("-1", "nan"):  # the core's rule and wording, as GRPOConfig(beta=...) refuses it
+        with pytest.raises(ValueError, match=f"^beta={float(beta)} is invalid: allowed is a finite number >= 0"):
+            demo.parse_args(["--beta", beta, "--methods", "none"])
+    args = demo.parse_args(["--pretrain-steps", "0", "--learning-rate", "0.01", "--methods", "none", "--beta", "0"])
+    assert (args.pretrain_steps, args.learning_rate, args.beta) == (0, 0.01, 0.0)  # the edges allowed
+
+
 def test_each_variant_gets_only_the_method_fields_it_reads_and_an_unread_flag_is_refused(capsys) -> None:
     """The demo's `dynamic` settings and `--kl-target` / `--kl-horizon` reach the variants that read them (an unread
     field would warn that it does nothing); a flag that no variant of the run reads is refused by name."""

@@ -100,10 +100,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--kl-in-reward and --ref-sync each select a list of variants: use one of them")
     methods = (KL_IN_REWARD_VARIANTS if args.kl_in_reward else REF_SYNC_VARIANTS if args.ref_sync
                else listed(args.methods))
+    given = args.methods
     args.methods = methods + listed(args.estimators, "estimator=") + listed(args.kl_reductions, "kl_reduction=")
-    for name, value in (("--steps", args.steps), ("--seeds", args.seeds)):
-        if value < 1:
-            parser.error(f"{name}={value} is invalid: allowed is an integer >= 1")
+    if not args.methods:
+        parser.error(f"--methods={given!r} is invalid: allowed is a comma-separated list of at least one variant")
+    repeated = sorted({method for method in args.methods if args.methods.count(method) > 1})
+    if repeated:  # a variant's runs are told apart by its label alone: twice would merge two runs into one
+        parser.error(f"variant {repeated[0]!r} is listed twice: allowed is each variant once")
+    for name, value, least in (("--steps", args.steps, 1), ("--seeds", args.seeds, 1),
+                               ("--pretrain-steps", args.pretrain_steps, 0)):
+        if value < least:
+            parser.error(f"{name}={value} is invalid: allowed is an integer >= {least}")
+    if args.learning_rate is not None and not 0 < args.learning_rate < math.inf:
+        parser.error(f"--learning-rate={args.learning_rate} is invalid: allowed is a finite number > 0")
     if args.loss_type not in loss_types():
         parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(loss_types()))}")
     from ..integrations.trainer_hooks import TRL_SYNC_FIELDS, check_trl_settings  # TRL's rules (imports trl)
@@ -115,6 +124,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         fields = method_fields(settings, args)
         read |= set(fields)
         config = AdaptiveKLConfig(**settings, **fields)
+        config.validate_adaptive_kl(beta=trl_fields["beta"])  # as GRPOConfig does: beta, and the bounds it sets
         check_trl_settings(argparse.Namespace(**trl_fields), config)
     for flag, field_name in (("--kl-target", "kl_target"), ("--kl-horizon", "kl_horizon")):
         value = getattr(args, field_name)
