@@ -266,6 +266,9 @@ def test_only_selects_scenarios_by_name() -> None:
     assert gpucheck.parse_only("demo-model, trl-autocast") == ["demo-model", "trl-autocast"]
     with pytest.raises(SystemExit, match="unknown scenario nope; allowed: trl-autocast"):
         gpucheck.parse_only("nope")
+    for only in (",", "demo-model,demo-model"):  # ran every scenario; ran one twice
+        with pytest.raises(SystemExit, match=f"^--only={only!r} is invalid: allowed is each scenario at most once"):
+            gpucheck.parse_only(only)
 
 
 def test_run_all_runs_jobs_scenarios_at_once_and_reports_them_in_the_order_asked(tmp_path) -> None:
@@ -333,6 +336,14 @@ def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
     assert exit_info.value.code == 2 and "error: --jobs, --budget: only with --gpu" in capsys.readouterr().err
+    # with --gpu: jobs 0 ran one at a time, a budget of -5 s failed every scenario as "not run"
+    for flags, message in ((["--jobs", "0"], "--jobs=0 is invalid: allowed is an integer >= 1"),
+                           (["--budget", "-5"], "--budget=-5.0 is invalid: allowed is a finite number of seconds > 0"),
+                           (["--budget", "nan"], "--budget=nan is invalid")):
+        monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--dry-run", *flags])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+        assert exit_info.value.code == 2 and f"error: {message}" in capsys.readouterr().err
 
 
 def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_commands(tmp_path) -> None:

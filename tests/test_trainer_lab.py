@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unsloth_adaptive_kl.tools import kl_lab, trainer_lab
+from unsloth_adaptive_kl.tools import kl_lab, tabular_lab, trainer_lab
 from unsloth_adaptive_kl.tools.tabular_lab import ENVIRONMENTS, Setting, Tree, kl, optimum
 
 ENV = ENVIRONMENTS["contains_a"]
@@ -101,6 +101,35 @@ def test_set_reads_literals_and_strings_and_refuses_what_is_not_a_pair() -> None
         kl_lab.main(["--trainer", "trl", "--estimator", "k1", "--no-target"])
     with pytest.raises(SystemExit, match="--set, --pad-is-eos: not read with --trainer tabular"):
         kl_lab.main(["--set", "loss_type=dapo", "--pad-is-eos"])
+
+
+def test_a_bad_number_a_flag_predict_does_not_read_or_an_only_in_no_label_is_refused_before_any_run() -> None:
+    """Each was taken: --seeds 0 ended in a ZeroDivisionError, a negative --beta in a worker's traceback; --predict
+    dropped --json (nothing written), --only and --seeds without a word; an --only TEXT in no label ran an empty table
+    ("1 rows") or dropped its rows."""
+    for argv, message in ((["--seeds", "0"], "--seeds=0 is invalid: allowed is an integer >= 1"),
+                          (["--steps", "-2"], "--steps=-2 is invalid: allowed is an integer >= 1"),
+                          (["--processes", "0"], "--processes=0 is invalid: allowed is an integer >= 1"),
+                          (["--beta", "-1"], "--beta=-1.0 is invalid: allowed is a finite number >= 0"),
+                          (["--beta", "nan"], "--beta=nan is invalid: allowed is a finite number >= 0"),
+                          (["--trainer", "trl", "--learning-rate", "0"],
+                           "--learning-rate=0.0 is invalid: allowed is a finite number > 0"),
+                          (["--predict", "--trainer", "trl", "--json", "p.json", "--only", "k1", "--seeds", "2"],
+                           "--only, --json, --seeds: not read with --predict (it trains nothing: it reads --trainer, "
+                           "--set, --beta, --env, --pad-is-eos and --import)"),
+                          (["--only", "k1 in", "--only", "k9", "--only", "clip in the lost"],
+                           "--only 'k9', 'clip in the lost': in no setting's label; the labels are beta = 0 (no KL); "
+                           "k1 in the reward; k1 in the loss; "),
+                          (["--trainer", "unsloth", "--only", "k9"],
+                           "--only 'k9': in no setting's label; the labels are beta = 0 (no KL); k1 in the reward; "
+                           "k3 in the reward; k3 in the loss (the trainer's own); ")):
+        with pytest.raises(SystemExit) as refused:
+            kl_lab.main(argv)
+        assert str(refused.value.code).startswith(message), (argv, refused.value.code)
+    only = ["in the reward", "beta = 0"]  # the docs' picks: each TEXT in some label, rows of either kept
+    picked = [s.label for s in tabular_lab.chosen(tabular_lab.default_settings([], []), only)]
+    assert picked[0] == "beta = 0 (no KL)" and picked[1] == "k1 in the reward" and len(picked) > 3
+    assert all("in the reward" in label or "beta = 0" in label for label in picked)
 
 
 def test_the_set_fields_reach_the_config_last() -> None:

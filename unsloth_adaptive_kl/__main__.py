@@ -2,6 +2,7 @@
 (tools/gpucheck.py)."""
 
 import argparse
+import math
 import sys
 
 parser = argparse.ArgumentParser(prog="python -m unsloth_adaptive_kl",
@@ -21,6 +22,10 @@ parser.add_argument("--dry-run", action="store_true",
                     help="with --gpu: each scenario's CPU equivalent, on any machine (what a GPU run would import "
                     "and call, checked before GPU time is spent)")
 args = parser.parse_args()
+if args.jobs is not None and args.jobs < 1:
+    parser.error(f"--jobs={args.jobs} is invalid: allowed is an integer >= 1")
+if args.budget is not None and not 0 < args.budget < math.inf:
+    parser.error(f"--budget={args.budget} is invalid: allowed is a finite number of seconds > 0")
 gpu_only = {"--only": args.only, "--jobs": args.jobs, "--budget": args.budget,
             "--dry-run": args.dry_run or None}
 if args.gpu:

@@ -216,10 +216,16 @@ def environment_lines(found: dict[str, Any]) -> list[str]:
 
 
 def parse_only(only: Optional[str]) -> list[str]:
-    names = [n.strip() for n in (only or "").split(",") if n.strip()] or list(SCENARIOS)
+    """The scenarios `--only` names, in its order (None: all); a name unknown, repeated or none at all is refused."""
+    if only is None:
+        return list(SCENARIOS)
+    names = [n.strip() for n in only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         raise SystemExit(f"--only: unknown scenario {', '.join(unknown)}; allowed: {', '.join(SCENARIOS)}")
+    if not names or len(set(names)) < len(names):
+        raise SystemExit(f"--only={only!r} is invalid: allowed is each scenario at most once, at least one of "
+                         f"{', '.join(SCENARIOS)}")
     return names
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     for module in args.imports:
         sys.path.insert(0, os.getcwd())
         importlib.import_module(module)
@@ -89,6 +91,21 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         raise SystemExit(f"{', '.join(unused)}: not read with --trainer {args.trainer} (" + (
             "the trainers' table runs its own settings; use --only to pick rows" if args.trainer != "tabular"
             else "only with --trainer trl, unsloth or both") + ")")
+    if args.predict:
+        unread = [flag for flag, given in (("--recipe", args.recipe), ("--learning-rate", args.learning_rate is not None),
+                                           ("--steps", args.steps is not None), ("--only", args.only),
+                                           ("--json", args.json), ("--seeds", args.seeds != parser.get_default("seeds")),
+                                           ("--processes", args.processes != parser.get_default("processes"))) if given]
+        if unread:
+            raise SystemExit(f"{', '.join(unread)}: not read with --predict (it trains nothing: it reads --trainer, "
+                             "--set, --beta, --env, --pad-is-eos and --import)")
+    for flag, value, least in (("--seeds", args.seeds, 1), ("--steps", args.steps, 1), ("--processes", args.processes, 1)):
+        if value is not None and value < least:
+            raise SystemExit(f"{flag}={value} is invalid: allowed is an integer >= {least}")
+    if args.beta is not None and not 0 <= args.beta < math.inf:
+        raise SystemExit(f"--beta={args.beta} is invalid: allowed is a finite number >= 0")
+    if args.learning_rate is not None and not 0 < args.learning_rate < math.inf:
+        raise SystemExit(f"--learning-rate={args.learning_rate} is invalid: allowed is a finite number > 0")
     torch.set_num_threads(1)
     command = " ".join(["python -m unsloth_adaptive_kl.tools.kl_lab", *(argv if argv is not None else sys.argv[1:])])
     if args.predict:
@@ -102,7 +119,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         return trainer_lab.main(args, command)
     start = time.perf_counter()
     training = replace(Training(), steps=args.steps or Training.steps)
-    settings = [s for s in default_settings(args.estimator, args.method) if chosen(s.label, args.only)]
+    settings = chosen(default_settings(args.estimator, args.method), args.only)
     environments = list(ENVIRONMENTS) if args.env == "all" else [args.env]
     result: dict[str, Any] = {"command": command, "torch": torch.__version__, "seeds": args.seeds, "tables": {}}
     for name in environments:

@@ -478,6 +478,11 @@ def show(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> No
     Console(width=150).print(table)
 
 
-def chosen(label: str, only: Sequence[str]) -> bool:
-    """Whether a setting is in the table: every setting without --only, else those whose label contains one TEXT."""
-    return not only or any(text in label for text in only)
+def chosen(settings: Sequence[Any], only: Sequence[str]) -> list[Any]:
+    """The settings in the table: every one without --only, else those whose label contains one TEXT. A TEXT in no
+    label is refused, naming the labels: a typo would drop its rows without a word."""
+    missing = [text for text in only if not any(text in setting.label for setting in settings)]
+    if missing:
+        raise SystemExit(f"--only {', '.join(map(repr, missing))}: in no setting's label; the labels are "
+                         + "; ".join(setting.label for setting in settings))
+    return [setting for setting in settings if not only or any(text in setting.label for text in only)]

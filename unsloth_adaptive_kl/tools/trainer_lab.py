@@ -740,7 +740,7 @@ def main(args: Any, command: str) -> dict[str, Any]:
     if args.env == "all":
         args.env = "contains_a"
     start = time.perf_counter()
-    settings = [setting for setting in trainer_settings() if chosen(setting.label, args.only)]
+    settings = chosen(trainer_settings(), args.only)
     trainers = TRAINERS if args.trainer == "both" else (args.trainer,)
     versions = {}
     for name in ("torch", "transformers", "trl", "peft", *(("unsloth", "unsloth_zoo") if "unsloth" in trainers else ())):
