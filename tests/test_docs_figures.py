@@ -362,15 +362,16 @@ def ref_sync_rows(hook: Any) -> dict[str, str]:
 
 
 def test_ref_sync_cost_table(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every row against overhead_cpu.json's `ref_sync` (made up: copy and adapter bytes that differ, so that one
-    cannot stand for the other)."""
+    """Every row against overhead_cpu.json's `ref_sync`, the whole step's ratio said to be inside the A/A interval
+    only where it is (made up: copy and adapter bytes that differ, so that one cannot stand for the other, and an
+    A/A interval the step ratio lies outside)."""
     committed = load("benchmarks/overhead_cpu.json")
     made_up = {"ref_sync": {**committed["ref_sync"], "copy_bytes": 1234567, "adapter_bytes": 7654321, "copy_tensors": 9,
-                            "syncs_per_run": 3, "exchanges_per_run": 5},
-               "aa_interval": committed["aa_interval"]}
+                            "syncs_per_run": 3, "exchanges_per_run": 5, "step_ratio": 1.21},
+               "aa_interval": [0.95, 1.05]}
     for data in (committed, made_up):
         monkeypatch.setattr(hook, "_benchmark", lambda name, data=data: data)
-        r = data["ref_sync"]
+        r, (low, high) = data["ref_sync"], data["aa_interval"]
         rows = ref_sync_rows(hook)
         assert len(rows) == 8
         assert rows["extra forwards per step (sync on against stock)"] == str(r["extra_forwards"])
@@ -395,7 +396,9 @@ def test_ref_sync_cost_table(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None
                                   "run)"])
         fixed(added[1], r["added_seconds_per_step"] * 1e3, 3)
         scientific(added[2], r["added_to_step_ratio"])
-        label = "whole step, sync on against stock (inside the A/A interval: not resolved)"
+        against_aa = ("inside the A/A interval: not resolved" if low <= r["step_ratio"] <= high
+                      else "outside the A/A interval")
+        label = f"whole step, sync on against stock ({against_aa})"
         step = re.fullmatch(r"(\S+) s / (\S+) s = (\S+)", rows[label])
         for cell, value in zip(step.groups(), (r["step_seconds_median"], r["stock_step_seconds_median"],
                                                r["step_ratio"])):
