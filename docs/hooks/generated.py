@@ -573,8 +573,10 @@ def gpu_cost(_: Optional[str] = None) -> str:
     model = size["model"]
 
     def rows(part: dict) -> list[list[str]]:
+        # one timed round (the whole step at the 0.5b size) leaves nothing to resample: its "interval" is the ratio
         return [[f"`{name}`", f"{row['median_s'] * 1e3:.1f}", f"{row['ratio']:.3f}",
-                 "the reference" if name == "stock" else f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
+                 "the reference" if name == "stock" else "none (one round)" if row.get("n") == 1 else
+                 f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
                  "" if not row["memory_ratio"] else f"{row['peak_bytes'] / 2 ** 20:,.0f}",
                  "" if not row["memory_ratio"] else f"{row['memory_ratio']:.3f}"] for name, row in part.items()]
 
