@@ -1,0 +1,898 @@
+"""Every figure the docs hook (docs/hooks/generated.py) renders says what its results file holds: each table is read
+back cell by cell against the JSON it is rendered from (the committed files, and made-up ones for the shapes the
+committed files do not show: a CUDA run, a failed check, a ratio on an interval's end). A number is checked to be the
+JSON's value rounded to the decimals the page shows; a row dropped, a column or label swapped, a wrong key, size or
+interval end fails."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+Table = tuple[list[str], list[list[str]]]
+
+
+@pytest.fixture()
+def hook() -> Any:
+    """docs/hooks/generated.py, loaded from its file (a fresh module each test: some tests point its ROOT elsewhere)."""
+    spec = importlib.util.spec_from_file_location("docs_generated_figures", ROOT / "docs" / "hooks" / "generated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load(path: str) -> Any:
+    return json.loads((ROOT / path).read_text())
+
+
+def tables(markdown: str) -> list[Table]:
+    """The Markdown tables of a text, in order: (header, rows), each cell unescaped ('\\|' is '|')."""
+    found, block = [], []
+    for line in [*markdown.split("\n"), ""]:
+        if line.startswith("|"):
+            block.append(line)
+            continue
+        if block:
+            cells = [[cell.replace("\\|", "|") for cell in row[2:-2].split(" | ")] for row in block[:1] + block[2:]]
+            assert re.fullmatch(r"\|(---\|)+", block[1]) and block[1].count("---") == len(cells[0]), block[:2]
+            assert all(len(row) == len(cells[0]) for row in cells), block
+            found.append((cells[0], cells[1:]))
+            block = []
+    return found
+
+
+def only_table(markdown: str) -> Table:
+    (table,) = tables(markdown)
+    return table
+
+
+def fixed(cell: str, value: float, decimals: int) -> None:
+    """`cell` is `value` written with exactly `decimals` decimals (',' between thousands allowed), correctly rounded."""
+    pattern = r"-?(\d{1,3}(,\d{3})+|\d+)" + (rf"\.\d{{{decimals}}}" if decimals else "")
+    assert re.fullmatch(pattern, cell), (cell, decimals)
+    assert abs(float(cell.replace(",", "")) - value) <= 0.5 * 10 ** -decimals * (1 + 1e-9) + 1e-12, (cell, value)
+
+
+def scientific(cell: str, value: float) -> None:
+    """`cell` is `value` with two decimals in scientific notation ('6.14e-04')."""
+    assert re.fullmatch(r"\d\.\d\de[-+]\d\d", cell), cell
+    assert abs(float(cell) - value) <= 0.5e-2 * 10 ** int(cell.split("e")[1]) * (1 + 1e-9), (cell, value)
+
+
+def interval(text: str, ends: list[float], decimals: int) -> None:
+    """`text` is '[low, high]', the two ends of `ends` in order."""
+    low, high = re.fullmatch(r"\[([^,]+), ([^\]]+)\]", text).groups()
+    fixed(low, ends[0], decimals)
+    fixed(high, ends[1], decimals)
+
+
+def ratio_with_interval(text: str, ratio: float, ends: list[float], decimals: int) -> None:
+    """`text` is 'ratio [low, high]'."""
+    value, rest = text.split(" ", 1)
+    fixed(value, ratio, decimals)
+    interval(rest, ends, decimals)
+
+
+def minutes(cell: str, seconds: float) -> None:
+    """`cell` is 'M min S s', whole minutes and the whole seconds left."""
+    whole_minutes, rest = divmod(int(seconds), 60)
+    assert cell == f"{whole_minutes} min {rest} s", (cell, seconds)
+
+
+def size_label(size: dict) -> str:
+    return f"{size['completions']} completions × {size['completion_length']} tokens"
+
+
+LOSS_SIZES = [None, "large"]
+TRAINER_LABELS = {"trl": "TRL", "unsloth": "Unsloth"}
+
+
+def loss_part(size: Optional[str]) -> dict:
+    data = load("benchmarks/loss_overhead.json")
+    return data["large"] if size == "large" else data
+
+
+# ----- benchmarks/loss_overhead.json --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("size", LOSS_SIZES)
+def test_loss_overhead_table_is_every_row_of_each_trainer(hook: Any, size: Optional[str]) -> None:
+    """One row a method, four columns a trainer (TRL first): added and stock ms, the ratio with its interval to 4
+    decimals, the aten ops added; a method one trainer lacks has blank cells there."""
+    part = loss_part(size)
+    trainers = [trainer for trainer in ("trl", "unsloth") if part.get(trainer)]
+    header, rows = only_table(hook.loss_overhead(size))
+    assert header == ["method"] + [f"{TRAINER_LABELS[t]}: {column}" for t in trainers
+                                   for column in ("added ms", "stock ms", "overhead [95 %]", "ops added")]
+    methods = list(dict.fromkeys(row["method"] for t in trainers for row in part[t]["rows"]))
+    assert [row[0] for row in rows] == [f"`{method}`" for method in methods]
+    for method, row in zip(methods, rows):
+        for index, trainer in enumerate(trainers):
+            cells = row[1 + 4 * index:5 + 4 * index]
+            measured = next((r for r in part[trainer]["rows"] if r["method"] == method), None)
+            if measured is None:
+                assert cells == ["", "", "", ""]
+                continue
+            fixed(cells[0], measured["added_s"] * 1e3, 3)
+            fixed(cells[1], measured["stock_s"] * 1e3, 1)
+            ratio_with_interval(cells[2], measured["ratio"], measured["ci"], 4)
+            assert cells[3] == str(measured["ops_added"])
+
+
+def test_an_unknown_loss_overhead_size_fails_the_build(hook: Any) -> None:
+    for generate in (hook.loss_overhead, hook.benchmark_headline, hook.loss_overhead_sanity, hook.loss_overhead_max):
+        with pytest.raises(ValueError):
+            generate("huge")
+
+
+@pytest.mark.parametrize("size", LOSS_SIZES)
+def test_benchmark_headline_is_its_sizes_headline(hook: Any, size: Optional[str]) -> None:
+    """The headline line of one size (the `_large` name for the larger), its trainer, method and size, and the whole
+    run's seconds (the larger size's headline, written last)."""
+    part, data = loss_part(size), load("benchmarks/loss_overhead.json")
+    found = re.fullmatch(r"`max_loss_overhead_ratio(?P<suffix>\S*?)=(?P<ratio>\S+) ci=\[(?P<c0>[^,]+),(?P<c1>[^\]]+)\] "
+                         r"aa=\[(?P<a0>[^,]+),(?P<a1>[^\]]+)\] ops_added=(?P<ops>\d+)` \((?P<trainer>\w+), "
+                         r"`(?P<method>[^`]+)`, (?P<size>[^;]+); (?P<total>\d+) s for the whole run\)",
+                         hook.benchmark_headline(size))
+    headline = part["headline"]
+    assert found["suffix"] == ("_large" if size == "large" else "")
+    fixed(found["ratio"], headline["ratio"], 3)
+    for key, ends in (("c", headline["ci"]), ("a", headline["aa"])):
+        fixed(found[key + "0"], ends[0], 3)
+        fixed(found[key + "1"], ends[1], 3)
+    assert int(found["ops"]) == headline["ops_added"]
+    assert (found["trainer"], found["method"], found["size"]) == (headline["trainer"], headline["method"],
+                                                                   size_label(part["size"]))
+    fixed(found["total"], data["large"]["headline"]["seconds"], 0)
+
+
+@pytest.mark.parametrize("size", LOSS_SIZES)
+@pytest.mark.parametrize("trainer", ["trl", "unsloth"])
+def test_loss_overhead_summary_is_the_range_of_that_trainers_rows(hook: Any, trainer: str, size: Optional[str]) -> None:
+    """The sentence on one trainer at one size: the ratios' range, how many rows are within 1.01 of how many, and
+    the ranges of added ms, aten ops and stock ms."""
+    part = loss_part(size)
+    if not part.get(trainer):
+        pytest.skip(f"no {trainer} rows in the committed benchmark")
+    rows = part[trainer]["rows"]
+    found = re.fullmatch(r"(\S+) to (\S+) \((\d+) of (\d+) rows within 1\.01\), adding (\S+)-(\S+) ms and (\d+)-(\d+) "
+                         r"aten ops to a (\d+)-(\d+) ms loss",
+                         hook.loss_overhead_summary(trainer + (":large" if size else "")))
+    ratios = sorted(row["ratio"] for row in rows)
+    fixed(found[1], ratios[0], 4)
+    fixed(found[2], ratios[-1], 4)
+    assert (int(found[3]), int(found[4])) == (len([r for r in ratios if r <= 1.01]), len(rows))
+    added = sorted(row["added_s"] * 1e3 for row in rows)
+    fixed(found[5], added[0], 2)
+    fixed(found[6], added[-1], 2)
+    ops = sorted(row["ops_added"] for row in rows)
+    assert (int(found[7]), int(found[8])) == (ops[0], ops[-1])
+    stock = sorted(row["stock_s"] * 1e3 for row in rows)
+    fixed(found[9], stock[0], 0)
+    fixed(found[10], stock[-1], 0)
+
+
+@pytest.mark.parametrize("size", LOSS_SIZES)
+def test_loss_overhead_max_and_seconds(hook: Any, size: Optional[str]) -> None:
+    """The largest overhead at one size in per cent to one decimal; the whole run's seconds (the larger size's
+    headline)."""
+    percent, unit = hook.loss_overhead_max(size).split(" ")
+    assert unit == "%"
+    fixed(percent, (loss_part(size)["headline"]["ratio"] - 1) * 100, 1)
+    seconds, unit = hook.loss_overhead_seconds().split(" ")
+    assert unit == "s"
+    fixed(seconds, load("benchmarks/loss_overhead.json")["large"]["headline"]["seconds"], 0)
+
+
+MADE_UP_SHARES = {"size": {"completions": 8, "completion_length": 64}, "large": {"size": {"completions": 16,
+                                                                                        "completion_length": 256}},
+                  "shares": [{"trainer": "unsloth", "method": "clip", "added_s": 0.00031, "added_s_large": 0.00052,
+                              "stock_s": 0.031, "stock_s_large": 0.29, "overhead": 0.01, "overhead_large": 0.0018,
+                              "ops_added": 80, "ops_added_large": 96}]}
+
+
+@pytest.mark.parametrize("source", ["committed", "made up"])
+def test_loss_overhead_shares_are_each_rows_figures_at_both_sizes(hook: Any, source: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per trainer and method, small → large: added ms, stock ms, overhead in per cent, ops; the header names the two
+    sizes in that order (made up: ops that change with the size)."""
+    data = load("benchmarks/loss_overhead.json") if source == "committed" else MADE_UP_SHARES
+    monkeypatch.setattr(hook, "_benchmark", lambda name: data)
+    header, rows = only_table(hook.loss_overhead_shares())
+    sizes = f"{size_label(data['size'])} → {size_label(data['large']['size'])}"
+    assert header == ["trainer", "method", f"added ms ({sizes})", "stock loss ms", "overhead %", "ops added"]
+    assert len(rows) == len(data["shares"])
+    for share, row in zip(data["shares"], rows):
+        assert row[:2] == [TRAINER_LABELS[share["trainer"]], f"`{share['method']}`"]
+        for cell, key, scale, decimals in ((row[2], "added_s", 1e3, 3), (row[3], "stock_s", 1e3, 1),
+                                           (row[4], "overhead", 100, 2)):
+            small, large = cell.split(" → ")
+            fixed(small, share[key] * scale, decimals)
+            fixed(large, share[key + "_large"] * scale, decimals)
+        assert row[5] == f"{share['ops_added']} → {share['ops_added_large']}"
+
+
+@pytest.mark.parametrize("size", LOSS_SIZES)
+def test_loss_overhead_sanity_is_each_trainers_stock_timing_and_end_to_end_row(hook: Any, size: Optional[str]) -> None:
+    part = loss_part(size)
+    header, rows = only_table(hook.loss_overhead_sanity(size))
+    assert header[0] == "trainer" and len(header) == 6
+    labels = {"trl": "TRL", "unsloth": "Unsloth's generated trainer"}
+    trainers = [trainer for trainer in ("trl", "unsloth") if part.get(trainer)]
+    assert [row[0] for row in rows] == [labels[t] for t in trainers]
+    for trainer, row in zip(trainers, rows):
+        stock, e2e = part[trainer]["stock_loss_s"], part[trainer]["end_to_end"]
+        median, low, high, n = re.fullmatch(r"(\S+) \(min (\S+), max (\S+), n=(\d+)\)", row[1]).groups()
+        for cell, value in ((median, stock["median"]), (low, stock["min"]), (high, stock["max"])):
+            fixed(cell, value * 1e3, 1)
+        assert int(n) == stock["n"] and row[2] == f"`{e2e['method']}`"
+        ratio_with_interval(row[3], e2e["ratio"], e2e["ci"], 3)
+        ratio_with_interval(row[4], e2e["aa"], e2e["aa_ci"], 3)
+        assert row[5] == {True: "yes", False: "no"}[e2e["consistent"]]
+
+
+def test_core_op_table_is_every_method_against_stock_k3(hook: Any) -> None:
+    rows = load("benchmarks/loss_overhead.json")["core_op"]
+    (stock,) = [row for row in rows if row["method"] == "stock k3"]
+    table, sentence = hook.core_op().split("\n\nStock k3 expression alone: ")
+    header, cells = only_table(table)
+    others = [row for row in rows if row is not stock]
+    assert [c[0] for c in cells] == [f"`{row['method']}`" for row in others]
+    for row, cell in zip(others, cells):
+        fixed(cell[1], row["median_ms"], 3)
+        fixed(cell[2], row["x_k3"], 2)
+        assert cell[3] == str(row["ops"])
+    fixed(sentence.removesuffix(" ms."), stock["median_ms"], 3)
+
+
+def profile_shown(text: str) -> list[tuple[str, int]]:
+    return [(op, int(percent)) for op, percent in re.findall(r"`([^`]+)` (\d+) %", text)]
+
+
+def test_core_op_profile_lists_the_ops_that_round_to_one_per_cent(hook: Any, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every op whose share is 0.5 % or more, in the file's order, as a whole per cent; none below."""
+    for profile in (load("benchmarks/loss_overhead.json")["core_op_profile"],
+                    [{"op": "aten::where", "share": 0.9}, {"op": "aten::exp", "share": 0.0071},
+                     {"op": "aten::sub", "share": 0.0051}, {"op": "aten::sum", "share": 0.0049}]):
+        monkeypatch.setattr(hook, "_benchmark", lambda name, profile=profile: {"core_op_profile": profile})
+        text = hook.core_op_profile()
+        shown = [op for op in profile if op["share"] * 100 >= 0.5]
+        assert [op for op, _ in profile_shown(text)] == [op["op"] for op in shown]
+        assert len(text.split(", ")) == len(shown)
+        for (_, percent), op in zip(profile_shown(text), shown):
+            fixed(str(percent), op["share"] * 100, 0)
+
+
+# ----- benchmarks/overhead_cpu.json ---------------------------------------------------------------------------------
+
+def made_up_steps() -> dict:
+    row = {"variant": "stock", "median_step_s": 0.41234, "step_ratio": 1.0, "forwards_per_step": [34, 40],
+           "extra_forwards": 0, "peak_memory_bytes": 3 * 2 ** 27, "memory_ratio": 1.0, "core_ratio": None}
+    return {"device": "cpu", "aa_interval": [0.91, 1.12],
+            "settings": {"hidden": 64, "layers": 3, "batch": 8, "completion_length": 16, "steps": 5, "repeats": 7},
+            "rows": [row, {**row, "variant": "clip", "median_step_s": 0.43, "step_ratio": 1.043,
+                           "forwards_per_step": [10, 18, 18], "extra_forwards": 2, "peak_memory_bytes": 400 * 2 ** 20,
+                           "memory_ratio": 1.0417, "core_ratio": 4.56}]}
+
+
+@pytest.mark.parametrize("source", ["committed", "made up"])
+def test_steps_table_and_its_settings(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step benchmark's rows (forwards per step in the order the steps ran; core op ratio blank where none), its
+    A/A interval and settings (made up: several forwards a row, settings that differ)."""
+    data = load("benchmarks/overhead_cpu.json") if source == "committed" else made_up_steps()
+    monkeypatch.setattr(hook, "_benchmark", lambda name: data)
+    table, sentence = hook.steps().split("\n\n")
+    header, rows = only_table(table)
+    assert header == ["variant", "s/step", "x stock", "forwards/step", "extra forwards", "run's peak RSS MiB",
+                      "x stock", "core op x k3"]
+    assert [row[0] for row in rows] == [r["variant"] for r in data["rows"]]
+    for r, row in zip(data["rows"], rows):
+        fixed(row[1], r["median_step_s"], 4)
+        fixed(row[2], r["step_ratio"], 3)
+        assert row[3].split("/") == [str(n) for n in r["forwards_per_step"]] and row[4] == str(r["extra_forwards"])
+        fixed(row[5], r["peak_memory_bytes"] / 1024 / 1024, 1)
+        fixed(row[6], r["memory_ratio"], 3)
+        if r["core_ratio"] is None:
+            assert row[7] == ""
+        else:
+            fixed(row[7], r["core_ratio"], 2)
+    found = re.fullmatch(r"A/A interval of the step ratio \(stock against stock\): (\[[^\]]+\])\. Settings: "
+                         r"hidden (\d+), (\d+) layers, batch (\d+), (\d+)-token completions, (\d+) steps x (\d+) "
+                         r"timed passes, device `(\w+)`\.", sentence)
+    interval(found[1], data["aa_interval"], 3)
+    s = data["settings"]
+    assert [int(n) for n in found.groups()[1:7]] == [s["hidden"], s["layers"], s["batch"], s["completion_length"],
+                                                     s["steps"], s["repeats"]]
+    assert found[8] == data["device"]
+
+
+def against_aa(text: str) -> list[list[str]]:
+    inside, outside = re.fullmatch(r"inside it (.*); outside it (.*)", text).groups()
+    return [[] if side == "no variant" else side.split(", ") for side in (inside, outside)]
+
+
+def test_steps_against_aa_sorts_every_variant_but_stock_by_the_closed_interval(hook: Any, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Committed: each non-stock variant once, inside where low <= ratio <= high. Made up: a ratio on either end is
+    inside, one beyond either end outside, stock rows left out."""
+    data = load("benchmarks/overhead_cpu.json")
+    low, high = data["aa_interval"]
+    inside, outside = against_aa(hook.steps_against_aa())
+    variants = [r for r in data["rows"] if not r["variant"].startswith("stock")]
+    assert sorted(inside + outside) == sorted(f"`{r['variant']}` ({r['step_ratio']:.3f})" for r in variants)
+    for shown in inside + outside:
+        variant, ratio = re.fullmatch(r"`(.+)` \((\S+)\)", shown).groups()
+        measured = next(r for r in variants if r["variant"] == variant)["step_ratio"]
+        fixed(ratio, measured, 3)
+        assert (shown in inside) == (low <= measured <= high), shown
+    made_up = {"aa_interval": [0.95, 1.05], "rows": [
+        {"variant": "stock", "step_ratio": 1.0}, {"variant": "stock (A/A)", "step_ratio": 1.01},
+        {"variant": "on_low", "step_ratio": 0.95}, {"variant": "on_high", "step_ratio": 1.05},
+        {"variant": "below", "step_ratio": 0.9}, {"variant": "above", "step_ratio": 1.2}]}
+    monkeypatch.setattr(hook, "_benchmark", lambda name: made_up)
+    assert against_aa(hook.steps_against_aa()) == [["`on_low` (0.950)", "`on_high` (1.050)"],
+                                                  ["`below` (0.900)", "`above` (1.200)"]]
+
+
+def test_unsloth_steps_table(hook: Any) -> None:
+    data = load("benchmarks/overhead_cpu.json")["unsloth_rows"]
+    header, rows = only_table(hook.unsloth_steps())
+    assert header == ["variant", "s/step", "x stock", "forwards/step", "compiled graphs added during a run"]
+    assert [row[0] for row in rows] == [r["variant"] for r in data]
+    for r, row in zip(data, rows):
+        fixed(row[1], r["median_step_s"], 4)
+        fixed(row[2], r["step_ratio"], 3)
+        assert row[3].split("/") == [str(n) for n in r["forwards_per_step"]]
+        assert row[4] == str(r["graphs_added_per_run"])
+
+
+def ref_sync_rows(hook: Any) -> dict[str, str]:
+    header, rows = only_table(hook.ref_sync_cost())
+    assert header == ["measured (`ref_model_sync_steps=1`, alpha 1.0, LoRA)", "value"]
+    return {label: value for label, value in rows}
+
+
+def test_ref_sync_cost_table(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row against overhead_cpu.json's `ref_sync`, the whole step's ratio said to be inside the A/A interval
+    only where it is (made up: copy and adapter bytes that differ, so that one cannot stand for the other, and an
+    A/A interval the step ratio lies outside)."""
+    committed = load("benchmarks/overhead_cpu.json")
+    made_up = {"ref_sync": {**committed["ref_sync"], "copy_bytes": 1234567, "adapter_bytes": 7654321, "copy_tensors": 9,
+                            "syncs_per_run": 3, "exchanges_per_run": 5, "step_ratio": 1.21},
+               "aa_interval": [0.95, 1.05]}
+    for data in (committed, made_up):
+        monkeypatch.setattr(hook, "_benchmark", lambda name, data=data: data)
+        r, (low, high) = data["ref_sync"], data["aa_interval"]
+        rows = ref_sync_rows(hook)
+        assert len(rows) == 8
+        assert rows["extra forwards per step (sync on against stock)"] == str(r["extra_forwards"])
+        copy = re.fullmatch(r"([\d,]+) bytes in (\d+) tensors \(the adapter: ([\d,]+) bytes; ratio (\S+)\)",
+                            rows["memory of the reference copy"])
+        assert (copy[1], int(copy[2]), copy[3]) == (f"{r['copy_bytes']:,}", r["copy_tensors"],
+                                                    f"{r['adapter_bytes']:,}")
+        fixed(copy[4], r["bytes_to_adapter_ratio"], 3)
+        assert rows["extra memory during an exchange (largest tensor)"] == f"{r['exchange_temp_bytes']:,} bytes"
+        sync = re.fullmatch(r"(\S+) ms = (\S+) x the stock step \((\S+) s\)", rows["one sync (alpha = 1), median"])
+        fixed(sync[1], r["sync_seconds_median"] * 1e3, 3)
+        scientific(sync[2], r["sync_to_step_ratio"])
+        fixed(sync[3], r["stock_step_seconds_median"], 3)
+        exchange = re.fullmatch(r"(\S+) ms = (\S+) x the stock step",
+                                rows["one exchange (swap in + swap back), median"])
+        fixed(exchange[1], r["exchange_seconds_median"] * 1e3, 3)
+        scientific(exchange[2], r["exchange_to_step_ratio"])
+        copy_time = re.fullmatch(r"(\S+) ms", rows["initial copy (once, when training starts)"])
+        fixed(copy_time[1], r["copy_seconds_median"] * 1e3, 2)
+        added = re.fullmatch(r"(\S+) ms = (\S+) x the stock step",
+                             rows[f"added per step ({r['syncs_per_run']} syncs, {r['exchanges_per_run']} exchanges per "
+                                  "run)"])
+        fixed(added[1], r["added_seconds_per_step"] * 1e3, 3)
+        scientific(added[2], r["added_to_step_ratio"])
+        against_aa = ("inside the A/A interval: not resolved" if low <= r["step_ratio"] <= high
+                      else "outside the A/A interval")
+        label = f"whole step, sync on against stock ({against_aa})"
+        step = re.fullmatch(r"(\S+) s / (\S+) s = (\S+)", rows[label])
+        for cell, value in zip(step.groups(), (r["step_seconds_median"], r["stock_step_seconds_median"],
+                                               r["step_ratio"])):
+            fixed(cell, value, 3)
+
+
+def test_verl_loss_table_and_its_settings(hook: Any) -> None:
+    data = load("benchmarks/verl_loss.json")
+    table, sentence = hook.verl_loss().split("\n\n")
+    header, rows = only_table(table)
+    assert header == ["loss", "forward + backward, median ms", "x stock", "95 % interval"]
+    assert [row[0] for row in rows] == [f"`{r['method']}`" for r in data["rows"]]
+    for r, row in zip(data["rows"], rows):
+        fixed(row[1], r["median_ms"], 3)
+        fixed(row[2], r["ratio"], 3)
+        interval(row[3], r["ci"], 3)
+    found = re.fullmatch(r"Stock `ppo_loss` with its KL term: (\S+) ms\. One micro-batch of (\d+) responses of (\d+) "
+                         r"to (\d+) tokens after (\d+)-token prompts, (\d+) interleaved rounds, one CPU thread "
+                         r"\(verl (\S+), torch (\S+)\)\.", sentence)
+    fixed(found[1], data["stock_ms"], 3)
+    # benchmarks/verl_loss.py draws each response's length from half the maximum to the maximum
+    assert [int(n) for n in found.groups()[1:6]] == [data["responses"], data["response_length"] // 2,
+                                                     data["response_length"], data["prompt_length"], data["repeats"]]
+    assert (found[7], found[8]) == (data["verl"], data["torch"])
+
+
+# ----- value, ci_record, self_check -------------------------------------------------------------------------------
+
+def test_value_reads_the_paths_it_names(hook: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`value FILE:PATHS:FORMAT`: one figure, the range low-high of several (in that order, one figure where they are
+    equal), `[field=text]` selects items, a number indexes a list, ',' joins paths; nothing or a null fails."""
+    (tmp_path / "r.json").write_text(json.dumps({
+        "rows": [{"variant": "stock", "x": 3.0, "n": 1200}, {"variant": "a.b,c:d", "x": 1.25, "n": 7},
+                 {"variant": "c", "x": 2.5, "n": None}],
+        "other": {"y": 1.251}, "list": [10, 20, 30]}))
+    monkeypatch.setattr(hook, "ROOT", tmp_path)
+    assert hook.value("r.json:rows[].x:.2f") == "1.25-3.00"
+    assert hook.value("r.json:rows[variant=stock].x:.1f") == "3.0"
+    assert hook.value("r.json:rows[variant=a.b,c:d].x:.2f") == "1.25"
+    assert hook.value("r.json:rows[variant=stock].n:,") == "1,200"
+    assert hook.value("r.json:rows[variant=a.b,c:d].x,other.y:.2f") == "1.25"  # equal at that format: one figure
+    assert hook.value("r.json:rows[variant=a.b,c:d].x,other.y:.3f") == "1.250-1.251"
+    assert hook.value("r.json:other.y,rows[variant=stock].x:.1f") == "1.3-3.0"
+    assert hook.value("r.json:list.0:d") == "10" and hook.value("r.json:list.2:d") == "30"
+    for bad in ("r.json:rows[].n:d", "r.json:rows[variant=none].x:.1f"):
+        with pytest.raises(ValueError):
+            hook.value(bad)
+
+
+MADE_UP_CI = {"commit": "0123456789abcdef", "date": "2026-12-02", "seconds": 3725, "exit": 1,
+              "machine": {"cpu": "Xeon", "cores": 4, "arch": "aarch64"},
+              "rows": [{"row": "a", "result": "10 passed, 1 failed, 1 warning in 61.20s (0:01:01)", "exit": 1,
+                        "pytest_seconds": 75, "ended_at": 3599,
+                        "versions": {"torch": "2.14.1", "trl": "1.15.0", "transformers": "5.17.0",
+                                     "datasets": "4.8.5"}},
+                       {"row": "e (x-0.1.0.whl)", "result": "self-check", "exit": 0, "pytest_seconds": None,
+                        "ended_at": 3660, "versions": {}},
+                       {"row": "h", "result": "3 passed, 12 warnings in 1.00s", "exit": 0, "pytest_seconds": 119,
+                        "ended_at": 3700, "versions": {"verl": "0.9.1", "trl": "1.15.0", "liger-kernel": "0.8.5"}},
+                       {"row": "f", "result": "mkdocs build --strict", "exit": 0, "pytest_seconds": None,
+                        "ended_at": 3725, "versions": {"mkdocs": "1.6.1", "mkdocs-material": "9.8.2"}}]}
+
+
+@pytest.mark.parametrize("source", ["committed", "made up"])
+def test_ci_record_is_every_row_of_the_record(hook: Any, source: str, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each row's name, versions ('none' where not installed), other packages, result (pytest's counts without
+    warnings and time) with that row's exit status, pytest's and the run's minutes; then how the run was made (made
+    up: a failed row in a failed run beside rows that passed, a missing version, a single warning)."""
+    data = load("docs/results/ci.json")
+    if source == "made up":
+        data = MADE_UP_CI
+        (tmp_path / "docs" / "results").mkdir(parents=True)
+        (tmp_path / "docs" / "results" / "ci.json").write_text(json.dumps(data))
+        monkeypatch.setattr(hook, "ROOT", tmp_path)
+    table, sentence = hook.ci_record().split("\n\n")
+    header, rows = only_table(table)
+    versions = ["trl", "transformers", "datasets", "torch", "unsloth"]
+    assert header == ["row", *versions, "also", "result", "pytest", "ended at"]
+    assert len(rows) == len(data["rows"])
+    for record, row in zip(data["rows"], rows):
+        name, _, detail = record["row"].partition(" ")
+        assert row[0] == (f"({name}) {detail[1:-1]}" if detail else f"({name})")
+        assert row[1:6] == [record["versions"].get(package, "none") for package in versions]
+        assert row[6] == ", ".join(f"{p} {v}" for p, v in record["versions"].items()
+                                   if p in ("liger-kernel", "tinker", "verl"))
+        # pytest's counts without the warnings and the time, or what ran (the docs build with its versions)
+        result = ", ".join(part for part in record["result"].split(" in ")[0].split(", ")
+                           if not re.fullmatch(r"\d+ warnings?", part))
+        if result.startswith("mkdocs"):
+            docs = record["versions"]
+            result += f" (mkdocs {docs['mkdocs']}, mkdocs-material {docs['mkdocs-material']})"
+        assert row[7] == f"{result}: exit {record['exit']}"
+        if record["pytest_seconds"] is None:
+            assert row[8] == ""
+        else:
+            minutes(row[8], record["pytest_seconds"])
+        minutes(row[9], record["ended_at"])
+    machine = data["machine"]
+    found = re.fullmatch(r"Run on (\S+) from a clean clone of `(\w+)`, on (\d+) cores \((.+), (\S+)\): (.+) in all, "
+                         r"exit (\d+)\. .*", sentence)
+    assert found[1] == data["date"] and data["commit"].startswith(found[2]) and len(found[2]) == 7
+    assert (int(found[3]), found[4], found[5]) == (machine["cores"], machine["cpu"], machine["arch"])
+    minutes(found[6], data["seconds"])
+    assert int(found[7]) == data["exit"]
+
+
+@pytest.mark.parametrize("name", [None, "selfcheck_verl.json"])
+def test_self_check_is_the_recorded_output(hook: Any, name: Optional[str]) -> None:
+    data = load(f"docs/results/{name or 'selfcheck.json'}")
+    text = hook.self_check(name)
+    assert text.split("```text\n", 1)[1] == "\n".join(data["lines"]) + "\n```"
+    assert f"on {data['date']} with " in text and f"(`{data['command']}`)" in text
+
+
+# ----- the demo's committed runs ------------------------------------------------------------------------------------
+
+DEMO_COLUMNS = [("reward", "reward", 2), ("completions/mean_length", "completion length", 1),
+                ("adaptive_kl/raw_kl", "raw KL", 3), ("adaptive_kl/adapted_kl", "adapted KL", 3),
+                ("adaptive_kl/sequence_kl", "KL per completion", 2)]
+DEMO_RUNS = sorted(path.parent.name for path in (ROOT / "docs" / "results").glob("*/summary.json"))
+
+
+def mean_and_std(cell: str, mean: float, std: float, decimals: int) -> None:
+    shown_mean, shown_std = cell.split(" +/- ")
+    fixed(shown_mean, mean, decimals)
+    fixed(shown_std, std, decimals)
+
+
+NAN = float("nan")
+MADE_UP_DEMO = {"settings": {"seeds": 2}, "wall_seconds": 99.6, "window": 7,
+                "environment": {"command": "python demo.py --steps 5 --output-dir /tmp/x --seeds 2",
+                                "versions": {"trl": "1.15.0"}, "hardware": "a CPU"},
+                "summary": [{"method": "none", "reward": [0.5, 0.125], "completions/mean_length": [7.25, 1.05],
+                             "adaptive_kl/raw_kl": [0.1234, 0.0101], "adaptive_kl/adapted_kl": [0.0617, 0.0052],
+                             "adaptive_kl/sequence_kl": [1.5, 0.25], "adaptive_kl/current_beta": [0.0437, 0.0]},
+                            {"method": "beta=0", "reward": [0.61, 0.02], "completions/mean_length": [9.5, 0.5],
+                             **{key: [NAN, NAN] for key in ("adaptive_kl/raw_kl", "adaptive_kl/adapted_kl",
+                                                            "adaptive_kl/sequence_kl", "adaptive_kl/current_beta")}}]}
+
+
+@pytest.mark.parametrize("run", [*DEMO_RUNS, "made up"])
+def test_demo_results_table_is_every_variant_of_the_run(hook: Any, run: str, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each variant's mean +/- std of each column (reward 2 decimals, length 1, raw and adapted KL 3, KL per
+    completion 2; '(off)' where never logged), beta at the end to 2 significant digits, and the run's settings (made
+    up: a window other than the default, a variant without a KL)."""
+    if run == "made up":
+        data = MADE_UP_DEMO
+        (tmp_path / "docs" / "results" / run).mkdir(parents=True)
+        (tmp_path / "docs" / "results" / run / "summary.json").write_text(json.dumps(data))
+        monkeypatch.setattr(hook, "ROOT", tmp_path)
+    else:
+        data = load(f"docs/results/{run}/summary.json")
+    table, sentence = hook.demo_results(run).split("\n\n")
+    header, rows = only_table(table)
+    assert header == ["variant", *(title for _, title, _ in DEMO_COLUMNS), "beta at the end"]
+    assert [row[0] for row in rows] == [f"`{item['method']}`" for item in data["summary"]]
+    for item, row in zip(data["summary"], rows):
+        for (key, _, decimals), cell in zip(DEMO_COLUMNS, row[1:]):
+            mean, std = item[key]
+            if math.isnan(mean):
+                assert cell == "(off)"
+            else:
+                mean_and_std(cell, mean, std, decimals)
+        beta = item["adaptive_kl/current_beta"][0]
+        if math.isnan(beta):
+            assert row[-1] == "0 (off)"
+        else:
+            digits = re.sub(r"e.*|^0\.0*|\.", "", row[-1])
+            assert len(digits) <= 2 and math.isclose(float(row[-1]), beta, rel_tol=0.05 if beta else 0, abs_tol=1e-12)
+    found = re.search(r"Wall time: (\d+) s\. Values: mean \+/- std over (\d+) seeds of each seed's mean over the last "
+                      r"(\d+) steps\.$", sentence)
+    fixed(found[1], data["wall_seconds"], 0)
+    assert (int(found[2]), int(found[3])) == (data["settings"]["seeds"], data["window"])
+    assert "--output-dir" not in sentence and f"Hardware: {data['environment']['hardware']}." in sentence
+
+
+DEMO_VALUE = re.compile(r"<!-- generated-inline: demo_value (\S+) -->")
+DEMO_VALUE_MARKERS = sorted({m for page in (ROOT / "docs").glob("*.md") for m in DEMO_VALUE.findall(page.read_text())})
+
+
+def test_the_pages_ask_for_demo_values() -> None:
+    assert len(DEMO_VALUE_MARKERS) > 50
+
+
+@pytest.mark.parametrize("argument", DEMO_VALUE_MARKERS)
+def test_each_demo_value_on_the_pages_is_its_runs_mean(hook: Any, argument: str) -> None:
+    """Every `demo_value RUN:VARIANT:KEY:DIGITS[:std]` marker of the pages: the variant's mean over seeds to DIGITS
+    decimals (or that format), with the std where asked."""
+    run, rest = argument.split(":", 1)
+    std = rest.endswith(":std")
+    variant, key, digits = rest.removesuffix(":std").rsplit(":", 2)
+    (item,) = [item for item in load(f"docs/results/{run}/summary.json")["summary"] if item["method"] == variant]
+    text = hook.demo_value(argument)
+    parts = text.split(" +/- ")
+    assert len(parts) == (2 if std else 1), text
+    for part, value in zip(parts, item[key]):
+        if digits.isdigit():
+            fixed(part, value, int(digits))
+        else:
+            assert digits == "0e" and re.fullmatch(r"\de[-+]\d\d", part) and \
+                abs(float(part) - value) <= 0.5 * 10 ** int(part.split("e")[1]), (part, value)
+
+
+# ----- the KL lab ---------------------------------------------------------------------------------------------------
+
+def test_kl_lab_sentences_and_groups(hook: Any) -> None:
+    """The lab run's and the target run's sentences against kl_lab.json; each environment's table has one section a
+    group, in the file's order."""
+    lab = load("docs/results/kl_lab.json")
+    target = lab["target"]
+    found = re.fullmatch(r"tau = KL\(pi\*_beta \|\| pi_ref\) = (\S+), so beta\* = (\S+); beta_0 = (\S+), (\d+) steps "
+                         r"at a constant learning rate\.", hook.kl_lab_target().split("\n\n")[0])
+    fixed(found[1], target["tau"], 4)
+    fixed(found[2], target["beta_star"], 4)
+    assert float(found[3]) == target["beta_0"] and int(found[4]) == target["training"]["steps"]
+    training = next(iter(lab["tables"].values()))["training"]
+    found = re.search(r"\(torch \S+, (\d+) s on a 2-core CPU\): (\d+) groups of (\d+) completions a step, "
+                      r"(\d+) steps", hook.kl_lab_run())
+    fixed(found[1], lab["seconds"], 0)
+    assert [int(n) for n in found.groups()[1:]] == [training["groups"], training["group_size"], training["steps"]]
+    for environment, table in lab["tables"].items():
+        groups = re.findall(r"^\*\*(.+)\*\*$", hook.kl_lab(environment), re.MULTILINE)
+        assert groups == list(dict.fromkeys(row["group"] for row in table["rows"]))
+
+
+def kl(cell: str, value: float) -> None:
+    """The lab's KL(pi || pi*): 4 decimals, '0' below 0.00005."""
+    if abs(value) < 5e-5:
+        assert cell == "0", (cell, value)
+    else:
+        fixed(cell, value, 4)
+
+
+def trainer_table(name: str) -> dict:
+    (table,) = load(f"docs/results/kl_lab_{name}.json")["trainers"].values()
+    return table
+
+
+def lab_row(table: dict, recipe: str, setting: str) -> dict:
+    (row,) = [r for r in table["rows"] if (r["recipe"], r["setting"]) == (recipe, setting) and "refused" not in r]
+    return row
+
+
+def test_kl_lab_side_by_side_puts_each_trainers_figures_under_its_name(hook: Any) -> None:
+    trl, unsloth = trainer_table("trl"), trainer_table("unsloth")
+    recipes = {label: key for key, label in trl["recipes"].items()}
+    header, rows = only_table(hook.kl_lab_side_by_side())
+    assert [cell.replace("\\*", "*") for cell in header[2:5]] == ["TRL: KL(pi||pi*)", "Unsloth: KL(pi||pi*)",
+                                                                   "Unsloth - TRL"]
+    assert rows
+    for row in rows:
+        mine, other = (lab_row(table, recipes[row[0]], row[1]) for table in (trl, unsloth))
+        for cell, value in ((row[2], mine["train"]["kl_opt"]), (row[3], other["train"]["kl_opt"]),
+                            (row[4], other["train"]["kl_opt"] - mine["train"]["kl_opt"])):
+            kl(cell, value)
+
+
+def test_kl_lab_differences_and_pad_is_eos_name_each_trainers_own_figure(hook: Any) -> None:
+    """Where Unsloth's KL(pi||pi*) lies outside TRL's seeds' range, TRL's figure and range come first, Unsloth's after
+    'against'; the pad = EOS sentence gives that table's figure first, then TRL's, then Unsloth's own."""
+    trl, unsloth, eos = trainer_table("trl"), trainer_table("unsloth"), trainer_table("unsloth_pad_is_eos")
+    text = hook.kl_lab_differences()
+    outside = re.findall(r"`(\w+)`, (.+?) (\S+) \[(\S+) - (\S+)\] against (\d+(?:\.\d+)?)[;.]", text)
+    assert outside, text
+    for recipe, setting, mine, low, high, other in outside:
+        theirs, own = lab_row(trl, recipe, setting)["train"], lab_row(unsloth, recipe, setting)["train"]
+        kl(mine, theirs["kl_opt"])
+        kl(low, min(theirs["kl_opt_seeds"]))
+        kl(high, max(theirs["kl_opt_seeds"]))
+        kl(other, own["kl_opt"])
+    label = "k3 in the loss (the trainer's own)"
+    found = re.search(r"ends (\S+) from pi\* with pad = EOS .* against TRL's (\S+) .* and Unsloth's own (\S+) with",
+                      hook.kl_lab_pad_is_eos())
+    for cell, table in zip(found.groups(), (eos, trl, unsloth)):
+        kl(cell, lab_row(table, "dr_grpo", label)["train"]["kl_opt"])
+
+
+# ----- docs/results/gpu/ ------------------------------------------------------------------------------------------
+
+CUDA = {"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0", "cuda": "12.8", "driver": "570.1",
+        "precision": "bf16"}
+
+
+def check_cell(checks: list[dict]) -> str:
+    return "<br>".join(("ok" if c["ok"] else "**FAIL**") + f": {c['name']}"
+                       + (f": {c['detail']}" if c["detail"] else "") for c in checks)
+
+
+def made_up_check() -> dict:
+    return {"command": "python -m unsloth_adaptive_kl --gpu", "date": "2026-12-01", "device": CUDA,
+            "versions": {"torch": "2.11.0", "vllm": None, "trl": "1.15.0"}, "dry_run": False, "seconds": 300.6,
+            "model": [{"name": "m1", "ok": True, "detail": "d1"}, {"name": "m2", "ok": True, "detail": ""}],
+            "scenarios": {"a": {"ran": True, "seconds": 61.4, "checks": [
+                {"name": "x", "ok": True, "detail": "fine | good"}, {"name": "y", "ok": False, "detail": "boom"},
+                {"name": "z", "ok": True, "detail": ""}]},
+                "b": {"ran": False, "why": "not asked for (--only)"},
+                "c": {"ran": True, "seconds": 2.6, "checks": [{"name": "w", "ok": False, "detail": "timed out"}]}}}
+
+
+@pytest.mark.parametrize("source", ["committed", "made up"])
+def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row for the tiny model and one a scenario, in the file's order: its seconds and each check, ok or **FAIL**,
+    with its detail; a scenario not run says why; the device, versions (those installed), kind of run and seconds."""
+    data = load("docs/results/gpu/check.json") if source == "committed" else made_up_check()
+    monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "check.json" else None)
+    text, table = hook.gpu_check().split("\n\n")
+    header, rows = only_table(table)
+    assert header == ["scenario", "seconds", "checks"]
+    assert rows[0] == ["the tiny Llama", "", check_cell(data["model"])]
+    assert [row[0] for row in rows[1:]] == [f"`{name}`" for name in data["scenarios"]]
+    for scenario, row in zip(data["scenarios"].values(), rows[1:]):
+        if scenario["ran"]:
+            fixed(row[1], scenario["seconds"], 0)
+            assert row[2] == check_cell(scenario["checks"])
+        else:
+            assert row[1:] == ["", f"not run: {scenario['why']}"]
+    kind = "dry run (each scenario's CPU equivalent)" if data["dry_run"] else "run"
+    assert text.startswith(f"The {kind} of {data['date']} on ")
+    device = data["device"]
+    if device["kind"] == "cuda":
+        assert f" on {device['name']} (compute capability {device['capability']}, CUDA {device['cuda']}, driver " \
+               f"{device['driver']}, {device['precision']}): " in text and "not a GPU result" not in text
+    else:
+        assert f" on a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**): " in text
+    seconds = re.search(r"`, (\d+) s in all\. Versions: (.*)\.$", text)
+    fixed(seconds[1], data["seconds"], 0)
+    assert seconds[2] == ", ".join(f"{p} {v}" for p, v in data["versions"].items() if v is not None)
+
+
+def made_up_cost() -> dict:
+    def row(median: float, ratio: float, ci: list[float], peak: int, memory: Optional[float], n: int = 12) -> dict:
+        return {"median_s": median, "n": n, "ratio": ratio, "ci": ci, "peak_bytes": peak, "memory_ratio": memory}
+
+    return {"command": "python benchmarks/unsloth_cost.py --json x", "date": "2026-12-01", "size": "0.5b",
+            "device": CUDA, "versions": {"torch": "2.11.0", "vllm": None},
+            "settings": {"model": {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936},
+                         "lora_rank": 16, "prompts": 8, "completions": 4, "length": 256},
+            "rounds": 12, "warmup": 2, "whole_rounds": 3,
+            "step": {"stock": row(0.25, 1.0, [0.97, 1.03], 3 * 2 ** 30, 1.0),
+                     "stock (A/A)": row(0.2512, 1.0048, [0.981, 1.026], 3 * 2 ** 30 + 2 ** 20, 1.0003),
+                     "clip": row(0.2634, 1.0536, [1.012, 1.094], 5 * 2 ** 29, 1.25)},
+            # the 0.5b size times one round of whole steps: bootstrap_ratio of one sample each is [ratio, ratio]
+            "whole_step": {"stock": row(4.0, 1.0, [1.0, 1.0], 0, None, n=1),
+                           "kl_in_reward": row(4.2, 1.05, [1.05, 1.05], 0, None, n=1)},
+            "loss_share": 0.0625,
+            "profile": {"method": "clip",
+                        "stock": [{"name": "aten::mm", "self_us": 1200.4, "calls": 8},
+                                  {"name": "aten::add", "self_us": 90.6, "calls": 8},
+                                  {"name": "aten::copy_", "self_us": 45.4, "calls": 4}],
+                        "heaviest": [{"name": "aten::mm", "self_us": 1210.0, "calls": 8},
+                                     {"name": "aten::where", "self_us": 15.2, "calls": 3}]}}
+
+
+def cost_rows(rows: list[list[str]], part: dict) -> None:
+    """A cost table's rows against the file's: median ms, ratio, interval (stock: 'the reference'), peak MiB and its
+    ratio where memory was measured."""
+    assert [row[0] for row in rows] == [f"`{name}`" for name in part]
+    for (name, measured), row in zip(part.items(), rows):
+        fixed(row[1], measured["median_s"] * 1e3, 1)
+        fixed(row[2], measured["ratio"], 3)
+        if name == "stock":
+            assert row[3] == "the reference"
+        elif measured["n"] == 1:  # one timed round: bootstrapping one sample gives no interval
+            assert row[3] == "none (one round)"
+        else:
+            interval(row[3], measured["ci"], 3)
+        if measured["memory_ratio"] is None:
+            assert row[4:] == ["", ""]
+        else:
+            fixed(row[4], measured["peak_bytes"] / 1024 / 1024, 0)
+            fixed(row[5], measured["memory_ratio"], 3)
+
+
+@pytest.mark.parametrize("source", ["committed", "made up"])
+def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = load("docs/results/gpu/cost.json") if source == "committed" else made_up_cost()
+    monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "cost.json" else None)
+    text = hook.gpu_cost()
+    found = tables(text)
+    header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock"]
+    assert found[0][0] == header
+    cost_rows(found[0][1], data["step"])
+    size, model = data["settings"], data["settings"]["model"]
+    assert (f"Model: hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, vocabulary "
+            f"{model['vocab_size']:,}, LoRA r{size['lora_rank']}; {size['prompts']} prompts × {size['completions']} "
+            f"completions of {size['length']} tokens.") in text
+    assert f"the optimizer's step; {data['rounds']} rounds after {data['warmup']} warm-up rounds)" in text
+    profile = data["profile"]
+    method = profile["method"]
+    assert found[1][0] == ["operation", "stock", f"`{method}`"]
+    stock = {op["name"]: op["self_us"] for op in profile["stock"]}
+    heaviest = {op["name"]: op["self_us"] for op in profile["heaviest"]}
+    assert [row[0] for row in found[1][1]] == [f"`{name}`" for name in dict.fromkeys([*stock, *heaviest])]
+    for row in found[1][1]:
+        for cell, times in zip(row[1:], (stock, heaviest)):
+            name = row[0].strip("`")
+            assert cell == "" if name not in times else fixed(cell, times[name], 0) is None
+    clock = "GPU" if data["device"]["kind"] == "cuda" else "CPU"
+    assert f"({clock} time, µs)" in text and f"top {len(profile['stock'])}:" in text
+    if data["whole_step"]:
+        assert f"Whole GRPO step, generation included ({data['whole_rounds']} rounds):" in text
+        assert found[2][0] == header
+        cost_rows(found[2][1], data["whole_step"])
+        share = re.search(r"The captured-batch step is (\d+)% of stock's whole step\.$", text)
+        fixed(share[1], data["loss_share"] * 100, 0)
+    else:
+        assert len(found) == 2 and "Whole GRPO step" not in text and "captured-batch step is" not in text
+
+
+def test_gpu_cost_without_whole_steps(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run stopped after the captured batch (`whole_step` empty, `loss_share` null) shows no whole-step part."""
+    data = {**made_up_cost(), "whole_step": {}, "loss_share": None}
+    monkeypatch.setattr(hook, "_gpu", lambda name: data)
+    text = hook.gpu_cost()
+    assert len(tables(text)) == 2 and "Whole GRPO step" not in text and "captured-batch step is" not in text
+
+
+def test_gpu_loss_is_each_sizes_headline(hook: Any) -> None:
+    data = load("docs/results/gpu/loss_overhead.json")
+    header, rows = only_table(hook.gpu_loss())
+    assert header == ["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"]
+    assert [row[0] for row in rows] == ["default", "large"]
+    for row, part in zip(rows, (data, data["large"])):
+        headline = part["headline"]
+        assert row[1] == size_label(part["size"])
+        fixed(row[2], headline["ratio"], 3)
+        interval(row[3], headline["ci"], 3)
+        interval(row[4], headline["aa"], 3)
+        assert row[5] == str(headline["ops_added"])
+
+
+# ----- the references: configuration, anchors, versions, the demo's flags ------------------------------------------
+
+def test_configuration_reference_rows_and_sections(hook: Any) -> None:
+    """Each field's row (type, default repr, the methods that read it: FIELD_READERS, else every method) and its
+    section, whose allowed values are the text after 'allowed is' of the ValueError a bad value raises."""
+    from unsloth_adaptive_kl.core.config import FIELD_READERS, AdaptiveKLConfig
+
+    text = hook.configuration()
+    header, rows = only_table(text.split("\n\n### ")[0])
+    assert header == ["field", "type", "default", "read by"]
+    fields = dataclasses.fields(AdaptiveKLConfig)
+    hints = typing.get_type_hints(AdaptiveKLConfig)
+    assert [row[0] for row in rows] == [f"`{f.name}`" for f in fields]
+    for field, row, section in zip(fields, rows, text.split("\n\n### ")[1:]):
+        readers = ", ".join(FIELD_READERS[field.name]) if field.name in FIELD_READERS else "every method"
+        type_name = hints[field.name].__name__ if isinstance(hints[field.name], type) else str(hints[field.name])
+        assert row[1:] == [f"`{type_name.replace('typing.', '')}`", f"`{field.default!r}`", readers]
+        with pytest.raises(ValueError) as error:
+            AdaptiveKLConfig(**{field.name: object()})
+        allowed = re.search(r"^- allowed: (.*)$", section, re.MULTILINE)[1]
+        assert str(error.value).startswith(f"{field.name}=") and str(error.value).endswith(f"allowed is {allowed}.")
+        assert section.startswith(f"`{field.name}`\n\n{field.metadata['help']}\n\n")
+        assert f"- read by: {readers}" in section and f"default `{field.default!r}`" in section
+
+
+def test_anchors_tested_versions_and_demo_flags(hook: Any) -> None:
+    from packaging.specifiers import SpecifierSet
+
+    from unsloth_adaptive_kl.integrations import versions
+    from unsloth_adaptive_kl.tools.demo import build_parser
+
+    for which, found in ((None, versions.TRL_ANCHORS), ("trl", versions.TRL_ANCHORS),
+                         ("unsloth", versions.UNSLOTH_ANCHORS), ("verl", versions.VERL_ANCHORS)):
+        header, rows = only_table(hook.anchors(which))
+        assert rows == [[f"`{a.function}`", f"`{a.text}`" + (" (signature)" * bool(a.signature)), a.reason.replace(
+            "\n", " ")] for a in found], which
+    header, rows = only_table(hook.tested_versions())
+    assert [row[0] for row in rows] == [f"`{name}`" for name in versions.TESTED]
+    for name, row in zip(versions.TESTED, rows):  # the same range, its lower bound first
+        assert SpecifierSet(row[1].strip("`")) == versions.TESTED[name]
+        assert "," not in row[1] or row[1].startswith("`>")
+    header, rows = only_table(hook.demo_flags())
+    actions = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert [row[0] for row in rows] == [", ".join(f"`{flag}`" for flag in a.option_strings) for a in actions]
+    for action, row in zip(actions, rows):
+        assert row[1] == ("" if action.default is None or action.default is False or action.default == ""
+                          else f"`{action.default}`")
+        assert row[2].startswith(action.help or "")
+        if action.choices:
+            assert row[2].endswith(f" One of {', '.join(map(str, action.choices))}.")
+
+
+def test_render_passes_each_markers_argument(hook: Any) -> None:
+    """A marker's argument reaches its generator, on a line of its own or inside a sentence; an unknown name fails."""
+    from unsloth_adaptive_kl.integrations import versions
+
+    page = hook.render("Before.\n\n<!-- generated: anchors verl -->\n\nIt took <!-- generated-inline: "
+                       "loss_overhead_max large --> at most.\n")
+    assert all(f"`{a.text}`" in page for a in versions.VERL_ANCHORS)
+    assert not any(f"`{a.text}`" in page for a in versions.TRL_ANCHORS)
+    percent = re.search(r"It took (\S+) % at most\.", page)[1]
+    fixed(percent, (load("benchmarks/loss_overhead.json")["large"]["headline"]["ratio"] - 1) * 100, 1)
+    with pytest.raises(KeyError):
+        hook.render("<!-- generated: no_such_block -->")
