@@ -202,10 +202,10 @@ def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
     # The stub: trl's KL line and reduction on captured-shape tensors (leaves, so the backward stops there), and the
     # policy log-prob call a non-default kl_estimator reads, answered from a tensor.
     mask = inputs["completion_mask"].float()
-    generator = torch.Generator().manual_seed(0)
-    policy = torch.randn(mask.shape, generator=generator).requires_grad_(True)
-    kl = (torch.rand(mask.shape, generator=generator) * 0.5).requires_grad_(True)
-    logps = (-torch.rand(mask.shape, generator=generator) * 3).requires_grad_(True)
+    generator = torch.Generator().manual_seed(0)  # drawn on the CPU, then moved: the mask is on the GPU there
+    policy = torch.randn(mask.shape, generator=generator).to(mask.device).requires_grad_(True)
+    kl = (torch.rand(mask.shape, generator=generator) * 0.5).to(mask.device).requires_grad_(True)
+    logps = (-torch.rand(mask.shape, generator=generator) * 3).to(mask.device).requires_grad_(True)
     leaves = [policy, kl, logps]
 
     def stub(self: Any, model: Any, inputs: dict) -> torch.Tensor:
@@ -493,7 +493,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in core:
         print(f"  {row['method']:36s} {row['median_ms']:7.3f} ms  x{row['x_k3']:.2f}  +{row['ops']} ops")
     print("where none's core op spends its time: " + ", ".join(f"{op['op']} {op['share']:.0%}" for op in profile))
-    results: dict[str, Any] = {"core_op": core, "core_op_profile": profile}
+    from unsloth_adaptive_kl.tools import gpucheck
+
+    # what ran it, as the GPU page names it: the command, the date, the device and the versions
+    results: dict[str, Any] = {"command": "python benchmarks/loss_overhead.py " + " ".join(argv),
+                               "date": time.strftime("%Y-%m-%d"), **gpucheck.environment(),
+                               "core_op": core, "core_op_profile": profile}
     sizes = {"": ((args.completions, args.completion_length),
                   (args.stock_repeats, args.core_repeats, args.e2e_repeats)),
              "_large": ((args.large_completions, args.large_completion_length),

@@ -818,9 +818,26 @@ def test_gpu_cost_without_whole_steps(hook: Any, monkeypatch: pytest.MonkeyPatch
     assert len(tables(text)) == 2 and "Whole GRPO step" not in text and "captured-batch step is" not in text
 
 
-def test_gpu_loss_is_each_sizes_headline(hook: Any) -> None:
+@pytest.mark.parametrize("source", ["committed", "on a GPU"])
+def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page says each section names its device first and marks a CPU run "not a GPU result": this section named
+    none, and the committed file is the CPU dry run's."""
     data = load("docs/results/gpu/loss_overhead.json")
-    header, rows = only_table(hook.gpu_loss())
+    if source == "on a GPU":
+        data = {**data, "device": CUDA}
+        monkeypatch.setattr(hook, "_gpu", lambda name: data)
+    text = hook.gpu_loss()
+    first = text.split("\n\n")[0]
+    assert first.startswith(f"The run of {data['date']} on ") and f": `{data['command']}`." in first
+    assert first.endswith(f"Versions: {', '.join(f'{k} {v}' for k, v in data['versions'].items() if v)}.")
+    device = data["device"]
+    if device["kind"] == "cpu":
+        assert f"a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**)" in first
+    else:
+        assert f"on NVIDIA H200 (compute capability 9.0, CUDA 12.8, driver 570.1, " in first
+        assert "not a GPU result" not in text
+    header, rows = only_table(text)
     assert header == ["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"]
     assert [row[0] for row in rows] == ["default", "large"]
     for row, part in zip(rows, (data, data["large"])):

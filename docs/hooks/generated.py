@@ -617,8 +617,9 @@ def gpu_loss(_: Optional[str] = None) -> str:
         rows.append([label, _size_label(part), f"{headline['ratio']:.3f}",
                      f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]", f"[{headline['aa'][0]:.3f}, "
                      f"{headline['aa'][1]:.3f}]", headline["ops_added"]])
-    return _table(["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"],
-                  rows)
+    return (f"The run of {data['date']} on {_device(data)}: `{data['command']}`. Versions: {_versions(data)}.\n\n"
+            + _table(["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"],
+                     rows))
 
 
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
