@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import statistics
 import sys
 import types
 from math import comb
@@ -330,7 +329,8 @@ def test_captured_steps_profiles_a_method_even_when_the_aa_pair_has_the_largest_
 class FakeGRPOTrainer:
     """A trainer whose train() runs `args.max_steps` optimizer steps through its callbacks on the fake clock: a step
     costs its variant's seconds, plus 5 s on the first step of a run (its caches) and 50 s on every step of the
-    trainer's first run (compiles); each run logs its reward penalty, the next of `penalties` (none for the KL in the loss)."""
+    trainer's first run (compiles); each run logs its reward penalty, the next of `penalties` (none for the KL in
+    the loss)."""
 
     COST = {("loss", "stock"): 2.0, ("loss", "none"): 2.02, ("loss", "sigmoid+length_normalized"): 2.1,
             ("reward", "kl_in_reward"): 2.5}
@@ -355,7 +355,8 @@ class FakeGRPOTrainer:
         for step in range(self.args.max_steps):
             for callback in self.callbacks:
                 callback.on_step_begin(None, None, None)
-            self.clock.advance(self.COST[(self.placement, variant)] + 5.0 * (step == 0) + 50.0 * (len(self.runs) == 1))
+            first_step, first_run = step == 0, len(self.runs) == 1
+            self.clock.advance(self.COST[(self.placement, variant)] + 5.0 * first_step + 50.0 * first_run)
             for callback in self.callbacks:
                 callback.on_step_end(None, None, None)
         penalty = {"adaptive_kl/reward_penalty": self.penalties.pop(0)} if self.penalties else {}
