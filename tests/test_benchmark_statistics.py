@@ -526,3 +526,20 @@ def test_the_loss_benchmark_runs_the_documented_sizes_and_shares_each_sizes_own_
     last = capsys.readouterr().out.strip().splitlines()[-2:]
     assert last[0].startswith("max_loss_overhead_ratio=1.030 ci=[1.020,1.040] aa=[0.990,1.010]")
     assert last[1].startswith("max_loss_overhead_ratio_large=1.006 ci=[0.996,1.016]")
+
+
+def test_the_trl_stubs_leaves_are_on_the_captured_batchs_device() -> None:
+    """On a GPU the captured batch (its completion mask) is on CUDA: the stub's leaves must be there too, or the
+    stub's `per_token_loss * mask` fails with a device mismatch and the loss benchmark stops. A mask on the meta
+    device stands in for CUDA here; the leaves are drawn from one seeded CPU generator (the same values anywhere)."""
+    mask = torch.ones(2, 3)
+    leaves = loss_overhead.stub_leaves(mask.to("meta"))
+    assert [leaf.device.type for leaf in leaves] == ["meta"] * 3
+    assert all(leaf.is_leaf and leaf.requires_grad and leaf.shape == (2, 3) for leaf in leaves)
+    policy, kl, logps = leaves
+    ((policy + logps * 0.0 + 0.04 * kl) * mask.to("meta")).sum().backward()  # the stub's expression runs there
+    policy, kl, logps = loss_overhead.stub_leaves(mask)
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(policy, torch.randn(2, 3, generator=generator))
+    assert torch.equal(kl, torch.rand(2, 3, generator=generator) * 0.5)
+    assert torch.equal(logps, -torch.rand(2, 3, generator=generator) * 3)
