@@ -184,6 +184,16 @@ def with_stubs(stubs: list[tuple[Any, str, Any]], function: Callable[[], None]) 
     return call
 
 
+def stub_leaves(mask: torch.Tensor) -> list[torch.Tensor]:
+    """The TRL stub's leaves (the policy term, the per-token KL, the policy log-probs), shaped like the captured
+    batch's completion mask and on its device (CUDA on a GPU), drawn from one seeded CPU generator."""
+    generator = torch.Generator().manual_seed(0)
+    policy = torch.randn(mask.shape, generator=generator)
+    kl = torch.rand(mask.shape, generator=generator) * 0.5
+    logps = -torch.rand(mask.shape, generator=generator) * 3
+    return [leaf.to(mask.device).requires_grad_(True) for leaf in (policy, kl, logps)]
+
+
 def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
     from unsloth_adaptive_kl.tools import selfcheck
     from unsloth_adaptive_kl.integrations import trl as trl_patch
@@ -202,11 +212,7 @@ def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
     # The stub: trl's KL line and reduction on captured-shape tensors (leaves, so the backward stops there), and the
     # policy log-prob call a non-default kl_estimator reads, answered from a tensor.
     mask = inputs["completion_mask"].float()
-    generator = torch.Generator().manual_seed(0)  # drawn on the CPU, then moved: the mask is on the GPU there
-    policy = torch.randn(mask.shape, generator=generator).to(mask.device).requires_grad_(True)
-    kl = (torch.rand(mask.shape, generator=generator) * 0.5).to(mask.device).requires_grad_(True)
-    logps = (-torch.rand(mask.shape, generator=generator) * 3).to(mask.device).requires_grad_(True)
-    leaves = [policy, kl, logps]
+    policy, kl, logps = leaves = stub_leaves(mask)
 
     def stub(self: Any, model: Any, inputs: dict) -> torch.Tensor:
         per_token_logps = self._get_per_token_logps_and_entropies(model, inputs)[0]

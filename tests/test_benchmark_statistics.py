@@ -1,0 +1,545 @@
+"""The statistics behind the benchmarks' published figures, checked on synthetic timings against values worked out
+by hand or by an independent formula (no GPU, no model): benchmarks/loss_overhead.py's bootstrap intervals,
+interleaving and rows, and benchmarks/unsloth_cost.py's rotation, ratios, peak memory, timing, profile, whole steps
+and JSON summary. tests/test_benchmark_smoke.py runs the scripts end to end; these pin down what their numbers mean."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import types
+from math import comb
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))  # as the scripts import each other (unsloth_cost imports loss_overhead)
+
+import loss_overhead  # noqa: E402
+import unsloth_cost  # noqa: E402
+
+from unsloth_adaptive_kl.tools import gpu_scenarios, gpucheck, selfcheck  # noqa: E402
+
+
+# ----- the bootstrap intervals ------------------------------------------------------------------------------------
+
+def median_cdf(n: int, draws: int, j: int) -> float:
+    """P(median of `draws` (odd) values drawn with replacement from n distinct values <= the j-th smallest): at least
+    draws // 2 + 1 of the draws must be among the j smallest, each with probability j / n."""
+    p, needed = j / n, draws // 2 + 1
+    return sum(comb(draws, k) * p ** k * (1 - p) ** (draws - k) for k in range(needed, draws + 1))
+
+
+def median_quantile_rank(n: int, q: float, resamples: int, deviations: float = 4.0) -> int:
+    """The rank j (1-based) of the value the `q` order statistic of `resamples` resampled medians lands on (the
+    smallest j whose probability mass up to it reaches q), checked to be at least `deviations` standard deviations
+    of the resampling error away from the neighbouring ranks, so that a seed is unlikely to move it."""
+    F = [median_cdf(n, n, j) for j in range(1, n + 1)]
+    j = next(j for j in range(1, n + 1) if F[j - 1] >= q)
+    margin = deviations * math.sqrt(q * (1 - q) / resamples)
+    assert F[j - 1] - q > margin and (j == 1 or q - F[j - 2] > margin), (j, F[j - 2:j])
+    return j
+
+
+# The order statistics the functions document, at 20000 resamples: the 501st smallest and the 19500th (50 of 2000
+# outside either end at the default 2000), i.e. a symmetric 95 % interval.
+LOW_Q, HIGH_Q, MANY = 501 / 20000, 19500 / 20000, 20000
+
+
+def test_the_ratio_interval_is_the_2_5_and_97_5_percentiles_of_the_resampled_numerators_median() -> None:
+    """A constant denominator: the interval is that of median(numerator) / 2, whose resampled distribution is known
+    exactly (`median_cdf`): with 41 distinct values 1..41, its 2.5 % and 97.5 % points are ranks 15 and 27 (5 % and
+    95 % would be 16 and 26, a mean's would not be integers, a numerator drawn 5 at a time would be wider). The
+    numerator is given shuffled, with outliers at one end that a mean would follow."""
+    assert (median_quantile_rank(41, LOW_Q, MANY), median_quantile_rank(41, HIGH_Q, MANY)) == (15, 27)
+    assert (median_quantile_rank(41, 0.05, MANY), median_quantile_rank(41, 0.95, MANY)) == (16, 26)
+    values = [float(v) for v in range(1, 39)] + [1000.0, 2000.0, 3000.0]  # ranks 39-41: outliers
+    numerator = values[20:] + values[:20]
+    low, high = loss_overhead.bootstrap_ratio(numerator, [2.0] * 5, resamples=MANY)
+    assert (low, high) == (15 / 2, 27 / 2)
+
+
+def test_the_ratio_interval_resamples_the_denominator_too() -> None:
+    """A constant numerator: the interval is that of 6 / median(denominator), 6/27 to 6/15 for the values 1..41:
+    an interval that resampled the numerator alone would be the single point 6 / 21."""
+    low, high = loss_overhead.bootstrap_ratio([6.0] * 7, [float(v) for v in range(41, 0, -1)], resamples=MANY)
+    assert (low, high) == (6 / 27, 6 / 15)
+
+
+def test_the_default_ratio_interval_takes_2000_resamples() -> None:
+    """At the default resamples (the 51st smallest and the 1950th of 2000 resampled medians), the same known
+    distribution for 21, 31 and 41 values: the ranks the formula gives, each at least 1.5 standard deviations of the
+    resampling error from the next (the function's seed is fixed); a few dozen resamples would land elsewhere."""
+    for n in (21, 31, 41):
+        expected = [float(median_quantile_rank(n, q, 2000, deviations=1.5)) for q in (51 / 2000, 1950 / 2000)]
+        assert list(loss_overhead.bootstrap_ratio([float(v) for v in range(1, n + 1)], [1.0] * 3)) == expected, n
+
+
+def test_the_overhead_interval_is_one_plus_the_added_over_the_stock_median_both_resampled() -> None:
+    """1 + median(added) / median(stock): added 1..41 ms over a constant 0.5 s stock gives 1 + [15, 27] ms / 0.5 s
+    (ranks as above; 25 % / 75 % points would be 19 and 23); a constant added time over stock 1..41 s gives
+    1 + 0.01 / [27, 15]; added and stock of different lengths, as in the benchmark (stock every 8th round)."""
+    assert (median_quantile_rank(41, 0.25, MANY), median_quantile_rank(41, 0.75, MANY)) == (19, 23)
+    added = [v / 1000 for v in range(1, 39)] + [1.0, 2.0, 3.0]  # outliers a mean would follow
+    low, high = loss_overhead.overhead_interval(added[::-1], [0.5] * 9, resamples=MANY)
+    assert low == pytest.approx(1 + 0.015 / 0.5, rel=1e-12) and high == pytest.approx(1 + 0.027 / 0.5, rel=1e-12)
+    low, high = loss_overhead.overhead_interval([0.01] * 300, [float(v) for v in range(1, 42)], resamples=MANY)
+    assert low == pytest.approx(1 + 0.01 / 27, rel=1e-12) and high == pytest.approx(1 + 0.01 / 15, rel=1e-12)
+
+
+# ----- interleaving and rotation ----------------------------------------------------------------------------------
+
+def test_interleaved_rotates_the_order_and_keeps_only_timed_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three variants, 2 warm-up rounds then 4 timed ones, `c` on every 3rd timed round (the first included): the
+    calls in the order worked out by hand, and each sample the time of its own call in a timed round."""
+    calls: list[str] = []
+    monkeypatch.setattr(loss_overhead, "timed", lambda function: (function(), float(len(calls)))[1])
+    functions = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    samples = loss_overhead.interleaved(functions, repeats=4, warmup=2, every={"c": 3})
+    assert calls == ["a", "b", "c",  # warm-up 0
+                     "b", "c", "a",  # warm-up 1
+                     "c", "a", "b",  # timed 0 (c: 1st)
+                     "a", "b",  # timed 1 (c skipped)
+                     "b", "a",  # timed 2 (c skipped)
+                     "c", "a", "b"]  # timed 3 (c: 4th)
+    # the call index each sample's call made (1-based: the fake clock reads the calls made so far)
+    assert samples == {"a": [8.0, 10.0, 13.0, 15.0], "b": [9.0, 11.0, 12.0, 16.0], "c": [7.0, 14.0]}
+
+
+def test_rotating_runs_every_name_in_a_rotating_order_and_keeps_the_timed_rounds() -> None:
+    """`unsloth_cost.rotating`, 2 warm-up rounds then 3 timed ones over three names: each round starts one name
+    later, and only the timed rounds' results are kept, in order."""
+    calls: list[str] = []
+
+    def run(name: str) -> tuple[float, int]:
+        calls.append(name)
+        return float(len(calls)), len(calls) * 10
+
+    samples = unsloth_cost.rotating(["a", "b", "c"], rounds=3, warmup=2, run=run)
+    assert "".join(calls) == "abc" "bca" "cab" "abc" "bca"
+    assert samples == {"a": [(8.0, 80), (10.0, 100), (15.0, 150)], "b": [(9.0, 90), (11.0, 110), (13.0, 130)],
+                       "c": [(7.0, 70), (12.0, 120), (14.0, 140)]}
+
+
+# ----- unsloth_cost: ratios, peak memory, timing, profile -----------------------------------------------------------
+
+def test_ratios_are_medians_against_stocks_median_with_an_interval_and_peak_memory_against_stocks() -> None:
+    """Synthetic timings whose medians and means differ (an outlier each): ratio = median / stock's median, its
+    interval around it, n, and the largest peak of a variant against the largest of stock; stock's own ratio is 1."""
+    def timings(seconds: list[float], peaks: list[int]) -> list[tuple[float, int]]:
+        return list(zip(seconds, peaks))
+
+    samples = {  # 9 rounds; medians 1.0, 1.0 and 1.5; stock's and clip's means 1.89 and 4.78
+        "stock": timings([1.0, 1.02, 0.98, 1.01, 0.99, 9.0, 1.03, 0.97, 1.0], [100, 300, 200, 250, 120] + [110] * 4),
+        "stock (A/A)": timings([1.01, 0.99, 1.0, 1.02, 0.98, 1.0, 1.03, 0.97, 1.005], [120, 300, 260] + [90] * 6),
+        "clip": timings([1.5, 1.53, 1.47, 1.515, 1.485, 30.0, 1.545, 1.455, 1.5], [150, 450, 50] + [60] * 6),
+    }
+    rows = unsloth_cost.ratios(samples)
+    assert list(rows) == ["stock", "stock (A/A)", "clip"]
+    assert rows["clip"]["median_s"] == 1.5 and rows["clip"]["n"] == 9
+    assert rows["clip"]["ratio"] == 1.5 and rows["stock"]["ratio"] == 1.0 and rows["stock (A/A)"]["ratio"] == 1.0
+    low, high = rows["clip"]["ci"]
+    assert 1.0 < low <= 1.5 <= high < 2.0  # around 1.5, not around its inverse or 1
+    low, high = rows["stock (A/A)"]["ci"]
+    assert 0.9 < low < 1.0 < high < 1.1
+    assert (rows["clip"]["peak_bytes"], rows["stock"]["peak_bytes"]) == (450, 300)
+    assert rows["clip"]["memory_ratio"] == 1.5 and rows["stock (A/A)"]["memory_ratio"] == 1.0
+    on_a_cpu = unsloth_cost.ratios({"stock": [(1.0, 0)], "none": [(1.1, 0)]})
+    assert on_a_cpu["none"]["memory_ratio"] is None and on_a_cpu["none"]["peak_bytes"] == 0
+
+
+class FakeClock:
+    """time.perf_counter's stand-in: advanced by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def fake_time(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
+    monkeypatch.setattr(unsloth_cost, "time", types.SimpleNamespace(perf_counter=lambda: clock.now,
+                                                                     strftime=lambda fmt: "2026-01-01"))
+
+
+def test_timed_on_cuda_waits_for_the_gpu_and_reads_the_peak_of_its_own_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake CUDA device: the GPU work queued by the call (4 s) is waited for before the clock is read, and the
+    peak is the call's own (peak statistics reset before it), not an earlier variant's higher peak, nor what is
+    allocated at its end."""
+    clock, memory = FakeClock(), {"current": 10, "peak": 999, "queued": 0.0}  # 999: a previous variant's peak
+
+    def synchronize() -> None:
+        clock.advance(memory["queued"])
+        memory["queued"] = 0.0
+
+    def reset_peak_memory_stats() -> None:
+        memory["peak"] = memory["current"]
+
+    def function() -> None:
+        clock.advance(1.0)
+        memory["queued"] = 4.0
+        memory["peak"] = max(memory["peak"], 123)
+
+    fake_time(monkeypatch, clock)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: memory["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: memory["current"])
+    assert unsloth_cost.timed(function) == (5.0, 123)
+
+
+class Event:
+    def __init__(self, key: str, cpu: float, device: float, count: int) -> None:
+        self.key, self.self_cpu_time_total, self.self_device_time_total, self.count = key, cpu, device, count
+
+
+def fake_profiler(monkeypatch: pytest.MonkeyPatch, events: list[Event]) -> None:
+    @contextlib.contextmanager
+    def profile(activities: Any) -> Iterator[Any]:
+        yield types.SimpleNamespace(key_averages=lambda: events)
+
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+
+
+EVENTS = [Event("aten::add", cpu=300.0, device=30.0, count=6), Event("aten::mm", cpu=90.0, device=900.0, count=3),
+          Event("aten::where", cpu=600.0, device=60.0, count=12), Event("aten::copy_", cpu=30.0, device=3.0, count=3)]
+
+
+def test_top_operations_orders_by_self_time_per_call_the_cpus_on_a_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over 3 calls, the most self CPU time first, each per call (time and count divided by 3)."""
+    fake_profiler(monkeypatch, EVENTS)
+    steps: list[int] = []
+    top = unsloth_cost.top_operations(lambda: steps.append(1), calls=3, count=3)
+    assert steps == [1, 1, 1]
+    assert top == [{"name": "aten::where", "self_us": 200.0, "calls": 4.0},
+                   {"name": "aten::add", "self_us": 100.0, "calls": 2.0},
+                   {"name": "aten::mm", "self_us": 30.0, "calls": 1.0}]
+
+
+def test_top_operations_on_cuda_orders_by_the_gpus_self_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the GPU's self time decides (a matmul, not the CPU's dispatch)."""
+    fake_profiler(monkeypatch, EVENTS)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    top = unsloth_cost.top_operations(lambda: None, calls=3, count=2)
+    assert top == [{"name": "aten::mm", "self_us": 300.0, "calls": 1.0},
+                   {"name": "aten::where", "self_us": 20.0, "calls": 4.0}]
+
+
+# ----- unsloth_cost.captured_steps on a fake trainer -----------------------------------------------------------------
+
+# seconds of a fake step per method (stock: 1 s); `target` the heaviest
+STEP_COST = {"stock": 1.0, "none": 1.01, "clip": 1.02, "sigmoid": 1.03, "length_normalized": 1.04, "dynamic": 1.05,
+             "target": 1.5, "clip+length_normalized+dynamic": 1.2, "sigmoid+length_normalized": 1.1}
+
+
+class FakeUnslothTrainer:
+    """Unsloth's trainer as captured_steps sees it: compute_loss costs `STEP_COST` of the method set (stock inside
+    `stock_unsloth`), on a fake clock; switching methods costs 100 s (outside any timing, or the ratios show it)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.method, self.stock, self.log = clock, "none", False, []
+        self.model = types.SimpleNamespace(train=lambda: None)
+        self.optimizer = types.SimpleNamespace(step=lambda: self.log.append("step"),
+                                               zero_grad=lambda set_to_none: self.log.append("zero_grad"))
+
+    def use(self, method: str) -> None:
+        self.clock.advance(100.0)
+        self.method = method
+
+    def compute_loss(self, model: Any, inputs: dict) -> Any:
+        mode = "stock" if self.stock else self.method
+        self.clock.advance(STEP_COST[mode])
+        self.log.append(mode)
+        return types.SimpleNamespace(backward=lambda: None)
+
+
+def fake_unsloth(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
+    @contextlib.contextmanager
+    def stock_unsloth(trainer: Any) -> Iterator[None]:
+        trainer.stock = True
+        try:
+            yield
+        finally:
+            trainer.stock = False
+
+    fake_time(monkeypatch, clock)
+    monkeypatch.setattr(selfcheck, "stock_unsloth", stock_unsloth)
+    monkeypatch.setattr(selfcheck, "captured_inputs", lambda trainer, compute: {"input_ids": 1})
+    monkeypatch.setattr(gpu_scenarios, "use_method", lambda trainer, method: trainer.use(method))
+
+
+def test_captured_steps_times_each_method_against_stock_with_the_switch_outside_the_timing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variant's ratio is its step's cost over stock's (the 100 s switch between methods is not in it), each
+    step is compute_loss, backward, the optimizer's step and zero_grad, and the profile is of stock's step and of the
+    method with the largest ratio."""
+    clock = FakeClock()
+    fake_unsloth(monkeypatch, clock)
+    profiled: list[str] = []
+
+    def top_operations(step: Callable[[], None]) -> list[dict[str, Any]]:
+        step()
+        profiled.append(trainer.log[-3])
+        return [{"name": profiled[-1], "self_us": 1.0, "calls": 1.0}]
+
+    monkeypatch.setattr(unsloth_cost, "top_operations", top_operations)
+    trainer = FakeUnslothTrainer(clock)
+    rows, profile = unsloth_cost.captured_steps(trainer, rounds=3, warmup=1)
+    assert list(rows) == ["stock", "stock (A/A)", *unsloth_cost.METHODS]
+    for name, row in rows.items():
+        assert row["ratio"] == pytest.approx(STEP_COST["stock" if name.startswith("stock") else name]), name
+        assert row["n"] == 3 and row["median_s"] == pytest.approx(row["ratio"])
+    assert profile["method"] == "target" and profiled == ["stock", "target"]
+    assert profile["stock"][0]["name"] == "stock" and profile["heaviest"][0]["name"] == "target"
+    calls = 4 * len(rows) + 2
+    assert trainer.log == [item for mode in trainer.log[::3] for item in (mode, "step", "zero_grad")]
+    assert len(trainer.log) == 3 * calls
+
+
+def test_captured_steps_profiles_a_method_even_when_the_aa_pair_has_the_largest_ratio(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the methods' costs are within the noise, so the A/A pair's ratio can be the largest of all: the
+    profile is still of the method (of METHODS) with the largest ratio."""
+    clock = FakeClock()
+    fake_unsloth(monkeypatch, clock)
+    monkeypatch.setattr(unsloth_cost, "top_operations", lambda step: [])
+    real_ratios = unsloth_cost.ratios
+
+    def noisy(samples: dict) -> dict:
+        rows = real_ratios(samples)
+        rows["stock (A/A)"]["ratio"] = 2.0
+        return rows
+
+    monkeypatch.setattr(unsloth_cost, "ratios", noisy)
+    rows, profile = unsloth_cost.captured_steps(FakeUnslothTrainer(clock), rounds=1, warmup=0)
+    assert profile["method"] == "target"
+
+
+# ----- unsloth_cost.whole_steps on fake trainers -------------------------------------------------------------------
+
+class FakeGRPOTrainer:
+    """A trainer whose train() runs `args.max_steps` optimizer steps through its callbacks on the fake clock: a step
+    costs its variant's seconds, plus 5 s on the first step of a run (its caches) and 50 s on every step of the
+    trainer's first run (compiles); each run logs its reward penalty, the next of `penalties` (none for the KL in
+    the loss)."""
+
+    COST = {("loss", "stock"): 2.0, ("loss", "none"): 2.02, ("loss", "sigmoid+length_normalized"): 2.1,
+            ("reward", "kl_in_reward"): 2.5}
+
+    def __init__(self, clock: FakeClock, placement: str, penalties: list[float]) -> None:
+        self.clock, self.placement, self.penalties = clock, placement, penalties
+        self.method = "kl_in_reward" if placement == "reward" else "none"
+        self.stock, self.callbacks = False, []
+        self.args = types.SimpleNamespace(max_steps=None)
+        self.state = types.SimpleNamespace(log_history=[])
+        self.runs: list[tuple[str, int]] = []
+
+    def add_callback(self, callback: Any) -> None:
+        self.callbacks.append(callback)
+
+    def use(self, method: str) -> None:
+        self.method = method
+
+    def train(self) -> None:
+        variant = "stock" if self.stock else self.method
+        self.runs.append((variant, self.args.max_steps))
+        for step in range(self.args.max_steps):
+            for callback in self.callbacks:
+                callback.on_step_begin(None, None, None)
+            first_step, first_run = step == 0, len(self.runs) == 1
+            self.clock.advance(self.COST[(self.placement, variant)] + 5.0 * first_step + 50.0 * first_run)
+            for callback in self.callbacks:
+                callback.on_step_end(None, None, None)
+        penalty = {"adaptive_kl/reward_penalty": self.penalties.pop(0)} if self.penalties else {}
+        self.state.log_history.append({"train_runtime": 1.0, **penalty})
+
+
+def test_whole_steps_time_the_second_step_of_each_run_after_an_untimed_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two timed rounds of each variant after a warm-up round: each sample is the second step of a 2-step run (no
+    first-step or first-run cost), stock is stock Unsloth, the KL in the reward runs on its own trainer, and its
+    reward penalty is the mean of those its runs logged."""
+    clock = FakeClock()
+    fake_unsloth(monkeypatch, clock)
+    trainers = {"loss": FakeGRPOTrainer(clock, "loss", []), "reward": FakeGRPOTrainer(clock, "reward", [0.3, 0.1, 0.2])}
+    rows = unsloth_cost.whole_steps(trainers, rounds=2)
+    assert list(rows) == unsloth_cost.WHOLE_STEP
+    assert rows["stock"]["median_s"] == pytest.approx(2.0) and rows["stock"]["n"] == 2
+    assert rows["sigmoid+length_normalized"]["ratio"] == pytest.approx(1.05)
+    assert rows["kl_in_reward"]["ratio"] == pytest.approx(1.25)
+    stock, method = ("stock", 2), ("sigmoid+length_normalized", 2)
+    assert trainers["loss"].runs == [stock, method, method, stock, stock, method]  # rounds: s m r, m r s, r s m
+    assert trainers["reward"].runs == [("kl_in_reward", 2)] * 3
+    assert rows["kl_in_reward"]["reward_penalty"] == pytest.approx(0.2)
+    assert rows["stock"]["reward_penalty"] is None and rows["stock"]["memory_ratio"] is None
+
+
+# ----- unsloth_cost.main: the JSON's summary and the last line -----------------------------------------------------
+
+def cost_row(median: float, ratio: float, ci: list[float], memory: Any = None, peak: int = 0) -> dict[str, Any]:
+    return {"median_s": median, "n": 3, "ratio": ratio, "ci": ci, "peak_bytes": peak, "memory_ratio": memory}
+
+
+def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path, capsys: Any) -> None:
+    """main() on measured rows given here: the largest step ratio and memory ratio are the methods' (not the A/A
+    pair's, whose noise is the largest here), by their ratio, not their interval; aa_ci is the A/A pair's interval;
+    loss_share is stock's captured step over stock's whole step; the last line says all four."""
+    step = {"stock": cost_row(0.5, 1.0, [0.98, 1.02], 1.0, 100),
+            "stock (A/A)": cost_row(0.6, 1.2, [0.9, 1.3], 1.3, 130),
+            "none": cost_row(0.505, 1.01, [0.99, 1.03], 1.02, 102),
+            "clip": cost_row(0.525, 1.05, [1.0, 1.4], 1.1, 110),
+            "sigmoid": cost_row(0.51, 1.02, [1.0, 1.04], None, 0)}
+    whole = {"stock": cost_row(2.0, 1.0, [0.9, 1.1]), "sigmoid+length_normalized": cost_row(2.2, 1.1, [1.0, 1.2]),
+             "kl_in_reward": cost_row(2.4, 1.2, [1.1, 1.3])}
+    profile = {"method": "clip", "stock": [{"name": "aten::mm", "self_us": 10.0, "calls": 2.0}],
+               "heaviest": [{"name": "aten::mm", "self_us": 11.0, "calls": 2.0}]}
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: None)
+    monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu"}, "versions": {}})
+    monkeypatch.setattr(unsloth_cost, "save_model", lambda size, folder: None)
+    monkeypatch.setattr(unsloth_cost, "build_trainer", lambda *args, **kwargs: types.SimpleNamespace(
+        model=None, processing_class=None))
+    monkeypatch.setattr(unsloth_cost, "captured_steps", lambda trainer, rounds, warmup: (step, profile))
+    monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds: whole)
+    path = tmp_path / "cost.json"
+    assert unsloth_cost.main(["--size", "small", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["max_step_ratio"] == 1.05 and report["max_memory_ratio"] == 1.1
+    assert report["aa_ci"] == [0.9, 1.3] and report["loss_share"] == 0.25
+    assert capsys.readouterr().out.strip().splitlines()[-1] == (
+        "max_step_ratio=1.050 max_memory_ratio=1.100 aa=[0.900,1.300] loss_share=0.250")
+
+
+def test_the_gpu_size_times_enough_rounds_after_a_warm_up() -> None:
+    """The GPU figures' ratios and intervals come from at least 10 timed rounds, after at least one untimed round
+    (compiles, caches: the docstring's 'after warm-up rounds')."""
+    assert unsloth_cost.SIZES["0.5b"].rounds >= 10
+    assert unsloth_cost.parse_args(["--size", "small", "--json", "x.json"]).warmup >= 1
+
+
+# ----- loss_overhead: rows, the sanity row, the headline, the sizes --------------------------------------------------
+
+def test_method_rows_divide_the_paired_added_time_by_the_stock_timed_in_the_same_rounds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Synthetic rounds: added = patched - stub per round (medians 1 ms, a mean of 4 ms with one outlier), over the
+    median of the stock loss sampled in those rounds (50 ms, not the stub's): ratio 1.02, its interval around it."""
+    samples = {"stub": [0.010, 0.011, 0.012, 0.010, 0.011], "patched": [0.011, 0.012, 0.013, 0.026, 0.012],
+               "stock": [0.049, 0.050, 0.052]}
+    monkeypatch.setattr(loss_overhead, "METHODS", {"clip": {"kl_adaptation_method": "clip"}})
+    monkeypatch.setattr(loss_overhead, "apply_method", lambda trainer, settings: None)
+    monkeypatch.setattr(loss_overhead, "profile_counts", lambda function: function())
+    monkeypatch.setattr(loss_overhead, "interleaved", lambda functions, repeats, every=None: samples)
+    args = types.SimpleNamespace(core_repeats=5)
+    (row,) = loss_overhead.method_rows(args, None, lambda: None, {False: lambda: (10, 100), True: lambda: (17, 164)})
+    assert row["added_s"] == pytest.approx(0.001) and row["stock_s"] == 0.050
+    assert row["ratio"] == pytest.approx(1.02)
+    assert row["ci"][0] <= row["ratio"] <= row["ci"][1] and row["ci"][0] > 1.0
+    assert (row["ops_added"], row["bytes_added"]) == (7, 64)
+
+
+def test_the_sanity_row_interleaves_the_aa_pair_and_checks_consistency_within_its_half_width(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heaviest decomposed row end to end on a fake clock that drifts by 0.1 % a call: stock (1 s), its A/A copy
+    (3 % slower: the noise floor) and the method (1.5 s) in the rotating order, so that the drift hits all alike. The
+    ratio is the method's over stock's (not over the A/A copy's), the A/A ratio 1.03 with its interval around it, and
+    `consistent` holds exactly when the decomposed ratio is within half the A/A interval's width of the measured one."""
+    names = ["stock", "stock (A/A)", "sigmoid"]
+    cost = {"stock": 1.0, "stock (A/A)": 1.03, "sigmoid": 1.5}
+    calls = {"n": 0}
+
+    def timed(function: Callable[[], None]) -> float:
+        n = calls["n"]
+        calls["n"] += 1
+        name = names[(n // 3 + n % 3) % 3]  # round n // 3 starts n // 3 names later (`interleaved`)
+        return cost[name] * (1 + 0.001 * n)
+
+    monkeypatch.setattr(loss_overhead, "timed", timed)
+    applied: list[dict] = []
+    monkeypatch.setattr(loss_overhead, "apply_method", lambda trainer, settings: applied.append(settings))
+    rows = [{"method": "clip", "ratio": 1.01}, {"method": "sigmoid", "ratio": 1.49}, {"method": "none", "ratio": 1.0}]
+    stock = [1.0, 1.1, 5.0]  # median 1.1, mean 2.37
+    args = types.SimpleNamespace(e2e_repeats=30)
+    result = loss_overhead.report(args, None, stock, rows, lambda: None, lambda: None)
+    e2e = result["end_to_end"]
+    assert result["stock_loss_s"] == {"median": 1.1, "min": 1.0, "max": 5.0, "n": 3}
+    assert e2e["method"] == "sigmoid" and applied == [loss_overhead.METHODS["sigmoid"]]
+    assert e2e["ratio"] == pytest.approx(1.5, abs=0.005) and 1.45 < e2e["ci"][0] <= e2e["ci"][1] < 1.55
+    assert e2e["aa"] == pytest.approx(1.03, abs=0.005) and e2e["aa_ci"][0] < 1.03 < e2e["aa_ci"][1] < 1.1
+    width = e2e["aa_ci"][1] - e2e["aa_ci"][0]
+    for off, consistent in ((0.25, True), (0.75, False)):  # the decomposed ratio off by a share of that width
+        rows[1]["ratio"] = e2e["ratio"] - off * width
+        calls["n"] = 0
+        again = loss_overhead.report(args, None, stock, rows, lambda: None, lambda: None)["end_to_end"]
+        assert (again["ratio"], again["aa_ci"]) == (e2e["ratio"], e2e["aa_ci"])
+        assert again["consistent"] is consistent, off
+
+
+def overhead_result(ratios: dict[str, float], aa: list[float], added: float) -> dict[str, Any]:
+    rows = [{"method": method, "added_s": added, "stock_s": 0.05, "ratio": ratio, "ci": [ratio - 0.01, ratio + 0.01],
+             "ops_added": 10, "bytes_added": 100} for method, ratio in ratios.items()]
+    return {"stock_loss_s": {"median": 0.05, "min": 0.04, "max": 0.06, "n": 3}, "rows": rows,
+            "end_to_end": {"method": "clip", "ratio": 1.0, "ci": [0.9, 1.1], "aa": 1.0, "aa_ci": aa,
+                           "consistent": True}}
+
+
+def test_headline_is_the_largest_row_of_either_trainer_with_that_trainers_aa_interval() -> None:
+    part = {"trl": overhead_result({"clip": 1.02, "sigmoid": 1.03}, [0.97, 1.03], 0.001),
+            "unsloth": overhead_result({"clip": 1.05, "sigmoid": 1.01}, [0.95, 1.06], 0.002)}
+    headline = loss_overhead.headline(part, 0.0)
+    assert (headline["trainer"], headline["method"], headline["ratio"], headline["aa"]) == (
+        "unsloth", "clip", 1.05, [0.95, 1.06])
+
+
+def test_the_loss_benchmark_runs_the_documented_sizes_and_shares_each_sizes_own_rows(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any) -> None:
+    """main() with the trainers' processes replaced: the default size is 8 x 64 tokens with 40 / 300 / 40 repeats and
+    the larger 16 x 256 with 20 / 100 / 20 (docs/benchmarks.md); the shares and headlines pair each size's own rows."""
+    runs: list[tuple[str, tuple[int, int], tuple[int, int, int]]] = []
+
+    def run_trainer(trainer: str, args: Any, argv: list[str], size: tuple[int, int],
+                    repeats: tuple[int, int, int]) -> dict[str, Any]:
+        runs.append((trainer, size, repeats))
+        large = size[1] == 256
+        return overhead_result({"clip": 1.004 if large else 1.02, "sigmoid": 1.006 if large else 1.03},
+                               [0.99, 1.01], 0.001)
+
+    monkeypatch.setattr(loss_overhead, "run_trainer", run_trainer)
+    monkeypatch.setattr(loss_overhead, "core_op", lambda repeats: [])
+    monkeypatch.setattr(loss_overhead, "core_op_profile", lambda: [])
+    path = tmp_path / "loss.json"
+    assert loss_overhead.main(["--json", str(path)]) == 0
+    assert {(size, repeats) for _, size, repeats in runs} == {((8, 64), (40, 300, 40)), ((16, 256), (20, 100, 20))}
+    report = json.loads(path.read_text())
+    assert report["size"]["tokens"] == 512 and report["large"]["size"]["tokens"] == 4096
+    assert report["headline"]["ratio"] == 1.03 and report["large"]["headline"]["ratio"] == 1.006
+    trl = [share for share in report["shares"] if share["trainer"] == "trl"]
+    assert [(s["method"], round(s["overhead"], 6), round(s["overhead_large"], 6)) for s in trl] == [
+        ("clip", 0.02, 0.004), ("sigmoid", 0.03, 0.006)]
+    last = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert last[0].startswith("max_loss_overhead_ratio=1.030 ci=[1.020,1.040] aa=[0.990,1.010]")
+    assert last[1].startswith("max_loss_overhead_ratio_large=1.006 ci=[0.996,1.016]")
+
+
+def test_the_trl_stubs_leaves_are_on_the_captured_batchs_device() -> None:
+    """On a GPU the captured batch (its completion mask) is on CUDA: the stub's leaves must be there too, or the
+    stub's `per_token_loss * mask` fails with a device mismatch and the loss benchmark stops. A mask on the meta
+    device stands in for CUDA here; the leaves are drawn from one seeded CPU generator (the same values anywhere)."""
+    mask = torch.ones(2, 3)
+    leaves = loss_overhead.stub_leaves(mask.to("meta"))
+    assert [leaf.device.type for leaf in leaves] == ["meta"] * 3
+    assert all(leaf.is_leaf and leaf.requires_grad and leaf.shape == (2, 3) for leaf in leaves)
+    policy, kl, logps = leaves
+    ((policy + logps * 0.0 + 0.04 * kl) * mask.to("meta")).sum().backward()  # the stub's expression runs there
+    policy, kl, logps = loss_overhead.stub_leaves(mask)
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(policy, torch.randn(2, 3, generator=generator))
+    assert torch.equal(kl, torch.rand(2, 3, generator=generator) * 0.5)
+    assert torch.equal(logps, -torch.rand(2, 3, generator=generator) * 3)

@@ -1,0 +1,375 @@
+"""The verdicts of the GPU check's scenarios (tools/gpu_scenarios.py) and the log-prob path probe
+(tools/logprob_paths.py), on fakes: what a GPU run measures is replaced by figures chosen here, so that each
+pass/fail condition is checked on both sides of its bound, including the CUDA-only conditions that the CPU runs of
+tests/test_gpucheck.py cannot reach."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import sys
+import types
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from unsloth_adaptive_kl.core.config import AdaptiveKLConfig
+from unsloth_adaptive_kl.integrations import trainer_hooks
+from unsloth_adaptive_kl.tools import demo, logprob_paths, selfcheck, trainer_lab
+from unsloth_adaptive_kl.tools import gpu_scenarios as scenarios
+from unsloth_adaptive_kl.tools.selfcheck import Check
+
+REQUIRED_ROW = {"adaptive_kl/raw_kl": 0.1, "adaptive_kl/adapted_kl": 0.08, "adaptive_kl/current_beta": 0.04}
+
+
+class CapturedTrainCheck:
+    """scenarios.train_check replaced: records the trainer and the scenario's `extra` condition, trains nothing."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.trainer: Any = None
+        self.extra: Callable[[list[dict]], tuple[bool, str]] = lambda rows: (True, "")
+        monkeypatch.setattr(scenarios, "train_check", self)
+
+    def __call__(self, name: str, trainer: Any, extra: Callable[[list[dict]], tuple[bool, str]]) -> Check:
+        self.trainer, self.extra = trainer, extra
+        return Check(name, True, "captured")
+
+    def ok(self, rows: list[dict]) -> bool:
+        return self.extra(rows)[0]
+
+
+def fake_trainer(**attributes: Any) -> Any:
+    trainer = types.SimpleNamespace(callbacks=[], **attributes)
+    trainer.add_callback = trainer.callbacks.append
+    return trainer
+
+
+def test_metric_problems_flag_an_infinite_value() -> None:
+    row = {**REQUIRED_ROW, "adaptive_kl/adapted_kl": float("inf")}
+    assert scenarios.metric_problems([row]) == ["step 1: adaptive_kl/adapted_kl=inf"]
+
+
+def test_train_check_fails_on_a_weight_that_is_not_finite_whatever_the_scenarios_condition() -> None:
+    """Finite metrics, a condition that holds, one trained weight NaN: FAIL, saying so."""
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    trainer = fake_trainer(model=model, train=lambda: None, state=types.SimpleNamespace(
+        log_history=[REQUIRED_ROW], global_step=1))
+    check = scenarios.train_check("t", trainer, lambda rows: (True, "fine"))
+    assert not check.ok and "a trained weight is not finite" in check.detail
+
+
+def test_precision_settings_and_the_native_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GRPOConfig flags per precision, worked out by hand; the native precision follows the demo's rule."""
+    assert scenarios.precision_settings("cuda", "bf16") == {"use_cpu": False, "bf16": True, "fp16": False}
+    assert scenarios.precision_settings("cuda", "fp16") == {"use_cpu": False, "bf16": False, "fp16": True}
+    assert scenarios.precision_settings("cpu", "fp32") == {"use_cpu": True, "bf16": False, "fp16": False}
+    monkeypatch.setattr(demo, "mixed_precision", lambda: {"bf16": True, "fp16": False})
+    assert scenarios.native_precision() == "bf16"
+    monkeypatch.setattr(demo, "mixed_precision", lambda: {"bf16": False, "fp16": True})
+    assert scenarios.native_precision() == "fp16"
+
+
+def test_trl_autocast_passes_only_if_beta_falls_at_every_step_in_the_precision_asked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    captured = CapturedTrainCheck(monkeypatch)
+    mixed = {"bf16": "bf16", "fp32": "no"}  # accelerate's name for each precision
+    monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: fake_trainer(
+        accelerator=types.SimpleNamespace(mixed_precision=mixed[args[4]])))
+    scenarios.trl_autocast("m", "w", device="cuda", precision="bf16", steps=3)
+
+    def rows(*betas: float) -> list[dict]:
+        return [{**REQUIRED_ROW, "adaptive_kl/current_beta": beta} for beta in betas]
+
+    assert captured.ok(rows(0.04, 0.02, 0.01))
+    assert not captured.ok(rows(0.04, 0.04, 0.02))  # beta held at a step
+    assert not captured.ok(rows(0.04, 0.02))  # a step not logged
+    captured.trainer.accelerator.mixed_precision = "no"  # accelerate ran in float32: not the autocast asked for
+    assert not captured.ok(rows(0.04, 0.02, 0.01))
+    scenarios.trl_autocast("m", "w", device="cpu", precision="fp32", steps=3)
+    assert captured.ok(rows(0.04, 0.02, 0.01))
+
+
+def test_the_step_recorder_counts_each_step_that_changed_the_weights() -> None:
+    """Weights a, b, b, c: the first and third steps were applied, the second skipped (2, not 3 changes from a)."""
+    trainer = fake_trainer(accelerator=types.SimpleNamespace(scaler=None), model=torch.nn.Linear(1, 1))
+    recorder = scenarios.StepRecorder(trainer)
+    a, b, c = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    recorder.weights = [a, b, b.clone(), c]
+    assert recorder.applied_steps() == 2
+
+
+def test_the_grad_scaler_scenario_fails_when_no_step_changed_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU equivalent (fp32, no scaler), 2 steps: both skipped is a FAIL; the first applied passes."""
+    captured = CapturedTrainCheck(monkeypatch)
+
+    def verdict(changed_at: list[bool]) -> tuple[bool, str]:
+        model = torch.nn.Linear(2, 1)
+        trainer = fake_trainer(accelerator=types.SimpleNamespace(scaler=None), model=model)
+        monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: trainer)
+        scenarios.fp16_grad_scaler("m", "w", backend="trl", device="cpu", precision="fp32", steps=len(changed_at))
+        (callback,) = trainer.callbacks
+        callback.on_train_begin()
+        for changed in changed_at:
+            if changed:
+                with torch.no_grad():
+                    model.bias += 1.0
+            callback.on_step_end()
+        return captured.extra([REQUIRED_ROW])
+
+    ok, detail = verdict([False, False])
+    assert not ok and "0 of 2 optimizer steps applied" in detail
+    ok, detail = verdict([True, False])
+    assert ok and "1 of 2 optimizer steps applied" in detail
+
+
+class FakeAdaptiveKL:
+    def __init__(self, betas: list[float]) -> None:
+        self.betas, self.current_beta = betas, None
+
+    def step(self, mean_reward: float) -> None:
+        self.current_beta = self.betas.pop(0)
+
+
+def test_no_recompile_needs_beta_to_move_at_every_step_and_no_frame_or_graph_compiled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scenarios, "use_method", lambda trainer, method, **fields: None)
+    monkeypatch.setattr(selfcheck, "loss_and_grads", lambda trainer, compute, inputs: (0.0, []))
+
+    def verdict(betas: list[float], after: dict[str, int]) -> bool:
+        counters = iter([{"frames": 3, "graphs": 2, "kernels": 9}, after])
+        monkeypatch.setattr(scenarios, "compile_counters", lambda: next(counters))
+        (check,) = scenarios.no_recompile_check("n", fake_trainer(adaptive_kl=FakeAdaptiveKL(betas)), {})
+        return check.ok
+
+    unchanged = {"frames": 3, "graphs": 2, "kernels": 9}
+    assert verdict([0.02, 0.01, 0.005], unchanged)
+    assert not verdict([0.02, 0.02, 0.02], unchanged)  # beta never moved: nothing was tested
+    assert not verdict([0.02, 0.01, 0.005], {"frames": 4, "graphs": 2, "kernels": 9})
+    assert not verdict([0.02, 0.01, 0.005], {"frames": 3, "graphs": 3, "kernels": 9})  # a new graph, no new frame
+
+
+def test_the_unsloth_4bit_first_step_on_cuda_must_compile_graphs_and_triton_kernels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """unsloth_4bit on a fake CUDA run: its first line passes only if the first step compiled both graphs and
+    kernels (graphs without kernels: inductor generated nothing, the compiled loss did not run as Triton)."""
+    monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
+    monkeypatch.setattr(scenarios, "import_unsloth", lambda name: [])
+    monkeypatch.setattr(scenarios, "native_precision", lambda: "bf16")
+    monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: fake_trainer())
+    monkeypatch.setattr(scenarios, "method_check", lambda *args, **kwargs: [])
+    monkeypatch.setattr(scenarios, "no_recompile_check", lambda *args, **kwargs: [])
+    monkeypatch.setattr(logprob_paths, "counted_logprob_calls", contextlib.contextmanager(lambda: iter([{}])))
+    monkeypatch.setattr(selfcheck, "captured_inputs", lambda trainer, compute: {})
+    monkeypatch.setattr(selfcheck, "compare_with_stock", lambda *args, **kwargs: [])
+    monkeypatch.setattr(selfcheck, "shifted_reference", lambda inputs: inputs)
+
+    def first_line(graphs: int, kernels: int) -> Check:
+        counters = iter([{"frames": 0, "graphs": 0, "kernels": 0}, {"frames": 1, "graphs": graphs, "kernels": kernels}])
+        monkeypatch.setattr(scenarios, "compile_counters", lambda: next(counters))
+        return scenarios.unsloth_4bit("m", "w", device="cuda")[0]
+
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32  # the scenario turns it off
+    try:
+        assert first_line(2, 5).ok
+        assert not first_line(2, 0).ok and not first_line(0, 5).ok
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+
+
+def guard_row(kl_opt: float, beta: Any, pad: float = 0.0) -> dict[str, Any]:
+    return {"setting": "k1 in the reward", "train": {"kl_opt": kl_opt, "effective_beta": beta},
+            "pad_probability": pad, "logprob_path": "fused"}
+
+
+def guard_verdicts(monkeypatch: pytest.MonkeyPatch, rows: list[dict], steps: Any = None) -> list[bool]:
+    monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
+    monkeypatch.setattr(trainer_lab, "run_trainer_table", lambda *args, **kwargs: {"rows": rows})
+    return [check.ok for check in scenarios.unsloth_guard("m", "w", steps=steps)]
+
+
+def test_the_unsloth_guard_holds_each_run_to_the_labs_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full run: within the KL bound, beta within GUARD_BETA_TOLERANCE (relative) of 0.5, the pad's probability
+    under 1e-12; each bound crossed by a half of it fails, and so does a refused run."""
+    tol, beta_tol = trainer_lab.GUARD_TOLERANCE, trainer_lab.GUARD_BETA_TOLERANCE
+    good = guard_row(0.5 * tol, 0.5 * (1 + 0.5 * beta_tol))
+    assert guard_verdicts(monkeypatch, [good, guard_row(0.5 * tol, 0.5 * (1 - 0.5 * beta_tol))]) == [True, True]
+    assert guard_verdicts(monkeypatch, [
+        guard_row(1.5 * tol, 0.5),  # the KL to the optimum too large
+        guard_row(0.5 * tol, 0.5 * (1 + 1.5 * beta_tol)),  # beta off by 1.5 tolerances
+        guard_row(0.5 * tol, 0.5 * (1 - 1.5 * beta_tol)),
+        guard_row(0.5 * tol, None),  # no effective beta
+        guard_row(0.5 * tol, 0.5, pad=1e-9),  # the pad token has some probability
+        {"setting": "k1_future in the loss", "refused": "no"}]) == [False] * 6
+
+
+def test_the_unsloth_guard_dry_run_checks_only_that_its_figures_are_finite(monkeypatch: pytest.MonkeyPatch) -> None:
+    tol = trainer_lab.GUARD_TOLERANCE
+    assert guard_verdicts(monkeypatch, [guard_row(10 * tol, 0.9, pad=0.5)], steps=4) == [True]
+    assert guard_verdicts(monkeypatch, [guard_row(math.nan, 0.5)], steps=4) == [False]
+    assert guard_verdicts(monkeypatch, [guard_row(0.5 * tol, math.inf)], steps=4) == [False]
+
+
+def test_vllm_kl_in_reward_needs_vllm_to_generate_and_the_penalty_to_be_beta_times_the_kl(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    captured = CapturedTrainCheck(monkeypatch)
+    engine = types.SimpleNamespace(generate=lambda *args, **kwargs: "completions")
+    monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
+    monkeypatch.setattr(scenarios, "import_unsloth", lambda name: [])
+    monkeypatch.setattr(scenarios, "native_precision", lambda: "bf16")
+    monkeypatch.setattr(scenarios, "load_policy", lambda *args, **kwargs: (types.SimpleNamespace(
+        vllm_engine=engine), None))
+    monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: fake_trainer(use_vllm=True))
+    scenarios.vllm_kl_in_reward("m", "w")
+
+    def rows(penalty_factor: float) -> list[dict]:
+        return [{**REQUIRED_ROW, "adaptive_kl/reward_penalty": 0.04 * 0.08 * penalty_factor}]
+
+    assert not captured.ok(rows(1.0))  # vLLM never generated
+    assert engine.generate("prompts") == "completions"  # through the counting wrapper
+    assert captured.ok(rows(1.0))
+    assert not captured.ok(rows(1.001))  # 0.1 % off beta times the adapted KL
+
+
+def test_the_reference_sync_scenario_needs_the_exact_sync_count_and_8bit_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """3 steps, a sync every 2: exactly 1 sync, and the optimizer's state 8-bit again after the reset."""
+    captured = CapturedTrainCheck(monkeypatch)
+    monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
+    state = {"state1": torch.zeros(4, dtype=torch.uint8), "absmax1": torch.ones(2)}
+    optimizer = types.SimpleNamespace(state={"p": state})
+    monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: fake_trainer(optimizer=optimizer))
+    scenarios.ref_sync_8bit("m", "w", backend="trl", device="cpu", precision="fp32", optim="adamw_8bit", steps=3)
+    assert captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
+    assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 2.0}])
+    assert not captured.ok([REQUIRED_ROW])
+    state["state1"] = torch.zeros(4)  # a float32 state where an 8-bit one was asked for
+    assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
+
+
+def test_the_demo_model_scenario_needs_exit_0_and_every_step_of_every_method(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    run = {"code": 0, "rows": []}
+
+    def main(argv: list[str]) -> int:
+        folder = Path(argv[argv.index("--output-dir") + 1])
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "metrics.json").write_text(json.dumps(run["rows"]))
+        return run["code"]
+
+    monkeypatch.setattr(demo, "main", main)
+
+    def rows(steps: dict[str, int]) -> list[dict]:
+        return [{"method": method, "step": step, "reward": 0.5, **REQUIRED_ROW}
+                for method, count in steps.items() for step in range(1, count + 1)]
+
+    def verdict() -> bool:
+        (check,) = scenarios.demo_model("m", str(tmp_path), backend="trl", steps=2, methods="none,dynamic")
+        return check.ok
+
+    run["rows"] = rows({"none": 2, "dynamic": 2})
+    assert verdict()
+    run["rows"] = rows({"none": 2, "dynamic": 1})
+    assert not verdict()
+    run.update(code=1, rows=rows({"none": 2, "dynamic": 2}))
+    assert not verdict()
+
+
+def test_use_method_sets_a_clip_threshold_for_every_method_that_clips(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trainer_hooks, "attach_runtime", lambda trainer: None)
+    default = next(f.default for f in dataclasses.fields(AdaptiveKLConfig) if f.name == "kl_clip_threshold")
+    assert default != 0.2
+    for method, threshold in (("clip", 0.2), ("clip+length_normalized+dynamic", 0.2), ("sigmoid", default)):
+        trainer = fake_trainer(args=types.SimpleNamespace())
+        scenarios.use_method(trainer, method)
+        assert (trainer.args.kl_adaptation_method, trainer.args.kl_clip_threshold) == (method, threshold)
+
+
+def test_method_check_fails_when_any_gradient_is_not_finite(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scenarios, "use_method", lambda trainer, method, **fields: None)
+    metrics: dict[str, Any] = {"train": defaultdict(list)}
+    gradients = [torch.ones(2), torch.tensor([1.0, math.nan])]
+
+    def loss_and_grads(trainer: Any, compute: str, inputs: dict) -> tuple[float, list[torch.Tensor]]:
+        for key, value in REQUIRED_ROW.items():
+            metrics["train"][key].append(value)
+        return 0.5, gradients
+
+    monkeypatch.setattr(selfcheck, "loss_and_grads", loss_and_grads)
+    (check,) = scenarios.method_check("n", fake_trainer(_metrics=metrics), "clip", {})
+    assert not check.ok and "a gradient is not finite" in check.detail
+    gradients[1] = torch.ones(2)
+    assert scenarios.method_check("n", fake_trainer(_metrics=metrics), "clip", {})[0].ok
+
+
+def test_guarded_turns_an_exception_into_a_fail_line() -> None:
+    def part() -> list[Check]:
+        raise RuntimeError("CUDA error: out of memory")
+
+    assert scenarios.guarded("x", part) == [Check("x", False, "RuntimeError: CUDA error: out of memory")]
+
+
+# ----- logprob_paths ----------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fake_unsloth_zoo(monkeypatch: pytest.MonkeyPatch) -> types.SimpleNamespace:
+    """unsloth_zoo's two scorers (each returning its arguments) and the fused op's counters, already non-zero."""
+    rl_replacements = types.ModuleType("unsloth_zoo.rl_replacements")
+
+    def chunked_hidden_states_selective_log_softmax(hidden_states: Any, lm_head: Any, index: Any, chunks: int = 4):
+        return ("hidden", hidden_states, chunks)
+
+    def chunked_selective_log_softmax(logits: Any, index: Any, temperature: float = 1.0):
+        return ("logits", logits, temperature)
+
+    rl_replacements.chunked_hidden_states_selective_log_softmax = chunked_hidden_states_selective_log_softmax
+    rl_replacements.chunked_selective_log_softmax = chunked_selective_log_softmax
+    fused_linear = types.ModuleType("unsloth_zoo.fused_losses.fused_linear")
+    fused_linear.CALLS = {"ce": 1, "logprobs": 5, "logprobs_bwd": 4, "triton": 7, "torch": 0, "tiled": 2, "flash": 1}
+    fused_losses = types.ModuleType("unsloth_zoo.fused_losses")
+    fused_losses.fused_linear = fused_linear
+    zoo = types.ModuleType("unsloth_zoo")
+    zoo.rl_replacements, zoo.fused_losses = rl_replacements, fused_losses
+    for name, module in (("unsloth_zoo", zoo), ("unsloth_zoo.rl_replacements", rl_replacements),
+                         ("unsloth_zoo.fused_losses", fused_losses),
+                         ("unsloth_zoo.fused_losses.fused_linear", fused_linear)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return types.SimpleNamespace(rl=rl_replacements, calls=fused_linear.CALLS,
+                                 originals=(chunked_hidden_states_selective_log_softmax, chunked_selective_log_softmax))
+
+
+def test_counted_logprob_calls_counts_each_scorer_and_the_fused_ops_calls_made_in_the_block(
+        fake_unsloth_zoo: types.SimpleNamespace) -> None:
+    """3 per-chunk hidden-state calls and 2 logits calls in the block, answered by the scorers themselves (same
+    signatures); the fused op's counters as their change over the block; the scorers restored after it."""
+    import inspect
+
+    zoo = fake_unsloth_zoo
+    with logprob_paths.counted_logprob_calls() as counts:
+        hidden = zoo.rl.chunked_hidden_states_selective_log_softmax
+        assert inspect.signature(hidden) == inspect.signature(zoo.originals[0])
+        assert [hidden(h, None, None, chunks=2) for h in "abc"] == [("hidden", h, 2) for h in "abc"]
+        assert [zoo.rl.chunked_selective_log_softmax(x, None) for x in (1, 2)] == [("logits", 1, 1.0),
+                                                                                   ("logits", 2, 1.0)]
+        for key, added in (("logprobs", 2), ("logprobs_bwd", 2), ("triton", 3), ("tiled", 1)):
+            zoo.calls[key] += added
+    assert counts == {"chunked_hidden_states_selective_log_softmax": 3, "chunked_selective_log_softmax": 2,
+                      "logprobs": 2, "logprobs_bwd": 2, "triton": 3, "torch": 0, "tiled": 1, "flash": 0}
+    assert (zoo.rl.chunked_hidden_states_selective_log_softmax, zoo.rl.chunked_selective_log_softmax) == zoo.originals
+
+
+def test_describe_names_each_scorer_that_ran_with_its_counts() -> None:
+    counts = {"logprobs": 2, "logprobs_bwd": 1, "triton": 0, "torch": 3, "tiled": 0, "flash": 2,
+              "chunked_hidden_states_selective_log_softmax": 0, "chunked_selective_log_softmax": 4}
+    assert logprob_paths.describe(counts) == (
+        "fused linear log-probs on the hidden states (2 forward, 1 backward calls; kernel bodies: torch 3, flash 2); "
+        "chunked selective log-softmax on logits (4 calls)")
+    counts = {"logprobs": 0, "logprobs_bwd": 1, "chunked_hidden_states_selective_log_softmax": 6,
+              "chunked_selective_log_softmax": 0}
+    assert logprob_paths.describe(counts) == "per-chunk log-softmax on the hidden states (6 calls)"
+    assert logprob_paths.describe({"logprobs": 0}) == "none of Unsloth's scorers ran"
