@@ -92,14 +92,16 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             "the trainers' table runs its own settings; use --only to pick rows" if args.trainer != "tabular"
             else "only with --trainer trl, unsloth or both") + ")")
     if args.predict:
-        unread = [flag for flag, given in (("--recipe", args.recipe), ("--learning-rate", args.learning_rate is not None),
-                                           ("--steps", args.steps is not None), ("--only", args.only),
-                                           ("--json", args.json), ("--seeds", args.seeds != parser.get_default("seeds")),
-                                           ("--processes", args.processes != parser.get_default("processes"))) if given]
+        given = {"--recipe": args.recipe, "--learning-rate": args.learning_rate is not None,
+                 "--steps": args.steps is not None, "--only": args.only, "--json": args.json,
+                 "--seeds": args.seeds != parser.get_default("seeds"),
+                 "--processes": args.processes != parser.get_default("processes")}
+        unread = [flag for flag, value in given.items() if value]
         if unread:
             raise SystemExit(f"{', '.join(unread)}: not read with --predict (it trains nothing: it reads --trainer, "
                              "--set, --beta, --env, --pad-is-eos and --import)")
-    for flag, value, least in (("--seeds", args.seeds, 1), ("--steps", args.steps, 1), ("--processes", args.processes, 1)):
+    for flag, value, least in (("--seeds", args.seeds, 1), ("--steps", args.steps, 1),
+                               ("--processes", args.processes, 1)):
         if value is not None and value < least:
             raise SystemExit(f"{flag}={value} is invalid: allowed is an integer >= {least}")
     if args.beta is not None and not 0 <= args.beta < math.inf:
