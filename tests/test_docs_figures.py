@@ -259,13 +259,16 @@ def profile_shown(text: str) -> list[tuple[str, int]]:
 
 def test_core_op_profile_lists_the_ops_that_round_to_one_per_cent(hook: Any, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every op whose share is 0.5 % or more, in the file's order, as a whole per cent; none below."""
+    """Every op whose share is written as 1 % or more, in the file's order, as a whole per cent; none written "0 %"
+    (made up: 0.5 % exactly, which rounds to even, 0)."""
     for profile in (load("benchmarks/loss_overhead.json")["core_op_profile"],
                     [{"op": "aten::where", "share": 0.9}, {"op": "aten::exp", "share": 0.0071},
-                     {"op": "aten::sub", "share": 0.0051}, {"op": "aten::sum", "share": 0.0049}]):
+                     {"op": "aten::sub", "share": 0.0051}, {"op": "aten::mul", "share": 0.005},
+                     {"op": "aten::sum", "share": 0.0049}]):
         monkeypatch.setattr(hook, "_benchmark", lambda name, profile=profile: {"core_op_profile": profile})
         text = hook.core_op_profile()
-        shown = [op for op in profile if op["share"] * 100 >= 0.5]
+        assert " 0 %" not in text
+        shown = [op for op in profile if op["share"] * 100 > 0.5]
         assert [op for op, _ in profile_shown(text)] == [op["op"] for op in shown]
         assert len(text.split(", ")) == len(shown)
         for (_, percent), op in zip(profile_shown(text), shown):
@@ -284,11 +287,14 @@ def made_up_steps() -> dict:
                            "memory_ratio": 1.0417, "core_ratio": 4.56}]}
 
 
-@pytest.mark.parametrize("source", ["committed", "made up"])
+@pytest.mark.parametrize("source", ["committed", "made up", "one timed pass"])
 def test_steps_table_and_its_settings(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step benchmark's rows (forwards per step in the order the steps ran; core op ratio blank where none), its
-    A/A interval and settings (made up: several forwards a row, settings that differ)."""
+    A/A interval and settings (made up: several forwards a row, settings that differ; one timed pass, as `--smoke`
+    writes it: NaN ends, no interval)."""
     data = load("benchmarks/overhead_cpu.json") if source == "committed" else made_up_steps()
+    if source == "one timed pass":
+        data["aa_interval"] = [math.nan, math.nan]
     monkeypatch.setattr(hook, "_benchmark", lambda name: data)
     table, sentence = hook.steps().split("\n\n")
     header, rows = only_table(table)
@@ -305,10 +311,13 @@ def test_steps_table_and_its_settings(hook: Any, source: str, monkeypatch: pytes
             assert row[7] == ""
         else:
             fixed(row[7], r["core_ratio"], 2)
-    found = re.fullmatch(r"A/A interval of the step ratio \(stock against stock\): (\[[^\]]+\])\. Settings: "
+    found = re.fullmatch(r"A/A interval of the step ratio \(stock against stock\): (\[[^\]]+\]|none \(one timed pass\))\. Settings: "
                          r"hidden (\d+), (\d+) layers, batch (\d+), (\d+)-token completions, (\d+) steps x (\d+) "
                          r"timed passes, device `(\w+)`\.", sentence)
-    interval(found[1], data["aa_interval"], 3)
+    if source == "one timed pass":
+        assert found[1] == "none (one timed pass)"
+    else:
+        interval(found[1], data["aa_interval"], 3)
     s = data["settings"]
     assert [int(n) for n in found.groups()[1:7]] == [s["hidden"], s["layers"], s["batch"], s["completion_length"],
                                                      s["steps"], s["repeats"]]
@@ -341,6 +350,8 @@ def test_steps_against_aa_sorts_every_variant_but_stock_by_the_closed_interval(h
     monkeypatch.setattr(hook, "_benchmark", lambda name: made_up)
     assert against_aa(hook.steps_against_aa()) == [["`on_low` (0.950)", "`on_high` (1.050)"],
                                                   ["`below` (0.900)", "`above` (1.200)"]]
+    made_up["aa_interval"] = [math.nan, math.nan]  # one timed pass: no variant is inside or outside
+    assert hook.steps_against_aa() == "no variant is placed against an A/A interval: it has none (one timed pass)"
 
 
 def test_unsloth_steps_table(hook: Any) -> None:
@@ -369,7 +380,8 @@ def test_ref_sync_cost_table(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None
     made_up = {"ref_sync": {**committed["ref_sync"], "copy_bytes": 1234567, "adapter_bytes": 7654321, "copy_tensors": 9,
                             "syncs_per_run": 3, "exchanges_per_run": 5, "step_ratio": 1.21},
                "aa_interval": [0.95, 1.05]}
-    for data in (committed, made_up):
+    one_pass = {**made_up, "aa_interval": [math.nan, math.nan]}
+    for data in (committed, made_up, one_pass):
         monkeypatch.setattr(hook, "_benchmark", lambda name, data=data: data)
         r, (low, high) = data["ref_sync"], data["aa_interval"]
         rows = ref_sync_rows(hook)
@@ -396,7 +408,8 @@ def test_ref_sync_cost_table(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None
                                   "run)"])
         fixed(added[1], r["added_seconds_per_step"] * 1e3, 3)
         scientific(added[2], r["added_to_step_ratio"])
-        against_aa = ("inside the A/A interval: not resolved" if low <= r["step_ratio"] <= high
+        against_aa = ("A/A interval: none (one timed pass)" if math.isnan(low)
+                      else "inside the A/A interval: not resolved" if low <= r["step_ratio"] <= high
                       else "outside the A/A interval")
         label = f"whole step, sync on against stock ({against_aa})"
         step = re.fullmatch(r"(\S+) s / (\S+) s = (\S+)", rows[label])
@@ -685,14 +698,15 @@ CUDA = {"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0", "cuda": "12.
 
 
 def check_cell(checks: list[dict]) -> str:
-    return "<br>".join(("ok" if c["ok"] else "**FAIL**") + f": {c['name']}"
+    return "<br>".join(("**FAIL**" if not c["ok"] else "untested" if c.get("untested") else "ok") + f": {c['name']}"
                        + (f": {c['detail']}" if c["detail"] else "") for c in checks)
 
 
 def made_up_check() -> dict:
     return {"command": "python -m unsloth_adaptive_kl --gpu", "date": "2026-12-01", "device": CUDA,
             "versions": {"torch": "2.11.0", "vllm": None, "trl": "1.15.0"}, "dry_run": False, "seconds": 300.6,
-            "model": [{"name": "m1", "ok": True, "detail": "d1"}, {"name": "m2", "ok": True, "detail": ""}],
+            "model": [{"name": "m1", "ok": True, "detail": "d1"}, {"name": "m2", "ok": True, "detail": ""},
+                      {"name": "trl version", "ok": True, "detail": "1.17.0 (tested: 1.9-1.16)", "untested": True}],
             "scenarios": {"a": {"ran": True, "seconds": 61.4, "checks": [
                 {"name": "x", "ok": True, "detail": "fine | good"}, {"name": "y", "ok": False, "detail": "boom"},
                 {"name": "z", "ok": True, "detail": ""}]},
@@ -700,11 +714,15 @@ def made_up_check() -> dict:
                 "c": {"ran": True, "seconds": 2.6, "checks": [{"name": "w", "ok": False, "detail": "timed out"}]}}}
 
 
-@pytest.mark.parametrize("source", ["committed", "made up"])
+@pytest.mark.parametrize("source", ["committed", "made up", "driver not read"])
 def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row for the tiny model and one a scenario, in the file's order: its seconds and each check, ok or **FAIL**,
-    with its detail; a scenario not run says why; the device, versions (those installed), kind of run and seconds."""
+    """A row for the tiny model and one a scenario, in the file's order: its seconds and each check, ok, untested
+    (a version outside the tested range, as the check prints it) or **FAIL**, with its detail; a scenario not run says
+    why; the device (a driver nvidia-smi did not give: "not read", not "None"), versions (those installed), kind of
+    run and seconds."""
     data = load("docs/results/gpu/check.json") if source == "committed" else made_up_check()
+    if source == "driver not read":
+        data["device"] = {**CUDA, "driver": None}
     monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "check.json" else None)
     text, table = hook.gpu_check().split("\n\n")
     header, rows = only_table(table)
@@ -721,8 +739,9 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
     assert text.startswith(f"The {kind} of {data['date']} on ")
     device = data["device"]
     if device["kind"] == "cuda":
+        driver = "not read" if source == "driver not read" else device["driver"]
         assert f" on {device['name']} (compute capability {device['capability']}, CUDA {device['cuda']}, driver " \
-               f"{device['driver']}, {device['precision']}): " in text and "not a GPU result" not in text
+               f"{driver}, {device['precision']}): " in text and "not a GPU result" not in text
     else:
         assert f" on a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**): " in text
     seconds = re.search(r"`, (\d+) s in all\. Versions: (.*)\.$", text)

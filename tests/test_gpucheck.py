@@ -537,6 +537,8 @@ def test_the_environment_of_a_cuda_machine_names_the_card_and_every_package(monk
     assert lines[1].startswith("versions: unsloth_adaptive_kl (not installed), torch==2.9.0, transformers (not "
                                "installed), trl==1.15.0, peft (not installed)")
     assert len(lines) == 2
+    unread = {**found, "device": {**found["device"], "driver": None}}  # nvidia-smi gave nothing
+    assert gpucheck.environment_lines(unread)[0].endswith("CUDA 12.4, driver not read")
 
 
 def test_the_driver_version_is_the_first_cards_or_none(monkeypatch) -> None:

@@ -238,7 +238,7 @@ def core_op(_: Optional[str] = None) -> str:
 def core_op_profile(_: Optional[str] = None) -> str:
     """Where `none`'s core op spends its time: the aten ops with the most self time, with their shares (those that
     round to 1 % or more)."""
-    ops = [op for op in _benchmark("loss_overhead.json")["core_op_profile"] if op["share"] >= 0.005]
+    ops = [op for op in _benchmark("loss_overhead.json")["core_op_profile"] if round(op["share"] * 100) >= 1]
     return ", ".join(f"`{op['op']}` {op['share'] * 100:.0f} %" for op in ops)
 
 
@@ -248,19 +248,32 @@ def steps(_: Optional[str] = None) -> str:
              "/".join(map(str, r["forwards_per_step"])), r["extra_forwards"],
              f"{r['peak_memory_bytes'] / 2 ** 20:.1f}", f"{r['memory_ratio']:.3f}",
              "" if r["core_ratio"] is None else f"{r['core_ratio']:.2f}"] for r in data["rows"]]
-    aa = data["aa_interval"]
+    aa = _aa_interval(data)
     s = data["settings"]
     return (_table(["variant", "s/step", "x stock", "forwards/step", "extra forwards", "run's peak RSS MiB", "x stock",
                     "core op x k3"], rows)
-            + f"\n\nA/A interval of the step ratio (stock against stock): [{aa[0]:.3f}, {aa[1]:.3f}]. Settings: "
+            + "\n\nA/A interval of the step ratio (stock against stock): "
+            + (f"[{aa[0]:.3f}, {aa[1]:.3f}]" if aa else NO_AA) + ". Settings: "
             f"hidden {s['hidden']}, {s['layers']} layers, batch {s['batch']}, {s['completion_length']}-token "
             f"completions, {s['steps']} steps x {s['repeats']} timed passes, device `{data['device']}`.")
+
+
+NO_AA = "none (one timed pass)"
+
+
+def _aa_interval(data: dict) -> Optional[tuple[float, float]]:
+    """The step benchmark's A/A interval, or None where the run timed one pass (NaN ends: no interval to place a
+    ratio against)."""
+    low, high = data["aa_interval"]
+    return (low, high) if math.isfinite(low) and math.isfinite(high) else None
 
 
 def steps_against_aa(_: Optional[str] = None) -> str:
     """Which variants' step ratio lies inside the step benchmark's A/A interval, and which outside it."""
     data = _benchmark("overhead_cpu.json")
-    low, high = data["aa_interval"]
+    if _aa_interval(data) is None:
+        return f"no variant is placed against an A/A interval: it has {NO_AA}"
+    low, high = _aa_interval(data)
     rows = [r for r in data["rows"] if not r["variant"].startswith("stock")]
     inside = [f"`{r['variant']}` ({r['step_ratio']:.3f})" for r in rows if low <= r["step_ratio"] <= high]
     outside = [f"`{r['variant']}` ({r['step_ratio']:.3f})" for r in rows if not low <= r["step_ratio"] <= high]
@@ -277,9 +290,9 @@ def unsloth_steps(_: Optional[str] = None) -> str:
 def ref_sync_cost(_: Optional[str] = None) -> str:
     """Reference sync on against off, measured side by side in the step benchmark's run."""
     data = _benchmark("overhead_cpu.json")
-    r, (low, high) = data["ref_sync"], data["aa_interval"]
-    against_aa = ("inside the A/A interval: not resolved" if low <= r["step_ratio"] <= high
-                  else "outside the A/A interval")
+    r, aa = data["ref_sync"], _aa_interval(data)
+    against_aa = (f"A/A interval: {NO_AA}" if aa is None else "inside the A/A interval: not resolved"
+                  if aa[0] <= r["step_ratio"] <= aa[1] else "outside the A/A interval")
     rows = [
         ["extra forwards per step (sync on against stock)", r["extra_forwards"]],
         ["memory of the reference copy", f"{r['copy_bytes']:,} bytes in {r['copy_tensors']} tensors "
@@ -534,7 +547,7 @@ def _device(data: dict) -> str:
     device = data["device"]
     if device["kind"] == "cuda":
         return (f"{device['name']} (compute capability {device['capability']}, CUDA {device['cuda']}, driver "
-                f"{device['driver']}, {device['precision']})")
+                f"{device['driver'] or 'not read'}, {device['precision']})")
     return f"a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**)"
 
 
@@ -560,7 +573,7 @@ def gpu_check(_: Optional[str] = None) -> str:
 
 
 def _check_line(check: dict) -> str:
-    status = "ok" if check["ok"] else "**FAIL**"
+    status = "**FAIL**" if not check["ok"] else "untested" if check.get("untested") else "ok"  # as the check prints it
     return f"{status}: {check['name']}" + (f": {check['detail']}" if check["detail"] else "")
 
 

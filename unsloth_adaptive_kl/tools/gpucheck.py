@@ -210,7 +210,7 @@ def environment_lines(found: dict[str, Any]) -> list[str]:
     """`environment()` as the check prints it."""
     device = found["device"]
     lines = [f"card: {device['name']} (compute capability {device['capability']}), precision {device['precision']}, "
-             f"CUDA {device['cuda']}, driver {device['driver']}"] if device["kind"] == "cuda" else []
+             f"CUDA {device['cuda']}, driver {device['driver'] or 'not read'}"] if device["kind"] == "cuda" else []
     return lines + ["versions: " + ", ".join(f"{package}=={version}" if version else f"{package} (not installed)"
                                               for package, version in found["versions"].items())]
 
