@@ -20,8 +20,9 @@ What it measures, every variant in one process on one captured batch (the micro-
   memory (`torch.cuda.max_memory_allocated` over the timed call, CUDA only) against stock's. Then a profile of
   stock's step and of the method with the largest ratio: the operations with the most self time, per step.
 - `whole_step`: one whole GRPO optimizer step, generation included (`trainer.train()` for 2 steps, the second
-  timed), for stock, one method and the KL in the reward (whose cost is in scoring the completions, not in the loss),
-  interleaved after one untimed round, so that a reader sees what share of a step the loss is.
+  timed), for stock Unsloth (every hook this package puts on a step bypassed, generation's too), one method and the
+  KL in the reward (whose cost is in scoring the completions, not in the loss), interleaved after one untimed round,
+  so that a reader sees what share of a step the loss is.
 Ends with one line: `max_step_ratio=X max_memory_ratio=X aa=[a,b] loss_share=X`.
 """
 

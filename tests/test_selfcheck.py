@@ -472,11 +472,16 @@ def test_main_runs_the_trainer_parts_only_where_their_packages_are_and_passes_wh
     assert capsys.readouterr().out.splitlines()[3:-1] == ["[ok] trl a", "[ok] unsloth a"]
 
 
-def test_stock_unsloth_bypasses_the_shim_and_the_compute_loss_wrapper_inside_the_block_only() -> None:
-    """Unsloth's own loss path inside the block (without importing Unsloth: a generated module of the same shape,
-    the shim keeping Unsloth's function as `upstream`, the wrapper as `__wrapped__`); the hooks again after it."""
+def test_stock_unsloth_bypasses_every_hook_on_a_step_inside_the_block_only() -> None:
+    """Unsloth's own training step inside the block (without importing Unsloth: a generated module of the same shape,
+    the shim keeping Unsloth's function as `upstream`, each method wrapper its upstream as `__wrapped__`, the module's
+    `use_adapter` this package's): the loss, the generation's and the rewards' methods, and TRL's own `use_adapter`
+    (the real generated trainer: test_unsloth's config scenario); the hooks again after it."""
     import functools
 
+    from trl.trainer import utils as trl_utils
+
+    from unsloth_adaptive_kl.integrations.ref_sync import use_reference
     from unsloth_adaptive_kl.tools.selfcheck import stock_unsloth
 
     def unsloths_loss(*args, **kwargs):
@@ -486,21 +491,25 @@ def test_stock_unsloth_bypasses_the_shim_and_the_compute_loss_wrapper_inside_the
         return "adapted"
 
     shim.upstream = unsloths_loss
+    methods, wrappers = {}, {}
+    for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards", "_save_checkpoint"):
+        def method(self, *args, **kwargs):
+            return "unsloth's"
 
-    def compute_loss(self, model, inputs):
-        return "unsloth's compute_loss"
-
-    @functools.wraps(compute_loss)
-    def wrapper(self, model, inputs):
-        return "wrapped"
+        methods[name] = method
+        wrappers[name] = functools.wraps(method)(lambda self, *args, **kwargs: "wrapped")
 
     module = types.ModuleType("unsloth_adaptive_kl_test_generated_module")
-    module.UnslothEfficientGRPO = shim
-    trainer_class = type("UnslothGRPOTrainer", (), {"__module__": module.__name__, "compute_loss": wrapper})
+    module.UnslothEfficientGRPO, module.use_adapter = shim, use_reference
+    trainer_class = type("UnslothGRPOTrainer", (), {"__module__": module.__name__, **wrappers})
     sys.modules[module.__name__] = module
     try:
         with stock_unsloth(trainer_class()):
-            assert module.UnslothEfficientGRPO is unsloths_loss and trainer_class.compute_loss is compute_loss
-        assert module.UnslothEfficientGRPO is shim and trainer_class.compute_loss is wrapper
+            assert module.UnslothEfficientGRPO is unsloths_loss and module.use_adapter is trl_utils.use_adapter
+            for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards"):
+                assert vars(trainer_class)[name] is methods[name], name
+            assert trainer_class._save_checkpoint is wrappers["_save_checkpoint"]  # not a step's: kept
+        assert module.UnslothEfficientGRPO is shim and module.use_adapter is use_reference
+        assert {name: vars(trainer_class)[name] for name in wrappers} == wrappers
     finally:
         del sys.modules[module.__name__]

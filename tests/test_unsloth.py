@@ -61,6 +61,14 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     assert (result["method"], result["threshold"]) == ("clip+dynamic", 0.5)
     assert result["restored"] == ["GRPOConfig", "clip+dynamic", 0.5]
     assert result["error"] == "kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0."
+    # stock_unsloth (the stock side of the self-check, the GPU scenarios and the cost benchmarks, whose whole steps
+    # generate too): every hook on a training step is Unsloth's own object inside it; only those that act before or
+    # between steps stay (the trainer is built; no checkpoint is saved or loaded in a timed step)
+    stock_step = result["stock_step"]
+    outside_a_step = {"__init__", "_save_checkpoint", "_load_optimizer_and_scheduler", "current_beta"}
+    assert outside_a_step < set(stock_step["replaced"])
+    assert stock_step["unsloth_own_inside"] == sorted(set(stock_step["replaced"]) - outside_a_step)
+    assert stock_step["hooked_after"] == stock_step["replaced"]
     # The estimator defaults on Unsloth's generated config: k3 in the loss and k1 in the reward by default, silently; k3 named in
     # the reward and k1 in the loss warn once each, naming the field, its value and the fix; k1_future is silent
     guards = result["guards"]

@@ -305,6 +305,7 @@ def scenario_config(out: str) -> dict:
     replaced, generated = len(hook._patches), sys.modules[trl.GRPOTrainer.__module__]
     rl._patch_trl_rl_trainers("grpo_trainer")
     return {
+        "stock_step": stock_step_bypass(trl.GRPOTrainer),
         "patched_again": unsloth_adaptive_kl.is_patched() and trl.GRPOTrainer.__name__ == "UnslothGRPOTrainer",
         "config_class": f"{type(args).__module__}.{type(args).__name__}", "config_mro": [c.__name__ for c in type(args).__mro__][:4],
         "trainer_class": trl.GRPOTrainer.__name__,
@@ -318,6 +319,30 @@ def scenario_config(out: str) -> dict:
                             "upstream": hook._AdaptiveEfficientGRPO.upstream.__qualname__,
                             "replacements_added": len(hook._patches) - replaced},
     }
+
+
+def stock_step_bypass(trainer_class: type) -> dict:
+    """Each name the integration replaced on the generated module and trainer class (its PatchSet's record), and
+    those that are Unsloth's own object inside `stock_unsloth` and hooked again after it."""
+    module, hook = sys.modules[trainer_class.__module__], unsloth_adaptive_kl.integrations.unsloth
+    replaced = [(owner, name, original) for owner, name, original in hook._patches._originals
+                if owner is module or owner is trainer_class]
+    from trl.trainer import utils as trl_utils
+
+    from unsloth_adaptive_kl.integrations import patching, ref_sync
+
+    def unsloths_own(owner: Any, name: str, original: Any) -> Any:
+        if original is patching._MISSING:  # the generated class inherits it from Unsloth's _UnslothGRPOTrainer
+            return next((vars(base)[name] for base in owner.__mro__[1:] if name in vars(base)), None)
+        if original is ref_sync.use_reference:  # the module took TRL's name after this package patched TRL
+            return trl_utils.use_adapter
+        return original
+
+    with stock_unsloth(object.__new__(trainer_class)):  # it reads the trainer's class only
+        own = [name for owner, name, original in replaced if vars(owner).get(name) is unsloths_own(owner, name, original)]
+    return {"replaced": sorted(name for _, name, _ in replaced), "unsloth_own_inside": sorted(own),
+            "hooked_after": sorted(name for owner, name, original in replaced
+                                   if vars(owner).get(name) is not unsloths_own(owner, name, original))}
 
 
 def scenario_losses(out: str) -> dict:

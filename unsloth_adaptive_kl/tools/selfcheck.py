@@ -232,11 +232,17 @@ def stock_trl() -> Iterator[None]:
 
 @contextlib.contextmanager
 def stock_unsloth(trainer: Any) -> Iterator[None]:
-    """Unsloth's own loss path inside the block: the shim and the compute_loss wrapper bypassed."""
+    """Unsloth's own training step inside the block: every hook this package puts on one bypassed (the loss shim,
+    the compute_loss, generation and reward wrappers, the reference forward's adapter switch), so that a step run in
+    it, generation included, is stock Unsloth's (the trainer keeps the settings its __init__ wrapper checked)."""
+    from ..integrations import ref_sync
+
     module, cls = sys.modules[type(trainer).__module__], type(trainer)
     with PatchSet() as patches:
         patches.replace(module, "UnslothEfficientGRPO", module.UnslothEfficientGRPO.upstream)
-        patches.replace(cls, "compute_loss", cls.compute_loss.__wrapped__)
+        for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards"):
+            patches.replace(cls, name, getattr(cls, name).__wrapped__)
+        patches.replace(module, "use_adapter", ref_sync._stock_use_adapter)
         yield
 
 
