@@ -16,9 +16,10 @@ Sizes (`--size`):
 What it measures, every variant in one process on one captured batch (the micro-batch of a real training step):
 - `step`: Unsloth's `compute_loss` forward and backward, then the optimizer's step, for stock Unsloth (this package's
   hooks bypassed), stock again (the A/A pair: the noise floor), and each method of `METHODS`. Rounds rotate the
-  order, after warm-up rounds; each ratio is median(variant) / median(stock) with a 95 % bootstrap interval, and peak
-  memory (`torch.cuda.max_memory_allocated` over the timed call, CUDA only) against stock's. Then a profile of
-  stock's step and of the method with the largest ratio: the operations with the most self time, per step.
+  order (`ROTATION`: the A/A copy half a rotation from stock), after warm-up rounds; each ratio is median(variant) /
+  median(stock) with a 95 % bootstrap interval, and peak memory (`torch.cuda.max_memory_allocated` over the timed
+  call, CUDA only) against stock's. Then a profile of stock's step and of the method with the largest ratio: the
+  operations with the most self time, per step.
 - `whole_step`: one whole GRPO optimizer step, generation included (`trainer.train()` for 2 steps, the second
   timed), for stock Unsloth (every hook this package puts on a step bypassed, generation's too), one method and the
   KL in the reward (whose cost is in scoring the completions, not in the loss), interleaved after one untimed round,
@@ -50,6 +51,10 @@ QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "clip+length_normalized+dynamic",
            "sigmoid+length_normalized"]
 STOCK = ("stock", "stock (A/A)")
+# The order a round runs the captured-batch variants in (each round starts one later): the A/A copy half a rotation
+# from stock, so that it follows a method, as stock does. Right after stock it would always find stock's caches and
+# allocator state, and measure a noise floor no method sees.
+ROTATION = ["stock", *METHODS[:len(METHODS) // 2], "stock (A/A)", *METHODS[len(METHODS) // 2:]]
 # The whole-step variants: the KL's placement is fixed when a trainer is built, so the KL in the reward has a trainer
 # of its own (on the same policy).
 WHOLE_STEP = ["stock", "sigmoid+length_normalized", "kl_in_reward"]
@@ -185,7 +190,8 @@ def captured_steps(trainer: Any, rounds: int, warmup: int) -> tuple[dict[str, di
         gpu_scenarios.use_method(trainer, name)
         return step
 
-    rows = ratios(rotating([*STOCK, *METHODS], rounds, warmup, lambda name: timed(variant(name))))
+    samples = rotating(ROTATION, rounds, warmup, lambda name: timed(variant(name)))
+    rows = ratios({name: samples[name] for name in (*STOCK, *METHODS)})  # the table's order: stock, A/A, methods
     heaviest = max(METHODS, key=lambda name: rows[name]["ratio"])
     return rows, {"method": heaviest, "stock": top_operations(variant("stock")),
                   "heaviest": top_operations(variant(heaviest))}

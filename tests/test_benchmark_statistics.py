@@ -303,6 +303,10 @@ def test_captured_steps_times_each_method_against_stock_with_the_switch_outside_
     calls = 4 * len(rows) + 2
     assert trainer.log == [item for mode in trainer.log[::3] for item in (mode, "step", "zero_grad")]
     assert len(trainer.log) == 3 * calls
+    # the rounds' order: the A/A copy half a rotation from stock, after a method as stock is; each round one later
+    first = ["stock", "none", "clip", "sigmoid", "length_normalized", "stock", "dynamic", "target",
+             "clip+length_normalized+dynamic", "sigmoid+length_normalized"]
+    assert trainer.log[::3][:2 * len(first)] == first + first[1:] + first[:1]
 
 
 def test_captured_steps_profiles_a_method_even_when_the_aa_pair_has_the_largest_ratio(
