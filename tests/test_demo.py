@@ -341,3 +341,20 @@ def test_each_variant_gets_only_the_method_fields_it_reads_and_an_unread_flag_is
         with pytest.raises(SystemExit):
             demo.parse_args(["--methods", "none,clip,sigmoid" if "horizon" in flags[0] else "none,clip", *flags])
         assert message in capsys.readouterr().err
+
+
+def test_the_summary_is_each_seeds_last_tenth_and_their_mean_and_std() -> None:
+    """summary.json per variant: each seed's mean over the last 10 % of steps (`by_seed`), and the mean and sample std
+    of those (checked by hand: steps 19 and 20 of 20 are the window; a value of seed*10 + step gives 19.5 and 29.5,
+    mean 24.5, std sqrt(2 * 5^2 / 1)); a NaN key (beta=0's KL) stays NaN."""
+    from unsloth_adaptive_kl.tools.demo import LOGGED, summarise
+
+    rows = [{"method": "a", "seed": seed, "step": step,
+             **{key: math.nan if key == "kl" else seed * 10.0 + step for key in LOGGED}}
+            for seed in (0, 1) for step in range(1, 21)]
+    (item,) = summarise(rows, ["a", "not run"], steps=20)
+    assert (item["method"], item["seeds"]) == ("a", 2)
+    assert item["completions/mean_length"] == pytest.approx((24.5, math.sqrt(50)))
+    assert item["by_seed"]["completions/mean_length"] == [19.5, 29.5] == item["by_seed"]["reward"]
+    assert all(math.isnan(v) for v in item["kl"]) and all(math.isnan(v) for v in item["by_seed"]["kl"])
+    assert set(item["by_seed"]) == set(LOGGED)

@@ -287,10 +287,12 @@ def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
 
 
 def test_readme_methods_column_says_what_the_committed_demo_run_shows() -> None:
-    """README's "on the demo task" column against the committed runs (docs/results/default, and options for `target`):
-    a method "holds length" where its mean completion length is nearer stock's (`none`) than the drift without a KL
-    (`beta=0`), "length drifts" where it is nearer the drift, and "costs reward" where its reward is below stock's by
-    more than both runs' spreads over seeds."""
+    """README's "on the demo task" column against the committed runs (docs/results/default, and options for `target`),
+    seed by seed: a seed's length drifted where it is nearer the mean of the drift without a KL (`beta=0`) than that
+    of stock (`none`). A method "holds length" where no seed drifted, "length drifts" where every seed did, "length
+    drifts in most seeds" or "in some seeds" for more or at most half of them; it "costs reward" where its mean reward
+    is below stock's by more than both runs' spreads over seeds. A mean over seeds alone would call a variant that
+    drifted in a few seeds by a lot as drifting as one that drifted in all."""
     def means(run: str) -> dict[str, dict[str, list[float]]]:
         return {row["method"]: row for row in json.loads((ROOT / f"docs/results/{run}/summary.json").read_text())["summary"]}
 
@@ -301,12 +303,16 @@ def test_readme_methods_column_says_what_the_committed_demo_run_shows() -> None:
     assert [method for method, _ in rows] == ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target"]
     stock, drift = default["none"]["completions/mean_length"][0], default["beta=0"]["completions/mean_length"][0]
     for method, claim in rows:
-        row = default.get(method) or options[method]
-        length, (reward, spread) = row["completions/mean_length"][0], row["reward"]
-        said = {"holds length": abs(length - stock) < abs(length - drift),
-                "length drifts": abs(length - drift) < abs(length - stock),
-                "costs reward": default["none"]["reward"][0] - reward > spread + default["none"]["reward"][1]}
-        assert said[claim], (method, claim, length, reward)
+        if claim == "costs reward":
+            reward, spread = (default.get(method) or options[method])["reward"]
+            assert default["none"]["reward"][0] - reward > spread + default["none"]["reward"][1], (method, reward)
+            continue
+        lengths = default[method]["by_seed"]["completions/mean_length"]
+        drifted = sum(1 for length in lengths if abs(length - drift) < abs(length - stock))
+        said = {"holds length": drifted == 0, "length drifts": drifted == len(lengths),
+                "length drifts in most seeds": len(lengths) / 2 < drifted < len(lengths),
+                "length drifts in some seeds": 0 < drifted <= len(lengths) / 2}
+        assert said[claim], (method, claim, drifted, len(lengths))
 
 
 def test_verl_page_command_is_the_one_the_end_to_end_test_runs() -> None:
@@ -373,7 +379,7 @@ def test_the_trainer_sections_carry_no_typed_figure() -> None:
 # sizes, versions, years, issue and paper numbers), never a measured figure. Anything else must come through the docs
 # hook, from the results file its command wrote. Every page but the changelog (a history of what was measured when).
 SETTINGS_IN_PROSE = {
-    "results.md": {"0", "1", "2", "3", "5", "12", "24", "30", "120", "0.04", "0.2", "0.9", "5e-3"},
+    "results.md": {"0", "1", "2", "3", "5", "10", "12", "24", "30", "120", "0.04", "0.2", "0.9", "5e-3"},
     "choosing-a-setting.md": {"0", "1", "2", "3", "5", "8", "30", "64", "100", "120", "1000", "10000", "2019", "0.001",
                               "0.04", "0.2", "0.8", "0.9", "1.0", "1.15.0", "5e-3"},
     "ground-truth.md": {"0", "1", "4", "7", "8", "31"},

@@ -545,10 +545,13 @@ NAN = float("nan")
 MADE_UP_DEMO = {"settings": {"seeds": 2}, "wall_seconds": 99.6, "window": 7,
                 "environment": {"command": "python demo.py --steps 5 --output-dir /tmp/x --seeds 2",
                                 "versions": {"trl": "1.15.0"}, "hardware": "a CPU"},
+                # by_seed: the midpoint of 7.25 and 9.5 is 8.375, so stock's 8.3 held and beta=0's 8.4 drifted
                 "summary": [{"method": "none", "reward": [0.5, 0.125], "completions/mean_length": [7.25, 1.05],
                              "adaptive_kl/raw_kl": [0.1234, 0.0101], "adaptive_kl/adapted_kl": [0.0617, 0.0052],
-                             "adaptive_kl/sequence_kl": [1.5, 0.25], "adaptive_kl/current_beta": [0.0437, 0.0]},
+                             "adaptive_kl/sequence_kl": [1.5, 0.25], "adaptive_kl/current_beta": [0.0437, 0.0],
+                             "by_seed": {"completions/mean_length": [6.2, 8.3]}},
                             {"method": "beta=0", "reward": [0.61, 0.02], "completions/mean_length": [9.5, 0.5],
+                             "by_seed": {"completions/mean_length": [8.4, 10.6]},
                              **{key: [NAN, NAN] for key in ("adaptive_kl/raw_kl", "adaptive_kl/adapted_kl",
                                                             "adaptive_kl/sequence_kl", "adaptive_kl/current_beta")}}]}
 
@@ -568,9 +571,17 @@ def test_demo_results_table_is_every_variant_of_the_run(hook: Any, run: str, tmp
         data = load(f"docs/results/{run}/summary.json")
     table, sentence = hook.demo_results(run).split("\n\n")
     header, rows = only_table(table)
-    assert header == ["variant", *(title for _, title, _ in DEMO_COLUMNS), "beta at the end"]
+    counted = all("by_seed" in item for item in data["summary"])  # the committed default run, and a made-up one
+    assert header == ["variant", *(title for _, title, _ in DEMO_COLUMNS), "beta at the end",
+                      *(["length drifted in"] if counted else [])]
     assert [row[0] for row in rows] == [f"`{item['method']}`" for item in data["summary"]]
     for item, row in zip(data["summary"], rows):
+        if counted:  # a seed drifted where its length is nearer beta=0's mean than stock's
+            stock, drift = (next(i for i in data["summary"] if i["method"] == name)["completions/mean_length"][0]
+                            for name in ("none", "beta=0"))
+            lengths = item["by_seed"]["completions/mean_length"]
+            drifted = sum(1 for length in lengths if abs(length - drift) < abs(length - stock))
+            assert row.pop() == f"{drifted} of {len(lengths)} seeds"
         for (key, _, decimals), cell in zip(DEMO_COLUMNS, row[1:]):
             mean, std = item[key]
             if math.isnan(mean):
@@ -615,6 +626,45 @@ def test_each_demo_value_on_the_pages_is_its_runs_mean(hook: Any, argument: str)
         else:
             assert digits == "0e" and re.fullmatch(r"\de[-+]\d\d", part) and \
                 abs(float(part) - value) <= 0.5 * 10 ** int(part.split("e")[1]), (part, value)
+
+
+DEMO_DRIFTED = re.compile(r"<!-- generated-inline: demo_drifted (\S+) -->")
+DEMO_DRIFTED_MARKERS = sorted({m for page in (ROOT / "docs").glob("*.md") for m in DEMO_DRIFTED.findall(page.read_text())})
+
+
+def test_demo_drifted_counts_the_seeds_nearer_the_unregularised_length(hook: Any, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Made up: stock (`none`) holds at 7, `beta=0` drifts to 21 (midpoint 14); seeds at 8 and 13.9 held, 14.1, 20
+    and 30 (past the drift) drifted: 3 of 5."""
+    summary = [{"method": "none", "completions/mean_length": [7.0, 0.5]},
+               {"method": "beta=0", "completions/mean_length": [21.0, 2.0]},
+               {"method": "x", "completions/mean_length": [17.2, 8.1],
+                "by_seed": {"completions/mean_length": [8.0, 13.9, 14.1, 20.0, 30.0]}}]
+    (tmp_path / "docs" / "results" / "made").mkdir(parents=True)
+    (tmp_path / "docs" / "results" / "made" / "summary.json").write_text(json.dumps({"summary": summary}))
+    monkeypatch.setattr(hook, "ROOT", tmp_path)
+    assert hook.demo_drifted("made:x") == "3 of 5 seeds"
+
+
+def test_the_pages_count_drifted_seeds_where_they_say_a_method_lets_length_drift() -> None:
+    """Every page that tells what `clip` or `dynamic` did to the length on the demo task counts the seeds."""
+    asked = {(page.name, argument.split(":", 1)[1]) for page in (ROOT / "docs").glob("*.md")
+             for argument in DEMO_DRIFTED.findall(page.read_text())}
+    for page in ("index.md", "results.md", "methods.md", "choosing-a-setting.md"):
+        assert {(page, "clip"), (page, "dynamic")} <= asked, page
+
+
+@pytest.mark.parametrize("argument", DEMO_DRIFTED_MARKERS)
+def test_each_demo_drifted_on_the_pages_counts_its_runs_seeds(hook: Any, argument: str) -> None:
+    """Every `demo_drifted RUN:VARIANT` marker of the pages: of the variant's seeds, those whose length is nearer the
+    run's `beta=0` mean than its `none` mean."""
+    run, variant = argument.split(":", 1)
+    summary = {item["method"]: item for item in load(f"docs/results/{run}/summary.json")["summary"]}
+    stock, drift = summary["none"]["completions/mean_length"][0], summary["beta=0"]["completions/mean_length"][0]
+    lengths = summary[variant]["by_seed"]["completions/mean_length"]
+    assert len(lengths) == summary[variant]["seeds"]
+    drifted = [length for length in lengths if abs(length - drift) < abs(length - stock)]
+    assert hook.demo_drifted(argument) == f"{len(drifted)} of {len(lengths)} seeds"
 
 
 # ----- the KL lab ---------------------------------------------------------------------------------------------------

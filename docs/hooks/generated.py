@@ -10,8 +10,8 @@ returns. An unknown name fails the build. Sources:
 - `loss_overhead`, `loss_overhead_sanity`, `benchmark_headline` (each with `large` for the larger size),
   `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `core_op_profile`, `steps`,
   `steps_against_aa`, `unsloth_steps`, `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
-- `demo_results NAME`, `demo_value RUN:VARIANT:KEY:DIGITS[:std]`: `docs/results/NAME/summary.json`, written by the
-  demo;
+- `demo_results NAME`, `demo_value RUN:VARIANT:KEY:DIGITS[:std]`, `demo_drifted RUN:VARIANT`:
+  `docs/results/NAME/summary.json`, written by the demo;
 - `value FILE:PATHS:FORMAT`: one figure (or the range of several) of any committed results file;
 - `ci_record`: `docs/results/ci.json`, the record `.ci/run` writes (`.ci-record.json`);
 - `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`, `kl_lab_tables_show`, `kl_lab_target_reading`:
@@ -402,9 +402,21 @@ RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completi
                   ("adaptive_kl/sequence_kl", "KL per completion", 2))
 
 
+def _drifted(summary: list[dict], variant: str) -> str:
+    """"K of N seeds": the seeds of `variant` whose completion length (each seed's mean over the last 10 % of steps,
+    `by_seed`) is nearer the run's `beta=0` mean than its `none` mean."""
+    by_method = {item["method"]: item for item in summary}
+    held, drift = (by_method[name]["completions/mean_length"][0] for name in ("none", "beta=0"))
+    lengths = by_method[variant]["by_seed"]["completions/mean_length"]
+    return f"{sum(abs(length - drift) < abs(length - held) for length in lengths)} of {len(lengths)} seeds"
+
+
 def demo_results(name: Optional[str] = None) -> str:
-    """The demo's summary table of one committed run, with the command, versions and hardware that produced it."""
+    """The demo's summary table of one committed run, with the command, versions and hardware that produced it; where
+    the run has stock, `beta=0` and each seed's figures, how many seeds of each variant let the length drift."""
     data = json.loads((ROOT / "docs" / "results" / str(name) / "summary.json").read_text())
+    methods = {item["method"] for item in data["summary"]}
+    counted = {"none", "beta=0"} <= methods and all("by_seed" in item for item in data["summary"])
     rows = []
     for item in data["summary"]:
         row = [f"`{item['method']}`"]
@@ -414,14 +426,22 @@ def demo_results(name: Optional[str] = None) -> str:
             row.append("(off)" if math.isnan(mean) else f"{mean:.{digits}f} +/- {std:.{digits}f}")
         beta = item["adaptive_kl/current_beta"][0]
         row.append("0 (off)" if math.isnan(beta) else f"{beta:.2g}")
-        rows.append(row)
-    table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "beta at the end"], rows)
+        rows.append(row + ([_drifted(data["summary"], item["method"])] if counted else []))
+    table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "beta at the end",
+                    *(["length drifted in"] if counted else [])], rows)
     env = data.get("environment", {})
     versions = ", ".join(f"{package} {version}" for package, version in env.get("versions", {}).items())
     command = re.sub(r" --output-dir \S+", "", env.get("command", ""))  # where it wrote is not what it measured
     return (f"{table}\n\nCommand: `{command}`. Versions: {versions}. Hardware: "
             f"{env.get('hardware', '')}. Wall time: {data['wall_seconds']:.0f} s. Values: mean +/- std over "
             f"{data['settings']['seeds']} seeds of each seed's mean over the last {data.get('window', 12)} steps.")
+
+
+def demo_drifted(argument: Optional[str] = None) -> str:
+    """How many seeds of a committed demo run's variant let the length drift, inside a sentence: `RUN:VARIANT` gives
+    "K of N seeds" (`_drifted`)."""
+    run, variant = str(argument).split(":", 1)
+    return _drifted(json.loads((ROOT / "docs" / "results" / run / "summary.json").read_text())["summary"], variant)
 
 
 def demo_value(argument: Optional[str] = None) -> str:
@@ -666,6 +686,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "verl_loss": verl_loss,
     "demo_results": demo_results,
     "demo_value": demo_value,
+    "demo_drifted": demo_drifted,
     "value": value,
     "ci_record": ci_record,
     "self_check": self_check,

@@ -351,7 +351,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarise(rows: list[dict], methods: list[str], steps: int) -> list[dict]:
-    """Per method: the mean over seeds of each seed's last-10%-of-steps average."""
+    """Per method: the mean and std over seeds of each seed's last-10%-of-steps average, and under `by_seed` each
+    seed's average itself (a mean over seeds can sit between runs that drifted and runs that did not)."""
     window = max(1, steps // 10)
     summary = []
     for method in methods:
@@ -364,7 +365,7 @@ def summarise(rows: list[dict], methods: list[str], steps: int) -> list[dict]:
             for key in LOGGED:
                 per_seed[key].append(statistics.fmean(r[key] for r in tail))
         summary.append({"method": method, "seeds": len(seeds),
-                        **{key: mean_std(values) for key, values in per_seed.items()}})
+                        **{key: mean_std(values) for key, values in per_seed.items()}, "by_seed": per_seed})
     return summary
 
 
