@@ -358,3 +358,19 @@ def test_the_summary_is_each_seeds_last_tenth_and_their_mean_and_std() -> None:
     assert item["by_seed"]["completions/mean_length"] == [19.5, 29.5] == item["by_seed"]["reward"]
     assert all(math.isnan(v) for v in item["kl"]) and all(math.isnan(v) for v in item["by_seed"]["kl"])
     assert set(item["by_seed"]) == set(LOGGED)
+
+
+def test_drifted_seeds_counts_each_variants_seeds_nearer_the_unregularised_length() -> None:
+    """A seed's length drifted where it ended nearer beta=0's mean (21) than stock's (7): past the midpoint 14. By
+    hand: stock 0 of 2, beta=0 2 of 2, x 2 of 3 (13.9 held; 14.1 and 30 drifted). A run without beta=0, or without
+    each seed's figures (a summary.json written before `by_seed`), has no count."""
+    from unsloth_adaptive_kl.tools.demo import drifted_seeds
+
+    def variant(method: str, lengths: list[float]) -> dict:
+        return {"method": method, "completions/mean_length": [sum(lengths) / len(lengths), 0.0],
+                "by_seed": {"completions/mean_length": lengths}}
+
+    summary = [variant("none", [6.0, 8.0]), variant("beta=0", [20.0, 22.0]), variant("x", [13.9, 14.1, 30.0])]
+    assert drifted_seeds(summary) == {"none": (0, 2), "beta=0": (2, 2), "x": (2, 3)}
+    assert drifted_seeds([summary[0], summary[2]]) == {}
+    assert drifted_seeds([{k: v for k, v in item.items() if k != "by_seed"} for item in summary]) == {}

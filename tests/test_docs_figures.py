@@ -636,8 +636,10 @@ def test_demo_drifted_counts_the_seeds_nearer_the_unregularised_length(hook: Any
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Made up: stock (`none`) holds at 7, `beta=0` drifts to 21 (midpoint 14); seeds at 8 and 13.9 held, 14.1, 20
     and 30 (past the drift) drifted: 3 of 5."""
-    summary = [{"method": "none", "completions/mean_length": [7.0, 0.5]},
-               {"method": "beta=0", "completions/mean_length": [21.0, 2.0]},
+    summary = [{"method": "none", "completions/mean_length": [7.0, 0.5],
+                "by_seed": {"completions/mean_length": [6.5, 7.5]}},
+               {"method": "beta=0", "completions/mean_length": [21.0, 2.0],
+                "by_seed": {"completions/mean_length": [19.0, 23.0]}},
                {"method": "x", "completions/mean_length": [17.2, 8.1],
                 "by_seed": {"completions/mean_length": [8.0, 13.9, 14.1, 20.0, 30.0]}}]
     (tmp_path / "docs" / "results" / "made").mkdir(parents=True)

@@ -403,20 +403,20 @@ RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completi
 
 
 def _drifted(summary: list[dict], variant: str) -> str:
-    """"K of N seeds": the seeds of `variant` whose completion length (each seed's mean over the last 10 % of steps,
-    `by_seed`) is nearer the run's `beta=0` mean than its `none` mean."""
-    by_method = {item["method"]: item for item in summary}
-    held, drift = (by_method[name]["completions/mean_length"][0] for name in ("none", "beta=0"))
-    lengths = by_method[variant]["by_seed"]["completions/mean_length"]
-    return f"{sum(abs(length - drift) < abs(length - held) for length in lengths)} of {len(lengths)} seeds"
+    """"K of N seeds": the seeds of `variant` whose length drifted (the demo's `drifted_seeds`)."""
+    from unsloth_adaptive_kl.tools.demo import drifted_seeds
+
+    drifted, seeds = drifted_seeds(summary)[variant]
+    return f"{drifted} of {seeds} seeds"
 
 
 def demo_results(name: Optional[str] = None) -> str:
     """The demo's summary table of one committed run, with the command, versions and hardware that produced it; where
     the run has stock, `beta=0` and each seed's figures, how many seeds of each variant let the length drift."""
     data = json.loads((ROOT / "docs" / "results" / str(name) / "summary.json").read_text())
-    methods = {item["method"] for item in data["summary"]}
-    counted = {"none", "beta=0"} <= methods and all("by_seed" in item for item in data["summary"])
+    from unsloth_adaptive_kl.tools.demo import drifted_seeds
+
+    counted = bool(drifted_seeds(data["summary"]))
     rows = []
     for item in data["summary"]:
         row = [f"`{item['method']}`"]

@@ -369,13 +369,30 @@ def summarise(rows: list[dict], methods: list[str], steps: int) -> list[dict]:
     return summary
 
 
+def drifted_seeds(summary: list[dict]) -> dict[str, tuple[int, int]]:
+    """Per variant, (K, N): of its N seeds, the K whose completion length (`by_seed`: the seed's mean over the last
+    10 % of steps) ended nearer the run's `beta=0` mean than its stock (`none`) mean, the seeds whose length drifted.
+    Empty for a run without both."""
+    by_method = {item["method"]: item for item in summary}
+    if not {"none", "beta=0"} <= set(by_method) or any("by_seed" not in item for item in summary):
+        return {}
+    held, drift = (by_method[name]["completions/mean_length"][0] for name in ("none", "beta=0"))
+    counts = {}
+    for method, item in by_method.items():
+        lengths = item["by_seed"]["completions/mean_length"]
+        counts[method] = (sum(abs(length - drift) < abs(length - held) for length in lengths), len(lengths))
+    return counts
+
+
 def print_table(summary: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Adaptive KL: last 10% of steps, mean +/- std over seeds")
+    drifted = drifted_seeds(summary)
+    table = Table(title="Adaptive KL: last 10% of steps, mean +/- std over seeds"
+                  + ("; drifted: seeds whose length ended nearer beta=0's than none's" if drifted else ""))
     for column in ["method", "reward", "completion length", "raw KL", "adapted KL", "KL per completion", "final beta",
-                   "s/step"]:
+                   "s/step", *(["drifted"] if drifted else [])]:
         table.add_column(column, justify="left" if column == "method" else "right")
     def cell(item: dict, key: str, digits: int) -> str:
         mean, std = item[key]
@@ -387,8 +404,9 @@ def print_table(summary: list[dict]) -> None:
         table.add_row(item["method"], cell(item, "reward", 2), cell(item, "completions/mean_length", 1),
                       cell(item, "adaptive_kl/raw_kl", 4), cell(item, "adaptive_kl/adapted_kl", 4),
                       cell(item, "adaptive_kl/sequence_kl", 3), f"{item['adaptive_kl/current_beta'][0]:.3g}",
-                      f"{item['step_time'][0]:.3f}")
-    Console(width=160).print(table)
+                      f"{item['step_time'][0]:.3f}",
+                      *([f"{drifted[item['method']][0]}/{drifted[item['method']][1]}"] if drifted else []))
+    Console(width=170).print(table)
 
 
 def plot(rows: list[dict], methods: list[str], path: str) -> None:
