@@ -271,9 +271,10 @@ def _aa_interval(data: dict) -> Optional[tuple[float, float]]:
 def steps_against_aa(_: Optional[str] = None) -> str:
     """Which variants' step ratio lies inside the step benchmark's A/A interval, and which outside it."""
     data = _benchmark("overhead_cpu.json")
-    if _aa_interval(data) is None:
+    aa = _aa_interval(data)
+    if aa is None:
         return f"no variant is placed against an A/A interval: it has {NO_AA}"
-    low, high = _aa_interval(data)
+    low, high = aa
     rows = [r for r in data["rows"] if not r["variant"].startswith("stock")]
     inside = [f"`{r['variant']}` ({r['step_ratio']:.3f})" for r in rows if low <= r["step_ratio"] <= high]
     outside = [f"`{r['variant']}` ({r['step_ratio']:.3f})" for r in rows if not low <= r["step_ratio"] <= high]
@@ -402,21 +403,18 @@ RESULT_COLUMNS = (("reward", "reward", 2), ("completions/mean_length", "completi
                   ("adaptive_kl/sequence_kl", "KL per completion", 2))
 
 
-def _drifted(summary: list[dict], variant: str) -> str:
-    """"K of N seeds": the seeds of `variant` whose length drifted (the demo's `drifted_seeds`)."""
-    from unsloth_adaptive_kl.tools.demo import drifted_seeds
-
-    drifted, seeds = drifted_seeds(summary)[variant]
-    return f"{drifted} of {seeds} seeds"
+def _seeds(counts: tuple[int, int]) -> str:
+    """One variant's (K, N) of the demo's `drifted_seeds`, as "K of N seeds"."""
+    return f"{counts[0]} of {counts[1]} seeds"
 
 
 def demo_results(name: Optional[str] = None) -> str:
     """The demo's summary table of one committed run, with the command, versions and hardware that produced it; where
     the run has stock, `beta=0` and each seed's figures, how many seeds of each variant let the length drift."""
-    data = json.loads((ROOT / "docs" / "results" / str(name) / "summary.json").read_text())
     from unsloth_adaptive_kl.tools.demo import drifted_seeds
 
-    counted = bool(drifted_seeds(data["summary"]))
+    data = json.loads((ROOT / "docs" / "results" / str(name) / "summary.json").read_text())
+    drifted = drifted_seeds(data["summary"])  # empty for a run without them
     rows = []
     for item in data["summary"]:
         row = [f"`{item['method']}`"]
@@ -426,9 +424,9 @@ def demo_results(name: Optional[str] = None) -> str:
             row.append("(off)" if math.isnan(mean) else f"{mean:.{digits}f} +/- {std:.{digits}f}")
         beta = item["adaptive_kl/current_beta"][0]
         row.append("0 (off)" if math.isnan(beta) else f"{beta:.2g}")
-        rows.append(row + ([_drifted(data["summary"], item["method"])] if counted else []))
+        rows.append(row + ([_seeds(drifted[item["method"]])] if drifted else []))
     table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "beta at the end",
-                    *(["length drifted in"] if counted else [])], rows)
+                    *(["length drifted in"] if drifted else [])], rows)
     env = data.get("environment", {})
     versions = ", ".join(f"{package} {version}" for package, version in env.get("versions", {}).items())
     command = re.sub(r" --output-dir \S+", "", env.get("command", ""))  # where it wrote is not what it measured
@@ -439,9 +437,12 @@ def demo_results(name: Optional[str] = None) -> str:
 
 def demo_drifted(argument: Optional[str] = None) -> str:
     """How many seeds of a committed demo run's variant let the length drift, inside a sentence: `RUN:VARIANT` gives
-    "K of N seeds" (`_drifted`)."""
+    "K of N seeds" (the demo's `drifted_seeds`)."""
+    from unsloth_adaptive_kl.tools.demo import drifted_seeds
+
     run, variant = str(argument).split(":", 1)
-    return _drifted(json.loads((ROOT / "docs" / "results" / run / "summary.json").read_text())["summary"], variant)
+    data = json.loads((ROOT / "docs" / "results" / run / "summary.json").read_text())
+    return _seeds(drifted_seeds(data["summary"])[variant])
 
 
 def demo_value(argument: Optional[str] = None) -> str:
