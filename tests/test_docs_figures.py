@@ -556,6 +556,15 @@ MADE_UP_DEMO = {"settings": {"seeds": 2}, "wall_seconds": 99.6, "window": 7,
                                                             "adaptive_kl/sequence_kl", "adaptive_kl/current_beta")}}]}
 
 
+def seeds_drifted(summary: list[dict], variant: str) -> str:
+    """By hand: of `variant`'s seeds, those whose length is nearer the run's `beta=0` mean than its `none` mean."""
+    by_method = {item["method"]: item for item in summary}
+    stock, drift = (by_method[name]["completions/mean_length"][0] for name in ("none", "beta=0"))
+    lengths = by_method[variant]["by_seed"]["completions/mean_length"]
+    drifted = [length for length in lengths if abs(length - drift) < abs(length - stock)]
+    return f"{len(drifted)} of {len(lengths)} seeds"
+
+
 @pytest.mark.parametrize("run", [*DEMO_RUNS, "made up"])
 def test_demo_results_table_is_every_variant_of_the_run(hook: Any, run: str, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -578,12 +587,8 @@ def test_demo_results_table_is_every_variant_of_the_run(hook: Any, run: str, tmp
                       *(["length drifted in"] if counted else [])]
     assert [row[0] for row in rows] == [f"`{item['method']}`" for item in data["summary"]]
     for item, row in zip(data["summary"], rows):
-        if counted:  # a seed drifted where its length is nearer beta=0's mean than stock's
-            stock, drift = (next(i for i in data["summary"] if i["method"] == name)["completions/mean_length"][0]
-                            for name in ("none", "beta=0"))
-            lengths = item["by_seed"]["completions/mean_length"]
-            drifted = sum(1 for length in lengths if abs(length - drift) < abs(length - stock))
-            assert row.pop() == f"{drifted} of {len(lengths)} seeds"
+        if counted:
+            assert row.pop() == seeds_drifted(data["summary"], item["method"])
         for (key, _, decimals), cell in zip(DEMO_COLUMNS, row[1:]):
             mean, std = item[key]
             if math.isnan(mean):
@@ -663,12 +668,10 @@ def test_each_demo_drifted_on_the_pages_counts_its_runs_seeds(hook: Any, argumen
     """Every `demo_drifted RUN:VARIANT` marker of the pages: of the variant's seeds, those whose length is nearer the
     run's `beta=0` mean than its `none` mean."""
     run, variant = argument.split(":", 1)
-    summary = {item["method"]: item for item in load(f"docs/results/{run}/summary.json")["summary"]}
-    stock, drift = summary["none"]["completions/mean_length"][0], summary["beta=0"]["completions/mean_length"][0]
-    lengths = summary[variant]["by_seed"]["completions/mean_length"]
-    assert len(lengths) == summary[variant]["seeds"]
-    drifted = [length for length in lengths if abs(length - drift) < abs(length - stock)]
-    assert hook.demo_drifted(argument) == f"{len(drifted)} of {len(lengths)} seeds"
+    summary = load(f"docs/results/{run}/summary.json")["summary"]
+    (item,) = [item for item in summary if item["method"] == variant]
+    assert len(item["by_seed"]["completions/mean_length"]) == item["seeds"]
+    assert hook.demo_drifted(argument) == seeds_drifted(summary, variant)
 
 
 # ----- the KL lab ---------------------------------------------------------------------------------------------------
