@@ -15,6 +15,19 @@ import pytest
 DEMO = Path(__file__).parents[1] / "blackwell" / "test_adaptive_kl_grpo.py"
 
 
+def test_the_demo_runs_as_a_module_from_an_installed_package_and_records_that_command(tmp_path) -> None:
+    """A wheel has no blackwell/ script: `python -m unsloth_adaptive_kl.tools.demo` is the same demo (it did nothing,
+    with exit status 0, when the module had no __main__ block)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = ["--quick", "--methods", "none", "--pretrain-steps", "2", "--output-dir", str(tmp_path)]
+    result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl.tools.demo", *argv], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["environment"]["command"] == "python -m unsloth_adaptive_kl.tools.demo " + " ".join(argv)
+    assert [row["method"] for row in summary["summary"]] == ["none"]
+
+
 def test_quick_demo_writes_table_plot_and_metrics(tmp_path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "160"}
     result = subprocess.run([sys.executable, str(DEMO), "--quick", "--output-dir", str(tmp_path)],

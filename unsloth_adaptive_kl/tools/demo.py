@@ -85,12 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The run's settings; `args.command` is the command line that gives them (what summary.json records: the
-    notebook and tests pass `argv` themselves, so `sys.argv` would name their own process)."""
+SCRIPT = ("python", "blackwell/test_adaptive_kl_grpo.py")  # the demo from a checkout
+MODULE = ("python", "-m", "unsloth_adaptive_kl.tools.demo")  # the same demo from an installed wheel
+
+
+def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.Namespace:
+    """The run's settings; `args.command` is the command line that gives them, `launcher` then `argv` (what
+    summary.json records: the notebook and tests pass `argv` themselves, so `sys.argv` would name their own
+    process)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.command = shlex.join(["python", "blackwell/test_adaptive_kl_grpo.py", *argv])
+    args.command = shlex.join([*launcher, *argv])
     if args.quick:
         args.steps, args.seeds, args.pretrain_steps = QUICK["steps"], QUICK["seeds"], QUICK["pretrain_steps"]
     def listed(value: str, prefix: str = "") -> list[str]:
@@ -449,8 +454,8 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
     plt.close(figure)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str] | None = None, launcher: tuple[str, ...] = SCRIPT) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, launcher)
     # transformers >= 5.2x warns at every trainer that TRL's gradient_checkpointing names will go in v6: upstream's.
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6", category=FutureWarning)
     torch.set_num_threads(min(torch.get_num_threads(), 2))
@@ -505,3 +510,7 @@ def environment(command: str) -> dict[str, Any]:
 
     versions = installed_versions(("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth", "unsloth_zoo"))
     return {"command": command, "versions": versions, "hardware": hardware(), "python": platform.python_version()}
+
+
+if __name__ == "__main__":
+    sys.exit(main(launcher=MODULE))
