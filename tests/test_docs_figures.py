@@ -459,6 +459,12 @@ def test_value_reads_the_paths_it_names(hook: Any, tmp_path: Path, monkeypatch: 
     for bad in ("r.json:rows[].n:d", "r.json:rows[variant=none].x:.1f"):
         with pytest.raises(ValueError):
             hook.value(bad)
+    # inside a sentence, a selector may hold spaces (the KL lab's setting names); the marker ends at its own " -->"
+    (tmp_path / "lab.json").write_text(json.dumps({"rows": [{"setting": "k3 in the loss", "x": 0.25},
+                                                             {"setting": "k3 in the loss, sequence_sum", "x": 0.5}]}))
+    assert hook.render("a <!-- generated-inline: value lab.json:rows[setting=k3 in the loss].x:.2f --> b "
+                       "<!-- generated-inline: value lab.json:rows[setting=k3 in the loss, sequence_sum].x:.1f -->.") \
+        == "a 0.25 b 0.5."
 
 
 MADE_UP_CI = {"commit": "0123456789abcdef", "date": "2026-12-02", "seconds": 3725, "exit": 1,
@@ -533,6 +539,16 @@ DEMO_COLUMNS = [("reward", "reward", 2), ("completions/mean_length", "completion
                 ("adaptive_kl/raw_kl", "raw KL", 3), ("adaptive_kl/adapted_kl", "adapted KL", 3),
                 ("adaptive_kl/sequence_kl", "KL per completion", 2)]
 DEMO_RUNS = sorted(path.parent.name for path in (ROOT / "docs" / "results").glob("*/summary.json"))
+
+
+def test_every_committed_demo_run_has_the_settings_the_results_page_names_once() -> None:
+    """results.md renders the seeds of one run and says every comparison ran them, with the steps, beta, loss type
+    and learning rate it names: every committed run must have them."""
+    settings = {run: load(f"docs/results/{run}/summary.json")["settings"] for run in DEMO_RUNS}
+    assert len(settings) == 4
+    for run, given in settings.items():
+        assert (given["seeds"], given["steps"], given["beta"], given["loss_type"], given["learning_rate"]) == \
+            (settings["default"]["seeds"], 120, 0.04, "dapo", None), run  # None: the tiny task's 5e-3
 
 
 def mean_and_std(cell: str, mean: float, std: float, decimals: int) -> None:

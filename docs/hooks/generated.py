@@ -33,8 +33,9 @@ from typing import Any, Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = re.compile(r"^<!-- generated: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->$", re.MULTILINE)
-# a generated phrase inside a sentence: `<!-- generated-inline: NAME [ARGUMENT] -->`
-INLINE = re.compile(r"<!-- generated-inline: (?P<name>[a-z_]+)(?: (?P<argument>\S+))? -->")
+# a generated phrase inside a sentence: `<!-- generated-inline: NAME [ARGUMENT] -->`, on one line; the argument may hold
+# spaces (a `value` selector naming a KL lab setting: `rows[setting=k3 in the loss]`)
+INLINE = re.compile(r"<!-- generated-inline: (?P<name>[a-z_]+)(?: (?P<argument>\S(?:.*?\S)?))? -->")
 
 EVERY_METHOD = "every method"
 
