@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, register_kl_estimator
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, WindowKL, register_kl_estimator
 from unsloth_adaptive_kl.core.estimators import estimator_names
 from unsloth_adaptive_kl.core.tolerance import k1_magnitude, k3_gradient_magnitude, k3_magnitude
 
@@ -471,15 +471,20 @@ def test_bad_input_names_field_value_and_what_is_allowed(kwargs: dict, message: 
 
 @pytest.mark.parametrize(("loss_type", "kwargs"), [("dapo", dict(token_normalizer=-8.0)),
                                                  ("dapo", dict(token_normalizer=0)),
+                                                 ("dapo", dict(token_normalizer=math.inf)),
                                                  ("dr_grpo", dict(max_completion_length=-4)),
-                                                 ("dr_grpo", dict(max_completion_length=True))])
+                                                 ("dr_grpo", dict(max_completion_length=True)),
+                                                 ("dr_grpo", dict(max_completion_length=math.inf)),
+                                                 ("dr_grpo", dict(max_completion_length=0.5))])
 def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kwargs: dict) -> None:
-    """A negative normaliser would flip the KL term's sign (the loss would reward KL), a zero one divide by zero."""
+    """A negative normaliser would flip the KL term's sign (the loss would reward KL), a zero one divide by zero, an
+    infinite one zero the term (silently: no KL); dr_grpo's length counts tokens."""
     ((name, value),) = kwargs.items()
     logps, ref = batch()
     with pytest.raises(ValueError) as raised:
         AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **kwargs)
-    assert str(raised.value) == (f"{name}={value!r} is invalid: allowed is a number > 0, or None where the loss_type "
+    allowed = "an integer >= 1" if name == "max_completion_length" else "a finite number > 0"
+    assert str(raised.value) == (f"{name}={value!r} is invalid: allowed is {allowed}, or None where the loss_type "
                                  "does not need it.")
 
 
@@ -697,14 +702,15 @@ def test_target_never_moves_beta_above_beta_max() -> None:
     assert betas == pytest.approx([0.048, 0.05, 0.05])
 
 
-@pytest.mark.parametrize("value", [torch.tensor(0), torch.tensor(-4.0), torch.tensor(math.nan)])
+@pytest.mark.parametrize("value", [torch.tensor(0), torch.tensor(-4.0), torch.tensor(math.nan),
+                                   torch.tensor(math.inf)])
 def test_a_tensor_normaliser_that_is_not_positive_is_refused_as_a_number_is(value: torch.Tensor) -> None:
     """A loop's own count as a tensor: -4 would flip the term's sign (the loss would reward KL), 0 and NaN blow it up."""
     logps, ref = batch()
     with pytest.raises(ValueError) as raised:
         AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=value)
-    assert str(raised.value) == (f"token_normalizer={value.item()!r} is invalid: allowed is a number > 0, or None "
-                                 "where the loss_type does not need it.")
+    assert str(raised.value) == (f"token_normalizer={value.item()!r} is invalid: allowed is a finite number > 0, or "
+                                 "None where the loss_type does not need it.")
     with pytest.raises(ValueError, match=r"^token_normalizer is invalid: a tensor of shape \(3,\); allowed is one"):
         AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=LENGTHS)
     term, _ = AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=torch.tensor(7))
@@ -777,9 +783,9 @@ def test_a_batch_whose_shapes_would_broadcast_is_refused_naming_each_shape(logps
         akl = AdaptiveKL(AdaptiveKLConfig(kl_placement=placement), BETA)
         with pytest.raises(ValueError) as raised:
             getattr(akl, door)(*(torch.zeros(shape) - 1 for shape in shapes.values()))
-        assert str(raised.value) == ("logps, ref_logps, mask must be (B, T) tensors of one shape (B completions, T "
-                                     f"completion tokens; mask 1 on each completion's tokens, 0 on padding): got "
-                                     f"{expected}.")
+        assert str(raised.value) == ("logps, ref_logps, mask must be (B, T) tensors of one shape (B >= 1 "
+                                     "completions, T completion tokens; mask 1 on each completion's tokens, 0 on "
+                                     f"padding): got {expected}.")
 
 
 def test_the_kl_gradient_reaches_the_policy_alone() -> None:
@@ -954,3 +960,102 @@ def test_two_processes_with_batches_of_different_sizes_sum_both_by_hand(tmp_path
     assert abs(error) < 0.2  # the clamp does not hide the KL
     alone = [float(token_kl[0].sum()) / float(batches[0][2].sum()), float(sums[:2].mean())]  # process 0's alone
     assert abs(metrics["adaptive_kl/raw_kl"] - alone[0]) > 1e-3 and abs(metrics["adaptive_kl/sequence_kl"] - alone[1]) > 1e-3
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_a_token_normaliser_of_one_element_in_any_shape_is_that_number(shape: tuple[int, ...]) -> None:
+    """A (1,) count gave a (1,) term, which the metrics read as one KL per completion: raw_kl came out divided by B."""
+    logps, ref = batch()
+    want, want_metrics = AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=7.0)
+    term, metrics = AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=torch.full(shape, 7.0))
+    assert term.shape == () and term.item() == want.item()
+    assert metrics == want_metrics
+
+
+def test_an_empty_batch_is_refused_naming_its_shape() -> None:
+    """No completion at all: grpo's mean of nothing raised a FloatingPointError blaming an estimator's overflow, bnpo
+    returned 0."""
+    for loss_type in ("grpo", "bnpo"):
+        with pytest.raises(ValueError, match=re.escape("(B >= 1 completions, T completion tokens; mask 1 on each "
+                                                       "completion's tokens, 0 on padding): got logps (0, 4)")):
+            AdaptiveKL(None, BETA, loss_type).kl_loss(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4))
+
+
+@pytest.mark.parametrize("reward", ["0.9", True])
+def test_a_mean_reward_that_is_text_or_a_bool_is_refused(reward) -> None:
+    """float("0.9") and float(True) are numbers: `dynamic` decayed on both."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
+    with pytest.raises(ValueError) as raised:
+        akl.step(mean_reward=reward)
+    assert str(raised.value) == (f"mean_reward={reward!r} is invalid: allowed is a finite number (the batch's mean "
+                                 "reward), or None where the step scored no new generation batch.")
+    assert akl.current_beta == BETA
+    assert akl.step(mean_reward=torch.tensor(0.9)) == pytest.approx(BETA * 0.9)  # a 0-dim tensor is a number
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ((0.1, 0.1, math.nan), "WindowKL.completions=nan is invalid: allowed is a finite number >= 0 (the completions "
+                           "the step accounts for)."),
+    ((0.1, 0.1, -1.0), "WindowKL.completions=-1.0 is invalid: allowed is a finite number >= 0 (the completions the "
+                       "step accounts for)."),
+    ((math.inf, 0.1, 3.0), "WindowKL.token_mean=inf is invalid: allowed is a finite number, or NaN where the step "
+                           "measured none."),
+])
+def test_a_window_kl_that_would_move_beta_to_nan_inf_or_0_is_refused(fields, message) -> None:
+    """target's beta * (1 + e * n / kl_horizon) took n = NaN to beta NaN, n = -1e9 to 0."""
+    with pytest.raises(ValueError) as raised:
+        WindowKL(*fields)
+    assert str(raised.value) == message
+    assert math.isnan(WindowKL(math.nan, math.nan, 3.0).token_mean)  # a step that measured no KL: beta holds
+
+
+def test_target_refuses_a_horizon_under_which_beta_would_reach_0_and_stay() -> None:
+    """kl_horizon=1 with 8 completions a step: 1 + (-0.2) * 8 / 1 = -0.6, so beta went to beta_min (0) and stayed.
+    At kl_horizon=1.7 the factor is 1 - 0.2 * 8 / 1.7 = 0.0588: beta 0.1 -> 0.00588. With beta_min=0.05 beta lands
+    on beta_min and can rise again: 0.05 * (1 + 0.2 * 8) = 0.13 when the KL is far above the target."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1.0, kl_horizon=1.0), 0.1)
+    with pytest.raises(ValueError) as raised:
+        akl.step(kl=WindowKL(0.01, 0.01, 8.0))
+    assert str(raised.value) == (
+        "kl_horizon=1.0 is invalid for steps of 8 completions with beta_min=0: target's update beta * (1 + e * n / "
+        "kl_horizon), e down to -0.2, would reach 0, and a multiplicative update never leaves 0; allowed is "
+        "kl_horizon > 1.6 (n / 5), or beta_min > 0.")
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1.0, kl_horizon=1.7), 0.1)
+    assert akl.step(kl=WindowKL(0.01, 0.01, 8.0)) == pytest.approx(0.1 * (1 - 0.2 * 8 / 1.7))
+    floored = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1.0, kl_horizon=1.0,
+                                          beta_min=0.05), 0.1)
+    assert floored.step(kl=WindowKL(0.01, 0.01, 8.0)) == 0.05
+    assert floored.step(kl=WindowKL(5.0, 5.0, 8.0)) == pytest.approx(0.05 * (1 + 0.2 * 8))
+
+
+def test_the_public_shaping_and_reduction_compute_in_float32_and_name_an_unknown_reduction() -> None:
+    """shape_kl of a bf16 KL clipped at 0.3 gave 0.30078125 (0.3 rounded to bf16), above the threshold; reduce_kl of a
+    loss type's name raised a bare KeyError."""
+    from unsloth_adaptive_kl.core.reductions import ReductionContext, reduce_kl
+    from unsloth_adaptive_kl.core.shapings import shape_kl
+
+    shaped = shape_kl(torch.tensor([0.5, 0.1], dtype=torch.bfloat16),
+                      AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.3))
+    assert shaped.dtype == torch.float32 and shaped[0].item() == torch.tensor(0.3).item()
+    with pytest.raises(ValueError, match=r"^reduction='grpo' is invalid: allowed is one of sequence_sum_mean, "):
+        reduce_kl(torch.zeros(1, 2), torch.ones(1, 2), "grpo", ReductionContext())
+
+
+@pytest.mark.parametrize("door", ["kl_loss", "reward_penalty"])
+def test_a_kl_of_your_own_beside_an_explicit_estimator_is_refused(door: str) -> None:
+    """per_token_kl replaces the estimator: kl_estimator="k1" with per_token_kl=7 gave 7 per token, the k1 never run
+    (and k1's warning still fired); with kl_estimator left at None the tensor is what is shaped and reduced."""
+    logps, ref = batch(requires_grad=False)
+    own = torch.full_like(logps, 7.0)
+    placement = "loss" if door == "kl_loss" else "reward"
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement=placement, kl_estimator="k2"), BETA)
+    with pytest.raises(ValueError) as raised:
+        getattr(akl, door)(logps, ref, MASK, per_token_kl=own)
+    assert str(raised.value) == ("kl_estimator='k2' is not read where per_token_kl is given (the methods shape and "
+                                 "reduce that tensor instead): leave kl_estimator at None to pass a KL of your own, "
+                                 "or leave out per_token_kl to use the estimator.")
+    result, _ = getattr(AdaptiveKL(AdaptiveKLConfig(kl_placement=placement), BETA), door)(logps, ref, MASK,
+                                                                                         per_token_kl=own)
+    # grpo's mean per completion of 7 is 7, times beta; in the reward each completion's sum, 7 * L_i, times beta
+    want = BETA * 7.0 if door == "kl_loss" else (BETA * 7.0 * LENGTHS).tolist()
+    assert (result.item() if door == "kl_loss" else result.tolist()) == pytest.approx(want)

@@ -95,6 +95,10 @@ def test_estimator_default_follows_the_placement_on_the_command_line(tmp_path) -
                       match=r"^kl_estimator='k3' with kl_placement='reward': .* Use kl_estimator='k1' "):
         (args,) = parser.parse_args_and_config(common + ["--kl_estimator", "k3"])
     assert (args.kl_estimator, args.estimator) == ("k3", "k3")
+    # TrlParser reads an Optional[str] field as text: "--kl_estimator None" was refused as kl_estimator='None', "is
+    # invalid: allowed is None"; it is None, the placement's default
+    (args,) = parser.parse_args_and_config(common + ["--kl_estimator", "None"])
+    assert (args.kl_estimator, args.estimator, args.to_dict()["kl_estimator"]) == (None, "k1", None)
 
 
 @pytest.mark.parametrize(("field", "value", "allowed"), BAD_VALUES, ids=[f"{f}={v!r}" for f, v, _ in BAD_VALUES])

@@ -116,6 +116,20 @@ def test_bottom_percentile_selects_by_hand_count() -> None:
     assert torch.count_nonzero(k) == 4
 
 
+def test_bottom_percentile_is_0_off_its_selection_even_where_k3_overflows() -> None:
+    """An unselected token whose reference is far more confident than the policy (ref - logp = 94.5) has a k3 of
+    e^94.5 = inf in float32: it must give 0 there, not inf * 0 = NaN (which failed the step as a non-finite KL).
+    One token of five is selected (floor(5 * 0.2)): ref -3, logp -1, r = -2: k3 = e^-2 + 1 = 1.135335, times 5 over
+    5 tokens (grpo's per-completion mean), times beta 0.1; its gradient (1 - e^-2) * 5 / 5 * 0.1 = 0.086466."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k3_bottom_percentile"), beta=0.1)
+    logp = torch.tensor([[-1.0, -2.0, -95.0, -1.5, -0.7]], requires_grad=True)
+    term, _ = akl.kl_loss(logp, torch.tensor([[-3.0, -2.5, -0.5, -1.0, -0.9]]), torch.ones(1, 5))
+    term.backward()
+    assert term.item() == pytest.approx(0.1 * (math.exp(-2.0) + 1.0), rel=1e-6)
+    assert logp.grad[0, 0].item() == pytest.approx(0.1 * (1.0 - math.exp(-2.0)), rel=1e-6)
+    assert logp.grad[0, 1:].tolist() == [0.0, 0.0, 0.0, 0.0]
+
+
 def test_callable_estimator_is_used() -> None:
     config = AdaptiveKLConfig(kl_estimator=lambda logp, ref, mask: (logp - ref).abs() * mask)
     torch.testing.assert_close(estimate_kl(LOGP, REF, ONES, config), (LOGP - REF).abs())

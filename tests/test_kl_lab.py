@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import register_kl_estimator
-from unsloth_adaptive_kl.core.estimators import estimator_names
+from unsloth_adaptive_kl.core.estimators import BUILT_IN_ESTIMATORS, estimator_names
 from unsloth_adaptive_kl.tools import kl_lab, tabular_lab
 from unsloth_adaptive_kl.tools.tabular_lab import (ENVIRONMENTS, Environment, Figures, Setting, Training, Tree, beta_for_kl,
                                              frontier_reward, kl, optimum, train)
@@ -164,6 +164,38 @@ def test_the_docs_figures_are_what_the_lab_computes() -> None:
         for column in ("reward", "length", "kl_ref", "kl_opt"):
             assert row[column] == pytest.approx(stored_rows[row["setting"]][column], abs=0.01), (row["setting"], column)
     assert {s.label for s in tabular_lab.default_settings()} <= set(stored_rows)
+
+
+def test_the_estimators_expectations_against_the_kl_by_an_independent_formula() -> None:
+    """What the estimators page says "unbiased" on: k1 and k3 (and the estimators sharing their values) have the KL as
+    their expectation over completions, to float32 rounding (the core computes k in float32); k2 falls short;
+    low_var_kl by exactly what its clamp at 10 cuts off k3 (every token's r stays inside its clamp at +-20 here).
+    By hand in float64: pi(y) from the same noise, k3 = e^r - r - 1, r = log pi_ref - log pi per token."""
+    env = ENVIRONMENTS["contains_a"]
+    result = tabular_lab.estimator_expectations(env)
+    figures = {row["estimator"]: row for row in result["rows"]}
+    tree = Tree(env)
+    noise = torch.randn(tree.reference_table.shape, generator=torch.Generator().manual_seed(result["policy_seed"]))
+    logp = torch.log_softmax((tree.reference_table + noise).double(), -1)[tree.node, tree.token] * tree.mask
+    ref = torch.log_softmax(tree.reference_table.double(), -1)[tree.node, tree.token] * tree.mask
+    weight = logp.sum(-1).exp()
+    exact = float((weight * (logp.sum(-1) - ref.sum(-1))).sum())
+    r = (ref - logp) * tree.mask
+    k3 = (r.exp() - r - 1) * tree.mask
+    assert r.abs().max() < 20 and k3.max() > 10  # the clamp at 10 acts on some token, the one at 20 on none
+    assert result["kl"] == pytest.approx(exact, rel=1e-6)  # the lab's log-softmax is the tree's float32 one
+    for name in ("k1", "k3", "k1+", "k3+", "k1_future"):
+        assert abs(figures[name]["bias"]) <= 1e-6 * exact, name
+    assert figures["k2"]["expectation"] == pytest.approx(float((weight * (0.5 * r ** 2).sum(-1)).sum()), rel=1e-6)
+    assert figures["k2"]["bias"] < -0.1 * exact
+    cut = float((weight * (k3 - k3.clamp(max=10.0)).sum(-1)).sum())
+    assert figures["low_var_kl"]["bias"] == pytest.approx(-cut, rel=1e-3, abs=1e-7)
+    assert [row["estimator"] for row in result["rows"]] == list(BUILT_IN_ESTIMATORS)
+    # the committed figures (the estimators page's table) are this computation's
+    stored = json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())["estimators"]
+    assert [row["estimator"] for row in stored["rows"]] == list(BUILT_IN_ESTIMATORS)
+    for mine, theirs in zip(result["rows"], stored["rows"]):
+        assert theirs["expectation"] == pytest.approx(mine["expectation"], rel=1e-6), mine["estimator"]
 
 
 def test_the_words_the_docs_use_for_the_lab_hold_in_its_tables() -> None:

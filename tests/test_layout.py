@@ -178,7 +178,8 @@ def test_the_top_level_exports_what_a_user_writes() -> None:
 
     public = {"AdaptiveKL", "AdaptiveKLConfig", "WindowKL", "estimate_kl", "register_kl_estimator",
               "register_kl_shaping", "register_kl_reduction", "register_beta_controller", "IncompatibleVersionError",
-              "KLEstimatorWarning", "NonFiniteLogProbError", "UntestedVersionWarning", "patch", "unpatch", "is_patched"}
+              "IncompatibleVersionWarning", "KLEstimatorWarning", "NonFiniteLogProbError", "UntestedVersionWarning",
+              "patch", "unpatch", "is_patched"}
     exported = set(unsloth_adaptive_kl.__all__) - {"GRPOConfig"}  # trl.GRPOConfig, patched, where TRL is installed
     assert exported == public
     for name in ("KLTerm", "ReductionContext", "kl_term", "reduce_kl", "shape_kl", "DynamicBeta"):
@@ -186,7 +187,8 @@ def test_the_top_level_exports_what_a_user_writes() -> None:
     assert reductions.ReductionContext and controllers.DynamicBeta  # still importable where they live
     # every error of the package is defined in core/errors.py
     assert {name for name in dir(errors) if name[0].isupper()} == {
-        "IncompatibleVersionError", "KLEstimatorWarning", "NonFiniteLogProbError", "UntestedVersionWarning"}
+        "IncompatibleVersionError", "IncompatibleVersionWarning", "KLEstimatorWarning", "NonFiniteLogProbError",
+        "UntestedVersionWarning"}
     assert all(getattr(unsloth_adaptive_kl, name).__module__ == errors.__name__
-               for name in ("IncompatibleVersionError", "KLEstimatorWarning", "NonFiniteLogProbError",
-                            "UntestedVersionWarning"))
+               for name in ("IncompatibleVersionError", "IncompatibleVersionWarning", "KLEstimatorWarning",
+                            "NonFiniteLogProbError", "UntestedVersionWarning"))

@@ -162,6 +162,69 @@ def test_missing_anchor_is_refused_naming_anchor_version_and_tested_range(monkey
     assert unsloth_adaptive_kl.is_patched()
 
 
+UNPATCHABLE_TRL = {
+    # a trl whose loss has none of the anchors (as trl 0.27.0's lacks the loss mask's)
+    "anchor": """
+from trl.trainer import grpo_trainer
+def _compute_loss(self, model, inputs):
+    return 0
+grpo_trainer.GRPOTrainer._compute_loss = _compute_loss
+untouched = lambda: grpo_trainer.GRPOTrainer._compute_loss is _compute_loss
+""",
+    # a trl that does not import (trl 0.27.0 under transformers 5 imports `weave`, which a verl install lacks)
+    "import": """
+import sys
+sys.modules["trl.trainer.callbacks"] = None
+untouched = lambda: sys.modules["trl.trainer.callbacks"] is None
+""",
+}
+AFTER_UNPATCHABLE_TRL = """
+import warnings
+import torch
+import trl
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import unsloth_adaptive_kl
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, IncompatibleVersionError, IncompatibleVersionWarning
+(warning,) = [w for w in caught if w.category is IncompatibleVersionWarning]
+print(str(warning.message))
+akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.5), beta=0.1)
+term, _ = akl.kl_loss(torch.tensor([[-1.0, -3.0]]), torch.tensor([[-2.0, -1.0]]), torch.ones(1, 2))
+print(round(term.item(), 6))
+print(unsloth_adaptive_kl.is_patched(), hasattr(unsloth_adaptive_kl, "GRPOConfig"),
+      "kl_adaptation_method" in trl.GRPOConfig.__dataclass_fields__, untouched())
+unsloth_adaptive_kl.unpatch()  # nothing to undo
+try:
+    unsloth_adaptive_kl.patch()
+except IncompatibleVersionError as error:
+    print("patch():", str(error) in str(warning.message))
+"""
+
+
+@pytest.mark.parametrize("why", sorted(UNPATCHABLE_TRL))
+def test_a_trl_it_cannot_patch_leaves_the_core_and_the_other_doors_working(why: str) -> None:
+    """verl[fsdp]==0.9.1 pins trl==0.27.0, which this package cannot patch (it lacks the anchors, and under
+    transformers 5 it does not even import: it imports `weave`): `import unsloth_adaptive_kl` raised there, and took
+    the core, verl's and Tinker's doors down with TRL's. It now warns with the error's text
+    (IncompatibleVersionWarning), patches nothing, and the core works; patch() still raises."""
+    import subprocess
+
+    code = UNPATCHABLE_TRL[why] + AFTER_UNPATCHABLE_TRL
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    message, term, state, again = result.stdout.strip().splitlines()
+    assert message.startswith(f"unsloth_adaptive_kl cannot patch trl=={versions.installed_version('trl')} (tested: ")
+    assert ("importing it failed (ModuleNotFoundError: import of trl.trainer.callbacks halted; None in sys.modules)"
+            if why == "import" else "the anchor `") in message
+    assert message.endswith("The TRL and Unsloth integrations are off (trl.GRPOConfig has no adaptive-KL fields); the "
+                            "core (AdaptiveKL), verl and Tinker work without TRL.")
+    # clip at 0.5: k3 of r = ref - logp = (-1, 2): e^-1 + 1 - 1 = 0.367879 and e^2 - 2 - 1 = 4.389056 -> 0.5;
+    # grpo's per-completion mean (0.367879 + 0.5) / 2, times beta 0.1
+    assert float(term) == pytest.approx(0.1 * (math.exp(-1.0) + 0.5) / 2, abs=1e-6)
+    assert state == "False False False True"  # nothing patched, nothing exported, trl's own objects untouched
+    assert again == "patch(): True"
+
+
 def stand_in_resolver(tmp_path, anchors: tuple, dropped: Optional[versions.Anchor]):
     """Maps each anchor's function name to a stand-in function (in a file, so its source can be read) whose body
     holds, as comments, the texts of every anchor of that name but `dropped`'s."""

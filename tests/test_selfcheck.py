@@ -53,7 +53,8 @@ def test_self_check_passes_on_this_install(tmp_path) -> None:
 
 
 def test_self_check_names_a_missing_anchor_and_fails(tmp_path) -> None:
-    """A trl whose GRPOTrainer._compute_loss no longer has the KL line."""
+    """A trl whose GRPOTrainer._compute_loss no longer has the KL line: the import warns (it raised before, and the
+    self-check never ran), and the self-check names every anchor missing and fails."""
     script = tmp_path / "changed_trl.py"
     script.write_text(textwrap.dedent('''
         import runpy
@@ -67,9 +68,31 @@ def test_self_check_names_a_missing_anchor_and_fails(tmp_path) -> None:
     '''))
     result = run([str(script)], tmp_path)
     assert result.returncode != 0
-    assert "IncompatibleVersionError: unsloth_adaptive_kl cannot patch trl==" in result.stderr
+    assert "IncompatibleVersionWarning: unsloth_adaptive_kl cannot patch trl==" in result.stderr
     assert ("the anchor `per_token_loss = per_token_loss + self.beta * per_token_kl` (the trainer's own per-token KL is "
             "taken at this line) was not found in GRPOTrainer._compute_loss") in result.stderr
+    assert ("[FAIL] trl anchor missing: `per_token_loss = per_token_loss + self.beta * per_token_kl` in "
+            "GRPOTrainer._compute_loss (the trainer's own per-token KL is taken at this line)") in result.stdout
+    assert "[FAIL] trl patched" in result.stdout and "self-check FAILED" in result.stdout
+
+
+def test_self_check_reports_a_trl_that_does_not_import_and_fails(tmp_path) -> None:
+    """trl 0.27.0 (verl[fsdp]==0.9.1 pins it) does not import under transformers 5 (it imports `weave`): the
+    self-check stopped in a traceback at its trl checks; it names the error in one failed line and goes on."""
+    script = tmp_path / "broken_trl.py"
+    script.write_text(textwrap.dedent('''
+        import runpy
+        import sys
+
+        sys.modules["trl.trainer.callbacks"] = None
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    '''))
+    result = run([str(script)], tmp_path)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (f"[FAIL] trl imports: unsloth_adaptive_kl cannot patch trl=={importlib.metadata.version('trl')} (tested: "
+            "trl>=1.9.1,<=1.16.0): importing it failed (ModuleNotFoundError: import of trl.trainer.callbacks halted; "
+            "None in sys.modules).") in result.stdout
+    assert "[ok] core AdaptiveKL (torch alone)" in result.stdout and "self-check FAILED" in result.stdout
 
 
 def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:

@@ -1163,6 +1163,31 @@ def test_traced_loss_data_refuses_the_kl_in_the_reward_as_the_other_loss_doors_d
             call()
 
 
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "vespo", "luspo"])
+def test_a_loss_type_whose_policy_gradient_term_is_not_ppo_clip_is_refused_by_the_loss_doors(loss_type: str) -> None:
+    """Routes 1 and 3 compute the token-level PPO-clip surrogate: cispo, sapo and vespo (a term of their own) and
+    luspo (a ratio per sequence) gave the same loss and gradients as grpo with their reduction, silently another
+    objective than TRL's for the same setting. The loss types whose term it is train; the reward route takes any."""
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.1, loss_type=loss_type)
+    for door, call in (("grpo_kl_loss", lambda: integration.grpo_kl_loss(akl, max_completion_length=8,
+                                                                         token_normalizer=4.0)),
+                       ("traceable_grpo_loss", lambda: integration.traceable_grpo_loss(akl)),
+                       ("traced_loss_data", lambda: integration.traced_loss_data(akl, [datum], token_normalizer=4.0))):
+        with pytest.raises(ValueError) as raised:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # a divisor this loss type does not read
+                call()
+        assert str(raised.value) == (
+            f"loss_type={loss_type!r} is invalid for {door}(...): its policy-gradient term is the token-level "
+            "PPO-clip surrogate, which that loss type replaces by its own; allowed is one of grpo, bnpo, dr_grpo, "
+            "dapo (the loss types whose term it is).")
+    for loss_type in integration.PPO_CLIP_LOSS_TYPES:
+        context = {"max_completion_length": 8} if loss_type == "dr_grpo" else (
+            {"token_normalizer": 4.0} if loss_type == "dapo" else {})
+        integration.grpo_kl_loss(AdaptiveKL(None, beta=0.1, loss_type=loss_type), **context)
+
+
 def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> None:
     """As the own-loop doors and route 2 (`reward_penalty`) refuse it: a Datum mask of per-token weights (0.5 on a
     completion token) would count that token whole in the reductions' lengths; routes 1 and 3 name the input and

@@ -1440,3 +1440,21 @@ def test_the_loss_alone_reads_each_batchs_mean_reward_of_verls_nested_scores(mon
     assert trainer.reward_kl is None
     trainer._compute_advantage(_ScoredBatch([False, True, False]), {})
     assert trainer._mean_reward == pytest.approx((3.0 + 0.5) / 2, rel=1e-7)
+
+
+@pytest.mark.parametrize(("coefficient", "build"), [
+    ("actor_rollout_ref.actor.kl_loss_coef",
+     lambda config, beta: verl_kl.verl_adaptive_kl(config, beta, "actor_rollout_ref.actor.kl_loss_coef", "adaptive_kl",
+                                                   loss_type="dapo")),
+    ("algorithm.kl_ctrl.kl_coef", lambda config, beta: verl_kl.RewardKLController(config, beta, field="adaptive_kl")),
+])
+def test_a_bad_coefficient_or_bound_is_named_in_verls_terms(coefficient: str, build) -> None:
+    """The core calls verl's coefficient `beta`: `kl_loss_coef=-0.1` was refused as "beta=-0.1 is invalid", and a
+    beta_min above it named "beta", so a verl user could not tell the loss's from the reward's."""
+    with pytest.raises(ValueError) as raised:
+        build(AdaptiveKLConfig(kl_adaptation_method="clip"), -0.1)
+    assert str(raised.value) == f"{coefficient}=-0.1 is invalid: allowed is a finite number >= 0."
+    with pytest.raises(ValueError) as raised:
+        build(AdaptiveKLConfig(kl_adaptation_method="dynamic", beta_min=0.5), 0.1)
+    assert str(raised.value) == ("adaptive_kl.beta_min=0.5 is invalid: allowed is a number with 0 <= beta_min <= "
+                                 f"beta=0.1. Here beta is {coefficient}=0.1.")

@@ -13,12 +13,15 @@ alone, silently. `python -m unsloth_adaptive_kl` checks the installed versions a
 """
 
 import importlib.util
+import warnings
+from typing import Any
 
 # The public surface: what a user writes. Internals (the adaptation's functions, the controller classes, the reduction
 # context) stay importable from their modules: unsloth_adaptive_kl.core.adaptation, .core.controllers, ...
 from .core import AdaptiveKL, AdaptiveKLConfig, WindowKL, estimate_kl
 from .core import register_beta_controller, register_kl_estimator, register_kl_reduction, register_kl_shaping
-from .core.errors import IncompatibleVersionError, KLEstimatorWarning, NonFiniteLogProbError, UntestedVersionWarning
+from .core.errors import (IncompatibleVersionError, IncompatibleVersionWarning, KLEstimatorWarning,
+                          NonFiniteLogProbError, UntestedVersionWarning)
 
 __version__ = "0.1.0"
 
@@ -28,13 +31,13 @@ TRL_INSTALLED = importlib.util.find_spec("trl") is not None
 def patch() -> None:
     """Patch TRL and hook Unsloth's trainer generation. Idempotent. Raises ImportError when TRL is not installed or
     when, unpatched, Unsloth already generated its GRPO trainer (import this package before unsloth), and
-    IncompatibleVersionError when an anchor the integration relies on is missing from the installed trl."""
+    IncompatibleVersionError when an anchor the integration relies on is missing from the installed trl, or when trl
+    itself does not import."""
     if not TRL_INSTALLED:
         raise ImportError("unsloth_adaptive_kl.patch() patches TRL, which is not installed: "
                           "pip install 'unsloth-adaptive-kl[trl] @ git+https://github.com/unsloth-adaptive-kl/unsloth-adaptive-kl' "
                           "(or [unsloth]).")
-    from .integrations import trl, unsloth
-
+    trl, unsloth = _integrations()
     if trl.is_patched():  # already patched; the Unsloth hook too (idempotent), in case it failed after TRL's
         unsloth.patch()
         return
@@ -44,27 +47,42 @@ def patch() -> None:
 
 
 def unpatch() -> None:
-    """Restore every stock TRL and Unsloth object. Idempotent (nothing to do without TRL)."""
-    if TRL_INSTALLED:
-        from .integrations import trl, unsloth
-
-        unsloth.unpatch()
-        trl.unpatch()
+    """Restore every stock TRL and Unsloth object. Idempotent (nothing to do without TRL, or with a trl that does not
+    import)."""
+    if not TRL_INSTALLED:
+        return
+    try:
+        trl, unsloth = _integrations()
+    except IncompatibleVersionError:  # a trl that does not import was never patched
+        return
+    unsloth.unpatch()
+    trl.unpatch()
 
 
 def is_patched() -> bool:
     """Whether TRL is patched now."""
-    if not TRL_INSTALLED:
+    try:
+        return TRL_INSTALLED and _integrations()[0].is_patched()
+    except IncompatibleVersionError:  # a trl that does not import was never patched
         return False
-    from .integrations import trl
 
-    return trl.is_patched()
+
+def _integrations() -> tuple[Any, Any]:
+    """The TRL and Unsloth integration modules; IncompatibleVersionError where trl itself does not import."""
+    try:
+        from .integrations import trl, unsloth
+    except ImportError as error:  # trl 0.27.0 (verl[fsdp]==0.9.1 pins it) imports `weave` under transformers 5
+        from .integrations.versions import import_error
+
+        raise import_error("trl", error) from error
+    return trl, unsloth
 
 
 __all__ = [
     "AdaptiveKL",
     "AdaptiveKLConfig",
     "IncompatibleVersionError",
+    "IncompatibleVersionWarning",
     "KLEstimatorWarning",
     "NonFiniteLogProbError",
     "UntestedVersionWarning",
@@ -80,7 +98,15 @@ __all__ = [
 ]
 
 if TRL_INSTALLED:
-    patch()
-    from .integrations.trl import GRPOConfig  # noqa: E402  (trl.GRPOConfig with the adaptive-KL fields)
+    try:
+        patch()
+    except IncompatibleVersionError as error:
+        # A trl this package cannot patch must not take down the doors that do not use TRL: verl[fsdp]==0.9.1 pins
+        # trl==0.27.0 beside a verl user's install. The TRL door stays off and says so; patch() raises the error.
+        warnings.warn(f"{error} The TRL and Unsloth integrations are off (trl.GRPOConfig has no adaptive-KL fields); "
+                      "the core (AdaptiveKL), verl and Tinker work without TRL.", IncompatibleVersionWarning,
+                      stacklevel=2)
+    else:
+        from .integrations.trl import GRPOConfig  # noqa: E402  (trl.GRPOConfig with the adaptive-KL fields)
 
-    __all__.append("GRPOConfig")
+        __all__.append("GRPOConfig")

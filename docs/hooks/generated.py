@@ -14,7 +14,8 @@ returns. An unknown name fails the build. Sources:
   `docs/results/NAME/summary.json`, written by the demo;
 - `value FILE:PATHS:FORMAT`: one figure (or the range of several) of any committed results file;
 - `ci_record`: `docs/results/ci.json`, the record `.ci/run` writes (`.ci-record.json`);
-- `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_run`, `kl_lab_tables_show`, `kl_lab_target_reading`:
+- `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_estimators`, `kl_lab_run`, `kl_lab_tables_show`,
+  `kl_lab_target_reading`:
   `docs/results/kl_lab.json`, written by the KL lab (the sentences are `tabular_findings`');
 - `kl_lab_trainer NAME`, `kl_lab_findings NAME`, `kl_lab_side_by_side`, `kl_lab_differences`, `kl_lab_pad_is_eos`:
   `docs/results/kl_lab_NAME.json` (trl, unsloth, unsloth_pad_is_eos), written by the KL lab through the trainers
@@ -472,6 +473,14 @@ def kl_lab(environment: Optional[str] = None) -> str:
     return "\n\n".join(f"**{group}**\n\n{markdown(HEADER, rows)}" for group, rows in table_rows(table))
 
 
+def kl_lab_estimators(_: Optional[str] = None) -> str:
+    """Each estimator's exact expectation against the KL (`tabular_lab.estimator_expectations`)."""
+    from unsloth_adaptive_kl.tools.tabular_lab import estimator_rows, markdown
+
+    header = ["estimator", "\\( \\mathbb{E}_\\pi[\\sum_t k_t] \\)", "minus the KL"]
+    return markdown(header, estimator_rows(_kl_lab()["estimators"]))
+
+
 def kl_lab_target(_: Optional[str] = None) -> str:
     """The KL lab's `target` runs against beta*."""
     from unsloth_adaptive_kl.tools.tabular_lab import TARGET_HEADER, markdown, target_rows
@@ -665,6 +674,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "kl_lab_side_by_side": kl_lab_side_by_side,
     "kl_lab": kl_lab,
     "kl_lab_target": kl_lab_target,
+    "kl_lab_estimators": kl_lab_estimators,
     "kl_lab_tables_show": kl_lab_tables_show,
     "kl_lab_target_reading": kl_lab_target_reading,
     "kl_lab_run": kl_lab_run,

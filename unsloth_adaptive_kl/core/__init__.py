@@ -5,7 +5,8 @@ from .adaptation import KLTerm, kl_term
 from .adaptive_kl import AdaptiveKL
 from .config import AdaptiveKLConfig, parse_methods
 from .controllers import ConstantBeta, DynamicBeta, TargetKL, WindowKL, make_beta_controller, register_beta_controller
-from .errors import IncompatibleVersionError, KLEstimatorWarning, NonFiniteLogProbError, UntestedVersionWarning
+from .errors import (IncompatibleVersionError, IncompatibleVersionWarning, KLEstimatorWarning, NonFiniteLogProbError,
+                     UntestedVersionWarning)
 from .estimators import estimate_kl, estimator_names, register_kl_estimator
 from .reductions import ReductionContext, reduce_kl, register_kl_reduction
 from .shapings import register_kl_shaping, shape_kl, shapes_per_token

@@ -130,8 +130,11 @@ class AdaptiveKL:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
         check_batch(logps, ref_logps, mask, per_token_kl)
+        check_estimator_read(self.config, per_token_kl)
         if isinstance(token_normalizer, torch.Tensor):  # read once: a count <= 0 would flip or blow up the term
             check_token_normalizer(token_normalizer)
+            # one number, whatever its shape: a (1,) count gave a (1,) term, which the metrics read as per-completion
+            token_normalizer = token_normalizer.reshape(())
         ctx = ReductionContext(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
         if train:
@@ -167,6 +170,7 @@ class AdaptiveKL:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
         check_batch(logps, ref_logps, mask, per_token_kl)
+        check_estimator_read(self.config, per_token_kl)
         if train:
             self._warn_if_unstepped("reward_penalty")
         penalty, self.last_metrics = self.penalize(
@@ -224,7 +228,7 @@ class AdaptiveKL:
     def observe_rewards(self, mean_reward: float) -> None:
         """The mean reward over all processes of a new training generation batch (un-penalised): a finite number, at
         every door (`dynamic` would decay on +inf and never on NaN, silently); else a ValueError naming it."""
-        if not math.isfinite(float(mean_reward)):
+        if isinstance(mean_reward, (str, bytes, bool)) or not math.isfinite(float(mean_reward)):
             raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
                          "the step scored no new generation batch")
         self.controller.observe_rewards(mean_reward)
@@ -373,10 +377,17 @@ class AdaptiveKL:
         last_raw_kl = state.pop("last_raw_kl", None)
         trained, scored = (_sums(state.pop(name, None)) for name in (("trained", "scored") if version >= 4
                                                                       else ("step_kl", "generation_kl")))
-        unknown = sorted(set(state) - fields)
-        if unknown:
-            raise ValueError(f"adaptive KL state: unknown field(s) {', '.join(unknown)} for a {expected!r} "
-                             f"controller: allowed are {', '.join(sorted(fields))}.")
+        unknown, missing = sorted(set(state) - fields), sorted(fields - set(state))
+        if unknown or missing:
+            found = f"unknown field(s) {', '.join(unknown)}" if unknown else f"missing field(s) {', '.join(missing)}"
+            raise ValueError(f"adaptive KL state: {found} for a {expected!r} controller: allowed are "
+                             f"{', '.join(sorted(fields))}.")
+        # a beta that is negative or not a number would flip or poison the KL term from the first resumed step
+        value = state.get("value", 0.0)
+        check_real("adaptive KL state: value", value, is_real(value) and 0 <= value < math.inf,
+                   "a finite number >= 0 (beta)")
+        check_real("adaptive KL state: completed_steps", completed_steps,
+                   isinstance(completed_steps, int) and completed_steps >= 0, "an integer >= 0")
         self.completed_steps = completed_steps
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
@@ -394,11 +405,20 @@ def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
     for name, tensor in given.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (B, T), not {type(tensor).__name__}")
-    if logps.dim() != 2 or any(tensor.shape != logps.shape for tensor in given.values()):
+    if logps.dim() != 2 or logps.shape[0] == 0 or any(tensor.shape != logps.shape for tensor in given.values()):
         shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in given.items())
-        raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B completions, T completion "
+        raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B >= 1 completions, T completion "
                          f"tokens; mask 1 on each completion's tokens, 0 on padding): got {shapes}.")
     check_mask(mask)
+
+
+def check_estimator_read(config: AdaptiveKLConfig, per_token_kl: Optional[torch.Tensor]) -> None:
+    """A loop's own `per_token_kl` replaces the estimator: one set explicitly (`kl_estimator`) would go unread, so
+    the pair is a ValueError naming it."""
+    if per_token_kl is not None and config.kl_estimator is not None:
+        raise ValueError(f"kl_estimator={config.kl_estimator!r} is not read where per_token_kl is given (the methods "
+                         "shape and reduce that tensor instead): leave kl_estimator at None to pass a KL of your own, "
+                         "or leave out per_token_kl to use the estimator.")
 
 
 def check_mask(mask: torch.Tensor, name: str = "mask") -> None:

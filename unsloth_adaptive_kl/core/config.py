@@ -274,6 +274,8 @@ class AdaptiveKLConfig:
             parent_post_init()
         # Stored canonically so to_dict()/YAML/CLI round-trip it as one string.
         self.kl_adaptation_method = canonical_methods(self.kl_adaptation_method)
+        if self.kl_estimator == "None":  # a command line's None: argument parsers read an Optional[str] field as text
+            self.kl_estimator = None
         # Mixed into a config that holds the KL coefficient, the beta bounds are checked against it.
         self.validate_adaptive_kl(beta=getattr(self, "beta", None))
 

@@ -33,6 +33,17 @@ class WindowKL:
     sequence_sum: float
     completions: float
 
+    def __post_init__(self) -> None:
+        # NaN KLs are a step that measured none (beta holds); an infinite one, or a count that is not a finite
+        # number >= 0, would move beta to inf, NaN or 0 (from which a multiplicative update never returns)
+        for name in ("token_mean", "sequence_sum", "completions"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isinf(value) or (
+                    name == "completions" and not value >= 0):
+                raise ValueError(f"WindowKL.{name}={value!r} is invalid: allowed is "
+                                 + ("a finite number >= 0 (the completions the step accounts for)." if
+                                    name == "completions" else "a finite number, or NaN where the step measured none."))
+
 
 class ConstantBeta:
     """beta_k = beta_0 for every step.
@@ -110,6 +121,12 @@ class TargetKL(ConstantBeta):
         if not math.isfinite(kl):
             return
         error = min(max(kl / config.kl_target - 1.0, -0.2), 0.2)
+        # 1 - 0.2 * n / H <= 0: beta would land on beta_min, and a multiplicative update never leaves 0
+        if window.completions / config.kl_horizon >= 5.0 and config.beta_min == 0:
+            raise ValueError(f"kl_horizon={config.kl_horizon!r} is invalid for steps of {window.completions:g} "
+                             "completions with beta_min=0: target's update beta * (1 + e * n / kl_horizon), e down to "
+                             "-0.2, would reach 0, and a multiplicative update never leaves 0; allowed is kl_horizon > "
+                             f"{window.completions / 5.0:g} (n / 5), or beta_min > 0.")
         value = max(self.value * (1.0 + error * window.completions / config.kl_horizon), config.beta_min)
         self.value = value if config.beta_max is None else min(value, config.beta_max)
 

@@ -24,5 +24,10 @@ class IncompatibleVersionError(RuntimeError):
     version and the tested range)."""
 
 
+class IncompatibleVersionWarning(UserWarning):
+    """At `import unsloth_adaptive_kl`: an installed trainer library cannot be patched (the `IncompatibleVersionError`
+    it raised, quoted). Its integrations are off; the core, and the integrations that do not use that library, work."""
+
+
 class UntestedVersionWarning(UserWarning):
     """The installed version is outside the tested range, but every anchor holds, so the patch applies."""

@@ -120,6 +120,9 @@ def k3_bottom_percentile(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tens
     """k3 only on the tokens in the bottom `kl_percentile` fraction of reference log-probs, times
     `kl_percentile_scale` (the reference is least confident there); 0 elsewhere."""
     selected = bottom_percentile_mask(ref.detach(), mask, config.kl_percentile)
+    # an unselected token is scored at log-ratio 0 (k3 = 0, a finite gradient that `where` does not pass on): its own
+    # k3 may overflow to inf, and inf * 0 is NaN
+    logp = torch.where(selected.bool(), logp, ref.detach())
     return k3(logp, ref, mask) * selected * config.kl_percentile_scale
 
 

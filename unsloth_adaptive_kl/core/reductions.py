@@ -9,6 +9,7 @@ integrations read it. `register_kl_reduction` adds a `kl_reduction` value, as th
 
 from __future__ import annotations
 
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -36,12 +37,14 @@ class ReductionContext:
     token_normalizer: Optional[Union[torch.Tensor, float]] = None
 
     def __post_init__(self) -> None:
-        # A number <= 0 would flip the KL term's sign or divide by zero. A tensor (the trainer's own count, on its
-        # device) is not read back here.
+        # A number <= 0 would flip the KL term's sign or divide by zero, an infinite one zero the term. A tensor (the
+        # trainer's own count, on its device) is not read back here.
+        allowed = {"max_completion_length": "an integer >= 1", "token_normalizer": "a finite number > 0"}
         for name in CONTEXT_FIELDS:
             value = getattr(self, name)
-            if isinstance(value, bool) or (isinstance(value, numbers.Real) and not value > 0):  # numpy's too
-                raise reject(name, value, "a number > 0, or None where the loss_type does not need it")
+            whole = name != "max_completion_length" or isinstance(value, numbers.Integral)
+            if isinstance(value, bool) or (isinstance(value, numbers.Real) and not (0 < value < math.inf and whole)):
+                raise reject(name, value, f"{allowed[name]}, or None where the loss_type does not need it")
 
 
 # Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i, so the per-token
@@ -252,7 +255,11 @@ def loss_type_of_agg_mode(agg_mode: str, field: str = "loss_agg_mode") -> str:
 
 
 def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
-    """Apply the named reduction to a per-token tensor (in float32 whatever its dtype)."""
+    """Apply the named reduction (a `REDUCTIONS` name: a loss type's is `loss_type_reduction(loss_type)`) to a
+    per-token tensor (in float32 whatever its dtype)."""
+    if reduction not in REDUCTIONS:
+        raise reject("reduction", reduction, f"one of {', '.join(REDUCTIONS)} (a loss_type's: "
+                     "loss_type_reduction(loss_type))")
     sums = keep_valid(x, mask).sum(-1)
     return REDUCTIONS[reduction].reduce(sums, mask.sum(-1, dtype=sums.dtype), context_in_float32(ctx))
 

@@ -1,5 +1,5 @@
 """Per-token KL shaping k -> k' (clip, sigmoid, registered ones) and the clip diagnostic (pure torch, a leaf: it
-imports only the method registry). Every shaping maps 0 to 0, so masked positions (0) stay 0.
+imports only the method registry and `in_float32`). Every shaping maps 0 to 0, so masked positions (0) stay 0.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 import torch
 
+from .numerics import in_float32
 from .registry import SHAPINGS as _SHAPINGS
 from .registry import new_method_name
 
@@ -51,7 +52,9 @@ def shapes_per_token(config: Any) -> bool:
 
 
 def shape_kl(kl: torch.Tensor, config: Any) -> torch.Tensor:
-    """Per-token shaping k -> k' by the configured clip/sigmoid method (identity without one)."""
+    """Per-token shaping k -> k' by the configured clip/sigmoid method (identity without one), in float32 whatever
+    the dtype of `kl` (a bf16 clip would round its threshold: min(k, 0.3) would read 0.30078125)."""
+    kl = in_float32(kl)
     for method in config.kl_methods:
         if method in _SHAPINGS:
             kl = _SHAPINGS[method](kl, config)

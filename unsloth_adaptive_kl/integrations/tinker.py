@@ -160,11 +160,22 @@ def clip_bounds(clip_epsilon: float, clip_epsilon_high: Optional[float]) -> tupl
     return 1.0 - clip_epsilon, 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
 
 
+# The loss types whose policy-gradient term is the token-level PPO-clip surrogate routes 1 and 3 compute: cispo, sapo
+# and vespo replace that term by their own, and luspo takes its ratio per sequence (TRL requires
+# importance_sampling_level="sequence" for it), which these losses do not reproduce.
+PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
 def check_loss_placement(akl: AdaptiveKL, door: str) -> None:
-    """Routes 1 and 3 put beta * KL into the loss: a ValueError where the settings put it into the rewards."""
+    """Routes 1 and 3 put beta * KL into the loss beside a PPO-clip surrogate: a ValueError where the settings put it
+    into the rewards, or where `akl.loss_type` names another policy-gradient term."""
     if akl.config.kl_in_reward:
         raise ValueError(f"kl_placement='reward' puts beta * KL into the rewards: use kl_penalized_data(...) with the "
                          f"built-in importance_sampling loss instead of {door}(...)")
+    if akl.loss_type not in PPO_CLIP_LOSS_TYPES:
+        raise ValueError(f"loss_type={akl.loss_type!r} is invalid for {door}(...): its policy-gradient term is the "
+                         "token-level PPO-clip surrogate, which that loss type replaces by its own; allowed is one of "
+                         f"{', '.join(PPO_CLIP_LOSS_TYPES)} (the loss types whose term it is).")
 
 
 def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -389,8 +400,9 @@ def traceable_grpo_loss(
     custom/adaptive_kl/ref_logprobs:sum, the sums of the valid log-probs, non-finite exactly when one is. A traced
     graph cannot raise on a value: `check_traced_loss` reads them on your thread.
 
-    Supported: kl_placement='loss'; every shaping (none, clip, sigmoid), length_normalized, every kl_reduction and
-    loss_type (dr_grpo / dapo / cispo / vespo via `traced_loss_data`'s max_completion_length / token_normalizer),
+    Supported: kl_placement='loss'; every shaping (none, clip, sigmoid), length_normalized, every kl_reduction, the
+    loss types of `PPO_CLIP_LOSS_TYPES` (dr_grpo / dapo via `traced_loss_data`'s max_completion_length /
+    token_normalizer),
     every controller (beta is an input; `target` needs `record_step_kl`); the per-token estimators k1, k2, k3,
     low_var_kl, k1+, k3+, k1_future (its KL-to-go runs over the datum, which is one completion) and registered
     callables torch.fx can trace. Not: k3_bottom_percentile (a batch statistic)."""

@@ -58,7 +58,8 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
-from ..core.config import K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, warn_estimator_issue
+from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, check_real, is_real,
+                           warn_estimator_issue)
 from ..core.numerics import KINDS, NonFinite, found_in_check, masked_logps, nonfinite_error, this_process
 from ..core.reductions import agg_mode_of, kl_reduction, loss_type_of_agg_mode
 from ..core.shapings import clipped_tokens
@@ -224,7 +225,9 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
                      placed: Optional[AdaptiveKLConfig] = None, **kwargs: Any) -> AdaptiveKL:
     """The core's `AdaptiveKL` of `placed` (default: `config`, the fields as the `field` block set them) at beta =
     verl's `coefficient`, whose beta-0 warning speaks verl's terms: the block's fields that would have no effect and
-    the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement verl sets)."""
+    the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement verl sets), as
+    are its errors: a bad coefficient by its verl name, a bound it breaks (`beta_min`, `beta_max`) with it."""
+    check_real(coefficient, beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
     fields = config.adapted_fields()
     if beta == 0.0 and fields:
         warnings.warn(f"{', '.join(f'{field}.{setting}' for setting in fields)} {'has' if len(fields) == 1 else 'have'} "
@@ -232,7 +235,12 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
                       UserWarning, stacklevel=3)
     with warnings.catch_warnings():  # said above, in verl's terms
         warnings.filterwarnings("ignore", message=r".* no effect: beta=0\.0 turns the KL term off", category=UserWarning)
-        return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
+        try:
+            return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
+        except ValueError as error:  # the core calls the coefficient `beta`, the block's fields by their own names
+            if str(error).startswith(("beta_min=", "beta_max=")):
+                raise ValueError(f"{field}.{error} Here beta is {coefficient}={beta!r}.") from None
+            raise
 
 
 # ----- the KL in the actor loss (runs in every actor worker) -------------------------------------------------------

@@ -326,6 +326,14 @@ def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleV
     )
 
 
+def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
+    """The installed `package` does not import here (its own ImportError, quoted): nothing of it can be patched."""
+    return IncompatibleVersionError(
+        f"unsloth_adaptive_kl cannot patch {describe(package)}: importing it failed ({type(error).__name__}: {error}). "
+        f"Adaptive KL cannot be applied; install a tested version: pip install '{package}{tested_range(package)}'."
+    )
+
+
 def check_anchors(package: str | Callable[[Anchor], str], anchors: tuple[Anchor, ...], resolve: Callable[[str], Any],
                   where: str = "") -> None:
     """Raise IncompatibleVersionError for the first missing anchor, naming the package it belongs to (`package`, or

@@ -25,8 +25,9 @@ import torch
 
 from ..core.estimators import estimator_names
 from ..core.registry import method_names
-from .tabular_lab import (ENVIRONMENTS, HEADER, TARGET_HEADER, Training, chosen, default_settings, run_table, show,
-                          table_rows, target_experiment, target_rows)
+from .tabular_lab import (ENVIRONMENTS, ESTIMATORS_HEADER, HEADER, TARGET_HEADER, Training, chosen, default_settings,
+                          estimator_expectations, estimator_rows, run_table, show, table_rows, target_experiment,
+                          target_rows)
 from .tabular_lab import __doc__ as TABULAR_DOC
 
 
@@ -131,6 +132,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
               f"{training.group_size} a step, {training.steps} steps, seeds {args.seeds}")
         for group, rows in table_rows(table):
             show(group, HEADER, rows)
+    # the reward does not enter: one environment's completions and reference serve every environment
+    result["estimators"] = estimator_expectations(ENVIRONMENTS["contains_a"])
+    show("each estimator's expectation against the KL, exactly, at a policy away from the reference", ESTIMATORS_HEADER,
+         estimator_rows(result["estimators"]))
     if not args.no_target:
         result["target"] = target_experiment(ENVIRONMENTS["contains_a"], args.beta,
                                               replace(training, steps=1500, schedule="constant"))

@@ -247,7 +247,10 @@ def stock_unsloth(trainer: Any) -> Iterator[None]:
 
 
 def trl_checks(output_dir: str) -> list[Check]:
-    from ..integrations import trl as trl_patch
+    try:
+        from ..integrations import trl as trl_patch
+    except ImportError as error:  # trl itself does not import (trl 0.27.0 under transformers 5 imports `weave`)
+        return [Check("trl imports", False, str(versions.import_error("trl", error)))]
 
     checks = anchor_checks("trl", versions.TRL_ANCHORS, trl_patch._stock_function)
     checks.append(Check("trl patched", trl_patch.is_patched()))
@@ -276,7 +279,10 @@ def generate_unsloth_trainer() -> Optional[str]:
 
 
 def unsloth_checks(output_dir: str) -> list[Check]:
-    from ..integrations import unsloth as unsloth_patch
+    try:
+        from ..integrations import unsloth as unsloth_patch
+    except ImportError as error:  # Unsloth's integration hooks TRL's trainer: a trl that does not import stops it too
+        return [Check("Unsloth trainer generated and hooked", False, str(versions.import_error("trl", error)))]
 
     error = generate_unsloth_trainer()
     if error is not None:

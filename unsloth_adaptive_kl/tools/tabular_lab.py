@@ -41,7 +41,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..core import AdaptiveKL, AdaptiveKLConfig
+from ..core import AdaptiveKL, AdaptiveKLConfig, estimate_kl
+from ..core.estimators import BUILT_IN_ESTIMATORS
 from ..core.reductions import context_read
 
 # ----- environments -------------------------------------------------------------------------------------------------
@@ -403,6 +404,31 @@ def run_table(env: Environment, settings: Sequence[Setting], beta: float, traini
             "completions": len(tree.completions), "rows": rows}
 
 
+ESTIMATOR_POLICY_SEED = 1  # the policy the estimators are taken at: the reference's logits plus N(0, 1) noise
+
+
+def estimator_expectations(env: Environment, names: Sequence[str] = BUILT_IN_ESTIMATORS) -> dict[str, Any]:
+    """Each estimator's expectation over completions, E_{y ~ pi}[sum_t m_t k_t(y)], exactly (every completion, weighted
+    by pi(y)), at a policy pi away from the reference (its logits the reference's plus N(0, 1) noise, seed
+    `ESTIMATOR_POLICY_SEED`), against KL(pi || pi_ref): an estimator is unbiased for the KL where they are equal. The
+    core computes each k in float32, so equal means within float32 rounding. The reward does not enter. Every
+    completion is one row of one batch: k3_bottom_percentile's selection, a statistic of the batch, is of that one."""
+    tree = Tree(env)
+    noise = torch.randn(tree.reference_table.shape, generator=torch.Generator().manual_seed(ESTIMATOR_POLICY_SEED))
+    logp, ref = tree.token_logps(tree.reference_table + noise).double(), tree.token_logps(tree.reference_table).double()
+    weight = logp.sum(-1).exp()  # pi(y), summing to 1 over the completions
+    exact = kl(logp.sum(-1), ref.sum(-1))
+    rows = []
+    for name in names:
+        with warnings.catch_warnings():  # k1 in the loss warns that it does not regularise: only its value is read
+            warnings.simplefilter("ignore")
+            config = AdaptiveKLConfig(kl_estimator=name)
+        k = estimate_kl(logp, ref, tree.mask, config).double()
+        expectation = float((weight * (k * tree.mask).sum(-1)).sum())
+        rows.append({"estimator": name, "expectation": expectation, "bias": expectation - exact})
+    return {"environment": asdict(env), "policy_seed": ESTIMATOR_POLICY_SEED, "kl": exact, "rows": rows}
+
+
 TARGET_TRACE_EVERY = 50  # target: steps between two recorded betas
 TARGET_RATES = (0.005, 0.02, 0.1)  # completions per step / kl_horizon: the controller's largest relative step is 0.2x this
 
@@ -443,6 +469,15 @@ def table_rows(table: dict[str, Any]) -> list[tuple[str, list[list[str]]]]:
             [row["setting"], f"{row['beta_trained']:.4g}", *(f"{row[c]:.3f}" for c in ("reward", "length", "kl_ref")),
              kl_opt + spread, f"{row['objective']:.4f}", f"{max(row['regret'], 0.0):.4f}"])
     return list(groups.items())
+
+
+ESTIMATORS_HEADER = ("estimator", "E_pi[sum_t k_t]", "minus KL(pi || pi_ref)")
+
+
+def estimator_rows(result: dict[str, Any]) -> list[list[str]]:
+    """The estimators' expectations against the KL, as text cells (the KL itself in the first row)."""
+    return [["KL(pi || pi_ref)", f"{result['kl']:.6f}", ""]] + [
+        [row["estimator"], f"{row['expectation']:.6f}", f"{row['bias']:.1e}"] for row in result["rows"]]
 
 
 def target_rows(result: dict[str, Any]) -> list[list[str]]:
