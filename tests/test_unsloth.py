@@ -59,6 +59,16 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     assert result["generated_again"] == {"loss": "_AdaptiveEfficientGRPO", "upstream": "UnslothEfficientGRPO",
                                          "replacements_added": 0}
     assert (result["method"], result["threshold"]) == ("clip+dynamic", 0.5)
+    # unpatch() after generation: once, in words; patch() then says why it cannot hook again (it said "imported after
+    # unsloth", which was not so)
+    assert result["unpatch_warnings"] == [
+        "unsloth_adaptive_kl.unpatch(): Unsloth generated UnslothGRPOTrainer and UnslothGRPOConfig while this package "
+        "was patched; the trainer is stock again, but the config class keeps the adaptive-KL fields, which it no "
+        "longer reads (set one and nothing adapts). Start a new Python process for stock Unsloth."]
+    assert result["patch_after_unpatch"] == (
+        "unsloth_adaptive_kl.patch() after unpatch(): Unsloth generated UnslothGRPOTrainer while this package was "
+        "patched, and unpatch() took its hooks off; they cannot be put back on that class. Start a new Python process "
+        "to train with adaptive KL in Unsloth.")
     assert result["restored"] == ["GRPOConfig", "clip+dynamic", 0.5]
     assert result["error"] == "kl_clip_threshold=-1.0 is invalid: allowed is a finite number > 0."
     # stock_unsloth (the stock side of the self-check, the GPU scenarios and the cost benchmarks, whose whole steps

@@ -304,7 +304,7 @@ def scenario_config(out: str) -> dict:
     hook = unsloth_adaptive_kl.integrations.unsloth
     replaced, generated = len(hook._patches), sys.modules[trl.GRPOTrainer.__module__]
     rl._patch_trl_rl_trainers("grpo_trainer")
-    return {
+    result = {
         "stock_step": stock_step_bypass(trl.GRPOTrainer),
         "patched_again": unsloth_adaptive_kl.is_patched() and trl.GRPOTrainer.__name__ == "UnslothGRPOTrainer",
         "config_class": f"{type(args).__module__}.{type(args).__name__}", "config_mro": [c.__name__ for c in type(args).__mro__][:4],
@@ -319,6 +319,19 @@ def scenario_config(out: str) -> dict:
                             "upstream": hook._AdaptiveEfficientGRPO.upstream.__qualname__,
                             "replacements_added": len(hook._patches) - replaced},
     }
+    # unpatch() once Unsloth generated its trainer under the hooks: the generated config keeps the fields, which the
+    # restored trainer no longer reads (said once), and patch() cannot hook that class again (said as such)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unsloth_adaptive_kl.unpatch()
+        unsloth_adaptive_kl.unpatch()
+    result["unpatch_warnings"] = [str(w.message) for w in caught if "unpatch()" in str(w.message)]
+    try:
+        unsloth_adaptive_kl.patch()
+        result["patch_after_unpatch"] = None
+    except ImportError as refused:
+        result["patch_after_unpatch"] = str(refused)
+    return result
 
 
 def stock_step_bypass(trainer_class: type) -> dict:

@@ -81,6 +81,8 @@ GENERATED_CONFIG = "UnslothGRPOConfig"
 # (trainer, calls) of the compute_loss running now; the shim appends its KLTerm for it.
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("adaptive_kl_unsloth_compute_loss", default=None)
 _patches = PatchSet()
+# True once unpatch() took the hooks off a trainer Unsloth generated under them: a class that cannot be hooked again
+_unpatched_generation = False
 
 
 def _missing(package: str, anchor: Anchor) -> Callable[[], Exception]:
@@ -477,7 +479,14 @@ _FINDER = _RLModuleFinder()
 
 
 def check_import_order() -> None:
-    """Raise ImportError when Unsloth already generated its GRPO trainer: too late to patch it correctly."""
+    """Raise ImportError when Unsloth already generated its GRPO trainer: too late to patch it correctly (after an
+    `unpatch()` of the hooked trainer too: its hooks cannot be put back on the class Unsloth generated)."""
+    if _unpatched_generation:
+        raise ImportError(
+            "unsloth_adaptive_kl.patch() after unpatch(): Unsloth generated UnslothGRPOTrainer while this package was "
+            "patched, and unpatch() took its hooks off; they cannot be put back on that class. Start a new Python "
+            "process to train with adaptive KL in Unsloth."
+        )
     if generated_grpo_trainer() is not None or GENERATED_CLASS in sys.modules:
         raise ImportError(
             "unsloth_adaptive_kl was imported after unsloth, which has already generated UnslothGRPOTrainer from "
@@ -498,7 +507,17 @@ def patch() -> None:
 
 
 def unpatch() -> None:
-    """Remove the import hook and restore every Unsloth object replaced. Idempotent."""
+    """Remove the import hook and restore every Unsloth object replaced. Idempotent. Where Unsloth already generated
+    its trainer under the hooks, its generated config keeps the adaptive-KL fields, which the restored trainer no
+    longer reads: a warning says so (once), and a later `patch()` refuses (`check_import_order`)."""
+    global _unpatched_generation
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
+    hooked = bool(_patches)
     _patches.restore()
+    if hooked and generated_grpo_trainer() is not None and not _unpatched_generation:
+        _unpatched_generation = True
+        warnings.warn("unsloth_adaptive_kl.unpatch(): Unsloth generated UnslothGRPOTrainer and UnslothGRPOConfig while "
+                      "this package was patched; the trainer is stock again, but the config class keeps the "
+                      "adaptive-KL fields, which it no longer reads (set one and nothing adapts). Start a new Python "
+                      "process for stock Unsloth.", UserWarning, stacklevel=3)
