@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import AdaptiveKLConfig
+from .config import AdaptiveKLConfig, is_real, reject
 from .registry import BETA_CONTROLLERS as _CONTROLLERS
 from .registry import new_method_name
 
@@ -38,11 +38,9 @@ class WindowKL:
         # number >= 0, would move beta to inf, NaN or 0 (from which a multiplicative update never returns)
         for name in ("token_mean", "sequence_sum", "completions"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isinf(value) or (
-                    name == "completions" and not value >= 0):
-                raise ValueError(f"WindowKL.{name}={value!r} is invalid: allowed is "
-                                 + ("a finite number >= 0 (the completions the step accounts for)." if
-                                    name == "completions" else "a finite number, or NaN where the step measured none."))
+            if not is_real(value) or math.isinf(value) or (name == "completions" and not value >= 0):
+                raise reject(f"WindowKL.{name}", value, "a finite number >= 0 (the completions the step accounts for)"
+                             if name == "completions" else "a finite number, or NaN where the step measured none")
 
 
 class ConstantBeta:

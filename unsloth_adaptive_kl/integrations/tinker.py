@@ -166,7 +166,7 @@ def clip_bounds(clip_epsilon: float, clip_epsilon_high: Optional[float]) -> tupl
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-def check_loss_placement(akl: AdaptiveKL, door: str) -> None:
+def check_loss_route(akl: AdaptiveKL, door: str) -> None:
     """Routes 1 and 3 put beta * KL into the loss beside a PPO-clip surrogate: a ValueError where the settings put it
     into the rewards, or where `akl.loss_type` names another policy-gradient term."""
     if akl.config.kl_in_reward:
@@ -231,7 +231,7 @@ class GRPOKLLoss:
         token_normalizer: Optional[Number] = None,
     ) -> None:
         akl.check_settings()
-        check_loss_placement(akl, "grpo_kl_loss")
+        check_loss_route(akl, "grpo_kl_loss")
         self.clip_low, self.clip_high = clip_bounds(clip_epsilon, clip_epsilon_high)
         self.beta = akl.current_beta
         self.config = copy.copy(akl.config)  # the settings checked now: a later change to akl's is refused at akl.step
@@ -407,7 +407,7 @@ def traceable_grpo_loss(
     low_var_kl, k1+, k3+, k1_future (its KL-to-go runs over the datum, which is one completion) and registered
     callables torch.fx can trace. Not: k3_bottom_percentile (a batch statistic)."""
     akl.check_settings()
-    check_loss_placement(akl, "traceable_grpo_loss")
+    check_loss_route(akl, "traceable_grpo_loss")
     config = copy.copy(akl.config)  # traced once: a later change to akl's settings is refused by traced_loss_data
     if isinstance(config.estimator, str) and config.estimator in _BATCH_ESTIMATORS:
         raise ValueError(f"kl_estimator={config.estimator!r} selects tokens by a batch-wide percentile, which a "
@@ -462,7 +462,7 @@ def traced_loss_data(
     in the Datums' `logprobs` or `ref_logprobs` on a valid token raises `NonFiniteLogProbError` here, before anything
     is sent."""
     akl.check_settings()
-    check_loss_placement(akl, "traced_loss_data")
+    check_loss_route(akl, "traced_loss_data")
     mask = _batch(data, MASK)
     check_datum_batch(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), _batch(data, ADVANTAGES), mask,
                       akl.completed_steps + 1)
