@@ -459,6 +459,10 @@ def test_a_format_2_state_loads_without_the_steps_kl() -> None:
                                                                 "0 <= beta_min <= beta=0.1."),
         (dict(config=None, beta=math.nan), "beta=nan is invalid: allowed is a finite number >= 0."),
         (dict(config=None, beta=-0.1), "beta=-0.1 is invalid: allowed is a finite number >= 0."),
+        # a number, but not a Python one: said so (it read "0.04 is invalid: allowed is a number")
+        (dict(config=None, beta=torch.tensor(0.5)), "beta=tensor(0.5000) is invalid: allowed is a finite number >= 0, "
+                                                    "as a Python int or float (this is a torch.Tensor: pass "
+                                                    "float(...))."),
         (dict(config=None, beta=0.1, loss_type="ppo"), "loss_type='ppo' is not supported by adaptive KL: allowed is one "
                                                        "of bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo."),
     ],

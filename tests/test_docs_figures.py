@@ -542,13 +542,20 @@ DEMO_RUNS = sorted(path.parent.name for path in (ROOT / "docs" / "results").glob
 
 
 def test_every_committed_demo_run_has_the_settings_the_results_page_names_once() -> None:
-    """results.md renders the seeds of one run and says every comparison ran them, with the steps, beta, loss type
-    and learning rate it names: every committed run must have them."""
-    settings = {run: load(f"docs/results/{run}/summary.json")["settings"] for run in DEMO_RUNS}
+    """results.md renders the seeds of one run and says every comparison ran them, with the steps, beta, loss type,
+    learning rate and averaging window it names (and the pages name them as settings: 120 steps, beta=0.04, the last
+    12 steps, target's kl_target=0.2 and kl_horizon=100, a sync every 30 steps): every committed run must have them."""
+    runs = {run: load(f"docs/results/{run}/summary.json") for run in DEMO_RUNS}
+    settings = {run: data["settings"] for run, data in runs.items()}
     assert len(settings) == 4
     for run, given in settings.items():
         assert (given["seeds"], given["steps"], given["beta"], given["loss_type"], given["learning_rate"]) == \
             (settings["default"]["seeds"], 120, 0.04, "dapo", None), run  # None: the tiny task's 5e-3
+        assert runs[run]["window"] == 12, run
+    for run in ("options", "kl_in_reward"):  # the runs with a `target` variant
+        assert (settings[run]["kl_target"], settings[run]["kl_horizon"]) == (0.2, 100.0), run
+    assert [method for method in settings["ref_sync"]["methods"] if method.startswith("ref_sync:")] == \
+        ["ref_sync:30", "ref_sync:30:reset"]
 
 
 def mean_and_std(cell: str, mean: float, std: float, decimals: int) -> None:
@@ -703,10 +710,13 @@ def test_kl_lab_sentences_and_groups(hook: Any) -> None:
     fixed(found[2], target["beta_star"], 4)
     assert float(found[3]) == target["beta_0"] and int(found[4]) == target["training"]["steps"]
     training = next(iter(lab["tables"].values()))["training"]
-    found = re.search(r"\(torch \S+, (\d+) s on a 2-core CPU\): (\d+) groups of (\d+) completions a step, "
-                      r"(\d+) steps", hook.kl_lab_run())
+    found = re.search(r"\(torch \S+, (\d+) s on (.+?)\): (\d+) groups of (\d+) completions a step, "
+                      r"(\d+) steps, .*, seeds (.+) averaged", hook.kl_lab_run())
     fixed(found[1], lab["seconds"], 0)
-    assert [int(n) for n in found.groups()[1:]] == [training["groups"], training["group_size"], training["steps"]]
+    assert found[2] == lab["machine"] and lab["machine"].startswith("CPU: ")  # the machine the run recorded
+    assert [int(n) for n in found.groups()[2:5]] == [training["groups"], training["group_size"], training["steps"]]
+    # the seeds themselves (it read "seeds 2 averaged", the count, beside the trainer lab's "seeds 0, 1 averaged")
+    assert found[6] == ", ".join(str(seed) for seed in range(lab["seeds"]))
     for environment, table in lab["tables"].items():
         groups = re.findall(r"^\*\*(.+)\*\*$", hook.kl_lab(environment), re.MULTILINE)
         assert groups == list(dict.fromkeys(row["group"] for row in table["rows"]))
@@ -1005,3 +1015,37 @@ def test_render_passes_each_markers_argument(hook: Any) -> None:
     fixed(percent, (load("benchmarks/loss_overhead.json")["large"]["headline"]["ratio"] - 1) * 100, 1)
     with pytest.raises(KeyError):
         hook.render("<!-- generated: no_such_block -->")
+
+
+def test_a_value_selector_with_two_conditions_and_the_effective_beta_of_one_trainer_lab_row(hook: Any) -> None:
+    """`rows[recipe=defaults&setting=...]` selects the one row both name (a recipe's and a setting's), and
+    `kl_lab_effective_beta TRAINER:RECIPE:SETTING` renders that row's effective beta as the lab's tables do ("beyond
+    pi*" where the policy ended further from the reference than every optimum)."""
+    lab = load("docs/results/kl_lab_trl.json")["trainers"]["trl"]
+
+    def row(recipe: str, setting: str) -> dict:
+        (found,) = [r for r in lab["rows"] if r["recipe"] == recipe and r["setting"] == setting]
+        return found
+
+    for recipe, setting in (("defaults", "k1 in the reward"), ("dr_grpo", "k3 in the loss (the trainer's own)"),
+                            ("defaults", "k3 in the loss (the trainer's own)")):
+        shown = hook.value(f"docs/results/kl_lab_trl.json:trainers.trl.rows[recipe={recipe}&setting={setting}]"
+                           ".train.length:.3f")
+        assert shown == f"{row(recipe, setting)['train']['length']:.3f}"
+        beta = row(recipe, setting)["train"]["effective_beta"]
+        assert hook.kl_lab_effective_beta(f"trl:{recipe}:{setting}") == ("beyond pi*" if beta is None else f"{beta:.3g}")
+    # the words of choosing-a-setting.md: at TRL's defaults a loss-side beta acts far weaker than its value (stock's
+    # k3 and sigmoid beyond every optimum), the summed k1 in the reward as its value, and stock's k3 as about its value
+    # without the group scaling (the dr_grpo recipe)
+    given = lab["beta"]
+    for setting in ("k3 in the loss (the trainer's own)", "sigmoid in the loss"):
+        assert row("defaults", setting)["train"]["effective_beta"] is None
+    assert row("defaults", "length_normalized in the loss")["train"]["effective_beta"] < 0.75 * given
+    assert row("defaults", "k1 in the reward")["train"]["effective_beta"] == pytest.approx(given, rel=0.05)
+    assert row("dr_grpo", "k3 in the loss (the trainer's own)")["train"]["effective_beta"] == pytest.approx(given,
+                                                                                                          rel=0.05)
+    # "their mean lengths ... against ... with no KL": longer than the summed k1's, shorter than no KL's
+    for setting in ("k3 in the loss (the trainer's own)", "sigmoid in the loss", "length_normalized in the loss"):
+        length = row("defaults", setting)["train"]["length"]
+        assert row("defaults", "k1 in the reward")["train"]["length"] < length < row("defaults", "beta = 0 (no KL)")[
+            "train"]["length"]

@@ -82,6 +82,23 @@ def test_a_batch_no_reward_function_scored_has_no_mean_reward_and_dynamic_does_n
     assert trainer.adaptive_kl.controller.generation_batch == 2
 
 
+@pytest.mark.parametrize(("rewards", "threshold", "betas"), [
+    ([0.0, 1.0] * 3, 0.6, [0.04, 0.04, 0.04]),  # each step's mean is 0.5: no decay (the last batch's 1.0 decayed it)
+    ([1.0, 0.0] * 3, 0.4, [0.04, 0.02, 0.01]),  # each step's mean is 0.5: a decay each step (the last's 0.0: none)
+])
+def test_dynamic_reads_the_mean_reward_of_every_generation_batch_a_step_trained_on(
+        tokenizer, tmp_path, rewards: list[float], threshold: float, betas: list[float]) -> None:
+    """gradient_accumulation_steps=2 with steps_per_generation=1: each optimizer step trains on two generation batches,
+    whose mean rewards here alternate, so TRL logs the step's reward as 0.5. `dynamic` decays on the mean reward of
+    the completions the step trained on (0.5), not on its last batch's."""
+    trainer = make_trainer(tokenizer, str(tmp_path), rewards_by_step(rewards), max_steps=3, dynamic_beta_decay=0.5,
+                           reward_threshold=threshold, kl_adaptation_method="dynamic", beta=0.04,
+                           gradient_accumulation_steps=2, steps_per_generation=1)
+    trainer.train()
+    assert logged(trainer, "reward") == pytest.approx([0.5, 0.5, 0.5])
+    assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx(betas)
+
+
 def test_an_infinite_mean_reward_is_refused_as_in_a_loop_of_ones_own(tokenizer, tmp_path) -> None:
     """A reward function returning inf: TRL logs a mean reward of inf, on which dynamic decayed (on ccb0d5c) where
     step(mean_reward=inf) is refused. Now refused at the trainer's door too, naming the value, before step 2's loss."""
@@ -118,6 +135,23 @@ def test_resume_from_checkpoint_restores_beta(tokenizer, tmp_path) -> None:
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert logged(resumed, "adaptive_kl/current_beta")[-4:] == pytest.approx([0.04 * 0.8**k for k in range(4, 8)])
     assert resumed.current_beta == pytest.approx(full.current_beta, rel=1e-12)
+
+
+def test_the_checkpoint_a_hub_push_uploads_holds_the_controllers_state(tokenizer, tmp_path) -> None:
+    """transformers' _save_checkpoint ends by pushing the folder (`_push_from_checkpoint`, with push_to_hub and a
+    checkpoint hub_strategy): the state must be in the folder by then (it was written after, so a run resumed from
+    the Hub's checkpoint restarted beta). The push is recorded, not made (no network)."""
+    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), max_steps=2, dynamic_beta_decay=0.8,
+                           save_strategy="steps", save_steps=1, **DYNAMIC)
+    pushed = {}
+    trainer._push_from_checkpoint = lambda folder: pushed.update({Path(folder).name: (
+        sorted(path.name for path in Path(folder).iterdir()),
+        json.loads((Path(folder) / "adaptive_kl_state.json").read_text())["value"])})
+    trainer.args.push_to_hub, trainer.args.hub_strategy = True, "checkpoint"  # set after construction: no repo made
+    trainer.train()
+    assert set(pushed) == {"checkpoint-1", "checkpoint-2"}
+    assert all("adaptive_kl_state.json" in names and "trainer_state.json" in names for names, _ in pushed.values())
+    assert [pushed[f"checkpoint-{step}"][1] for step in (1, 2)] == pytest.approx([0.04 * 0.8, 0.04 * 0.8**2])
 
 
 def test_resume_without_the_state_file_warns_naming_it(tokenizer, tmp_path) -> None:

@@ -191,11 +191,19 @@ def test_the_estimators_expectations_against_the_kl_by_an_independent_formula() 
     cut = float((weight * (k3 - k3.clamp(max=10.0)).sum(-1)).sum())
     assert figures["low_var_kl"]["bias"] == pytest.approx(-cut, rel=1e-3, abs=1e-7)
     assert [row["estimator"] for row in result["rows"]] == list(BUILT_IN_ESTIMATORS)
+    # the spread of one completion's estimate, sqrt(E[X^2] - E[X]^2) over y ~ pi, in float64 by hand: k1's X is the
+    # completion's log-ratio, k3's and k2's the sums of their per-token values
+    for name, summed in (("k1", -r.sum(-1)), ("k3", k3.sum(-1)), ("k2", (0.5 * r ** 2).sum(-1))):
+        spread = math.sqrt(float((weight * summed ** 2).sum()) - float((weight * summed).sum()) ** 2)
+        assert figures[name]["std"] == pytest.approx(spread, rel=1e-5), name
+    # "k1: the widest spread of the unbiased ones" (the estimators page)
+    assert figures["k1"]["std"] > max(figures[name]["std"] for name in ("k3", "k3+", "low_var_kl"))
     # the committed figures (the estimators page's table) are this computation's
     stored = json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())["estimators"]
     assert [row["estimator"] for row in stored["rows"]] == list(BUILT_IN_ESTIMATORS)
     for mine, theirs in zip(result["rows"], stored["rows"]):
         assert theirs["expectation"] == pytest.approx(mine["expectation"], rel=1e-6), mine["estimator"]
+        assert theirs["std"] == pytest.approx(mine["std"], rel=1e-6), mine["estimator"]
 
 
 def test_the_words_the_docs_use_for_the_lab_hold_in_its_tables() -> None:

@@ -406,16 +406,18 @@ def test_a_generation_that_logs_no_mean_reward_is_an_error_naming_that_anchor(to
         trainer._generate_and_score_completions([{"prompt": prompt} for prompt in PROMPTS[:4]])
 
 
+def owner() -> type:
+    """A class with two attributes for a PatchSet to replace."""
+    return type("Owner", (), {"value": "original", "other": "other"})
+
+
 def test_a_patch_set_restores_newest_first_down_to_a_kept_count_and_knows_what_it_replaced() -> None:
     """Three replacements, the first and third of one attribute: `restore(keep=1)` undoes the newest two (value back
     to 'first', other back to 'other'), `restore()` the first (value back to 'original'); `len` counts the
     replacements held and `replaced` answers for the owner and name of a held one only."""
     from unsloth_adaptive_kl.integrations.patching import PatchSet
 
-    class Owner:
-        value = "original"
-        other = "other"
-
+    Owner = owner()
     patches = PatchSet()
     patches.replace(Owner, "value", "first")
     patches.replace(Owner, "other", "changed")
@@ -429,15 +431,68 @@ def test_a_patch_set_restores_newest_first_down_to_a_kept_count_and_knows_what_i
     assert not patches and len(patches) == 0 and (Owner.value, Owner.other) == ("original", "other")
 
 
+def test_a_restore_leaves_a_value_set_since_by_someone_else() -> None:
+    """Unsloth points trl.GRPOConfig at the config it generates after the package patched it: unpatch() put TRL's own
+    back over Unsloth's, beside Unsloth's trainer (which then failed on a config without Unsloth's fields). unpatch()'s
+    restore undoes only what still holds the replacement it made; a block's is undone whatever the block set."""
+    from unsloth_adaptive_kl.integrations.patching import PatchSet
+
+    Owner = owner()
+    patches = PatchSet()
+    patches.replace(Owner, "value", "ours")
+    patches.replace(Owner, "other", "ours too")
+    Owner.value = "theirs"  # set again since, by another package
+    patches.restore(leave_newer=True)
+    assert (Owner.value, Owner.other, len(patches)) == ("theirs", "other", 0)
+    with PatchSet() as block:  # a block restores what was there before it, whatever it set since
+        block.replace(Owner, "value", "ours")
+        Owner.value = "set inside the block"
+    assert Owner.value == "theirs"
+
+
+def test_a_trainer_built_before_the_patch_says_so_at_its_first_step(tokenizer, tmp_path) -> None:
+    """A trainer built while trl was stock (before `import unsloth_adaptive_kl`, here between unpatch() and patch())
+    has no adaptive KL; the patched methods failed on "'GRPOTrainer' object has no attribute 'adaptive_kl'". A trainer
+    built after the patch is not affected."""
+    unsloth_adaptive_kl.unpatch()
+    try:
+        early = make_trainer(tokenizer, str(tmp_path / "early"), max_steps=1, beta=0.04)
+    finally:
+        unsloth_adaptive_kl.patch()
+    with pytest.raises(AttributeError, match=r"^adaptive_kl: this GRPOTrainer was built before unsloth_adaptive_kl "
+                                             r"patched trl .* Build the trainer after `import unsloth_adaptive_kl`\.$"):
+        early.train()
+    later = make_trainer(tokenizer, str(tmp_path / "later"), max_steps=1, beta=0.04)
+    assert later.adaptive_kl.current_beta == 0.04 and not hasattr(early, "adaptive_kl")
+
+
+def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_trainer_will_not_read_them() -> None:
+    """The package's GRPOConfig (`unsloth_adaptive_kl.GRPOConfig`, or a trl.GRPOConfig bound before unpatch()) still
+    takes the fields after unpatch(); a stock trainer built from it trained without them, silently."""
+    unsloth_adaptive_kl.unpatch()
+    try:
+        with pytest.warns(UserWarning, match=r"^kl_adaptation_method='clip' set while unsloth_adaptive_kl is "
+                                             r"unpatched \(unpatch\(\)\): a GRPOTrainer built now is trl's stock one, "
+                                             r"which reads none of the adaptive-KL fields\. Call "
+                                             r"unsloth_adaptive_kl\.patch\(\) before building the trainer\.$"):
+            unsloth_adaptive_kl.GRPOConfig(output_dir="x", use_cpu=True, beta=0.04, kl_adaptation_method="clip")
+    finally:
+        unsloth_adaptive_kl.patch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        unsloth_adaptive_kl.GRPOConfig(output_dir="x", use_cpu=True, beta=0.04, kl_adaptation_method="clip")
+    assert not [w for w in caught if "unpatched" in str(w.message)]
+
+
 def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:
     """`unsloth_adaptive_kl.patch()` returns early when TRL is patched; the integration's own `patch()`, called
-    directly, is idempotent as well: a second call records no second replacement (13 here: the 12 patch points and
-    the CPU fallback kernel where trl's has no CPU path, 12 otherwise) and leaves the fallback's upstream TRL's kernel,
+    directly, is idempotent as well: a second call records no second replacement (14 here: the 13 patch points and
+    the CPU fallback kernel where trl's has no CPU path, 13 otherwise) and leaves the fallback's upstream TRL's kernel,
     not the fallback itself (which would call itself on an accelerator)."""
     installed = len(trl_patch._patches)
     upstream = trl_patch.ChunkedLogProbWithCPUFallback.upstream
     trl_patch.patch()
-    assert len(trl_patch._patches) == installed == 12 + trl_patch.kernel_lacks_cpu_path()
+    assert len(trl_patch._patches) == installed == 13 + trl_patch.kernel_lacks_cpu_path()
     assert trl_patch.ChunkedLogProbWithCPUFallback.upstream is upstream
 
 

@@ -744,8 +744,7 @@ def test_the_custom_and_the_traced_routes_share_their_checks() -> None:
     with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{sampler}"):
         integration.traced_loss_data(akl, [datum])
     for route in (integration.grpo_kl_loss, integration.traceable_grpo_loss):
-        with pytest.raises(ValueError, match=r"clip_epsilon=1.5 / clip_epsilon_high=None: allowed is 0 <= clip_epsilon "
-                                             r"< 1"):
+        with pytest.raises(ValueError, match=r"^clip_epsilon=1\.5 is invalid: allowed is a number with 0 <= x < 1\.$"):
             route(akl, clip_epsilon=1.5)
 
 
@@ -932,10 +931,15 @@ def test_clip_bounds_and_an_asymmetric_high_clip_in_both_routes() -> None:
                                                     (0.0, 0.0, (1.0, 1.0)), (0.1, 0.3, (0.9, 1.3))):
         loss_fn = integration.grpo_kl_loss(akl, clip_epsilon=clip_epsilon, clip_epsilon_high=clip_epsilon_high)
         assert (loss_fn.clip_low, loss_fn.clip_high) == pytest.approx(bounds)
-    for clip_epsilon, clip_epsilon_high in ((1.0, None), (-0.1, None), (0.2, -0.1)):
+    # each field by its name (a text epsilon raised a bare TypeError, a bool one was taken as 1.0)
+    for clip_epsilon, clip_epsilon_high, message in (
+            (1.0, None, r"^clip_epsilon=1\.0 is invalid: allowed is a number with 0 <= x < 1\.$"),
+            (-0.1, None, r"^clip_epsilon=-0\.1 is invalid: "), ("0.2", None, r"^clip_epsilon='0\.2' is invalid: "),
+            (0.2, -0.1, r"^clip_epsilon_high=-0\.1 is invalid: allowed is a finite number >= 0, or None for "
+                        r"clip_epsilon\.$"),
+            (0.2, True, r"^clip_epsilon_high=True is invalid: "), (0.2, math.inf, r"^clip_epsilon_high=inf is ")):
         for route in (integration.grpo_kl_loss, integration.traceable_grpo_loss):
-            with pytest.raises(ValueError, match=rf"^clip_epsilon={clip_epsilon!r} / clip_epsilon_high="
-                                                 rf"{clip_epsilon_high!r}: allowed is 0 <= clip_epsilon < 1"):
+            with pytest.raises(ValueError, match=message):
                 route(akl, clip_epsilon=clip_epsilon, clip_epsilon_high=clip_epsilon_high)
 
     ratios = [0.5, 1.25, 1.5]
@@ -1035,7 +1039,8 @@ def test_check_traced_loss_raises_on_an_infinite_log_prob_too() -> None:
 
     def result(policy_sum: float, ref_sum: float) -> Any:
         return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[],
-                                           metrics={policy: policy_sum, reference: ref_sum})
+                                           metrics={policy: policy_sum, reference: ref_sum,
+                                                    "custom/adaptive_kl/adapted_kl:sum": 0.5})
 
     integration.check_traced_loss(akl, result(-5.0, -6.0))
     with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the ref_logprobs \(the reference tensor\): "
@@ -1201,3 +1206,87 @@ def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> N
         integration.grpo_kl_loss(akl)([datum], [torch.full((3,), -1.0, requires_grad=True)])
     with pytest.raises(ValueError, match=message):
         integration.traced_loss_data(akl, [datum])
+
+
+def test_check_traced_loss_raises_where_the_kl_overflowed_on_finite_log_probs() -> None:
+    """Policy -95, reference -1 on a valid token: k3 = e^94 - 94 - 1 overflows float32. grpo_kl_loss raises on its
+    thread; the traced loss returned inf (a -inf gradient) with finite log-prob sums, and check_traced_loss, the guard
+    before optim_step, let it through."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="grpo")
+    datum = integration.completion_datum([1, 2], [3], [-95.0], [-1.0])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0]))
+    with pytest.raises(FloatingPointError, match=r"non-finite KL at step 1"):
+        integration.grpo_kl_loss(akl)([datum], [torch.tensor([0.0, -95.0], requires_grad=True)])
+    fn, ranks = integration.traceable_grpo_loss(akl)
+    (traced,) = integration.traced_loss_data(akl, [datum])
+    _, metrics = fn(torch.tensor([0.0, -95.0]), *[traced.loss_fn_inputs[name].to_torch() for name in list(ranks)[1:]])
+    summed = {key: float(value) for key, value in metrics.items()}
+    assert math.isinf(summed["custom/adaptive_kl/adapted_kl:sum"])
+    assert math.isfinite(summed["custom/adaptive_kl/policy_logprobs:sum"])
+    result = types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[], metrics=summed)
+    with pytest.raises(FloatingPointError, match=r"^adaptive KL: non-finite KL at step 1: "
+                                                 r"custom/adaptive_kl/adapted_kl:sum=inf\. .* instead of calling "
+                                                 r"optim_step\.$"):
+        integration.check_traced_loss(akl, result)
+
+
+@pytest.mark.parametrize(("loss_type", "kwargs", "message"), [
+    ("dapo", dict(token_normalizer=torch.tensor(-5.0)), r"^token_normalizer=-5\.0 is invalid: allowed is a finite "
+                                                        r"number > 0"),
+    ("dapo", dict(token_normalizer=torch.tensor(0.0)), r"^token_normalizer=0\.0 is invalid: "),
+    ("dapo", dict(token_normalizer=torch.tensor([2.0, 3.0])), r"^token_normalizer is invalid: a tensor of shape "
+                                                              r"\(2,\); allowed is one number > 0"),
+    ("dr_grpo", dict(max_completion_length=torch.tensor(-8)), r"^max_completion_length=-8 is invalid: allowed is an "
+                                                              r"integer >= 1"),
+    ("dr_grpo", dict(max_completion_length=torch.tensor(2.5)), r"^max_completion_length=2\.5 is invalid: "),
+])
+def test_a_tensor_divisor_is_checked_as_a_number_at_every_door(loss_type: str, kwargs: dict, message: str) -> None:
+    """A negative tensor divisor flipped the loss's sign in both Tinker routes (and the own loop's
+    max_completion_length): every door now reads a tensor divisor once and checks it as the number it holds."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type=loss_type)
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0, 1.0]))
+    logps, ref, mask = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-0.5, -1.5]]), torch.ones(1, 2)
+    for door in (lambda: integration.grpo_kl_loss(akl, **kwargs), lambda: integration.traced_loss_data(akl, [datum],
+                                                                                                       **kwargs),
+                 lambda: akl.kl_loss(logps, ref, mask, **kwargs)):
+        with pytest.raises(ValueError, match=message):
+            door()
+
+
+def test_a_one_element_token_normalizer_is_one_number_in_the_tinker_routes() -> None:
+    """A (1,)-shaped count gave a (1,) loss and half the raw_kl in grpo_kl_loss (the own loop's fix had not reached
+    it): the loss and metrics equal those of the same count as a number."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="dapo")
+    data = with_advantages([integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5]),
+                            integration.completion_datum([1], [2, 3, 4], [-1.0, -1.0, -1.0], [-1.0, -2.0, -1.0])],
+                           [1.0, -1.0])
+    rows = [torch.tensor([0.0, -1.0, -1.0]), torch.tensor([-1.0, -1.0, -1.0])]
+    (loss, metrics), (loss1, metrics1) = (integration.grpo_kl_loss(akl, token_normalizer=count)(data, rows)
+                                          for count in (5.0, torch.tensor([5.0])))
+    assert loss1.shape == () and torch.equal(loss1, loss)
+    assert metrics1 == metrics
+
+
+def test_traced_loss_data_refuses_a_beta_that_is_not_a_coefficient() -> None:
+    """beta=-0.1 made the KL term reward KL, NaN or inf the loss so, and True was taken as 1.0: the eager routes
+    (AdaptiveKL's beta) refuse each."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="grpo")
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0, 1.0]))
+    for beta in (-0.1, math.nan, math.inf, True):
+        with pytest.raises(ValueError, match=rf"^beta={beta!r} is invalid: allowed is a finite number >= 0, or None "
+                                             r"for akl\.current_beta\.$"):
+            integration.traced_loss_data(akl, [datum], beta=beta)
+    (traced,) = integration.traced_loss_data(akl, [datum], beta=0)
+    assert float(traced.loss_fn_inputs["beta"].to_torch()) == 0.0
+
+
+def test_std_epsilon_without_scale_by_std_warns_that_it_has_no_effect() -> None:
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
+    data = [integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])] * 2
+    with pytest.warns(UserWarning, match=r"^std_epsilon=0\.5 has no effect: it is read only with scale_by_std=True\.$"):
+        integration.kl_penalized_data(akl, data, [0.0, 1.0], group_size=2, std_epsilon=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integration.kl_penalized_data(akl, data, [0.0, 1.0], group_size=2, scale_by_std=True, std_epsilon=0.5)

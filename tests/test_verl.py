@@ -339,6 +339,24 @@ def test_the_loss_only_fields_are_not_inherited_by_the_reward():
     assert reward.kl_reduction == "sequence_sum"
 
 
+@pytest.mark.parametrize("estimator", ["k2", "k1_future"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_verls_kl_loss_metric_keeps_its_stock_meaning_beside_an_estimator(estimator, mode):
+    """verl's actor/kl_loss is the KL of kl_loss_type (low_var_kl here), as stock verl logs it, whatever estimator
+    the loss trains on (it was the estimator's: k1_future logged -0.03 where stock logs 0.36); the estimator's own
+    KL is adaptive_kl/raw_kl's (the core's sums)."""
+    batch = make_batch(seed=4)
+    config = actor_config(mode)
+    _, _, stock = run_loss(lambda **kw: ppo_loss(copy.deepcopy(config), **kw), batch, 2)
+    _, _, ours = run_loss(adaptive(copy.deepcopy(config), kl_estimator=estimator), batch, 2, beta=0.05)
+    assert [m["kl_loss"].values for m in ours] == [m["kl_loss"].values for m in stock]
+    lp, ref, mask = padded(batch)
+    own = {"k2": 0.5 * (lp - ref) ** 2, "k1_future": lp - ref}[estimator]
+    if mode == "token-mean":  # the estimator's KL, token mean over the mini-batch (two micro-batches, one entry each)
+        assert sums_of(ours).raw == pytest.approx(float(own[mask].mean()), rel=1e-5)
+    assert sums_of(ours).raw != pytest.approx(sum(m["kl_loss"].values[0] for m in stock), rel=1e-3)
+
+
 def test_k1_future_in_the_actor_loss_has_the_kl_to_go_gradient():
     """+adaptive_kl.kl_estimator=k1_future replaces verl's kl_loss_type in the actor loss: with token-mean the KL part
     is sum m (logp - ref) / N (verl's own 'kl' aggregated), and the gradient of each response token's log-prob is
@@ -400,6 +418,77 @@ def test_a_loss_only_field_with_the_kl_in_the_loss_off_is_refused(field, value):
     assert getattr(_GuardedTrainer(trainer_config(**{field: value})).loss_kl.config, field) == value
 
 
+@pytest.mark.parametrize(("switches", "block", "message"), [
+    # the reward block with the KL in the reward off: no reward controller was built, silently
+    (dict(use_kl_in_reward=False), dict(reward={"kl_adaptation_method": "target", "kl_target": 0.2}),
+     r"adaptive_kl\.reward\.kl_adaptation_method='target' acts on the KL in the reward, which is off "
+     r"\(algorithm\.use_kl_in_reward=False\): set algorithm\.use_kl_in_reward=True, or leave the adaptive_kl\.reward "
+     r"block out\."),
+    # a top-level method that `reward` overrides went to the loss's config, which is off: a fixed beta, silently
+    (dict(use_kl_loss=False), dict(kl_adaptation_method="dynamic", reward={"kl_adaptation_method": "clip"}),
+     r"adaptive_kl\.kl_adaptation_method='dynamic' acts on the KL in the actor loss, which is off "
+     r"\(actor_rollout_ref\.actor\.use_kl_loss=False\); the KL in the reward takes "
+     r"adaptive_kl\.reward\.kl_adaptation_method='clip'\."),
+    (dict(use_kl_loss=False, use_kl_in_reward=False), dict(kl_adaptation_method="clip"),
+     r"adaptive_kl\.kl_adaptation_method='clip' acts on the KL in the actor loss, which is off .*; the KL in the "
+     r"reward is off too \(algorithm\.use_kl_in_reward=False\)\."),
+    (dict(use_kl_loss=False), dict(kl_adaptation_method="clip", kl_target=0.3),  # clip in the reward reads no target
+     r"adaptive_kl\.kl_target=0\.3 acts on the KL in the actor loss, which is off .*; the settings of the KL in the "
+     r"reward do not read it\."),
+])
+def test_a_field_set_for_a_kl_that_is_off_is_refused(switches, block, message):
+    with pytest.raises(ValueError, match=message):
+        _GuardedTrainer(trainer_config(**switches, **block))
+
+
+def test_a_shared_field_with_one_kl_off_goes_to_the_other():
+    """A top-level field the reward's settings read is the reward's with the loss KL off (not refused), and a
+    default-valued reward block with the reward off changes nothing (not refused)."""
+    trainer = _GuardedTrainer(trainer_config(use_kl_loss=False, kl_adaptation_method="clip", kl_clip_threshold=0.5))
+    assert (trainer.loss_kl, trainer.reward_kl.config.kl_adaptation_method,
+            trainer.reward_kl.config.kl_clip_threshold) == (None, "clip", 0.5)
+    assert _GuardedTrainer(trainer_config(use_kl_in_reward=False, reward={"kl_adaptation_method": "none"})).reward_kl \
+        is None
+
+
+@pytest.mark.parametrize(("switches", "block", "message"), [
+    (dict(), "clip", r"^adaptive_kl='clip' is invalid: allowed is a block of AdaptiveKLConfig's fields, set one by one "
+                     r"\(\+adaptive_kl\.kl_adaptation_method=clip\)\.$"),
+    (dict(), {"reward": "target"}, r"^adaptive_kl\.reward='target' is invalid: allowed is a block of "),
+    # a bad value is named with the block that set it (it said kl_target=-1.0, for either block)
+    (dict(), {"reward": {"kl_adaptation_method": "target", "kl_target": -1.0}},
+     r"^adaptive_kl\.reward\.kl_target=-1\.0 is invalid: allowed is a finite number >= 0"),
+    (dict(), {"kl_clip_threshold": -1.0}, r"^adaptive_kl\.kl_clip_threshold=-1\.0 is invalid: allowed is a finite "),
+    # verl's fields by verl's names, before any rollout (it said num_iterations=0; a kl type failed at the first
+    # update with a bare NotImplementedError)
+    (dict(ppo_epochs=0), {}, r"^actor_rollout_ref\.actor\.ppo_epochs=0 is invalid: allowed is an integer >= 1\.$"),
+    (dict(kl_loss_type="low_var"), {}, r"^actor_rollout_ref\.actor\.kl_loss_type='low_var' is invalid: allowed is "
+                                       r"kl, k1, abs, mse, k2, low_var_kl or k3, each also with a trailing '\+'"),
+    (dict(kl_penalty="full"), {}, r"^algorithm\.kl_penalty='full' is invalid: allowed is kl, k1, abs, "),
+])
+def test_verls_block_and_fields_are_refused_by_their_verl_names(switches, block, message):
+    config = trainer_config(**{key: value for key, value in switches.items() if key != "ppo_epochs"})
+    config.adaptive_kl = block
+    if "ppo_epochs" in switches:
+        config.actor_rollout_ref.actor.ppo_epochs = switches["ppo_epochs"]
+    with pytest.raises(ValueError, match=message):
+        _GuardedTrainer(config)
+
+
+def test_a_target_horizon_that_would_end_beta_is_refused_before_the_first_rollout():
+    """n = data.train_batch_size x rollout.n = 3 x 2 = 6 completions a step: kl_horizon 1.2 (= n / 5) lets beta reach
+    0 for good. It was refused at the first controller step, after a rollout, without the block's name."""
+    config = trainer_config(use_kl_loss=False, reward={"kl_adaptation_method": "target", "kl_horizon": 1.2})
+    config.data = {"train_batch_size": 3}
+    config.actor_rollout_ref.rollout = {"n": 2}
+    with pytest.raises(ValueError, match=r"^adaptive_kl\.reward\.kl_horizon=1\.2 is invalid for steps of 6 completions "
+                                         r"with beta_min=0: .* allowed is kl_horizon > 1\.2 \(n / 5\), or beta_min > "
+                                         r"0; here n is data\.train_batch_size x actor_rollout_ref\.rollout\.n\.$"):
+        _GuardedTrainer(config)
+    config.adaptive_kl.reward.kl_horizon = 1.25
+    assert _GuardedTrainer(config).reward_kl.config.kl_horizon == 1.25
+
+
 def test_a_coefficient_of_zero_warns_in_verls_terms_and_only_for_fields_that_were_set():
     """kl_loss_coef = 0 / kl_coef = 0 turn a KL off: a field of the block that would then do nothing is named with its
     block and the verl setting that turned it off. On ccb0d5c the warning named the core's `beta` and, for the reward,
@@ -450,7 +539,8 @@ def test_verls_default_reward_estimator_is_the_log_ratio():
     assert estimator_warnings(trainer_config()) == []
 
 
-@pytest.mark.parametrize("kl_penalty", ["abs", "mse", "k2", "low_var_kl", "k3", "k3+", "full"])
+@pytest.mark.parametrize("kl_penalty", ["abs", "mse", "k2", "low_var_kl", "k3", "k3+"])  # "full": refused (verl has
+# no such KL: test_verls_block_and_fields_are_refused_by_their_verl_names)
 def test_a_reward_kl_penalty_other_than_the_log_ratio_warns_once_naming_verls_field(kl_penalty):
     (message,) = estimator_warnings(trainer_config(kl_penalty=kl_penalty))
     assert message.startswith(f"algorithm.kl_penalty={kl_penalty!r} with algorithm.use_kl_in_reward=True: a KL in the "
@@ -571,7 +661,11 @@ def test_length_normalized_in_the_reward_is_refused_naming_the_field_that_set_it
     assert str(raised.value) == (
         f"{where}.kl_adaptation_method={method!r} is invalid with algorithm.use_kl_in_reward=True: allowed is methods "
         "without length_normalized there (verl's reward KL is the sum over each completion's tokens)" + advice)
-    assert _GuardedTrainer(trainer_config(use_kl_in_reward=False, **block)).reward_kl is None  # the loss alone: fine
+    if where == "adaptive_kl":  # inherited by the reward alone: with the reward KL off the loss's is fine
+        assert _GuardedTrainer(trainer_config(use_kl_in_reward=False, **block)).reward_kl is None
+    else:  # set under reward, for a reward KL that is off: refused as doing nothing
+        with pytest.raises(ValueError, match=r"acts on the KL in the reward, which is off"):
+            _GuardedTrainer(trainer_config(use_kl_in_reward=False, **block))
 
 
 def test_verls_own_adaptive_reward_controller_is_refused_naming_its_field():

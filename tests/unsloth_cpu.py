@@ -326,6 +326,10 @@ def scenario_config(out: str) -> dict:
         unsloth_adaptive_kl.unpatch()
         unsloth_adaptive_kl.unpatch()
     result["unpatch_warnings"] = [str(w.message) for w in caught if "unpatch()" in str(w.message)]
+    # trl's config names stay the config Unsloth generated (they were put back to TRL's own, beside Unsloth's trainer,
+    # which then failed on a config without Unsloth's fields)
+    result["trl_config_after_unpatch"] = [module.GRPOConfig is type(args) for module in (
+        trl, trl.trainer, sys.modules["trl.trainer.grpo_trainer"], sys.modules["trl.trainer.grpo_config"])]
     try:
         unsloth_adaptive_kl.patch()
         result["patch_after_unpatch"] = None
@@ -338,7 +342,7 @@ def stock_step_bypass(trainer_class: type) -> dict:
     """Each name the integration replaced on the generated module and trainer class (its PatchSet's record), and
     those that are Unsloth's own object inside `stock_unsloth` and hooked again after it."""
     module, hook = sys.modules[trainer_class.__module__], unsloth_adaptive_kl.integrations.unsloth
-    replaced = [(owner, name, original) for owner, name, original in hook._patches._originals
+    replaced = [(owner, name, original) for owner, name, original, _ in hook._patches._originals
                 if owner is module or owner is trainer_class]
     from trl.trainer import utils as trl_utils
 
@@ -786,7 +790,7 @@ def failure_midway(out: str) -> dict:
     else:
         clip = None
     return {"raised": raised, "clip": clip, "efficient_grpo": module.UnslothEfficientGRPO.__qualname__,
-            "replaced": [(owner.__name__, name) for owner, name, _ in hook._patches._originals]}
+            "replaced": [(owner.__name__, name) for owner, name, _, _ in hook._patches._originals]}
 
 
 def scenario_settings(out: str) -> dict:

@@ -6,8 +6,9 @@ sigmoid), length normalisation and reductions, beta controllers (dynamic, target
 `adaptive_kl/length_kl_corr` (with `adaptive_kl/clip_fraction` for `clip` and `adaptive_kl/reward_penalty` for the
 KL in the reward; the docs' metrics page has each formula), and checkpointable state.
 
-Where TRL is installed, `import unsloth_adaptive_kl` also patches `trl.GRPOConfig` / `trl.GRPOTrainer` in place (the
-config gains the adaptive-KL fields, the trainer drives an `AdaptiveKL`), and, imported before `unsloth`, hooks the
+Where TRL is installed, `import unsloth_adaptive_kl` also replaces `trl.GRPOConfig` with a subclass that has the
+adaptive-KL fields and patches `trl.GRPOTrainer` in place (the trainer drives an `AdaptiveKL`), and, imported before
+`unsloth`, hooks the
 `UnslothGRPOTrainer` Unsloth generates. `unpatch()` restores the stock objects. With neither installed it is the core
 alone, silently. `python -m unsloth_adaptive_kl` checks the installed versions and anchors on this machine.
 """

@@ -17,7 +17,8 @@ returns. An unknown name fails the build. Sources:
 - `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_estimators`, `kl_lab_run`, `kl_lab_tables_show`,
   `kl_lab_target_reading`:
   `docs/results/kl_lab.json`, written by the KL lab (the sentences are `tabular_findings`');
-- `kl_lab_trainer NAME`, `kl_lab_findings NAME`, `kl_lab_side_by_side`, `kl_lab_differences`, `kl_lab_pad_is_eos`:
+- `kl_lab_trainer NAME`, `kl_lab_findings NAME`, `kl_lab_effective_beta NAME:RECIPE:SETTING`, `kl_lab_side_by_side`,
+  `kl_lab_differences`, `kl_lab_pad_is_eos`:
   `docs/results/kl_lab_NAME.json` (trl, unsloth, unsloth_pad_is_eos), written by the KL lab through the trainers
   (`--trainer`); the findings' sentences are `trainer_lab.findings` and its neighbours.
 """
@@ -328,14 +329,14 @@ def verl_loss(_: Optional[str] = None) -> str:
 
 def _values_at(data: Any, path: list[str]) -> list[Any]:
     """The values at a dotted path in JSON data: `key` (an index for a list), `key[]` every item of its list,
-    `key[field=text]` the items of its list whose `field` reads `text`."""
+    `key[field=text]` the items of its list whose `field` reads `text` (`key[a=x&b=y]`: both hold)."""
     if not path:
         return [data]
     key, _, selector = path[0].rstrip("]").partition("[")
     found = data[int(key)] if isinstance(data, list) else data[key]
     if "[" in path[0]:
-        field, _, text = selector.partition("=")
-        found = [item for item in found if not field or str(item.get(field)) == text]
+        conditions = [condition.partition("=")[::2] for condition in selector.split("&") if condition]
+        found = [item for item in found if all(str(item.get(field)) == text for field, text in conditions)]
     else:
         found = [found]
     return [v for item in found for v in _values_at(item, path[1:])]
@@ -477,7 +478,8 @@ def kl_lab_estimators(_: Optional[str] = None) -> str:
     """Each estimator's exact expectation against the KL (`tabular_lab.estimator_expectations`)."""
     from unsloth_adaptive_kl.tools.tabular_lab import estimator_rows, markdown
 
-    header = ["estimator", "\\( \\mathbb{E}_\\pi[\\sum_t k_t] \\)", "minus the KL"]
+    header = ["estimator", "\\( \\mathbb{E}_\\pi[\\sum_t k_t] \\)", "minus the KL",
+              "std of \\( \\sum_t k_t \\) over \\( y \\sim \\pi \\)"]
     return markdown(header, estimator_rows(_kl_lab()["estimators"]))
 
 
@@ -495,9 +497,11 @@ def kl_lab_run(_: Optional[str] = None) -> str:
     """How the committed lab run was made."""
     result = _kl_lab()
     training = next(iter(result["tables"].values()))["training"]
-    return (f"Made by `{result['command']}` (torch {result['torch']}, {result['seconds']:.0f} s on a 2-core CPU): "
+    seeds = ", ".join(str(seed) for seed in next(iter(result["tables"].values()))["seeds"])
+    return (f"Made by `{result['command']}` (torch {result['torch']}, {result['seconds']:.0f} s on "
+            f"{result['machine']}): "
             f"{training['groups']} groups of {training['group_size']} completions a step, {training['steps']} steps, "
-            f"Adam at {training['learning_rate']} decayed linearly to 0, seeds {result['seeds']} averaged "
+            f"Adam at {training['learning_rate']} decayed linearly to 0, seeds {seeds} averaged "
             "(a spread in KL(pi||pi*) above 0.05 between seeds is shown beside it).")
 
 
@@ -541,6 +545,17 @@ def kl_lab_side_by_side(_: Optional[str] = None) -> str:
 
     return markdown(*side_by_side_rows(_lab_through("trl")["trainers"]["trl"],
                                        _lab_through("unsloth")["trainers"]["unsloth"]))
+
+
+def kl_lab_effective_beta(argument: Optional[str] = None) -> str:
+    """One row's effective beta through a trainer, inside a sentence: `TRAINER:RECIPE:SETTING` gives the beta its
+    policy acted as (mean over seeds), or "beyond pi*" where it ended further from the reference than every optimum."""
+    from unsloth_adaptive_kl.tools.trainer_lab import _beta
+
+    trainer, recipe, setting = str(argument).split(":", 2)
+    (table,) = _lab_through(trainer)["trainers"].values()
+    (row,) = [row for row in table["rows"] if row["recipe"] == recipe and row["setting"] == setting]
+    return _beta(row["train"]["effective_beta"])
 
 
 def kl_lab_findings(name: Optional[str] = None) -> str:
@@ -669,6 +684,7 @@ def gpu_loss(_: Optional[str] = None) -> str:
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "kl_lab_trainer": kl_lab_trainer,
     "kl_lab_findings": kl_lab_findings,
+    "kl_lab_effective_beta": kl_lab_effective_beta,
     "kl_lab_differences": kl_lab_differences,
     "kl_lab_pad_is_eos": kl_lab_pad_is_eos,
     "kl_lab_side_by_side": kl_lab_side_by_side,

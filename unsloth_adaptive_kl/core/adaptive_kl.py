@@ -86,6 +86,9 @@ class AdaptiveKL:
         # before the first.
         self.last_raw_kl = math.nan
         self.last_metrics: dict[str, float] = {}
+        # The mean rewards of the generation batches observed since the last step: a step that trains on several
+        # (a trainer's gradient accumulation over more generation batches than one) hands the controller their mean.
+        self._rewards: list[float] = []
         self._held_warned = False  # a step held beta for want of its input and said so (once per run)
         self._optimizer_steps = OptimizerSteps()  # a loop of your own: did an optimizer step between its batches?
         self._unstepped_warned = False
@@ -131,11 +134,7 @@ class AdaptiveKL:
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
         check_batch(logps, ref_logps, mask, per_token_kl)
         check_estimator_read(self.config, per_token_kl)
-        if isinstance(token_normalizer, torch.Tensor):  # read once: a count <= 0 would flip or blow up the term
-            check_token_normalizer(token_normalizer)
-            # one number, whatever its shape: a (1,) count gave a (1,) term, which the metrics read as per-completion
-            token_normalizer = token_normalizer.reshape(())
-        ctx = ReductionContext(max_completion_length, token_normalizer)
+        ctx = divisors(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
         if train:
             self._warn_if_unstepped("kl_loss")
@@ -227,11 +226,13 @@ class AdaptiveKL:
 
     def observe_rewards(self, mean_reward: float) -> None:
         """The mean reward over all processes of a new training generation batch (un-penalised): a finite number, at
-        every door (`dynamic` would decay on +inf and never on NaN, silently); else a ValueError naming it."""
+        every door (`dynamic` would decay on +inf and never on NaN, silently); else a ValueError naming it. The
+        controller observes, at the step's end, the mean of the batches observed during the step: the mean reward of
+        the completions the step trained on, where its batches are of one size (a trainer's are)."""
         if isinstance(mean_reward, (str, bytes, bool)) or not math.isfinite(float(mean_reward)):
             raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
                          "the step scored no new generation batch")
-        self.controller.observe_rewards(mean_reward)
+        self._rewards.append(float(mean_reward))
 
     def record(
         self, term: Optional[KLTerm], *, gather: Gather, train: bool, end_of_step: bool, completed_steps: int
@@ -284,6 +285,9 @@ class AdaptiveKL:
         the placement says: the sums the step trained on, n counted once per generation batch; with the KL in the
         reward, those of the batch scored since the last step), which also becomes `last_raw_kl`."""
         self.check_settings()
+        if self._rewards:  # the generation batches of this step, as one: `dynamic` decides on their mean
+            self.controller.observe_rewards(sum(self._rewards) / len(self._rewards))
+            self._rewards = []
         self._warn_if_held(completed_steps, window)
         if window is None and self.config.kl_in_reward:
             window = None if self._scored is None else self._scored.window()
@@ -433,13 +437,22 @@ def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
                          "weight is not a mask: each nonzero entry would count as one whole token.")
 
 
-def check_token_normalizer(value: torch.Tensor) -> None:
-    """A tensor token normaliser (dapo/cispo/vespo's count of active tokens) is one number, read once and checked as a
-    number is (`ReductionContext`)."""
-    if value.numel() != 1:
-        raise ValueError(f"token_normalizer is invalid: a tensor of shape {tuple(value.shape)}; allowed is one number "
-                         "> 0 (the micro-batch's active tokens).")
-    ReductionContext(token_normalizer=value.item())
+def divisors(max_completion_length: Any, token_normalizer: Any) -> ReductionContext:
+    """The `ReductionContext` of a loop's own divisors (dr_grpo's `max_completion_length`, dapo/cispo/vespo's
+    `token_normalizer`), each checked as a number, a tensor too: it must hold one number, read once (a count <= 0
+    would flip or blow up the term). A one-element `token_normalizer` is that number whatever its shape (a (1,) count
+    gave a (1,) term, which the metrics read as per-completion); a tensor `max_completion_length` is its value."""
+    for name, value, allowed in (("max_completion_length", max_completion_length, "one integer >= 1"),
+                                 ("token_normalizer", token_normalizer, "one number > 0 (the micro-batch's active "
+                                                                        "tokens)")):
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"{name} is invalid: a tensor of shape {tuple(value.shape)}; allowed is {allowed}.")
+    if isinstance(max_completion_length, torch.Tensor):
+        max_completion_length = max_completion_length.item()
+    if isinstance(token_normalizer, torch.Tensor):
+        ReductionContext(token_normalizer=token_normalizer.item())  # its value, checked as a number is
+        token_normalizer = token_normalizer.reshape(())
+    return ReductionContext(max_completion_length, token_normalizer)
 
 
 def _sums(saved: Any) -> Optional[KLStatistics]:

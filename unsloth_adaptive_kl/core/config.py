@@ -141,8 +141,13 @@ def is_real(value: Any) -> bool:
 
 
 def check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
-    """`reject` unless value is a real number, not NaN, and `ok` holds."""
+    """`reject` unless value is a real number, not NaN, and `ok` holds. A numpy or torch number is refused as such,
+    saying so: the settings are kept and saved (a trainer's JSON) as Python numbers, and "0.04 is invalid: allowed is
+    a number" would read as a contradiction."""
     if not is_real(value) or math.isnan(value) or not ok:
+        if not is_real(value) and hasattr(value, "item"):  # a numpy or torch number
+            kind = type(value)
+            allowed += f", as a Python int or float (this is a {kind.__module__}.{kind.__qualname__}: pass float(...))"
         raise reject(name, value, allowed)
 
 

@@ -102,6 +102,17 @@ class DynamicBeta(ConstantBeta):
             self.value = config.beta_min
 
 
+def check_horizon(config: AdaptiveKLConfig, completions: float) -> None:
+    """`target`'s horizon against steps of n = `completions`: with beta_min = 0 and n / kl_horizon >= 5, the update
+    1 + e * n / kl_horizon (e down to -0.2) reaches 0, where a multiplicative update stays for good: a ValueError
+    naming kl_horizon, n and what is allowed. A loop that knows n before training checks it then."""
+    if completions / config.kl_horizon >= 5.0 and config.beta_min == 0:
+        raise ValueError(f"kl_horizon={config.kl_horizon!r} is invalid for steps of {completions:g} completions with "
+                         "beta_min=0: target's update beta * (1 + e * n / kl_horizon), e down to -0.2, would reach 0, "
+                         "and a multiplicative update never leaves 0; allowed is kl_horizon > "
+                         f"{completions / 5.0:g} (n / 5), or beta_min > 0.")
+
+
 class TargetKL(ConstantBeta):
     """The adaptive KL controller of Ziegler et al. (2019), on the loss beta. After each optimizer step, with KL the
     step's `kl_target_measure` and n its completions:
@@ -119,12 +130,7 @@ class TargetKL(ConstantBeta):
         if not math.isfinite(kl):
             return
         error = min(max(kl / config.kl_target - 1.0, -0.2), 0.2)
-        # 1 - 0.2 * n / H <= 0: beta would land on beta_min, and a multiplicative update never leaves 0
-        if window.completions / config.kl_horizon >= 5.0 and config.beta_min == 0:
-            raise ValueError(f"kl_horizon={config.kl_horizon!r} is invalid for steps of {window.completions:g} "
-                             "completions with beta_min=0: target's update beta * (1 + e * n / kl_horizon), e down to "
-                             "-0.2, would reach 0, and a multiplicative update never leaves 0; allowed is kl_horizon > "
-                             f"{window.completions / 5.0:g} (n / 5), or beta_min > 0.")
+        check_horizon(config, window.completions)
         value = max(self.value * (1.0 + error * window.completions / config.kl_horizon), config.beta_min)
         self.value = value if config.beta_max is None else min(value, config.beta_max)
 

@@ -15,7 +15,7 @@ class PatchSet:
     manager, every replacement made in the block is undone when it exits, also when it raises."""
 
     def __init__(self) -> None:
-        self._originals: list[tuple[Any, str, Any]] = []
+        self._originals: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, replacement)
 
     def __bool__(self) -> bool:
         return bool(self._originals)
@@ -32,16 +32,22 @@ class PatchSet:
         self.restore()
 
     def replaced(self, owner: Any, name: str) -> bool:
-        return any(o is owner and n == name for o, n, _ in self._originals)
+        return any(o is owner and n == name for o, n, _, _ in self._originals)
 
     def replace(self, owner: Any, name: str, replacement: Any) -> None:
-        self._originals.append((owner, name, vars(owner).get(name, _MISSING)))
+        self._originals.append((owner, name, vars(owner).get(name, _MISSING), replacement))
         setattr(owner, name, replacement)
 
-    def restore(self, keep: int = 0) -> None:
-        """Undo every replacement made after the first `keep` (by default all of them), newest first."""
+    def restore(self, keep: int = 0, *, leave_newer: bool = False) -> None:
+        """Undo every replacement made after the first `keep` (by default all of them), newest first. With
+        `leave_newer` (the end of a patch's life, `unpatch()`), an attribute that no longer holds the replacement was
+        set again since, by someone else (Unsloth points trl.GRPOConfig at the config it generates): that newer value
+        stays, as restoring ours would undo theirs. A block restores what was there before it, whatever the block
+        set since (the KL in the reward appends its weight to the trainer's for one generation)."""
         while len(self._originals) > keep:
-            owner, name, original = self._originals.pop()
+            owner, name, original, replacement = self._originals.pop()
+            if leave_newer and vars(owner).get(name, _MISSING) is not replacement:
+                continue
             if original is _MISSING:
                 delattr(owner, name)
             else:

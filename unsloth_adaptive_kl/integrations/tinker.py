@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -35,10 +36,10 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     raise ImportError("unsloth_adaptive_kl.integrations.tinker needs the Tinker SDK: pip install tinker") from error
 
 from ..core import AdaptiveKL, ReductionContext, reduce_kl
-from ..core.adaptive_kl import check_mask
+from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
-from ..core.config import check_real
+from ..core.config import check_real, is_real
 from ..core.errors import reject
 from ..core.reductions import REDUCTIONS, kl_reduction, loss_type_reduction, warn_unread_context
 from ..core.statistics import device_sums, gather_statistics
@@ -152,11 +153,14 @@ DATUM_LOGPS = {"policy": "loss_fn_inputs['logprobs'] (the sampler's)", "referenc
 
 
 def clip_bounds(clip_epsilon: float, clip_epsilon_high: Optional[float]) -> tuple[float, float]:
-    """(1 - clip_epsilon, 1 + clip_epsilon_high): the PPO-clip ratio bounds of routes 1 and 3. A ValueError outside
-    0 <= clip_epsilon < 1, clip_epsilon_high >= 0 (None: clip_epsilon)."""
-    if not 0 <= clip_epsilon < 1 or (clip_epsilon_high is not None and not clip_epsilon_high >= 0):
-        raise ValueError(f"clip_epsilon={clip_epsilon!r} / clip_epsilon_high={clip_epsilon_high!r}: allowed is "
-                         "0 <= clip_epsilon < 1 and clip_epsilon_high >= 0 (None: clip_epsilon)")
+    """(1 - clip_epsilon, 1 + clip_epsilon_high): the PPO-clip ratio bounds of routes 1 and 3. A ValueError naming
+    the field outside 0 <= clip_epsilon < 1, 0 <= clip_epsilon_high < inf (None: clip_epsilon)."""
+    check_real("clip_epsilon", clip_epsilon, is_real(clip_epsilon) and 0 <= clip_epsilon < 1,
+               "a number with 0 <= x < 1")
+    if clip_epsilon_high is not None:
+        check_real("clip_epsilon_high", clip_epsilon_high,
+                   is_real(clip_epsilon_high) and 0 <= clip_epsilon_high < math.inf,
+                   "a finite number >= 0, or None for clip_epsilon")
     return 1.0 - clip_epsilon, 1.0 + (clip_epsilon if clip_epsilon_high is None else clip_epsilon_high)
 
 
@@ -237,7 +241,7 @@ class GRPOKLLoss:
         self.config = copy.copy(akl.config)  # the settings checked now: a later change to akl's is refused at akl.step
         self.loss_type = akl.loss_type
         self.training_step = akl.completed_steps + 1  # the step this loss trains, as the non-finite message names it
-        self.context = ReductionContext(max_completion_length, token_normalizer)
+        self.context = divisors(max_completion_length, token_normalizer)
         warn_unread_context(self.context, self.config, self.loss_type)
         # A reduction missing its divisor would raise only when the SDK calls the loss, on its thread: ask both of
         # this step's reductions (the policy gradient's and the KL's) now, on a one-completion probe.
@@ -315,6 +319,8 @@ def record_step_kl(
 
 # ----- 2. the KL in the reward: Datums for the built-in importance_sampling loss --------------------------------------
 
+STD_EPSILON = 1e-4  # kl_penalized_data's default: added to a group's reward std with scale_by_std
+
 def kl_penalized_data(
     akl: AdaptiveKL,
     data: Sequence["types.Datum"],
@@ -322,7 +328,7 @@ def kl_penalized_data(
     group_size: int,
     *,
     scale_by_std: bool = False,
-    std_epsilon: float = 1e-4,
+    std_epsilon: float = STD_EPSILON,
     train: bool = True,
 ) -> tuple[list["types.Datum"], dict[str, float]]:
     """The KL in the reward, for Tinker's built-in `importance_sampling` loss (one forward_backward, no custom pass):
@@ -347,8 +353,11 @@ def kl_penalized_data(
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2 or len(data) % group_size:
         raise reject("group_size", group_size, f"an integer >= 2 that divides the {len(data)} completions (a "
                      "group's completions of one prompt)")
-    check_real("std_epsilon", std_epsilon, 0 < std_epsilon < math.inf, "a finite number > 0 (a group of equal "
-               "rewards has a std of 0)")
+    check_real("std_epsilon", std_epsilon, is_real(std_epsilon) and 0 < std_epsilon < math.inf, "a finite number > 0 "
+               "(a group of equal rewards has a std of 0)")
+    if not scale_by_std and std_epsilon != STD_EPSILON:
+        warnings.warn(f"std_epsilon={std_epsilon!r} has no effect: it is read only with scale_by_std=True.",
+                      UserWarning, stacklevel=2)
     unscored = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if unscored:  # one NaN would make every advantage of its group NaN, prompt positions included (NaN * 0)
         raise ValueError(f"rewards hold NaN or +-inf at completion(s) {unscored}: every reward must be a finite number "
@@ -376,6 +385,7 @@ PG_WEIGHTS, KL_WEIGHTS, BETA, OLD_LOGPROBS = "pg_weights", "kl_weights", "beta",
 # valid tokens (summed over the datums by the SDK).
 TRACED_CHECK = {"logprobs (the policy's, in the traced loss)": "custom/adaptive_kl/policy_logprobs:sum",
                 "ref_logprobs": "custom/adaptive_kl/ref_logprobs:sum"}
+TRACED_KL = "custom/adaptive_kl/adapted_kl:sum"  # the traced loss's adapted KL, summed over the datums
 # Estimators of batch statistics: per datum they would compute another KL.
 _BATCH_ESTIMATORS = frozenset({"k3_bottom_percentile"})
 
@@ -420,7 +430,7 @@ def traceable_grpo_loss(
         adapted = (kl_weights * stage.shaped).sum()
         kl_part = beta * adapted
         policy_sum, reference_sum = TRACED_CHECK.values()
-        return pg + kl_part, {"custom/grpo/pg_loss:sum": pg, "custom/adaptive_kl/adapted_kl:sum": adapted,
+        return pg + kl_part, {"custom/grpo/pg_loss:sum": pg, TRACED_KL: adapted,
                               "custom/grpo/kl_term:sum": kl_part, policy_sum: stage.check.sums[0],
                               reference_sum: stage.check.sums[1]}
 
@@ -466,12 +476,15 @@ def traced_loss_data(
     mask = _batch(data, MASK)
     check_datum_batch(_batch(data, SAMPLING_LOGPROBS), _batch(data, REF_LOGPROBS), _batch(data, ADVANTAGES), mask,
                       akl.completed_steps + 1)
-    context = ReductionContext(max_completion_length, token_normalizer)
+    context = divisors(max_completion_length, token_normalizer)
     warn_unread_context(context, akl.config, akl.loss_type)
+    if beta is not None:  # a negative one would reward KL, a NaN or inf make the loss so
+        check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0, or None for "
+                   "akl.current_beta")
     reduction = kl_reduction(akl.config, akl.loss_type)
     pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context, f"loss_type={akl.loss_type!r}")
     kl_weights = _reduction_weights(mask, reduction, context, f"kl_reduction={reduction!r}")
-    beta_value = torch.tensor(akl.current_beta if beta is None else float(beta), dtype=torch.float32)
+    beta_value = torch.tensor(akl.current_beta if beta is None else beta, dtype=torch.float32)
     out = []
     for i, datum in enumerate(data):
         length = _input(datum, MASK).numel()
@@ -489,11 +502,19 @@ def check_traced_loss(akl: AdaptiveKL, result: "types.ForwardBackwardOutput") ->
     `optim_step`: `NonFiniteLogProbError` where the traced loss saw a NaN or +-inf log-prob on a valid (mask=1) token,
     its policy log-probs (from the service's forward) or its `ref_logprobs`. The graph cannot raise on a value, so
     it returns the core's check, the sums of the valid log-probs (`TRACED_CHECK`'s metrics, non-finite exactly when
-    one of their terms is), and this reads them. That forward_backward's gradients are accumulated already: do not
-    step on them."""
+    one of their terms is), and this reads them; and FloatingPointError where the adapted KL the loss summed is
+    not finite (an estimator overflowed on finite log-probs). That forward_backward's gradients are accumulated
+    already: do not step on them."""
     found = [NonFinite(name, kind) for (name, key), kind in zip(TRACED_CHECK.items(), KINDS)
              if not math.isfinite(result.metrics[key])]
     if found:
         raise nonfinite_error(akl.completed_steps + 1, found,
                               advice="the gradients of this forward_backward are accumulated: resume from the last "
                                      "checkpoint instead of calling optim_step")
+    kl = result.metrics[TRACED_KL]
+    if not math.isfinite(kl):  # finite log-probs, so the KL itself is not, as grpo_kl_loss raises on its thread
+        raise FloatingPointError(
+            f"adaptive KL: non-finite KL at step {akl.completed_steps + 1}: {TRACED_KL}={kl}. The policy and reference "
+            "log-probs are finite on valid tokens, so the KL itself is not: an estimator that exponentiates the "
+            "log-ratio (k2, k3) overflowed float32 where they diverged. The gradients of this forward_backward are "
+            "accumulated: resume from the last checkpoint instead of calling optim_step.")

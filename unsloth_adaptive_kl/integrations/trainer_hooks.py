@@ -431,18 +431,21 @@ def check_loss_hook_ran(trainer: Any) -> None:
 
 
 def wrap_save_checkpoint(upstream: Callable) -> Callable:
-    """_save_checkpoint: save the beta controller's state, and with syncing the reference, with every checkpoint."""
+    """_save_checkpoint: save the beta controller's state, and with syncing the reference, with every checkpoint:
+    before the stock save, whose last act (`_push_from_checkpoint`, with `push_to_hub` and a checkpoint
+    `hub_strategy`) uploads the folder as it then is."""
 
     @functools.wraps(upstream)
     def _save_checkpoint(self: Any, model: Any, trial: Any) -> None:
-        upstream(self, model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
+            os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, STATE_FILE), "w") as f:
                 json.dump(self.adaptive_kl.state_dict(), f)
         sync = getattr(self, "adaptive_kl_reference", None)
         if sync is not None:  # every process takes part (FSDP2 gathers the reference); the saving one writes
             sync.save(folder, write=self.args.should_save)
+        upstream(self, model, trial)
 
     return _save_checkpoint
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import trl
@@ -69,6 +70,11 @@ class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
     def __post_init__(self) -> None:
         super().__post_init__()  # TRL's own, then the adaptive-KL fields, checked against this config's beta
         check_trl_settings(self, self)
+        fields = self.adapted_fields()
+        if fields and not is_patched():  # after unpatch(): a trainer built now is stock and reads none of them
+            warnings.warn(f"{', '.join(fields)} set while unsloth_adaptive_kl is unpatched (unpatch()): a GRPOTrainer "
+                          "built now is trl's stock one, which reads none of the adaptive-KL fields. Call "
+                          "unsloth_adaptive_kl.patch() before building the trainer.", UserWarning, stacklevel=3)
 
 
 def _missing(anchor: Anchor) -> Callable[[], Exception]:
@@ -151,6 +157,21 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     return loss
 
 
+class BuiltBeforePatch:
+    """`GRPOTrainer.adaptive_kl` on the class: an instance's own (`__init__` sets it) hides it, so it is read only for
+    a trainer built before the patch (before `import unsloth_adaptive_kl`, or between `unpatch()` and `patch()`),
+    whose patched methods would otherwise fail on a bare AttributeError. An AttributeError that says so."""
+
+    def __get__(self, trainer: Any, owner: Optional[type] = None) -> Any:
+        if trainer is None:
+            return self
+        raise AttributeError(
+            f"adaptive_kl: this {type(trainer).__name__} was built before unsloth_adaptive_kl patched trl (it was "
+            "imported after the trainer was built, or the trainer between unpatch() and patch()), so it has no "
+            "adaptive KL for the patched GRPOTrainer's methods to drive. Build the trainer after "
+            "`import unsloth_adaptive_kl`.")
+
+
 # Built once, so that patch() after unpatch() installs the very same objects.
 _init = wrap_init(_stock_init)
 _generate_and_score_completions = wrap_generate_and_score(_stock_generate_and_score, _missing(TRL_REWARD_METRIC))
@@ -189,6 +210,8 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         (StockGRPOTrainer, "_save_checkpoint", _save_checkpoint),
         (StockGRPOTrainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
         (StockGRPOTrainer, "current_beta", _current_beta),
+        # GRPOTrainer.adaptive_kl, which stock trl has not: a trainer built before the patch says so (above).
+        (StockGRPOTrainer, "adaptive_kl", BuiltBeforePatch()),
     ]
     if kernel_lacks_cpu_path():
         # trl.trainer.utils._ChunkedLogProbFunction: trl 1.15's Triton kernel has no CPU path.
@@ -214,5 +237,6 @@ def patch() -> None:
 
 
 def unpatch() -> None:
-    """Restore every stock TRL object. Idempotent."""
-    _patches.restore()
+    """Restore every stock TRL object the patch replaced, unless it was replaced again since (Unsloth's generated
+    config). Idempotent."""
+    _patches.restore(leave_newer=True)

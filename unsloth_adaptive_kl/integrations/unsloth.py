@@ -514,7 +514,7 @@ def unpatch() -> None:
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
     hooked = bool(_patches)
-    _patches.restore()
+    _patches.restore(leave_newer=True)
     if hooked and generated_grpo_trainer() is not None and not _unpatched_generation:
         _unpatched_generation = True
         warnings.warn("unsloth_adaptive_kl.unpatch(): Unsloth generated UnslothGRPOTrainer and UnslothGRPOConfig while "

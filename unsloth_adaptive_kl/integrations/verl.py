@@ -60,6 +60,8 @@ from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
 from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, check_real, is_real,
                            warn_estimator_issue)
+from ..core.controllers import check_horizon
+from ..core.errors import reject
 from ..core.numerics import KINDS, NonFinite, found_in_check, masked_logps, nonfinite_error, this_process
 from ..core.reductions import agg_mode_of, kl_reduction, loss_type_of_agg_mode
 from ..core.shapings import clipped_tokens
@@ -135,26 +137,45 @@ def first_set(values: dict[str, Any], names: Any, also_default: tuple = ()) -> O
                  if name in values and values[name] != _DEFAULTS[name] and values[name] not in also_default), None)
 
 
-def _plain(block: Any) -> dict[str, Any]:
+def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:
+    """The block `where` as a dict; a value that is not a block of fields (`+adaptive_kl=clip`) is refused by name."""
     if block is None:
         return {}
     try:
         from omegaconf import OmegaConf
 
         if OmegaConf.is_config(block):
-            return OmegaConf.to_container(block, resolve=True)
+            block = OmegaConf.to_container(block, resolve=True)
     except ImportError:  # pragma: no cover - verl depends on omegaconf
         pass
+    if not isinstance(block, dict):
+        raise ValueError(f"{where}={block!r} is invalid: allowed is a block of AdaptiveKLConfig's fields, set one by "
+                         f"one (+{where}.kl_adaptation_method=clip).")
     return dict(block)
 
 
-def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
+def _config(values: dict[str, Any], overrides: dict[str, Any]) -> AdaptiveKLConfig:
+    """AdaptiveKLConfig(**values), a bad value named with its block: `adaptive_kl.reward.` where `reward` set it
+    (`overrides`), else `adaptive_kl.`."""
+    try:
+        return AdaptiveKLConfig(**values)
+    except ValueError as error:
+        name = str(error).split("=", 1)[0]
+        if name not in values:  # not one field's error (a combination's): as the core words it
+            raise
+        raise ValueError(f"{'adaptive_kl.reward' if name in overrides else 'adaptive_kl'}.{error}") from None
+
+
+def configs_from(block: Any, *, loss_on: bool = True, reward_on: bool = True
+                 ) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
     """(loss config, reward config) from the `adaptive_kl` block: its fields for each config whose settings read them
     (the `LOSS_ONLY` ones for the loss alone), `reward.*` overriding them for the KL in the reward; a field that no
-    config reads warns once. A ValueError names an unknown field,
-    `kl_placement`, a field verl never reads (`NOT_READ_BY_VERL`) and a `LOSS_ONLY` field under `reward`."""
+    config reads warns once. A ValueError names an unknown field, a bad value (with its block),
+    `kl_placement`, a field verl never reads (`NOT_READ_BY_VERL`), a `LOSS_ONLY` field under `reward`, and a field
+    set for a KL that is off (`loss_on`: actor.use_kl_loss, `reward_on`: algorithm.use_kl_in_reward), which would
+    do nothing."""
     fields = _plain(block)
-    reward_overrides = _plain(fields.pop("reward", None))
+    reward_overrides = _plain(fields.pop("reward", None), "adaptive_kl.reward")
     for where, values in (("adaptive_kl", fields), ("adaptive_kl.reward", reward_overrides)):
         if "kl_placement" in values:
             raise ValueError(
@@ -181,7 +202,35 @@ def configs_from(block: Any) -> tuple[AdaptiveKLConfig, AdaptiveKLConfig]:
     loss = {name: value for name, value in fields.items()
             if loss_reads(name) or name in reward_overrides or not reward_reads(name)}
     reward = {name: value for name, value in reward_fields.items() if name in reward_overrides or reward_reads(name)}
-    return AdaptiveKLConfig(**loss), AdaptiveKLConfig(**reward)
+    refuse_unused(fields, reward_overrides, set(reward) - set(reward_overrides), loss_on, reward_on)
+    return _config(loss, {}), _config(reward, reward_overrides)
+
+
+def refuse_unused(fields: dict[str, Any], reward_overrides: dict[str, Any], shared_with_reward: set[str],
+                  loss_on: bool, reward_on: bool) -> None:
+    """A ValueError for a field set (other than its default) for a KL that is off: under `reward` with
+    algorithm.use_kl_in_reward=False, or at the top level where only the loss's config takes it (the reward's does not
+    read it, `reward` overrides it, or the reward KL is off too) with actor.use_kl_loss=False."""
+    name = first_set(reward_overrides, reward_overrides) if not reward_on else None
+    if name is not None:
+        raise ValueError(f"adaptive_kl.reward.{name}={reward_overrides[name]!r} acts on the KL in the reward, which "
+                         "is off (algorithm.use_kl_in_reward=False): set algorithm.use_kl_in_reward=True, or leave "
+                         "the adaptive_kl.reward block out.")
+    if loss_on:
+        return
+    name = first_set(fields, [name for name in fields if not (reward_on and name in shared_with_reward)])
+    if name is None:
+        return
+    if name in LOSS_ONLY:
+        why = f"in the reward {LOSS_ONLY[name]}"
+    elif not reward_on:
+        why = "the KL in the reward is off too (algorithm.use_kl_in_reward=False)"
+    elif name in reward_overrides:
+        why = f"the KL in the reward takes adaptive_kl.reward.{name}={reward_overrides[name]!r}"
+    else:
+        why = "the settings of the KL in the reward do not read it"
+    raise ValueError(f"adaptive_kl.{name}={fields[name]!r} acts on the KL in the actor loss, which is off "
+                     f"(actor_rollout_ref.actor.use_kl_loss=False); {why}.")
 
 
 def kl_agg_mode(config: AdaptiveKLConfig, loss_agg_mode: str) -> str:
@@ -204,6 +253,47 @@ VERL_LOSS_FIELDS = EstimatorFields(estimator="actor_rollout_ref.actor.kl_loss_ty
 VERL_REWARD_FIELDS = EstimatorFields(estimator="algorithm.kl_penalty", **_VERL_FIELDS)
 # verl's kl_penalty / kl_loss_type values whose value is the log-ratio k1 ('+': the value of the base, k2's gradient).
 VERL_LOG_RATIO = ("kl", "k1")
+
+
+VERL_KL_TYPES = "kl, k1, abs, mse, k2, low_var_kl or k3, each also with a trailing '+' (verl's kl_penalty)"
+
+
+def check_kl_type(field: str, value: Any) -> None:
+    """verl's own `kl_penalty` of `value` on one token: a type verl does not compute (it raises NotImplementedError,
+    at the first actor update or reward penalty) is refused here, before training, by its field."""
+    try:
+        core_algos.kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), kl_penalty=value)
+    except (NotImplementedError, AttributeError, TypeError):
+        raise reject(field, value, VERL_KL_TYPES) from None
+
+
+def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_config: AdaptiveKLConfig) -> None:
+    """What the trainer would otherwise find only after a rollout, refused by its verl field before training:
+    `ppo_epochs`, `kl_loss_type` and `kl_penalty` verl does not compute, and a `target` horizon under which beta would
+    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`)."""
+    actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
+    on = {"loss": bool(actor.use_kl_loss), "reward": bool(algorithm.use_kl_in_reward)}
+    if on["loss"]:
+        epochs = actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)
+        if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+            raise reject("actor_rollout_ref.actor.ppo_epochs", epochs, "an integer >= 1")
+        check_kl_type("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
+    if on["reward"]:
+        check_kl_type("algorithm.kl_penalty", algorithm.get("kl_penalty", "kl"))
+    data, rollout = config.get("data"), config.actor_rollout_ref.get("rollout")
+    if data is None or rollout is None or data.get("train_batch_size") is None or rollout.get("n") is None:
+        return
+    completions = int(data.train_batch_size) * int(rollout.n)
+    reward_block = _plain(_plain(config.get("adaptive_kl")).get("reward"), "adaptive_kl.reward")
+    for kl, settings in (("loss", loss_config), ("reward", reward_config)):
+        if not on[kl] or "target" not in settings.kl_methods:
+            continue
+        try:
+            check_horizon(settings, completions)
+        except ValueError as error:
+            where = "adaptive_kl.reward" if kl == "reward" and "kl_horizon" in reward_block else "adaptive_kl"
+            raise ValueError(f"{where}.{str(error).rstrip('.')}; here n is data.train_batch_size x "
+                             "actor_rollout_ref.rollout.n.") from None
 
 
 def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
@@ -296,8 +386,9 @@ class AdaptivePPOLoss:
             patches.replace(losses, "kl_penalty", kl.per_token)
             patches.replace(losses, "agg_loss", kl.aggregate)
             loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
-        if not self.verl_term:  # verl's kl_loss keeps its stock meaning: the un-adapted KL
-            metrics["kl_loss"] = Metric(value=kl.raw, aggregation=metrics["kl_loss"].aggregation)
+        if not self.verl_term:  # verl's kl_loss keeps its stock meaning: the un-adapted KL of kl_loss_type
+            metrics["kl_loss"] = Metric(value=kl.raw if kl.stock is None else kl.stock,
+                                        aggregation=metrics["kl_loss"].aggregation)
         metrics.update(kl.statistics())
         return loss, metrics
 
@@ -327,12 +418,14 @@ class _LossKL:
         self.stage: Optional[TokenKL] = None
         self.raw: Optional[torch.Tensor] = None  # verl's aggregation of the un-adapted KL, and of the adapted one
         self.adapted: Optional[torch.Tensor] = None
+        self.kl_type = ""  # verl's kl_loss_type, as ppo_loss passes it
+        self.stock: Optional[torch.Tensor] = None  # verl's kl_loss metric where an estimator replaces kl_loss_type
         self.batch_info: dict[str, Any] = {}
 
     def per_token(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
         """ppo_loss's per-token KL, remembered so that its aggregation below is recognised: verl's own where verl's
         term stands; else an empty stand-in, as the adapted KL needs the mask, which only `agg_loss` receives."""
-        self.log_probs = (logprob, ref_logprob)
+        self.log_probs, self.kl_type = (logprob, ref_logprob), kl_penalty
         if self.owner.verl_term:
             self.verl_kld = core_algos.kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=kl_penalty)
         else:
@@ -365,6 +458,11 @@ class _LossKL:
                                        **batch_info)
         self.adapted = core_algos.agg_loss(loss_mat=stage.shaped, loss_mask=weights, loss_agg_mode=owner.agg_mode,
                                            **batch_info)
+        if not owner.config.reads_trainer_kl:  # verl's kl_loss metric is of kl_loss_type, not of the estimator
+            with torch.no_grad():
+                self.stock = core_algos.agg_loss(
+                    loss_mat=core_algos.kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=self.kl_type),
+                    loss_mask=loss_mask, loss_agg_mode=loss_agg_mode, **batch_info)
         return self.adapted
 
     def statistics(self) -> dict[str, list[float]]:
@@ -509,13 +607,10 @@ class AdaptiveKLTrainerMixin:
     def __init__(self, config: Any) -> None:
         from omegaconf import open_dict
 
-        loss_config, reward_config = configs_from(config.get("adaptive_kl"))
         actor = config.actor_rollout_ref.actor
-        name = None if actor.use_kl_loss else first_set(vars(loss_config), LOSS_ONLY)
-        if name is not None:
-            raise ValueError(f"adaptive_kl.{name}={getattr(loss_config, name)!r} acts on the KL in the actor loss, "
-                             f"which is off (actor_rollout_ref.actor.use_kl_loss=False); in the reward "
-                             f"{LOSS_ONLY[name]}.")
+        loss_config, reward_config = configs_from(config.get("adaptive_kl"), loss_on=bool(actor.use_kl_loss),
+                                                  reward_on=bool(config.algorithm.use_kl_in_reward))
+        check_before_training(config, loss_config, reward_config)
         with open_dict(config):  # verl's mode logic (replay buffer, checkpoints) keys on its own mode names
             config.trainer.v1.trainer_mode = self.base_trainer_mode
         super().__init__(config)
@@ -529,7 +624,7 @@ class AdaptiveKLTrainerMixin:
             self.loss_kl = verl_adaptive_kl(
                 loss_config, float(actor.kl_loss_coef), "actor_rollout_ref.actor.kl_loss_coef", "adaptive_kl",
                 loss_type=loss_type_of_agg_mode(actor.loss_agg_mode, field=AGG_MODE_FIELD),
-                num_iterations=int(actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)))
+                num_iterations=actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT))
             kl_agg_mode(loss_config, actor.loss_agg_mode)  # a kl_reduction verl cannot aggregate: now, not on a worker
         self.reward_kl: Optional[RewardKLController] = None
         if config.algorithm.use_kl_in_reward:
@@ -538,8 +633,9 @@ class AdaptiveKLTrainerMixin:
                 raise ValueError(
                     f"algorithm.kl_ctrl.type={kind!r} is invalid with trainer.v1.trainer_mode=adaptive_kl and "
                     "algorithm.use_kl_in_reward=True: allowed is 'fixed'. This package's controller takes the place "
-                    "of verl's kl_ctrl_in_reward; for its target-KL rule (the same rule, Ziegler et al., on the "
-                    "batch's token-mean KL) set +adaptive_kl.reward.kl_adaptation_method=target with "
+                    "of verl's kl_ctrl_in_reward; for a target KL (Ziegler et al.'s update, as verl's, but read on "
+                    "the batch's token-mean KL, where verl's reads the mean of each sequence's token mean) set "
+                    "+adaptive_kl.reward.kl_adaptation_method=target with "
                     "+adaptive_kl.reward.kl_target=<target_kl> and +adaptive_kl.reward.kl_horizon=<horizon>, or "
                     "leave trainer_mode unset for verl's own.")
             inherited = "kl_adaptation_method" not in _plain(_plain(config.get("adaptive_kl")).get("reward"))

@@ -21,7 +21,7 @@ from packaging.version import Version
 
 from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 
-# What the CI matrix runs (.ci/run): the README's compatibility table lists the exact sets.
+# What the CI matrix runs (.ci/run): the docs' compatibility page lists the exact sets (docs/results/ci.json).
 TESTED: dict[str, SpecifierSet] = {
     "trl": SpecifierSet(">=1.9.1,<=1.16.0"),
     "transformers": SpecifierSet(">=5.17.0,<=5.24.0"),

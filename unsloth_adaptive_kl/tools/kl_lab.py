@@ -25,6 +25,7 @@ import torch
 
 from ..core.estimators import estimator_names
 from ..core.registry import method_names
+from .machine import hardware
 from .tabular_lab import (ENVIRONMENTS, ESTIMATORS_HEADER, HEADER, TARGET_HEADER, Training, chosen, default_settings,
                           estimator_expectations, estimator_rows, run_table, show, table_rows, target_experiment,
                           target_rows)
@@ -124,7 +125,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     training = replace(Training(), steps=args.steps or Training.steps)
     settings = chosen(default_settings(args.estimator, args.method), args.only)
     environments = list(ENVIRONMENTS) if args.env == "all" else [args.env]
-    result: dict[str, Any] = {"command": command, "torch": torch.__version__, "seeds": args.seeds, "tables": {}}
+    result: dict[str, Any] = {"command": command, "torch": torch.__version__, "machine": hardware(),
+                              "seeds": args.seeds, "tables": {}}
     for name in environments:
         table = run_table(ENVIRONMENTS[name], settings, args.beta, training, range(args.seeds), args.processes)
         result["tables"][name] = table

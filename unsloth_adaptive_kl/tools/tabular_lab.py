@@ -411,8 +411,10 @@ def estimator_expectations(env: Environment, names: Sequence[str] = BUILT_IN_EST
     """Each estimator's expectation over completions, E_{y ~ pi}[sum_t m_t k_t(y)], exactly (every completion, weighted
     by pi(y)), at a policy pi away from the reference (its logits the reference's plus N(0, 1) noise, seed
     `ESTIMATOR_POLICY_SEED`), against KL(pi || pi_ref): an estimator is unbiased for the KL where they are equal. The
-    core computes each k in float32, so equal means within float32 rounding. The reward does not enter. Every
-    completion is one row of one batch: k3_bottom_percentile's selection, a statistic of the batch, is of that one."""
+    core computes each k in float32, so equal means within float32 rounding. `std` is the standard deviation of
+    sum_t m_t k_t over y ~ pi, exactly: the spread of one completion's estimate (a batch mean of n completions
+    spreads by std / sqrt(n)). The reward does not enter. Every completion is one row of one batch:
+    k3_bottom_percentile's selection, a statistic of the batch, is of that one."""
     tree = Tree(env)
     noise = torch.randn(tree.reference_table.shape, generator=torch.Generator().manual_seed(ESTIMATOR_POLICY_SEED))
     logp, ref = tree.token_logps(tree.reference_table + noise).double(), tree.token_logps(tree.reference_table).double()
@@ -424,8 +426,10 @@ def estimator_expectations(env: Environment, names: Sequence[str] = BUILT_IN_EST
             warnings.simplefilter("ignore")
             config = AdaptiveKLConfig(kl_estimator=name)
         k = estimate_kl(logp, ref, tree.mask, config).double()
-        expectation = float((weight * (k * tree.mask).sum(-1)).sum())
-        rows.append({"estimator": name, "expectation": expectation, "bias": expectation - exact})
+        summed = (k * tree.mask).sum(-1)
+        expectation = float((weight * summed).sum())
+        std = math.sqrt(float((weight * (summed - expectation) ** 2).sum()))
+        rows.append({"estimator": name, "expectation": expectation, "bias": expectation - exact, "std": std})
     return {"environment": asdict(env), "policy_seed": ESTIMATOR_POLICY_SEED, "kl": exact, "rows": rows}
 
 
@@ -471,13 +475,15 @@ def table_rows(table: dict[str, Any]) -> list[tuple[str, list[list[str]]]]:
     return list(groups.items())
 
 
-ESTIMATORS_HEADER = ("estimator", "E_pi[sum_t k_t]", "minus KL(pi || pi_ref)")
+ESTIMATORS_HEADER = ("estimator", "E_pi[sum_t k_t]", "minus KL(pi || pi_ref)", "std over y ~ pi")
 
 
 def estimator_rows(result: dict[str, Any]) -> list[list[str]]:
-    """The estimators' expectations against the KL, as text cells (the KL itself in the first row)."""
-    return [["KL(pi || pi_ref)", f"{result['kl']:.6f}", ""]] + [
-        [row["estimator"], f"{row['expectation']:.6f}", f"{row['bias']:.1e}"] for row in result["rows"]]
+    """The estimators' expectations against the KL and their spread, as text cells (the KL itself in the first
+    row)."""
+    return [["KL(pi || pi_ref)", f"{result['kl']:.6f}", "", ""]] + [
+        [row["estimator"], f"{row['expectation']:.6f}", f"{row['bias']:.1e}", f"{row['std']:.4f}"]
+        for row in result["rows"]]
 
 
 def target_rows(result: dict[str, Any]) -> list[list[str]]:
