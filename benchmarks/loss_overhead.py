@@ -502,8 +502,10 @@ def main(argv: list[str] | None = None) -> int:
     from unsloth_adaptive_kl.tools import gpucheck
 
     # what ran it, as the GPU page names it: the command, the date, the device and the versions
+    from unsloth_adaptive_kl.tools.machine import hardware
+
     results: dict[str, Any] = {"command": "python benchmarks/loss_overhead.py " + " ".join(argv),
-                               "date": time.strftime("%Y-%m-%d"), **gpucheck.environment(),
+                               "date": time.strftime("%Y-%m-%d"), **gpucheck.environment(), "machine": hardware(),
                                "core_op": core, "core_op_profile": profile}
     sizes = {"": ((args.completions, args.completion_length),
                   (args.stock_repeats, args.core_repeats, args.e2e_repeats)),

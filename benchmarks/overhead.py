@@ -42,6 +42,7 @@ import torch
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import trl as trl_patch
 from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+from unsloth_adaptive_kl.tools.machine import hardware
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loss_overhead import bootstrap_ratio, core_op  # noqa: E402
@@ -333,7 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [row["step_ratio"] for row in rows[2:] + unsloth_rows if not row["variant"].endswith(":stock")]
     # one timed pass (--smoke) has no A/A interval: NaN ends, which the docs render as none
     aa = bootstrap_ratio(times["stock (A/A)"], times["stock"]) if len(times["stock"]) > 1 else (math.nan, math.nan)
-    report = {"settings": vars(args), "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
+    report = {"command": "python benchmarks/overhead.py " + " ".join(argv),
+              "machine": hardware(), "settings": vars(args),
+              "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
               "unsloth_rows": unsloth_rows, "core_x_k3": core, "step_seconds": times, "ref_sync": ref_sync,
               "aa_interval": list(aa)}
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

@@ -104,7 +104,7 @@ def k1_future(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config:
 
 
 def bottom_percentile_mask(ref: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
-    """1 on the valid tokens whose ref log-prob is <= the k-th smallest valid ref log-prob, k = max(1, floor(n *
+    """True on the valid tokens whose ref log-prob is <= the k-th smallest valid ref log-prob, k = max(1, floor(n *
     fraction)) over the n valid tokens of the batch (the value torch.kthvalue returns). Found by a sort, so n stays
     a tensor and the function stays traceable."""
     valid = mask.bool()
@@ -112,7 +112,7 @@ def bottom_percentile_mask(ref: torch.Tensor, mask: torch.Tensor, fraction: floa
     count = valid.sum()
     k = torch.clamp(torch.floor(count * fraction), min=1).long()
     threshold = torch.sort(values).values.gather(0, (k - 1).reshape(1))
-    return (valid & (ref <= threshold)).to(ref.dtype)
+    return valid & (ref <= threshold)
 
 
 @register_kl_estimator("k3_bottom_percentile")
@@ -120,10 +120,9 @@ def k3_bottom_percentile(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tens
     """k3 only on the tokens in the bottom `kl_percentile` fraction of reference log-probs, times
     `kl_percentile_scale` (the reference is least confident there); 0 elsewhere."""
     selected = bottom_percentile_mask(ref.detach(), mask, config.kl_percentile)
-    # an unselected token is scored at log-ratio 0 (k3 = 0, a finite gradient that `where` does not pass on): its own
-    # k3 may overflow to inf, and inf * 0 is NaN
-    logp = torch.where(selected.bool(), logp, ref.detach())
-    return k3(logp, ref, mask) * selected * config.kl_percentile_scale
+    # an unselected token is scored at log-ratio 0, where k3 is exactly 0 and `where` passes no gradient on (a mask
+    # multiplied in after k3 gave NaN where that token's own k3 overflowed: inf * 0)
+    return k3(torch.where(selected, logp, ref.detach()), ref, mask) * config.kl_percentile_scale
 
 
 def run_estimator(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:
