@@ -41,6 +41,7 @@ import torch
 
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import trl as trl_patch
+from unsloth_adaptive_kl.integrations.patching import PatchSet
 from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 from unsloth_adaptive_kl.tools.machine import hardware
 
@@ -81,13 +82,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+_STOCK_FALLBACK = PatchSet()  # stock TRL's CPU log-prob path, taken off before patch() installs the patch's own
+
+
 def set_stock(stock: bool) -> None:
-    """Stock TRL (keeping the CPU log-prob path stock trl 1.15 lacks) or the patched one."""
+    """Stock TRL (keeping the CPU log-prob path stock trl 1.15 lacks) or the patched one. The stock side's fallback
+    is restored before `patch()`, which takes the kernel it finds as the fallback's upstream (the fallback itself
+    would make it call itself on an accelerator)."""
     if stock:
         unsloth_adaptive_kl.unpatch()
-        if trl_patch.kernel_lacks_cpu_path():
-            trl_patch.trl_utils._ChunkedLogProbFunction = ChunkedLogProbWithCPUFallback
+        if trl_patch.kernel_lacks_cpu_path() and not _STOCK_FALLBACK:
+            _STOCK_FALLBACK.replace(trl_patch.trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbWithCPUFallback)
     else:
+        _STOCK_FALLBACK.restore()
         unsloth_adaptive_kl.patch()
 
 

@@ -1063,3 +1063,24 @@ def test_a_kl_of_your_own_beside_an_explicit_estimator_is_refused(door: str) -> 
     # grpo's mean per completion of 7 is 7, times beta; in the reward each completion's sum, 7 * L_i, times beta
     want = BETA * 7.0 if door == "kl_loss" else (BETA * 7.0 * LENGTHS).tolist()
     assert (result.item() if door == "kl_loss" else result.tolist()) == pytest.approx(want)
+
+
+def test_the_rewards_observed_during_a_step_survive_a_checkpoint_taken_before_its_end() -> None:
+    """A step's mean rewards reach the controller at its end (the mean of every batch it trained on): a state saved
+    between observe_rewards and step carries them, so the resumed step decays as the uninterrupted one (0.1 * 0.5),
+    and loading a state replaces what the loading object had observed (a new AdaptiveKL for changed settings,
+    loaded from the old one's state, must not decide on rewards of its own and the old one's)."""
+    settings = dict(kl_adaptation_method="dynamic", reward_threshold=0.5, dynamic_beta_decay=0.5)
+    original = AdaptiveKL(AdaptiveKLConfig(**settings), beta=0.1)
+    original.observe_rewards(0.9)
+    original.observe_rewards(0.3)  # the step's mean 0.6 > 0.5: a decay
+    state = json.loads(json.dumps(original.state_dict()))
+    assert state["rewards"] == [0.9, 0.3] and state["generation_batch"] == 0
+    resumed = AdaptiveKL(AdaptiveKLConfig(**settings), beta=0.1)
+    resumed.observe_rewards(0.0)  # replaced by the state's
+    resumed.load_state_dict(state)
+    assert resumed.step() == original.step() == pytest.approx(0.05)
+    bad = {**state, "rewards": [math.nan]}
+    with pytest.raises(ValueError, match=r"^adaptive KL state: rewards=\[nan\] is invalid: allowed is a list of finite "):
+        resumed.load_state_dict(bad)
+

@@ -547,3 +547,23 @@ def test_the_trl_stubs_leaves_are_on_the_captured_batchs_device() -> None:
     assert torch.equal(policy, torch.randn(2, 3, generator=generator))
     assert torch.equal(kl, torch.rand(2, 3, generator=generator) * 0.5)
     assert torch.equal(logps, -torch.rand(2, 3, generator=generator) * 3)
+
+
+def test_the_step_benchmarks_stock_side_leaves_the_fallbacks_upstream_trls_kernel() -> None:
+    """overhead.py's stock variants run stock TRL with the CPU log-prob fallback put in by hand; a patched variant
+    after one made patch() take that fallback as its own upstream, so on an accelerator it would call itself. After
+    stock -> patched -> stock -> patched the upstream is TRL's kernel, and stock TRL runs on the fallback."""
+    import overhead
+
+    from unsloth_adaptive_kl.integrations import trl as trl_patch
+    from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
+
+    kernel = ChunkedLogProbWithCPUFallback.upstream
+    try:
+        for stock in (True, False, True, False):
+            overhead.set_stock(stock)
+            if trl_patch.kernel_lacks_cpu_path():
+                assert trl_patch.trl_utils._ChunkedLogProbFunction is ChunkedLogProbWithCPUFallback
+            assert ChunkedLogProbWithCPUFallback.upstream is kernel is not ChunkedLogProbWithCPUFallback
+    finally:
+        overhead.set_stock(False)

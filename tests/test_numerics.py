@@ -313,7 +313,7 @@ KINDS = {"constant": "clip", "dynamic": "dynamic", "target": "target"}
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_state_dict_carries_a_format_version_and_the_controller_kind(kind) -> None:
     state = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.1).state_dict()
-    assert state["format_version"] == 4 and state["controller"] == kind
+    assert state["format_version"] == 5 and state["controller"] == kind
     json.dumps(state)
 
 
@@ -334,8 +334,8 @@ def test_a_state_of_another_kind_is_refused_naming_both(saved, loaded) -> None:
 
 def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1)
-    with pytest.raises(ValueError, match=r"format_version=5 is not supported: allowed is 1 to 4"):
-        runtime.load_state_dict({**runtime.state_dict(), "format_version": 5})
+    with pytest.raises(ValueError, match=r"format_version=6 is not supported: allowed is 1 to 5"):
+        runtime.load_state_dict({**runtime.state_dict(), "format_version": 6})
     with pytest.raises(ValueError, match=r"unknown field\(s\) beta for a 'dynamic' controller"):
         runtime.load_state_dict({**runtime.state_dict(), "beta": 0.3})
 

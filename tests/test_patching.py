@@ -40,6 +40,8 @@ def snapshot() -> dict:
         "kernel": trl_utils._ChunkedLogProbFunction,
         # unsloth is not imported in the test process: its hook is the import hook, waiting for unsloth.models.rl
         "unsloth_hooks": sys.meta_path.count(unsloth_patch._FINDER),
+        # a trainer built before the patch says so (trl.BuiltBeforePatch); stock trl has no such attribute
+        "built_before_patch": isinstance(vars(trainer).get("adaptive_kl"), trl_patch.BuiltBeforePatch),
     }
 
 
@@ -61,6 +63,7 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
         )
         assert stock["use_adapter"] is trl_utils.use_adapter and patched["use_adapter"] is use_reference
         assert stock["current_beta"] is False
+        assert (patched["built_before_patch"], stock["built_before_patch"]) == (True, False)
         assert (patched["unsloth_hooks"], stock["unsloth_hooks"]) == (1, 0)  # installed once, removed
         if trl_patch.kernel_lacks_cpu_path():  # trl 1.15 only: the fallback stands in for the kernel
             assert stock["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback.upstream

@@ -429,6 +429,9 @@ def test_a_loss_only_field_with_the_kl_in_the_loss_off_is_refused(field, value):
      r"adaptive_kl\.kl_adaptation_method='dynamic' acts on the KL in the actor loss, which is off "
      r"\(actor_rollout_ref\.actor\.use_kl_loss=False\); the KL in the reward takes "
      r"adaptive_kl\.reward\.kl_adaptation_method='clip'\."),
+    (dict(use_kl_loss=False, use_kl_in_reward=False), dict(kl_estimator="k2"),  # not "set kl_penalty instead"
+     r"adaptive_kl\.kl_estimator='k2' acts on the KL in the actor loss, which is off .*; the KL in the reward is off "
+     r"too \(algorithm\.use_kl_in_reward=False\)\."),
     (dict(use_kl_loss=False, use_kl_in_reward=False), dict(kl_adaptation_method="clip"),
      r"adaptive_kl\.kl_adaptation_method='clip' acts on the KL in the actor loss, which is off .*; the KL in the "
      r"reward is off too \(algorithm\.use_kl_in_reward=False\)\."),
@@ -1552,3 +1555,18 @@ def test_a_bad_coefficient_or_bound_is_named_in_verls_terms(coefficient: str, bu
         build(AdaptiveKLConfig(kl_adaptation_method="dynamic", beta_min=0.5), 0.1)
     assert str(raised.value) == ("adaptive_kl.beta_min=0.5 is invalid: allowed is a number with 0 <= beta_min <= "
                                  f"beta=0.1. Here beta is {coefficient}=0.1.")
+
+
+@pytest.mark.parametrize(("block", "named"), [
+    # the method set under reward, the bound at the top: the bound's block is named (it named the method's)
+    (dict(beta_max=0.05, reward={"kl_adaptation_method": "target", "kl_target": 0.2}), "adaptive_kl.beta_max=0.05"),
+    (dict(kl_adaptation_method="dynamic", reward={"beta_min": 0.5}), "adaptive_kl.reward.beta_min=0.5"),
+])
+def test_a_bound_is_named_with_the_block_that_set_it(block, named):
+    """kl_coef = 0.1: a beta_max below it or a beta_min above it is refused naming the block the bound was set in,
+    whichever block set the method."""
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(trainer_config(use_kl_loss=False, **block))
+    assert str(raised.value).startswith(f"{named} is invalid: ")
+    assert str(raised.value).endswith("Here beta is algorithm.kl_ctrl.kl_coef=0.1.")
+

@@ -28,7 +28,8 @@ from .optimizer_steps import OptimizerSteps
 from .reductions import ReductionContext, kl_reduction, loss_type_reduction, warn_unread_context
 from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
-STATE_FORMAT = 4  # `state_dict()`'s format: 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
+STATE_FORMAT = 5  # `state_dict()`'s format: 5 adds the step's rewards; 4 names the step's sums; 3 added the step's
+# KL; 2 the kind; 1 none
 
 
 class AdaptiveKL:
@@ -346,16 +347,19 @@ class AdaptiveKL:
         "target" or a registered one's), its state (its beta, the generation batch count and its reward, ...),
         `completed_steps`, and what the next step reads of the KL seen so far: `last_raw_kl` (None before the first
         step; a KL-triggered reference sync reads it), `trained` (the `KLStatistics` sums, by name, of this step's
-        training batches so far) and `scored` (the same of a batch scored for the KL in the reward whose step has not
-        run, or None)."""
+        training batches so far), `scored` (the same of a batch scored for the KL in the reward whose step has not
+        run, or None) and `rewards` (the mean rewards observed since the last step, which its end hands the
+        controller)."""
         return {"format_version": STATE_FORMAT, "controller": controller_kind(self.controller),
                 **self.controller.state_dict(), "completed_steps": self.completed_steps,
                 "last_raw_kl": self.last_raw_kl if math.isfinite(self.last_raw_kl) else None,
-                "trained": asdict(self._trained), "scored": None if self._scored is None else asdict(self._scored)}
+                "trained": asdict(self._trained), "scored": None if self._scored is None else asdict(self._scored),
+                "rewards": list(self._rewards)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
-        load too: format 3 (the step's KL as [sum S_i, sum L_i, completions] lists under `step_kl` and
+        load too (without rewards observed since their last step: formats up to 4 handed each to the controller at
+        once): format 3 (the step's KL as [sum S_i, sum L_i, completions] lists under `step_kl` and
         `generation_kl`); formats 2 and 1 without the step's KL (a resumed run then has seen none). Format 1 has no
         version: the controller's fields and `completed_steps` (which the oldest trainer checkpoints lack), as the
         own-loop object and the trainer integrations' checkpoints wrote them; its kind is read from its fields."""
@@ -381,6 +385,10 @@ class AdaptiveKL:
         last_raw_kl = state.pop("last_raw_kl", None)
         trained, scored = (_sums(state.pop(name, None)) for name in (("trained", "scored") if version >= 4
                                                                       else ("step_kl", "generation_kl")))
+        rewards = state.pop("rewards", [])
+        if not isinstance(rewards, list) or not all(is_real(r) and math.isfinite(r) for r in rewards):
+            raise reject("adaptive KL state: rewards", rewards, "a list of finite numbers (the mean rewards observed "
+                         "since the last step)")
         unknown, missing = sorted(set(state) - fields), sorted(fields - set(state))
         if unknown or missing:
             found = f"unknown field(s) {', '.join(unknown)}" if unknown else f"missing field(s) {', '.join(missing)}"
@@ -395,6 +403,7 @@ class AdaptiveKL:
         self.completed_steps = completed_steps
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
+        self._rewards = [float(reward) for reward in rewards]
         self.controller.load_state_dict(state)
 
 

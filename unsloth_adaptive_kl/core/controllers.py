@@ -46,8 +46,9 @@ class WindowKL:
 class ConstantBeta:
     """beta_k = beta_0 for every step.
 
-    A controller sees each generation batch's mean reward (`observe_rewards`) and is stepped after each
-    optimizer step (`step`); several optimizer steps may share one generation batch."""
+    A controller sees, at the end of each optimizer step that trained on new generation batches, their mean reward
+    (`observe_rewards`: the mean of the batches' means), and is stepped after each optimizer step (`step`); several
+    optimizer steps may share one generation batch, and one step may train on several."""
 
     kind = "constant"  # the name a checkpoint records (`AdaptiveKL.state_dict()["controller"]`)
 
@@ -57,7 +58,8 @@ class ConstantBeta:
         self.batch_reward = math.nan
 
     def observe_rewards(self, mean_reward: float) -> None:
-        """Record the mean reward (over all processes) of a new generation batch."""
+        """Record the mean reward (over all processes) of the new generation batches of the step that just ended
+        (`generation_batch` counts the steps that had new ones)."""
         self.generation_batch += 1
         self.batch_reward = float(mean_reward)
 
@@ -78,8 +80,8 @@ def float32(value: float) -> float:
 
 
 class DynamicBeta(ConstantBeta):
-    """After an optimizer step that trained on a generation batch with mean reward r > reward_threshold:
-    beta <- max(beta * dynamic_beta_decay, beta_min), at most once per generation batch;
+    """After an optimizer step that trained on new generation batches with mean reward r > reward_threshold (the mean
+    of their means): beta <- max(beta * dynamic_beta_decay, beta_min), at most once per generation batch;
     once completed_steps >= beta_schedule_steps: beta = beta_min."""
 
     kind = "dynamic"
@@ -142,8 +144,8 @@ def register_beta_controller(name: str) -> Callable[[type], type]:
     """Decorator: make `kl_adaptation_method=name` (alone or joined by '+' with shapings and length normalisation)
     move beta with the decorated class, in every loop. The class is built as `cls(beta, config)` (beta_0 and the
     `AdaptiveKLConfig`) and follows the built-in controllers' protocol (subclassing `ConstantBeta` gives the rest):
-    `value` (beta_t, a float), `observe_rewards(mean_reward)` (a new generation batch's mean reward over all
-    processes), `step(completed_steps, window)` (after each optimizer step; `window` is the step's `WindowKL` or None),
+    `value` (beta_t, a float), `observe_rewards(mean_reward)` (at the end of a step that trained on new generation
+    batches, before `step`: their mean reward over all processes), `step(completed_steps, window)` (after each optimizer step; `window` is the step's `WindowKL` or None),
     `state_dict()` / `load_state_dict(state)` (JSON-able; saved in every checkpoint like the built-in ones). At most
     one controller per setting. A taken name is a ValueError."""
     new_method_name("register_beta_controller", name)

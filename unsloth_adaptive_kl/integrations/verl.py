@@ -221,10 +221,10 @@ def refuse_unused(fields: dict[str, Any], reward_overrides: dict[str, Any], shar
     name = first_set(fields, [name for name in fields if not (reward_on and name in shared_with_reward)])
     if name is None:
         return
-    if name in LOSS_ONLY:
-        why = f"in the reward {LOSS_ONLY[name]}"
-    elif not reward_on:
+    if not reward_on:
         why = "the KL in the reward is off too (algorithm.use_kl_in_reward=False)"
+    elif name in LOSS_ONLY:
+        why = f"in the reward {LOSS_ONLY[name]}"
     elif name in reward_overrides:
         why = f"the KL in the reward takes adaptive_kl.reward.{name}={reward_overrides[name]!r}"
     else:
@@ -312,11 +312,12 @@ def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
 
 
 def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, field: str,
-                     placed: Optional[AdaptiveKLConfig] = None, **kwargs: Any) -> AdaptiveKL:
+                     placed: Optional[AdaptiveKLConfig] = None, overrides: Any = (), **kwargs: Any) -> AdaptiveKL:
     """The core's `AdaptiveKL` of `placed` (default: `config`, the fields as the `field` block set them) at beta =
     verl's `coefficient`, whose beta-0 warning speaks verl's terms: the block's fields that would have no effect and
     the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement verl sets), as
-    are its errors: a bad coefficient by its verl name, a bound it breaks (`beta_min`, `beta_max`) with it."""
+    are its errors: a bad coefficient by its verl name, a bound it breaks (`beta_min`, `beta_max`) with it and the
+    block that set the bound (`adaptive_kl.reward` for those in `overrides`, the fields the reward block set)."""
     check_real(coefficient, beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
     fields = config.adapted_fields()
     if beta == 0.0 and fields:
@@ -328,8 +329,10 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
         try:
             return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
         except ValueError as error:  # the core calls the coefficient `beta`, the block's fields by their own names
-            if str(error).startswith(("beta_min=", "beta_max=")):
-                raise ValueError(f"{field}.{error} Here beta is {coefficient}={beta!r}.") from None
+            bound = str(error).split("=", 1)[0]
+            if bound in ("beta_min", "beta_max"):
+                block = "adaptive_kl.reward" if bound in overrides else "adaptive_kl"
+                raise ValueError(f"{block}.{error} Here beta is {coefficient}={beta!r}.") from None
             raise
 
 
@@ -512,7 +515,8 @@ class RewardKLController:
     with `observe_rewards` before verl scores the batch); `target` reads the batch's KL as `penalize` measured it (the
     core's `WindowKL`: sum of k over valid tokens / their count), bounded by beta_min/beta_max."""
 
-    def __init__(self, config: AdaptiveKLConfig, beta: float, field: str = "adaptive_kl.reward") -> None:
+    def __init__(self, config: AdaptiveKLConfig, beta: float, field: str = "adaptive_kl.reward",
+                 overrides: Any = ()) -> None:
         # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
         # the core's KL_i in the reward under kl_reduction 'loss_type' or 'sequence_sum', the two `configs_from`
         # lets through. The core object is told the KL is in the reward, and its rules for that placement apply
@@ -526,7 +530,7 @@ class RewardKLController:
                 "KL is the sum over each completion's tokens)"
                 + (f"; set +adaptive_kl.reward.kl_adaptation_method={methods} to keep length_normalized for the "
                    "KL in the actor loss alone." if field == "adaptive_kl" else "."))
-        self.akl = verl_adaptive_kl(config, beta, "algorithm.kl_ctrl.kl_coef", field,
+        self.akl = verl_adaptive_kl(config, beta, "algorithm.kl_ctrl.kl_coef", field, overrides=overrides,
                                     placed=dataclasses.replace(config, kl_placement="reward"), loss_type="bnpo")
         self._mean_reward: Optional[float] = None
         self.updates = 0
@@ -638,9 +642,10 @@ class AdaptiveKLTrainerMixin:
                     "+adaptive_kl.reward.kl_adaptation_method=target with "
                     "+adaptive_kl.reward.kl_target=<target_kl> and +adaptive_kl.reward.kl_horizon=<horizon>, or "
                     "leave trainer_mode unset for verl's own.")
-            inherited = "kl_adaptation_method" not in _plain(_plain(config.get("adaptive_kl")).get("reward"))
-            self.reward_kl = RewardKLController(reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef),
-                                                field="adaptive_kl" if inherited else "adaptive_kl.reward")
+            overrides = _plain(_plain(config.get("adaptive_kl")).get("reward"), "adaptive_kl.reward")
+            self.reward_kl = RewardKLController(
+                reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef), overrides=overrides,
+                field="adaptive_kl.reward" if "kl_adaptation_method" in overrides else "adaptive_kl")
             self.kl_ctrl_in_reward = self.reward_kl
         if self.loss_kl is None and self.reward_kl is None:
             warnings.warn("adaptive_kl: neither actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is "
