@@ -267,10 +267,12 @@ def check_kl_type(field: str, value: Any) -> None:
         raise reject(field, value, VERL_KL_TYPES) from None
 
 
-def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_config: AdaptiveKLConfig) -> None:
+def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_config: AdaptiveKLConfig,
+                          reward_block: dict[str, Any]) -> None:
     """What the trainer would otherwise find only after a rollout, refused by its verl field before training:
     `ppo_epochs`, `kl_loss_type` and `kl_penalty` verl does not compute, and a `target` horizon under which beta would
-    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`)."""
+    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`);
+    `reward_block` is what the `adaptive_kl.reward` block set."""
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     on = {"loss": bool(actor.use_kl_loss), "reward": bool(algorithm.use_kl_in_reward)}
     if on["loss"]:
@@ -284,7 +286,6 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
     if data is None or rollout is None or data.get("train_batch_size") is None or rollout.get("n") is None:
         return
     completions = int(data.train_batch_size) * int(rollout.n)
-    reward_block = _plain(_plain(config.get("adaptive_kl")).get("reward"), "adaptive_kl.reward")
     for kl, settings in (("loss", loss_config), ("reward", reward_config)):
         if not on[kl] or "target" not in settings.kl_methods:
             continue
@@ -614,7 +615,8 @@ class AdaptiveKLTrainerMixin:
         actor = config.actor_rollout_ref.actor
         loss_config, reward_config = configs_from(config.get("adaptive_kl"), loss_on=bool(actor.use_kl_loss),
                                                   reward_on=bool(config.algorithm.use_kl_in_reward))
-        check_before_training(config, loss_config, reward_config)
+        overrides = _plain(_plain(config.get("adaptive_kl")).get("reward"), "adaptive_kl.reward")
+        check_before_training(config, loss_config, reward_config, overrides)
         with open_dict(config):  # verl's mode logic (replay buffer, checkpoints) keys on its own mode names
             config.trainer.v1.trainer_mode = self.base_trainer_mode
         super().__init__(config)
@@ -642,7 +644,6 @@ class AdaptiveKLTrainerMixin:
                     "+adaptive_kl.reward.kl_adaptation_method=target with "
                     "+adaptive_kl.reward.kl_target=<target_kl> and +adaptive_kl.reward.kl_horizon=<horizon>, or "
                     "leave trainer_mode unset for verl's own.")
-            overrides = _plain(_plain(config.get("adaptive_kl")).get("reward"), "adaptive_kl.reward")
             self.reward_kl = RewardKLController(
                 reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef), overrides=overrides,
                 field="adaptive_kl.reward" if "kl_adaptation_method" in overrides else "adaptive_kl")
