@@ -145,9 +145,10 @@ def register_beta_controller(name: str) -> Callable[[type], type]:
     move beta with the decorated class, in every loop. The class is built as `cls(beta, config)` (beta_0 and the
     `AdaptiveKLConfig`) and follows the built-in controllers' protocol (subclassing `ConstantBeta` gives the rest):
     `value` (beta_t, a float), `observe_rewards(mean_reward)` (at the end of a step that trained on new generation
-    batches, before `step`: their mean reward over all processes), `step(completed_steps, window)` (after each optimizer step; `window` is the step's `WindowKL` or None),
-    `state_dict()` / `load_state_dict(state)` (JSON-able; saved in every checkpoint like the built-in ones). At most
-    one controller per setting. A taken name is a ValueError."""
+    batches, before `step`: their mean reward over all processes), `step(completed_steps, window)` (after each
+    optimizer step; `window` is the step's `WindowKL` or None), `state_dict()` / `load_state_dict(state)` (JSON-able;
+    saved in every checkpoint like the built-in ones). At most one controller per setting. A taken name is a
+    ValueError."""
     new_method_name("register_beta_controller", name)
 
     def add(cls: type) -> type:

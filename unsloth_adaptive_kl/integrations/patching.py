@@ -43,8 +43,9 @@ class PatchSet:
         `leave_newer` (the end of a patch's life, `unpatch()`), an attribute that no longer holds the replacement was
         set again since, by someone else (Unsloth points trl.GRPOConfig at the config it generates): that newer value
         stays, as restoring ours would undo theirs, also where it wraps ours (Unsloth's fused head around the CPU
-        log-prob fallback, on a GPU with trl 1.15), which then stays in that path. A block restores what was there before it, whatever the block
-        set since (the KL in the reward appends its weight to the trainer's for one generation)."""
+        log-prob fallback, on a GPU with trl 1.15), which then stays in that path. A block restores what was there
+        before it, whatever the block set since (the KL in the reward appends its weight to the trainer's for one
+        generation)."""
         while len(self._originals) > keep:
             owner, name, original, replacement = self._originals.pop()
             if leave_newer and vars(owner).get(name, _MISSING) is not replacement:

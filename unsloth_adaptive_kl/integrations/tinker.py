@@ -321,6 +321,7 @@ def record_step_kl(
 
 STD_EPSILON = 1e-4  # kl_penalized_data's default: added to a group's reward std with scale_by_std
 
+
 def kl_penalized_data(
     akl: AdaptiveKL,
     data: Sequence["types.Datum"],
