@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import inspect
 import math
+import pickle
 import re
 import sys
 import types
@@ -42,6 +44,8 @@ def snapshot() -> dict:
         "unsloth_hooks": sys.meta_path.count(unsloth_patch._FINDER),
         # a trainer built before the patch says so (trl.BuiltBeforePatch); stock trl has no such attribute
         "built_before_patch": isinstance(vars(trainer).get("adaptive_kl"), trl_patch.BuiltBeforePatch),
+        # a stock config bound before the import pickles by its attributes (trl.reduce_stock_config)
+        "stock_config_reduction": vars(trl_patch.StockGRPOConfig).get("__reduce_ex__"),
     }
 
 
@@ -64,6 +68,8 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
         assert stock["use_adapter"] is trl_utils.use_adapter and patched["use_adapter"] is use_reference
         assert stock["current_beta"] is False
         assert (patched["built_before_patch"], stock["built_before_patch"]) == (True, False)
+        assert (patched["stock_config_reduction"], stock["stock_config_reduction"]) == (trl_patch.reduce_stock_config,
+                                                                                       None)
         assert (patched["unsloth_hooks"], stock["unsloth_hooks"]) == (1, 0)  # installed once, removed
         if trl_patch.kernel_lacks_cpu_path():  # trl 1.15 only: the fallback stands in for the kernel
             assert stock["kernel"] is trl_patch.ChunkedLogProbWithCPUFallback.upstream
@@ -489,14 +495,41 @@ def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_traine
 
 def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:
     """`unsloth_adaptive_kl.patch()` returns early when TRL is patched; the integration's own `patch()`, called
-    directly, is idempotent as well: a second call records no second replacement (14 here: the 13 patch points and
-    the CPU fallback kernel where trl's has no CPU path, 13 otherwise) and leaves the fallback's upstream TRL's kernel,
+    directly, is idempotent as well: a second call records no second replacement (15 here: the 14 patch points and
+    the CPU fallback kernel where trl's has no CPU path, 14 otherwise) and leaves the fallback's upstream TRL's kernel,
     not the fallback itself (which would call itself on an accelerator)."""
     installed = len(trl_patch._patches)
     upstream = trl_patch.ChunkedLogProbWithCPUFallback.upstream
     trl_patch.patch()
-    assert len(trl_patch._patches) == installed == 13 + trl_patch.kernel_lacks_cpu_path()
+    assert len(trl_patch._patches) == installed == 14 + trl_patch.kernel_lacks_cpu_path()
     assert trl_patch.ChunkedLogProbWithCPUFallback.upstream is upstream
+
+
+def test_a_stock_config_bound_before_the_import_pickles_into_a_checkpoint_and_ours_as_before(tmp_path) -> None:
+    """A GRPOConfig bound before the import is trl's stock class (it trains as `none`), whose name
+    trl.trainer.grpo_config.GRPOConfig is ours while patched: pickle refused it, a PicklingError at the first
+    checkpoint's training_args.bin, after save_steps of training. It pickles (and copies) by its attributes and comes
+    back a stock config holding them; ours and a subclass pickle by their own names, as before; unpatched, the stock
+    class pickles by its name again."""
+    stock = trl_patch.StockGRPOConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.04, max_steps=3, save_steps=2)
+    torch.save(stock, tmp_path / "training_args.bin")  # as transformers' Trainer._save does
+    back = torch.load(tmp_path / "training_args.bin", weights_only=False)
+    assert type(back) is trl_patch.StockGRPOConfig and back.to_dict() == stock.to_dict() and back is not stock
+    copied = copy.deepcopy(stock)
+    assert type(copied) is trl_patch.StockGRPOConfig and copied.to_dict() == stock.to_dict()
+
+    ours = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, beta=0.04, kl_adaptation_method="clip")
+    back = pickle.loads(pickle.dumps(ours))
+    assert type(back) is unsloth_adaptive_kl.GRPOConfig and back.kl_adaptation_method == "clip"
+    assert pickle.dumps(ours).count(b"unsloth_adaptive_kl.integrations.trl") == 1  # by its class's name
+    assert stock.__reduce_ex__(4)[0] is trl_patch.stock_config is not ours.__reduce_ex__(4)[0]
+
+    unsloth_adaptive_kl.unpatch()
+    try:
+        assert stock.__reduce_ex__(4)[0] is not trl_patch.stock_config
+        assert type(pickle.loads(pickle.dumps(stock))) is trl_patch.StockGRPOConfig
+    finally:
+        unsloth_adaptive_kl.patch()
 
 
 def test_each_tested_range_ends_at_versions_the_recorded_ci_run_installed() -> None:

@@ -1398,6 +1398,52 @@ def test_the_trainer_runs_as_verls_sync_mode_and_refuses_distillation_with_the_k
     assert trainer.loss_kl is None and trainer.reward_kl is None
 
 
+class _Reached(Exception):
+    """Raised by verl's own code, stubbed, to show that a trainer's own __init__ ran."""
+
+
+def _reach(*args, **kwargs):
+    raise _Reached
+
+
+def test_verls_own_trainers_refuse_an_adaptive_kl_block_and_build_as_before_without_one(monkeypatch):
+    """Left out trainer.v1.trainer_mode=adaptive_kl, verl's own trainer read none of the block: it trained without
+    adaptive KL, silently. verl's V1 base (every trainer mode) and the legacy RayPPOTrainer refuse it; without a
+    block, or after unpatch(), verl's own __init__ runs (its first call, stubbed, is reached)."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    monkeypatch.setattr(trainer_base, "build_checkpoint_callback", _reach)  # PPOTrainer.__init__'s first call
+    config = trainer_config(kl_adaptation_method="clip")
+    config.trainer.v1.trainer_mode = "sync"
+    with pytest.raises(ValueError, match=r"^adaptive_kl: the config holds an adaptive_kl block, but PPOTrainerSync is "
+                                         r"verl's own trainer \(trainer\.v1\.trainer_mode='sync'\), which reads none "
+                                         r"of it: allowed is trainer\.v1\.trainer_mode=adaptive_kl under python -m "
+                                         r"verl\.trainer\.main_ppo; or remove the block to train without adaptive "
+                                         r"KL\.$"):
+        PPOTrainerSync(config)
+    with pytest.raises(ValueError, match=r"^adaptive_kl: the config holds an adaptive_kl block, but RayPPOTrainer is "
+                                         r"verl's own trainer \(trainer\.v1\.trainer_mode='sync'\), which reads"):
+        ray_trainer.RayPPOTrainer(config=config, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
+    verl_kl.patch()  # idempotent: one wrapper each
+    assert len(verl_kl._patches) == 2
+    verls = trainer_base.PPOTrainer.__init__.__wrapped__
+    assert verls.__qualname__ == "PPOTrainer.__init__" and not hasattr(verls, "__wrapped__")
+
+    blockless = trainer_config()
+    del blockless["adaptive_kl"]
+    with pytest.raises(_Reached):
+        PPOTrainerSync(blockless)
+    verl_kl.unpatch()
+    try:
+        assert trainer_base.PPOTrainer.__init__ is verls
+        with pytest.raises(_Reached):
+            PPOTrainerSync(config)
+    finally:
+        verl_kl.patch()
+    with pytest.raises(ValueError, match="but PPOTrainerSync is verl's own trainer"):
+        PPOTrainerSync(config)
+
+
 class _PenalisingTrainer(_StubTrainer):
     """verl's _compute_advantage, its step 1: apply_kl_penalty as verl's V1 trainer module references it, with
     verl's kl_ctrl_in_reward and algorithm.kl_penalty; the module's function seen during the call is recorded."""

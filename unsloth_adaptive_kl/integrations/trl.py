@@ -77,6 +77,23 @@ class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
                           "unsloth_adaptive_kl.patch() before building the trainer.", UserWarning, stacklevel=3)
 
 
+def reduce_stock_config(config: Any, protocol: int) -> Any:
+    """pickle's (and copy's) reduction of an instance of trl's stock GRPOConfig, one built from a name bound before
+    the import: pickle would find its class by name, trl.trainer.grpo_config.GRPOConfig, which is ours while patched,
+    and refuse it (PicklingError, at the first checkpoint's training_args.bin). It is rebuilt from its attributes by
+    `stock_config`; a subclass (ours, Unsloth's generated config, a user's) reduces as before."""
+    if type(config) is not StockGRPOConfig:
+        return object.__reduce_ex__(config, protocol)
+    return stock_config, (dict(vars(config)),)
+
+
+def stock_config(attributes: dict[str, Any]) -> Any:
+    """A stock GRPOConfig holding these attributes, as pickled by `reduce_stock_config` (no __post_init__ rerun)."""
+    config = StockGRPOConfig.__new__(StockGRPOConfig)
+    vars(config).update(attributes)
+    return config
+
+
 def _missing(anchor: Anchor) -> Callable[[], Exception]:
     """For an anchor found in the source at patch time but not reached while training."""
     return lambda: anchor_error("trl", anchor)
@@ -193,6 +210,9 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         (trl.trainer, "GRPOConfig", GRPOConfig),
         (trl_grpo_config, "GRPOConfig", GRPOConfig),
         (trl_grpo_trainer, "GRPOConfig", GRPOConfig),
+        # object.__reduce_ex__, as trl's stock GRPOConfig inherits it: a stock config bound before the import (it
+        # trains as `none`) pickles by its attributes, its class's name being ours now (above).
+        (StockGRPOConfig, "__reduce_ex__", reduce_stock_config),
         # GRPOTrainer.__init__: validates the settings and builds the beta controller; with sync_ref_model=True it
         # lifts TRL's refusal of PEFT models and syncs the reference itself (ref_sync).
         (StockGRPOTrainer, "__init__", _init),

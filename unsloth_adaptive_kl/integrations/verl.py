@@ -38,7 +38,8 @@ The `adaptive_kl` block holds `AdaptiveKLConfig`'s fields; `adaptive_kl.reward.*
 in the reward. `kl_placement` is verl's own switches above and is not set here.
 
 Importing this module imports verl and checks, in the installed source, every anchor it relies on: a missing one is
-an `IncompatibleVersionError` naming it.
+an `IncompatibleVersionError` naming it. It then makes verl's own trainers (the V1 base, the legacy `RayPPOTrainer`)
+refuse a config holding an `adaptive_kl` block, which they would not read (`patch()`; `unpatch()` undoes it).
 """
 
 from __future__ import annotations
@@ -768,3 +769,46 @@ class AdaptiveKLTrainerMixin:
 class AdaptiveKLPPOTrainer(AdaptiveKLTrainerMixin, PPOTrainerSync):
     """verl's synchronous V1 trainer (`trainer.v1.trainer_mode=sync`) with adaptive KL; selected with
     `trainer.v1.trainer_mode=adaptive_kl`."""
+
+
+# ----- the adaptive_kl block under verl's own trainers -------------------------------------------------------------
+
+
+def refusing_the_block(init: Any) -> Any:
+    """A trainer's `__init__(self, config, ...)` that first refuses a config holding an `adaptive_kl` block unless the
+    trainer is ours: verl's own trainers read none of it, so a run that left out trainer.v1.trainer_mode=adaptive_kl
+    (or ran the legacy main_ppo_v0) would train without it, silently."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(self, AdaptiveKLTrainerMixin) and config.get("adaptive_kl") is not None:
+            mode = config.get("trainer", {}).get("v1", {}).get("trainer_mode")
+            raise ValueError(
+                f"adaptive_kl: the config holds an adaptive_kl block, but {type(self).__name__} is verl's own trainer"
+                + (f" (trainer.v1.trainer_mode={mode!r})" if mode is not None else "")
+                + f", which reads none of it: allowed is trainer.v1.trainer_mode={TRAINER_NAME} under python -m "
+                "verl.trainer.main_ppo; or remove the block to train without adaptive KL.")
+        init(self, config, *args, **kwargs)
+
+    return __init__
+
+
+_patches = PatchSet()
+
+
+def patch() -> None:
+    """Make verl's own trainers refuse an `adaptive_kl` block (done on import). Idempotent."""
+    if _patches:
+        return
+    # Replaces verl's PPOTrainer.__init__ (trainer/ppo/v1/trainer_base.py), the base of every V1 trainer, ours too,
+    # and RayPPOTrainer.__init__ (trainer/ppo/ray_trainer.py, main_ppo_v0's): each then runs as before.
+    for owner in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer):
+        _patches.replace(owner, "__init__", refusing_the_block(owner.__init__))
+
+
+def unpatch() -> None:
+    """Restore verl's own trainers' `__init__`. Idempotent; the registered trainer stays registered."""
+    _patches.restore(leave_newer=True)
+
+
+patch()
