@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +124,8 @@ def test_controller_state_round_trip() -> None:
 
 
 def test_resume_from_checkpoint_restores_beta(tokenizer, tmp_path) -> None:
-    settings = dict(max_steps=8, dynamic_beta_decay=0.8, save_strategy="steps", save_steps=4, **DYNAMIC)
+    settings = dict(max_steps=8, dynamic_beta_decay=0.8, save_strategy="steps", save_steps=4, model_kind="peft_config",
+                    **DYNAMIC)
     full = make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **settings)
     full.train()
     expected = 0.04 * 0.8**8
@@ -157,7 +159,8 @@ def test_the_checkpoint_a_hub_push_uploads_holds_the_controllers_state(tokenizer
 def test_resume_without_the_state_file_warns_naming_it(tokenizer, tmp_path) -> None:
     """A checkpoint whose adaptive_kl_state.json is gone (saved without the package, or lost) resumes with beta at
     its initial value: the trainer says so, naming the file, instead of training on silently."""
-    settings = dict(max_steps=6, dynamic_beta_decay=0.8, save_strategy="steps", save_steps=4, **DYNAMIC)
+    settings = dict(max_steps=6, dynamic_beta_decay=0.8, save_strategy="steps", save_steps=4, model_kind="peft_config",
+                    **DYNAMIC)
     make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **settings).train()
     state = tmp_path / "full" / "checkpoint-4" / "adaptive_kl_state.json"
     state.unlink()
@@ -166,6 +169,74 @@ def test_resume_without_the_state_file_warns_naming_it(tokenizer, tmp_path) -> N
                                          "from their initial beta"):
         resumed.train(resume_from_checkpoint=str(state.parent))
     assert logged(resumed, "adaptive_kl/current_beta")[0] == pytest.approx(0.04)  # beta_0, not 0.04 * 0.8**4
+
+
+@pytest.mark.parametrize("model_kind", ["peft_model", "peft_config"])
+def test_a_resume_says_when_transformers_left_the_trained_adapter_out_and_a_constant_beta_restores_nothing(
+        tokenizer, tmp_path, model_kind: str) -> None:
+    """A PeftModel passed with beta > 0: TRL saves its "ref" adapter in a sub-folder of each checkpoint, and
+    transformers' resume then loads that sub-folder alone, not the trained adapter at the root, so the resumed policy
+    is the adapter it was built with: stock TRL, said (the first resumed step's KL is 0 where the uninterrupted run's
+    is not). With peft_config= the adapter resumes and nothing is said. `none` resumed without
+    adaptive_kl_state.json loses nothing (a constant beta) and says nothing of it either."""
+    settings = dict(max_steps=3, save_strategy="steps", save_steps=2, model_kind=model_kind)
+    full = make_trainer(tokenizer, str(tmp_path / "full"), **settings)
+    full.train()
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    (checkpoint / "adaptive_kl_state.json").unlink()
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.train(resume_from_checkpoint=str(checkpoint))
+    said = [str(w.message) for w in caught if str(w.message).startswith("adaptive_kl:")]
+    if model_kind == "peft_model":
+        assert said == [f"adaptive_kl: resuming from {checkpoint}, transformers loaded the adapters of its sub-folders "
+                        "(ref) but not the trained adapter 'default' at its root (Trainer._load_from_checkpoint; TRL "
+                        "saves its 'ref' adapter in a sub-folder when a PeftModel is passed with beta > 0): the policy "
+                        "restarts from the adapter it was built with. Pass the base model and peft_config= to the "
+                        "trainer instead of a PeftModel."]
+        assert logged(resumed, "kl")[2] == 0.0 < logged(full, "kl")[2]
+    else:
+        assert said == []
+        assert logged(resumed, "kl")[2] == pytest.approx(logged(full, "kl")[2], rel=1e-5)
+
+
+@pytest.mark.parametrize(("settings", "checkpoint", "every"), [
+    # a batch every 2 micro-batches, 1 per optimizer step: step 3 ends inside one
+    (dict(steps_per_generation=2, gradient_accumulation_steps=1), 3, 2),
+    (dict(steps_per_generation=2, gradient_accumulation_steps=1), 2, None),
+    # num_iterations=2 with steps_per_generation = gradient_accumulation_steps = 2: a batch of 4 serves 2 steps
+    (dict(num_iterations=2, gradient_accumulation_steps=2), 3, 4),
+    (dict(gradient_accumulation_steps=2), 3, None),  # a batch per step: every step is a boundary
+])
+def test_a_resume_inside_a_generation_batch_says_the_run_differs_from_there(tokenizer, tmp_path, settings, checkpoint,
+                                                                            every) -> None:
+    """TRL does not checkpoint the rest of a generation batch: resumed inside one it generates a new batch at once,
+    and dynamic reads one batch more than the uninterrupted run (beta at step 5: 0.04 * 0.8**3 where the
+    uninterrupted run has 0.04 * 0.8**2, a batch decaying it every 2 steps). Said, with the boundary; a checkpoint on
+    a boundary resumes exactly and says nothing."""
+    fields = dict(max_steps=5, kl_adaptation_method="dynamic", dynamic_beta_decay=0.8, reward_threshold=0.5,
+                  save_strategy="steps", save_steps=checkpoint, model_kind="peft_config", **settings)
+    full = make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **fields)
+    full.train()
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), constant_reward(1.0), **fields)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / f"checkpoint-{checkpoint}"))
+    said = [str(w.message) for w in caught if "inside a generation batch" in str(w.message)]
+    betas, uninterrupted = logged(resumed, "adaptive_kl/current_beta"), logged(full, "adaptive_kl/current_beta")
+    if every:
+        micro = checkpoint * fields["gradient_accumulation_steps"]
+        assert said == [f"adaptive_kl: resuming at step {checkpoint}, inside a generation batch: the trainer generates "
+                        f"one every {every} micro-batches (steps_per_generation x num_iterations) and step {checkpoint} "
+                        f"ends at micro-batch {micro}. The rest of that batch is not in the checkpoint, so a new one is "
+                        "generated at once and the run differs from the uninterrupted one from here (dynamic reads one "
+                        f"batch more). Checkpoints at steps whose micro-batch count is a multiple of {every} resume "
+                        "exactly."]
+        assert uninterrupted[4] == pytest.approx(0.04 * 0.8**2) and betas[4] == pytest.approx(0.04 * 0.8**3)
+    else:
+        assert said == []
+        assert betas == pytest.approx(uninterrupted, rel=1e-12)
 
 
 def test_two_processes_share_the_globally_averaged_beta(tmp_path) -> None:
@@ -215,7 +286,8 @@ def test_target_controller_follows_the_formula_in_a_real_run(tokenizer, tmp_path
 
 def test_target_controller_state_survives_resume(tokenizer, tmp_path) -> None:
     settings = dict(kl_adaptation_method="target", kl_target=0.002, kl_horizon=10.0, loss_type="bnpo",
-                    gradient_accumulation_steps=1, max_steps=6, save_strategy="steps", save_steps=3)
+                    gradient_accumulation_steps=1, max_steps=6, save_strategy="steps", save_steps=3,
+                    model_kind="peft_config")
     full = make_trainer(tokenizer, str(tmp_path / "full"), **settings)
     full.train()
     resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), **settings)

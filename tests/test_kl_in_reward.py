@@ -363,7 +363,7 @@ def test_target_reads_the_measured_kl(tokenizer, tmp_path) -> None:
 
 def test_resume_restores_beta(tokenizer, tmp_path) -> None:
     settings = dict(max_steps=6, beta=0.04, kl_adaptation_method="dynamic", dynamic_beta_decay=0.8,
-                    save_strategy="steps", save_steps=3, **REWARD)
+                    save_strategy="steps", save_steps=3, model_kind="peft_config", **REWARD)
     full = make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **settings)
     full.train()
     checkpoint = tmp_path / "full" / "checkpoint-3"

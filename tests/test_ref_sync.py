@@ -310,10 +310,33 @@ def test_resume_after_a_sync_continues_as_the_uninterrupted_run(tokenizer, tmp_p
 
     (checkpoint / STATE_FILE).unlink()
     without = make_trainer(tokenizer, str(tmp_path / "without"), **settings)
-    with pytest.warns(UserWarning, match=rf"^adaptive_kl: .*checkpoint-3/{STATE_FILE} is missing: the synced "
-                                         r"reference restarts as the initial reference \(no sync so far\)"):
+    bound = BoundReference(without)
+    without.add_callback(bound)  # after the sync's own callback: sees the reference it bound
+    into = {"full": "the trainer's reference model",
+            "peft_config": "a copy of the adapter as resumed, not into the initial adapter \\(which the checkpoint "
+                           "lacks\\)"}[model_kind]
+    with pytest.warns(UserWarning, match=rf"^adaptive_kl: .*checkpoint-3/{STATE_FILE} is missing: no sync so far, so "
+                                         rf"TRL's own reference serves until the first sync, which then mixes the "
+                                         rf"policy into {into}\.$"):
         without.train(resume_from_checkpoint=str(checkpoint))
     assert logged(without, "adaptive_kl/raw_kl")[3] != pytest.approx(logged(full, "adaptive_kl/raw_kl")[3], rel=1e-3)
+    if model_kind == "peft_config":  # the copy is the resumed adapter, which step 3 had trained away from the initial
+        initial = make_trainer(tokenizer, str(tmp_path / "initial"), **settings).model
+        assert same_tensors(bound.reference, bound.policy)
+        assert not all(torch.equal(bound.policy[name], dict(initial.named_parameters())[name].detach())
+                       for name in bound.policy)
+
+
+class BoundReference(TrainerCallback):
+    """The reference a trainer's sync bound when training began, and the policy's trainable tensors then."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, *args, **kwargs) -> None:
+        sync = self.trainer.adaptive_kl_reference
+        self.reference = {name: tensor.detach().clone() for name, tensor in sync.reference.named_tensors()}
+        self.policy = {name: p.detach().clone() for name, p in self.trainer.model.named_parameters() if p.requires_grad}
 
 
 # ----- two processes ------------------------------------------------------------------------------------------------

@@ -719,6 +719,24 @@ def test_a_checkpoint_without_a_kls_controller_state_warns_naming_it():
     assert run.reward_kl.value == saved.value == pytest.approx(0.1 * 0.9) and run.loss_kl.current_beta == 0.2
 
 
+def test_a_checkpoint_without_the_state_of_a_constant_beta_says_nothing():
+    """A constant beta (`clip` here) has no state to lose: a checkpoint lacking it resumes as the uninterrupted run
+    would, and nothing is said; beside a moving beta whose state is there, that one is restored."""
+    constant = AdaptiveKLConfig(kl_adaptation_method="clip")
+    moving = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5)
+    saved = verl_kl.RewardKLController(moving, beta=0.1)
+    saved.observe_rewards(1.0)
+    ray_trainer.apply_kl_penalty(reward_batch(seed=0), kl_ctrl=saved, kl_penalty="kl")
+    run = types.SimpleNamespace(loss_kl=AdaptiveKL(constant, beta=0.2),
+                                reward_kl=verl_kl.RewardKLController(moving, beta=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        verl_kl.AdaptiveKLTrainerMixin.load_adaptive_kl_state(
+            run, json.loads(json.dumps({"global_steps": 1, "loss": None, "reward": saved.state_dict()})))
+    assert run.reward_kl.value == pytest.approx(0.1 * 0.9) and run.loss_kl.current_beta == 0.2
+    assert (run.loss_kl.moves_beta, run.reward_kl.moves_beta) == (False, True)
+
+
 # ----- the logged adaptive_kl/* metrics, against their definitions (docs/metrics.md) --------------------------------
 
 

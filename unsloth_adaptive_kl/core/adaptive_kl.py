@@ -95,6 +95,12 @@ class AdaptiveKL:
         self._unstepped_warned = False
 
     @property
+    def moves_beta(self) -> bool:
+        """Whether beta moves (`dynamic`, `target`, a registered controller): what a checkpoint without this object's
+        state loses. A constant beta loses nothing, so a resume without it has nothing to say."""
+        return controller_kind(self.controller) != "constant"
+
+    @property
     def current_beta(self) -> float:
         """beta_t: the coefficient of the KL term (or the reward penalty) in the next step."""
         return self.controller.value

@@ -199,12 +199,15 @@ class ReferenceSync(TrainerCallback):
 
     def load(self, folder: str) -> None:
         """Restore what `save` wrote; a checkpoint without it (saved without syncing, or the file lost) warns, naming
-        it, and the reference restarts as the initial one (no sync so far)."""
+        it: no sync so far, so TRL's own reference serves until the first sync. That sync mixes the policy into the
+        trainer's reference model (a full model), or into a copy of the adapter as resumed (PEFT: the initial adapter
+        an uninterrupted run would have mixed into is not in the checkpoint)."""
         path = os.path.join(folder, STATE_FILE)
         if not os.path.exists(path):
-            warnings.warn(f"adaptive_kl: {path} is missing: the synced reference restarts as the initial reference "
-                          "(no sync so far), as a checkpoint saved without sync_ref_model has it.", UserWarning,
-                          stacklevel=3)
+            into = ("the trainer's reference model" if self.trainer.ref_model is not None else
+                    "a copy of the adapter as resumed, not into the initial adapter (which the checkpoint lacks)")
+            warnings.warn(f"adaptive_kl: {path} is missing: no sync so far, so TRL's own reference serves until the "
+                          f"first sync, which then mixes the policy into {into}.", UserWarning, stacklevel=3)
             return
         state = torch.load(path, map_location="cpu", weights_only=True)
         self.syncs, self.last_sync_step = state["syncs"], state["last_sync_step"]

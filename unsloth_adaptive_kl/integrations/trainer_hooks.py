@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 
 from transformers import TrainingArguments
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..core.adaptive_kl import AdaptiveKL
@@ -459,11 +460,14 @@ def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
         upstream(self, checkpoint)
         if checkpoint is None:
             return
+        warn_if_adapter_not_resumed(self.accelerator.unwrap_model(self.model), checkpoint)
+        warn_if_inside_a_generation_batch(self, checkpoint)
         path = os.path.join(checkpoint, STATE_FILE)
         if os.path.exists(path):
             with open(path) as f:
                 self.adaptive_kl.load_state_dict(json.load(f))
-        else:  # a checkpoint saved without this package, or a file lost: say so, as verl's integration does
+        elif self.adaptive_kl.moves_beta:
+            # a checkpoint saved without this package, or a file lost: say so, as verl's integration does
             warnings.warn(f"adaptive_kl: {path} is missing: the controllers restart from their initial beta.",
                           UserWarning, stacklevel=2)
         sync = getattr(self, "adaptive_kl_reference", None)
@@ -471,6 +475,50 @@ def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
             sync.load(checkpoint)
 
     return _load_optimizer_and_scheduler
+
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _holds_adapter(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in ADAPTER_FILES)
+
+
+def warn_if_adapter_not_resumed(model: Any, checkpoint: str) -> None:
+    """transformers' Trainer._load_from_checkpoint, for a PEFT model, loads the adapters of a checkpoint's sub-folders
+    where it has any, and then not the one at its root: TRL saves its "ref" adapter in a sub-folder (a PeftModel passed
+    to GRPOTrainer with beta > 0), so the trained adapter was not resumed. Stock behaviour, said here."""
+    active = getattr(model, "active_adapters", None)
+    if not active or not hasattr(model, "load_adapter") or not os.path.isdir(checkpoint):
+        return
+    subfolders = sorted(name for name in os.listdir(checkpoint) if _holds_adapter(os.path.join(checkpoint, name)))
+    if subfolders and active[0] not in subfolders and _holds_adapter(checkpoint):
+        warnings.warn(
+            f"adaptive_kl: resuming from {checkpoint}, transformers loaded the adapters of its sub-folders "
+            f"({', '.join(subfolders)}) but not the trained adapter {active[0]!r} at its root (Trainer."
+            "_load_from_checkpoint; TRL saves its 'ref' adapter in a sub-folder when a PeftModel is passed with "
+            "beta > 0): the policy restarts from the adapter it was built with. Pass the base model and peft_config= "
+            "to the trainer instead of a PeftModel.", UserWarning, stacklevel=3)
+
+
+def warn_if_inside_a_generation_batch(trainer: Any, checkpoint: str) -> None:
+    """The trainer generates a batch every steps_per_generation x num_iterations micro-batches and does not checkpoint
+    the rest of it (GRPOTrainer._prepare_inputs): resumed inside one, it generates a new batch at once, and the run
+    differs from the uninterrupted one from there. Stock behaviour, said here."""
+    path = os.path.join(checkpoint, TRAINER_STATE_NAME)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        step = json.load(f).get("global_step", 0)
+    every = trainer.args.steps_per_generation * getattr(trainer, "num_iterations", 1)
+    micro_batches = step * trainer.args.gradient_accumulation_steps
+    if micro_batches % every:
+        warnings.warn(
+            f"adaptive_kl: resuming at step {step}, inside a generation batch: the trainer generates one every {every} "
+            f"micro-batches (steps_per_generation x num_iterations) and step {step} ends at micro-batch "
+            f"{micro_batches}. The rest of that batch is not in the checkpoint, so a new one is generated at once and "
+            "the run differs from the uninterrupted one from here (dynamic reads one batch more). Checkpoints at "
+            f"steps whose micro-batch count is a multiple of {every} resume exactly.", UserWarning, stacklevel=3)
 
 
 def current_beta(self: Any) -> float:

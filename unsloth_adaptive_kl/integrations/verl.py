@@ -542,6 +542,10 @@ class RewardKLController:
         return self.akl.current_beta
 
     @property
+    def moves_beta(self) -> bool:
+        return self.akl.moves_beta
+
+    @property
     def config(self) -> AdaptiveKLConfig:
         return self.akl.config
 
@@ -727,10 +731,10 @@ class AdaptiveKLTrainerMixin:
                 "reward": None if self.reward_kl is None else self.reward_kl.state_dict()}
 
     def load_adaptive_kl_state(self, state: dict[str, Any]) -> None:
-        """Each controller's state from a checkpoint's `adaptive_kl.json`; a KL this run adapts whose state the
+        """Each controller's state from a checkpoint's `adaptive_kl.json`; a KL whose beta moves and whose state the
         checkpoint lacks (saved with that KL off) warns, naming it: its controller restarts from its initial beta."""
         for name, target in (("loss", self.loss_kl), ("reward", self.reward_kl)):
-            if target is None:
+            if target is None or (state.get(name) is None and not target.moves_beta):
                 continue
             if state.get(name) is None:
                 warnings.warn(f"adaptive_kl: the checkpoint holds no controller state for the KL in the {name} (saved "
@@ -758,8 +762,9 @@ class AdaptiveKLTrainerMixin:
             folder = os.path.join(os.getcwd(), folder)
         path = os.path.join(folder, STATE_FILE)
         if not os.path.exists(path):
-            warnings.warn(f"adaptive_kl: {path} is missing: the controllers restart from their initial beta.",
-                          stacklevel=2)
+            if any(target is not None and target.moves_beta for target in (self.loss_kl, self.reward_kl)):
+                warnings.warn(f"adaptive_kl: {path} is missing: the controllers restart from their initial beta.",
+                              stacklevel=2)
             return
         with open(path) as handle:
             self.load_adaptive_kl_state(json.load(handle))
