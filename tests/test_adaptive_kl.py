@@ -10,6 +10,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -985,9 +986,10 @@ def test_an_empty_batch_is_refused_naming_its_shape() -> None:
             AdaptiveKL(None, BETA, loss_type).kl_loss(torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(0, 4))
 
 
-@pytest.mark.parametrize("reward", ["0.9", True])
-def test_a_mean_reward_that_is_text_or_a_bool_is_refused(reward) -> None:
-    """float("0.9") and float(True) are numbers: `dynamic` decayed on both."""
+@pytest.mark.parametrize("reward", ["0.9", True, torch.tensor([0.9, 0.8]), np.array([0.9, 0.8]), [0.9]])
+def test_a_mean_reward_that_is_text_a_bool_or_the_rewards_is_refused(reward) -> None:
+    """float("0.9") and float(True) are numbers: `dynamic` decayed on both. The rewards themselves, not their mean,
+    failed inside float() with a message that named no field."""
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
     with pytest.raises(ValueError) as raised:
         akl.step(mean_reward=reward)
@@ -995,6 +997,18 @@ def test_a_mean_reward_that_is_text_or_a_bool_is_refused(reward) -> None:
                                  "reward), or None where the step scored no new generation batch.")
     assert akl.current_beta == BETA
     assert akl.step(mean_reward=torch.tensor(0.9)) == pytest.approx(BETA * 0.9)  # a 0-dim tensor is a number
+
+
+@pytest.mark.parametrize("name", ["logps", "ref_logps", "per_token_kl"])
+def test_integer_log_probs_are_refused_naming_the_tensor(name: str) -> None:
+    """Log-probs cast to integers were truncated and trained on: a term of 0.18 where the float input gives 0.33."""
+    logps, ref = torch.tensor([[-0.7, -1.6, -2.2]]), torch.tensor([[-1.4, -0.3, -2.9]])
+    given = {"logps": logps, "ref_logps": ref, "mask": torch.ones(1, 3), "per_token_kl": None}
+    given[name] = torch.tensor([[-1, -2, -3]])
+    with pytest.raises(TypeError, match=rf"^{name} must be a floating-point tensor \(log-probs\), not torch\.int64$"):
+        AdaptiveKL(None, BETA).kl_loss(given["logps"], given["ref_logps"], given["mask"],
+                                       per_token_kl=given["per_token_kl"])
+    AdaptiveKL(None, BETA).kl_loss(logps, ref, torch.tensor([[1, 1, 0]]))  # an integer mask is a mask
 
 
 @pytest.mark.parametrize(("fields", "message"), [

@@ -116,6 +116,22 @@ def test_bottom_percentile_selects_by_hand_count() -> None:
     assert torch.count_nonzero(k) == 4
 
 
+def test_bottom_percentile_keeps_floor_n_p_tokens_for_the_p_as_written() -> None:
+    """k = max(1, floor(n p)) in exact arithmetic, for p in hundredths and n up to 300 (distinct values, so k tokens
+    are kept): the count was taken in float32, where 0.53 is 0.52999997, so 100 tokens kept 52 (and 22 of 109 p tried
+    kept one token off for some n)."""
+    wrong = []
+    for percent in range(1, 101):
+        for n in range(1, 301):
+            ref = -torch.arange(1, n + 1, dtype=torch.float32)
+            kept = int(bottom_percentile_mask(ref, torch.ones(n), percent / 100).sum())
+            if kept != max(1, n * percent // 100):
+                wrong.append((percent, n, kept))
+    assert wrong == []
+    ref = -torch.arange(1.0, 101.0)
+    assert int(bottom_percentile_mask(ref, torch.ones(100), 0.53).sum()) == 53
+
+
 def test_bottom_percentile_is_0_off_its_selection_even_where_k3_overflows() -> None:
     """An unselected token whose reference is far more confident than the policy (ref - logp = 94.5) has a k3 of
     e^94.5 = inf in float32: it must give 0 there, not inf * 0 = NaN (which failed the step as a non-finite KL).

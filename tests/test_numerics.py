@@ -346,8 +346,24 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     ({"value": "0.1"}, "adaptive KL state: value='0.1' is invalid: allowed is a finite number >= 0 (beta)."),
     ({"completed_steps": -3}, "adaptive KL state: completed_steps=-3 is invalid: allowed is an integer >= 0."),
     ({"value": None}, "adaptive KL state: value=None is invalid: allowed is a finite number >= 0 (beta)."),
+    # each beside a good step count, which was loaded before the bad field raised (without naming it, for the first)
+    ({"completed_steps": 7, "last_raw_kl": "x"},
+     "adaptive KL state: last_raw_kl='x' is invalid: allowed is None or a finite number (the last step's KL)."),
+    # a count of "3" loaded, and the next step without a reward decayed beta again (no new batch)
+    ({"completed_steps": 7, "generation_batch": "3"},
+     "adaptive KL state: generation_batch='3' is invalid: allowed is an integer >= 0 (a count)."),
+    ({"completed_steps": 7, "batch_reward": "0.9"},
+     "adaptive KL state: batch_reward='0.9' is invalid: allowed is a number."),
+    ({"completed_steps": 7, "trained": {"kl_sum": 1.0}},
+     "adaptive KL state: trained={'kl_sum': 1.0} is invalid: allowed is None, or the sums by name (completions, "
+     "tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as "
+     "format 3's [kl, tokens, completions], each a number."),
+    ({"completed_steps": 7, "scored": {"kl": "1"}},
+     "adaptive KL state: scored={'kl': '1'} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
+     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as format 3's "
+     "[kl, tokens, completions], each a number."),
 ])
-def test_a_state_with_a_bad_beta_or_step_count_is_refused_and_nothing_loaded(change, message) -> None:
+def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change, message) -> None:
     """A negative beta loaded as it was made the KL term -1.006 (the loss rewarded KL), a NaN one poisoned it."""
     runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.2)
     state = {**AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1).state_dict(), **change}

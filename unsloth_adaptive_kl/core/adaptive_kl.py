@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, astuple
 from typing import Any, Optional
 
 import torch
@@ -236,10 +236,14 @@ class AdaptiveKL:
         every door (`dynamic` would decay on +inf and never on NaN, silently); else a ValueError naming it. The
         controller observes, at the step's end, the mean of the batches observed during the step: the mean reward of
         the completions the step trained on, where its batches are of one size (a trainer's are)."""
-        if isinstance(mean_reward, (str, bytes, bool)) or not math.isfinite(float(mean_reward)):
+        try:  # a reward vector, not its mean, would fail in float() without naming the field
+            reward = math.nan if isinstance(mean_reward, (str, bytes, bool)) else float(mean_reward)
+        except (TypeError, ValueError, RuntimeError):
+            reward = math.nan
+        if not math.isfinite(reward):
             raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
                          "the step scored no new generation batch")
-        self._rewards.append(float(mean_reward))
+        self._rewards.append(reward)
 
     def record(
         self, term: Optional[KLTerm], *, gather: Gather, train: bool, end_of_step: bool, completed_steps: int
@@ -389,8 +393,8 @@ class AdaptiveKL:
                 "kl_adaptation_method the checkpoint was written with.")
         completed_steps = state.pop("completed_steps", 0)  # the oldest trainer checkpoints lack it
         last_raw_kl = state.pop("last_raw_kl", None)
-        trained, scored = (_sums(state.pop(name, None)) for name in (("trained", "scored") if version >= 4
-                                                                      else ("step_kl", "generation_kl")))
+        trained, scored = (_sums(state.pop(name, None), name) for name in (("trained", "scored") if version >= 4
+                                                                            else ("step_kl", "generation_kl")))
         rewards = state.pop("rewards", [])
         if not isinstance(rewards, list) or not all(is_real(r) and math.isfinite(r) for r in rewards):
             raise reject("adaptive KL state: rewards", rewards, "a list of finite numbers (the mean rewards observed "
@@ -406,6 +410,10 @@ class AdaptiveKL:
                    "a finite number >= 0 (beta)")
         check_real("adaptive KL state: completed_steps", completed_steps,
                    isinstance(completed_steps, int) and completed_steps >= 0, "an integer >= 0")
+        if not (last_raw_kl is None or (is_real(last_raw_kl) and math.isfinite(last_raw_kl))):
+            raise reject("adaptive KL state: last_raw_kl", last_raw_kl, "None or a finite number (the last step's KL)")
+        check_controller_fields(self.controller, state)
+        # every field checked: nothing is loaded unless all of it is
         self.completed_steps = completed_steps
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
@@ -424,6 +432,8 @@ def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
     for name, tensor in given.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (B, T), not {type(tensor).__name__}")
+        if name != "mask" and not tensor.is_floating_point():  # integers would be log-probs truncated, silently
+            raise TypeError(f"{name} must be a floating-point tensor (log-probs), not {tensor.dtype}")
     if logps.dim() != 2 or logps.shape[0] == 0 or any(tensor.shape != logps.shape for tensor in given.values()):
         shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in given.items())
         raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B >= 1 completions, T completion "
@@ -470,11 +480,31 @@ def divisors(max_completion_length: Any, token_normalizer: Any) -> ReductionCont
     return ReductionContext(max_completion_length, token_normalizer)
 
 
-def _sums(saved: Any) -> Optional[KLStatistics]:
-    """A checkpoint's sums: by name (format 4), or format 3's [sum S_i, sum L_i, completions]."""
+def check_controller_fields(controller: Any, state: dict[str, Any]) -> None:
+    """A checkpoint's controller fields hold the kind of number the controller holds there: a count an integer >= 0
+    (a generation_batch of "3" compared unequal to every count, and decayed beta again), any other number a number
+    (NaN where nothing was seen yet). A field of another kind (a registered controller's own) is its to check."""
+    for name, held in controller.state_dict().items():
+        value = state[name]
+        if isinstance(held, int) and not isinstance(held, bool):
+            check_real(f"adaptive KL state: {name}", value, isinstance(value, int) and not isinstance(value, bool)
+                       and value >= 0, "an integer >= 0 (a count)")
+        elif isinstance(held, float) and not is_real(value):
+            raise reject(f"adaptive KL state: {name}", value, "a number")
+
+
+def _sums(saved: Any, name: str) -> Optional[KLStatistics]:
+    """A checkpoint's sums: by name (format 4), or format 3's [sum S_i, sum L_i, completions]; anything else a
+    ValueError naming the field."""
     if saved is None:
         return None
-    if isinstance(saved, dict):
-        return KLStatistics(**saved)
-    kl, tokens, completions = saved
-    return KLStatistics(kl=kl, tokens=tokens, completions=completions)
+    allowed = (f"None, or the sums by name ({', '.join(asdict(KLStatistics()))}) or as format 3's "
+               "[kl, tokens, completions], each a number")
+    try:
+        sums = (KLStatistics(**saved) if isinstance(saved, dict) else
+                KLStatistics(**dict(zip(("kl", "tokens", "completions"), saved, strict=True))))
+    except (TypeError, ValueError):
+        raise reject(f"adaptive KL state: {name}", saved, allowed) from None
+    if not all(is_real(value) for value in astuple(sums)):
+        raise reject(f"adaptive KL state: {name}", saved, allowed)
+    return sums
