@@ -955,8 +955,10 @@ def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source:
 
 def test_configuration_reference_rows_and_sections(hook: Any) -> None:
     """Each field's row (type, default repr, the methods that read it: FIELD_READERS, else every method) and its
-    section, whose allowed values are the text after 'allowed is' of the ValueError a bad value raises."""
-    from unsloth_adaptive_kl.core.config import FIELD_READERS, AdaptiveKLConfig
+    section, whose allowed values are the text after 'allowed is' of the ValueError a bad value raises; for a field
+    of the reference sync, then that of the ValueError a trainer raises for it set without a sync."""
+    from unsloth_adaptive_kl import GRPOConfig
+    from unsloth_adaptive_kl.core.config import FIELD_READERS, REFERENCE_SYNC_FIELDS, AdaptiveKLConfig
 
     text = hook.configuration()
     header, rows = only_table(text.split("\n\n### ")[0])
@@ -971,6 +973,11 @@ def test_configuration_reference_rows_and_sections(hook: Any) -> None:
         with pytest.raises(ValueError) as error:
             AdaptiveKLConfig(**{field.name: object()})
         allowed = re.search(r"^- allowed: (.*)$", section, re.MULTILINE)[1]
+        if field.name in REFERENCE_SYNC_FIELDS:
+            allowed, without_sync = allowed.split("; only ", 1)
+            with pytest.raises(ValueError) as refused:  # set without sync_ref_model, as a trainer refuses it
+                GRPOConfig(output_dir="x", use_cpu=True, beta=0.04, **{field.name: 0.1 if "kl" in field.name else True})
+            assert str(refused.value).endswith(f"allowed is {without_sync}.")
         assert str(error.value).startswith(f"{field.name}=") and str(error.value).endswith(f"allowed is {allowed}.")
         assert section.startswith(f"`{field.name}`\n\n{field.metadata['help']}\n\n")
         assert f"- read by: {readers}" in section and f"default `{field.default!r}`" in section

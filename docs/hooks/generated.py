@@ -66,15 +66,23 @@ def _type_name(annotation: Any) -> str:
 
 
 def allowed_values(name: str) -> str:
-    """What validation allows for `name`: the 'allowed is ...' part of the ValueError a bad value raises."""
-    from unsloth_adaptive_kl.core.config import AdaptiveKLConfig
+    """What validation allows for `name`: the 'allowed is ...' part of the ValueError a bad value raises; for a field
+    of the reference sync, also the part of the error the field set without a sync raises (the trainers' own)."""
+    from unsloth_adaptive_kl.core.config import REFERENCE_SYNC_FIELDS, AdaptiveKLConfig
 
     try:
         AdaptiveKLConfig(**{name: object()})
     except ValueError as error:
         message = str(error)
         if message.startswith(f"{name}="):
-            return message.split("allowed is ", 1)[1].rstrip(".")
+            allowed = message.split("allowed is ", 1)[1].rstrip(".")
+            if name not in REFERENCE_SYNC_FIELDS:
+                return allowed
+            try:
+                AdaptiveKLConfig(**{name: True if name.endswith("optimizer") else 0.1}).refuse_sync_settings(
+                    "with sync_ref_model=False", "set sync_ref_model=True to sync the reference")
+            except ValueError as refused:
+                return f"{allowed}; only {str(refused).split('allowed is ', 1)[1].rstrip('.')}"
     raise AssertionError(f"AdaptiveKLConfig accepted a bad value for {name}: no allowed values to document")
 
 
