@@ -43,14 +43,54 @@ class ConfigKeepingBeta(ConstantBeta):
         self.config = config
 
 
+class IntegratingBeta(ConstantBeta):
+    """A controller with fields of its own: an integer literal that accumulates floats, a -1 marker for "never", and
+    a refusal of a state whose marker is below it (its own check)."""
+
+    def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
+        super().__init__(beta, config)
+        self.integral = 0
+        self.last_update = -1
+
+    def step(self, completed_steps: int, window=None) -> None:
+        self.integral += 0.25
+        self.value = self.value * 0.5
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["last_update"] < -1:
+            raise ValueError(f"last_update={state['last_update']} is below -1")
+        super().load_state_dict(state)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def registered() -> Any:
-    """The two controllers registered for this module's tests only (other modules match the registered names)."""
+    """The controllers registered for this module's tests only (other modules match the registered names)."""
     register_beta_controller("test_counting_beta")(CountingBeta)
     register_beta_controller("test_config_keeping_beta")(ConfigKeepingBeta)
+    register_beta_controller("test_integrating_beta")(IntegratingBeta)
     yield
-    for name in ("test_counting_beta", "test_config_keeping_beta"):
+    for name in ("test_counting_beta", "test_config_keeping_beta", "test_integrating_beta"):
         BETA_CONTROLLERS.pop(name)
+
+
+def test_a_registered_controllers_own_fields_resume_and_its_own_refusal_loads_nothing() -> None:
+    """The core checks the built-in controllers' counts (a registered controller's integral of 0.25, started as the
+    integer 0, and its -1 marker were refused as "an integer >= 0", at resume); the controller checks its own, and a
+    state it refuses leaves the run as it was, its controller too."""
+    import json
+
+    config = AdaptiveKLConfig(kl_adaptation_method="test_integrating_beta")
+    saved = AdaptiveKL(config, 0.1)
+    saved.step()
+    state = json.loads(json.dumps(saved.state_dict()))
+    assert (state["integral"], state["last_update"], state["value"]) == (0.25, -1, 0.05)
+    resumed = AdaptiveKL(config, 0.1)
+    resumed.load_state_dict(state)
+    assert resumed.controller.integral == 0.25 and resumed.current_beta == 0.05 and resumed.completed_steps == 1
+    fresh = AdaptiveKL(config, 0.1)
+    with pytest.raises(ValueError, match=r"^last_update=-2 is below -1$"):
+        fresh.load_state_dict({**state, "last_update": -2, "value": 0.7})
+    assert (fresh.current_beta, fresh.controller.integral, fresh.completed_steps) == (0.1, 0, 0)
 
 
 def token_mean_k(logps: torch.Tensor, ref: torch.Tensor, estimator: str) -> float:

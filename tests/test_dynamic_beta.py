@@ -201,6 +201,33 @@ def test_a_resume_says_when_transformers_left_the_trained_adapter_out_and_a_cons
         assert logged(resumed, "kl")[2] == pytest.approx(logged(full, "kl")[2], rel=1e-5)
 
 
+def test_the_adapter_check_reads_peft_models_alone_and_leaves_deepspeed_and_fsdp_to_their_loaders(tokenizer,
+                                                                                                  tmp_path) -> None:
+    """A checkpoint with an adapter at its root and one in a sub-folder: a PeftModel resumed through transformers'
+    own branch is warned of; under DeepSpeed or FSDP (which load the checkpoint their own way) and for a model without
+    adapters (whose active_adapters is a method: indexing it raised TypeError) nothing is said."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl.integrations.trainer_hooks import warn_if_adapter_not_resumed
+    from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
+
+    (tmp_path / "ref").mkdir()
+    for folder in (tmp_path, tmp_path / "ref"):
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+
+    def said(model, **engines) -> list[str]:
+        trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=model, **engines)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_if_adapter_not_resumed(trainer, str(tmp_path))
+        return [str(w.message) for w in caught]
+
+    peft_model = add_lora(build_tiny_model(tokenizer))
+    assert len(said(peft_model)) == 1 and "not the trained adapter 'default'" in said(peft_model)[0]
+    assert said(peft_model, is_deepspeed_enabled=True) == said(peft_model, is_fsdp_enabled=True) == []
+    assert said(build_tiny_model(tokenizer)) == []
+
+
 @pytest.mark.parametrize(("settings", "checkpoint", "every"), [
     # a batch every 2 micro-batches, 1 per optimizer step: step 3 ends inside one
     (dict(steps_per_generation=2, gradient_accumulation_steps=1), 3, 2),

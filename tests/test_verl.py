@@ -1426,8 +1426,9 @@ def _reach(*args, **kwargs):
 
 def test_verls_own_trainers_refuse_an_adaptive_kl_block_and_build_as_before_without_one(monkeypatch):
     """Left out trainer.v1.trainer_mode=adaptive_kl, verl's own trainer read none of the block: it trained without
-    adaptive KL, silently. verl's V1 base (every trainer mode) and the legacy RayPPOTrainer refuse it; without a
-    block, or after unpatch(), verl's own __init__ runs (its first call, stubbed, is reached)."""
+    adaptive KL, silently. verl's V1 base (every trainer mode) and the legacy RayPPOTrainer (trainer.use_v1=False)
+    refuse it, each saying what to set; without a block, or after unpatch(), verl's own __init__ runs (its first call,
+    stubbed, is reached)."""
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
     monkeypatch.setattr(trainer_base, "build_checkpoint_callback", _reach)  # PPOTrainer.__init__'s first call
@@ -1435,13 +1436,16 @@ def test_verls_own_trainers_refuse_an_adaptive_kl_block_and_build_as_before_with
     config.trainer.v1.trainer_mode = "sync"
     with pytest.raises(ValueError, match=r"^adaptive_kl: the config holds an adaptive_kl block, but PPOTrainerSync is "
                                          r"verl's own trainer \(trainer\.v1\.trainer_mode='sync'\), which reads none "
-                                         r"of it: allowed is trainer\.v1\.trainer_mode=adaptive_kl under python -m "
-                                         r"verl\.trainer\.main_ppo; or remove the block to train without adaptive "
-                                         r"KL\.$"):
+                                         r"of it: allowed is trainer\.v1\.trainer_mode=adaptive_kl; or remove the "
+                                         r"block to train without adaptive KL\.$"):
         PPOTrainerSync(config)
+    config.trainer.v1.trainer_mode = "adaptive_kl"  # as a user may have it: the legacy path reads use_v1
     with pytest.raises(ValueError, match=r"^adaptive_kl: the config holds an adaptive_kl block, but RayPPOTrainer is "
-                                         r"verl's own trainer \(trainer\.v1\.trainer_mode='sync'\), which reads"):
+                                         r"verl's legacy trainer \(trainer\.use_v1=False\), which reads none of it: "
+                                         r"allowed is trainer\.use_v1=True with trainer\.v1\.trainer_mode=adaptive_kl; "
+                                         r"or remove the block to train without adaptive KL\.$"):
         ray_trainer.RayPPOTrainer(config=config, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
+    config.trainer.v1.trainer_mode = "sync"
     verl_kl.patch()  # idempotent: one wrapper each
     assert len(verl_kl._patches) == 2
     verls = trainer_base.PPOTrainer.__init__.__wrapped__

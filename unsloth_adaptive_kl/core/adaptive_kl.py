@@ -236,9 +236,10 @@ class AdaptiveKL:
         every door (`dynamic` would decay on +inf and never on NaN, silently); else a ValueError naming it. The
         controller observes, at the step's end, the mean of the batches observed during the step: the mean reward of
         the completions the step trained on, where its batches are of one size (a trainer's are)."""
-        try:  # a reward vector, not its mean, would fail in float() without naming the field
-            reward = math.nan if isinstance(mean_reward, (str, bytes, bool)) else float(mean_reward)
-        except (TypeError, ValueError, RuntimeError):
+        several = isinstance(mean_reward, torch.Tensor) and mean_reward.numel() != 1  # the rewards, not their mean
+        try:  # a list or an array of rewards would fail in float() without naming the field
+            reward = math.nan if several or isinstance(mean_reward, (str, bytes, bool)) else float(mean_reward)
+        except (TypeError, ValueError):
             reward = math.nan
         if not math.isfinite(reward):
             raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
@@ -412,13 +413,19 @@ class AdaptiveKL:
                    isinstance(completed_steps, int) and completed_steps >= 0, "an integer >= 0")
         if not (last_raw_kl is None or (is_real(last_raw_kl) and math.isfinite(last_raw_kl))):
             raise reject("adaptive KL state: last_raw_kl", last_raw_kl, "None or a finite number (the last step's KL)")
-        check_controller_fields(self.controller, state)
-        # every field checked: nothing is loaded unless all of it is
+        check_controller_fields(state)
+        # every field checked: nothing is loaded unless all of it is (a registered controller that refuses its own
+        # state gets its previous one back)
+        previous = self.controller.state_dict()
+        try:
+            self.controller.load_state_dict(state)
+        except Exception:
+            self.controller.load_state_dict(previous)
+            raise
         self.completed_steps = completed_steps
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
         self._rewards = [float(reward) for reward in rewards]
-        self.controller.load_state_dict(state)
 
 
 def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,
@@ -432,8 +439,8 @@ def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
     for name, tensor in given.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape (B, T), not {type(tensor).__name__}")
-        if name != "mask" and not tensor.is_floating_point():  # integers would be log-probs truncated, silently
-            raise TypeError(f"{name} must be a floating-point tensor (log-probs), not {tensor.dtype}")
+        if name != "mask" and not tensor.is_floating_point():  # integers would be values truncated, silently
+            raise TypeError(f"{name} must be a floating-point tensor, not {tensor.dtype}")
     if logps.dim() != 2 or logps.shape[0] == 0 or any(tensor.shape != logps.shape for tensor in given.values()):
         shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in given.items())
         raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B >= 1 completions, T completion "
@@ -480,17 +487,23 @@ def divisors(max_completion_length: Any, token_normalizer: Any) -> ReductionCont
     return ReductionContext(max_completion_length, token_normalizer)
 
 
-def check_controller_fields(controller: Any, state: dict[str, Any]) -> None:
-    """A checkpoint's controller fields hold the kind of number the controller holds there: a count an integer >= 0
-    (a generation_batch of "3" compared unequal to every count, and decayed beta again), any other number a number
-    (NaN where nothing was seen yet). A field of another kind (a registered controller's own) is its to check."""
-    for name, held in controller.state_dict().items():
-        value = state[name]
-        if isinstance(held, int) and not isinstance(held, bool):
-            check_real(f"adaptive KL state: {name}", value, isinstance(value, int) and not isinstance(value, bool)
-                       and value >= 0, "an integer >= 0 (a count)")
-        elif isinstance(held, float) and not is_real(value):
-            raise reject(f"adaptive KL state: {name}", value, "a number")
+# The built-in controllers' checkpointed counts and numbers besides beta (`value`), checked before a state loads; a
+# registered controller's own fields are its load_state_dict's to check.
+STATE_COUNTS = ("generation_batch", "last_decayed_batch")
+STATE_NUMBERS = ("batch_reward",)
+
+
+def check_controller_fields(state: dict[str, Any]) -> None:
+    """A count an integer >= 0 (a generation_batch of "3" compared unequal to every count, and decayed beta again),
+    `batch_reward` a number (NaN before the first reward)."""
+    for name in STATE_COUNTS:
+        if name in state:
+            value = state[name]
+            check_real(f"adaptive KL state: {name}", value, isinstance(value, int) and value >= 0,
+                       "an integer >= 0 (a count)")
+    for name in STATE_NUMBERS:
+        if name in state and not is_real(state[name]):
+            raise reject(f"adaptive KL state: {name}", state[name], "a number")
 
 
 def _sums(saved: Any, name: str) -> Optional[KLStatistics]:

@@ -460,7 +460,7 @@ def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
         upstream(self, checkpoint)
         if checkpoint is None:
             return
-        warn_if_adapter_not_resumed(self.accelerator.unwrap_model(self.model), checkpoint)
+        warn_if_adapter_not_resumed(self, checkpoint)
         warn_if_inside_a_generation_batch(self, checkpoint)
         path = os.path.join(checkpoint, STATE_FILE)
         if os.path.exists(path):
@@ -484,13 +484,20 @@ def _holds_adapter(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, name)) for name in ADAPTER_FILES)
 
 
-def warn_if_adapter_not_resumed(model: Any, checkpoint: str) -> None:
+def warn_if_adapter_not_resumed(trainer: Any, checkpoint: str) -> None:
     """transformers' Trainer._load_from_checkpoint, for a PEFT model, loads the adapters of a checkpoint's sub-folders
     where it has any, and then not the one at its root: TRL saves its "ref" adapter in a sub-folder (a PeftModel passed
-    to GRPOTrainer with beta > 0), so the trained adapter was not resumed. Stock behaviour, said here."""
-    active = getattr(model, "active_adapters", None)
-    if not active or not hasattr(model, "load_adapter") or not os.path.isdir(checkpoint):
+    to GRPOTrainer with beta > 0), so the trained adapter was not resumed. Stock behaviour, said here. (DeepSpeed and
+    FSDP load the checkpoint their own way, not through that branch.)"""
+    try:
+        from peft import PeftModel
+    except ImportError:  # no PEFT: no adapter to leave out
         return
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if (not isinstance(model, PeftModel) or getattr(trainer, "is_deepspeed_enabled", False)
+            or getattr(trainer, "is_fsdp_enabled", False) or not os.path.isdir(checkpoint)):
+        return
+    active = model.active_adapters
     subfolders = sorted(name for name in os.listdir(checkpoint) if _holds_adapter(os.path.join(checkpoint, name)))
     if subfolders and active[0] not in subfolders and _holds_adapter(checkpoint):
         warnings.warn(

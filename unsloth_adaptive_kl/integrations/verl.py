@@ -782,17 +782,20 @@ class AdaptiveKLPPOTrainer(AdaptiveKLTrainerMixin, PPOTrainerSync):
 def refusing_the_block(init: Any) -> Any:
     """A trainer's `__init__(self, config, ...)` that first refuses a config holding an `adaptive_kl` block unless the
     trainer is ours: verl's own trainers read none of it, so a run that left out trainer.v1.trainer_mode=adaptive_kl
-    (or ran the legacy main_ppo_v0) would train without it, silently."""
+    (or set trainer.use_v1=False, verl's legacy trainer) would train without it, silently."""
 
     @functools.wraps(init)
     def __init__(self: Any, config: Any, *args: Any, **kwargs: Any) -> None:
         if not isinstance(self, AdaptiveKLTrainerMixin) and config.get("adaptive_kl") is not None:
-            mode = config.get("trainer", {}).get("v1", {}).get("trainer_mode")
+            if isinstance(self, trainer_base.PPOTrainer):
+                mode = config.get("trainer", {}).get("v1", {}).get("trainer_mode")
+                which, allowed = f"verl's own trainer (trainer.v1.trainer_mode={mode!r})", ""
+            else:  # main_ppo's legacy path
+                which, allowed = "verl's legacy trainer (trainer.use_v1=False)", "trainer.use_v1=True with "
             raise ValueError(
-                f"adaptive_kl: the config holds an adaptive_kl block, but {type(self).__name__} is verl's own trainer"
-                + (f" (trainer.v1.trainer_mode={mode!r})" if mode is not None else "")
-                + f", which reads none of it: allowed is trainer.v1.trainer_mode={TRAINER_NAME} under python -m "
-                "verl.trainer.main_ppo; or remove the block to train without adaptive KL.")
+                f"adaptive_kl: the config holds an adaptive_kl block, but {type(self).__name__} is {which}, which "
+                f"reads none of it: allowed is {allowed}trainer.v1.trainer_mode={TRAINER_NAME}; or remove the block "
+                "to train without adaptive KL.")
         init(self, config, *args, **kwargs)
 
     return __init__
@@ -806,7 +809,7 @@ def patch() -> None:
     if _patches:
         return
     # Replaces verl's PPOTrainer.__init__ (trainer/ppo/v1/trainer_base.py), the base of every V1 trainer, ours too,
-    # and RayPPOTrainer.__init__ (trainer/ppo/ray_trainer.py, main_ppo_v0's): each then runs as before.
+    # and RayPPOTrainer.__init__ (trainer/ppo/ray_trainer.py, the legacy trainer's): each then runs as before.
     for owner in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer):
         _patches.replace(owner, "__init__", refusing_the_block(owner.__init__))
 

@@ -208,7 +208,7 @@ VERL_ANCHORS = (
     Anchor("trainer.ppo.v1.trainer_base.PPOTrainer.__init__", "self.config = config",
            "the config every V1 trainer reads, whose adaptive_kl block verl's own trainers refuse"),
     Anchor("trainer.ppo.ray_trainer.RayPPOTrainer.__init__", "self.config = config",
-           "the config the legacy trainer (main_ppo_v0) reads, whose adaptive_kl block it refuses"),
+           "the config the legacy trainer (trainer.use_v1=False) reads, whose adaptive_kl block it refuses"),
     Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage", "data, kl_metrics = apply_kl_penalty(",
            "where the V1 trainer applies the reward KL"),
     Anchor("trainer.ppo.v1.trainer_base.PPOTrainer._update_actor", "batch.extra_info.update(extra_info)",

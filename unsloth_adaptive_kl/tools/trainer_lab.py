@@ -271,6 +271,9 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
             from .tiny import as_unsloth_model
 
             model = as_unsloth_model(model)
+            # On a GPU with bf16, Unsloth's generated config would train this float32 model under bf16 autocast: the
+            # lab's bounds are float32's, as on a CPU (Unsloth's own flag for a model that must stay float32).
+            model._unsloth_forced_float32 = torch.cuda.is_available()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the lab runs the settings the guards warn about, on purpose
             dataset = Dataset.from_dict({"prompt": list(TRAIN_PROMPTS) * BATCH})
@@ -290,7 +293,13 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
         trained = {prompt: node_logits(policy, tokenizer, prompt, tree) for prompt in tables}
     pad_probability = max(float(1 - table.exp().sum(-1).min()) for table in trained.values())
     return {"tables": trained, "in_effect": settings_in_effect(trainer.args), "pad_probability": pad_probability,
-            **({"logprob_path": describe_scorers(scorers)} if scorers else {})}
+            **({"logprob_path": describe_scorers(scorers), "precision": precision_of(trainer.args)} if scorers
+               else {})}
+
+
+def precision_of(args: Any) -> str:
+    """The precision a trainer's (final) config trains in: 'bf16' or 'fp16' autocast, else 'fp32'."""
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
 def _worker(job: tuple[LabRun, dict[str, torch.Tensor]]) -> dict[str, Any]:
@@ -444,7 +453,10 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
                    pad_is_eos)
             for recipe in recipes for setting in settings for seed in seeds
             if pairs is None or (recipe, setting.label) in pairs]
-    with multiprocessing.get_context("fork").Pool(processes) as pool:
+    # fork is quick, but a process that has asked CUDA anything (importing trl does) forks children that cannot use
+    # it: on a GPU each worker starts afresh
+    start = "spawn" if torch.cuda.is_available() else "fork"
+    with multiprocessing.get_context(start).Pool(processes) as pool:
         results = pool.map(_worker, [(run, tables) for run in runs], chunksize=1)
     predictions: dict[Prediction, dict[str, Any]] = {}
     rows = []
@@ -468,7 +480,7 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
         rows.append({**row, "learning_rate": run.lr, "in_effect": in_effect, "train": over_seeds(trained),
                      "held_out": over_seeds(held_out), "tabular": predictions[prediction],
                      "pad_probability": max(result["pad_probability"] for result in mine),
-                     **({"logprob_path": mine[0]["logprob_path"]} if "logprob_path" in mine[0] else {})})
+                     **{key: mine[0][key] for key in ("logprob_path", "precision") if key in mine[0]}})
     return {"trainer": trainer, "environment": dataclasses.asdict(env), "beta": beta, "steps": steps,
             "seeds": list(seeds), "batch": BATCH, "group_size": GROUP_SIZE, "train_prompts": list(TRAIN_PROMPTS),
             "held_out": HELD_OUT, "overrides": dict(overrides), "pad_is_eos": pad_is_eos,
