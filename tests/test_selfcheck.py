@@ -309,6 +309,31 @@ def test_compare_with_stock_fails_a_loss_or_one_parameters_gradient_1e_4_off(trl
     assert all(f"max grad diff {step:.2g}" in line for line in lines[1:]), lines
 
 
+def test_under_autocast_the_no_op_clips_gradient_bound_is_the_autocast_precisions(trl_trainer_and_batch) -> None:
+    """On a GPU the trainer runs under bf16 autocast: `none` is the stock loss itself and keeps float32's bound, but
+    the no-op clip adds its KL term outside the stock loss, whose gradient the bf16 backward rounds at bf16's epsilon
+    (2**-7): its bound is 2 * tokens * 2**-7 * max|grad|, named on its line. A gradient 1e-4 of the largest off fails
+    `none` and passes the clip's."""
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    with stock_trl():
+        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+    scale = max(g.abs().max().item() for g in grads)
+    step = 1e-4 * scale
+    last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
+    trainer.args.bf16 = True  # read by the comparison alone: the trainer's own autocast was set when it was built
+    try:
+        lines = compare(trainer, inputs, lambda: changed_stock(
+            trainer, lambda loss: loss + step * (last.sum() - last.sum().detach())))
+    finally:
+        trainer.args.bf16 = False
+    tokens = int(inputs["completion_mask"].sum())
+    assert lines[1].startswith("[FAIL] TRL: none == stock") and "bound" not in lines[1]
+    assert lines[2].startswith("[ok] TRL: clip above every KL == stock")
+    assert lines[2].endswith(f"max grad diff {step:.2g} (bound {2 * tokens * 2**-7 * scale:.2g}, a bf16 backward)")
+
+
 def test_compare_with_stock_fails_when_the_hook_is_not_in_effect(trl_trainer_and_batch) -> None:
     """Unpatched, the 'adapted' loss is stock's and equals it: what fails the comparison is that no adaptive_kl
     metric was logged."""

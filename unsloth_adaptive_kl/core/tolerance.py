@@ -9,11 +9,12 @@ import torch
 EPS32 = 2.0**-23  # float32 machine epsilon, torch.finfo(torch.float32).eps
 
 
-def reordered_sum_tolerance(terms: int, magnitude: float) -> float:
+def reordered_sum_tolerance(terms: int, magnitude: float, eps: float = EPS32) -> float:
     """Bound on the difference of two float32 sums of the same `terms` values taken in different orders: each is
     within (terms - 1) * EPS32 / 2 * sum|x| of the exact sum (Higham, Accuracy and Stability of Numerical
-    Algorithms, 4.2), so they differ by at most terms * EPS32 * magnitude, where magnitude >= sum|x|."""
-    return terms * EPS32 * magnitude
+    Algorithms, 4.2), so they differ by at most terms * EPS32 * magnitude, where magnitude >= sum|x|. `eps`: another
+    precision's epsilon for sums taken in it (bf16's or fp16's, under autocast)."""
+    return terms * eps * magnitude
 
 
 def two_path_logp_tolerance(max_logit: float, vocabulary: int) -> float:

@@ -87,8 +87,9 @@ def add_lora(model: Any, rank: int = 8, seed: int = 0) -> Any:
 
 def as_unsloth_model(model: Any) -> Any:
     """A transformers `model` made acceptable to Unsloth's generated trainer without `FastLanguageModel` (which loads
-    on CUDA only): the two methods its models have, and float32 kept (Unsloth switches a model to fp16 where it sees
-    no bf16)."""
+    on CUDA only): the two methods its models have, and float32 kept where the device has no bf16 (Unsloth would
+    switch such a model to fp16; where it has bf16, Unsloth autocasts bf16 unless the model is marked
+    `_unsloth_forced_float32`, as the trainer lab marks it)."""
     for name in ("for_training", "for_inference"):
         setattr(model, name, lambda *a, **k: None)
     model._unsloth_user_float32 = True
