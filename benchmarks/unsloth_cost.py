@@ -73,7 +73,9 @@ class Size:
 
 
 SIZES = {
-    # ~5 minutes on one GPU (an estimate): 14 rounds of 10 captured-batch steps, 6 whole steps of 256 tokens
+    # an estimate for one GPU: 14 rounds of 10 captured-batch steps, 6 profiled steps, then 2 rounds of the 3 whole-step
+    # variants of 2 GRPO steps each (12 generations of 64 completions of 256 tokens): 5 to 7 minutes with the 4-bit
+    # load and the first compile; `--budget` skips the whole steps when the captured part ran long
     "0.5b": Size(QWEN2_5_0_5B, prompts=8, completions=8, length=256, rounds=12, whole_rounds=1),
     "small": Size({**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512},
@@ -87,8 +89,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds of the captured-batch step")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (compiles, caches)")
     parser.add_argument("--whole-rounds", type=int, default=None, help="rounds of the whole-step timing (0: none)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: the whole steps are skipped (and the JSON says so) when the captured-batch part "
+                             "has used more than half of them; default: no budget")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
+    if args.budget is not None and not args.budget > 0:
+        parser.error(f"--budget={args.budget} is invalid: allowed is a number of seconds > 0")
     if args.size == "0.5b" and not torch.cuda.is_available():
         parser.error("--size 0.5b needs a CUDA GPU (4-bit loading); on a CPU, run --size small")
     return args
@@ -125,23 +132,28 @@ def build_trainer(size: Size, model_dir: str, output_dir: str, policy: Any = Non
         generation_kwargs={"min_new_tokens": size.length}, logging_steps=1000, beta=0.04, **overrides)
 
 
-def timed(function: Callable[[], Any]) -> tuple[float, int]:
-    """(seconds, peak bytes allocated on the GPU during the call; 0 on a CPU)."""
+def timed(function: Callable[[], Any]) -> tuple[float, int, int]:
+    """(seconds, peak bytes allocated on the GPU during the call, that peak above what was allocated before it: the
+    call's own working memory, which the resident model and optimizer state would dilute; 0, 0 on a CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     start = time.perf_counter()
     function()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-        return time.perf_counter() - start, torch.cuda.max_memory_allocated()
-    return time.perf_counter() - start, 0
+        peak = torch.cuda.max_memory_allocated()
+        return time.perf_counter() - start, peak, peak - before
+    return time.perf_counter() - start, 0, 0
 
 
-def rotating(names: list[str], rounds: int, warmup: int, run: Callable[[str], tuple[float, int]]
-             ) -> dict[str, list[tuple[float, int]]]:
+Sample = tuple[float, int, int]  # seconds, peak bytes, peak bytes above the call's start
+
+
+def rotating(names: list[str], rounds: int, warmup: int, run: Callable[[str], Sample]) -> dict[str, list[Sample]]:
     """`run(name)` for every name, `warmup + rounds` times in a rotating order; the timed rounds' results."""
-    samples: dict[str, list[tuple[float, int]]] = {name: [] for name in names}
+    samples: dict[str, list[Sample]] = {name: [] for name in names}
     for index in range(warmup + rounds):
         for name in names[index % len(names):] + names[:index % len(names)]:
             result = run(name)
@@ -150,18 +162,21 @@ def rotating(names: list[str], rounds: int, warmup: int, run: Callable[[str], tu
     return samples
 
 
-def ratios(samples: dict[str, list[tuple[float, int]]]) -> dict[str, dict[str, Any]]:
-    """Per variant: median seconds, the ratio to stock with its interval, peak memory and its ratio to stock."""
-    stock = [seconds for seconds, _ in samples["stock"]]
-    stock_peak = max(peak for _, peak in samples["stock"])
+def ratios(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
+    """Per variant: median seconds, the ratio to stock with its interval, peak memory and its ratio to stock, and
+    the peak above the call's start (the step's working memory) and its ratio to stock's."""
+    stock = [seconds for seconds, _, _ in samples["stock"]]
+    stock_peak = max(peak for _, peak, _ in samples["stock"])
+    stock_added = max(added for _, _, added in samples["stock"])
     rows = {}
     for name, values in samples.items():
-        seconds = [s for s, _ in values]
-        peak = max(p for _, p in values)
+        seconds = [s for s, _, _ in values]
+        peak, added = max(p for _, p, _ in values), max(a for _, _, a in values)
         rows[name] = {"median_s": statistics.median(seconds), "n": len(seconds),
                       "ratio": statistics.median(seconds) / statistics.median(stock),
                       "ci": list(bootstrap_ratio(seconds, stock)), "peak_bytes": peak,
-                      "memory_ratio": peak / stock_peak if stock_peak else None}
+                      "memory_ratio": peak / stock_peak if stock_peak else None, "working_bytes": added,
+                      "working_memory_ratio": added / stock_added if stock_added else None}
     return rows
 
 
@@ -246,7 +261,7 @@ def whole_steps(trainers: dict[str, Any], rounds: int) -> dict[str, dict[str, An
     clocks = {placement: StepClock(trainer) for placement, trainer in trainers.items()}
     penalties: dict[str, list[float]] = {name: [] for name in WHOLE_STEP}
 
-    def run(name: str) -> tuple[float, int]:
+    def run(name: str) -> Sample:
         placement = "reward" if name == "kl_in_reward" else "loss"
         trainer = trainers[placement]
         trainer.args.max_steps = 2
@@ -257,7 +272,7 @@ def whole_steps(trainers: dict[str, Any], rounds: int) -> dict[str, dict[str, An
         # the run's last log (at its end) holds its metrics' means
         penalty = trainer.state.log_history[-1].get("adaptive_kl/reward_penalty")
         penalties[name] += [] if penalty is None else [penalty]
-        return clocks[placement].seconds[-1], 0
+        return clocks[placement].seconds[-1], 0, 0
 
     rows = ratios(rotating(WHOLE_STEP, rounds, 1, run))  # a first, untimed round: each trainer's first run warms up
     for name, row in rows.items():
@@ -283,25 +298,33 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup, "whole_rounds": whole_rounds, **gpucheck.environment()}
 
     def write(**measured: Any) -> None:
-        """The report so far, written: the captured-batch part survives a run stopped during the whole steps."""
+        """The report so far, written: the environment before anything is measured, then the captured-batch part,
+        which survives a run stopped during the whole steps."""
         report.update(measured, seconds=time.perf_counter() - started)
-        step, whole = report["step"], report["whole_step"]
-        methods = [row for name, row in step.items() if name not in STOCK]
-        report["max_step_ratio"] = max(row["ratio"] for row in methods)
-        report["max_memory_ratio"] = max((row["memory_ratio"] or 0.0) for row in methods) or None
-        report["aa_ci"] = step["stock (A/A)"]["ci"]
-        report["loss_share"] = step["stock"]["median_s"] / whole["stock"]["median_s"] if whole else None
+        step, whole = report.get("step"), report.get("whole_step")
+        if step:
+            methods = [row for name, row in step.items() if name not in STOCK]
+            report["max_step_ratio"] = max(row["ratio"] for row in methods)
+            report["max_memory_ratio"] = max((row["memory_ratio"] or 0.0) for row in methods) or None
+            report["max_working_memory_ratio"] = max((row["working_memory_ratio"] or 0.0) for row in methods) or None
+            report["aa_ci"] = step["stock (A/A)"]["ci"]
+            report["loss_share"] = step["stock"]["median_s"] / whole["stock"]["median_s"] if whole else None
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
 
+    write()
     with tempfile.TemporaryDirectory() as folder:
         save_model(size, os.path.join(folder, "model"))
         trainer = build_trainer(size, os.path.join(folder, "model"), os.path.join(folder, "out"))
         step, profile = captured_steps(trainer, rounds, args.warmup)
         write(step=step, profile=profile, whole_step={})
         whole = {}
-        if whole_rounds:
+        spent = time.perf_counter() - started
+        if whole_rounds and args.budget is not None and spent > args.budget / 2:
+            write(whole_step_skipped=f"the captured-batch part took {spent:.0f} s of the {args.budget:.0f}-second "
+                                     "budget (more than half)")
+        elif whole_rounds:
             in_reward = build_trainer(size, "", os.path.join(folder, "reward"),
                                       policy=(trainer.model, trainer.processing_class), **KL_IN_REWARD)
             whole = whole_steps({"loss": trainer, "reward": in_reward}, whole_rounds)

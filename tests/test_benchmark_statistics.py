@@ -131,9 +131,10 @@ def test_rotating_runs_every_name_in_a_rotating_order_and_keeps_the_timed_rounds
 
 def test_ratios_are_medians_against_stocks_median_with_an_interval_and_peak_memory_against_stocks() -> None:
     """Synthetic timings whose medians and means differ (an outlier each): ratio = median / stock's median, its
-    interval around it, n, and the largest peak of a variant against the largest of stock; stock's own ratio is 1."""
-    def timings(seconds: list[float], peaks: list[int]) -> list[tuple[float, int]]:
-        return list(zip(seconds, peaks))
+    interval around it, n, and the largest peak of a variant against the largest of stock, and so the working memory
+    (the peak above the call's start, here the peak less 40); stock's own ratio is 1."""
+    def timings(seconds: list[float], peaks: list[int]) -> list[tuple[float, int, int]]:
+        return [(second, peak, peak - 40) for second, peak in zip(seconds, peaks)]
 
     samples = {  # 9 rounds; medians 1.0, 1.0 and 1.5; stock's and clip's means 1.89 and 4.78
         "stock": timings([1.0, 1.02, 0.98, 1.01, 0.99, 9.0, 1.03, 0.97, 1.0], [100, 300, 200, 250, 120] + [110] * 4),
@@ -150,8 +151,11 @@ def test_ratios_are_medians_against_stocks_median_with_an_interval_and_peak_memo
     assert 0.9 < low < 1.0 < high < 1.1
     assert (rows["clip"]["peak_bytes"], rows["stock"]["peak_bytes"]) == (450, 300)
     assert rows["clip"]["memory_ratio"] == 1.5 and rows["stock (A/A)"]["memory_ratio"] == 1.0
-    on_a_cpu = unsloth_cost.ratios({"stock": [(1.0, 0)], "none": [(1.1, 0)]})
+    assert (rows["clip"]["working_bytes"], rows["stock"]["working_bytes"]) == (410, 260)
+    assert rows["clip"]["working_memory_ratio"] == 410 / 260
+    on_a_cpu = unsloth_cost.ratios({"stock": [(1.0, 0, 0)], "none": [(1.1, 0, 0)]})
     assert on_a_cpu["none"]["memory_ratio"] is None and on_a_cpu["none"]["peak_bytes"] == 0
+    assert on_a_cpu["none"]["working_memory_ratio"] is None
 
 
 class FakeClock:
@@ -172,7 +176,7 @@ def fake_time(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
 def test_timed_on_cuda_waits_for_the_gpu_and_reads_the_peak_of_its_own_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fake CUDA device: the GPU work queued by the call (4 s) is waited for before the clock is read, and the
     peak is the call's own (peak statistics reset before it), not an earlier variant's higher peak, nor what is
-    allocated at its end."""
+    allocated at its end; its working memory is that peak less what was allocated when it began (10)."""
     clock, memory = FakeClock(), {"current": 10, "peak": 999, "queued": 0.0}  # 999: a previous variant's peak
 
     def synchronize() -> None:
@@ -193,7 +197,7 @@ def test_timed_on_cuda_waits_for_the_gpu_and_reads_the_peak_of_its_own_call(monk
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset_peak_memory_stats)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: memory["peak"])
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: memory["current"])
-    assert unsloth_cost.timed(function) == (5.0, 123)
+    assert unsloth_cost.timed(function) == (5.0, 123, 113)
 
 
 class Event:
@@ -388,8 +392,10 @@ def test_whole_steps_time_the_second_step_of_each_run_after_an_untimed_round(mon
 
 # ----- unsloth_cost.main: the JSON's summary and the last line -----------------------------------------------------
 
-def cost_row(median: float, ratio: float, ci: list[float], memory: Any = None, peak: int = 0) -> dict[str, Any]:
-    return {"median_s": median, "n": 3, "ratio": ratio, "ci": ci, "peak_bytes": peak, "memory_ratio": memory}
+def cost_row(median: float, ratio: float, ci: list[float], memory: Any = None, peak: int = 0,
+             working: Any = None) -> dict[str, Any]:
+    return {"median_s": median, "n": 3, "ratio": ratio, "ci": ci, "peak_bytes": peak, "memory_ratio": memory,
+            "working_bytes": peak // 2, "working_memory_ratio": working}
 
 
 def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monkeypatch: pytest.MonkeyPatch,
@@ -397,10 +403,10 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
     """main() on measured rows given here: the largest step ratio and memory ratio are the methods' (not the A/A
     pair's, whose noise is the largest here), by their ratio, not their interval; aa_ci is the A/A pair's interval;
     loss_share is stock's captured step over stock's whole step; the last line says all four."""
-    step = {"stock": cost_row(0.5, 1.0, [0.98, 1.02], 1.0, 100),
-            "stock (A/A)": cost_row(0.6, 1.2, [0.9, 1.3], 1.3, 130),
-            "none": cost_row(0.505, 1.01, [0.99, 1.03], 1.02, 102),
-            "clip": cost_row(0.525, 1.05, [1.0, 1.4], 1.1, 110),
+    step = {"stock": cost_row(0.5, 1.0, [0.98, 1.02], 1.0, 100, 1.0),
+            "stock (A/A)": cost_row(0.6, 1.2, [0.9, 1.3], 1.3, 130, 1.6),
+            "none": cost_row(0.505, 1.01, [0.99, 1.03], 1.02, 102, 1.25),
+            "clip": cost_row(0.525, 1.05, [1.0, 1.4], 1.1, 110, 1.2),
             "sigmoid": cost_row(0.51, 1.02, [1.0, 1.04], None, 0)}
     whole = {"stock": cost_row(2.0, 1.0, [0.9, 1.1]), "sigmoid+length_normalized": cost_row(2.2, 1.1, [1.0, 1.2]),
              "kl_in_reward": cost_row(2.4, 1.2, [1.1, 1.3])}
@@ -417,9 +423,46 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
     assert unsloth_cost.main(["--size", "small", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
     assert report["max_step_ratio"] == 1.05 and report["max_memory_ratio"] == 1.1
+    assert report["max_working_memory_ratio"] == 1.25
     assert report["aa_ci"] == [0.9, 1.3] and report["loss_share"] == 0.25
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "max_step_ratio=1.050 max_memory_ratio=1.100 aa=[0.900,1.300] loss_share=0.250")
+
+
+def test_a_budget_half_spent_on_the_captured_batch_skips_the_whole_steps_and_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                                     tmp_path: Path) -> None:
+    """`--budget 100`: the captured-batch part taking 60 s (a fake clock) leaves the whole steps untimed, and the JSON
+    says why; taking 40 s, they run. The JSON exists, with the environment, before anything is measured."""
+    clock = FakeClock()
+    fake_time(monkeypatch, clock)
+    step = {"stock": cost_row(0.5, 1.0, [0.98, 1.02]), "stock (A/A)": cost_row(0.5, 1.0, [0.9, 1.1]),
+            "none": cost_row(0.5, 1.0, [0.99, 1.01])}
+    profile = {"method": "none", "stock": [], "heaviest": []}
+    path = tmp_path / "cost.json"
+    written_first = []
+
+    def captured(trainer, rounds, warmup):
+        written_first.append(json.loads(path.read_text()))
+        clock.advance(spent)
+        return step, profile
+
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: None)
+    monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu"}, "versions": {"torch": "x"}})
+    monkeypatch.setattr(unsloth_cost, "save_model", lambda size, folder: None)
+    monkeypatch.setattr(unsloth_cost, "build_trainer", lambda *args, **kwargs: types.SimpleNamespace(
+        model=None, processing_class=None))
+    monkeypatch.setattr(unsloth_cost, "captured_steps", captured)
+    monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds: {"stock": cost_row(2.0, 1.0, [1, 1])})
+    for spent, skipped in ((60.0, True), (40.0, False)):
+        assert unsloth_cost.main(["--size", "small", "--budget", "100", "--json", str(path)]) == 0
+        report = json.loads(path.read_text())
+        assert written_first[-1]["versions"] == {"torch": "x"} and "step" not in written_first[-1]
+        if skipped:
+            assert report["whole_step"] == {} and report["loss_share"] is None
+            assert report["whole_step_skipped"] == ("the captured-batch part took 60 s of the 100-second budget "
+                                                    "(more than half)")
+        else:
+            assert list(report["whole_step"]) == ["stock"] and "whole_step_skipped" not in report
 
 
 def test_the_gpu_size_times_enough_rounds_after_a_warm_up() -> None:

@@ -834,7 +834,8 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
 
 def made_up_cost() -> dict:
     def row(median: float, ratio: float, ci: list[float], peak: int, memory: Optional[float], n: int = 12) -> dict:
-        return {"median_s": median, "n": n, "ratio": ratio, "ci": ci, "peak_bytes": peak, "memory_ratio": memory}
+        return {"median_s": median, "n": n, "ratio": ratio, "ci": ci, "peak_bytes": peak, "memory_ratio": memory,
+                "working_bytes": peak // 3, "working_memory_ratio": None if memory is None else memory * 1.1}
 
     return {"command": "python benchmarks/unsloth_cost.py --json x", "date": "2026-12-01", "size": "0.5b",
             "device": CUDA, "versions": {"torch": "2.11.0", "vllm": None},
@@ -870,10 +871,15 @@ def cost_rows(rows: list[list[str]], part: dict) -> None:
         else:
             interval(row[3], measured["ci"], 3)
         if measured["memory_ratio"] is None:
-            assert row[4:] == ["", ""]
+            assert row[4:6] == ["", ""]
         else:
             fixed(row[4], measured["peak_bytes"] / 1024 / 1024, 0)
             fixed(row[5], measured["memory_ratio"], 3)
+        if not measured.get("working_memory_ratio"):  # a file written before it was measured has none
+            assert row[6:] == ["", ""]
+        else:
+            fixed(row[6], measured["working_bytes"] / 1024 / 1024, 0)
+            fixed(row[7], measured["working_memory_ratio"], 3)
 
 
 @pytest.mark.parametrize("source", ["committed", "made up"])
@@ -882,7 +888,7 @@ def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monke
     monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "cost.json" else None)
     text = hook.gpu_cost()
     found = tables(text)
-    header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock"]
+    header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock", "working MiB", "x stock"]
     assert found[0][0] == header
     cost_rows(found[0][1], data["step"])
     size, model = data["settings"], data["settings"]["model"]
@@ -913,11 +919,15 @@ def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monke
 
 
 def test_gpu_cost_without_whole_steps(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run stopped after the captured batch (`whole_step` empty, `loss_share` null) shows no whole-step part."""
+    """A run stopped after the captured batch (`whole_step` empty, `loss_share` null) shows no whole-step part; one
+    whose budget skipped it says why."""
     data = {**made_up_cost(), "whole_step": {}, "loss_share": None}
     monkeypatch.setattr(hook, "_gpu", lambda name: data)
     text = hook.gpu_cost()
     assert len(tables(text)) == 2 and "Whole GRPO step" not in text and "captured-batch step is" not in text
+    data["whole_step_skipped"] = "the captured-batch part took 300 s of the 420-second budget (more than half)"
+    assert hook.gpu_cost().endswith("\n\nThe whole GRPO step was not timed: the captured-batch part took 300 s of the "
+                                    "420-second budget (more than half).")
 
 
 @pytest.mark.parametrize("source", ["committed", "on a GPU"])

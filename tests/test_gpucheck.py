@@ -221,16 +221,19 @@ def fake_scenario(monkeypatch, script: str) -> None:
 def test_run_isolated_reads_the_checks_back_and_reports_a_crash_or_a_hang(tmp_path, monkeypatch) -> None:
     """The parent's side: checks come back from the JSON, offline; a process that dies without writing them, or
     outlives its time, is a FAIL line with the last line of its log."""
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     fake_scenario(monkeypatch, "import importlib.util, json, os\n"
-                  "print(os.getcwd(), os.environ['HF_HUB_OFFLINE'], os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
+                  "print(os.getcwd(), os.environ['HF_HUB_OFFLINE'], os.environ['TORCHINDUCTOR_CACHE_DIR'],\n"
+                  "      os.environ['TORCHINDUCTOR_COMPILE_THREADS'])\n"
                   "print(importlib.util.find_spec('unsloth_adaptive_kl').origin)\n"
                   "check = {'name': 'x: y', 'ok': True, 'detail': 'measured 1', 'untested': False}\n"
                   "json.dump([check], open(RESULT, 'w'))")
     checks, log = gpucheck.run_isolated("x", "model", str(tmp_path / "ok"), timeout=120)
     assert checks == [Check("x: y", True, "measured 1")]
-    # in its work folder, offline, with its own compile cache, importing this copy of the package
+    # in its work folder, offline, with its own compile cache and 4 compile workers (4 scenarios run at once on the
+    # GPU machine's 16 cores), importing this copy of the package
     work = tmp_path / "ok"
-    assert log == f"{work} 1 {work / 'inductor_cache'}\n{ROOT / 'unsloth_adaptive_kl' / '__init__.py'}\n"
+    assert log == f"{work} 1 {work / 'inductor_cache'} 4\n{ROOT / 'unsloth_adaptive_kl' / '__init__.py'}\n"
 
     fake_scenario(monkeypatch,
                   "import sys\nprint('CUDA error: an illegal memory access', file=sys.stderr)\nsys.exit(134)")
@@ -299,6 +302,44 @@ def test_the_results_json_names_the_device_and_every_scenario_run_or_not() -> No
     assert all(data["scenarios"][name] == {"ran": False, "why": "not asked for (--only)"}
                for name in gpucheck.SCENARIOS if name != "trl-autocast")
     json.dumps(data)  # as written
+
+
+def test_the_json_is_written_after_each_scenario_naming_those_not_finished(monkeypatch, tmp_path) -> None:
+    """A run the device tool stops from outside (its command's time limit) keeps the scenarios that had finished:
+    main writes the JSON after each one, the others named as not finished; the last write has them all."""
+    monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu", "name": "x", "cores": 2},
+                                                          "versions": {"torch": "2.0"}})
+    monkeypatch.setattr(gpucheck, "build_tiny_llama", lambda model_dir: [Check("model", True)])
+    path = tmp_path / "check.json"
+    seen = []
+
+    def run(name, model_dir, work_dir, timeout):
+        seen.append(json.loads(path.read_text())["scenarios"] if path.exists() else None)
+        return [Check(f"{name}: fine", True)], ""
+
+    monkeypatch.setattr(gpucheck, "run_isolated", lambda name, model_dir, work_dir, timeout, dry_run: run(
+        name, model_dir, work_dir, timeout))
+    assert gpucheck.main(only="trl-autocast,demo-model", json_path=str(path), dry_run=True, jobs=1) == 0
+    assert seen[0] is None  # nothing had finished
+    assert seen[1]["trl-autocast"]["ran"] is True
+    assert seen[1]["demo-model"] == {"ran": False, "why": gpucheck.PENDING}
+    assert seen[1]["unsloth-4bit"] == {"ran": False, "why": "not asked for (--only)"}
+    final = json.loads(path.read_text())["scenarios"]
+    assert final["trl-autocast"]["ran"] is final["demo-model"]["ran"] is True
+
+
+def test_the_prepared_run_needs_the_wheelhouse_carried(tmp_path) -> None:
+    """.ci/gpu/run in a checkout without .whl/ (git-ignored, so a device call that does not carry it): exit 2 naming
+    what to build and carry, before any install."""
+    (tmp_path / ".ci" / "gpu").mkdir(parents=True)
+    script = tmp_path / ".ci" / "gpu" / "run"
+    script.write_text((ROOT / ".ci" / "gpu" / "run").read_text())
+    environment = {key: value for key, value in os.environ.items() if key != "SITE"}
+    result = subprocess.run(["bash", str(script), "check", str(tmp_path / "out")], env=environment,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == (".whl/ holds no wheelhouse: build it (.ci/gpu/wheelhouse.sh .whl 3.12) and carry it to "
+                             "the GPU\n")
 
 
 def test_the_dry_run_has_a_cpu_equivalent_for_every_scenario_but_vllms(model_dir, tmp_path, capsys) -> None:
@@ -495,7 +536,7 @@ def fake_run(monkeypatch, model_checks: list, outcomes: dict) -> None:
     """`main` (a dry run, so that no GPU is needed) with the model's checks and the scenarios' outcomes given."""
     monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu", "name": "x", "cores": 2},
                                                           "versions": {"torch": "2.0"}})
-    monkeypatch.setattr(gpucheck, "run_all", lambda names, root, run, budget_s, jobs: (
+    monkeypatch.setattr(gpucheck, "run_all", lambda names, root, run, budget_s, jobs, progress: (
         model_checks, {name: gpucheck.Ran(checks, 1.0) for name, checks in outcomes.items()}))
 
 

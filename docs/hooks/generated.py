@@ -645,9 +645,14 @@ def gpu_cost(_: Optional[str] = None) -> str:
                  "the reference" if name == "stock" else "none (one round)" if row.get("n") == 1 else
                  f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
                  "" if not row["memory_ratio"] else f"{row['peak_bytes'] / 2 ** 20:,.0f}",
-                 "" if not row["memory_ratio"] else f"{row['memory_ratio']:.3f}"] for name, row in part.items()]
+                 "" if not row["memory_ratio"] else f"{row['memory_ratio']:.3f}",
+                 "" if not row.get("working_memory_ratio") else f"{row['working_bytes'] / 2 ** 20:,.0f}",
+                 "" if not row.get("working_memory_ratio") else f"{row['working_memory_ratio']:.3f}"]
+                for name, row in part.items()]
 
-    header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock"]
+    # peak: all that is allocated at the step's peak (the model and optimizer state included); working: that peak
+    # above what was allocated when the step began
+    header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock", "working MiB", "x stock"]
     share = "" if data["loss_share"] is None else (
         f" The captured-batch step is {data['loss_share']:.0%} of stock's whole step.")
     text = (f"The `--size {data['size']}` run of {data['date']} on {_device(data)}: `{data['command']}`. Model: "
@@ -670,6 +675,8 @@ def gpu_cost(_: Optional[str] = None) -> str:
     if data["whole_step"]:
         text += (f"\n\nWhole GRPO step, generation included ({data['whole_rounds']} rounds):\n\n"
                  + _table(header, rows(data["whole_step"])) + "\n\n" + share.strip())
+    elif data.get("whole_step_skipped"):
+        text += f"\n\nThe whole GRPO step was not timed: {data['whole_step_skipped']}."
     return text
 
 

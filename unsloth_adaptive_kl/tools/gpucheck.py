@@ -44,7 +44,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Collection, Optional
 
 import torch
 
@@ -145,9 +145,12 @@ def scenario_env(work_dir: str) -> dict[str, str]:
     runs in `work_dir`, where Unsloth writes its generated code)."""
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "UNSLOTH_DISABLE_STATISTICS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true",
-            "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor_cache"), "PYTHONPATH": path}
+    # Inductor compiles with a worker per core by default: 4 scenarios at once (and the guard's workers) on 16 cores
+    # would start about 100
+    return {"TORCHINDUCTOR_COMPILE_THREADS": "4", **os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "WANDB_DISABLED": "true", "TORCHINDUCTOR_CACHE_DIR": os.path.join(work_dir, "inductor_cache"),
+            "PYTHONPATH": path}
 
 
 def scenario_command(name: str, model_dir: str, work_dir: str, result_path: str, dry_run: bool = False) -> list[str]:
@@ -239,12 +242,16 @@ class Ran:
     seconds: float
 
 
-def run_all(names: list[str], root: str, run: Runner = run_isolated, budget_s: float = BUDGET_S, jobs: int = 1
-            ) -> tuple[list[Check], dict[str, Ran]]:
+Progress = Callable[[list[Check], dict[str, Ran]], None]
+
+
+def run_all(names: list[str], root: str, run: Runner = run_isolated, budget_s: float = BUDGET_S, jobs: int = 1,
+            progress: Optional[Progress] = None) -> tuple[list[Check], dict[str, Ran]]:
     """Build the tiny Llama under `root`, then each scenario of `names` through `run` (`run_isolated`: a fresh
     process each), `jobs` at a time, printing each check as it comes and, for a failed scenario, the last lines of
-    its log. A scenario is not run (a FAIL line says why) without a model or with less than 30 s of `budget_s` left
-    when its turn comes. Returns the model's checks and each scenario's outcome, in the order of `names`."""
+    its log; `progress(model checks, outcomes so far)` after each scenario (the JSON, written as the run goes). A
+    scenario is not run (a FAIL line says why) without a model or with less than 30 s of `budget_s` left when its
+    turn comes. Returns the model's checks and each scenario's outcome, in the order of `names`."""
     from concurrent.futures import ThreadPoolExecutor
 
     start = time.perf_counter()
@@ -277,22 +284,35 @@ def run_all(names: list[str], root: str, run: Runner = run_isolated, budget_s: f
         else:
             new, log = run(name, model_dir, os.path.join(root, name), min(SCENARIO_TIMEOUT_S, left))
         report(new, log, name)
-        return Ran(new, time.perf_counter() - began)
+        outcome = Ran(new, time.perf_counter() - began)
+        with lock:
+            done[name] = outcome
+            if progress is not None:
+                progress(model_checks, dict(done))
+        return outcome
+
+    done: dict[str, Ran] = {}
 
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         outcomes = list(pool.map(one, names))
     return model_checks, dict(zip(names, outcomes))
 
 
+PENDING = "had not finished when this file was written (the run was stopped)"
+
+
 def results(found: dict[str, Any], model_checks: list[Check], ran: dict[str, Ran], dry_run: bool, seconds: float,
-            command: str) -> dict[str, Any]:
+            command: str, pending: Collection[str] = ()) -> dict[str, Any]:
     """The run as JSON (docs/results/gpu/check.json; the docs render it): the device and versions, the tiny model's
-    checks, and every scenario of `SCENARIOS`, run or not."""
+    checks, and every scenario of `SCENARIOS`, run, `pending` (asked for, not finished yet) or not asked for."""
+    def not_run(name: str) -> dict[str, Any]:
+        return {"ran": False, "why": PENDING if name in pending else "not asked for (--only)"}
+
     return {"command": command, "date": time.strftime("%Y-%m-%d"), **found, "dry_run": dry_run, "seconds": seconds,
             "model": [asdict(check) for check in model_checks],
             "scenarios": {name: ({"ran": True, "seconds": ran[name].seconds,
                                   "checks": [asdict(check) for check in ran[name].checks]}
-                                 if name in ran else {"ran": False, "why": "not asked for (--only)"})
+                                 if name in ran else not_run(name))
                           for name in SCENARIOS}}
 
 
@@ -314,19 +334,25 @@ def main(only: Optional[str] = None, jobs: int = 1, json_path: Optional[str] = N
     found = environment()
     print("unsloth_adaptive_kl GPU check" + (" (dry run: each scenario's CPU equivalent)" if dry_run else ""),
           *environment_lines(found), sep="\n", flush=True)
+    command = "python -m unsloth_adaptive_kl " + " ".join(sys.argv[1:])
+
+    def write(model_checks: list[Check], ran: dict[str, Ran]) -> None:
+        """The JSON as it stands: a run stopped from outside keeps what had finished."""
+        if json_path:
+            os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
+            with open(json_path, "w") as f:
+                json.dump(results(found, model_checks, ran, dry_run, time.perf_counter() - start, command,
+                                  pending=[name for name in names if name not in ran]), f, indent=1)
+
     run = functools.partial(run_isolated, dry_run=dry_run)
     with tempfile.TemporaryDirectory(prefix="adaptive_kl_gpucheck_") as root:
-        model_checks, ran = run_all(names, root, run, budget_s, jobs)
+        model_checks, ran = run_all(names, root, run, budget_s, jobs, progress=write)
     checks = model_checks + [check for outcome in ran.values() for check in outcome.checks]
     failed = [check for check in checks if not check.ok]
     seconds = time.perf_counter() - start
     print(f"GPU check{' dry run' if dry_run else ''} {'passed' if not failed else 'FAILED'}: "
           f"{len(checks) - len(failed)} of {len(checks)} checks hold ({seconds:.0f} s)")
-    if json_path:
-        command = "python -m unsloth_adaptive_kl " + " ".join(sys.argv[1:])
-        os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
-        with open(json_path, "w") as f:
-            json.dump(results(found, model_checks, ran, dry_run, seconds, command), f, indent=1)
+    write(model_checks, ran)
     return 1 if failed else 0
 
 
