@@ -100,6 +100,41 @@ def test_bad_loss_type_fails_before_training(tmp_path) -> None:
     assert "--loss-type='nope' is invalid: allowed is one of bnpo, cispo, dapo" in result.stderr
 
 
+def test_quick_keeps_the_steps_seeds_and_pretraining_given_beside_it() -> None:
+    """--quick --steps 10 ran 4 steps, and summary.json's command (--steps 10) contradicted its settings (4)."""
+    from unsloth_adaptive_kl.tools import demo
+
+    args = demo.parse_args(["--quick", "--steps", "10"])
+    assert (args.steps, args.seeds, args.pretrain_steps) == (10, 1, 60)
+    args = demo.parse_args(["--quick", "--seed", "2", "--pretrain-steps=7"])  # an abbreviation, the = form
+    assert (args.steps, args.seeds, args.pretrain_steps) == (4, 2, 7)
+    args = demo.parse_args(["--steps", "10"])
+    assert (args.steps, args.seeds, args.pretrain_steps) == (10, 3, 300)
+
+
+def test_a_model_that_cannot_be_loaded_stops_the_demo_after_its_first_run(tmp_path, monkeypatch, capsys) -> None:
+    """A hub name without the network: each run retried the hub (about a minute each, 21 runs by default) and failed
+    alike. The first load's OSError stops the demo, saying so, with exit 1."""
+    import transformers
+
+    from unsloth_adaptive_kl.tools import demo
+
+    loads = []
+
+    def offline(name, **kwargs):
+        loads.append(name)
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {name}")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kwargs: "tokenizer")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    code = demo.main(["--model", "org/model", "--backend", "trl", "--methods", "none,clip", "--seeds", "2",
+                      "--steps", "1", "--output-dir", str(tmp_path)])
+    assert code == 1 and loads == ["org/model"]
+    err = capsys.readouterr().err
+    assert "FAILED none seed 0: OSError: We couldn't connect" in err
+    assert "FAILED the remaining runs: not started, --model 'org/model' could not be loaded" in err
+
+
 def test_a_failed_run_is_reported_and_makes_the_exit_code_non_zero(tmp_path, monkeypatch, capsys) -> None:
     from unsloth_adaptive_kl.tools import demo
 
@@ -295,7 +330,7 @@ def test_ref_sync_variant_syncs_on_schedule(tmp_path) -> None:
     assert plain[3]["adaptive_kl/raw_kl"] != reset[3]["adaptive_kl/raw_kl"]
 
 
-def test_ref_sync_labels_and_flag() -> None:
+def test_ref_sync_labels_and_flag(capsys) -> None:
     from unsloth_adaptive_kl.tools import demo
 
     assert demo.variant_settings("ref_sync:30:reset", 0.04) == {
@@ -303,15 +338,18 @@ def test_ref_sync_labels_and_flag() -> None:
         "ref_model_sync_reset_optimizer": True, "beta": 0.04}
     assert demo.variant_settings("ref_sync:30", 0.04)["ref_model_sync_reset_optimizer"] is False
     assert demo.parse_args(["--ref-sync"]).methods == ["none", "ref_sync:30", "ref_sync:30:reset"]
-    for label in ("ref_sync:x", "ref_sync:2:soft", "ref_sync:"):
-        with pytest.raises(ValueError, match="'ref_sync:STEPS' or 'ref_sync:STEPS:reset'"):
-            demo.parse_args(["--methods", label])
-    with pytest.raises(ValueError, match="ref_model_sync_steps=0 is invalid"):
-        demo.parse_args(["--methods", "ref_sync:0"])
-    with pytest.raises(ValueError, match="sync_ref_model=True is invalid.*beta=0"):
-        demo.parse_args(["--methods", "ref_sync:30", "--beta", "0"])
+    for flags, message in [*((["--methods", label], f"variant {label!r}: ") for label in ("ref_sync:x", "ref_sync:2:soft",
+                                                                                        "ref_sync:")),
+                           (["--methods", "ref_sync:0"], "variant 'ref_sync:0': ref_model_sync_steps=0 is invalid"),
+                           (["--methods", "ref_sync:30", "--beta", "0"],
+                            "variant 'ref_sync:30': sync_ref_model=True is invalid"),
+                           (["--ref-sync", "--kl-in-reward"], "--kl-in-reward and --ref-sync each select")]:
+        with pytest.raises(SystemExit) as refused:  # a usage error, exit 2, naming the variant
+            demo.parse_args(flags)
+        assert refused.value.code == 2 and message in capsys.readouterr().err, flags
     with pytest.raises(SystemExit):
-        demo.parse_args(["--ref-sync", "--kl-in-reward"])
+        demo.parse_args(["--methods", "ref_sync:x"])
+    assert "'ref_sync:STEPS' or 'ref_sync:STEPS:reset'" in capsys.readouterr().err
 
 
 def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_allowed(capsys) -> None:
@@ -330,9 +368,23 @@ def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_al
         with pytest.raises(SystemExit):
             demo.parse_args(flags)
         assert message in capsys.readouterr().err, flags
-    for beta in ("-1", "nan"):  # the core's rule and wording, as GRPOConfig(beta=...) refuses it
-        with pytest.raises(ValueError, match=f"^beta={float(beta)} is invalid: allowed is a finite number >= 0"):
+    for beta in ("-1", "nan"):  # the core's rule and wording, as GRPOConfig(beta=...) refuses it, by the flag's name
+        with pytest.raises(SystemExit):
             demo.parse_args(["--beta", beta, "--methods", "none"])
+        assert f"--beta={float(beta)} is invalid: allowed is a finite number >= 0" in capsys.readouterr().err
+    for flags, message in ((["--kl-target", "-1", "--methods", "sigmoid"],
+                            "variant 'sigmoid': kl_target=-1.0 is invalid"),
+                           (["--methods", "foo"], "variant 'foo': kl_adaptation_method='foo' is invalid"),
+                           (["--estimators", "k9"], "variant 'estimator=k9': kl_estimator='k9' is invalid"),
+                           # flags the run would not read: --methods beside a mode that picks its own variants, a
+                           # backend or pretraining the chosen model does not have
+                           (["--kl-in-reward", "--methods", "clip"], "--methods has no effect with --kl-in-reward"),
+                           (["--ref-sync", "--methods", "dynamic"], "--methods has no effect with --ref-sync"),
+                           (["--backend", "trl"], "--backend=trl has no effect without --model"),
+                           (["--model", "x", "--pretrain-steps", "5"], "--pretrain-steps has no effect with --model")):
+        with pytest.raises(SystemExit) as refused:
+            demo.parse_args(flags)
+        assert refused.value.code == 2 and message in capsys.readouterr().err, flags
     args = demo.parse_args(["--pretrain-steps", "0", "--learning-rate", "0.01", "--methods", "none", "--beta", "0"])
     assert (args.pretrain_steps, args.learning_rate, args.beta) == (0, 0.01, 0.0)  # the edges allowed
 

@@ -53,7 +53,8 @@ ALPHABET = "abcdefgh"
 def build_parser() -> argparse.ArgumentParser:
     """The demo's command line (the docs' flag list is generated from it)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 4 steps, 1 seed")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 4 steps, 1 seed, 60 pretraining steps (each unless given)")
     parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                         help="comma-separated kl_adaptation_method values; 'beta=0' is stock with beta 0")
     parser.add_argument("--estimators", default="",
@@ -96,13 +97,31 @@ def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.
     parser = build_parser()
     args = parser.parse_args(argv)
     args.command = shlex.join([*launcher, *argv])
+    # what the command line gave, read against a parser whose defaults are None (argparse also takes abbreviations)
+    unset = build_parser()
+    unset.set_defaults(**{action.dest: None for action in unset._actions if action.dest != "help"})
+    given = {name for name, value in vars(unset.parse_args(argv)).items() if value is not None}
     if args.quick:
-        args.steps, args.seeds, args.pretrain_steps = QUICK["steps"], QUICK["seeds"], QUICK["pretrain_steps"]
+        for name, value in QUICK.items():
+            if name not in given:  # a value given beside --quick is kept (summary.json records both)
+                setattr(args, name, value)
+
     def listed(value: str, prefix: str = "") -> list[str]:
         return [prefix + item.strip() for item in value.split(",") if item.strip()]
 
     if args.kl_in_reward and args.ref_sync:
         parser.error("--kl-in-reward and --ref-sync each select a list of variants: use one of them")
+    if "methods" in given and (args.kl_in_reward or args.ref_sync):
+        parser.error(f"--methods has no effect with {'--kl-in-reward' if args.kl_in_reward else '--ref-sync'}, "
+                     "which selects its own variants: allowed is one of them")
+    if "backend" in given and args.model is None:
+        parser.error(f"--backend={args.backend} has no effect without --model (the embedded tiny model trains with "
+                     "TRL): allowed with --model")
+    if "pretrain_steps" in given and args.model is not None:
+        parser.error("--pretrain-steps has no effect with --model (it pretrains the embedded tiny model): allowed "
+                     "without --model")
+    if not 0 <= args.beta < math.inf:
+        parser.error(f"--beta={args.beta} is invalid: allowed is a finite number >= 0")
     methods = (KL_IN_REWARD_VARIANTS if args.kl_in_reward else REF_SYNC_VARIANTS if args.ref_sync
                else listed(args.methods))
     given = args.methods
@@ -123,14 +142,17 @@ def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.
     from ..integrations.trainer_hooks import TRL_SYNC_FIELDS, check_trl_settings  # TRL's rules (imports trl)
 
     read = set()
-    for method in args.methods:  # bad names fail here, before any training
-        settings = variant_settings(method, args.beta)
-        trl_fields = {k: settings.pop(k) for k in TRL_SYNC_FIELDS if k in settings}  # TRL's, not AdaptiveKLConfig's
-        fields = method_fields(settings, args)
-        read |= set(fields)
-        config = AdaptiveKLConfig(**settings, **fields)
-        config.validate_adaptive_kl(beta=trl_fields["beta"])  # as GRPOConfig does: beta, and the bounds it sets
-        check_trl_settings(argparse.Namespace(**trl_fields), config)
+    for method in args.methods:  # bad names and values fail here, before any training, as usage errors
+        try:
+            settings = variant_settings(method, args.beta)
+            trl_fields = {k: settings.pop(k) for k in TRL_SYNC_FIELDS if k in settings}  # TRL's, not AdaptiveKLConfig's
+            fields = method_fields(settings, args)
+            read |= set(fields)
+            config = AdaptiveKLConfig(**settings, **fields)
+            config.validate_adaptive_kl(beta=trl_fields["beta"])  # as GRPOConfig does: beta, and the bounds it sets
+            check_trl_settings(argparse.Namespace(**trl_fields), config)
+        except ValueError as error:
+            parser.error(f"variant {method!r}: {error}")
     for flag, field_name in (("--kl-target", "kl_target"), ("--kl-horizon", "kl_horizon")):
         value = getattr(args, field_name)
         if value != parser.get_default(field_name) and field_name not in read:  # nothing silently does nothing
@@ -478,6 +500,15 @@ def main(argv: list[str] | None = None, launcher: tuple[str, ...] = SCRIPT) -> i
                 except Exception as error:  # a failed run is reported and fails the demo, the others still run
                     failures.append(f"{method} seed {seed}: {type(error).__name__}: {error}")
                     progress.update(bar, completed=done_before + args.steps)
+                    if args.model and isinstance(error, OSError) and not rows:
+                        # the model could not be loaded (no network for a hub name, a wrong path): every other run
+                        # would retry the hub for as long, and fail alike
+                        failures.append(f"the remaining runs: not started, --model {args.model!r} could not be "
+                                        "loaded")
+                        break
+            else:
+                continue
+            break
 
     summary = summarise(rows, args.methods, args.steps)
     print_table(summary)

@@ -395,8 +395,9 @@ def unsloth_guard(model_dir: str, work_dir: str, steps: Optional[int] = None) ->
         checks.append(Check(f"{name}: {row['setting']} (dr_grpo, {steps} steps)",
                             finite and (within or steps != trainer_lab.STEPS),
                             f"KL(pi||pi*) {kl_opt:.4g}, effective beta {beta if beta is None else f'{beta:.4g}'}, "
-                            f"pad probability {row['pad_probability']:.2g} ({bound}); {row.get('precision', '')} "
-                            f"log-probs: {row.get('logprob_path', 'not recorded')}"))
+                            f"pad probability {row['pad_probability']:.2g} ({bound}); trained in "
+                            f"{row.get('precision', 'a precision not recorded')}; log-probs: "
+                            f"{row.get('logprob_path', 'not recorded')}"))
     return checks
 
 
