@@ -35,6 +35,7 @@ import importlib.util
 import json
 import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -82,7 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--large-e2e-repeats", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--json", default="benchmarks/loss_overhead.json")
+    parser.add_argument("--json", default=None, help="default: benchmarks/loss_overhead.json (the committed run); "
+                                                     "with --smoke, loss_overhead_smoke.json in the temp folder")
     parser.add_argument("--trainer", choices=["trl", "unsloth"], default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:  # tiny defaults; sizes given on the command line (the trainer processes get theirs) still count
@@ -90,6 +92,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                             large_e2e_repeats=3, completion_length=8,
                             large_completions=8, large_completion_length=32)
         args = parser.parse_args(argv)
+    if args.json is None:  # a smoke run never overwrites the committed figures
+        args.json = (os.path.join(tempfile.gettempdir(), "loss_overhead_smoke.json") if args.smoke
+                     else "benchmarks/loss_overhead.json")
+    for name, value in vars(args).items():
+        if name.endswith(("repeats", "completions", "completion_length")) or name in ("hidden", "layers"):
+            if value < 1:
+                parser.error(f"--{name.replace('_', '-')}={value} is invalid: allowed is an integer >= 1")
     return args
 
 
@@ -504,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     # what ran it, as the GPU page names it: the command, the date, the device and the versions
     from unsloth_adaptive_kl.tools.machine import hardware
 
-    results: dict[str, Any] = {"command": "python benchmarks/loss_overhead.py " + " ".join(argv),
+    results: dict[str, Any] = {"command": shlex.join(["python", "benchmarks/loss_overhead.py", *argv]),
                                "date": time.strftime("%Y-%m-%d"), **gpucheck.environment(), "machine": hardware(),
                                "core_op": core, "core_op_profile": profile}
     sizes = {"": ((args.completions, args.completion_length),

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import statistics
 import subprocess
 import sys
@@ -65,7 +66,8 @@ TIMED = VARIANTS + [REF_SYNC]
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: 1 repeat, 2 steps")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes: 1 repeat, 3 steps (the first untimed), each unless given")
     parser.add_argument("--repeats", type=int, default=7, help="timed passes over all variants, after one untimed")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run; the first is not timed")
     parser.add_argument("--hidden", type=int, default=256)
@@ -76,9 +78,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--sync-repeats", type=int, default=200, help="timed syncs and exchanges per ref_sync run")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.repeats, args.steps, args.hidden, args.layers, args.completion_length, args.batch = 1, 3, 32, 1, 4, 4
-        args.sync_repeats = 20
+    if args.smoke:  # tiny defaults; values given on the command line still count
+        parser.set_defaults(repeats=1, steps=3, hidden=32, layers=1, completion_length=4, batch=4, sync_repeats=20)
+        args = parser.parse_args(argv)
+    for name in ("repeats", "hidden", "layers", "completion_length", "batch", "sync_repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)} is invalid: allowed is an integer >= 1")
+    if args.steps < 2:  # the first step is not timed
+        parser.error(f"--steps={args.steps} is invalid: allowed is an integer >= 2 (the first is not timed)")
     return args
 
 
@@ -341,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [row["step_ratio"] for row in rows[2:] + unsloth_rows if not row["variant"].endswith(":stock")]
     # one timed pass (--smoke) has no A/A interval: NaN ends, which the docs render as none
     aa = bootstrap_ratio(times["stock (A/A)"], times["stock"]) if len(times["stock"]) > 1 else (math.nan, math.nan)
-    report = {"command": "python benchmarks/overhead.py " + " ".join(argv),
+    report = {"command": shlex.join(["python", "benchmarks/overhead.py", *argv]),
               "machine": hardware(), "settings": vars(args),
               "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
               "unsloth_rows": unsloth_rows, "core_x_k3": core, "step_seconds": times, "ref_sync": ref_sync,

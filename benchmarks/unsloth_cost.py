@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -94,6 +95,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "has used more than half of them; default: no budget")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
+    for flag, value, least in (("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0),
+                               ("--whole-rounds", args.whole_rounds, 0)):
+        if value is not None and value < least:
+            parser.error(f"{flag}={value} is invalid: allowed is an integer >= {least}")
     if args.budget is not None and not args.budget > 0:
         parser.error(f"--budget={args.budget} is invalid: allowed is a number of seconds > 0")
     if args.size == "0.5b" and not torch.cuda.is_available():
@@ -293,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"Unsloth's trainer could not be generated: {error}")
     started = time.perf_counter()
     report: dict[str, Any] = {
-        "command": "python benchmarks/unsloth_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": shlex.join(["python", "benchmarks/unsloth_cost.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": time.strftime("%Y-%m-%d"), "size": args.size, "settings": asdict(size), "rounds": rounds,
         "warmup": args.warmup, "whole_rounds": whole_rounds, **gpucheck.environment()}
 

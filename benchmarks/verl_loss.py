@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -37,8 +38,13 @@ SIZES = {"full": (8, 1024, 256, 200), "smoke": (4, 16, 4, 5)}
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes and repetition counts")
-    parser.add_argument("--json", default="benchmarks/verl_loss.json")
-    return parser.parse_args(argv)
+    parser.add_argument("--json", default=None, help="default: benchmarks/verl_loss.json (the committed run); with "
+                                                     "--smoke, verl_loss_smoke.json in the temp folder")
+    args = parser.parse_args(argv)
+    if args.json is None:  # a smoke run never overwrites the committed figures
+        args.json = (os.path.join(tempfile.gettempdir(), "verl_loss_smoke.json") if args.smoke
+                     else "benchmarks/verl_loss.json")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

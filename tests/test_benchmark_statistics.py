@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import sys
 import types
 from math import comb
@@ -610,3 +611,25 @@ def test_the_step_benchmarks_stock_side_leaves_the_fallbacks_upstream_trls_kerne
             assert ChunkedLogProbWithCPUFallback.upstream is kernel is not ChunkedLogProbWithCPUFallback
     finally:
         overhead.set_stock(False)
+
+
+def test_a_smoke_run_writes_to_the_temp_folder_unless_told_and_sizes_below_one_are_refused(capsys: Any) -> None:
+    """`loss_overhead.py --smoke`, as the benchmarks page gives it, wrote its smoke figures over the committed
+    benchmarks/loss_overhead.json; a repeat count of 0 failed in a worker process (no median of no data), the cost's
+    0 rounds after the model was built."""
+    import tempfile
+
+    assert loss_overhead.parse_args(["--smoke"]).json == os.path.join(tempfile.gettempdir(), "loss_overhead_smoke.json")
+    assert loss_overhead.parse_args([]).json == "benchmarks/loss_overhead.json"
+    assert loss_overhead.parse_args(["--smoke", "--json", "x.json"]).json == "x.json"
+    for parse, argv, message in ((loss_overhead.parse_args, ["--smoke", "--stock-repeats", "0"],
+                                  "--stock-repeats=0 is invalid: allowed is an integer >= 1"),
+                                 (loss_overhead.parse_args, ["--large-completion-length", "0"],
+                                  "--large-completion-length=0 is invalid: allowed is an integer >= 1"),
+                                 (unsloth_cost.parse_args, ["--size", "small", "--rounds", "0", "--json", "x"],
+                                  "--rounds=0 is invalid: allowed is an integer >= 1"),
+                                 (unsloth_cost.parse_args, ["--size", "small", "--budget", "-1", "--json", "x"],
+                                  "--budget=-1.0 is invalid: allowed is a number of seconds > 0")):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert message in capsys.readouterr().err, argv

@@ -385,6 +385,12 @@ def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
         assert exit_info.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+    # the self-check's --json a folder: an IsADirectoryError once every check had run; now refused first
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--json", "/"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    assert exit_info.value.code == 2 and "error: --json='/' is a folder: allowed is a file's path" in (
+        capsys.readouterr().err)
 
 
 def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_commands(tmp_path) -> None:

@@ -104,14 +104,18 @@ def test_set_reads_literals_and_strings_and_refuses_what_is_not_a_pair() -> None
 
 
 def test_a_bad_number_a_flag_predict_does_not_read_or_an_only_in_no_label_is_refused_before_any_run() -> None:
-    """Each was taken: --seeds 0 ended in a ZeroDivisionError, a negative --beta in a worker's traceback; --predict
+    """Each was taken: --seeds 0 ended in a ZeroDivisionError, a negative --beta in a worker's traceback, --beta 0 in
+    tables of NaN; --json a folder in an IsADirectoryError after every table was printed; --predict
     dropped --json (nothing written), --only and --seeds without a word; an --only TEXT in no label ran an empty table
     ("1 rows") or dropped its rows."""
     for argv, message in ((["--seeds", "0"], "--seeds=0 is invalid: allowed is an integer >= 1"),
                           (["--steps", "-2"], "--steps=-2 is invalid: allowed is an integer >= 1"),
                           (["--processes", "0"], "--processes=0 is invalid: allowed is an integer >= 1"),
-                          (["--beta", "-1"], "--beta=-1.0 is invalid: allowed is a finite number >= 0"),
-                          (["--beta", "nan"], "--beta=nan is invalid: allowed is a finite number >= 0"),
+                          (["--beta", "-1"], "--beta=-1.0 is invalid: allowed is a finite number > 0"),
+                          (["--beta", "nan"], "--beta=nan is invalid: allowed is a finite number > 0"),
+                          # pi*_beta is undefined at 0: every table was NaN, exit 0
+                          (["--beta", "0"], "--beta=0.0 is invalid: allowed is a finite number > 0"),
+                          (["--json", "/"], "--json='/' is a folder: allowed is a file's path"),
                           (["--trainer", "trl", "--learning-rate", "0"],
                            "--learning-rate=0.0 is invalid: allowed is a finite number > 0"),
                           (["--predict", "--trainer", "trl", "--json", "p.json", "--only", "k1", "--seeds", "2"],

@@ -3,6 +3,7 @@
 
 import argparse
 import math
+import os
 import sys
 
 parser = argparse.ArgumentParser(prog="python -m unsloth_adaptive_kl",
@@ -26,6 +27,8 @@ if args.jobs is not None and args.jobs < 1:
     parser.error(f"--jobs={args.jobs} is invalid: allowed is an integer >= 1")
 if args.budget is not None and not 0 < args.budget < math.inf:
     parser.error(f"--budget={args.budget} is invalid: allowed is a finite number of seconds > 0")
+if args.json is not None and os.path.isdir(args.json):  # found before the checks run, not after
+    parser.error(f"--json={args.json!r} is a folder: allowed is a file's path")
 gpu_only = {"--only": args.only, "--jobs": args.jobs, "--budget": args.budget,
             "--dry-run": args.dry_run or None}
 if args.gpu:

@@ -16,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import replace
@@ -106,12 +107,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                                ("--processes", args.processes, 1)):
         if value is not None and value < least:
             raise SystemExit(f"{flag}={value} is invalid: allowed is an integer >= {least}")
-    if args.beta is not None and not 0 <= args.beta < math.inf:
-        raise SystemExit(f"--beta={args.beta} is invalid: allowed is a finite number >= 0")
+    if args.beta is not None and not 0 < args.beta < math.inf:  # pi*_beta, every figure's yardstick, needs beta > 0
+        raise SystemExit(f"--beta={args.beta} is invalid: allowed is a finite number > 0")
+    if args.json is not None:  # before any training: a run whose figures cannot be written is lost
+        if os.path.isdir(args.json):
+            raise SystemExit(f"--json={args.json!r} is a folder: allowed is a file's path")
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     if args.learning_rate is not None and not 0 < args.learning_rate < math.inf:
         raise SystemExit(f"--learning-rate={args.learning_rate} is invalid: allowed is a finite number > 0")
     torch.set_num_threads(1)
-    command = " ".join(["python -m unsloth_adaptive_kl.tools.kl_lab", *(argv if argv is not None else sys.argv[1:])])
+    command = shlex.join(["python", "-m", "unsloth_adaptive_kl.tools.kl_lab",
+                          *(argv if argv is not None else sys.argv[1:])])
     if args.predict:
         from . import trainer_lab
 

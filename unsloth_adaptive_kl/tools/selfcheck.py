@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -396,7 +397,8 @@ def main(json_path: Optional[str] = None) -> int:
 def write_record(json_path: str, printed: list[str], passed: bool) -> None:
     """The run as JSON: the command that wrote it, the date, the machine, the installed versions of the packages it
     checks, and its lines as printed (this package's lines only: a trainer's own banner and notices are not ours)."""
-    record = {"command": " ".join(["python -m unsloth_adaptive_kl", *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d"),
+    record = {"command": shlex.join(["python", "-m", "unsloth_adaptive_kl", *sys.argv[1:]]),
+              "date": time.strftime("%Y-%m-%d"),
               "hardware": hardware(), "versions": installed_versions((*VERSION_PACKAGES, "verl")), "passed": passed,
               "lines": printed}
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)
