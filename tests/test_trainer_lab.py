@@ -95,6 +95,10 @@ def test_set_reads_literals_and_strings_and_refuses_what_is_not_a_pair() -> None
         ("mask_truncated_completions", True), ("top_k", None))
     with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
         trainer_lab.parse_overrides(["loss_type"])
+    # a name GRPOConfig has not failed with a TypeError inside every worker
+    with pytest.raises(SystemExit, match=r"^--set 'foo=1': 'foo' is not a field of GRPOConfig$"):
+        trainer_lab.parse_overrides(["foo=1"])
+    assert trainer_lab.parse_overrides(["kl_adaptation_method=clip"]) == (("kl_adaptation_method", "clip"),)
     with pytest.raises(SystemExit, match="--recipe nope: unknown; the recipes are dr_grpo, defaults"):
         kl_lab.main(["--trainer", "trl", "--recipe", "nope"])
     with pytest.raises(SystemExit, match="--estimator, --no-target: not read with --trainer trl"):

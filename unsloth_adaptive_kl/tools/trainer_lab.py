@@ -503,14 +503,20 @@ HEADER = ["setting", "beta trained", "E[r]", "E[length]", "KL(pi||pi_ref)", "KL(
 
 
 def parse_overrides(pairs: Sequence[str]) -> tuple[tuple[str, Any], ...]:
-    """`FIELD=VALUE` pairs; VALUE is read as a Python literal where it is one (2, 0.5, True, None), else a string."""
+    """`FIELD=VALUE` pairs, FIELD a GRPOConfig field; VALUE is read as a Python literal where it is one (2, 0.5, True,
+    None), else a string."""
     import ast
 
+    import trl
+
+    fields = {field.name for field in dataclasses.fields(trl.GRPOConfig)}
     parsed = []
     for pair in pairs:
         name, separator, text = pair.partition("=")
         if not separator or not name:
             raise SystemExit(f"--set {pair!r}: expected FIELD=VALUE, e.g. --set loss_type=dapo num_iterations=2")
+        if name not in fields:  # else a TypeError inside every worker process
+            raise SystemExit(f"--set {pair!r}: {name!r} is not a field of GRPOConfig")
         try:
             value = ast.literal_eval(text)
         except (ValueError, SyntaxError):
