@@ -338,8 +338,8 @@ def test_ref_sync_labels_and_flag(capsys) -> None:
         "ref_model_sync_reset_optimizer": True, "beta": 0.04}
     assert demo.variant_settings("ref_sync:30", 0.04)["ref_model_sync_reset_optimizer"] is False
     assert demo.parse_args(["--ref-sync"]).methods == ["none", "ref_sync:30", "ref_sync:30:reset"]
-    for flags, message in [*((["--methods", label], f"variant {label!r}: ") for label in ("ref_sync:x", "ref_sync:2:soft",
-                                                                                        "ref_sync:")),
+    labels = ("ref_sync:x", "ref_sync:2:soft", "ref_sync:")
+    for flags, message in [*((["--methods", label], f"variant {label!r}: ") for label in labels),
                            (["--methods", "ref_sync:0"], "variant 'ref_sync:0': ref_model_sync_steps=0 is invalid"),
                            (["--methods", "ref_sync:30", "--beta", "0"],
                             "variant 'ref_sync:30': sync_ref_model=True is invalid"),

@@ -254,12 +254,12 @@ def test_a_resume_inside_a_generation_batch_says_the_run_differs_from_there(toke
     betas, uninterrupted = logged(resumed, "adaptive_kl/current_beta"), logged(full, "adaptive_kl/current_beta")
     if every:
         micro = checkpoint * fields["gradient_accumulation_steps"]
-        assert said == [f"adaptive_kl: resuming at step {checkpoint}, inside a generation batch: the trainer generates "
-                        f"one every {every} micro-batches (steps_per_generation x num_iterations) and step {checkpoint} "
-                        f"ends at micro-batch {micro}. The rest of that batch is not in the checkpoint, so a new one is "
-                        "generated at once and the run differs from the uninterrupted one from here (dynamic reads one "
-                        f"batch more). Checkpoints at steps whose micro-batch count is a multiple of {every} resume "
-                        "exactly."]
+        assert said == [f"adaptive_kl: resuming at step {checkpoint}, inside a generation batch: the trainer "
+                        f"generates one every {every} micro-batches (steps_per_generation x num_iterations) and step "
+                        f"{checkpoint} ends at micro-batch {micro}. The rest of that batch is not in the checkpoint, so "
+                        "a new one is generated at once and the run differs from the uninterrupted one from here "
+                        "(dynamic reads one batch more). Checkpoints at steps whose micro-batch count is a multiple "
+                        f"of {every} resume exactly."]
         assert uninterrupted[4] == pytest.approx(0.04 * 0.8**2) and betas[4] == pytest.approx(0.04 * 0.8**3)
     else:
         assert said == []

@@ -703,38 +703,27 @@ def test_reward_controller_state_dict_round_trips():
         verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), beta=0.1)
 
 
-def test_a_checkpoint_without_a_kls_controller_state_warns_naming_it():
+@pytest.mark.parametrize("loss_method", ["dynamic", "clip"])
+def test_a_checkpoint_without_a_kls_controller_state_warns_naming_it_where_its_beta_moves(loss_method: str):
     """A KL this run adapts whose state the checkpoint lacks (saved with that KL off: use_kl_loss switched on between
-    runs) warns, naming it, and its controller keeps its initial beta; the other KL's state is restored."""
-    config = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5)
-    saved = verl_kl.RewardKLController(config, beta=0.1)
-    saved.observe_rewards(1.0)
-    ray_trainer.apply_kl_penalty(reward_batch(seed=0), kl_ctrl=saved, kl_penalty="kl")
-    run = types.SimpleNamespace(loss_kl=AdaptiveKL(config, beta=0.2),
-                                reward_kl=verl_kl.RewardKLController(config, beta=0.1))
-    state = json.loads(json.dumps({"global_steps": 1, "loss": None, "reward": saved.state_dict()}))
-    with pytest.warns(UserWarning, match=r"^adaptive_kl: the checkpoint holds no controller state for the KL in the "
-                                         r"loss \(saved with it off\): its controller restarts from its initial beta\.$"):
-        verl_kl.AdaptiveKLTrainerMixin.load_adaptive_kl_state(run, state)
-    assert run.reward_kl.value == saved.value == pytest.approx(0.1 * 0.9) and run.loss_kl.current_beta == 0.2
-
-
-def test_a_checkpoint_without_the_state_of_a_constant_beta_says_nothing():
-    """A constant beta (`clip` here) has no state to lose: a checkpoint lacking it resumes as the uninterrupted run
-    would, and nothing is said; beside a moving beta whose state is there, that one is restored."""
-    constant = AdaptiveKLConfig(kl_adaptation_method="clip")
+    runs) warns, naming it, where its beta moves (`dynamic`), and its controller keeps its initial beta; a constant
+    beta (`clip`) has nothing to lose and nothing is said. The other KL's state is restored."""
     moving = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5)
     saved = verl_kl.RewardKLController(moving, beta=0.1)
     saved.observe_rewards(1.0)
     ray_trainer.apply_kl_penalty(reward_batch(seed=0), kl_ctrl=saved, kl_penalty="kl")
-    run = types.SimpleNamespace(loss_kl=AdaptiveKL(constant, beta=0.2),
+    loss = AdaptiveKLConfig(kl_adaptation_method=loss_method, reward_threshold=0.5)
+    run = types.SimpleNamespace(loss_kl=AdaptiveKL(loss, beta=0.2),
                                 reward_kl=verl_kl.RewardKLController(moving, beta=0.1))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        verl_kl.AdaptiveKLTrainerMixin.load_adaptive_kl_state(
-            run, json.loads(json.dumps({"global_steps": 1, "loss": None, "reward": saved.state_dict()})))
-    assert run.reward_kl.value == pytest.approx(0.1 * 0.9) and run.loss_kl.current_beta == 0.2
-    assert (run.loss_kl.moves_beta, run.reward_kl.moves_beta) == (False, True)
+    state = json.loads(json.dumps({"global_steps": 1, "loss": None, "reward": saved.state_dict()}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        verl_kl.AdaptiveKLTrainerMixin.load_adaptive_kl_state(run, state)
+    said = [str(w.message) for w in caught]
+    assert said == (["adaptive_kl: the checkpoint holds no controller state for the KL in the loss (saved with it "
+                     "off): its controller restarts from its initial beta."] if loss_method == "dynamic" else [])
+    assert run.reward_kl.value == saved.value == pytest.approx(0.1 * 0.9) and run.loss_kl.current_beta == 0.2
+    assert (run.loss_kl.moves_beta, run.reward_kl.moves_beta) == (loss_method == "dynamic", True)
 
 
 # ----- the logged adaptive_kl/* metrics, against their definitions (docs/metrics.md) --------------------------------
