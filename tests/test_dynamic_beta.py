@@ -256,8 +256,8 @@ def test_a_resume_inside_a_generation_batch_says_the_run_differs_from_there(toke
         micro = checkpoint * fields["gradient_accumulation_steps"]
         assert said == [f"adaptive_kl: resuming at step {checkpoint}, inside a generation batch: the trainer "
                         f"generates one every {every} micro-batches (steps_per_generation x num_iterations) and step "
-                        f"{checkpoint} ends at micro-batch {micro}. The rest of that batch is not in the checkpoint, so "
-                        "a new one is generated at once and the run differs from the uninterrupted one from here "
+                        f"{checkpoint} ends at micro-batch {micro}. The rest of that batch is not in the checkpoint, "
+                        "so a new one is generated at once and the run differs from the uninterrupted one from here "
                         "(dynamic reads one batch more). Checkpoints at steps whose micro-batch count is a multiple "
                         f"of {every} resume exactly."]
         assert uninterrupted[4] == pytest.approx(0.04 * 0.8**2) and betas[4] == pytest.approx(0.04 * 0.8**3)
