@@ -13,6 +13,8 @@ import pytest
 
 from unsloth_adaptive_kl import AdaptiveKLConfig
 from unsloth_adaptive_kl.core.controllers import DynamicBeta
+from unsloth_adaptive_kl.integrations import trainer_hooks
+from unsloth_adaptive_kl.integrations.trainer_hooks import loads_only_adapter_subfolders
 
 from .conftest import constant_reward, logged, make_trainer, torchrun
 
@@ -175,10 +177,11 @@ def test_resume_without_the_state_file_warns_naming_it(tokenizer, tmp_path) -> N
 def test_a_resume_says_when_transformers_left_the_trained_adapter_out_and_a_constant_beta_restores_nothing(
         tokenizer, tmp_path, model_kind: str) -> None:
     """A PeftModel passed with beta > 0: TRL saves its "ref" adapter in a sub-folder of each checkpoint, and
-    transformers' resume then loads that sub-folder alone, not the trained adapter at the root, so the resumed policy
-    is the adapter it was built with: stock TRL, said (the first resumed step's KL is 0 where the uninterrupted run's
-    is not). With peft_config= the adapter resumes and nothing is said. `none` resumed without
-    adaptive_kl_state.json loses nothing (a constant beta) and says nothing of it either."""
+    transformers' resume (before 5.24) then loads that sub-folder alone, not the trained adapter at the root, so the
+    resumed policy is the adapter it was built with: stock TRL, said (the first resumed step's KL is 0 where the
+    uninterrupted run's is not). With peft_config=, or a transformers that loads the root adapter too, the adapter
+    resumes and nothing is said. `none` resumed without adaptive_kl_state.json loses nothing (a constant beta) and
+    says nothing of it either."""
     settings = dict(max_steps=3, save_strategy="steps", save_steps=2, model_kind=model_kind)
     full = make_trainer(tokenizer, str(tmp_path / "full"), **settings)
     full.train()
@@ -189,7 +192,7 @@ def test_a_resume_says_when_transformers_left_the_trained_adapter_out_and_a_cons
         warnings.simplefilter("always")
         resumed.train(resume_from_checkpoint=str(checkpoint))
     said = [str(w.message) for w in caught if str(w.message).startswith("adaptive_kl:")]
-    if model_kind == "peft_model":
+    if model_kind == "peft_model" and loads_only_adapter_subfolders():  # transformers before 5.24
         assert said == [f"adaptive_kl: resuming from {checkpoint}, transformers loaded the adapters of its sub-folders "
                         "(ref) but not the trained adapter 'default' at its root (Trainer._load_from_checkpoint; TRL "
                         "saves its 'ref' adapter in a sub-folder when a PeftModel is passed with beta > 0): the policy "
@@ -201,11 +204,12 @@ def test_a_resume_says_when_transformers_left_the_trained_adapter_out_and_a_cons
         assert logged(resumed, "kl")[2] == pytest.approx(logged(full, "kl")[2], rel=1e-5)
 
 
-def test_the_adapter_check_reads_peft_models_alone_and_leaves_deepspeed_and_fsdp_to_their_loaders(tokenizer,
-                                                                                                  tmp_path) -> None:
+def test_the_adapter_check_reads_peft_models_alone_and_leaves_deepspeed_and_fsdp_to_their_loaders(
+        tokenizer, tmp_path, monkeypatch) -> None:
     """A checkpoint with an adapter at its root and one in a sub-folder: a PeftModel resumed through transformers'
-    own branch is warned of; under DeepSpeed or FSDP (which load the checkpoint their own way) and for a model without
-    adapters (whose active_adapters is a method: indexing it raised TypeError) nothing is said."""
+    own branch is warned of where that branch loads the sub-folders alone; under DeepSpeed or FSDP (which load the
+    checkpoint their own way), for a model without adapters (whose active_adapters is a method: indexing it raised
+    TypeError) and where transformers loads the root adapter too, nothing is said."""
     from types import SimpleNamespace
 
     from unsloth_adaptive_kl.integrations.trainer_hooks import warn_if_adapter_not_resumed
@@ -223,9 +227,32 @@ def test_the_adapter_check_reads_peft_models_alone_and_leaves_deepspeed_and_fsdp
         return [str(w.message) for w in caught]
 
     peft_model = add_lora(build_tiny_model(tokenizer))
+    monkeypatch.setattr(trainer_hooks, "loads_only_adapter_subfolders", lambda: True)  # transformers 5.17's branch
     assert len(said(peft_model)) == 1 and "not the trained adapter 'default'" in said(peft_model)[0]
     assert said(peft_model, is_deepspeed_enabled=True) == said(peft_model, is_fsdp_enabled=True) == []
     assert said(build_tiny_model(tokenizer)) == []
+    monkeypatch.setattr(trainer_hooks, "loads_only_adapter_subfolders", lambda: False)  # 5.24's: the root loaded too
+    assert said(peft_model) == []
+
+
+def test_which_transformers_loads_the_root_adapter_is_read_in_its_source(monkeypatch) -> None:
+    """5.24's Trainer._load_from_checkpoint loads the root adapter beside the sub-folders' (the line below, as it
+    stands there); 5.17's has no such line."""
+    import transformers
+
+    def with_the_fix(self, resume_from_checkpoint, model=None):
+        model.load_adapter(
+            resume_from_checkpoint, "default", is_trainable=True
+        )
+
+    def without_it(self, resume_from_checkpoint, model=None):
+        model.load_adapter(resume_from_checkpoint, "ref", is_trainable=False)
+
+    for function, only_subfolders in ((with_the_fix, False), (without_it, True)):
+        monkeypatch.setattr(transformers.Trainer, "_load_from_checkpoint", function)
+        trainer_hooks.loads_only_adapter_subfolders.cache_clear()
+        assert trainer_hooks.loads_only_adapter_subfolders() is only_subfolders
+    trainer_hooks.loads_only_adapter_subfolders.cache_clear()
 
 
 @pytest.mark.parametrize(("settings", "checkpoint", "every"), [

@@ -484,18 +484,33 @@ def _holds_adapter(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, name)) for name in ADAPTER_FILES)
 
 
+# In transformers' Trainer._load_from_checkpoint since 5.24 (5.17 lacks it): a checkpoint's root adapter is loaded
+# beside those of its sub-folders.
+ROOT_ADAPTER_LOAD = 'resume_from_checkpoint, "default"'
+
+
+@functools.lru_cache(maxsize=None)
+def loads_only_adapter_subfolders() -> bool:
+    """Whether the installed transformers resumes a PEFT model from a checkpoint's adapter sub-folders alone, where
+    it has any (read in its source: `ROOT_ADAPTER_LOAD` absent)."""
+    from transformers import Trainer
+
+    return ROOT_ADAPTER_LOAD not in source(Trainer._load_from_checkpoint)
+
+
 def warn_if_adapter_not_resumed(trainer: Any, checkpoint: str) -> None:
-    """transformers' Trainer._load_from_checkpoint, for a PEFT model, loads the adapters of a checkpoint's sub-folders
-    where it has any, and then not the one at its root: TRL saves its "ref" adapter in a sub-folder (a PeftModel passed
-    to GRPOTrainer with beta > 0), so the trained adapter was not resumed. Stock behaviour, said here. (DeepSpeed and
-    FSDP load the checkpoint their own way, not through that branch.)"""
+    """transformers' Trainer._load_from_checkpoint, for a PEFT model, loaded the adapters of a checkpoint's
+    sub-folders where it had any, and then not the one at its root, before 5.24: TRL saves its "ref" adapter in a
+    sub-folder (a PeftModel passed to GRPOTrainer with beta > 0), so the trained adapter was not resumed. Stock
+    behaviour, said here. (DeepSpeed and FSDP load the checkpoint their own way, not through that branch.)"""
     try:
         from peft import PeftModel
     except ImportError:  # no PEFT: no adapter to leave out
         return
     model = trainer.accelerator.unwrap_model(trainer.model)
     if (not isinstance(model, PeftModel) or getattr(trainer, "is_deepspeed_enabled", False)
-            or getattr(trainer, "is_fsdp_enabled", False) or not os.path.isdir(checkpoint)):
+            or getattr(trainer, "is_fsdp_enabled", False) or not os.path.isdir(checkpoint)
+            or not loads_only_adapter_subfolders()):
         return
     active = model.active_adapters
     subfolders = sorted(name for name in os.listdir(checkpoint) if _holds_adapter(os.path.join(checkpoint, name)))
