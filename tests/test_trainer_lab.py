@@ -120,6 +120,8 @@ def test_a_bad_number_a_flag_predict_does_not_read_or_an_only_in_no_label_is_ref
                           # pi*_beta is undefined at 0: every table was NaN, exit 0
                           (["--beta", "0"], "--beta=0.0 is invalid: allowed is a finite number > 0"),
                           (["--json", "/"], "--json='/' is a folder: allowed is a file's path"),
+                          (["--import", "no_such_module_here"], "--import no_such_module_here: no such module here"),
+                          (["--import", "no_such.module"], "--import no_such.module: no such module here"),
                           (["--trainer", "trl", "--learning-rate", "0"],
                            "--learning-rate=0.0 is invalid: allowed is a finite number > 0"),
                           (["--predict", "--trainer", "trl", "--json", "p.json", "--only", "k1", "--seeds", "2"],

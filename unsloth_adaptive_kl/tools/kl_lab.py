@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -79,6 +80,13 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     for module in args.imports:
         sys.path.insert(0, os.getcwd())
+        try:  # a module not found is named here; errors raised while it imports stay its own
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a dotted name whose package is missing
+            found = False
+        if not found:
+            raise SystemExit(f"--import {module}: no such module here (the folder the lab runs in, {os.getcwd()}, "
+                             "is searched first)")
         importlib.import_module(module)
     for flag, asked, registered in (("--estimator", args.estimator, estimator_names()),
                                     ("--method", args.method, method_names())):
