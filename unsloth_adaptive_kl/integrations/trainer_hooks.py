@@ -23,6 +23,7 @@ import torch
 from transformers import TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import AdaptiveKLConfig, check_real, is_real, reject
@@ -477,11 +478,9 @@ def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
     return _load_optimizer_and_scheduler
 
 
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-
-
 def _holds_adapter(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, name)) for name in ADAPTER_FILES)
+    """Whether `folder` holds adapter weights, by the names transformers' resume looks for."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))
 
 
 # In transformers' Trainer._load_from_checkpoint since 5.24 (5.17 lacks it): a checkpoint's root adapter is loaded
