@@ -413,9 +413,8 @@ class AdaptiveKL:
                    isinstance(completed_steps, int) and completed_steps >= 0, "an integer >= 0")
         if not (last_raw_kl is None or (is_real(last_raw_kl) and math.isfinite(last_raw_kl))):
             raise reject("adaptive KL state: last_raw_kl", last_raw_kl, "None or a finite number (the last step's KL)")
-        check_controller_fields(state)
-        # every field checked: nothing is loaded unless all of it is (a registered controller that refuses its own
-        # state gets its previous one back)
+        # every field of ours checked; the controller checks its own as it loads them, and gets its previous state
+        # back where it refuses one: nothing is loaded unless all of it is
         previous = self.controller.state_dict()
         try:
             self.controller.load_state_dict(state)
@@ -485,25 +484,6 @@ def divisors(max_completion_length: Any, token_normalizer: Any) -> ReductionCont
         ReductionContext(token_normalizer=token_normalizer.item())  # its value, checked as a number is
         token_normalizer = token_normalizer.reshape(())
     return ReductionContext(max_completion_length, token_normalizer)
-
-
-# The built-in controllers' checkpointed counts and numbers besides beta (`value`), checked before a state loads; a
-# registered controller's own fields are its load_state_dict's to check.
-STATE_COUNTS = ("generation_batch", "last_decayed_batch")
-STATE_NUMBERS = ("batch_reward",)
-
-
-def check_controller_fields(state: dict[str, Any]) -> None:
-    """A count an integer >= 0 (a generation_batch of "3" compared unequal to every count, and decayed beta again),
-    `batch_reward` a number (NaN before the first reward)."""
-    for name in STATE_COUNTS:
-        if name in state:
-            value = state[name]
-            check_real(f"adaptive KL state: {name}", value, isinstance(value, int) and value >= 0,
-                       "an integer >= 0 (a count)")
-    for name in STATE_NUMBERS:
-        if name in state and not is_real(state[name]):
-            raise reject(f"adaptive KL state: {name}", state[name], "a number")
 
 
 def _sums(saved: Any, name: str) -> Optional[KLStatistics]:

@@ -66,10 +66,22 @@ class ConstantBeta:
     def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
         """Called after each optimizer step; a constant beta ignores it."""
 
+    # The checkpointed counts (beyond beta, `value`, which the caller checks): an integer >= 0 each, a
+    # generation_batch of "3" compared unequal to every count, and decayed beta again.
+    counts: tuple[str, ...] = ("generation_batch",)
+
     def state_dict(self) -> dict[str, Any]:
         return {name: value for name, value in vars(self).items() if not name.startswith("_")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Its fields, each checked first (`counts`, and `batch_reward` a number: NaN before the first reward); a
+        subclass's own fields are set as they come, for it to check."""
+        for name in self.counts:
+            value = state[name]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise reject(f"adaptive KL state: {name}", value, "an integer >= 0 (a count)")
+        if not is_real(state["batch_reward"]):
+            raise reject("adaptive KL state: batch_reward", state["batch_reward"], "a number")
         for name, value in state.items():
             setattr(self, name, value)
 
@@ -85,6 +97,7 @@ class DynamicBeta(ConstantBeta):
     once completed_steps >= beta_schedule_steps: beta = beta_min."""
 
     kind = "dynamic"
+    counts = ("generation_batch", "last_decayed_batch")
 
     def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
         super().__init__(beta, config)
