@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import threading
@@ -334,7 +335,7 @@ def main(only: Optional[str] = None, jobs: int = 1, json_path: Optional[str] = N
     found = environment()
     print("unsloth_adaptive_kl GPU check" + (" (dry run: each scenario's CPU equivalent)" if dry_run else ""),
           *environment_lines(found), sep="\n", flush=True)
-    command = "python -m unsloth_adaptive_kl " + " ".join(sys.argv[1:])
+    command = shlex.join(["python", "-m", "unsloth_adaptive_kl", *sys.argv[1:]])
 
     def write(model_checks: list[Check], ran: dict[str, Ran]) -> None:
         """The JSON as it stands: a run stopped from outside keeps what had finished."""
