@@ -166,6 +166,14 @@ def test_a_refused_combination_is_a_row_that_says_so(tmp_path) -> None:
     (_, cells), = [group for group in trainer_lab.trainer_rows(result["trainers"]["trl"])]
     clip = next(cell for cell in cells if cell[0] == "clip in the loss")
     assert clip[1] == "refused before training (use_bias_correction_kl=True is invalid)" and set(clip[2:]) == {""}
+    # every row refused: it exited 0 with an empty table written; now it fails, naming why, and writes nothing
+    written = tmp_path / "lab.json"
+    with pytest.raises(SystemExit) as refused:
+        kl_lab.main(["--trainer", "trl", "--recipe", "dr_grpo", "--only", "clip in the loss", "--json", str(written),
+                     "--set", "importance_sampling_level=sequence", "use_bias_correction_kl=True"])
+    assert str(refused.value.code).startswith("kl_lab: every setting was refused before training "
+                                              "(use_bias_correction_kl=True is invalid: allowed is False with ")
+    assert str(refused.value.code).endswith("; nothing written") and not written.exists()
 
 
 def test_a_beta_off_by_a_quarter_is_beyond_the_guards_tolerance(tables) -> None:

@@ -43,6 +43,7 @@ import torch
 
 from ..core import AdaptiveKLConfig
 from .logprob_paths import counted_logprob_calls, describe as describe_scorers
+from .machine import hardware
 from .tabular_lab import (ENVIRONMENTS, METHOD_FIELDS, REWARDS, Environment, Figures, Setting, Training, Tree,
                           beta_for_kl, beta_trained, chosen, show, train)
 
@@ -751,7 +752,6 @@ def main(args: Any, command: str) -> dict[str, Any]:
     import json
     import time
 
-
     unknown = [name for name in args.recipe if name not in RECIPES]
     if unknown:
         raise SystemExit(f"--recipe {', '.join(unknown)}: unknown; the recipes are {', '.join(RECIPES)}")
@@ -767,7 +767,7 @@ def main(args: Any, command: str) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     result: dict[str, Any] = {"command": command, "versions": versions, "trainers": {},
-                              "machine": f"{os.cpu_count()} CPU cores, {args.processes} worker processes"}
+                              "machine": f"{hardware()}, {args.processes} worker processes"}
     for trainer in trainers:
         table = run_trainer_table(trainer, settings, args.recipe or list(RECIPES), args.beta, args.steps or STEPS,
                                   range(args.seeds), args.processes, parse_overrides(args.overrides),
@@ -780,6 +780,9 @@ def main(args: Any, command: str) -> dict[str, Any]:
     runs = sum(len([row for row in t["rows"] if "refused" not in row]) * len(t["seeds"])
                for t in result["trainers"].values())
     print(f"\nkl_lab: {runs} runs through {', '.join(trainers)} in {result['seconds']:.0f} s")
+    if not runs:  # every row refused (a bad --set, for one): no figure to write, and a script must see it failed
+        reason = next(row["refused"] for t in result["trainers"].values() for row in t["rows"])
+        raise SystemExit(f"kl_lab: every setting was refused before training ({reason}); nothing written")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
