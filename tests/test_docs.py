@@ -450,6 +450,15 @@ def test_the_pages_carry_no_typed_figure(page: str) -> None:
     assert SETTINGS_IN_PROSE[page] <= figures, sorted(SETTINGS_IN_PROSE[page] - figures)
 
 
+def test_every_committed_results_file_is_strict_json() -> None:
+    """A reader other than Python's json (JavaScript's JSON.parse, jq, serde) refuses a bare NaN or Infinity: the
+    demo's summary files held 597 NaN until it wrote null for a metric never logged."""
+    files = sorted({*(ROOT / "docs" / "results").rglob("*.json"), *(ROOT / "benchmarks").rglob("*.json")})
+    assert len(files) > 15
+    for path in files:
+        json.loads(path.read_text(), parse_constant=lambda constant: pytest.fail(f"{path}: {constant}"))
+
+
 @pytest.mark.parametrize("name", ["trl", "unsloth", "unsloth_pad_is_eos"])
 def test_each_trainer_lab_json_is_the_output_of_the_command_it_records(name: str) -> None:
     """A results file records the one command that wrote it, and what it says of the machine follows from that

@@ -431,10 +431,10 @@ def demo_results(name: Optional[str] = None) -> str:
         row = [f"`{item['method']}`"]
         for key, _, digits in RESULT_COLUMNS:
             mean, std = item[key]
-            # never logged: beta=0 has no KL term (and no reference model) to measure
-            row.append("(off)" if math.isnan(mean) else f"{mean:.{digits}f} +/- {std:.{digits}f}")
+            # null: never logged, as beta=0 has no KL term (and no reference model) to measure
+            row.append("(off)" if mean is None else f"{mean:.{digits}f} +/- {std:.{digits}f}")
         beta = item["adaptive_kl/current_beta"][0]
-        row.append("0 (off)" if math.isnan(beta) else f"{beta:.2g}")
+        row.append("0 (off)" if beta is None else f"{beta:.2g}")
         rows.append(row + ([_seeds(drifted[item["method"]])] if drifted else []))
     table = _table(["variant", *(title for _, title, _ in RESULT_COLUMNS), "beta at the end",
                     *(["length drifted in"] if drifted else [])], rows)

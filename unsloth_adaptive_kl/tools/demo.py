@@ -528,11 +528,24 @@ def write_outputs(rows: list[dict], summary: list[dict], args: argparse.Namespac
         writer.writeheader()
         writer.writerows(rows)
     with open(os.path.join(args.output_dir, "metrics.json"), "w") as f:
-        json.dump(rows, f)
+        json.dump(nan_as_null(rows), f, allow_nan=False)
     settings = {k: v for k, v in vars(args).items() if k != "command"}
     with open(os.path.join(args.output_dir, "summary.json"), "w") as f:
-        json.dump({"settings": settings, "wall_seconds": seconds, "window": max(1, args.steps // 10),
-                   "environment": environment(args.command), "summary": summary}, f, indent=1)
+        json.dump(nan_as_null({"settings": settings, "wall_seconds": seconds, "window": max(1, args.steps // 10),
+                               "environment": environment(args.command), "summary": summary}),
+                  f, indent=1, allow_nan=False)
+
+
+def nan_as_null(value: Any) -> Any:
+    """`value` with every NaN (a metric never logged, e.g. beta=0's KL) as None: JSON has no NaN, and the bare `NaN`
+    Python's json writes is refused by other readers (JavaScript's JSON.parse, jq, serde)."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {key: nan_as_null(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [nan_as_null(item) for item in value]
+    return value
 
 
 def environment(command: str) -> dict[str, Any]:
