@@ -493,6 +493,25 @@ def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kw
                                  "does not need it.")
 
 
+def test_a_dr_grpo_cap_below_a_completions_length_is_refused() -> None:
+    """dr_grpo divides by max_completion_length as the cap on every completion's length: MASK's longest completion
+    has 4 valid tokens, so a cap of 3 (which multiplied the term by 4/3 without a word) is refused, naming both; a
+    cap of 4 on a wider, padded batch is read from the mask and accepted; and unread (grpo), 3 only warns."""
+    logps, ref = batch()
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(None, BETA, "dr_grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
+    assert str(raised.value) == ("max_completion_length=3 is invalid for this batch: a completion has 4 valid tokens. "
+                                 "Allowed is an integer >= the longest completion's valid tokens: loss_type='dr_grpo' "
+                                 "divides each completion's summed KL by it, the cap on a completion's length.")
+    padded = torch.nn.functional.pad(MASK, (0, 2))  # width 6, the longest completion still 4
+    wide_logps, wide_ref = (torch.nn.functional.pad(x.detach(), (0, 2)) for x in (logps, ref))
+    term, _ = AdaptiveKL(None, BETA, "dr_grpo").kl_loss(wide_logps, wide_ref, padded, max_completion_length=4)
+    k = k3_by_hand(exact(logps), exact(ref)) * MASK
+    assert term.item() == pytest.approx(BETA * k.sum().item() / (3 * 4), rel=1e-6)  # sum_i S_i / (B * cap)
+    with pytest.warns(UserWarning, match="^max_completion_length=3 has no effect"):
+        AdaptiveKL(None, BETA, "grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
+
+
 def test_an_all_masked_micro_batch_adds_nothing_to_a_token_mean() -> None:
     """bnpo's sum_i S_i / max(sum_i L_i, 1): a micro-batch with no valid token (all padding, a truncated completion
     masked out) gives 0, not 0 / 0."""

@@ -1070,6 +1070,21 @@ def test_a_divisor_the_loss_type_does_not_read_warns_in_both_loss_routes() -> No
         integration.traced_loss_data(dr_grpo, [datum], max_completion_length=8)
 
 
+def test_a_dr_grpo_cap_below_a_completions_length_is_refused_in_both_loss_routes() -> None:
+    """As in a loop of your own: a completion of 2 tokens against max_completion_length=1 would divide its KL by
+    half its length; the traced route refuses it on the caller's thread, the custom loss where the SDK calls it."""
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])  # T = 3: mask 0, 1, 1
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
+    dr_grpo = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="dr_grpo")
+    message = r"^max_completion_length=1 is invalid for this batch: a completion has 2 valid tokens\. Allowed is "
+    with pytest.raises(ValueError, match=message):
+        integration.traced_loss_data(dr_grpo, [datum], max_completion_length=1)
+    with pytest.raises(ValueError, match=message):
+        integration.grpo_kl_loss(dr_grpo, max_completion_length=1)([datum], [torch.full((3,), -1.0)])
+    loss, _ = integration.grpo_kl_loss(dr_grpo, max_completion_length=2)([datum], [torch.full((3,), -1.0)])
+    assert math.isfinite(float(loss))
+
+
 def test_a_setting_changed_after_the_run_started_is_refused_in_both_loss_routes() -> None:
     """As in a loop of your own: akl's kl_clip_threshold set to 0 after it was built (validated: 0.5) would clip every
     token's KL to 0, taking the KL term out; grpo_kl_loss and traced_loss_data refuse it before a loss is built,

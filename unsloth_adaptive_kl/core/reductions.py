@@ -230,6 +230,21 @@ def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> N
                       UserWarning)  # attributed here: once per process and message
 
 
+def check_completions_fit(ctx: ReductionContext, mask: torch.Tensor, config: Any, loss_type: str) -> None:
+    """A ValueError where a loop's `max_completion_length`, read (dr_grpo), is below a completion's valid tokens:
+    dr_grpo divides each completion's summed KL by it as the cap on every completion's length (TRL's generation cap),
+    so a smaller one would scale the term up without a word. The mask is read only where it is wider than the cap:
+    a loop whose completions fit in width pays no device read."""
+    cap = ctx.max_completion_length
+    if cap is None or mask.shape[-1] <= cap or "max_completion_length" not in context_read(config, loss_type):
+        return
+    longest = int((mask != 0).sum(-1).max())
+    if longest > cap:
+        raise ValueError(f"max_completion_length={cap} is invalid for this batch: a completion has {longest} valid "
+                         f"tokens. Allowed is an integer >= the longest completion's valid tokens: loss_type="
+                         f"{loss_type!r} divides each completion's summed KL by it, the cap on a completion's length.")
+
+
 def agg_mode_of(reduction: str, field: str = "kl_reduction") -> str:
     """The `loss_agg_mode` name of the named reduction (e.g. of `kl_reduction(config, loss_type)`: how a trainer that
     aggregates by such names reduces the adapted KL). A ValueError where it has none (a registered reduction), naming

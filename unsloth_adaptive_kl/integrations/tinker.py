@@ -41,7 +41,8 @@ from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.config import check_real, is_real
 from ..core.errors import reject
-from ..core.reductions import REDUCTIONS, kl_reduction, loss_type_reduction, warn_unread_context
+from ..core.reductions import (REDUCTIONS, check_completions_fit, kl_reduction, loss_type_reduction,
+                               warn_unread_context)
 from ..core.statistics import device_sums, gather_statistics
 
 __all__ = [
@@ -260,6 +261,7 @@ class GRPOKLLoss:
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
         check_datum_batch(old, ref, advantages, mask, self.training_step)
+        check_completions_fit(self.context, mask, self.config, self.loss_type)
         surrogate = _ppo_clip_surrogate(logps, old, advantages, mask, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
         term = kl_term(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context, with_grad=True)
@@ -479,6 +481,7 @@ def traced_loss_data(
                       akl.completed_steps + 1)
     context = divisors(max_completion_length, token_normalizer)
     warn_unread_context(context, akl.config, akl.loss_type)
+    check_completions_fit(context, mask, akl.config, akl.loss_type)
     if beta is not None:  # a negative one would reward KL, a NaN or inf make the loss so
         check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0, or None for "
                    "akl.current_beta")
