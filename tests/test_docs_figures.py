@@ -430,12 +430,15 @@ def test_verl_loss_table_and_its_settings(hook: Any) -> None:
         interval(row[3], r["ci"], 3)
     found = re.fullmatch(r"Stock `ppo_loss` with its KL term: (\S+) ms\. One micro-batch of (\d+) responses of (\d+) "
                          r"to (\d+) tokens after (\d+)-token prompts, (\d+) interleaved rounds, one CPU thread "
-                         r"\(verl (\S+), torch (\S+)\)\.", sentence)
+                         r"\(verl (\S+), torch (\S+)\)\. Made by `(.+)` on (\S+), (.+)\.", sentence)
     fixed(found[1], data["stock_ms"], 3)
     # benchmarks/verl_loss.py draws each response's length from half the maximum to the maximum
     assert [int(n) for n in found.groups()[1:6]] == [data["responses"], data["response_length"] // 2,
                                                      data["response_length"], data["prompt_length"], data["repeats"]]
     assert (found[7], found[8]) == (data["verl"], data["torch"])
+    assert (found[9], found[10], found[11]) == (data["command"], data["date"], data["machine"])
+    assert data["command"].startswith("python benchmarks/verl_loss.py")  # the committed run, not a smoke run
+    assert "--smoke" not in data["command"] and data["machine"].startswith("CPU: ")
 
 
 # ----- value, ci_record, self_check -------------------------------------------------------------------------------

@@ -174,6 +174,25 @@ def test_a_non_finite_log_prob_on_valid_tokens_raises_naming_step_tensor_and_cou
         reward.reward_penalty(logp.detach(), ref, mask)[0]
 
 
+@pytest.mark.parametrize("method", ["none", "target"])
+def test_a_batch_whose_kl_is_refused_leaves_the_step_as_it_was(method) -> None:
+    """Finite log-probs whose k3 overflows (r = 100 on one token) raise FloatingPointError; a loop that skips the
+    batch continues as if it never came. kl_loss kept its inf in the step's sums before it raised: every later step
+    refused WindowKL.token_mean=inf (with `none` too) and state_dict() held Infinity."""
+    fields = dict(kl_target=0.05, kl_horizon=1000.0) if method == "target" else {}
+    mask = torch.ones(1, 3)
+    good = (torch.tensor([[-1.0, -1.1, -0.9]]), torch.tensor([[-1.2, -1.0, -1.0]]))
+    overflow = (torch.tensor([[-1.0, -100.0, -0.9]]), torch.tensor([[-1.2, 0.0, -1.0]]))
+    skipped, alone = (AdaptiveKL(config(kl_adaptation_method=method, **fields), 0.1) for _ in range(2))
+    with pytest.raises(FloatingPointError, match="non-finite KL at step 1: raw_kl=inf"):
+        skipped.kl_loss(*overflow, mask)
+    for runtime in (skipped, alone):
+        runtime.kl_loss(*good, mask)
+    assert skipped.state_dict() == alone.state_dict()
+    json.dumps(skipped.state_dict(), allow_nan=False)
+    assert skipped.step() == alone.step()  # target: 0.1 * (1 + clip((0.0096 - 0.05) / 0.05) / 1000)
+
+
 def test_the_trainer_path_reports_non_finite_input_at_the_end_of_the_step_without_a_transfer_before() -> None:
     """The check rides in the one statistics row per optimizer step: queuing micro-batches reads nothing back."""
     logp, ref, mask = batch()
@@ -312,9 +331,15 @@ KINDS = {"constant": "clip", "dynamic": "dynamic", "target": "target"}
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_state_dict_carries_a_format_version_and_the_controller_kind(kind) -> None:
+    """...and is strict JSON before the first reward (its batch_reward, NaN in the controller, was written as a bare
+    NaN, which JSON readers other than Python's refuse), and loads back to that NaN; a NaN written before loads too."""
     state = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.1).state_dict()
-    assert state["format_version"] == 5 and state["controller"] == kind
-    json.dumps(state)
+    assert state["format_version"] == 5 and state["controller"] == kind and state["batch_reward"] is None
+    json.dumps(state, allow_nan=False)
+    for saved in (state, {**state, "batch_reward": math.nan}):
+        runtime = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.2)
+        runtime.load_state_dict(json.loads(json.dumps(saved)))
+        assert math.isnan(runtime.controller.batch_reward) and runtime.current_beta == 0.1
 
 
 @pytest.mark.parametrize("saved", sorted(KINDS))
@@ -353,15 +378,20 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     ({"completed_steps": 7, "generation_batch": "3"},
      "adaptive KL state: generation_batch='3' is invalid: allowed is an integer >= 0 (a count)."),
     ({"completed_steps": 7, "batch_reward": "0.9"},
-     "adaptive KL state: batch_reward='0.9' is invalid: allowed is a number."),
+     "adaptive KL state: batch_reward='0.9' is invalid: allowed is a number, or None before the first reward."),
     ({"completed_steps": 7, "trained": {"kl_sum": 1.0}},
      "adaptive KL state: trained={'kl_sum': 1.0} is invalid: allowed is None, or the sums by name (completions, "
      "tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as "
-     "format 3's [kl, tokens, completions], each a number."),
+     "format 3's [kl, tokens, completions], each a finite number."),
+    # the package never writes a non-finite sum (a batch whose KL is not finite is refused before it is kept)
+    ({"completed_steps": 7, "trained": {"kl": math.inf}},
+     "adaptive KL state: trained={'kl': inf} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
+     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as format 3's "
+     "[kl, tokens, completions], each a finite number."),
     ({"completed_steps": 7, "scored": {"kl": "1"}},
      "adaptive KL state: scored={'kl': '1'} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
      "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as format 3's "
-     "[kl, tokens, completions], each a number."),
+     "[kl, tokens, completions], each a finite number."),
 ])
 def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change, message) -> None:
     """A negative beta loaded as it was made the KL term -1.006 (the loss rewarded KL), a NaN one poisoned it."""

@@ -332,7 +332,8 @@ def verl_loss(_: Optional[str] = None) -> str:
             + f"\n\nStock `ppo_loss` with its KL term: {data['stock_ms']:.3f} ms. One micro-batch of "
             f"{data['responses']} responses of {data['response_length'] // 2} to {data['response_length']} tokens "
             f"after {data['prompt_length']}-token prompts, {data['repeats']} interleaved rounds, one CPU thread "
-            f"(verl {data['verl']}, torch {data['torch']}).")
+            f"(verl {data['verl']}, torch {data['torch']}). Made by `{data['command']}` on {data['date']}, "
+            f"{data['machine']}.")
 
 
 def _values_at(data: Any, path: list[str]) -> list[Any]:

@@ -150,9 +150,11 @@ class AdaptiveKL:
         term = self.term(logps, ref_logps, mask, ctx=ctx, per_token_kl=per_token_kl, with_grad=True)
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=self.completed_steps + 1,
                                     gather=gather or local)
+        # the metrics first: they refuse a non-finite KL, and a refused batch must leave the step's sums as they were
+        # (a loop that skips it would otherwise carry its inf into every later step)
+        self.last_metrics = sums.metrics(beta=self.current_beta, config=self.config, step=self.completed_steps + 1)
         if train:
             self._trained = self._trained + sums
-        self.last_metrics = sums.metrics(beta=self.current_beta, config=self.config, step=self.completed_steps + 1)
         return term.adapted * self.current_beta, self.last_metrics
 
     def reward_penalty(
@@ -494,12 +496,12 @@ def _sums(saved: Any, name: str) -> Optional[KLStatistics]:
     if saved is None:
         return None
     allowed = (f"None, or the sums by name ({', '.join(asdict(KLStatistics()))}) or as format 3's "
-               "[kl, tokens, completions], each a number")
+               "[kl, tokens, completions], each a finite number")
     try:
         sums = (KLStatistics(**saved) if isinstance(saved, dict) else
                 KLStatistics(**dict(zip(("kl", "tokens", "completions"), saved, strict=True))))
     except (TypeError, ValueError):
         raise reject(f"adaptive KL state: {name}", saved, allowed) from None
-    if not all(is_real(value) for value in astuple(sums)):
+    if not all(is_real(value) and math.isfinite(value) for value in astuple(sums)):  # as the package writes them
         raise reject(f"adaptive KL state: {name}", saved, allowed)
     return sums

@@ -71,19 +71,24 @@ class ConstantBeta:
     counts: tuple[str, ...] = ("generation_batch",)
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: value for name, value in vars(self).items() if not name.startswith("_")}
+        """Its public attributes; `batch_reward` None before the first reward (NaN here, which strict JSON lacks)."""
+        state = {name: value for name, value in vars(self).items() if not name.startswith("_")}
+        return {**state, "batch_reward": None if math.isnan(self.batch_reward) else self.batch_reward}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Its fields, each checked first (`counts`, and `batch_reward` a number: NaN before the first reward); a
-        subclass's own fields are set as they come, for it to check."""
+        """Its fields, each checked first (`counts`, and `batch_reward` a number, or None or NaN before the first
+        reward); a subclass's own fields are set as they come, for it to check."""
         for name in self.counts:
             value = state[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise reject(f"adaptive KL state: {name}", value, "an integer >= 0 (a count)")
-        if not is_real(state["batch_reward"]):
-            raise reject("adaptive KL state: batch_reward", state["batch_reward"], "a number")
+        if state["batch_reward"] is not None and not is_real(state["batch_reward"]):
+            raise reject("adaptive KL state: batch_reward", state["batch_reward"], "a number, or None before the first "
+                         "reward")
         for name, value in state.items():
             setattr(self, name, value)
+        if self.batch_reward is None:
+            self.batch_reward = math.nan
 
 
 def float32(value: float) -> float:
