@@ -496,18 +496,26 @@ def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kw
 def test_a_dr_grpo_cap_below_a_completions_length_is_refused() -> None:
     """dr_grpo divides by max_completion_length as the cap on every completion's length: MASK's longest completion
     has 4 valid tokens, so a cap of 3 (which multiplied the term by 4/3 without a word) is refused, naming both; a
-    cap of 4 on a wider, padded batch is read from the mask and accepted; and unread (grpo), 3 only warns."""
+    cap of 4 on a wider, padded batch is read from the mask and accepted. Where the KL term is not reduced by
+    dr_grpo's divisor (length_normalized, a token_mean kl_reduction; grpo, where the cap only warns as unread), the
+    cap divides nothing here and is not refused."""
     logps, ref = batch()
     with pytest.raises(ValueError) as raised:
         AdaptiveKL(None, BETA, "dr_grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
-    assert str(raised.value) == ("max_completion_length=3 is invalid for this batch: a completion has 4 valid tokens. "
-                                 "Allowed is an integer >= the longest completion's valid tokens: loss_type='dr_grpo' "
-                                 "divides each completion's summed KL by it, the cap on a completion's length.")
+    assert str(raised.value) == ("max_completion_length=3 is invalid: allowed is an integer >= 4, the longest "
+                                 "completion's valid tokens in this batch: loss_type='dr_grpo' divides the KL term by "
+                                 "it as the cap on every completion's length.")
     padded = torch.nn.functional.pad(MASK, (0, 2))  # width 6, the longest completion still 4
     wide_logps, wide_ref = (torch.nn.functional.pad(x.detach(), (0, 2)) for x in (logps, ref))
     term, _ = AdaptiveKL(None, BETA, "dr_grpo").kl_loss(wide_logps, wide_ref, padded, max_completion_length=4)
     k = k3_by_hand(exact(logps), exact(ref)) * MASK
     assert term.item() == pytest.approx(BETA * k.sum().item() / (3 * 4), rel=1e-6)  # sum_i S_i / (B * cap)
+    for config in (AdaptiveKLConfig(kl_adaptation_method="length_normalized"),
+                   AdaptiveKLConfig(kl_reduction="token_mean")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the cap is unread by the KL term: it says so
+            term, _ = AdaptiveKL(config, BETA, "dr_grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
+        assert term.item() > 0
     with pytest.warns(UserWarning, match="^max_completion_length=3 has no effect"):
         AdaptiveKL(None, BETA, "grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
 

@@ -1076,7 +1076,8 @@ def test_a_dr_grpo_cap_below_a_completions_length_is_refused_in_both_loss_routes
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])  # T = 3: mask 0, 1, 1
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
     dr_grpo = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="dr_grpo")
-    message = r"^max_completion_length=1 is invalid for this batch: a completion has 2 valid tokens\. Allowed is "
+    message = (r"^max_completion_length=1 is invalid: allowed is an integer >= 2, the longest completion's valid "
+               r"tokens in this batch: loss_type='dr_grpo' divides the policy-gradient loss and the KL term by it")
     with pytest.raises(ValueError, match=message):
         integration.traced_loss_data(dr_grpo, [datum], max_completion_length=1)
     with pytest.raises(ValueError, match=message):

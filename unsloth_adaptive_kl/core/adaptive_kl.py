@@ -129,7 +129,8 @@ class AdaptiveKL:
         micro-batch. gather: a cross-process all-gather (e.g. `accelerator.gather`) for metrics over all processes.
         train: False on an evaluation pass, which the next `step` does not read (beta, `target` and a KL-triggered
         reference sync see only training batches). The metrics are floats under the `adaptive_kl/*` names (one host
-        transfer).
+        transfer; a second, of the mask, where dr_grpo's `max_completion_length` is narrower than it, to refuse a
+        completion longer than the cap).
 
         Numerics: computed in float32 whatever the dtype of the inputs (bf16/fp16 upcast, float64 rounded; the
         gradient flows back in the inputs' dtype); the returned term is float32. A NaN or +-inf in
@@ -144,7 +145,7 @@ class AdaptiveKL:
         check_estimator_read(self.config, per_token_kl)
         ctx = divisors(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
-        check_completions_fit(ctx, mask, self.config, self.loss_type)
+        check_completions_fit(ctx, mask, {"the KL term": kl_reduction(self.config, self.loss_type)})
         if train:
             self._warn_if_unstepped("kl_loss")
         term = self.term(logps, ref_logps, mask, ctx=ctx, per_token_kl=per_token_kl, with_grad=True)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .errors import reject
-from .numerics import in_float32, keep_valid
+from .numerics import in_float32, keep_valid, valid_positions
 
 
 CONTEXT_FIELDS = ("max_completion_length", "token_normalizer")
@@ -230,19 +230,20 @@ def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> N
                       UserWarning)  # attributed here: once per process and message
 
 
-def check_completions_fit(ctx: ReductionContext, mask: torch.Tensor, config: Any, loss_type: str) -> None:
-    """A ValueError where a loop's `max_completion_length`, read (dr_grpo), is below a completion's valid tokens:
-    dr_grpo divides each completion's summed KL by it as the cap on every completion's length (TRL's generation cap),
-    so a smaller one would scale the term up without a word. The mask is read only where it is wider than the cap:
-    a loop whose completions fit in width pays no device read."""
+def check_completions_fit(ctx: ReductionContext, mask: torch.Tensor, reductions: dict[str, str]) -> None:
+    """A ValueError where dr_grpo's sum_i S_i / (B * max_completion_length) divides a term by a cap below a
+    completion's valid tokens L_i: it is the cap on every L_i (TRL's generation cap), so a smaller one would scale the
+    term up without a word. `reductions`: {the term a door reduces ("the KL term", ...): its reduction's name}. The
+    mask is read only where it is wider than the cap: a loop whose completions fit in width pays no device read."""
     cap = ctx.max_completion_length
-    if cap is None or mask.shape[-1] <= cap or "max_completion_length" not in context_read(config, loss_type):
+    divided = [term for term, reduction in reductions.items() if reduction == "max_length_mean"]
+    if cap is None or mask.shape[-1] <= cap or not divided:
         return
-    longest = int((mask != 0).sum(-1).max())
+    longest = int(valid_positions(mask).sum(-1).max())
     if longest > cap:
-        raise ValueError(f"max_completion_length={cap} is invalid for this batch: a completion has {longest} valid "
-                         f"tokens. Allowed is an integer >= the longest completion's valid tokens: loss_type="
-                         f"{loss_type!r} divides each completion's summed KL by it, the cap on a completion's length.")
+        raise reject("max_completion_length", cap, f"an integer >= {longest}, the longest completion's valid tokens "
+                     f"in this batch: loss_type='dr_grpo' divides {' and '.join(divided)} by it as the cap on every "
+                     "completion's length")
 
 
 def agg_mode_of(reduction: str, field: str = "kl_reduction") -> str:

@@ -35,7 +35,7 @@ try:
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("unsloth_adaptive_kl.integrations.tinker needs the Tinker SDK: pip install tinker") from error
 
-from ..core import AdaptiveKL, ReductionContext, reduce_kl
+from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
@@ -138,6 +138,11 @@ def _ppo_clip_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     logprobs, old_logprobs, advantages = (keep_valid(x, valid) for x in (logprobs, old_logprobs, advantages))
     ratio = torch.exp(logprobs - old_logprobs)
     return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+
+
+def loss_terms(config: AdaptiveKLConfig, loss_type: str) -> dict[str, str]:
+    """{term: its reduction's name} of the two terms a custom or traced loss reduces."""
+    return {"the policy-gradient loss": loss_type_reduction(loss_type), "the KL term": kl_reduction(config, loss_type)}
 
 
 def builtin_loss_data(data: Sequence["types.Datum"], keys: Sequence[str] = BUILTIN_LOSS_INPUTS) -> list["types.Datum"]:
@@ -246,7 +251,7 @@ class GRPOKLLoss:
         warn_unread_context(self.context, self.config, self.loss_type)
         # A reduction missing its divisor would raise only when the SDK calls the loss, on its thread: ask both of
         # this step's reductions (the policy gradient's and the KL's) now, on a one-completion probe.
-        for reduction in {loss_type_reduction(self.loss_type), kl_reduction(self.config, self.loss_type)}:
+        for reduction in set(loss_terms(self.config, self.loss_type).values()):
             try:
                 REDUCTIONS[reduction].reduce(torch.zeros(1), torch.ones(1), self.context)
             except ValueError as error:
@@ -261,7 +266,7 @@ class GRPOKLLoss:
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
         check_datum_batch(old, ref, advantages, mask, self.training_step)
-        check_completions_fit(self.context, mask, self.config, self.loss_type)
+        check_completions_fit(self.context, mask, loss_terms(self.config, self.loss_type))
         surrogate = _ppo_clip_surrogate(logps, old, advantages, mask, self.clip_low, self.clip_high)
         pg = reduce_kl(surrogate, mask, loss_type_reduction(self.loss_type), self.context)
         term = kl_term(logps, ref, mask, self.config, loss_type=self.loss_type, context=self.context, with_grad=True)
@@ -481,7 +486,7 @@ def traced_loss_data(
                       akl.completed_steps + 1)
     context = divisors(max_completion_length, token_normalizer)
     warn_unread_context(context, akl.config, akl.loss_type)
-    check_completions_fit(context, mask, akl.config, akl.loss_type)
+    check_completions_fit(context, mask, loss_terms(akl.config, akl.loss_type))
     if beta is not None:  # a negative one would reward KL, a NaN or inf make the loss so
         check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0, or None for "
                    "akl.current_beta")
