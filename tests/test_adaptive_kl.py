@@ -480,10 +480,13 @@ def test_bad_input_names_field_value_and_what_is_allowed(kwargs: dict, message: 
                                                  ("dr_grpo", dict(max_completion_length=-4)),
                                                  ("dr_grpo", dict(max_completion_length=True)),
                                                  ("dr_grpo", dict(max_completion_length=math.inf)),
-                                                 ("dr_grpo", dict(max_completion_length=0.5))])
+                                                 ("dr_grpo", dict(max_completion_length=0.5)),
+                                                 ("dapo", dict(token_normalizer="8")),
+                                                 ("dr_grpo", dict(max_completion_length="6"))])
 def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kwargs: dict) -> None:
     """A negative normaliser would flip the KL term's sign (the loss would reward KL), a zero one divide by zero, an
-    infinite one zero the term (silently: no KL); dr_grpo's length counts tokens."""
+    infinite one zero the term (silently: no KL); dr_grpo's length counts tokens; text raised a bare TypeError from
+    the division."""
     ((name, value),) = kwargs.items()
     logps, ref = batch()
     with pytest.raises(ValueError) as raised:
@@ -493,6 +496,18 @@ def test_a_normaliser_that_is_not_positive_is_refused_by_name(loss_type: str, kw
                                  "does not need it.")
 
 
+
+@pytest.mark.parametrize(("loss_type", "message"), [
+    ("dr_grpo", "max_completion_length=None is invalid: allowed is an integer >= 1, the cap on a completion's length, "
+                "which loss_type='dr_grpo' divides by: pass it to kl_loss(...)."),
+    ("dapo", "token_normalizer=None is invalid: allowed is a finite number > 0, the active tokens of the micro-batch's "
+             "window, which loss_type dapo, cispo and vespo divide by: pass it to kl_loss(...).")])
+def test_a_missing_divisor_is_named_with_the_door_it_goes_to(loss_type: str, message: str) -> None:
+    """It said "the 'max_length_mean' reduction (loss_type='dr_grpo') needs max_completion_length": an internal
+    name, no allowed value, no door."""
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(None, BETA, loss_type).kl_loss(*batch(), MASK)
+    assert str(raised.value) == message
 def test_a_dr_grpo_cap_below_a_completions_length_is_refused() -> None:
     """dr_grpo divides by max_completion_length as the cap on every completion's length: MASK's longest completion
     has 4 valid tokens, so a cap of 3 (which multiplied the term by 4/3 without a word) is refused, naming both; a

@@ -585,8 +585,8 @@ def test_a_loss_missing_its_divisor_is_refused_when_built_not_on_the_sdks_thread
     """grpo_kl_loss knows the loss type when it is built: a divisor left out would raise only later, inside the SDK's
     call of the loss; with it, the loss builds."""
     akl = AdaptiveKL(None, beta=0.1, loss_type=loss_type)
-    with pytest.raises(ValueError, match=rf"^grpo_kl_loss: the '\w+' reduction \(loss_type='{loss_type}'.*\) needs "
-                                         rf"{missing}: pass it to grpo_kl_loss\(\.\.\.\)$"):
+    with pytest.raises(ValueError, match=rf"^{missing}=None is invalid: allowed is .*{loss_type}.* divides? by: pass "
+                                         rf"it to grpo_kl_loss\(\.\.\.\)\.$"):
         integration.grpo_kl_loss(akl)
     assert integration.grpo_kl_loss(akl, **{missing: 8}).beta == 0.1
 
@@ -1306,3 +1306,71 @@ def test_std_epsilon_without_scale_by_std_warns_that_it_has_no_effect() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         integration.kl_penalized_data(akl, data, [0.0, 1.0], group_size=2, scale_by_std=True, std_epsilon=0.5)
+
+
+def test_each_door_names_its_own_mistakes() -> None:
+    """What a Tinker loop met as another door's words, or a torch error:
+    - kl_penalized_data on the default placement said "call kl_loss(...) instead of reward_penalty(...)";
+    - record_step_kl with the KL in the reward, or without the loss's divisor, named kl_loss or nothing (after the
+      optimizer step had run); a result of other Datums, padded to the same width, gave a KL of the wrong tokens;
+    - an empty batch raised "received an empty list of sequences" from torch."""
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])  # T = 3
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
+    longer = integration.completion_datum([1], [2, 3, 4], [-1.0] * 3, [-1.0] * 3)  # T = 3 as well
+    wider = integration.completion_datum([1, 2, 3], [4, 5], [-1.0] * 2, [-1.0] * 2)  # T = 4
+    loss_placed = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)
+    reward_placed = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
+    with pytest.raises(ValueError, match=r"^kl_placement='loss' puts beta \* KL into the loss: "
+                                         r"kl_penalized_data\(\.\.\.\) needs "
+                                         r"AdaptiveKLConfig\(kl_placement='reward'\); "
+                                         r"for the KL in the loss, use grpo_kl_loss\(\.\.\.\) or "
+                                         r"traced_loss_data\(\.\.\.\)$"):
+        integration.kl_penalized_data(loss_placed, [datum, datum], [1.0, 0.0], 2)
+
+    def result(*rows: list[float]) -> Any:
+        return types.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", loss_fn_outputs=[
+            {"logprobs": types.TensorData.from_torch(torch.tensor(row))} for row in rows])
+
+    with pytest.raises(ValueError, match=r"^kl_placement='reward' puts beta \* KL into the rewards: use "
+                                         r"kl_penalized_data\(\.\.\.\) .* instead of record_step_kl\(\.\.\.\)$"):
+        integration.record_step_kl(reward_placed, [datum], result([0.0, -1.0, -1.0]))
+    dapo = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="dapo")
+    with pytest.raises(ValueError, match=r"^token_normalizer=None is invalid: .*: pass it to "
+                                         r"record_step_kl\(\.\.\.\)\.$"):
+        integration.record_step_kl(dapo, [datum], result([0.0, -1.0, -1.0]))
+    with pytest.raises(ValueError, match=r"^result\.loss_fn_outputs\[0\]\['logprobs'\] has 4 values, Datum 0 3 target "
+                                         r"tokens: the result must be the forward_backward of these Datums, in their "
+                                         r"order$"):
+        integration.record_step_kl(loss_placed, [datum, wider], result([0.0, -1.0, -1.0, -1.0], [0.0, -1.0, -1.0]))
+    integration.record_step_kl(loss_placed, [datum, longer], result([0.0, -1.0, -1.0], [-1.0, -1.0, -1.0]))
+    empty = r"^data=\[\] is invalid: allowed is one Datum or more \(one per completion\)\.$"
+    for door in (lambda: integration.kl_penalized_data(reward_placed, [], [], 2),
+                 lambda: integration.traced_loss_data(loss_placed, []),
+                 lambda: integration.record_step_kl(loss_placed, [], result()),
+                 lambda: integration.grpo_kl_loss(loss_placed)([], [])):
+        with pytest.raises(ValueError, match=empty):
+            door()
+
+
+def test_a_loss_built_for_an_earlier_step_says_so_once() -> None:
+    """grpo_kl_loss(akl) built once, above the loop, trained every step at the first step's beta (0.2 where akl's
+    had decayed to 0.1, then 0.05) without a word; called for a later step, it warns once, naming both betas. The
+    loss built per step, as the page shows, is quiet."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5, dynamic_beta_decay=0.5),
+                     beta=0.2)
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
+    hoisted = integration.grpo_kl_loss(akl)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hoisted([datum], [torch.full((3,), -1.0)])  # step 1, as built
+    akl.step(mean_reward=1.0)
+    with pytest.warns(UserWarning, match=r"^grpo_kl_loss: this loss was built for step 1 and trains step 2: it keeps "
+                                         r"step 1's beta \(0\.2; akl's is now 0\.1\) and settings\. Build one per "
+                                         r"optimizer step"):
+        hoisted([datum], [torch.full((3,), -1.0)])
+    akl.step(mean_reward=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hoisted([datum], [torch.full((3,), -1.0)])  # said once
+        integration.grpo_kl_loss(akl)([datum], [torch.full((3,), -1.0)])  # built for this step

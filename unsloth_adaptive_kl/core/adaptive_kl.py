@@ -25,8 +25,8 @@ from .config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, is_real, r
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
 from .optimizer_steps import OptimizerSteps
-from .reductions import (ReductionContext, check_completions_fit, kl_reduction, loss_type_reduction,
-                         warn_unread_context)
+from .reductions import (ReductionContext, check_completions_fit, check_divisors_given, kl_reduction,
+                         loss_type_reduction, warn_unread_context)
 from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
 STATE_FORMAT = 5  # `state_dict()`'s format: 5 adds the step's rewards; 4 names the step's sums; 3 added the step's
@@ -145,6 +145,7 @@ class AdaptiveKL:
         check_estimator_read(self.config, per_token_kl)
         ctx = divisors(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
+        check_divisors_given(ctx, [kl_reduction(self.config, self.loss_type)], "kl_loss")
         check_completions_fit(ctx, mask, {"the KL term": kl_reduction(self.config, self.loss_type)})
         if train:
             self._warn_if_unstepped("kl_loss")

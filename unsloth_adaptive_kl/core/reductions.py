@@ -13,7 +13,7 @@ import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -42,8 +42,10 @@ class ReductionContext:
         allowed = {"max_completion_length": "an integer >= 1", "token_normalizer": "a finite number > 0"}
         for name in CONTEXT_FIELDS:
             value = getattr(self, name)
+            if value is None or isinstance(value, torch.Tensor):
+                continue
             whole = name != "max_completion_length" or isinstance(value, numbers.Integral)
-            if isinstance(value, bool) or (isinstance(value, numbers.Real) and not (0 < value < math.inf and whole)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < value < math.inf and whole):
                 raise reject(name, value, f"{allowed[name]}, or None where the loss_type does not need it")
 
 
@@ -156,7 +158,8 @@ def token_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext)
 def max_length_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
     """sum_i S_i / (B * max_completion_length) (dr_grpo)."""
     if ctx.max_completion_length is None:
-        raise ValueError("the 'max_length_mean' reduction (loss_type='dr_grpo') needs max_completion_length")
+        raise reject("max_completion_length", None, "an integer >= 1, the cap on a completion's length, which "
+                     "loss_type='dr_grpo' divides by")
     return sums.sum() / (sums.size(0) * ctx.max_completion_length)
 
 
@@ -165,7 +168,8 @@ def max_length_mean(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionCon
 def token_sum_normalized(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
     """sum_i S_i / token_normalizer, the window's active tokens per micro-batch (dapo, cispo, vespo)."""
     if ctx.token_normalizer is None:
-        raise ValueError("the 'token_sum_normalized' reduction (loss_type='dapo'/'cispo'/'vespo') needs token_normalizer")
+        raise reject("token_normalizer", None, "a finite number > 0, the active tokens of the micro-batch's window, "
+                     "which loss_type dapo, cispo and vespo divide by")
     return sums.sum() / ctx.token_normalizer
 
 
@@ -228,6 +232,17 @@ def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> N
                       f"{'' if kl == loss else f' and the KL by {kl}'}. Leave it None, or declare the loss type your "
                       "loss reduces as (AdaptiveKL(..., loss_type=...)).",
                       UserWarning)  # attributed here: once per process and message
+
+
+def check_divisors_given(ctx: ReductionContext, reductions: Iterable[str], door: str) -> None:
+    """Each reduction asked, on a one-completion probe, whether `ctx` has the divisor it needs, before anything is
+    computed: a ValueError naming the divisor and the door it goes to (a loop that passed it to one door and not the
+    next, its loss but not its `record_step_kl`, would otherwise fail after its optimizer step)."""
+    for reduction in dict.fromkeys(reductions):
+        try:
+            REDUCTIONS[reduction].reduce(torch.zeros(1), torch.ones(1), ctx)
+        except ValueError as error:
+            raise ValueError(f"{str(error).rstrip('.')}: pass it to {door}(...).") from None
 
 
 def check_completions_fit(ctx: ReductionContext, mask: torch.Tensor, reductions: dict[str, str]) -> None:

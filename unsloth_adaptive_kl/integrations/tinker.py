@@ -41,7 +41,7 @@ from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.config import check_real, is_real
 from ..core.errors import reject
-from ..core.reductions import (REDUCTIONS, check_completions_fit, kl_reduction, loss_type_reduction,
+from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
                                warn_unread_context)
 from ..core.statistics import device_sums, gather_statistics
 
@@ -125,6 +125,10 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _batch(data: Sequence["types.Datum"], key: str) -> torch.Tensor:
+    """loss_fn_inputs[key] of every Datum, (B, max T_i); a ValueError for no Datum (a loop that drops groups of
+    equal rewards may drop them all)."""
+    if not data:
+        raise reject("data", [], "one Datum or more (one per completion)")
     return _stack([_input(datum, key) for datum in data])
 
 
@@ -250,20 +254,19 @@ class GRPOKLLoss:
         self.context = divisors(max_completion_length, token_normalizer)
         warn_unread_context(self.context, self.config, self.loss_type)
         # A reduction missing its divisor would raise only when the SDK calls the loss, on its thread: ask both of
-        # this step's reductions (the policy gradient's and the KL's) now, on a one-completion probe.
-        for reduction in set(loss_terms(self.config, self.loss_type).values()):
-            try:
-                REDUCTIONS[reduction].reduce(torch.zeros(1), torch.ones(1), self.context)
-            except ValueError as error:
-                raise ValueError(f"grpo_kl_loss: {error}: pass it to grpo_kl_loss(...)") from None
+        # this step's reductions (the policy gradient's and the KL's) now.
+        check_divisors_given(self.context, loss_terms(self.config, self.loss_type).values(), "grpo_kl_loss")
+        self._akl = akl  # read on the SDK's thread for one int, its completed steps (a loss built for another step)
+        self._stale_warned = False
 
     def __call__(
         self, data: list["types.Datum"], logprobs: list[torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if len(data) != len(logprobs):
             raise ValueError(f"{len(data)} Datums but {len(logprobs)} log-prob tensors")
-        logps = _stack(logprobs)
+        self._warn_if_stale()
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
+        logps = _stack(logprobs)
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
         check_datum_batch(old, ref, advantages, mask, self.training_step)
         check_completions_fit(self.context, mask, loss_terms(self.config, self.loss_type))
@@ -276,6 +279,17 @@ class GRPOKLLoss:
         metrics["grpo/pg_loss"] = float(pg.detach())
         metrics["grpo/kl_term"] = float(kl_part.detach())
         return pg + kl_part, metrics
+
+    def _warn_if_stale(self) -> None:
+        """A loss built once, outside the loop, trains every step at the beta of the step it was built for, while
+        `akl` moves on: said once, where the SDK calls it for a later step."""
+        now = self._akl.completed_steps + 1
+        if now != self.training_step and not self._stale_warned:
+            self._stale_warned = True
+            warnings.warn(f"grpo_kl_loss: this loss was built for step {self.training_step} and trains step {now}: it "
+                          f"keeps step {self.training_step}'s beta ({self.beta:g}; akl's is now "
+                          f"{self._akl.current_beta:g}) and settings. Build one per optimizer step, "
+                          "loss_fn = grpo_kl_loss(akl), after the previous akl.step().", UserWarning, stacklevel=2)
 
 
 def grpo_kl_loss(
@@ -314,10 +328,19 @@ def record_step_kl(
     The log-probs are the ones the result carries (`loss_fn_outputs[i]["logprobs"]`, the policy the loss saw).
     Returns the core's `adaptive_kl/*` metrics of the batch. Call it once per forward_backward_custom; `train=False`
     for an evaluation batch, whose KL the next step does not read."""
+    check_loss_route(akl, "record_step_kl")
+    check_divisors_given(divisors(max_completion_length, token_normalizer), [kl_reduction(akl.config, akl.loss_type)],
+                         "record_step_kl")
     if len(result.loss_fn_outputs) != len(data):
         raise ValueError(f"{len(data)} Datums but the result has {len(result.loss_fn_outputs)} outputs")
-    logps = _stack([output[SAMPLING_LOGPROBS].to_torch().flatten() for output in result.loss_fn_outputs])
     mask = _batch(data, MASK)
+    rows = [output[SAMPLING_LOGPROBS].to_torch().flatten() for output in result.loss_fn_outputs]
+    for i, (row, datum) in enumerate(zip(rows, data)):  # padded to one width, another batch's rows would pass
+        if row.numel() != _input(datum, MASK).numel():
+            raise ValueError(f"result.loss_fn_outputs[{i}]['logprobs'] has {row.numel()} values, Datum {i} "
+                             f"{_input(datum, MASK).numel()} target tokens: the result must be the forward_backward "
+                             "of these Datums, in their order")
+    logps = _stack(rows)
     with torch.no_grad():
         _, metrics = akl.kl_loss(logps, _batch(data, REF_LOGPROBS), mask, max_completion_length=max_completion_length,
                                  token_normalizer=token_normalizer, train=train)
@@ -354,6 +377,10 @@ def kl_penalized_data(
     the mean P_i), `reward/mean` (un-penalised: pass it to `akl.step(mean_reward=...)`) and `reward/penalized_mean`.
     Send `builtin_loss_data(datums)` to `forward_backward(..., "importance_sampling")`. `train=False` for an
     evaluation batch: the next `akl.step()` reads the KL of the training batch scored before it, not this one's."""
+    if not akl.config.kl_in_reward:
+        raise ValueError("kl_placement='loss' puts beta * KL into the loss: kl_penalized_data(...) needs "
+                         "AdaptiveKLConfig(kl_placement='reward'); for the KL in the loss, use grpo_kl_loss(...) or "
+                         "traced_loss_data(...)")
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if len(data) != rewards.numel():
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
@@ -486,6 +513,7 @@ def traced_loss_data(
                       akl.completed_steps + 1)
     context = divisors(max_completion_length, token_normalizer)
     warn_unread_context(context, akl.config, akl.loss_type)
+    check_divisors_given(context, loss_terms(akl.config, akl.loss_type).values(), "traced_loss_data")
     check_completions_fit(context, mask, loss_terms(akl.config, akl.loss_type))
     if beta is not None:  # a negative one would reward KL, a NaN or inf make the loss so
         check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0, or None for "
