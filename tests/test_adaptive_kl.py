@@ -261,6 +261,24 @@ def test_dynamic_decays_once_per_generation_batch_and_cuts_off() -> None:
     assert akl.kl_loss(logps, ref, MASK)[1]["adaptive_kl/current_beta"] == 0.005
 
 
+
+def test_the_schedules_end_says_so_once() -> None:
+    """beta_schedule_steps (default 1000) sets beta to beta_min (default 0: no KL term) whatever the reward: a run
+    longer than it lost its KL at step 1000 without a word. It warns at that step, once, naming both betas; where
+    the decays had already reached beta_min it changes nothing and says nothing."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5, beta_schedule_steps=3),
+                     BETA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert [akl.step(mean_reward=0.1), akl.step(mean_reward=0.1)] == [BETA, BETA]
+    with pytest.warns(UserWarning) as caught:
+        assert akl.step(mean_reward=0.1) == 0.0
+    assert [str(w.message) for w in caught] == [
+        "adaptive KL: step 3 reached beta_schedule_steps=3: beta = beta_min = 0 from the next step on (it was 0.04); "
+        "the KL term is off. Set beta_schedule_steps=None (or later) to decay by the reward alone."]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert akl.step(mean_reward=0.9) == 0.0
 def test_target_steers_beta_from_the_steps_kl() -> None:
     config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0)
     akl = AdaptiveKL(config, BETA)

@@ -52,11 +52,12 @@ BAD_VALUES = [
     ("kl_clip_threshold", math.nan, "a finite number > 0"),
     ("kl_clip_threshold", math.inf, "a finite number > 0"),
     ("kl_clip_threshold", "1.0", "a finite number > 0"),
-    ("kl_target", -0.1, "a finite number >= 0"),
+    # the rule where target reads it too, so that the value it suggests is not refused next ("0 is invalid ... > 0")
+    ("kl_target", -0.1, "a finite number >= 0 (> 0 with kl_adaptation_method target)"),
     ("kl_target", math.nan, "a finite number >= 0"),
     # a number, but not a Python one: it read "kl_target=np.float32(0.5) is invalid: allowed is a finite number >= 0"
-    ("kl_target", np.float32(0.5), "a finite number >= 0, as a Python int or float (this is a numpy.float32: pass "
-                                   "float(...))."),
+    ("kl_target", np.float32(0.5), "a finite number >= 0 (> 0 with kl_adaptation_method target), as a Python int or "
+                                   "float (this is a numpy.float32: pass float(...))."),
     ("dynamic_beta_decay", 0.0, "0 < x <= 1"),
     ("dynamic_beta_decay", 1.5, "0 < x <= 1"),
     ("dynamic_beta_decay", -0.5, "0 < x <= 1"),

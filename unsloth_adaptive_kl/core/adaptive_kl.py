@@ -431,6 +431,26 @@ class AdaptiveKL:
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
         self._rewards = [float(reward) for reward in rewards]
+        self._check_loaded_beta()
+
+    def _check_loaded_beta(self) -> None:
+        """The loaded beta continues the run, over the one this object was built with: said where that differs for a
+        constant beta (a beta changed at a resume would be dropped silently), and clamped, saying so, into this run's
+        bounds for `dynamic` (beta_min) and `target` (beta_min, beta_max), which a new config may have moved."""
+        loaded, kind, config = self.controller.value, controller_kind(self.controller), self.config
+        if kind == "constant" and loaded != self.beta:
+            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} replaces beta={self.beta:g}, which this "
+                          "AdaptiveKL was built with (a state continues its run). To train at the new beta, leave the "
+                          "state out: a constant beta loses nothing without it.", UserWarning, stacklevel=3)
+        if kind not in ("dynamic", "target"):
+            return
+        high = config.beta_max if kind == "target" and config.beta_max is not None else math.inf
+        bounded = min(max(loaded, config.beta_min), high)
+        if bounded != loaded:
+            self.controller.value = bounded
+            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is outside this run's "
+                          f"beta_min={config.beta_min:g}" + (f", beta_max={high:g}" if high < math.inf else "")
+                          + f": clamped to {bounded:g}, as {kind} keeps beta within them.", UserWarning, stacklevel=3)
 
 
 def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,

@@ -353,7 +353,8 @@ class AdaptiveKLConfig:
                    is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
                    "a finite number > 0")
         check_real("kl_target", self.kl_target,
-                   is_real(self.kl_target) and 0 <= self.kl_target < math.inf, "a finite number >= 0")
+                   is_real(self.kl_target) and 0 <= self.kl_target < math.inf,
+                   "a finite number >= 0 (> 0 with kl_adaptation_method target)")
         check_real("dynamic_beta_decay", self.dynamic_beta_decay,
                    is_real(self.dynamic_beta_decay) and 0 < self.dynamic_beta_decay <= 1, "a number with 0 < x <= 1")
         check_real("reward_threshold", self.reward_threshold,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -119,6 +120,12 @@ class DynamicBeta(ConstantBeta):
             self.value = max(self.value * config.dynamic_beta_decay, config.beta_min)
             self.last_decayed_batch = self.generation_batch
         if config.beta_schedule_steps is not None and completed_steps >= config.beta_schedule_steps:
+            if self.value != config.beta_min:  # the schedule's end, said once: a long run's beta drops there
+                warnings.warn(f"adaptive KL: step {completed_steps} reached beta_schedule_steps="
+                              f"{config.beta_schedule_steps}: beta = beta_min = {config.beta_min:g} from the next "
+                              f"step on (it was {self.value:g}){'; the KL term is off' if config.beta_min == 0 else ''}"
+                              ". Set beta_schedule_steps=None (or later) to decay by the reward alone.", UserWarning,
+                              stacklevel=2)
             self.value = config.beta_min
 
 
