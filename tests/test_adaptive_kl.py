@@ -714,6 +714,24 @@ def test_a_loop_of_your_own_that_never_calls_step_is_told_beta_holds() -> None:
     assert len(hooks) == before - 2  # the watch goes with the object
 
 
+def test_a_loop_that_steps_akl_more_often_than_its_optimizer_is_told() -> None:
+    """akl.step() after every micro-batch decayed `dynamic` once per micro-batch (4 micro-batches x 2 optimizer
+    steps: 0.9^8 for 0.9^2) without a word. A step() with no optimizer step since the previous one says so, once a
+    run, where the loop's optimizer has been seen to step; before it has (or with a remote one, as Tinker's: no torch
+    optimizer steps here), step() after step() is not told apart from a loop that steps akl first."""
+    def table() -> list[torch.optim.Optimizer]:
+        return [torch.optim.AdamW([torch.zeros(3, 4, requires_grad=True)], lr=0.1)]
+
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
+    (printed,) = _own_loop(akl, table(), "baba" + "baoa" + "baba")
+    assert printed == ("adaptive KL: akl.step() at step 5 came with no optimizer step since the previous akl.step(): "
+                       "dynamic moves beta at each akl.step() (call it once per optimizer.step(), not per micro-batch "
+                       "or pass).")
+    assert _own_loop(akl, table(), "baba") == []  # said once a run
+    assert _own_loop(AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA), table(), "ba" * 6) == []
+    for script in ("boa" * 4, "bao" * 4, "bbboa" * 4, "booooa" * 4):
+        assert _own_loop(AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA), table(), script) == []
+
 @pytest.mark.parametrize("door", ["kl_loss", "reward_penalty", "step"])
 def test_a_setting_changed_after_the_run_started_is_refused_at_the_next_door(door: str) -> None:
     """kl_clip_threshold set to -1 after the object was built (validated: 1.0) would clip every token's KL to -1 and

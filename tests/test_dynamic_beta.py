@@ -104,9 +104,12 @@ def test_dynamic_reads_the_mean_reward_of_every_generation_batch_a_step_trained_
 
 def test_an_infinite_mean_reward_is_refused_as_in_a_loop_of_ones_own(tokenizer, tmp_path) -> None:
     """A reward function returning inf: TRL logs a mean reward of inf, on which dynamic decayed (on ccb0d5c) where
-    step(mean_reward=inf) is refused. Now refused at the trainer's door too, naming the value, before step 2's loss."""
+    step(mean_reward=inf) is refused. Now refused at the trainer's door too, naming the value, before step 2's loss,
+    in the trainer's words (it said "mean_reward=inf ... or None where the step scored no new generation batch", the
+    own loop's, which a TRL user never set)."""
     trainer = make_trainer(tokenizer, str(tmp_path), rewards_by_step([1.0, math.inf]), max_steps=2, **DYNAMIC)
-    with pytest.raises(ValueError, match=r"^mean_reward=inf is invalid: allowed is a finite number"):
+    with pytest.raises(ValueError, match=r"^adaptive_kl: the generation batch's mean reward \(the trainer's logged "
+                                         r"reward\) is inf: a reward function returned \+-inf for a completion"):
         trainer.train()
     assert trainer.state.global_step == 1
 

@@ -1185,6 +1185,10 @@ def test_a_batch_of_padding_alone_has_no_mean_reward(monkeypatch):
     trainer._compute_advantage(_ScoredBatch([True, True]), {})
     assert fetched == [["sample-0", "sample-2"]]  # nothing fetched for padding alone
     assert trainer._mean_reward is None and trainer.reward_kl._mean_reward is None
+    store["sample-1"] = [math.inf, 0.0]  # refused where verl scores the batch, before the update (was after it)
+    with pytest.raises(ValueError, match=r"^adaptive_kl: the batch's mean reward \(verl's critic/score/mean, rm_scores "
+                                         r"summed per sample\) is inf: a reward returned NaN or \+-inf for a sample"):
+        trainer._compute_advantage(_ScoredBatch([False, False]), {})
 
 
 # ----- verl's TrainingWorker (fsdp2, gloo, one process, tiny Llama), in a subprocess --------------------------------

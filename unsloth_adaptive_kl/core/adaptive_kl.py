@@ -94,6 +94,7 @@ class AdaptiveKL:
         self._held_warned = False  # a step held beta for want of its input and said so (once per run)
         self._optimizer_steps = OptimizerSteps()  # a loop of your own: did an optimizer step between its batches?
         self._unstepped_warned = False
+        self._twice_warned = False
 
     @property
     def moves_beta(self) -> bool:
@@ -203,6 +204,7 @@ class AdaptiveKL:
         last step and no `kl`."""
         if mean_reward is not None:
             self.observe_rewards(mean_reward)
+        self._warn_if_stepped_twice()
         self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
 
@@ -358,6 +360,18 @@ class AdaptiveKL:
                       f"since {since}: {kind} moves beta in akl.step() alone, once per optimizer step (call "
                       "akl.step(mean_reward=...) after each optimizer.step()).", UserWarning, stacklevel=3)
         self._unstepped_warned = True
+
+    def _warn_if_stepped_twice(self) -> None:
+        """The mirror of `_warn_if_unstepped`: a loop that calls `step()` per micro-batch (or per pass) moves beta that
+        many times per optimizer step, silently. Where the loop's own optimizer has been seen to step (not a remote
+        one, a service's), a `step()` with no optimizer step since the previous one is said, once per run."""
+        steps = self._optimizer_steps
+        if not (steps.started and steps.seen) or steps.since_reset() or self._twice_warned:
+            return
+        warnings.warn(f"adaptive KL: akl.step() at step {self.completed_steps + 1} came with no optimizer step since "
+                      f"the previous akl.step(): {controller_kind(self.controller)} moves beta at each akl.step() (call "
+                      "it once per optimizer.step(), not per micro-batch or pass).", UserWarning, stacklevel=3)
+        self._twice_warned = True
 
     def state_dict(self) -> dict[str, Any]:
         """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",

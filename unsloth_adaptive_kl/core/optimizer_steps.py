@@ -24,6 +24,7 @@ class OptimizerSteps:
         self.stepped = ""  # the class name of the optimizer that stepped last since the previous batch; "" if none did
         self.batches = 0
         self.started = False
+        self.seen = False  # an optimizer stepped since watching started: the loop steps one here (not remotely)
 
     def start(self) -> None:
         """Watch from now on (idempotent)."""
@@ -34,7 +35,7 @@ class OptimizerSteps:
         def note(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
             steps = watch()
             if steps is not None:
-                steps.stepped = type(optimizer).__name__
+                steps.stepped, steps.seen = type(optimizer).__name__, True
 
         weakref.finalize(self, register_optimizer_step_post_hook(note).remove)
         self.started = True
@@ -45,6 +46,10 @@ class OptimizerSteps:
         stepped, self.stepped = self.stepped, ""
         self.batches += bool(stepped)
         return stepped
+
+    def since_reset(self) -> bool:
+        """Whether an optimizer stepped since the last `reset()`."""
+        return bool(self.stepped) or self.batches > 0
 
     def reset(self) -> None:
         """The loop's `akl.step()`: a step taken before it was that step's."""

@@ -247,9 +247,10 @@ def check_divisors_given(ctx: ReductionContext, reductions: Iterable[str], door:
 
 def check_completions_fit(ctx: ReductionContext, mask: torch.Tensor, reductions: dict[str, str]) -> None:
     """A ValueError where dr_grpo's sum_i S_i / (B * max_completion_length) divides a term by a cap below a
-    completion's valid tokens L_i: it is the cap on every L_i (TRL's generation cap), so a smaller one would scale the
-    term up without a word. `reductions`: {the term a door reduces ("the KL term", ...): its reduction's name}. The
-    mask is read only where it is wider than the cap: a loop whose completions fit in width pays no device read."""
+    completion's valid tokens L_i: it is the cap on every L_i (a trainer's generation cap), so a smaller one would
+    scale the term up without a word. `reductions`: {the term a door reduces ("the KL term", ...): its reduction's
+    name}. The mask is read only where it is wider than the cap: a loop whose completions fit in width pays no device
+    read."""
     cap = ctx.max_completion_length
     divided = [term for term, reduction in reductions.items() if reduction == "max_length_mean"]
     if cap is None or mask.shape[-1] <= cap or not divided:

@@ -404,7 +404,12 @@ def observe_mean_reward(runtime: AdaptiveKL, mean_reward: float) -> None:
     """The trainer's logged mean reward of a training generation batch, to the controller. TRL logs NaN where no
     completion of the batch was scored (every reward function returned None for each, which TRL warns of, row by row):
     the batch has no mean reward, as a loop's `step(mean_reward=None)` has none, and `dynamic` does not decay on it.
-    +-inf (a reward function's) is refused by the core, as at every door."""
+    +-inf (a reward function's) is refused, as the core refuses it at every door, in the trainer's words."""
+    if math.isinf(mean_reward):
+        raise ValueError(f"adaptive_kl: the generation batch's mean reward (the trainer's logged reward) is "
+                         f"{mean_reward}: a reward function returned +-inf for a completion; allowed are finite "
+                         "rewards, or None for a completion a function does not score (dynamic would decay on +inf "
+                         "at every step).")
     if not math.isnan(mean_reward):
         runtime.observe_rewards(mean_reward)
 

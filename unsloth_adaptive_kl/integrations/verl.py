@@ -681,7 +681,12 @@ class AdaptiveKLTrainerMixin:
                                select_fields=["rm_scores"])
         scores = data["rm_scores"]
         totals = torch.stack([row.sum() for row in scores.unbind()]) if scores.is_nested else scores.sum(-1)
-        return float(totals.float().mean())
+        mean = float(totals.float().mean())
+        if not math.isfinite(mean):  # here, before the update: the core would refuse it after, as mean_reward
+            raise ValueError(f"adaptive_kl: the batch's mean reward (verl's critic/score/mean, rm_scores summed per "
+                             f"sample) is {mean}: a reward returned NaN or +-inf for a sample; allowed are finite "
+                             "rewards (dynamic would decay on +inf at every step, and never on NaN).")
+        return mean
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
         if self.loss_kl is not None or self.reward_kl is not None:
