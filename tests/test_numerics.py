@@ -366,27 +366,26 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
     def state(method: str, beta: float, **fields: float) -> dict:
         return AdaptiveKL(config(kl_adaptation_method=method, **fields), beta).state_dict()
 
-    constant = AdaptiveKL(config(kl_adaptation_method="clip"), 0.1)
-    with pytest.warns(UserWarning, match=r"^adaptive KL: the loaded state's beta 0\.04 replaces beta=0\.1, which this "
-                                         r"AdaptiveKL was built with \(a state continues its run\)\. To train at the "
-                                         r"new beta, leave the state out"):
-        constant.load_state_dict(state("clip", 0.04))
-    assert constant.current_beta == 0.04
-    target = AdaptiveKL(config(kl_adaptation_method="target", beta_max=0.2), 0.1)
-    with pytest.warns(UserWarning, match=r"^adaptive KL: the loaded state's beta 0\.5 is outside this run's "
-                                         r"beta_min=0, beta_max=0\.2: clamped to 0\.2, as target keeps beta within "
-                                         r"them\.$"):
-        target.load_state_dict(state("target", 0.5))
-    assert target.current_beta == 0.2
-    dynamic = AdaptiveKL(config(kl_adaptation_method="dynamic", beta_min=0.05), 0.1)
-    with pytest.warns(UserWarning, match=r"beta 0\.01 is outside this run's beta_min=0\.05: clamped to 0\.05"):
-        dynamic.load_state_dict(state("dynamic", 0.01))
-    assert dynamic.current_beta == 0.05
+    cases = [("clip", {}, 0.04, 0.04, r"^adaptive KL: the loaded state's beta 0\.04 replaces beta=0\.1, which this "
+                                        r"AdaptiveKL was built with \(a state continues its run\)\. To train at the "
+                                        r"new beta, leave the state out"),
+             ("target", {"beta_max": 0.2}, 0.5, 0.2, r"^adaptive KL: the loaded state's beta 0\.5 is outside this "
+                                                     r"run's beta_min=0, beta_max=0\.2: clamped to 0\.2, as target "
+                                                     r"keeps beta within them\.$"),
+             ("dynamic", {"beta_min": 0.05}, 0.01, 0.05, r"beta 0\.01 is outside this run's beta_min=0\.05: clamped "
+                                                         r"to 0\.05")]
+    for method, fields, saved, loaded, message in cases:
+        runtime = AdaptiveKL(config(kl_adaptation_method=method, **fields), 0.1)
+        with pytest.warns(UserWarning, match=message):
+            runtime.load_state_dict(state(method, saved))
+        assert runtime.current_beta == loaded
     with warnings.catch_warnings():  # a resume of the same settings is quiet
         warnings.simplefilter("error")
         AdaptiveKL(config(kl_adaptation_method="clip"), 0.1).load_state_dict(state("clip", 0.1))
         AdaptiveKL(config(kl_adaptation_method="target", beta_max=0.2), 0.1).load_state_dict(
             state("target", 0.15, beta_max=0.2))
+
+
 def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1)
     with pytest.raises(ValueError, match=r"format_version=6 is not supported: allowed is 1 to 5"):
