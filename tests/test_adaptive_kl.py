@@ -715,22 +715,31 @@ def test_a_loop_of_your_own_that_never_calls_step_is_told_beta_holds() -> None:
 
 
 def test_a_loop_that_steps_akl_more_often_than_its_optimizer_is_told() -> None:
-    """akl.step() after every micro-batch decayed `dynamic` once per micro-batch (4 micro-batches x 2 optimizer
-    steps: 0.9^8 for 0.9^2) without a word. A step() with no optimizer step since the previous one says so, once a
-    run, where the loop's optimizer has been seen to step; before it has (or with a remote one, as Tinker's: no torch
-    optimizer steps here), step() after step() is not told apart from a loop that steps akl first."""
+    """akl.step() after every micro-batch decayed `dynamic` once per micro-batch (2 micro-batches x 3 optimizer
+    steps: 0.9^6 for 0.9^3) without a word. Three optimizer steps in a row that each came after more than one step()
+    say so, once a run. Not told: optimizer steps skipped now and then (fp16's GradScaler skips one on an overflow,
+    several at a run's start: they make one interval, the next ones are one call each), akl.step() before
+    optimizer.step(), and a loop with no torch optimizer stepping (a remote one, as Tinker's)."""
     def table() -> list[torch.optim.Optimizer]:
         return [torch.optim.AdamW([torch.zeros(3, 4, requires_grad=True)], lr=0.1)]
 
-    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
-    (printed,) = _own_loop(akl, table(), "baba" + "baoa" + "baba")
-    assert printed == ("adaptive KL: akl.step() at step 5 came with no optimizer step since the previous akl.step(): "
-                       "dynamic moves beta at each akl.step() (call it once per optimizer.step(), not per micro-batch "
-                       "or pass).")
-    assert _own_loop(akl, table(), "baba") == []  # said once a run
-    assert _own_loop(AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA), table(), "ba" * 6) == []
-    for script in ("boa" * 4, "bao" * 4, "bbboa" * 4, "booooa" * 4):
-        assert _own_loop(AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA), table(), script) == []
+    def fresh() -> AdaptiveKL:
+        return AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
+
+    akl = fresh()
+    (printed,) = _own_loop(akl, table(), "baboa" * 3)
+    assert printed == ("adaptive KL: akl.step() ran 2 times per optimizer step in the last 3 optimizer steps: dynamic "
+                       "moves beta at each akl.step() (call it once per optimizer.step(), not per micro-batch or pass).")
+    assert akl.current_beta == pytest.approx(BETA * 0.9 ** 6)  # what it warns of: one decay per micro-batch
+    assert _own_loop(akl, table(), "baboa" * 3) == []  # said once a run
+    (printed,) = _own_loop(fresh(), table(), "bababoa" * 3)
+    assert "ran 3 times per optimizer step in the last 3" in printed
+    for script in ("baboa" * 2 + "boa" * 4,  # two steps in a row: not yet three
+                   "ba" * 4 + "boa" * 4,  # skipped steps at the start, then one call per optimizer step
+                   "boa" * 3 + "baboa" + "boa" * 3 + "baboa",  # one skipped step now and then
+                   "bao" * 4, "boa" * 4, "bbboa" * 4, "booooa" * 4, "ba" * 6):
+        assert _own_loop(fresh(), table(), script) == [], script
+
 
 @pytest.mark.parametrize("door", ["kl_loss", "reward_penalty", "step"])
 def test_a_setting_changed_after_the_run_started_is_refused_at_the_next_door(door: str) -> None:
@@ -1053,6 +1062,22 @@ def test_a_token_normaliser_of_one_element_in_any_shape_is_that_number(shape: tu
     term, metrics = AdaptiveKL(None, BETA, "dapo").kl_loss(logps, ref, MASK, token_normalizer=torch.full(shape, 7.0))
     assert term.shape == () and term.item() == want.item()
     assert metrics == want_metrics
+
+
+def test_a_numpy_divisor_is_the_number_it_holds() -> None:
+    """A loop that counts its tokens in numpy passes an array: np.array(7.0) (0-d or (1,)) was refused as 'not a
+    number' though np.float32(7.0) was taken; each numpy form now gives the term and metrics of the plain number, and
+    an array of two counts is refused by its shape, as a tensor's is."""
+    logps, ref = batch()
+    for loss_type, field, number, forms in (
+            ("dapo", "token_normalizer", 7.0, (np.array(7.0), np.array([7.0]), np.float32(7.0), np.int64(7))),
+            ("dr_grpo", "max_completion_length", 8, (np.array(8), np.array([8]), np.int64(8)))):
+        want, want_metrics = AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **{field: number})
+        for form in forms:
+            term, metrics = AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **{field: form})
+            assert term.shape == () and term.item() == want.item() and metrics == want_metrics, (field, form)
+        with pytest.raises(ValueError, match=rf"^{field} is invalid: a tensor of shape \(2,\); allowed is one "):
+            AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **{field: np.array([number, number])})
 
 
 def test_an_empty_batch_is_refused_naming_its_shape() -> None:

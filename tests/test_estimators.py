@@ -313,3 +313,39 @@ def test_a_registered_reduction_is_selected_by_kl_reduction_in_every_placement()
         reductions.REDUCTIONS.pop("max_completion", None)
     with pytest.raises(ValueError, match="kl_reduction='max_completion' is invalid"):
         AdaptiveKLConfig(kl_reduction="max_completion")
+
+
+def test_a_registered_reductions_own_check_is_not_taken_for_a_missing_divisor() -> None:
+    """Every door asks each reduction, on a one-completion probe, whether it lacks a divisor. A registered reduction
+    that refuses fewer than two completions failed that probe, and kl_loss refused every batch in its words plus
+    ': pass it to kl_loss(...)'. The probe now reads a divisor's refusal alone: a batch of 2 gets mean_i S_i, one of
+    1 the reduction's own error as written; one dividing by a missing token_normalizer is named with the door."""
+    from unsloth_adaptive_kl import register_kl_reduction
+    from unsloth_adaptive_kl.core.errors import reject
+
+    def pairs(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+        if sums.numel() < 2:
+            raise ValueError("pairs needs two completions or more")
+        return sums.mean()
+
+    def per_token(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+        if ctx.token_normalizer is None:
+            raise reject("token_normalizer", None, "a number > 0")
+        return sums.sum() / ctx.token_normalizer
+
+    logps, ref = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]]), torch.tensor([[-0.5, -1.0], [-2.0, -1.0]])
+    mask = torch.ones(2, 2)
+    try:
+        register_kl_reduction("pairs")(pairs)
+        register_kl_reduction("per_token")(per_token)
+        term, _ = AdaptiveKL(AdaptiveKLConfig(kl_reduction="pairs"), 1.0).kl_loss(logps, ref, mask)
+        k3 = [[math.exp(r) - r - 1 for r in row] for row in ((0.5, 1.0), (-1.0, 0.0))]  # r = ref - logp
+        assert term.item() == pytest.approx(sum(map(sum, k3)) / 2, rel=1e-6)
+        with pytest.raises(ValueError, match=r"^pairs needs two completions or more$"):
+            AdaptiveKL(AdaptiveKLConfig(kl_reduction="pairs"), 1.0).kl_loss(logps[:1], ref[:1], mask[:1])
+        with pytest.raises(ValueError, match=r"^token_normalizer=None is invalid: allowed is a number > 0: pass it "
+                                             r"to kl_loss\(\.\.\.\)\.$"):
+            AdaptiveKL(AdaptiveKLConfig(kl_reduction="per_token"), 1.0).kl_loss(logps, ref, mask)
+    finally:
+        for name in ("pairs", "per_token"):
+            reductions.REDUCTIONS.pop(name, None)

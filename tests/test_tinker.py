@@ -1312,7 +1312,8 @@ def test_each_door_names_its_own_mistakes() -> None:
     """What a Tinker loop met as another door's words, or a torch error:
     - kl_penalized_data on the default placement said "call kl_loss(...) instead of reward_penalty(...)";
     - record_step_kl with the KL in the reward, or without the loss's divisor, named kl_loss or nothing (after the
-      optimizer step had run); a result of other Datums, padded to the same width, gave a KL of the wrong tokens;
+      optimizer step had run); a result of other Datums, padded to the same width, gave a KL of the wrong tokens; a
+      loss type other than PPO-clip's, whose KL it measures as well, was refused as if it were the loss;
     - an empty batch raised "received an empty list of sequences" from torch."""
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])  # T = 3
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
@@ -1342,7 +1343,10 @@ def test_each_door_names_its_own_mistakes() -> None:
                                          r"tokens: the result must be the forward_backward of these Datums, in their "
                                          r"order$"):
         integration.record_step_kl(loss_placed, [datum, wider], result([0.0, -1.0, -1.0, -1.0], [0.0, -1.0, -1.0]))
-    integration.record_step_kl(loss_placed, [datum, longer], result([0.0, -1.0, -1.0], [-1.0, -1.0, -1.0]))
+    grpo = integration.record_step_kl(loss_placed, [datum, longer], result([0.0, -1.0, -1.0], [-1.0, -1.0, -1.0]))
+    # it measures the KL whatever loss trained on it: a sapo loop's (another policy-gradient term) is not refused
+    sapo = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="sapo")
+    assert integration.record_step_kl(sapo, [datum, longer], result([0.0, -1.0, -1.0], [-1.0, -1.0, -1.0])) == grpo
     empty = r"^data=\[\] is invalid: allowed is one Datum or more \(one per completion\)\.$"
     for door in (lambda: integration.kl_penalized_data(reward_placed, [], [], 2),
                  lambda: integration.traced_loss_data(loss_placed, []),
@@ -1354,23 +1358,41 @@ def test_each_door_names_its_own_mistakes() -> None:
 
 def test_a_loss_built_for_an_earlier_step_says_so_once() -> None:
     """grpo_kl_loss(akl) built once, above the loop, trained every step at the first step's beta (0.2 where akl's
-    had decayed to 0.1, then 0.05) without a word; called for a later step, it warns once, naming both betas. The
-    loss built per step, as the page shows, is quiet."""
-    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5, dynamic_beta_decay=0.5),
-                     beta=0.2)
+    had decayed to 0.1, then 0.05) without a word; the same loss called again after akl.step() moved beta warns once,
+    naming both betas. Quiet: the loss built per step, as the page shows; one loss called twice within its step; one
+    called once, late (a pipelined loop's, after its step's akl.step()); a constant beta, which one loss keeps."""
+    def dynamic() -> AdaptiveKL:
+        return AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5,
+                                           dynamic_beta_decay=0.5), beta=0.2)
+
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
+
+    def call(loss: integration.GRPOKLLoss) -> None:
+        loss([datum], [torch.full((3,), -1.0)])
+
+    akl = dynamic()
     hoisted = integration.grpo_kl_loss(akl)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        hoisted([datum], [torch.full((3,), -1.0)])  # step 1, as built
+        call(hoisted)  # step 1, as built
+        call(hoisted)  # twice within step 1
     akl.step(mean_reward=1.0)
-    with pytest.warns(UserWarning, match=r"^grpo_kl_loss: this loss was built for step 1 and trains step 2: it keeps "
-                                         r"step 1's beta \(0\.2; akl's is now 0\.1\) and settings\. Build one per "
-                                         r"optimizer step"):
-        hoisted([datum], [torch.full((3,), -1.0)])
+    with pytest.warns(UserWarning, match=r"^grpo_kl_loss: this loss, built for step 1, is called again after 1 more "
+                                         r"akl\.step\(\): it keeps step 1's beta \(0\.2; akl's is now 0\.1\) and "
+                                         r"settings\. Build one per optimizer step, loss_fn = grpo_kl_loss\(akl\)\.$"):
+        call(hoisted)
     akl.step(mean_reward=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        hoisted([datum], [torch.full((3,), -1.0)])  # said once
-        integration.grpo_kl_loss(akl)([datum], [torch.full((3,), -1.0)])  # built for this step
+        call(hoisted)  # said once
+        call(integration.grpo_kl_loss(akl))  # built for this step
+        late = dynamic()
+        pipelined = integration.grpo_kl_loss(late)
+        late.step(mean_reward=1.0)
+        call(pipelined)  # its one call, after its step's akl.step()
+        constant = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
+        kept = integration.grpo_kl_loss(constant)
+        for _ in range(3):
+            call(kept)
+            constant.step()

@@ -14,6 +14,7 @@ One protocol, with two sets of doors onto it:
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import asdict, astuple
 from typing import Any, Optional
@@ -95,6 +96,8 @@ class AdaptiveKL:
         self._optimizer_steps = OptimizerSteps()  # a loop of your own: did an optimizer step between its batches?
         self._unstepped_warned = False
         self._twice_warned = False
+        self._calls_since_optimizer = 0  # step() calls since the loop's optimizer last stepped
+        self._intervals_stepped_twice = 0  # optimizer steps in a row that came after more than one step() each
 
     @property
     def moves_beta(self) -> bool:
@@ -363,15 +366,23 @@ class AdaptiveKL:
 
     def _warn_if_stepped_twice(self) -> None:
         """The mirror of `_warn_if_unstepped`: a loop that calls `step()` per micro-batch (or per pass) moves beta that
-        many times per optimizer step, silently. Where the loop's own optimizer has been seen to step (not a remote
-        one, a service's), a `step()` with no optimizer step since the previous one is said, once per run."""
+        many times per optimizer step, silently. Said, once per run, where the loop's optimizer steps and
+        `STEPPED_TWICE` optimizer steps in a row each came after more than one `step()`: an optimizer step skipped now
+        and then (fp16's scaler skips one on overflow, several at the start) is not that, nor a remote optimizer,
+        which is never seen to step."""
         steps = self._optimizer_steps
-        if not (steps.started and steps.seen) or steps.since_reset() or self._twice_warned:
+        if not steps.started or self._twice_warned:
             return
-        warnings.warn(f"adaptive KL: akl.step() at step {self.completed_steps + 1} came with no optimizer step since "
-                      f"the previous akl.step(): {controller_kind(self.controller)} moves beta at each akl.step() (call "
-                      "it once per optimizer.step(), not per micro-batch or pass).", UserWarning, stacklevel=3)
-        self._twice_warned = True
+        self._calls_since_optimizer += 1
+        if not steps.since_reset():  # no optimizer step since the previous akl.step(): the same interval goes on
+            return
+        calls, self._calls_since_optimizer = self._calls_since_optimizer, 0
+        self._intervals_stepped_twice = self._intervals_stepped_twice + 1 if calls > 1 else 0
+        if self._intervals_stepped_twice >= STEPPED_TWICE:
+            warnings.warn(f"adaptive KL: akl.step() ran {calls} times per optimizer step in the last {STEPPED_TWICE} "
+                          f"optimizer steps: {controller_kind(self.controller)} moves beta at each akl.step() (call it "
+                          "once per optimizer.step(), not per micro-batch or pass).", UserWarning, stacklevel=3)
+            self._twice_warned = True
 
     def state_dict(self) -> dict[str, Any]:
         """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",
@@ -448,14 +459,15 @@ class AdaptiveKL:
         self._check_loaded_beta()
 
     def _check_loaded_beta(self) -> None:
-        """The loaded beta continues the run, over the one this object was built with: said where that differs for a
-        constant beta (a beta changed at a resume would be dropped silently), and clamped, saying so, into this run's
-        bounds for `dynamic` (beta_min) and `target` (beta_min, beta_max), which a new config may have moved."""
+        """A constant beta is the run's own setting: a state's other one is not loaded (a trainer's own KL term
+        trains at the run's), saying so. A moving one continues the run, clamped, saying so, into this run's bounds
+        for `dynamic` (beta_min) and `target` (beta_min, beta_max), which a new config may have moved."""
         loaded, kind, config = self.controller.value, controller_kind(self.controller), self.config
         if kind == "constant" and loaded != self.beta:
-            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} replaces beta={self.beta:g}, which this "
-                          "AdaptiveKL was built with (a state continues its run). To train at the new beta, leave the "
-                          "state out: a constant beta loses nothing without it.", UserWarning, stacklevel=3)
+            self.controller.value = self.beta
+            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is not this run's beta={self.beta:g}: a "
+                          f"constant beta is the run's own setting, so {self.beta:g} is kept (the rest of the state "
+                          "is loaded).", UserWarning, stacklevel=3)
         if kind not in ("dynamic", "target"):
             return
         high = config.beta_max if kind == "target" and config.beta_max is not None else math.inf
@@ -465,6 +477,11 @@ class AdaptiveKL:
             warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is outside this run's "
                           f"beta_min={config.beta_min:g}" + (f", beta_max={high:g}" if high < math.inf else "")
                           + f": clamped to {bounded:g}, as {kind} keeps beta within them.", UserWarning, stacklevel=3)
+
+
+# Optimizer steps in a row, each after more than one `step()`, that `_warn_if_stepped_twice` takes for a loop calling
+# `step()` per micro-batch (one such step alone is an optimizer step skipped, as fp16's scaler skips one).
+STEPPED_TWICE = 3
 
 
 def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,
@@ -513,6 +530,10 @@ def divisors(max_completion_length: Any, token_normalizer: Any) -> ReductionCont
     `token_normalizer`), each checked as a number, a tensor too: it must hold one number, read once (a count <= 0
     would flip or blow up the term). A one-element `token_normalizer` is that number whatever its shape (a (1,) count
     gave a (1,) term, which the metrics read as per-completion); a tensor `max_completion_length` is its value."""
+    # an array (numpy's, 0-d too; not a numpy scalar, which is a number) as the tensor it stands for
+    max_completion_length, token_normalizer = (
+        torch.as_tensor(value) if hasattr(value, "__array__") and not isinstance(value, (numbers.Number, torch.Tensor))
+        else value for value in (max_completion_length, token_normalizer))
     for name, value, allowed in (("max_completion_length", max_completion_length, "one integer >= 1"),
                                  ("token_normalizer", token_normalizer, "one number > 0 (the micro-batch's active "
                                                                         "tokens)")):

@@ -24,7 +24,6 @@ class OptimizerSteps:
         self.stepped = ""  # the class name of the optimizer that stepped last since the previous batch; "" if none did
         self.batches = 0
         self.started = False
-        self.seen = False  # an optimizer stepped since watching started: the loop steps one here (not remotely)
 
     def start(self) -> None:
         """Watch from now on (idempotent)."""
@@ -35,7 +34,7 @@ class OptimizerSteps:
         def note(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
             steps = watch()
             if steps is not None:
-                steps.stepped, steps.seen = type(optimizer).__name__, True
+                steps.stepped = type(optimizer).__name__
 
         weakref.finalize(self, register_optimizer_step_post_hook(note).remove)
         self.started = True

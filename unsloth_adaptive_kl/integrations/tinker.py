@@ -180,12 +180,17 @@ def clip_bounds(clip_epsilon: float, clip_epsilon_high: Optional[float]) -> tupl
 PPO_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 
 
-def check_loss_route(akl: AdaptiveKL, door: str) -> None:
-    """Routes 1 and 3 put beta * KL into the loss beside a PPO-clip surrogate: a ValueError where the settings put it
-    into the rewards, or where `akl.loss_type` names another policy-gradient term."""
+def check_loss_placement(akl: AdaptiveKL, door: str) -> None:
+    """A ValueError where the settings put beta * KL into the rewards, at a door of the KL in the loss."""
     if akl.config.kl_in_reward:
         raise ValueError(f"kl_placement='reward' puts beta * KL into the rewards: use kl_penalized_data(...) with the "
                          f"built-in importance_sampling loss instead of {door}(...)")
+
+
+def check_loss_route(akl: AdaptiveKL, door: str) -> None:
+    """Routes 1 and 3 put beta * KL into the loss beside a PPO-clip surrogate: a ValueError where the settings put it
+    into the rewards, or where `akl.loss_type` names another policy-gradient term."""
+    check_loss_placement(akl, door)
     if akl.loss_type not in PPO_CLIP_LOSS_TYPES:
         raise ValueError(f"loss_type={akl.loss_type!r} is invalid for {door}(...): its policy-gradient term is the "
                          "token-level PPO-clip surrogate, which that loss type replaces by its own; allowed is one of "
@@ -231,9 +236,11 @@ class GRPOKLLoss:
     metrics (floats, merged by the SDK into the result's metrics): the core's `adaptive_kl/*` of this batch (their
     `adaptive_kl/current_beta` is the captured beta), `grpo/pg_loss` (PG) and `grpo/kl_term` (beta_t * K).
 
-    The SDK thread only touches this object: the core's pipeline (`kl_term`) computes K and its metrics from the captured
-    beta and config, so `akl` itself is never read or written off the caller's thread. A `target` controller reads the step's KL: call
-    `record_step_kl(akl, data, result)` on your thread before `akl.step()`."""
+    The SDK thread computes K and its metrics from the captured beta and config (`kl_term`, the core's pipeline) and
+    writes nothing of `akl`; it reads two of its numbers, its step count and beta, to warn where this one loss is
+    called again after `akl` has stepped on (built once, above the loop, it would train every step at the first beta).
+    A `target` controller reads the step's KL: call `record_step_kl(akl, data, result)` on your thread before
+    `akl.step()`."""
 
     def __init__(
         self,
@@ -256,7 +263,8 @@ class GRPOKLLoss:
         # A reduction missing its divisor would raise only when the SDK calls the loss, on its thread: ask both of
         # this step's reductions (the policy gradient's and the KL's) now.
         check_divisors_given(self.context, loss_terms(self.config, self.loss_type).values(), "grpo_kl_loss")
-        self._akl = akl  # read on the SDK's thread for one int, its completed steps (a loss built for another step)
+        self._akl = akl  # read on the SDK's thread: its step count and beta (a loss called again at a later step)
+        self._first_call_at: Optional[int] = None  # akl's completed steps when the SDK first called this loss
         self._stale_warned = False
 
     def __call__(
@@ -282,14 +290,18 @@ class GRPOKLLoss:
 
     def _warn_if_stale(self) -> None:
         """A loss built once, outside the loop, trains every step at the beta of the step it was built for, while
-        `akl` moves on: said once, where the SDK calls it for a later step."""
-        now = self._akl.completed_steps + 1
-        if now != self.training_step and not self._stale_warned:
+        `akl` moves on: said once, where the SDK calls the same loss again after `akl` has stepped and its beta has
+        moved. A loss called once, however late (a pipelined loop's, after its step's `akl.step()`), is its step's."""
+        completed = self._akl.completed_steps
+        if self._first_call_at is None:
+            self._first_call_at = completed
+            return
+        if completed != self._first_call_at and self._akl.current_beta != self.beta and not self._stale_warned:
             self._stale_warned = True
-            warnings.warn(f"grpo_kl_loss: this loss was built for step {self.training_step} and trains step {now}: it "
-                          f"keeps step {self.training_step}'s beta ({self.beta:g}; akl's is now "
-                          f"{self._akl.current_beta:g}) and settings. Build one per optimizer step, "
-                          "loss_fn = grpo_kl_loss(akl), after the previous akl.step().", UserWarning, stacklevel=2)
+            warnings.warn(f"grpo_kl_loss: this loss, built for step {self.training_step}, is called again after "
+                          f"{completed - self._first_call_at} more akl.step(): it keeps step {self.training_step}'s "
+                          f"beta ({self.beta:g}; akl's is now {self._akl.current_beta:g}) and settings. Build one per "
+                          "optimizer step, loss_fn = grpo_kl_loss(akl).", UserWarning, stacklevel=2)
 
 
 def grpo_kl_loss(
@@ -328,7 +340,7 @@ def record_step_kl(
     The log-probs are the ones the result carries (`loss_fn_outputs[i]["logprobs"]`, the policy the loss saw).
     Returns the core's `adaptive_kl/*` metrics of the batch. Call it once per forward_backward_custom; `train=False`
     for an evaluation batch, whose KL the next step does not read."""
-    check_loss_route(akl, "record_step_kl")
+    check_loss_placement(akl, "record_step_kl")  # any loss type: it measures the KL, whatever loss trained on it
     check_divisors_given(divisors(max_completion_length, token_normalizer), [kl_reduction(akl.config, akl.loss_type)],
                          "record_step_kl")
     if len(result.loss_fn_outputs) != len(data):
