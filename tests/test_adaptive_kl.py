@@ -728,12 +728,13 @@ def test_a_loop_that_steps_akl_more_often_than_its_optimizer_is_told() -> None:
 
     akl = fresh()
     (printed,) = _own_loop(akl, table(), "baboa" * 3)
-    assert printed == ("adaptive KL: akl.step() ran 2 times per optimizer step in the last 3 optimizer steps: dynamic "
-                       "moves beta at each akl.step() (call it once per optimizer.step(), not per micro-batch or pass).")
+    assert printed == ("adaptive KL: akl.step() ran 2, 2 and 2 times per optimizer step in the last 3 optimizer "
+                       "steps: dynamic moves beta at each akl.step() (call it once per optimizer.step(), not per "
+                       "micro-batch or pass).")
     assert akl.current_beta == pytest.approx(BETA * 0.9 ** 6)  # what it warns of: one decay per micro-batch
     assert _own_loop(akl, table(), "baboa" * 3) == []  # said once a run
-    (printed,) = _own_loop(fresh(), table(), "bababoa" * 3)
-    assert "ran 3 times per optimizer step in the last 3" in printed
+    (printed,) = _own_loop(fresh(), table(), "bababoa" * 2 + "baboa")  # each step's own count
+    assert "ran 3, 3 and 2 times per optimizer step in the last 3 optimizer steps" in printed
     for script in ("baboa" * 2 + "boa" * 4,  # two steps in a row: not yet three
                    "ba" * 4 + "boa" * 4,  # skipped steps at the start, then one call per optimizer step
                    "boa" * 3 + "baboa" + "boa" * 3 + "baboa",  # one skipped step now and then
@@ -1067,7 +1068,8 @@ def test_a_token_normaliser_of_one_element_in_any_shape_is_that_number(shape: tu
 def test_a_numpy_divisor_is_the_number_it_holds() -> None:
     """A loop that counts its tokens in numpy passes an array: np.array(7.0) (0-d or (1,)) was refused as 'not a
     number' though np.float32(7.0) was taken; each numpy form now gives the term and metrics of the plain number, and
-    an array of two counts is refused by its shape, as a tensor's is."""
+    an array of two counts is refused by its shape, as a tensor's is, and one torch cannot hold (text, objects) by
+    name (the conversion raised torch's TypeError)."""
     logps, ref = batch()
     for loss_type, field, number, forms in (
             ("dapo", "token_normalizer", 7.0, (np.array(7.0), np.array([7.0]), np.float32(7.0), np.int64(7))),
@@ -1078,6 +1080,9 @@ def test_a_numpy_divisor_is_the_number_it_holds() -> None:
             assert term.shape == () and term.item() == want.item() and metrics == want_metrics, (field, form)
         with pytest.raises(ValueError, match=rf"^{field} is invalid: a tensor of shape \(2,\); allowed is one "):
             AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **{field: np.array([number, number])})
+        for unheld in (np.array("7"), np.array([7.0], dtype=object)):  # torch holds neither: refused by name
+            with pytest.raises(ValueError, match=rf"^{field}=array\(.*\) is invalid: allowed is "):
+                AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, **{field: unheld})
 
 
 def test_an_empty_batch_is_refused_naming_its_shape() -> None:

@@ -144,6 +144,21 @@ def test_resume_from_checkpoint_restores_beta(tokenizer, tmp_path) -> None:
     assert resumed.current_beta == pytest.approx(full.current_beta, rel=1e-12)
 
 
+def test_a_resume_with_a_new_constant_beta_trains_and_logs_it(tokenizer, tmp_path) -> None:
+    """A run resumed with a changed args.beta under a constant controller (clip): the checkpoint's beta replaced the
+    new one in the adaptive KL (clip's term, and the logged current_beta, at 0.04) while args.beta said 0.08. The
+    run's own beta is kept, saying so, and the resumed step logs it (clip's term is beta times the adapted KL at
+    adaptive_kl.current_beta, the logged one)."""
+    settings = dict(max_steps=3, save_strategy="steps", save_steps=2, model_kind="peft_config",
+                    kl_adaptation_method="clip", kl_clip_threshold=0.5, gradient_accumulation_steps=1)
+    make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), beta=0.04, **settings).train()
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), constant_reward(1.0), beta=0.08, **settings)
+    with pytest.warns(UserWarning, match=r"^adaptive KL: the loaded state's beta 0\.04 is not this run's beta=0\.08: "
+                                         r"a constant beta is the run's own setting, so 0\.08 is kept"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert logged(resumed, "adaptive_kl/current_beta")[-1] == 0.08 == resumed.current_beta
+
+
 def test_the_checkpoint_a_hub_push_uploads_holds_the_controllers_state(tokenizer, tmp_path) -> None:
     """transformers' _save_checkpoint ends by pushing the folder (`_push_from_checkpoint`, with push_to_hub and a
     checkpoint hub_strategy): the state must be in the folder by then (it was written after, so a run resumed from

@@ -318,8 +318,10 @@ def test_a_registered_reduction_is_selected_by_kl_reduction_in_every_placement()
 def test_a_registered_reductions_own_check_is_not_taken_for_a_missing_divisor() -> None:
     """Every door asks each reduction, on a one-completion probe, whether it lacks a divisor. A registered reduction
     that refuses fewer than two completions failed that probe, and kl_loss refused every batch in its words plus
-    ': pass it to kl_loss(...)'. The probe now reads a divisor's refusal alone: a batch of 2 gets mean_i S_i, one of
-    1 the reduction's own error as written; one dividing by a missing token_normalizer is named with the door."""
+    ': pass it to kl_loss(...)' (one failing on it with a RuntimeError, a view into pairs, refused every batch in
+    torch's words). The probe now reads a divisor's refusal alone: a batch of 2 gets mean_i S_i, one of 1 the
+    reduction's own error as written; one refusing a missing token_normalizer, or dividing by None, is named with the
+    door."""
     from unsloth_adaptive_kl import register_kl_reduction
     from unsloth_adaptive_kl.core.errors import reject
 
@@ -333,11 +335,17 @@ def test_a_registered_reductions_own_check_is_not_taken_for_a_missing_divisor() 
             raise reject("token_normalizer", None, "a number > 0")
         return sums.sum() / ctx.token_normalizer
 
+    def pairwise(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+        return sums.view(-1, 2).mean(1).sum()  # a RuntimeError on one completion
+
+    def unchecked(sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+        return sums.sum() / ctx.token_normalizer  # a TypeError on None
+
     logps, ref = torch.tensor([[-1.0, -2.0], [-1.0, -1.0]]), torch.tensor([[-0.5, -1.0], [-2.0, -1.0]])
     mask = torch.ones(2, 2)
     try:
-        register_kl_reduction("pairs")(pairs)
-        register_kl_reduction("per_token")(per_token)
+        for function in (pairs, per_token, pairwise, unchecked):
+            register_kl_reduction(function.__name__)(function)
         term, _ = AdaptiveKL(AdaptiveKLConfig(kl_reduction="pairs"), 1.0).kl_loss(logps, ref, mask)
         k3 = [[math.exp(r) - r - 1 for r in row] for row in ((0.5, 1.0), (-1.0, 0.0))]  # r = ref - logp
         assert term.item() == pytest.approx(sum(map(sum, k3)) / 2, rel=1e-6)
@@ -346,6 +354,12 @@ def test_a_registered_reductions_own_check_is_not_taken_for_a_missing_divisor() 
         with pytest.raises(ValueError, match=r"^token_normalizer=None is invalid: allowed is a number > 0: pass it "
                                              r"to kl_loss\(\.\.\.\)\.$"):
             AdaptiveKL(AdaptiveKLConfig(kl_reduction="per_token"), 1.0).kl_loss(logps, ref, mask)
+        term, _ = AdaptiveKL(AdaptiveKLConfig(kl_reduction="pairwise"), 1.0).kl_loss(logps, ref, mask)
+        assert term.item() == pytest.approx(sum(map(sum, k3)) / 2, rel=1e-6)  # one pair: its mean
+        with pytest.raises(ValueError, match=r"^kl_reduction='unchecked' divides by a divisor not given here \("
+                                             r"max_completion_length=None, token_normalizer=None; unsupported operand "
+                                             r".*NoneType.*\): pass it to kl_loss\(\.\.\.\)\.$"):
+            AdaptiveKL(AdaptiveKLConfig(kl_reduction="unchecked"), 1.0).kl_loss(logps, ref, mask)
     finally:
-        for name in ("pairs", "per_token"):
+        for name in ("pairs", "per_token", "pairwise", "unchecked"):
             reductions.REDUCTIONS.pop(name, None)

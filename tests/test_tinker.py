@@ -1358,9 +1358,11 @@ def test_each_door_names_its_own_mistakes() -> None:
 
 def test_a_loss_built_for_an_earlier_step_says_so_once() -> None:
     """grpo_kl_loss(akl) built once, above the loop, trained every step at the first step's beta (0.2 where akl's
-    had decayed to 0.1, then 0.05) without a word; the same loss called again after akl.step() moved beta warns once,
-    naming both betas. Quiet: the loss built per step, as the page shows; one loss called twice within its step; one
-    called once, late (a pipelined loop's, after its step's akl.step()); a constant beta, which one loss keeps."""
+    had decayed to 0.1, then 0.05) without a word; the same loss called again two akl.step() after it was built, beta
+    moved, warns once, naming both betas. Quiet: the loss built per step, as the page shows; one loss called twice
+    within its step; a pipelined loop's loss called after its step's akl.step(), once or for each of the
+    forward_backward_custom calls it submitted before (the first may run before akl.step(), the second after); a
+    constant beta, which one loss keeps."""
     def dynamic() -> AdaptiveKL:
         return AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5,
                                            dynamic_beta_decay=0.5), beta=0.2)
@@ -1377,10 +1379,13 @@ def test_a_loss_built_for_an_earlier_step_says_so_once() -> None:
         warnings.simplefilter("error")
         call(hoisted)  # step 1, as built
         call(hoisted)  # twice within step 1
+        akl.step(mean_reward=1.0)
+        call(hoisted)  # step 2: as a pipelined loop's second call of step 1 would be, after its akl.step()
     akl.step(mean_reward=1.0)
-    with pytest.warns(UserWarning, match=r"^grpo_kl_loss: this loss, built for step 1, is called again after 1 more "
-                                         r"akl\.step\(\): it keeps step 1's beta \(0\.2; akl's is now 0\.1\) and "
-                                         r"settings\. Build one per optimizer step, loss_fn = grpo_kl_loss\(akl\)\.$"):
+    with pytest.warns(UserWarning, match=r"^grpo_kl_loss: this loss, built for step 1, is called again after 2 "
+                                         r"akl\.step\(\) since: it keeps step 1's beta \(0\.2; akl's is now "
+                                         r"0\.05\) and settings\. Build one per optimizer step, "
+                                         r"loss_fn = grpo_kl_loss\(akl\)\.$"):
         call(hoisted)
     akl.step(mean_reward=1.0)
     with warnings.catch_warnings():

@@ -97,7 +97,7 @@ class AdaptiveKL:
         self._unstepped_warned = False
         self._twice_warned = False
         self._calls_since_optimizer = 0  # step() calls since the loop's optimizer last stepped
-        self._intervals_stepped_twice = 0  # optimizer steps in a row that came after more than one step() each
+        self._stepped_twice: list[int] = []  # the step() calls before each of the last optimizer steps, all > 1
 
     @property
     def moves_beta(self) -> bool:
@@ -224,8 +224,8 @@ class AdaptiveKL:
         raise ValueError(
             f"{name} changed from {built!r} to {now!r} after the run started: adaptive-KL settings are validated, "
             "and the beta controller built, once, when the run's AdaptiveKL is built (a trainer builds it in its "
-            "__init__). Set it before; in a loop of your own, build a new AdaptiveKL with it and carry beta and the "
-            "step over with new.load_state_dict(old.state_dict()).")
+            "__init__). Set it before; in a loop of your own, build a new AdaptiveKL with it (and the run's beta) "
+            "and carry the step and a moving beta over with new.load_state_dict(old.state_dict()).")
 
     # ----- the trainer integrations -----------------------------------------------------------------------------
 
@@ -377,11 +377,13 @@ class AdaptiveKL:
         if not steps.since_reset():  # no optimizer step since the previous akl.step(): the same interval goes on
             return
         calls, self._calls_since_optimizer = self._calls_since_optimizer, 0
-        self._intervals_stepped_twice = self._intervals_stepped_twice + 1 if calls > 1 else 0
-        if self._intervals_stepped_twice >= STEPPED_TWICE:
-            warnings.warn(f"adaptive KL: akl.step() ran {calls} times per optimizer step in the last {STEPPED_TWICE} "
-                          f"optimizer steps: {controller_kind(self.controller)} moves beta at each akl.step() (call it "
-                          "once per optimizer.step(), not per micro-batch or pass).", UserWarning, stacklevel=3)
+        self._stepped_twice = [*self._stepped_twice, calls] if calls > 1 else []
+        if len(self._stepped_twice) >= STEPPED_TWICE:
+            *first, last = map(str, self._stepped_twice[-STEPPED_TWICE:])
+            warnings.warn(f"adaptive KL: akl.step() ran {', '.join(first)} and {last} times per optimizer step in "
+                          f"the last {STEPPED_TWICE} optimizer steps: {controller_kind(self.controller)} moves beta at "
+                          "each akl.step() (call it once per optimizer.step(), not per micro-batch or pass).",
+                          UserWarning, stacklevel=3)
             self._twice_warned = True
 
     def state_dict(self) -> dict[str, Any]:
@@ -530,10 +532,8 @@ def divisors(max_completion_length: Any, token_normalizer: Any) -> ReductionCont
     `token_normalizer`), each checked as a number, a tensor too: it must hold one number, read once (a count <= 0
     would flip or blow up the term). A one-element `token_normalizer` is that number whatever its shape (a (1,) count
     gave a (1,) term, which the metrics read as per-completion); a tensor `max_completion_length` is its value."""
-    # an array (numpy's, 0-d too; not a numpy scalar, which is a number) as the tensor it stands for
-    max_completion_length, token_normalizer = (
-        torch.as_tensor(value) if hasattr(value, "__array__") and not isinstance(value, (numbers.Number, torch.Tensor))
-        else value for value in (max_completion_length, token_normalizer))
+    max_completion_length, token_normalizer = as_tensor_if_array(max_completion_length), as_tensor_if_array(
+        token_normalizer)
     for name, value, allowed in (("max_completion_length", max_completion_length, "one integer >= 1"),
                                  ("token_normalizer", token_normalizer, "one number > 0 (the micro-batch's active "
                                                                         "tokens)")):
@@ -545,6 +545,17 @@ def divisors(max_completion_length: Any, token_normalizer: Any) -> ReductionCont
         ReductionContext(token_normalizer=token_normalizer.item())  # its value, checked as a number is
         token_normalizer = token_normalizer.reshape(())
     return ReductionContext(max_completion_length, token_normalizer)
+
+
+def as_tensor_if_array(value: Any) -> Any:
+    """An array (numpy's, 0-d too; not a numpy scalar, which is a number) as the tensor it stands for; one torch
+    cannot hold (text, objects) as it is, for the divisor's check to refuse by name."""
+    if not hasattr(value, "__array__") or isinstance(value, (numbers.Number, torch.Tensor)):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        return value
 
 
 def _sums(saved: Any, name: str) -> Optional[KLStatistics]:

@@ -238,17 +238,22 @@ def check_divisors_given(ctx: ReductionContext, reductions: Iterable[str], door:
     """Each reduction that reads a divisor `ctx` lacks asked, on a one-completion probe, whether it needs it, before
     anything is computed: a ValueError naming the divisor and the door it goes to (a loop that passed it to its loss
     and not to its `record_step_kl` met a reduction's internal name). The probe answers that alone: a registered
-    reduction's other ValueError (one completion too few, say) is its own, met by the batch if at all."""
+    reduction's other errors (one completion too few, say) are its own, met by the batch if at all."""
     for reduction in dict.fromkeys(reductions):
         missing = [field for field in REDUCTIONS[reduction].reads if getattr(ctx, field) is None]
         if not missing:  # every divisor it reads is there (the common case: nothing is computed)
             continue
         try:
             REDUCTIONS[reduction].reduce(torch.zeros(1), torch.ones(1), ctx)
-        except ValueError as error:
-            if any(str(error).startswith(f"{field}=None is invalid") for field in missing):
+        except Exception as error:  # a registered reduction raises what it raises
+            if isinstance(error, ValueError) and any(str(error).startswith(f"{field}=None is invalid")
+                                                     for field in missing):
                 raise ValueError(f"{str(error).rstrip('.')}: pass it to {door}(...).") from None
-            # else a registered reduction's own check, of a probe that is not the batch: the batch meets it, if any
+            if isinstance(error, TypeError) and "NoneType" in str(error):  # a registered one divided by None
+                raise ValueError(f"kl_reduction={reduction!r} divides by a divisor not given here ("
+                                 f"{', '.join(f'{field}=None' for field in missing)}; {error}): pass it to "
+                                 f"{door}(...).") from None
+            # else its own check, of a probe that is not the batch: the batch meets it, if at all
 
 
 def check_completions_fit(ctx: ReductionContext, mask: torch.Tensor, reductions: dict[str, str]) -> None:

@@ -238,7 +238,8 @@ class GRPOKLLoss:
 
     The SDK thread computes K and its metrics from the captured beta and config (`kl_term`, the core's pipeline) and
     writes nothing of `akl`; it reads two of its numbers, its step count and beta, to warn where this one loss is
-    called again after `akl` has stepped on (built once, above the loop, it would train every step at the first beta).
+    called again two `akl.step()` after it was built (built once, above the loop, it would train every step at the
+    first beta).
     A `target` controller reads the step's KL: call `record_step_kl(akl, data, result)` on your thread before
     `akl.step()`."""
 
@@ -264,7 +265,7 @@ class GRPOKLLoss:
         # this step's reductions (the policy gradient's and the KL's) now.
         check_divisors_given(self.context, loss_terms(self.config, self.loss_type).values(), "grpo_kl_loss")
         self._akl = akl  # read on the SDK's thread: its step count and beta (a loss called again at a later step)
-        self._first_call_at: Optional[int] = None  # akl's completed steps when the SDK first called this loss
+        self._called_before = False  # a loss called once is its step's, however late
         self._stale_warned = False
 
     def __call__(
@@ -290,17 +291,18 @@ class GRPOKLLoss:
 
     def _warn_if_stale(self) -> None:
         """A loss built once, outside the loop, trains every step at the beta of the step it was built for, while
-        `akl` moves on: said once, where the SDK calls the same loss again after `akl` has stepped and its beta has
-        moved. A loss called once, however late (a pipelined loop's, after its step's `akl.step()`), is its step's."""
-        completed = self._akl.completed_steps
-        if self._first_call_at is None:
-            self._first_call_at = completed
+        `akl` moves on: said once, where the SDK calls the same loss again two `akl.step()` or more after the one it
+        was built after, with beta moved. A pipelined loop's loss may be called after its own step's `akl.step()`
+        (once, or for each of its forward_backward_custom calls, submitted before the loop stepped akl): its step's."""
+        steps_since_built = self._akl.completed_steps - (self.training_step - 1)
+        if not self._called_before:
+            self._called_before = True
             return
-        if completed != self._first_call_at and self._akl.current_beta != self.beta and not self._stale_warned:
+        if steps_since_built >= 2 and self._akl.current_beta != self.beta and not self._stale_warned:
             self._stale_warned = True
             warnings.warn(f"grpo_kl_loss: this loss, built for step {self.training_step}, is called again after "
-                          f"{completed - self._first_call_at} more akl.step(): it keeps step {self.training_step}'s "
-                          f"beta ({self.beta:g}; akl's is now {self._akl.current_beta:g}) and settings. Build one per "
+                          f"{steps_since_built} akl.step() since: it keeps step {self.training_step}'s beta "
+                          f"({self.beta:g}; akl's is now {self._akl.current_beta:g}) and settings. Build one per "
                           "optimizer step, loss_fn = grpo_kl_loss(akl).", UserWarning, stacklevel=2)
 
 
