@@ -549,7 +549,7 @@ def test_a_dr_grpo_cap_below_a_completions_length_is_refused() -> None:
             warnings.simplefilter("ignore")  # the cap is unread by the KL term: it says so
             term, _ = AdaptiveKL(config, BETA, "dr_grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
         assert term.item() > 0
-    with pytest.warns(UserWarning, match="^max_completion_length=3 has no effect"):
+    with pytest.warns(UserWarning, match="^max_completion_length has no effect"):
         AdaptiveKL(None, BETA, "grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
 
 
@@ -715,11 +715,12 @@ def test_a_loop_of_your_own_that_never_calls_step_is_told_beta_holds() -> None:
 
 
 def test_a_loop_that_steps_akl_more_often_than_its_optimizer_is_told() -> None:
-    """akl.step() after every micro-batch decayed `dynamic` once per micro-batch (2 micro-batches x 3 optimizer
-    steps: 0.9^6 for 0.9^3) without a word. Three optimizer steps in a row that each came after more than one step()
-    say so, once a run. Not told: optimizer steps skipped now and then (fp16's GradScaler skips one on an overflow,
-    several at a run's start: they make one interval, the next ones are one call each), akl.step() before
-    optimizer.step(), and a loop with no torch optimizer stepping (a remote one, as Tinker's)."""
+    """akl.step() after every micro-batch decayed `dynamic` once per micro-batch (2 micro-batches x 4 optimizer
+    steps: 0.9^8 for 0.9^4) without a word. More than one step() between one optimizer step and the next, three times
+    in a row, says so, once a run, naming each count (read at the step() after the optimizer stepped, which starts the
+    next count). Not told: optimizer steps skipped now and then (fp16's GradScaler skips one on an overflow, several
+    at a run's start: they make one interval, the next ones are one call each), akl.step() before optimizer.step(),
+    and a loop with no torch optimizer stepping (a remote one, as Tinker's)."""
     def table() -> list[torch.optim.Optimizer]:
         return [torch.optim.AdamW([torch.zeros(3, 4, requires_grad=True)], lr=0.1)]
 
@@ -727,17 +728,18 @@ def test_a_loop_that_steps_akl_more_often_than_its_optimizer_is_told() -> None:
         return AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
 
     akl = fresh()
-    (printed,) = _own_loop(akl, table(), "baboa" * 3)
-    assert printed == ("adaptive KL: akl.step() ran 2, 2 and 2 times per optimizer step in the last 3 optimizer "
-                       "steps: dynamic moves beta at each akl.step() (call it once per optimizer.step(), not per "
+    (printed,) = _own_loop(akl, table(), "babao" * 4)  # step() per micro-batch, then the optimizer's
+    assert printed == ("adaptive KL: akl.step() ran 2, 2 and 2 times between one optimizer step and the next, 3 times "
+                       "in a row: dynamic moves beta at each akl.step() (call it once per optimizer.step(), not per "
                        "micro-batch or pass).")
-    assert akl.current_beta == pytest.approx(BETA * 0.9 ** 6)  # what it warns of: one decay per micro-batch
-    assert _own_loop(akl, table(), "baboa" * 3) == []  # said once a run
-    (printed,) = _own_loop(fresh(), table(), "bababoa" * 2 + "baboa")  # each step's own count
-    assert "ran 3, 3 and 2 times per optimizer step in the last 3 optimizer steps" in printed
-    for script in ("baboa" * 2 + "boa" * 4,  # two steps in a row: not yet three
+    assert akl.current_beta == pytest.approx(BETA * 0.9 ** 8)  # what it warns of: one decay per micro-batch
+    assert _own_loop(akl, table(), "babao" * 4) == []  # said once a run
+    (printed,) = _own_loop(fresh(), table(), "babao" + "bababao" + "babao" + "b" + "a")  # each interval's own count
+    assert "ran 2, 3 and 2 times between one optimizer step and the next" in printed
+    assert _own_loop(fresh(), table(), "babao" * 3) == []  # the third count is read at the next step()
+    for script in ("babao" * 2 + "bao" * 4,  # two intervals in a row: not yet three
                    "ba" * 4 + "boa" * 4,  # skipped steps at the start, then one call per optimizer step
-                   "boa" * 3 + "baboa" + "boa" * 3 + "baboa",  # one skipped step now and then
+                   "boa" * 3 + "bababoa" + "boa" * 3 + "bababoa" + "boa",  # one skipped step now and then
                    "bao" * 4, "boa" * 4, "bbboa" * 4, "booooa" * 4, "ba" * 6):
         assert _own_loop(fresh(), table(), script) == [], script
 
@@ -820,23 +822,23 @@ def test_a_divisor_no_reduction_reads_warns_and_one_read_does_not() -> None:
     with pytest.warns(UserWarning) as caught:
         term, _ = AdaptiveKL(None, BETA).kl_loss(logps, ref, MASK, token_normalizer=7.0)
     assert [str(warning.message) for warning in caught] == [
-        "token_normalizer=7.0 has no effect: only loss_type dapo, cispo or vespo reads it, and loss_type='grpo' reduces "
+        "token_normalizer has no effect: only loss_type dapo, cispo or vespo reads it, and loss_type='grpo' reduces "
         "the loss by sequence_mean. Leave it None, or declare the loss type your loss reduces as "
         "(AdaptiveKL(..., loss_type=...))."]
     k = k3_by_hand(exact(logps), exact(ref))
     magnitude = BETA * ((k3_magnitude(logps, ref) * MASK).sum(-1) / LENGTHS).mean()
     assert_float32_close(term.item(), BETA * (k.sum(-1) / LENGTHS).mean().item(), magnitude, 12)
-    with pytest.warns(UserWarning, match=r"^max_completion_length=4 has no effect: only loss_type dr_grpo reads it, "
+    with pytest.warns(UserWarning, match=r"^max_completion_length has no effect: only loss_type dr_grpo reads it, "
                                          r"and loss_type='dapo' reduces the loss by token_sum_normalized and the KL "
                                          r"by token_mean\."):
         AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA, "dapo").kl_loss(
             logps, ref, MASK, max_completion_length=4, token_normalizer=7.0)
     with warnings.catch_warnings(record=True) as caught:  # a loop's count per batch: one message, whatever it is
         warnings.simplefilter("default")
-        for count in (7, 6, 5):
-            AdaptiveKL(None, BETA).kl_loss(logps, ref, MASK, token_normalizer=torch.tensor(count))
+        for count in (torch.tensor(7), 6.0, 5.0, torch.tensor(4.0)):  # a number's value was in it: one per count
+            AdaptiveKL(None, BETA).kl_loss(logps, ref, MASK, token_normalizer=count)
     assert [str(warning.message)[:60] for warning in caught] == [
-        "token_normalizer (a tensor) has no effect: only loss_type da"]
+        "token_normalizer has no effect: only loss_type dapo, cispo o"]
     quiet = [(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), "dapo", {"token_normalizer": 7.0}),
              (None, "dr_grpo", {"max_completion_length": 4})]
     with warnings.catch_warnings():

@@ -97,7 +97,7 @@ class AdaptiveKL:
         self._unstepped_warned = False
         self._twice_warned = False
         self._calls_since_optimizer = 0  # step() calls since the loop's optimizer last stepped
-        self._stepped_twice: list[int] = []  # the step() calls before each of the last optimizer steps, all > 1
+        self._stepped_twice: list[int] = []  # the step() calls between the last optimizer steps, each > 1
 
     @property
     def moves_beta(self) -> bool:
@@ -367,22 +367,23 @@ class AdaptiveKL:
     def _warn_if_stepped_twice(self) -> None:
         """The mirror of `_warn_if_unstepped`: a loop that calls `step()` per micro-batch (or per pass) moves beta that
         many times per optimizer step, silently. Said, once per run, where the loop's optimizer steps and
-        `STEPPED_TWICE` optimizer steps in a row each came after more than one `step()`: an optimizer step skipped now
-        and then (fp16's scaler skips one on overflow, several at the start) is not that, nor a remote optimizer,
-        which is never seen to step."""
+        `STEPPED_TWICE` times in a row more than one `step()` ran between one optimizer step and the next: an
+        optimizer step skipped now and then (fp16's scaler skips one on overflow, several at the start) is not that,
+        nor a remote optimizer, which is never seen to step. A count is read at the first `step()` after the
+        optimizer stepped, which starts the next one."""
         steps = self._optimizer_steps
         if not steps.started or self._twice_warned:
             return
         self._calls_since_optimizer += 1
         if not steps.since_reset():  # no optimizer step since the previous akl.step(): the same interval goes on
             return
-        calls, self._calls_since_optimizer = self._calls_since_optimizer, 0
-        self._stepped_twice = [*self._stepped_twice, calls] if calls > 1 else []
+        between, self._calls_since_optimizer = self._calls_since_optimizer - 1, 1  # this call is after it
+        self._stepped_twice = [*self._stepped_twice, between] if between > 1 else []
         if len(self._stepped_twice) >= STEPPED_TWICE:
             *first, last = map(str, self._stepped_twice[-STEPPED_TWICE:])
-            warnings.warn(f"adaptive KL: akl.step() ran {', '.join(first)} and {last} times per optimizer step in "
-                          f"the last {STEPPED_TWICE} optimizer steps: {controller_kind(self.controller)} moves beta at "
-                          "each akl.step() (call it once per optimizer.step(), not per micro-batch or pass).",
+            warnings.warn(f"adaptive KL: akl.step() ran {', '.join(first)} and {last} times between one optimizer "
+                          f"step and the next, {STEPPED_TWICE} times in a row: {controller_kind(self.controller)} moves "
+                          "beta at each akl.step() (call it once per optimizer.step(), not per micro-batch or pass).",
                           UserWarning, stacklevel=3)
             self._twice_warned = True
 
@@ -481,8 +482,9 @@ class AdaptiveKL:
                           + f": clamped to {bounded:g}, as {kind} keeps beta within them.", UserWarning, stacklevel=3)
 
 
-# Optimizer steps in a row, each after more than one `step()`, that `_warn_if_stepped_twice` takes for a loop calling
-# `step()` per micro-batch (one such step alone is an optimizer step skipped, as fp16's scaler skips one).
+# Intervals between optimizer steps in a row, each with more than one `step()`, that `_warn_if_stepped_twice` takes for
+# a loop calling `step()` per micro-batch (one such interval alone is an optimizer step skipped, as fp16's scaler skips
+# one).
 STEPPED_TWICE = 3
 
 

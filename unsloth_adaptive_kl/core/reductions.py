@@ -216,7 +216,7 @@ def context_read(config: Any, loss_type: str) -> frozenset[str]:
 def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> None:
     """Warn for each divisor a loop passed in `ctx` that `context_read(config, loss_type)` leaves out: it would do
     nothing, most likely because the loop normalises its loss as another loss type than the one it declared (once
-    per process and message, Python's default filter)."""
+    per process and field, Python's default filter)."""
     loss, kl = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
     read = context_read(config, loss_type)
     for field in CONTEXT_FIELDS:
@@ -225,9 +225,8 @@ def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> N
             continue
         *others, last = [loss for reduction in REDUCTIONS.values() if field in reduction.reads
                          for loss in reduction.loss_types]
-        # A tensor's value (a count that changes every batch) is left out, so the message is said once, not per call.
-        given = f"{field} (a tensor)" if isinstance(value, torch.Tensor) else f"{field}={value!r}"
-        warnings.warn(f"{given} has no effect: only loss_type {', '.join(others)}{' or ' * bool(others)}"
+        # The value is left out (a count that changes every batch), so the message is said once, not per count.
+        warnings.warn(f"{field} has no effect: only loss_type {', '.join(others)}{' or ' * bool(others)}"
                       f"{last} reads it, and loss_type={loss_type!r} reduces the loss by {loss}"
                       f"{'' if kl == loss else f' and the KL by {kl}'}. Leave it None, or declare the loss type your "
                       "loss reduces as (AdaptiveKL(..., loss_type=...)).",
