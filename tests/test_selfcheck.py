@@ -361,14 +361,14 @@ def test_each_comparison_reads_the_metrics_its_own_run_logged(trl_trainer_and_ba
 
     def hook_then_stock(model, batch):
         calls.append(len(calls))
-        return hooked(model, batch) if len(calls) == 2 else stock(trainer, model, batch)
+        return hooked(model, batch) if len(calls) == 3 else stock(trainer, model, batch)  # stock, |stock|, none
 
     trainer._compute_loss = hook_then_stock
     try:
         lines = compare(trainer, inputs, contextlib.nullcontext)
     finally:
         del trainer._compute_loss
-    assert len(calls) == 3
+    assert len(calls) == 4
     assert [line.split(": ")[:2] for line in lines] == [
         ["[ok] TRL", "stock gradients"], ["[ok] TRL", "none == stock"], ["[FAIL] TRL", "clip above every KL == stock"]]
     assert lines[2].endswith(", adaptive_kl metrics not logged"), lines

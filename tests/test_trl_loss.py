@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import KLEstimatorWarning
-from unsloth_adaptive_kl.tools.selfcheck import backward_grads, loss_and_grads
+from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, backward_grads, loss_and_grads
 from unsloth_adaptive_kl.integrations import trl as trl_patch
 from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 from unsloth_adaptive_kl.integrations.versions import TRL_ANCHORS
@@ -492,6 +492,7 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
         inputs["old_per_token_logps"] = logp + torch.linspace(0.3, -0.3, logp.numel()).view_as(logp)
     with stock_trl():
         stock_loss, stock_grads = loss_and_grads(trainer, "_compute_loss", inputs)
+        magnitude = absolute_loss(trainer, "_compute_loss", inputs)
     adaptations = dict(NO_OP_ADAPTATIONS)
     if loss_type in SAME_REDUCTION:
         adaptations["same_reduction"] = dict(kl_reduction=SAME_REDUCTION[loss_type])
@@ -503,7 +504,7 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
         attach_runtime(trainer)
         loss, grads = loss_and_grads(trainer, "_compute_loss", inputs)
         # The same per-token terms, reduced in another order (the KL on its own, then added).
-        assert abs(loss - stock_loss) <= reordered_sum_tolerance(tokens, abs(stock_loss)), label
+        assert abs(loss - stock_loss) <= reordered_sum_tolerance(tokens, magnitude), label
         grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))
         assert grad_diff <= 2 * reordered_sum_tolerance(tokens, stock_grad_max), (label, grad_diff)
         assert max(trainer._metrics["train"]["adaptive_kl/raw_kl"]) > 1.0
@@ -681,11 +682,12 @@ def test_dapo_divides_the_kl_part_by_each_process_share_of_the_tokens_as_trl_doe
     monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
     with stock_trl():
         stock_loss, stock_grads = loss_and_grads(trainer, "_compute_loss", inputs)
+        magnitude = absolute_loss(trainer, "_compute_loss", inputs)  # |stock_loss| is not: advantages cancel
     loss, grads = loss_and_grads(trainer, "_compute_loss", inputs)
     kl_part, _ = kl_part_and_grads(trainer, inputs)
     tokens = int(inputs["completion_mask"].sum())
-    assert abs(loss - stock_loss) <= reordered_sum_tolerance(tokens, abs(stock_loss))
-    assert abs(kl_part.item()) > 100 * reordered_sum_tolerance(tokens, abs(stock_loss))
+    assert abs(loss - stock_loss) <= reordered_sum_tolerance(tokens, magnitude)
+    assert abs(kl_part.item()) > 100 * reordered_sum_tolerance(tokens, magnitude)
     stock_grad_max = max(g.abs().max().item() for g in stock_grads)
     assert max((g - s).abs().max().item() for g, s in zip(grads, stock_grads)) <= 2 * reordered_sum_tolerance(
         tokens, stock_grad_max)

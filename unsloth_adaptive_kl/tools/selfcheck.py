@@ -171,6 +171,16 @@ def loss_and_grads(trainer: Any, compute: str, inputs: dict) -> tuple[float, lis
     return loss.item(), backward_grads(trainer, loss)
 
 
+def absolute_loss(trainer: Any, compute: str, inputs: dict) -> float:
+    """The magnitude a reordered-sum bound on the loss needs (`reordered_sum_tolerance`: sum |x| over its per-token
+    terms, as the loss weighs them): the loss of `inputs` with every advantage -|A|, whose PPO-clip term
+    max(rho, clip(rho)) |A| + beta * KL (KL >= 0, k3's) is >= each real term's |.|. |loss| is not: a group's
+    advantages sum to 0, and the terms cancel."""
+    trainer.model.train()
+    with torch.no_grad():
+        return getattr(trainer, compute)(trainer.model, {**inputs, "advantages": -inputs["advantages"].abs()}).item()
+
+
 def shifted_reference(inputs: dict) -> dict:
     """A copy of captured inputs whose reference log-probs are moved by -1 to +1 nat across the tokens, so that the
     KL and its gradient are not zero (at the first step the policy is the reference)."""
@@ -187,6 +197,7 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
     try:
         with stock():
             stock_loss, stock_grads = loss_and_grads(trainer, compute, inputs)
+            magnitude = absolute_loss(trainer, compute, inputs)
     except MissingGradients as error:
         return [Check(f"{name}: stock gradients", False, str(error))]
     tokens = int(inputs["completion_mask"].sum())
@@ -211,7 +222,7 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
         loss_diff = abs(loss - stock_loss)
         grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))
         grad_bound = 2 * reordered_sum_tolerance(tokens, grad_scale, EPS32 if label == "none" else clip_eps)
-        ok = loss_diff <= reordered_sum_tolerance(tokens, abs(stock_loss)) and grad_diff <= grad_bound
+        ok = loss_diff <= reordered_sum_tolerance(tokens, magnitude) and grad_diff <= grad_bound
         logged = "adaptive_kl/adapted_kl" in trainer._metrics["train"]
         checks.append(Check(f"{name}: {label} == stock", ok and logged,
                             f"loss {loss:.6g} vs {stock_loss:.6g}, max grad diff {grad_diff:.2g}"
