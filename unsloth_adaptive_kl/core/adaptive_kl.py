@@ -149,8 +149,9 @@ class AdaptiveKL:
         check_estimator_read(self.config, per_token_kl)
         ctx = divisors(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
-        check_divisors_given(ctx, [kl_reduction(self.config, self.loss_type)], "kl_loss")
-        check_completions_fit(ctx, mask, {"the KL term": kl_reduction(self.config, self.loss_type)})
+        reduction = kl_reduction(self.config, self.loss_type)
+        check_divisors_given(ctx, [reduction], "kl_loss")
+        check_completions_fit(ctx, mask, {"the KL term": reduction})
         if train:
             self._warn_if_unstepped("kl_loss")
         term = self.term(logps, ref_logps, mask, ctx=ctx, per_token_kl=per_token_kl, with_grad=True)

@@ -527,8 +527,9 @@ def traced_loss_data(
                       akl.completed_steps + 1)
     context = divisors(max_completion_length, token_normalizer)
     warn_unread_context(context, akl.config, akl.loss_type)
-    check_divisors_given(context, loss_terms(akl.config, akl.loss_type).values(), "traced_loss_data")
-    check_completions_fit(context, mask, loss_terms(akl.config, akl.loss_type))
+    terms = loss_terms(akl.config, akl.loss_type)
+    check_divisors_given(context, terms.values(), "traced_loss_data")
+    check_completions_fit(context, mask, terms)
     if beta is not None:  # a negative one would reward KL, a NaN or inf make the loss so
         check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0, or None for "
                    "akl.current_beta")
