@@ -109,7 +109,8 @@ from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E402
 
 from unsloth_adaptive_kl.integrations.trainer_hooks import UNSLOTH_DEFAULTS  # noqa: E402
-from unsloth_adaptive_kl.tools.selfcheck import backward_grads, captured_inputs, stock_unsloth  # noqa: E402
+from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, backward_grads, captured_inputs  # noqa: E402
+from unsloth_adaptive_kl.tools.selfcheck import stock_unsloth  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads as selfcheck_loss_and_grads  # noqa: E402
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
@@ -210,6 +211,13 @@ def loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor
 def stock_loss_and_grads(trainer: Any, inputs: dict) -> tuple[float, list[torch.Tensor]]:
     with stock_unsloth(trainer):
         return loss_and_grads(trainer, inputs)
+
+
+def stock_magnitude(trainer: Any, inputs: dict) -> float:
+    """The magnitude a reordered-sum bound on stock Unsloth's loss needs: its loss with every advantage -|A|
+    (`selfcheck.absolute_loss`; |loss| is not one: a group's advantages sum to 0, and the terms cancel)."""
+    with stock_unsloth(trainer):
+        return absolute_loss(trainer, "compute_loss", inputs)
 
 
 def independent_kl_part(trainer: Any, inputs: dict) -> torch.Tensor:
@@ -373,7 +381,9 @@ def scenario_losses(out: str) -> dict:
                 -1.5, 1.5, inputs["completion_ids"].numel()).view_as(inputs["completion_ids"])
         loss, grads = loss_and_grads(trainer, inputs)
         stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
-        entry: dict[str, Any] = {"none_loss": loss, "stock_loss": stock_loss, "none_grad_diff": max_abs_diff(grads, stock_grads),
+        entry: dict[str, Any] = {"none_loss": loss, "stock_loss": stock_loss,
+                                 "stock_magnitude": stock_magnitude(trainer, inputs),
+                                 "none_grad_diff": max_abs_diff(grads, stock_grads),
                                  "stock_grad_max": max_abs(stock_grads), "stock_kl": trainer._metrics["train"]["kl"][-1]}
         trainer.beta = 0.0
         policy, policy_grads = loss_and_grads(trainer, inputs)
@@ -527,7 +537,8 @@ def scenario_drift(out: str) -> dict:
             adaptations = dict(NO_OP_ADAPTATIONS)
             if loss_type in SAME_REDUCTION and not (loss_type == "bnpo" and results["bnpo_rule"] == "global"):
                 adaptations["same_reduction"] = dict(kl_reduction=SAME_REDUCTION[loss_type])
-            entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_grad_max": max_abs(stock_grads)}
+            entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_magnitude": stock_magnitude(trainer, inputs),
+                                     "stock_grad_max": max_abs(stock_grads)}
             for label, settings in adaptations.items():
                 for name, value in {"kl_adaptation_method": "none", "kl_reduction": "loss_type", **settings}.items():
                     setattr(trainer.args, name, value)
@@ -564,7 +575,10 @@ def rejected_tokens_drift(out: str) -> dict:
     new = new.detach()
     old = new + torch.linspace(0.3, -0.3, new.numel()).view_as(new)
     ref = new + torch.linspace(-25.0, 25.0, new.numel()).view_as(new)
-    results = {}
+    with torch.no_grad():  # the magnitude of the stock loss's terms (stock_magnitude's, on this direct call)
+        magnitude_args = (new, old, ref, sampling, lm_head, input_ids, mask, -advantages.abs(), beta, scaler, n_chunks,
+                          rejecting, scale)
+        results: dict[str, Any] = {"stock_magnitude": shim.upstream.apply(*magnitude_args)[0].item()}
     for label in ("stock", "hooked", "stock_without_rejection"):
         leaf = new.clone().requires_grad_(True)
         options = kwargs if label == "stock_without_rejection" else rejecting
