@@ -22,7 +22,7 @@ REPOSITORY = "git+https://github.com/unsloth-adaptive-kl/unsloth-adaptive-kl"
 
 def execute(notebook: nbformat.NotebookNode, path: Path, allow_errors: bool = False) -> list[dict]:
     """Run the cells in a fresh kernel whose working directory is `path` and which imports this checkout's package
-    (not whichever copy is installed), as tests/test_unsloth.py's subprocesses do."""
+    (not whichever copy is installed), as the Unsloth tests' subprocesses do (tests/unsloth_runs.py)."""
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", pythonpath)

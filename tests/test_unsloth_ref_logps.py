@@ -21,7 +21,6 @@ Pinned, for the installed unsloth / unsloth_zoo:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -31,9 +30,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).parents[1]
-HAS_UNSLOTH = importlib.util.find_spec("unsloth") is not None
-needs_unsloth = pytest.mark.skipif(not HAS_UNSLOTH, reason="unsloth not installed (CI installs it)")
+from tests.unsloth_runs import ROOT, needs_unsloth
 
 # Two float32 computations of the same log-probs (Unsloth's packed [1, T] forward with a block-diagonal mask and its
 # chunked log-softmax, against a batched padded forward and log_softmax) differ by rounding only: <= 7.2e-7 measured
