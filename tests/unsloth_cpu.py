@@ -382,9 +382,9 @@ def scenario_losses(out: str) -> dict:
         loss, grads = loss_and_grads(trainer, inputs)
         stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
         entry: dict[str, Any] = {"none_loss": loss, "stock_loss": stock_loss,
-                                 "stock_magnitude": stock_magnitude(trainer, inputs),
                                  "none_grad_diff": max_abs_diff(grads, stock_grads),
                                  "stock_grad_max": max_abs(stock_grads), "stock_kl": trainer._metrics["train"]["kl"][-1]}
+        entry["stock_magnitude"] = stock_magnitude(trainer, inputs)  # after the stock call's `kl` metric is read
         trainer.beta = 0.0
         policy, policy_grads = loss_and_grads(trainer, inputs)
         trainer.beta = 0.04
