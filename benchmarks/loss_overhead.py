@@ -150,14 +150,16 @@ def interleaved(functions: dict[str, Callable[[], Any]], repeats: int, warmup: i
 
 
 def profile_counts(function: Callable[[], Any]) -> tuple[int, int]:
-    """(aten ops, bytes allocated) of one call, from torch.profiler: deterministic, unlike time."""
+    """(aten ops, bytes allocated on the host and the device) of one call, from torch.profiler: deterministic, unlike
+    time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities, profile_memory=True) as prof:
         function()
     events = [event for event in prof.events() if event.name.startswith("aten::")]
-    allocated = sum(max(event.cpu_memory_usage, 0) for event in prof.events() if event.name == "[memory]")
+    allocated = sum(max(event.cpu_memory_usage, 0) + max(event.device_memory_usage, 0)  # a GPU's is the device's
+                    for event in prof.events() if event.name == "[memory]")
     return len(events), allocated
 
 

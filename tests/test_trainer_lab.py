@@ -176,6 +176,18 @@ def test_a_refused_combination_is_a_row_that_says_so(tmp_path) -> None:
     assert str(refused.value.code).endswith("; nothing written") and not written.exists()
 
 
+def test_a_run_says_how_far_it_got_every_so_many_steps(monkeypatch, capfd) -> None:
+    """Each worker prints its progress to stderr every `PROGRESS_EVERY` optimizer steps (every step here), so a run
+    stopped from outside (the GPU check's time limit) leaves in its log the last step it finished."""
+    monkeypatch.setattr(trainer_lab, "PROGRESS_EVERY", 1)  # the workers are forked: they see it
+    kl_lab.main(["--trainer", "trl", "--recipe", "dr_grpo", "--only", "k1 in the reward", "--steps", "2",
+                 "--seeds", "2"])
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("trainer lab: ")]
+    assert sorted(line.rsplit(" after ", 1)[0] for line in lines) == [  # the seeds' workers may interleave
+        f"trainer lab: trl, k1 in the reward, seed {seed}: step {step} of 2" for seed in (0, 1) for step in (1, 2)]
+    assert all(line.endswith(" s") for line in lines)
+
+
 def test_a_beta_off_by_a_quarter_is_beyond_the_guards_tolerance(tables) -> None:
     """The guard can fail: the optimum of a beta 1.25 or 0.8 times the one asked for is more than TOLERANCE away
     from pi*_beta (exactly, averaged over the training prompts), and a factor 2 an order of magnitude more."""

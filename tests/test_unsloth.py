@@ -81,6 +81,8 @@ def test_import_after_unsloth_raises_import_error(tmp_path) -> None:
 def test_generated_trainer_dynamic_beta_metrics_and_no_recompiles(tmp_path) -> None:
     result = run_scenario("dynamic", tmp_path)
     assert result["trainer_class"] == "UnslothGRPOTrainer" and result["stock_beta"] == 0.04
+    # the GPU check's probe that the hooked loss ran compiled (the harness keeps Unsloth's loss compiled, as a GPU does)
+    assert result["loss_cache_entries"] >= 1
     # decay 0.5 per step at reward 1.0; after step 4 (beta_schedule_steps) beta_min
     assert result["betas"] == pytest.approx([0.04, 0.02, 0.01, 0.005, 0.001, 0.001])
     assert result["final_beta"] == pytest.approx(0.001)
@@ -338,6 +340,18 @@ def test_the_exact_settings_reach_the_optimum_through_unsloths_trainer(tmp_path)
         assert row["pad_probability"] < 1e-12  # 1 - the letters' probabilities in float64: rounding alone
         # the scorer Unsloth's loss called, counted in the run (the GPU check's guard names it on CUDA)
         assert row["logprob_path"].startswith("fused linear log-probs on the hidden states ("), row
+        assert row["precision"] == "fp32", row  # no autocast: the config's, nor Unsloth's own GRPO one
+
+
+@needs_unsloth
+def test_the_lab_keeps_its_model_out_of_unsloths_float16_autocast_on_a_gpu(tmp_path) -> None:
+    """On a GPU the trainer lab flags its float32 model `_unsloth_forced_float32`, so that Unsloth's config does not
+    switch it to bf16; Unsloth's GRPO steps then choose float16 autocast for it (its rule for Gemma3 on a T4), and the
+    guard would train in unscaled float16 against float32's bounds. The lab latches the choice first: with it Unsloth's
+    real `_unsloth_grpo_autocast` keeps autocast off, and the run records fp32 (fp16 without it)."""
+    result = run_scenario("autocast_latch", tmp_path)
+    assert result == {"upstream": {"enabled": True, "dtype": "torch.float16", "precision": "fp16"},
+                      "latched": {"enabled": False, "dtype": "torch.bfloat16", "precision": "fp32"}}
 
 
 # What a user's `import unsloth` does on a machine without a GPU (no test switch set): troubleshooting.md's

@@ -112,6 +112,7 @@ from unsloth_adaptive_kl.integrations.trainer_hooks import UNSLOTH_DEFAULTS  # n
 from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, backward_grads, captured_inputs  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import stock_unsloth  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads as selfcheck_loss_and_grads  # noqa: E402
+from unsloth_adaptive_kl.tools import gpu_scenarios  # noqa: E402
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
 
 from tests.test_trl_loss import policy_logps, shaped_by_hand  # noqa: E402  (the same plain forward pass as the TRL tests)
@@ -435,6 +436,7 @@ def scenario_dynamic(out: str) -> dict:
         "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"), "kl": logged(trainer, "kl"),
         "graphs_after_step": graphs_after_step, "step_seconds": trainer.step_timer.times,
         "trainer_class": type(trainer).__name__, "stock_beta": trainer.beta,
+        "loss_cache_entries": gpu_scenarios.loss_cache_entries(),  # before beta_recompiles compiles stock's too
         **beta_recompiles(trainer, out),
     }
 
@@ -943,9 +945,31 @@ def scenario_sample_weights(out: str) -> dict:
     return results
 
 
+def scenario_autocast_latch(out: str) -> dict:
+    """The autocast Unsloth's real `_unsloth_grpo_autocast` chooses for the trainer lab's model on a GPU, where its
+    generated config has set the forced-float32 model's args to 'no' (no CPU run takes that branch), without and
+    with `trainer_lab.unsloth_in_float32`'s latch; each trainer's recorded precision after the choice."""
+    from types import SimpleNamespace
+
+    from unsloth.models.rl_replacements import _unsloth_grpo_autocast
+
+    from unsloth_adaptive_kl.tools.trainer_lab import precision_of, unsloth_in_float32
+
+    results = {}
+    for label in ("upstream", "latched"):
+        trainer = SimpleNamespace(args=SimpleNamespace(mixed_precision="no", bf16=False, fp16=False),
+                                  model=SimpleNamespace(_unsloth_forced_float32=True))
+        if label == "latched":
+            unsloth_in_float32(trainer)
+        enabled, dtype = _unsloth_grpo_autocast(trainer)
+        results[label] = {"enabled": enabled, "dtype": str(dtype), "precision": precision_of(trainer)}
+    return results
+
+
 SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "sample_weights": scenario_sample_weights, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
              "drift": scenario_drift, "reward": scenario_reward,
-             "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings}
+             "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings,
+             "autocast_latch": scenario_autocast_latch}
 
 if __name__ == "__main__":
     output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")

@@ -260,6 +260,26 @@ def compile_counters() -> dict[str, int]:
             "kernels": metrics.generated_kernel_count}
 
 
+def loss_cache_entries() -> int:
+    """torch.compile's cache entries on the chunk function of the Unsloth GRPO loss the hook calls (`accumulate_chunk`,
+    nested in the generated `UnslothEfficientGRPO.forward`, compiled by `torch_compile_with_fallback`): 0 if the loss
+    never ran compiled, which that wrapper's eager fallback would not say. Other compiled code in the step (generation,
+    the log-prob scorers) does not count."""
+    import inspect
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from ..integrations.unsloth import _AdaptiveEfficientGRPO
+
+    forward = _AdaptiveEfficientGRPO.upstream.forward
+    chunks = [code for code in forward.__code__.co_consts
+              if inspect.iscode(code) and code.co_name == "accumulate_chunk"]
+    if not chunks:
+        raise RuntimeError("the generated UnslothEfficientGRPO.forward defines no accumulate_chunk: the check cannot "
+                           "tell whether Unsloth's loss ran compiled")
+    return sum(len(_debug_get_cache_entry_list(code)) for code in chunks)
+
+
 def counter_change(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {key: after[key] - before[key] for key in before}
 
@@ -341,13 +361,14 @@ def unsloth_4bit(model_dir: str, work_dir: str, device: str = "cuda") -> list[Ch
     before = compile_counters()
     with counted_logprob_calls() as scorers:
         inputs = captured_inputs(trainer, "compute_loss")  # one training step: the first compile of the loss
-    compiled = counter_change(before, compile_counters())
+    compiled, entries = counter_change(before, compile_counters()), loss_cache_entries()
     # On a CPU, Unsloth's compile is off (UNSLOTH_COMPILE_DISABLE, set with UNSLOTH_ALLOW_CPU by
     # selfcheck.generate_unsloth_trainer): the line reports what ran and checks nothing.
     checks = [Check(f"{name}: Unsloth's compiled loss runs (Triton)" if device == "cuda"
                     else f"{name}: Unsloth's loss runs (its compile is off on a CPU)",
-                    device != "cuda" or (compiled["graphs"] > 0 and compiled["kernels"] > 0),
-                    f"first step compiled {compiled['graphs']} graphs, {compiled['kernels']} kernels ({precision}); "
+                    device != "cuda" or (entries > 0 and compiled["kernels"] > 0),
+                    f"the loss's chunk function compiled {entries} time(s); the first step compiled "
+                    f"{compiled['graphs']} graphs, {compiled['kernels']} kernels in all ({precision}); "
                     f"log-probs: {describe(scorers)}")]
     checks += guarded(f"{name}: none == stock", lambda: compare_with_stock(
         f"{name} ({precision})", trainer, "compute_loss", lambda: stock_unsloth(trainer), inputs=inputs))
@@ -379,8 +400,9 @@ def unsloth_guard(model_dir: str, work_dir: str, steps: Optional[int] = None) ->
         return failure
     steps = steps or trainer_lab.STEPS
     settings = [s for s in trainer_lab.trainer_settings() if s.label in ("k1 in the reward", "k1_future in the loss")]
+    # spawned workers, as on a GPU (where forked ones could not use CUDA), so that the dry run starts them the same way
     table = trainer_lab.run_trainer_table("unsloth", settings, ["dr_grpo"], beta=0.5, steps=steps, seeds=[0],
-                                          processes=len(settings))
+                                          processes=len(settings), start_method="spawn")
     checks = []
     for row in table["rows"]:
         if "refused" in row:

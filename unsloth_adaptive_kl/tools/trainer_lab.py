@@ -273,7 +273,8 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
 
             model = as_unsloth_model(model)
             # On a GPU with bf16, Unsloth's generated config would train this float32 model under bf16 autocast: the
-            # lab's bounds are float32's, as on a CPU (Unsloth's own flag for a model that must stay float32).
+            # lab's bounds are float32's, as on a CPU (Unsloth's own flag for a model that must stay float32; its GRPO
+            # steps' own autocast is latched off below, `unsloth_in_float32`).
             model._unsloth_forced_float32 = torch.cuda.is_available()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the lab runs the settings the guards warn about, on purpose
@@ -284,6 +285,9 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
                                         args=args, train_dataset=dataset)
             except ValueError as error:  # a combination refused before training (the config's or the trainer's)
                 return {"refused": str(error)}
+            if run.trainer == "unsloth":
+                unsloth_in_float32(trainer)
+            trainer.add_callback(progress_callback(run))
             for loaded in (trainer.model, getattr(trainer, "ref_model", None)):  # loaded from the saved weights
                 if loaded is not None:
                     bias_unit(loaded)
@@ -294,12 +298,61 @@ def train_through(run: LabRun, tables: dict[str, torch.Tensor]) -> dict[str, Any
         trained = {prompt: node_logits(policy, tokenizer, prompt, tree) for prompt in tables}
     pad_probability = max(float(1 - table.exp().sum(-1).min()) for table in trained.values())
     return {"tables": trained, "in_effect": settings_in_effect(trainer.args), "pad_probability": pad_probability,
-            **({"logprob_path": describe_scorers(scorers), "precision": precision_of(trainer.args)} if scorers
-               else {})}
+            **({"logprob_path": describe_scorers(scorers), "precision": precision_of(trainer)} if scorers else {})}
 
 
-def precision_of(args: Any) -> str:
-    """The precision a trainer's (final) config trains in: 'bf16' or 'fp16' autocast, else 'fp32'."""
+PROGRESS_EVERY = 100  # optimizer steps between a run's progress lines
+
+
+def progress_callback(run: LabRun) -> Any:
+    """A TrainerCallback that prints to stderr, every `PROGRESS_EVERY` optimizer steps, how far the run is and since
+    when: a run stopped from outside (the GPU check's time limit) says where it had got to."""
+    import sys
+    import time
+
+    from transformers import TrainerCallback
+
+    class Progress(TrainerCallback):
+        started = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % PROGRESS_EVERY == 0:
+                print(f"trainer lab: {run.trainer}, {run.setting.label}, seed {run.seed}: step {state.global_step} of "
+                      f"{run.steps} after {time.perf_counter() - self.started:.0f} s", file=sys.stderr, flush=True)
+
+    return Progress()
+
+
+# Where Unsloth's GRPO steps pick their own autocast, once a trainer: only while the trainer has no latch yet.
+UNSLOTH_AUTOCAST_LATCH = 'if not hasattr(self, "_autocast_enabled"):'
+
+
+def unsloth_in_float32(trainer: Any) -> None:
+    """Latch Unsloth's GRPO autocast off before the first step, so the lab's float32 model trains in float32 on a GPU
+    as on a CPU.
+
+    The model's `_unsloth_forced_float32` keeps Unsloth's generated config in float32 (fp16 = bf16 = False, no
+    GradScaler), but its GRPO steps then choose their own autocast the first time one runs
+    (`_unsloth_grpo_autocast` in unsloth/models/rl_replacements.py), and for a forced-float32 model that is float16
+    (Gemma3's rule on a T4), unscaled. Upstream chooses only while the trainer has no `_autocast_enabled`: this sets
+    the three fields to what it latches on a CPU (autocast off; the dtype is then never read)."""
+    import inspect
+
+    from unsloth.models import rl_replacements
+
+    choose = getattr(rl_replacements, "_unsloth_grpo_autocast", None)
+    if choose is None or UNSLOTH_AUTOCAST_LATCH not in inspect.getsource(choose):
+        raise RuntimeError("unsloth.models.rl_replacements._unsloth_grpo_autocast no longer starts with "
+                           f"{UNSLOTH_AUTOCAST_LATCH!r}: the lab cannot keep its model out of Unsloth's GRPO autocast")
+    trainer._autocast_enabled, trainer._autocast_dtype, trainer._autocast_force_float32 = False, torch.bfloat16, False
+
+
+def precision_of(trainer: Any) -> str:
+    """The precision a trainer trained in: Unsloth's own GRPO autocast where it latched one on the trainer, else its
+    config's ('bf16' or 'fp16' autocast), else 'fp32'."""
+    if getattr(trainer, "_autocast_enabled", False):
+        return "fp16" if trainer._autocast_dtype == torch.float16 else "bf16"
+    args = trainer.args
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
@@ -444,10 +497,12 @@ def tabular_prediction(environment: Environment, prediction: Prediction, objecti
 def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequence[str], beta: float, steps: int,
                       seeds: Sequence[int], processes: int = 1, overrides: Sequence[tuple[str, Any]] = (),
                       learning_rate: Optional[float] = None, environment: str = "contains_a",
-                      pad_is_eos: bool = False, pairs: Optional[Collection[tuple[str, str]]] = None) -> dict[str, Any]:
+                      pad_is_eos: bool = False, pairs: Optional[Collection[tuple[str, str]]] = None,
+                      start_method: Optional[str] = None) -> dict[str, Any]:
     """Every setting x recipe x seed through `trainer` (worker processes, one trainer each), or only the (recipe,
     setting label) `pairs`; per row the exact figures averaged over the training prompts and then over seeds, each
-    seed's KL(pi || pi*), the held-out prompt's figures and the tabular prediction."""
+    seed's KL(pi || pi*), the held-out prompt's figures and the tabular prediction. `start_method`: how the workers
+    start (multiprocessing's; None: 'spawn' where CUDA is available, else 'fork')."""
     env = ENVIRONMENTS[environment]
     tables = reference_tables(env, (*TRAIN_PROMPTS, HELD_OUT), pad_is_eos)
     runs = [LabRun(trainer, setting, RECIPES[recipe], beta, steps, seed, learning_rate, tuple(overrides), environment,
@@ -456,7 +511,7 @@ def run_trainer_table(trainer: str, settings: Sequence[Setting], recipes: Sequen
             if pairs is None or (recipe, setting.label) in pairs]
     # fork is quick, but a process that has asked CUDA anything (importing trl does) forks children that cannot use
     # it: on a GPU each worker starts afresh
-    start = "spawn" if torch.cuda.is_available() else "fork"
+    start = start_method or ("spawn" if torch.cuda.is_available() else "fork")
     with multiprocessing.get_context(start).Pool(processes) as pool:
         results = pool.map(_worker, [(run, tables) for run in runs], chunksize=1)
     predictions: dict[Prediction, dict[str, Any]] = {}
