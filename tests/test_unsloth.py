@@ -350,7 +350,8 @@ def test_the_lab_keeps_its_model_out_of_unsloths_float16_autocast_on_a_gpu(tmp_p
     guard would train in unscaled float16 against float32's bounds. The lab latches the choice first: with it Unsloth's
     real `_unsloth_grpo_autocast` keeps autocast off, and the run records fp32 (fp16 without it)."""
     result = run_scenario("autocast_latch", tmp_path)
-    assert result == {"upstream": {"enabled": True, "dtype": "torch.float16", "precision": "fp16"},
+    assert result == {"lab_run": {"latched_at": [0], "precision": "fp32"},  # the lab's run latches before step 1
+                      "upstream": {"enabled": True, "dtype": "torch.float16", "precision": "fp16"},
                       "latched": {"enabled": False, "dtype": "torch.bfloat16", "precision": "fp32"}}
 
 

@@ -953,9 +953,24 @@ def scenario_autocast_latch(out: str) -> dict:
 
     from unsloth.models.rl_replacements import _unsloth_grpo_autocast
 
+    from unsloth_adaptive_kl.tools import trainer_lab
     from unsloth_adaptive_kl.tools.trainer_lab import precision_of, unsloth_in_float32
 
-    results = {}
+    # the lab's own run latches it, before the first step: one step through train_through, the latch recorded
+    latched_at: list[int] = []
+
+    def recording(trainer: Any) -> None:
+        unsloth_in_float32(trainer)
+        latched_at.append(trainer.state.global_step)
+
+    trainer_lab.unsloth_in_float32 = recording
+    setting = next(s for s in trainer_lab.trainer_settings() if s.label == "k1 in the reward")
+    run = trainer_lab.LabRun("unsloth", setting, trainer_lab.RECIPES["dr_grpo"], 0.5, 1, 0)
+    tables = trainer_lab.reference_tables(trainer_lab.ENVIRONMENTS[run.environment],
+                                          (*trainer_lab.TRAIN_PROMPTS, trainer_lab.HELD_OUT))
+    row = trainer_lab.train_through(run, tables)
+    trainer_lab.unsloth_in_float32 = unsloth_in_float32
+    results: dict[str, Any] = {"lab_run": {"latched_at": latched_at, "precision": row["precision"]}}
     for label in ("upstream", "latched"):
         trainer = SimpleNamespace(args=SimpleNamespace(mixed_precision="no", bf16=False, fp16=False),
                                   model=SimpleNamespace(_unsloth_forced_float32=True))
