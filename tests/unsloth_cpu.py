@@ -946,9 +946,10 @@ def scenario_sample_weights(out: str) -> dict:
 
 
 def scenario_autocast_latch(out: str) -> dict:
-    """The autocast Unsloth's real `_unsloth_grpo_autocast` chooses for the trainer lab's model on a GPU, where its
-    generated config has set the forced-float32 model's args to 'no' (no CPU run takes that branch), without and
-    with `trainer_lab.unsloth_in_float32`'s latch; each trainer's recorded precision after the choice."""
+    """When the lab's own run (one step through `trainer_lab.train_through`) latches Unsloth's GRPO autocast, and the
+    precision it records; then the autocast Unsloth's real `_unsloth_grpo_autocast` chooses for the lab's model on a
+    GPU, where its generated config has set the forced-float32 model's args to 'no' (no CPU run takes that branch),
+    without and with `trainer_lab.unsloth_in_float32`'s latch, each trainer's recorded precision after the choice."""
     from types import SimpleNamespace
 
     from unsloth.models.rl_replacements import _unsloth_grpo_autocast
