@@ -365,6 +365,19 @@ def test_counted_logprob_calls_counts_each_scorer_and_the_fused_ops_calls_made_i
     assert (zoo.rl.chunked_hidden_states_selective_log_softmax, zoo.rl.chunked_selective_log_softmax) == zoo.originals
 
 
+def test_counted_logprob_calls_counts_the_scorers_alone_where_unsloth_zoo_has_no_fused_op(
+        fake_unsloth_zoo: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """unsloth_zoo 2026.10.7 has no fused_losses.fused_linear: the two scorers are counted, no fused count is made
+    up, and the description says the op is absent."""
+    monkeypatch.delitem(sys.modules, "unsloth_zoo.fused_losses.fused_linear")
+    monkeypatch.delattr(sys.modules["unsloth_zoo.fused_losses"], "fused_linear")
+    with logprob_paths.counted_logprob_calls() as counts:
+        fake_unsloth_zoo.rl.chunked_hidden_states_selective_log_softmax("h", None, None)
+    assert counts == {"chunked_hidden_states_selective_log_softmax": 1, "chunked_selective_log_softmax": 0}
+    assert logprob_paths.describe(counts) == ("per-chunk log-softmax on the hidden states (1 calls); "
+                                              "this unsloth_zoo has no fused linear log-prob op")
+
+
 def test_describe_names_each_scorer_that_ran_with_its_counts() -> None:
     counts = {"logprobs": 2, "logprobs_bwd": 1, "triton": 0, "torch": 3, "tiled": 0, "flash": 2,
               "chunked_hidden_states_selective_log_softmax": 0, "chunked_selective_log_softmax": 4}

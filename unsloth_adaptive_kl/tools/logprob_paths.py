@@ -6,17 +6,21 @@ a Triton kernel on CUDA, a torch loop elsewhere), falls back to a per-chunk log-
 (`chunked_hidden_states_selective_log_softmax`), and scores the old and reference policies' logits with
 `chunked_selective_log_softmax`. Both functions are looked up on `unsloth_zoo.rl_replacements` at each call, so a
 counting wrapper sees them; the fused op keeps its own counters (`unsloth_zoo.fused_losses.fused_linear.CALLS`).
+unsloth_zoo 2026.10.7 has no fused op (no `fused_losses.fused_linear`): there the counts hold the two scorers only,
+and `describe` says the op is absent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from typing import Any, Iterator
 
 from ..integrations.patching import PatchSet
 
-# the fused op's counters (unsloth_zoo.fused_losses.fused_linear.CALLS) read here
+FUSED_MODULE = "unsloth_zoo.fused_losses.fused_linear"
+# the fused op's counters (FUSED_MODULE's CALLS) read here
 FUSED = ("logprobs", "logprobs_bwd", "triton", "torch", "tiled", "flash")
 WRAPPED = ("chunked_hidden_states_selective_log_softmax", "chunked_selective_log_softmax")
 
@@ -26,10 +30,15 @@ def counted_logprob_calls() -> Iterator[dict[str, int]]:
     """Counts, over the block, of the fused op's calls by kind (`FUSED`) and of each scorer of `WRAPPED`; the dict
     yielded is filled when the block ends. Changes no result: the wrappers call the scorers they replace."""
     from unsloth_zoo import rl_replacements
-    from unsloth_zoo.fused_losses import fused_linear
 
+    fused_linear: Any = None  # stays None where this unsloth_zoo has no fused op (before 2026.10.9)
+    try:
+        fused_linear = importlib.import_module(FUSED_MODULE)
+    except ModuleNotFoundError as error:
+        if error.name != FUSED_MODULE:  # a module the fused op needs is missing: not the op's absence
+            raise
     counts: dict[str, int] = {}
-    before = {key: fused_linear.CALLS.get(key, 0) for key in FUSED}
+    before = {key: fused_linear.CALLS.get(key, 0) for key in FUSED} if fused_linear else {}
 
     def counting(name: str) -> Any:
         upstream = getattr(rl_replacements, name)
@@ -47,7 +56,8 @@ def counted_logprob_calls() -> Iterator[dict[str, int]]:
             # replaces unsloth_zoo.rl_replacements.<name>, the scorer the generated trainer imports at each call
             patches.replace(rl_replacements, name, counting(name))
         yield counts
-    counts.update({key: fused_linear.CALLS.get(key, 0) - before[key] for key in FUSED})
+    if fused_linear:
+        counts.update({key: fused_linear.CALLS.get(key, 0) - before[key] for key in FUSED})
 
 
 def describe(counts: dict[str, int]) -> str:
@@ -62,4 +72,6 @@ def describe(counts: dict[str, int]) -> str:
                      f"({counts['chunked_hidden_states_selective_log_softmax']} calls)")
     if counts.get("chunked_selective_log_softmax"):
         parts.append(f"chunked selective log-softmax on logits ({counts['chunked_selective_log_softmax']} calls)")
+    if "logprobs" not in counts:
+        parts.append("this unsloth_zoo has no fused linear log-prob op")
     return "; ".join(parts) or "none of Unsloth's scorers ran"
