@@ -207,6 +207,7 @@ def stub_leaves(mask: torch.Tensor) -> list[torch.Tensor]:
 
 def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
     from unsloth_adaptive_kl.tools import selfcheck
+    from unsloth_adaptive_kl.tools.trainer_lab import precision_of  # Unsloth's latched autocast, else args
     from unsloth_adaptive_kl.integrations import trl as trl_patch
 
     trainer = selfcheck.tiny_trainer(output_dir, max_completion_length=args.completion_length,
@@ -237,11 +238,12 @@ def trl_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
         False: with_stubs(stubs, backward(lambda: stub(trainer, trainer.model, inputs), leaves)),
         True: with_stubs(stubs, backward(lambda: trl_patch._compute_loss(trainer, trainer.model, inputs), leaves)),
     })
-    return report(args, trainer, stock, rows, stock_loss, patched_loss)
+    return {**report(args, trainer, stock, rows, stock_loss, patched_loss), "precision": precision_of(trainer)}
 
 
 def unsloth_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
     from unsloth_adaptive_kl.tools import selfcheck
+    from unsloth_adaptive_kl.tools.trainer_lab import precision_of
     from unsloth_adaptive_kl.integrations import unsloth as unsloth_patch
 
     error = selfcheck.generate_unsloth_trainer()
@@ -299,7 +301,9 @@ def unsloth_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
         False: with_stubs(stubs, backward(lambda: StubLoss.apply(new, *rest)[0], [new])),
         True: with_stubs(stubs, backward(shim_loss, [new])),
     })
-    return report(args, trainer, stock, rows, stock_loss, patched_loss)
+    # on a GPU Unsloth's config trains the tiny float32 model in bf16 (TRL's stays fp32): each ratio is against its
+    # own trainer's stock, in that trainer's precision, which the JSON records
+    return {**report(args, trainer, stock, rows, stock_loss, patched_loss), "precision": precision_of(trainer)}
 
 
 def method_rows(args: argparse.Namespace, trainer: Any, stock_loss: Callable[[], None],
@@ -445,7 +449,7 @@ def child(args: argparse.Namespace) -> int:
 
 def print_table(title: str, result: dict[str, Any]) -> None:
     stock = result["stock_loss_s"]
-    print(f"\n{title}: stock loss forward + backward {stock['median'] * 1e3:.1f} ms "
+    print(f"\n{title}: stock loss forward + backward {stock['median'] * 1e3:.1f} ms in {result['precision']} "
           f"(min {stock['min'] * 1e3:.1f}, max {stock['max'] * 1e3:.1f}, n={stock['n']})")
     print(f"{'method':36s} {'added ms':>9s} {'stock ms':>9s} {'overhead':>9s} {'95% interval':>19s} {'ops added':>10s} "
           f"{'bytes added':>12s}")

@@ -73,6 +73,9 @@ def test_loss_overhead_benchmark_smoke(tmp_path) -> None:
     trainers = ["trl"] + (["unsloth"] if importlib.util.find_spec("unsloth") is not None else [])
     rows = [row for trainer in trainers for row in report[trainer]["rows"]]
     assert len(rows) == 13 * len(trainers)
+    # a CPU run trains both in fp32 (Unsloth latches its autocast off there), at both sizes, and says so
+    assert [part[trainer]["precision"] for part in (report, report["large"]) for trainer in trainers] == (
+        ["fp32"] * 2 * len(trainers))
     worst = max(rows, key=lambda row: row["ratio"])
     assert headline_line.startswith(f"max_loss_overhead_ratio={worst['ratio']:.3f} ci=[{worst['ci'][0]:.3f},")
     assert f"ops_added={worst['ops_added']}" in headline_line

@@ -938,10 +938,13 @@ def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source:
     """The page says each section names its device first and marks a CPU run "not a GPU result": this section named
     none, and the committed file is the CPU dry run's."""
     data = load("docs/results/gpu/loss_overhead.json")
-    if source == "on a GPU":
-        data = {**data, "device": CUDA}
+    if source == "on a GPU":  # Unsloth's config trains the tiny float32 model in bf16 there
+        data = {**data, "device": CUDA, "unsloth": {**data["unsloth"], "precision": "bf16"}}
         monkeypatch.setattr(hook, "_gpu", lambda name: data)
     text = hook.gpu_loss()
+    unsloth = "bf16" if source == "on a GPU" else "fp32"
+    assert text.endswith(f"\n\nEach trainer's loss ran in its own precision (TRL fp32, Unsloth {unsloth}): each "
+                         "ratio is against that trainer's stock loss in the same precision.")
     first = text.split("\n\n")[0]
     assert first.startswith(f"The run of {data['date']} on ") and f": `{data['command']}`." in first
     assert first.endswith(f"Versions: {', '.join(f'{k} {v}' for k, v in data['versions'].items() if v)}.")

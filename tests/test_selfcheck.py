@@ -309,6 +309,26 @@ def test_compare_with_stock_fails_a_loss_or_one_parameters_gradient_1e_4_off(trl
     assert all(f"max grad diff {step:.2g}" in line for line in lines[1:]), lines
 
 
+def test_compare_with_stock_allows_what_stock_differs_from_itself_and_names_it(trl_trainer_and_batch) -> None:
+    """A stock whose gradient moves between two runs (a GPU's backward may sum in another order each time): the last
+    parameter's gradient off by +step, then -step, 1e-4 of the largest gradient. `none` (off from the first run by
+    step, which fails against a stock that is off the same way each run: the test above) is within what stock
+    differs from itself (2 step), and each line names that difference."""
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    with stock_trl():
+        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+    step = 1e-4 * max(g.abs().max().item() for g in grads)
+    last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
+    signs = iter([1.0, -1.0, 1.0])  # the two runs of stock, then its magnitude (no gradient)
+    lines = compare(trainer, inputs, lambda: changed_stock(
+        trainer, lambda loss: loss + next(signs) * step * (last.sum() - last.sum().detach())))
+    assert all(line.startswith("[ok] TRL") for line in lines), lines
+    assert all(line.endswith(f"max grad diff {step:.2g}, stock against itself: loss 0, max grad diff "
+                             f"{2 * step:.2g}") for line in lines[1:]), lines
+
+
 def test_under_autocast_the_no_op_clips_gradient_bound_is_the_autocast_precisions(trl_trainer_and_batch) -> None:
     """On a GPU the trainer runs under bf16 autocast: `none` is the stock loss itself and keeps float32's bound, but
     the no-op clip adds its KL term outside the stock loss, whose gradient the bf16 backward rounds at bf16's epsilon
@@ -361,14 +381,14 @@ def test_each_comparison_reads_the_metrics_its_own_run_logged(trl_trainer_and_ba
 
     def hook_then_stock(model, batch):
         calls.append(len(calls))
-        return hooked(model, batch) if len(calls) == 3 else stock(trainer, model, batch)  # stock, |stock|, none
+        return hooked(model, batch) if len(calls) == 4 else stock(trainer, model, batch)  # stock x 2, |stock|, none
 
     trainer._compute_loss = hook_then_stock
     try:
         lines = compare(trainer, inputs, contextlib.nullcontext)
     finally:
         del trainer._compute_loss
-    assert len(calls) == 4
+    assert len(calls) == 5
     assert [line.split(": ")[:2] for line in lines] == [
         ["[ok] TRL", "stock gradients"], ["[ok] TRL", "none == stock"], ["[FAIL] TRL", "clip above every KL == stock"]]
     assert lines[2].endswith(", adaptive_kl metrics not logged"), lines

@@ -692,9 +692,13 @@ def gpu_loss(_: Optional[str] = None) -> str:
         rows.append([label, _size_label(part), f"{headline['ratio']:.3f}",
                      f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]", f"[{headline['aa'][0]:.3f}, "
                      f"{headline['aa'][1]:.3f}]", headline["ops_added"]])
+    precisions = ", ".join(f"{label} {data[trainer]['precision']}" for trainer, label in (("trl", "TRL"),
+                           ("unsloth", "Unsloth")) if data.get(trainer))
     return (f"The run of {data['date']} on {_device(data)}: `{data['command']}`. Versions: {_versions(data)}.\n\n"
             + _table(["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"],
-                     rows))
+                     rows)
+            + f"\n\nEach trainer's loss ran in its own precision ({precisions}): each ratio is against that trainer's "
+              "stock loss in the same precision.")
 
 
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
