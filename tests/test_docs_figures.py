@@ -952,7 +952,7 @@ def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source:
     if device["kind"] == "cpu":
         assert f"a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**)" in first
     else:
-        assert f"on NVIDIA H200 (compute capability 9.0, CUDA 12.8, driver 570.1, " in first
+        assert "on NVIDIA H200 (compute capability 9.0, CUDA 12.8, driver 570.1, " in first
         assert "not a GPU result" not in text
     header, rows = only_table(text)
     assert header == ["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"]
