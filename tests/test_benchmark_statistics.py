@@ -535,7 +535,7 @@ def overhead_result(ratios: dict[str, float], aa: list[float], added: float) -> 
              "ops_added": 10, "bytes_added": 100} for method, ratio in ratios.items()]
     return {"stock_loss_s": {"median": 0.05, "min": 0.04, "max": 0.06, "n": 3}, "rows": rows,
             "end_to_end": {"method": "clip", "ratio": 1.0, "ci": [0.9, 1.1], "aa": 1.0, "aa_ci": aa,
-                           "consistent": True}}
+                           "consistent": True}, "precision": "fp32"}
 
 
 def test_headline_is_the_largest_row_of_either_trainer_with_that_trainers_aa_interval() -> None:
