@@ -189,6 +189,11 @@ def shifted_reference(inputs: dict) -> dict:
     return {**inputs, "ref_per_token_logps": ref + shift}
 
 
+def max_difference(grads: list[torch.Tensor], others: list[torch.Tensor]) -> float:
+    """max |g - o| over every element of each pair of gradients."""
+    return max((g - o).abs().max().item() for g, o in zip(grads, others))
+
+
 def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[], Any],
                        inputs: Optional[dict] = None) -> list[Check]:
     """`none` and the no-op clip against the stock loss on one captured batch (`inputs`, or one captured here), its
@@ -203,7 +208,7 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
     except MissingGradients as error:
         return [Check(f"{name}: stock gradients", False, str(error))]
     aa_loss = abs(again_loss - stock_loss)
-    aa_grad = max((g - s).abs().max().item() for g, s in zip(again_grads, stock_grads))
+    aa_grad = max_difference(again_grads, stock_grads)
     aa = f", stock against itself: loss {aa_loss:.2g}, max grad diff {aa_grad:.2g}" if aa_loss or aa_grad else ""
     tokens = int(inputs["completion_mask"].sum())
     grad_scale = max(g.abs().max().item() for g in stock_grads)
@@ -225,7 +230,7 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
             checks.append(Check(f"{name}: {label} == stock", False, str(error)))
             continue
         loss_diff = abs(loss - stock_loss)
-        grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))
+        grad_diff = max_difference(grads, stock_grads)
         grad_bound = 2 * reordered_sum_tolerance(tokens, grad_scale, EPS32 if label == "none" else clip_eps)
         ok = loss_diff <= reordered_sum_tolerance(tokens, magnitude) + aa_loss and grad_diff <= grad_bound + aa_grad
         logged = "adaptive_kl/adapted_kl" in trainer._metrics["train"]
