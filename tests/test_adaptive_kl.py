@@ -530,8 +530,9 @@ def test_a_dr_grpo_cap_below_a_completions_length_is_refused() -> None:
     """dr_grpo divides by max_completion_length as the cap on every completion's length: MASK's longest completion
     has 4 valid tokens, so a cap of 3 (which multiplied the term by 4/3 without a word) is refused, naming both; a
     cap of 4 on a wider, padded batch is read from the mask and accepted. Where the KL term is not reduced by
-    dr_grpo's divisor (length_normalized, a token_mean kl_reduction; grpo, where the cap only warns as unread), the
-    cap divides nothing here and is not refused."""
+    dr_grpo's divisor (length_normalized, a token_mean kl_reduction) raw_kl still is, as the loss type reduces: the
+    cap is refused naming it (it doubled raw_kl at a cap of half the length, accepted); under grpo the cap divides
+    nothing and only warns as unread."""
     logps, ref = batch()
     with pytest.raises(ValueError) as raised:
         AdaptiveKL(None, BETA, "dr_grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
@@ -545,10 +546,8 @@ def test_a_dr_grpo_cap_below_a_completions_length_is_refused() -> None:
     assert term.item() == pytest.approx(BETA * k.sum().item() / (3 * 4), rel=1e-6)  # sum_i S_i / (B * cap)
     for config in (AdaptiveKLConfig(kl_adaptation_method="length_normalized"),
                    AdaptiveKLConfig(kl_reduction="token_mean")):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the cap is unread by the KL term: it says so
-            term, _ = AdaptiveKL(config, BETA, "dr_grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
-        assert term.item() > 0
+        with pytest.raises(ValueError, match="loss_type='dr_grpo' divides raw_kl by it as the cap on every"):
+            AdaptiveKL(config, BETA, "dr_grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
     with pytest.warns(UserWarning, match="^max_completion_length has no effect"):
         AdaptiveKL(None, BETA, "grpo").kl_loss(logps, ref, MASK, max_completion_length=3)
 
@@ -1154,6 +1153,125 @@ def test_target_refuses_a_horizon_under_which_beta_would_reach_0_and_stay() -> N
                                           beta_min=0.05), 0.1)
     assert floored.step(kl=WindowKL(0.01, 0.01, 8.0)) == 0.05
     assert floored.step(kl=WindowKL(5.0, 5.0, 8.0)) == pytest.approx(0.05 * (1 + 0.2 * 8))
+
+
+def test_a_refused_horizon_is_said_before_the_loops_backward_and_leaves_the_run_as_it_was() -> None:
+    """kl_horizon=1 with 8 completions a step: the training kl_loss whose completions bring the step to n / kl_horizon
+    >= 5 is refused before its term reaches the loop's backward (it was accepted, and step() raised after clearing the
+    step's sums and moving last_raw_kl); a refused step(kl=...) or step() leaves the state as it was (a reward passed
+    with it is not kept: a retried step would count it twice)."""
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1.0, kl_horizon=1.0)
+    message = "^kl_horizon=1.0 is invalid for steps of 8 completions with beta_min=0"
+    akl = AdaptiveKL(config, 0.1)
+    logps, ref = batch()
+    akl.kl_loss(logps, ref, MASK)  # 3 completions: 3 / 1 < 5
+    before = akl.state_dict()
+    with pytest.raises(ValueError, match=r"^kl_horizon=1.0 is invalid for steps of 6 completions with beta_min=0"):
+        akl.kl_loss(logps, ref, MASK)  # 6 / 1 >= 5
+    assert akl.state_dict() == before and before["trained"]["completions"] == 3
+    stepped = AdaptiveKL(config, 0.1)
+    state = stepped.state_dict()
+    with pytest.raises(ValueError, match=message):
+        stepped.step(mean_reward=0.5, kl=WindowKL(0.01, 0.01, 8.0))
+    assert stepped.state_dict() == state and state["rewards"] == []
+    in_reward = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1.0, kl_horizon=1.0,
+                                            kl_placement="reward"), 0.1)
+    eight = (torch.zeros(8, 2) - 1, torch.zeros(8, 2) - 1.5, torch.ones(8, 2))
+    with pytest.raises(ValueError, match=message):
+        in_reward.reward_penalty(*eight)  # the batch the next step would read, before its rewards are used
+    assert in_reward.state_dict()["scored"] is None
+    in_reward.reward_penalty(*eight, train=False)  # an evaluation batch: no step reads it
+
+
+@pytest.mark.parametrize("kl", [0.3, {"token_mean": 0.3, "sequence_sum": 1.0, "completions": 4.0}, torch.tensor(0.3)])
+def test_a_step_kl_that_is_not_a_window_kl_is_refused_before_the_step_moves(kl) -> None:
+    """step(kl=0.3) cleared the step's sums, then failed on `kl.token_mean` (AttributeError), completed_steps 0."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=30.0), BETA)
+    akl.kl_loss(*batch(), MASK)
+    before = akl.state_dict()
+    with pytest.raises(TypeError) as raised:
+        akl.step(kl=kl)
+    assert str(raised.value) == ("kl must be a WindowKL(token_mean=..., sequence_sum=..., completions=...) or None "
+                                 f"(the KL of the batches the step trained on), not {type(kl).__name__}")
+    assert akl.state_dict() == before and before["trained"]["completions"] == 3
+
+
+@pytest.mark.parametrize("state", [None, "checkpoint/adaptive_kl_state.json", [("completed_steps", 1)]])
+def test_a_state_that_is_not_a_dict_is_refused_naming_the_argument(state) -> None:
+    """load_state_dict(None) raised "'NoneType' object is not iterable", of a path "dictionary update sequence element
+    #0 has length 1; 2 is required"."""
+    with pytest.raises(TypeError) as raised:
+        AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA).load_state_dict(state)
+    assert str(raised.value) == ("state must be the dict that state_dict() returned (json.load of a saved one), not "
+                                 f"{type(state).__name__}")
+
+
+def test_a_numpy_or_torch_number_in_a_window_kl_is_refused_as_such() -> None:
+    """WindowKL(np.float32(0.3), ...) said "np.float32(0.3) is invalid: allowed is a finite number", a contradiction
+    to the reader; it now says why, as the config's fields do."""
+    with pytest.raises(ValueError) as raised:
+        WindowKL(np.float32(0.3), 1.0, 4.0)
+    assert str(raised.value) == ("WindowKL.token_mean=np.float32(0.3) is invalid: allowed is a finite number, or NaN "
+                                 "where the step measured none, as a Python int or float (this is a numpy.float32: "
+                                 "pass float(...)).")
+
+
+def test_dr_grpos_cap_is_checked_for_raw_kl_under_another_kl_reduction() -> None:
+    """raw_kl is reduced as dr_grpo reduces (sum / (B * max_completion_length)) whatever kl_reduction: a cap of 2 under
+    completions of 4 tokens doubled it (0.15 against the KL term's token mean 0.075), accepted without a word."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_reduction="token_mean"), BETA, "dr_grpo")
+    logps, ref = batch()
+    with pytest.raises(ValueError) as raised:
+        akl.kl_loss(logps, ref, MASK, max_completion_length=2)
+    assert str(raised.value) == ("max_completion_length=2 is invalid: allowed is an integer >= 4, the longest "
+                                 "completion's valid tokens in this batch: loss_type='dr_grpo' divides raw_kl by it "
+                                 "as the cap on every completion's length.")
+    _, metrics = akl.kl_loss(logps, ref, MASK, max_completion_length=4)
+    k3 = torch.exp(ref - logps.detach()) - (ref - logps.detach()) - 1
+    assert metrics["adaptive_kl/raw_kl"] == pytest.approx(float((k3 * MASK).sum() / (3 * 4)), rel=1e-6)
+
+
+def test_a_batch_on_two_devices_is_refused_naming_each_device() -> None:
+    """A mask left on the CPU beside the policy's log-probs raised torch's own error, which names no tensor ('meta'
+    stands in for a GPU here)."""
+    logps, ref = batch()
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(None, BETA).kl_loss(logps, ref, MASK.to("meta"))
+    assert str(raised.value) == ("logps, ref_logps, mask must be on one device (the policy's): got logps on cpu, "
+                                 "ref_logps on cpu, mask on meta.")
+
+
+@pytest.mark.parametrize(("fields", "loss_type", "said"), [
+    (dict(kl_adaptation_method="length_normalized"), "grpo",
+     "length_normalized (in kl_adaptation_method='length_normalized') has no effect: loss_type='grpo'"),
+    (dict(kl_adaptation_method="length_normalized+dynamic"), "sapo",
+     "length_normalized (in kl_adaptation_method='length_normalized+dynamic') has no effect: loss_type='sapo'"),
+    (dict(kl_reduction="sequence_mean"), "grpo", "kl_reduction='sequence_mean' has no effect: loss_type='grpo'"),
+    (dict(kl_reduction="token_mean"), "bnpo", "kl_reduction='token_mean' has no effect: loss_type='bnpo'"),
+    (dict(kl_reduction="sequence_sum"), "luspo", "kl_reduction='sequence_sum' has no effect: loss_type='luspo'"),
+    (dict(kl_adaptation_method="length_normalized"), "dapo", None),  # dapo reduces by tokens: it acts
+    (dict(kl_reduction="token_mean"), "grpo", None),
+    (dict(kl_reduction="sequence_mean", kl_placement="reward"), "grpo", None),  # per completion: the reward's own
+])
+def test_a_reduction_the_loss_type_already_applies_is_said_to_do_nothing(fields, loss_type, said) -> None:
+    """Under grpo (mean over completions of each one's token mean) length_normalized's term equals stock's, as
+    kl_reduction set to the loss type's own reduction does: checked here against the stock term, then said."""
+    logps, ref = batch()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        akl = AdaptiveKL(AdaptiveKLConfig(**fields), BETA, loss_type)
+    messages = [str(w.message) for w in caught if "has no effect" in str(w.message)]
+    assert messages == ([] if said is None else
+                        [f"{said} already reduces the KL term that way. Leave it out, or choose a reduction the loss "
+                         "does not apply."])
+    if said is not None:
+        stock, _ = AdaptiveKL(None, BETA, loss_type).kl_loss(logps, ref, MASK, token_normalizer=7.0)
+        term, _ = akl.kl_loss(logps, ref, MASK, token_normalizer=7.0)
+        assert term.item() == pytest.approx(stock.item(), rel=1e-6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AdaptiveKL(AdaptiveKLConfig(**fields), 0.0, loss_type)  # beta 0 says its own: the term is off
+    assert not [w for w in caught if "already reduces" in str(w.message)]
 
 
 def test_the_public_shaping_and_reduction_compute_in_float32_and_name_an_unknown_reduction() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, astuple
 from typing import Any, Optional
 
@@ -27,7 +28,7 @@ from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
 from .optimizer_steps import OptimizerSteps
 from .reductions import (ReductionContext, check_completions_fit, check_divisors_given, kl_reduction,
-                         loss_type_reduction, warn_unread_context)
+                         loss_type_reduction, reduction_left_as_is, warn_unread_context)
 from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
 STATE_FORMAT = 5  # `state_dict()`'s format: 5 adds the step's rewards; 4 names the step's sums; 3 added the step's
@@ -69,7 +70,9 @@ class AdaptiveKL:
                                         "trainer's integration does, with sync_ref_model=True")
         if beta != 0:  # with beta = 0 there is no KL term to reduce (stock trainers skip it whatever the loss)
             loss_type_reduction(loss_type)
-            kl_reduction(config, loss_type)
+            unchanged = reduction_left_as_is(config, loss_type)
+            if unchanged is not None:
+                warnings.warn(unchanged, UserWarning, stacklevel=2)
         elif not config.is_stock_kl:
             fields = config.adapted_fields()
             warnings.warn(f"{', '.join(fields)} {'has' if len(fields) == 1 else 'have'} no effect: beta=0.0 turns the "
@@ -149,9 +152,11 @@ class AdaptiveKL:
         check_estimator_read(self.config, per_token_kl)
         ctx = divisors(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
-        reduction = kl_reduction(self.config, self.loss_type)
-        check_divisors_given(ctx, [reduction], "kl_loss")
-        check_completions_fit(ctx, mask, {"the KL term": reduction})
+        reductions = {"the KL term": kl_reduction(self.config, self.loss_type)}
+        if reductions["the KL term"] != loss_type_reduction(self.loss_type):  # raw_kl: the loss type's, whatever
+            reductions["raw_kl"] = loss_type_reduction(self.loss_type)  # the KL term's (the trainer's own metric)
+        check_divisors_given(ctx, reductions.values(), "kl_loss")
+        check_completions_fit(ctx, mask, reductions)
         if train:
             self._warn_if_unstepped("kl_loss")
         term = self.term(logps, ref_logps, mask, ctx=ctx, per_token_kl=per_token_kl, with_grad=True)
@@ -161,7 +166,9 @@ class AdaptiveKL:
         # (a loop that skips it would otherwise carry its inf into every later step)
         self.last_metrics = sums.metrics(beta=self.current_beta, config=self.config, step=self.completed_steps + 1)
         if train:
-            self._trained = self._trained + sums
+            trained = self._trained + sums
+            self._check_window(trained.window(self.num_iterations))  # the step so far, before the loop's backward
+            self._trained = trained
         return term.adapted * self.current_beta, self.last_metrics
 
     def reward_penalty(
@@ -206,6 +213,10 @@ class AdaptiveKL:
         The first step that leaves beta where it is for want of an input says so (a UserWarning): `dynamic` before any
         `mean_reward` was passed, `target` (the KL in the loss) with no valid token in a training `kl_loss` since the
         last step and no `kl`."""
+        if kl is not None and not isinstance(kl, WindowKL):  # else found missing only after the step's sums are gone
+            raise TypeError(f"kl must be a WindowKL(token_mean=..., sequence_sum=..., completions=...) or None (the "
+                            f"KL of the batches the step trained on), not {type(kl).__name__}")
+        self._check_window(kl)
         if mean_reward is not None:
             self.observe_rewards(mean_reward)
         self._warn_if_stepped_twice()
@@ -299,7 +310,9 @@ class AdaptiveKL:
         (sums,) = gather_statistics([device_sums(term)], [term.check], step=completed_steps + 1, gather=gather)
         metrics = sums.metrics(beta=self.current_beta, config=self.config, step=completed_steps + 1, reward=True)
         if train:
-            self._scored = sums if self._scored is None else self._scored + sums
+            scored = sums if self._scored is None else self._scored + sums
+            self._check_window(scored.window())  # the batch the next step reads, before its rewards are used
+            self._scored = scored
         return gather((self.current_beta * term.adapted).float()), metrics
 
     # ----- the driver ----------------------------------------------------------------------------------------------
@@ -309,20 +322,29 @@ class AdaptiveKL:
         the placement says: the sums the step trained on, n counted once per generation batch; with the KL in the
         reward, those of the batch scored since the last step), which also becomes `last_raw_kl`."""
         self.check_settings()
-        if self._rewards:  # the generation batches of this step, as one: `dynamic` decides on their mean
-            self.controller.observe_rewards(sum(self._rewards) / len(self._rewards))
-            self._rewards = []
-        self._warn_if_held(completed_steps, window)
+        given = window
         if window is None and self.config.kl_in_reward:
             window = None if self._scored is None else self._scored.window()
         elif window is None:
             window = self._trained.window(self.num_iterations)
+        self._check_window(window)  # before anything moves: a refused step leaves the run as it was
+        if self._rewards:  # the generation batches of this step, as one: `dynamic` decides on their mean
+            self.controller.observe_rewards(sum(self._rewards) / len(self._rewards))
+            self._rewards = []
+        self._warn_if_held(completed_steps, given)
         self._trained, self._scored = KLStatistics(), None
         self._optimizer_steps.reset()
         if window is not None:
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
         self.completed_steps = completed_steps
+
+    def _check_window(self, window: Optional[WindowKL]) -> None:
+        """The controller's `check` of a step's window (`target`'s horizon), where it has one (a registered controller
+        may not)."""
+        check = getattr(self.controller, "check", None)
+        if check is not None:
+            check(window)
 
     def _warn_if_held(self, step: int, kl: Optional[WindowKL]) -> None:
         """A controller that cannot move for want of its input would hold beta silently: say which input is missing,
@@ -409,6 +431,9 @@ class AdaptiveKL:
         `generation_kl`); formats 2 and 1 without the step's KL (a resumed run then has seen none). Format 1 has no
         version: the controller's fields and `completed_steps` (which the oldest trainer checkpoints lack), as the
         own-loop object and the trainer integrations' checkpoints wrote them; its kind is read from its fields."""
+        if not isinstance(state, Mapping):  # a path or None would fail in dict() without naming the argument
+            raise TypeError(f"state must be the dict that state_dict() returned (json.load of a saved one), not "
+                            f"{type(state).__name__}")
         state = dict(state)
         version = state.pop("format_version", 1)
         if not isinstance(version, int) or not 1 <= version <= STATE_FORMAT:
@@ -491,9 +516,9 @@ STEPPED_TWICE = 3
 
 def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor,
                 per_token_kl: Optional[torch.Tensor] = None) -> None:
-    """A loop's batch is (B, T) tensors of one shape: a (B, 1) mask or reference would broadcast, and every
-    completion would silently count one token, or all share one reference log-prob. A ValueError names each shape,
-    or the entries of a mask that are neither 0 nor 1."""
+    """A loop's batch is (B, T) tensors of one shape, on one device: a (B, 1) mask or reference would broadcast, and
+    every completion would silently count one token, or all share one reference log-prob. A ValueError names each
+    shape (or device), or the entries of a mask that are neither 0 nor 1."""
     given = {"logps": logps, "ref_logps": ref_logps, "mask": mask}
     if per_token_kl is not None:
         given["per_token_kl"] = per_token_kl
@@ -506,6 +531,9 @@ def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
         shapes = ", ".join(f"{name} {tuple(tensor.shape)}" for name, tensor in given.items())
         raise ValueError(f"{', '.join(given)} must be (B, T) tensors of one shape (B >= 1 completions, T completion "
                          f"tokens; mask 1 on each completion's tokens, 0 on padding): got {shapes}.")
+    if any(tensor.device != logps.device for tensor in given.values()):  # else torch's error names no tensor
+        devices = ", ".join(f"{name} on {tensor.device}" for name, tensor in given.items())
+        raise ValueError(f"{', '.join(given)} must be on one device (the policy's): got {devices}.")
     check_mask(mask)
 
 

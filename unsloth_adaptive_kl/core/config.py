@@ -145,10 +145,15 @@ def check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
     saying so: the settings are kept and saved (a trainer's JSON) as Python numbers, and "0.04 is invalid: allowed is
     a number" would read as a contradiction."""
     if not is_real(value) or math.isnan(value) or not ok:
-        if not is_real(value) and hasattr(value, "item"):  # a numpy or torch number
-            kind = type(value)
-            allowed += f", as a Python int or float (this is a {kind.__module__}.{kind.__qualname__}: pass float(...))"
-        raise reject(name, value, allowed)
+        raise reject(name, value, python_number(value, allowed))
+
+
+def python_number(value: Any, allowed: str) -> str:
+    """`allowed`, followed for a numpy or torch number by why it is refused as such (Python numbers only)."""
+    if is_real(value) or not hasattr(value, "item"):
+        return allowed
+    kind = type(value)
+    return f"{allowed}, as a Python int or float (this is a {kind.__module__}.{kind.__qualname__}: pass float(...))"
 
 
 @dataclass

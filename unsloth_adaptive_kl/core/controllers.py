@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import AdaptiveKLConfig, is_real, reject
+from .config import AdaptiveKLConfig, is_real, python_number, reject
 from .registry import BETA_CONTROLLERS as _CONTROLLERS
 from .registry import new_method_name
 
@@ -40,8 +40,9 @@ class WindowKL:
         for name in ("token_mean", "sequence_sum", "completions"):
             value = getattr(self, name)
             if not is_real(value) or math.isinf(value) or (name == "completions" and not value >= 0):
-                raise reject(f"WindowKL.{name}", value, "a finite number >= 0 (the completions the step accounts for)"
-                             if name == "completions" else "a finite number, or NaN where the step measured none")
+                raise reject(f"WindowKL.{name}", value, python_number(
+                    value, "a finite number >= 0 (the completions the step accounts for)" if name == "completions"
+                    else "a finite number, or NaN where the step measured none"))
 
 
 class ConstantBeta:
@@ -63,6 +64,11 @@ class ConstantBeta:
         (`generation_batch` counts the steps that had new ones)."""
         self.generation_batch += 1
         self.batch_reward = float(mean_reward)
+
+    def check(self, window: Optional[WindowKL]) -> None:
+        """A ValueError where this controller would refuse to move from a step's `window`: the driver asks before
+        anything moves (a refused step leaves the run as it was), and a loop's training batch asks as soon as the
+        step's window so far is refused. A constant beta refuses none."""
 
     def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
         """Called after each optimizer step; a constant beta ignores it."""
@@ -151,13 +157,17 @@ class TargetKL(ConstantBeta):
         super().__init__(beta, config)
         self._config = config
 
+    def check(self, window: Optional[WindowKL]) -> None:
+        """`check_horizon` for the window's n: an update from it could reach 0, and stay."""
+        if window is not None:
+            check_horizon(self._config, window.completions)
+
     def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
         config = self._config
         kl = getattr(window, config.kl_target_measure) if window is not None else math.nan
         if not math.isfinite(kl):
             return
         error = min(max(kl / config.kl_target - 1.0, -0.2), 0.2)
-        check_horizon(config, window.completions)
         value = max(self.value * (1.0 + error * window.completions / config.kl_horizon), config.beta_min)
         self.value = value if config.beta_max is None else min(value, config.beta_max)
 
@@ -172,8 +182,8 @@ def register_beta_controller(name: str) -> Callable[[type], type]:
     `value` (beta_t, a float), `observe_rewards(mean_reward)` (at the end of a step that trained on new generation
     batches, before `step`: their mean reward over all processes), `step(completed_steps, window)` (after each
     optimizer step; `window` is the step's `WindowKL` or None), `state_dict()` / `load_state_dict(state)` (JSON-able;
-    saved in every checkpoint like the built-in ones). At most one controller per setting. A taken name is a
-    ValueError."""
+    saved in every checkpoint like the built-in ones), and optionally `check(window)` (a ValueError for a window it
+    would refuse, asked before anything moves). At most one controller per setting. A taken name is a ValueError."""
     new_method_name("register_beta_controller", name)
 
     def add(cls: type) -> type:

@@ -206,6 +206,25 @@ def kl_reduction(config: Any, loss_type: str) -> str:
     return loss_type_reduction(loss_type)
 
 
+def reduction_left_as_is(config: Any, loss_type: str, *, prefix: str = "", loss: Optional[str] = None) -> Optional[str]:
+    """Where a setting asks the KL in the loss for the reduction `loss_type` already gives it (`kl_reduction=...`, or
+    length normalisation under grpo/sapo, which average each completion's tokens already), it changes nothing: the
+    warning that says so, naming the setting (after `prefix`, the block a trainer's config holds it in) and the loss's
+    own reduction (`loss`: how the trainer names it; default `loss_type=...`). None otherwise (the KL in the reward,
+    whose reduction is per completion, is not the loss's)."""
+    reduction = kl_reduction(config, loss_type)
+    if config.kl_in_reward or reduction != loss_type_reduction(loss_type):
+        return None
+    if config.kl_reduction != "loss_type":
+        setting = f"{prefix}kl_reduction={config.kl_reduction!r}"
+    elif "length_normalized" in config.kl_methods:
+        setting = f"length_normalized (in {prefix}kl_adaptation_method={config.kl_adaptation_method!r})"
+    else:
+        return None
+    return (f"{setting} has no effect: {loss or f'loss_type={loss_type!r}'} already reduces the KL term that way. "
+            "Leave it out, or choose a reduction the loss does not apply.")
+
+
 def context_read(config: Any, loss_type: str) -> frozenset[str]:
     """The `ReductionContext` fields that the loss's reduction (`loss_type`'s) or the KL's
     (`kl_reduction(config, loss_type)`) divides by: the divisors a loop passes with each batch."""
