@@ -627,6 +627,18 @@ def test_reward_target_controller_follows_the_token_mean_kl_within_bounds():
     for step in range(5):
         verl_kl.apply_adaptive_kl_penalty(reward_batch(seed=step), low, kl_penalty="low_var_kl")
     assert low.value == 0.05
+    # Inside the clamp: beta moves by the token mean of k (sum over valid tokens / their count), not by verl's own
+    # measure, the mean of each sequence's token mean, which differs on this batch (a mutant reading either 10x off, or
+    # the sequence measure, passed the clamped cases above).
+    data = reward_batch(seed=3)
+    mask = data.batch["response_mask"]
+    kld = core_algos.kl_penalty(data.batch["old_log_probs"], data.batch["ref_log_prob"], "low_var_kl") * mask
+    token_mean, sequence_mean = float(kld.sum() / mask.sum()), float((kld.sum(-1) / mask.sum(-1)).mean())
+    assert abs(sequence_mean / token_mean - 1) > 0.01
+    inside = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=token_mean * 1.1,
+                                                         kl_horizon=10), beta=0.1)
+    verl_kl.apply_adaptive_kl_penalty(data, inside, kl_penalty="low_var_kl")
+    assert inside.value == pytest.approx(0.1 * (1 + (1 / 1.1 - 1) * mask.shape[0] / 10), rel=1e-5)
 
 
 def test_reward_clip_shapes_the_per_token_kl():
@@ -669,6 +681,71 @@ def test_length_normalized_in_the_reward_is_refused_naming_the_field_that_set_it
     else:  # set under reward, for a reward KL that is off: refused as doing nothing
         with pytest.raises(ValueError, match=r"acts on the KL in the reward, which is off"):
             _GuardedTrainer(trainer_config(use_kl_in_reward=False, **block))
+
+
+def test_length_normalized_inherited_by_the_reward_with_the_loss_kl_off_is_told_to_go():
+    """With the actor loss's KL off, the advice to keep length_normalized for the loss alone (under
+    adaptive_kl.reward) led to a second refusal: length_normalized acts on that loss alone, so the advice is to drop it."""
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(trainer_config(use_kl_loss=False, kl_adaptation_method="dynamic+length_normalized"))
+    method = canonical_methods("dynamic+length_normalized")
+    assert str(raised.value) == (
+        f"adaptive_kl.kl_adaptation_method={method!r} is invalid with algorithm.use_kl_in_reward=True: allowed is "
+        "methods without length_normalized there (verl's reward KL is the sum over each completion's tokens); set "
+        "adaptive_kl.kl_adaptation_method=dynamic: length_normalized acts on the KL in the actor loss alone, which is "
+        "off (actor_rollout_ref.actor.use_kl_loss=False).")
+    assert _GuardedTrainer(trainer_config(use_kl_loss=False, kl_adaptation_method="dynamic")).reward_kl is not None
+
+
+@pytest.mark.parametrize("kl_loss_type", ["k2", "low_var_kl+", "kl"])
+def test_an_explicit_k3_estimator_beside_another_kl_loss_type_is_refused(kl_loss_type):
+    """kl_estimator='k3' means the trainer's own KL, as unset does: with kl_loss_type=k2 the loss trained on k2 (a
+    clipped term of 0.767 where k3 was 1.150), the explicit k3 unread, silently. verl's k3 (low_var_kl, k3) passes,
+    and unset adapts any kl_loss_type."""
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(trainer_config(kl_loss_type=kl_loss_type, kl_estimator="k3"))
+    assert str(raised.value) == (
+        f"adaptive_kl.kl_estimator='k3' is invalid with actor_rollout_ref.actor.kl_loss_type={kl_loss_type!r}: k3 "
+        "means the trainer's own KL, which verl computes as kl_loss_type, so it would train on "
+        f"{kl_loss_type!r}. Allowed: kl_loss_type one of low_var_kl, k3 (verl's k3), or adaptive_kl.kl_estimator "
+        "unset to adapt verl's kl_loss_type as it is.")
+    for allowed in ("low_var_kl", "k3"):
+        assert _GuardedTrainer(trainer_config(kl_loss_type=allowed, kl_estimator="k3")).loss_kl is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # kl warns as the loss's KL (KLEstimatorWarning)
+        assert _GuardedTrainer(trainer_config(kl_loss_type=kl_loss_type)).loss_kl is not None
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_more_than_one_actor_update_per_global_step_is_refused(steps):
+    """verl's sync mode runs trainer.v1.sync.parameter_sync_step actor updates per global step: each controller moved
+    that many times a global step (beta_schedule_steps counted them), against the page's once per verl step."""
+    config = trainer_config()
+    config.trainer.v1.sync = {"parameter_sync_step": steps}
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(config)
+    assert str(raised.value) == (
+        f"trainer.v1.sync.parameter_sync_step={steps!r} is invalid: allowed is 1 under trainer.v1.trainer_mode="
+        "adaptive_kl (one actor update per global step, which the controllers move once per).")
+    config.trainer.v1.sync = {"parameter_sync_step": 1}
+    assert _GuardedTrainer(config).loss_kl is not None
+
+
+def test_a_kl_reduction_verls_aggregation_applies_already_is_said_in_verls_terms():
+    """loss_agg_mode token-mean reduces the KL loss by the token mean already: kl_reduction='token_mean' changes
+    nothing, said with verl's field (the core would name loss_type='bnpo', which verl has not); another reduction
+    acts, and is not said."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _GuardedTrainer(trainer_config(use_kl_in_reward=False, kl_reduction="token_mean"))
+    said = [str(w.message) for w in caught if "no effect" in str(w.message)]
+    assert said == ["adaptive_kl.kl_reduction='token_mean' has no effect: actor_rollout_ref.actor.loss_agg_mode="
+                    "'token-mean' already reduces the KL term that way. Leave it out, or choose a reduction the loss "
+                    "does not apply."]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _GuardedTrainer(trainer_config(use_kl_in_reward=False, kl_reduction="sequence_mean"))
+    assert not [w for w in caught if "no effect" in str(w.message)]
 
 
 def test_verls_own_adaptive_reward_controller_is_refused_naming_its_field():
@@ -1249,7 +1326,9 @@ def test_main_ppo_end_to_end_betas_follow_the_controllers_and_survive_resume(tmp
     # the loss beta: dynamic, every batch's reward > -1, so beta halves after every step
     assert [steps[s]["adaptive_kl/current_beta"] for s in (1, 2, 3)] == [0.1, 0.05, 0.025]
     assert [steps[s]["actor/kl_coef"] for s in (1, 2, 3)] == [0.1, 0.05, 0.025]  # what the workers used
-    # the reward beta: target on verl's KL measure, n = 2 prompts x 2 samples, within beta_max
+    # the reward beta: target, n = 2 prompts x 2 samples, within beta_max; its error is clamped at +0.2 (any KL
+    # measure is far above KL_TARGET here): which KL it reads, the token mean, is pinned by
+    # test_reward_target_controller_follows_the_token_mean_kl_within_bounds
     beta = REWARD_BETA
     for s in (1, 2, 3):
         assert steps[s]["actor/reward_kl_penalty_coeff"] == pytest.approx(beta, rel=1e-12)
@@ -1398,7 +1477,9 @@ def test_the_trainer_runs_as_verls_sync_mode_and_refuses_distillation_with_the_k
     assert config.trainer.v1.trainer_mode == "sync"
     config = trainer_config(use_kl_in_reward=False)
     config.distillation = {"enabled": True}
-    with pytest.raises(ValueError, match=r"^adaptive_kl: the KL in the loss with distillation is not supported\.$"):
+    with pytest.raises(ValueError, match=r"^distillation\.enabled=True is invalid with actor_rollout_ref\.actor\."
+                                         r"use_kl_loss=True under trainer\.v1\.trainer_mode=adaptive_kl: allowed is "
+                                         r"distillation\.enabled=False, or the KL in the reward alone"):
         _GuardedTrainer(config)
     config = trainer_config(use_kl_loss=False)
     config.distillation = {"enabled": True}
@@ -1439,8 +1520,9 @@ def test_verls_own_trainers_refuse_an_adaptive_kl_block_and_build_as_before_with
                                          r"or remove the block to train without adaptive KL\.$"):
         ray_trainer.RayPPOTrainer(config=config, tokenizer=None, role_worker_mapping={}, resource_pool_manager=None)
     config.trainer.v1.trainer_mode = "sync"
+    patched = len(verl_kl._patches)
     verl_kl.patch()  # idempotent: one wrapper each
-    assert len(verl_kl._patches) == 2
+    assert len(verl_kl._patches) == patched
     verls = trainer_base.PPOTrainer.__init__.__wrapped__
     assert verls.__qualname__ == "PPOTrainer.__init__" and not hasattr(verls, "__wrapped__")
 
@@ -1457,6 +1539,40 @@ def test_verls_own_trainers_refuse_an_adaptive_kl_block_and_build_as_before_with
         verl_kl.patch()
     with pytest.raises(ValueError, match="but PPOTrainerSync is verl's own trainer"):
         PPOTrainerSync(config)
+
+
+def test_a_verl_trainer_whose_init_skips_the_bases_refuses_the_block_too():
+    """verl's experimental OneStepOffRayTrainer and FullyAsyncTrainer derive from RayPPOTrainer and never call its
+    __init__: with an adaptive_kl block they built, and would have trained without it, silently. Every subclass's own
+    __init__ refuses it, of either base, defined before patch() or after; after unpatch() none does."""
+
+    def derived(base):
+        class Skipping(base):  # as verl's experimental trainers: the base's __init__ is never called
+            def __init__(self, config, *args, **kwargs):
+                self.config = config
+
+        return Skipping
+
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync  # PPOTrainer's concrete subclass
+
+    bases = (PPOTrainerSync, ray_trainer.RayPPOTrainer)
+    config = trainer_config(kl_adaptation_method="clip")
+    config.trainer.v1.trainer_mode = "sync"
+    verl_kl.unpatch()
+    try:
+        before = [derived(base) for base in bases]
+        assert before[1](config).config is config  # unpatched: built, the block unread
+        assert "__init_subclass__" not in vars(ray_trainer.RayPPOTrainer)
+    finally:
+        verl_kl.patch()
+    after = [derived(base) for base in bases]
+    for trainer in before + after:
+        with pytest.raises(ValueError, match=r"^adaptive_kl: the config holds an adaptive_kl block, but Skipping is "
+                                             r"verl's (own|legacy) trainer"):
+            trainer(config)
+    blockless = trainer_config()
+    del blockless["adaptive_kl"]
+    assert after[1](blockless).config is blockless
 
 
 class _PenalisingTrainer(_StubTrainer):

@@ -6,7 +6,8 @@ A thin translator between verl (0.9.x, the V1 trainer) and the core's `AdaptiveK
     python -m verl.trainer.main_ppo ... trainer.v1.trainer_mode=adaptive_kl \\
         +adaptive_kl.kl_adaptation_method=clip+dynamic +adaptive_kl.kl_clip_threshold=0.5
 
-(or, instead of the environment variable, a `verl.plugins` entry point naming this module). What acts where:
+(no `verl.plugins` entry point: verl logs a failing one at debug level only, so a missing anchor would pass
+unseen). What acts where:
 
 - The KL in the actor loss (`actor_rollout_ref.actor.use_kl_loss=True`, beta_0 = `actor.kl_loss_coef`): every
   actor worker runs `AdaptivePPOLoss`, which is verl's own `ppo_loss` with kl_loss_coef = beta_t and the adapted KL
@@ -38,8 +39,9 @@ The `adaptive_kl` block holds `AdaptiveKLConfig`'s fields; `adaptive_kl.reward.*
 in the reward. `kl_placement` is verl's own switches above and is not set here.
 
 Importing this module imports verl and checks, in the installed source, every anchor it relies on: a missing one is
-an `IncompatibleVersionError` naming it. It then makes verl's own trainers (the V1 base, the legacy `RayPPOTrainer`)
-refuse a config holding an `adaptive_kl` block, which they would not read (`patch()`; `unpatch()` undoes it).
+an `IncompatibleVersionError` naming it. It then makes verl's own trainers (the V1 base, the legacy `RayPPOTrainer`,
+and every class derived from them) refuse a config holding an `adaptive_kl` block, which they would not read
+(`patch()`; `unpatch()` undoes it).
 """
 
 from __future__ import annotations
@@ -59,12 +61,13 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
-from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, EstimatorFields, check_real, is_real,
-                           warn_estimator_issue)
+from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields, check_real,
+                           is_real, warn_estimator_issue)
 from ..core.controllers import check_horizon
 from ..core.errors import reject
 from ..core.numerics import KINDS, NonFinite, found_in_check, masked_logps, nonfinite_error, this_process
-from ..core.reductions import agg_mode_of, kl_reduction, loss_type_of_agg_mode
+from ..core.reductions import (agg_mode_of, kl_reduction, loss_type_of_agg_mode, loss_type_reduction,
+                               reduction_left_as_is)
 from ..core.shapings import clipped_tokens
 from ..core.statistics import NAMES, KLStatistics
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
@@ -254,6 +257,7 @@ VERL_LOSS_FIELDS = EstimatorFields(estimator="actor_rollout_ref.actor.kl_loss_ty
 VERL_REWARD_FIELDS = EstimatorFields(estimator="algorithm.kl_penalty", **_VERL_FIELDS)
 # verl's kl_penalty / kl_loss_type values whose value is the log-ratio k1 ('+': the value of the base, k2's gradient).
 VERL_LOG_RATIO = ("kl", "k1")
+VERL_K3 = ("low_var_kl", "k3")  # verl's k3 (clamped), value and gradient: a '+' type takes k2's gradient
 
 
 VERL_KL_TYPES = "kl, k1, abs, mse, k2, low_var_kl or k3, each also with a trailing '+' (verl's kl_penalty)"
@@ -276,11 +280,26 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
     `reward_block` is what the `adaptive_kl.reward` block set."""
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     on = {"loss": bool(actor.use_kl_loss), "reward": bool(algorithm.use_kl_in_reward)}
+    # verl's sync mode runs parameter_sync_step actor updates (and reward penalties) per global step, on a slice of the
+    # train batch each: the controllers would move that many times a global step, and no count would be verl's.
+    sync_steps = (config.get("trainer", {}).get("v1", {}).get("sync") or {}).get("parameter_sync_step", 1)
+    if sync_steps != 1:
+        raise reject("trainer.v1.sync.parameter_sync_step", sync_steps,
+                     f"1 under trainer.v1.trainer_mode={TRAINER_NAME} (one actor update per global step, which the "
+                     "controllers move once per)")
     if on["loss"]:
         epochs = actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)
         if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
             raise reject("actor_rollout_ref.actor.ppo_epochs", epochs, "an integer >= 1")
         check_kl_type("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
+        # k3 named explicitly reads the trainer's own KL, as unset does (TRL's and Unsloth's are k3): here that is
+        # kl_loss_type, which need not be k3
+        if loss_config.kl_estimator == STOCK_ESTIMATOR and actor.kl_loss_type not in VERL_K3:
+            raise ValueError(
+                f"adaptive_kl.kl_estimator={STOCK_ESTIMATOR!r} is invalid with actor_rollout_ref.actor.kl_loss_type="
+                f"{actor.kl_loss_type!r}: k3 means the trainer's own KL, which verl computes as kl_loss_type, so it "
+                f"would train on {actor.kl_loss_type!r}. Allowed: kl_loss_type one of {', '.join(VERL_K3)} (verl's "
+                "k3), or adaptive_kl.kl_estimator unset to adapt verl's kl_loss_type as it is.")
     if on["reward"]:
         check_kl_type("algorithm.kl_penalty", algorithm.get("kl_penalty", "kl"))
     data, rollout = config.get("data"), config.actor_rollout_ref.get("rollout")
@@ -326,8 +345,16 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
         warnings.warn(f"{', '.join(f'{field}.{setting}' for setting in fields)} {'has' if len(fields) == 1 else 'have'} "
                       f"no effect: {coefficient}=0.0 turns this KL term off. Set {coefficient} > 0 to regularise.",
                       UserWarning, stacklevel=3)
+    loss_type = kwargs.get("loss_type")
+    unchanged = beta != 0.0 and loss_type is not None and reduction_left_as_is(
+        placed or config, loss_type, prefix=f"{field}.",
+        loss=f"{AGG_MODE_FIELD}={agg_mode_of(loss_type_reduction(loss_type))!r}")
+    if unchanged:
+        warnings.warn(unchanged, UserWarning, stacklevel=3)
     with warnings.catch_warnings():  # said above, in verl's terms
         warnings.filterwarnings("ignore", message=r".* no effect: beta=0\.0 turns the KL term off", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r".* has no effect: loss_type=.* already reduces the KL term",
+                                category=UserWarning)
         try:
             return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
         except ValueError as error:  # the core calls the coefficient `beta`, the block's fields by their own names
@@ -518,20 +545,27 @@ class RewardKLController:
     core's `WindowKL`: sum of k over valid tokens / their count), bounded by beta_min/beta_max."""
 
     def __init__(self, config: AdaptiveKLConfig, beta: float, field: str = "adaptive_kl.reward",
-                 overrides: Any = ()) -> None:
+                 overrides: Any = (), loss_on: bool = True) -> None:
         # verl subtracts beta_t * k' from each valid token's reward, so a completion's penalty is beta_t * sum_t m k':
         # the core's KL_i in the reward under kl_reduction 'loss_type' or 'sequence_sum', the two `configs_from`
         # lets through. The core object is told the KL is in the reward, and its rules for that placement apply
         # (each step reads the batch scored since the last one). length_normalized is refused in verl's terms
-        # (`field`: where the method was set): the core's advice, kl_reduction='sequence_mean', is not verl's.
+        # (`field`: where the method was set; `loss_on`: whether the actor loss's KL, where it acts, is on): the
+        # core's advice, kl_reduction='sequence_mean', is not verl's.
         if "length_normalized" in config.kl_methods:
             methods = "+".join(method for method in config.kl_methods if method != "length_normalized") or "none"
+            if field != "adaptive_kl":
+                advice = "."
+            elif loss_on:
+                advice = (f"; set +adaptive_kl.reward.kl_adaptation_method={methods} to keep length_normalized for "
+                          "the KL in the actor loss alone.")
+            else:
+                advice = (f"; set adaptive_kl.kl_adaptation_method={methods}: length_normalized acts on the KL in "
+                          "the actor loss alone, which is off (actor_rollout_ref.actor.use_kl_loss=False).")
             raise ValueError(
                 f"{field}.kl_adaptation_method={config.kl_adaptation_method!r} is invalid with "
                 "algorithm.use_kl_in_reward=True: allowed is methods without length_normalized there (verl's reward "
-                "KL is the sum over each completion's tokens)"
-                + (f"; set +adaptive_kl.reward.kl_adaptation_method={methods} to keep length_normalized for the "
-                   "KL in the actor loss alone." if field == "adaptive_kl" else "."))
+                "KL is the sum over each completion's tokens)" + advice)
         self.akl = verl_adaptive_kl(config, beta, "algorithm.kl_ctrl.kl_coef", field, overrides=overrides,
                                     placed=dataclasses.replace(config, kl_placement="reward"), loss_type="bnpo")
         self._mean_reward: Optional[float] = None
@@ -630,7 +664,11 @@ class AdaptiveKLTrainerMixin:
         self.loss_kl: Optional[AdaptiveKL] = None
         if actor.use_kl_loss:
             if config.get("distillation") is not None and config.distillation.get("enabled", False):
-                raise ValueError("adaptive_kl: the KL in the loss with distillation is not supported.")
+                raise ValueError("distillation.enabled=True is invalid with actor_rollout_ref.actor.use_kl_loss=True "
+                                 f"under trainer.v1.trainer_mode={TRAINER_NAME}: allowed is distillation.enabled=False, "
+                                 "or the KL in the reward alone (algorithm.use_kl_in_reward=True, use_kl_loss=False); "
+                                 "the adaptive actor loss is verl's ppo_loss, and would replace its "
+                                 "distillation_ppo_loss.")
             # The update's per-completion statistics hold each completion once per PPO epoch: target's n counts it once.
             self.loss_kl = verl_adaptive_kl(
                 loss_config, float(actor.kl_loss_coef), "actor_rollout_ref.actor.kl_loss_coef", "adaptive_kl",
@@ -651,7 +689,8 @@ class AdaptiveKLTrainerMixin:
                     "leave trainer_mode unset for verl's own.")
             self.reward_kl = RewardKLController(
                 reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef), overrides=overrides,
-                field="adaptive_kl.reward" if "kl_adaptation_method" in overrides else "adaptive_kl")
+                field="adaptive_kl.reward" if "kl_adaptation_method" in overrides else "adaptive_kl",
+                loss_on=bool(actor.use_kl_loss))
             self.kl_ctrl_in_reward = self.reward_kl
         if self.loss_kl is None and self.reward_kl is None:
             warnings.warn("adaptive_kl: neither actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is "
@@ -809,14 +848,39 @@ def refusing_the_block(init: Any) -> Any:
 _patches = PatchSet()
 
 
+def refuse_in(cls: type) -> None:
+    """Give `cls`'s own `__init__`, where it defines one, the refusal (`refusing_the_block`)."""
+    if "__init__" in vars(cls) and not _patches.replaced(cls, "__init__"):
+        _patches.replace(cls, "__init__", refusing_the_block(vars(cls)["__init__"]))
+
+
+def refusing_subclasses(base: type) -> classmethod:
+    """`base.__init_subclass__`: each class derived from it from now on gets the refusal in its own `__init__`."""
+
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        super(base, cls).__init_subclass__(**kwargs)
+        refuse_in(cls)
+
+    return classmethod(__init_subclass__)
+
+
 def patch() -> None:
     """Make verl's own trainers refuse an `adaptive_kl` block (done on import). Idempotent."""
     if _patches:
         return
     # Replaces verl's PPOTrainer.__init__ (trainer/ppo/v1/trainer_base.py), the base of every V1 trainer, ours too,
-    # and RayPPOTrainer.__init__ (trainer/ppo/ray_trainer.py, the legacy trainer's): each then runs as before.
+    # and RayPPOTrainer.__init__ (trainer/ppo/ray_trainer.py, the legacy trainer's): each then runs as before. Their
+    # subclasses' own __init__ too, those defined already and (through each base's __init_subclass__, which verl's do
+    # not define) those defined later: verl's experimental OneStepOffRayTrainer and FullyAsyncTrainer never call the
+    # base's __init__, and would train without the block, silently.
     for owner in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer):
         _patches.replace(owner, "__init__", refusing_the_block(owner.__init__))
+        _patches.replace(owner, "__init_subclass__", refusing_subclasses(owner))
+        subclasses = owner.__subclasses__()
+        while subclasses:
+            subclass = subclasses.pop()
+            refuse_in(subclass)
+            subclasses.extend(subclass.__subclasses__())
 
 
 def unpatch() -> None:
