@@ -307,6 +307,10 @@ def test_resume_after_a_sync_continues_as_the_uninterrupted_run(tokenizer, tmp_p
         assert logged(resumed, name) == pytest.approx(logged(full, name), rel=1e-6, abs=1e-9), name
     assert logged(full, "adaptive_kl/ref_syncs") == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0]
     assert (resumed.adaptive_kl_reference.syncs, resumed.adaptive_kl_reference.last_sync_step) == (3, 6)
+    if model_kind == "peft_config":  # resumed with syncing off: the synced reference is dropped, and said
+        unsynced = make_trainer(tokenizer, str(tmp_path / "unsynced"), **{**settings, "sync_ref_model": False})
+        with pytest.warns(UserWarning, match=rf"checkpoint-3/{STATE_FILE} holds the reference this run synced 1 "):
+            unsynced.train(resume_from_checkpoint=str(checkpoint))
 
     (checkpoint / STATE_FILE).unlink()
     without = make_trainer(tokenizer, str(tmp_path / "without"), **settings)
@@ -424,8 +428,66 @@ def synced_linear(steps: int, alpha: float) -> tuple[ReferenceSync, torch.nn.Lin
     initial = [p.detach().clone() for p in layer.parameters()]
     sync = ReferenceSync(HandMadeTrainer(layer), SyncSchedule(steps=steps, alpha=alpha, min_kl=None,
                                                               reset_optimizer=False))
-    sync.on_train_begin(None, None, None)
+    sync.on_train_begin(None, SimpleNamespace(max_steps=steps), None)
     return sync, layer, initial
+
+
+def test_a_sync_that_no_step_of_the_run_reaches_is_said(recwarn) -> None:
+    """sync_ref_model=True with TRL's default ref_model_sync_steps=512 in a run of 4 steps never synced, and said
+    nothing; a run that reaches the sync step, or whose length is unknown (max_steps 0), says nothing."""
+    sync, _, _ = synced_linear(steps=2, alpha=0.5)
+    with pytest.warns(UserWarning) as caught:
+        sync.on_train_begin(None, SimpleNamespace(max_steps=1), None)
+    assert [str(w.message) for w in caught] == [
+        "adaptive_kl: sync_ref_model=True syncs every ref_model_sync_steps=2 optimizer steps, and this run has 1: the "
+        "reference never moves. Set ref_model_sync_steps <= 1 to sync it."]
+    for max_steps in (2, 0):
+        sync.on_train_begin(None, SimpleNamespace(max_steps=max_steps), None)
+    assert not [w for w in recwarn if "never moves" in str(w.message)]
+
+
+def test_the_synced_peft_reference_forward_draws_no_lora_dropout() -> None:
+    """The stock PEFT reference runs with its adapter disabled, so LoRA dropout never acts on it; the synced one runs
+    through the adapter, in train mode: with lora_dropout=0.3 two reference forwards of one batch differed by 0.12.
+    Inside the exchange every LoRA dropout is off (two forwards equal), and in train mode again after it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    model = get_peft_model(base, LoraConfig(r=4, lora_dropout=0.3, target_modules=["0", "1"], init_lora_weights=False))
+    model.train()
+    reference = AdapterReference(model)
+    assert len(reference.dropouts) == 2
+    x = torch.randn(16, 8)
+    with torch.no_grad(), reference.swapped_in():
+        assert torch.equal(model(x), model(x))
+    assert all(dropout.training for dropout in reference.dropouts)
+    with torch.no_grad():
+        assert not torch.equal(model(x), model(x))  # the policy's own forward draws it, as before
+
+
+def test_a_synced_checkpoint_resumed_without_syncing_says_the_reference_changes(tmp_path, recwarn) -> None:
+    """A checkpoint whose reference was synced, resumed with sync_ref_model=False, went on from the trainer's own
+    reference without a word (its KL drifted from the uninterrupted run's at once); a checkpoint whose run never
+    synced, or that has no reference file, says nothing."""
+    from unsloth_adaptive_kl.integrations.trainer_hooks import warn_if_synced_reference_dropped
+
+    sync, layer, _ = synced_linear(steps=1, alpha=0.5)
+    sync.on_step_end(None, SimpleNamespace(global_step=1), None)
+    sync.on_step_end(None, SimpleNamespace(global_step=2), None)
+    sync.save(str(tmp_path), write=True)
+    with pytest.warns(UserWarning) as caught:
+        warn_if_synced_reference_dropped(str(tmp_path))
+    assert [str(w.message) for w in caught] == [
+        f"adaptive_kl: {tmp_path / STATE_FILE} holds the reference this run synced 2 time(s), and sync_ref_model=False "
+        "now: the resumed run uses the trainer's own reference instead. Set sync_ref_model=True (with the "
+        "checkpoint's sync settings) to continue from the synced one."]
+    unsynced, _, _ = synced_linear(steps=5, alpha=0.5)
+    (tmp_path / "unsynced").mkdir()
+    unsynced.save(str(tmp_path / "unsynced"), write=True)
+    warn_if_synced_reference_dropped(str(tmp_path / "unsynced"))
+    warn_if_synced_reference_dropped(str(tmp_path / "elsewhere"))
+    assert not [w for w in recwarn if "holds the reference" in str(w.message)]
 
 
 def test_the_checkpoint_restores_the_count_the_last_sync_step_and_the_reference(tmp_path) -> None:
@@ -455,6 +517,19 @@ def test_the_checkpoint_restores_the_count_the_last_sync_step_and_the_reference(
         assert (resumed.syncs, resumed.last_sync_step) == (1, 2)
         assert resumed.moved_adapter() is resumed.reference
         assert all(torch.allclose(r, p0 + 1.0, atol=1e-6) for r, p0 in zip(resumed.reference.tensors, initial))
+
+
+def test_a_process_that_writes_no_checkpoint_copies_no_reference_to_the_host(tmp_path, monkeypatch) -> None:
+    """Every process copied the whole reference to the host at each checkpoint, the ones writing nothing included (N
+    host copies of a full model under DDP); only an FSDP2 shard needs every process, for its gather (the FSDP2 test
+    checkpoints across two processes)."""
+    sync, _, _ = synced_linear(steps=1, alpha=0.5)
+    copied: list[torch.Tensor] = []
+    monkeypatch.setattr(ref_sync, "_full", lambda tensor: copied.append(tensor) or tensor.detach().cpu())
+    sync.save(str(tmp_path), write=False)
+    assert copied == [] and not (tmp_path / STATE_FILE).exists()
+    sync.save(str(tmp_path), write=True)
+    assert len(copied) == 2 and (tmp_path / STATE_FILE).exists()
 
 
 def test_a_checkpointed_reference_of_other_tensors_is_refused(tmp_path) -> None:

@@ -100,6 +100,10 @@ class AdapterReference:
         self.policy = [p for _, p in named]
         with torch.no_grad():
             self.tensors = [p.detach().clone() for p in self.policy]
+        # PEFT's LoRA dropout (`lora_dropout`), which the stock reference skips (its adapter is disabled): the moved
+        # reference's forward runs through the adapter, so it is switched off there (train mode would draw it)
+        self.dropouts = [module for name, module in model.named_modules()
+                         if isinstance(module, torch.nn.Dropout) and ".lora_dropout." in f".{name}"]
 
     def mix(self, alpha: float) -> None:
         """R_j <- alpha * P_j + (1 - alpha) * R_j, by TRL's own function."""
@@ -111,17 +115,23 @@ class AdapterReference:
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
-        """P_j <-> R_j for the block: the policy's tensors hold the reference's values, and exactly their own again
-        afterwards, also when the block raises. In place under no_grad: the parameters, their gradients and the
-        optimizer state stay the same objects with the same values, and no autograd graph records the exchange."""
+        """P_j <-> R_j for the block, LoRA dropout off: the policy's tensors hold the reference's values, and exactly
+        their own again afterwards, also when the block raises (each dropout its own mode again). In place under
+        no_grad: the parameters, their gradients and the optimizer state stay the same objects with the same values,
+        and no autograd graph records the exchange."""
         exchanged = 0
+        modes = [dropout.training for dropout in self.dropouts]
         try:
             with torch.no_grad():
                 for p, r in zip(self.policy, self.tensors):
                     _exchange(p, r)
                     exchanged += 1
+            for dropout in self.dropouts:
+                dropout.eval()
             yield
         finally:
+            for dropout, mode in zip(self.dropouts, modes):
+                dropout.train(mode)
             with torch.no_grad():
                 for p, r in zip(self.policy[:exchanged], self.tensors[:exchanged]):
                     _exchange(p, r)
@@ -173,6 +183,10 @@ class ReferenceSync(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.bind()
+        if 0 < state.max_steps < self.schedule.steps:  # e.g. TRL's default of 512 steps in a shorter run
+            warnings.warn(f"adaptive_kl: sync_ref_model=True syncs every ref_model_sync_steps={self.schedule.steps} "
+                          f"optimizer steps, and this run has {state.max_steps}: the reference never moves. Set "
+                          f"ref_model_sync_steps <= {state.max_steps} to sync it.", UserWarning, stacklevel=2)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer
@@ -190,12 +204,18 @@ class ReferenceSync(TrainerCallback):
         return self.reference if self.syncs and isinstance(self.reference, AdapterReference) else None
 
     def save(self, folder: str, write: bool) -> None:
-        """Every process gathers the reference (FSDP2 shards); `write` (the saving process) writes it with the count
-        and the last sync step to `folder`/STATE_FILE."""
-        tensors = {name: _full(tensor) for name, tensor in self.bind().named_tensors()}
-        if write:
-            torch.save({"syncs": self.syncs, "last_sync_step": self.last_sync_step, "reference": tensors},
-                       os.path.join(folder, STATE_FILE))
+        """`write` (the saving process) gathers the reference to the host and writes it with the count and the last
+        sync step to `folder`/STATE_FILE; every other process takes part in the gather of each FSDP2 shard alone (a
+        whole model's host copy on each of them would be thrown away)."""
+        named = self.bind().named_tensors()
+        if not write:
+            for _, tensor in named:
+                if isinstance(tensor, DTensor):
+                    tensor.full_tensor()
+            return
+        tensors = {name: _full(tensor) for name, tensor in named}
+        torch.save({"syncs": self.syncs, "last_sync_step": self.last_sync_step, "reference": tensors},
+                   os.path.join(folder, STATE_FILE))
 
     def load(self, folder: str) -> None:
         """Restore what `save` wrote; a checkpoint without it (saved without syncing, or the file lost) warns, naming
