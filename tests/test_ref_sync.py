@@ -19,7 +19,8 @@ from transformers import TrainerCallback
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import ref_sync
 from unsloth_adaptive_kl.integrations.ref_sync import (STATE_FILE, AdapterReference, ReferenceSync, SyncSchedule,
-                                                        check_supported, use_reference)
+                                                        check_supported, use_reference,
+                                                        warn_if_synced_reference_dropped)
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
 
 from .conftest import PROMPTS, constant_reward, grpo_args, logged, make_trainer, torchrun
@@ -470,8 +471,6 @@ def test_a_synced_checkpoint_resumed_without_syncing_says_the_reference_changes(
     """A checkpoint whose reference was synced, resumed with sync_ref_model=False, went on from the trainer's own
     reference without a word (its KL drifted from the uninterrupted run's at once); a checkpoint whose run never
     synced, or that has no reference file, says nothing."""
-    from unsloth_adaptive_kl.integrations.trainer_hooks import warn_if_synced_reference_dropped
-
     sync, layer, _ = synced_linear(steps=1, alpha=0.5)
     sync.on_step_end(None, SimpleNamespace(global_step=1), None)
     sync.on_step_end(None, SimpleNamespace(global_step=2), None)

@@ -152,9 +152,9 @@ class AdaptiveKL:
         check_estimator_read(self.config, per_token_kl)
         ctx = divisors(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
-        reductions = {"the KL term": kl_reduction(self.config, self.loss_type)}
-        if reductions["the KL term"] != loss_type_reduction(self.loss_type):  # raw_kl: the loss type's, whatever
-            reductions["raw_kl"] = loss_type_reduction(self.loss_type)  # the KL term's (the trainer's own metric)
+        kl, raw = kl_reduction(self.config, self.loss_type), loss_type_reduction(self.loss_type)
+        # raw_kl is reduced as the loss type reduces (the trainer's own metric), whatever the KL term's reduction
+        reductions = {"the KL term": kl, **({"raw_kl": raw} if raw != kl else {})}
         check_divisors_given(ctx, reductions.values(), "kl_loss")
         check_completions_fit(ctx, mask, reductions)
         if train:

@@ -249,6 +249,20 @@ class ReferenceSync(TrainerCallback):
                 _load_into(tensor, tensors[name])
 
 
+def warn_if_synced_reference_dropped(checkpoint: str) -> None:
+    """A checkpoint whose run synced its reference, resumed with sync_ref_model=False: the run goes on from TRL's own
+    reference, not the synced one the checkpoint holds; said, naming the file (its tensors are mapped, not read)."""
+    path = os.path.join(checkpoint, STATE_FILE)
+    if not os.path.exists(path):
+        return
+    syncs = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["syncs"]
+    if syncs:
+        warnings.warn(f"adaptive_kl: {path} holds the reference this run synced {syncs} time(s), and "
+                      "sync_ref_model=False now: the resumed run uses the trainer's own reference instead. Set "
+                      "sync_ref_model=True (with the checkpoint's sync settings) to continue from the synced one.",
+                      UserWarning, stacklevel=3)
+
+
 def check_supported(trainer: Any) -> None:
     """Refuse, before training, the setups where the synced reference cannot be kept correctly."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)

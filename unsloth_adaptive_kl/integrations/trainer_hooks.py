@@ -28,8 +28,7 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import AdaptiveKLConfig, check_real, is_real, reject
 from .patching import PatchSet
-from .ref_sync import STATE_FILE as REFERENCE_FILE
-from .ref_sync import attach_reference_sync, reference_for_generation
+from .ref_sync import attach_reference_sync, reference_for_generation, warn_if_synced_reference_dropped
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
 
 logger = logging.getLogger(__name__)
@@ -484,20 +483,6 @@ def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
             warn_if_synced_reference_dropped(checkpoint)
 
     return _load_optimizer_and_scheduler
-
-
-def warn_if_synced_reference_dropped(checkpoint: str) -> None:
-    """A checkpoint whose run synced its reference, resumed with sync_ref_model=False: the run goes on from TRL's own
-    reference, not the synced one the checkpoint holds; said, naming the file (its tensors are mapped, not read)."""
-    path = os.path.join(checkpoint, REFERENCE_FILE)
-    if not os.path.exists(path):
-        return
-    syncs = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["syncs"]
-    if syncs:
-        warnings.warn(f"adaptive_kl: {path} holds the reference this run synced {syncs} time(s), and "
-                      "sync_ref_model=False now: the resumed run uses the trainer's own reference instead. Set "
-                      "sync_ref_model=True (with the checkpoint's sync settings) to continue from the synced one.",
-                      UserWarning, stacklevel=3)
 
 
 def _holds_adapter(folder: str) -> bool:

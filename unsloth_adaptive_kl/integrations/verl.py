@@ -874,7 +874,7 @@ def patch() -> None:
     # not define) those defined later: verl's experimental OneStepOffRayTrainer and FullyAsyncTrainer never call the
     # base's __init__, and would train without the block, silently.
     for owner in (trainer_base.PPOTrainer, ray_trainer.RayPPOTrainer):
-        _patches.replace(owner, "__init__", refusing_the_block(owner.__init__))
+        refuse_in(owner)
         _patches.replace(owner, "__init_subclass__", refusing_subclasses(owner))
         subclasses = owner.__subclasses__()
         while subclasses:
