@@ -285,6 +285,45 @@ def test_unscored_completions_stay_unscored(tokenizer, tmp_path) -> None:
     assert batch["advantages"][[0, 4]].tolist() == [0.0, 0.0]
 
 
+def test_a_masked_truncated_completion_carries_its_groups_mean_penalty(tokenizer, tmp_path) -> None:
+    """mask_truncated_completions=True zeroes a truncated completion's mask (its KL is unknown), while its reward still
+    enters its group's statistics. It carries the mean penalty of its group's completions that have tokens, so under a
+    constant reward and scale_rewards='none' the trained completions' advantages sum to 0 in every group (penalised 0,
+    it would lower each by its share of their mean penalty: a push towards truncation)."""
+    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), per_device_train_batch_size=8, max_steps=1,
+                           beta=0.5, scale_rewards="none", mask_truncated_completions=True, max_completion_length=4,
+                           **REWARD)
+    perturb_adapters(trainer.model)
+    model, eos = trainer.model.get_base_model(), tokenizer.eos_token_id
+    generate = model.generate
+
+    def ending_often(*args: Any, **kwargs: Any) -> Any:  # EOS +4 on its logit (about 0.3 a token), in sampling only
+        hook = model.get_output_embeddings().register_forward_hook(
+            lambda module, inputs, output: output + 4.0 * torch.nn.functional.one_hot(
+                torch.tensor(eos), output.size(-1)).to(output.dtype))
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            hook.remove()
+
+    model.generate = ending_often  # some completions of a group end, some are truncated at 4 tokens
+    batch = scored_batch(trainer)
+    mask = batch["completion_mask"]
+    lengths = mask.sum(1).view(2, 4)
+    assert ((lengths == 0).any(1) & (lengths > 0).any(1)).any()  # a group with both kinds: the case under test
+    kl = completion_kl_by_hand(batch["policy_logps"], batch["ref_per_token_logps"], mask, "sequence_sum").view(2, 4)
+    has = lengths > 0
+    mean = (kl * has).sum(1, keepdim=True) / has.sum(1, keepdim=True).clamp(min=1)
+    imputed = torch.where(has, kl, mean).view(-1)
+    expected = expected_advantages(torch.ones(8, dtype=torch.float64), imputed, 0.5, group=4, scale_rewards="none")
+    assert batch["advantages"].double() == pytest.approx(expected.tolist(), abs=1e-5)
+    trained = batch["advantages"].double().view(2, 4) * has
+    assert trained.sum(1).tolist() == pytest.approx([0.0, 0.0], abs=1e-5)
+    assert kl[has].abs().min() > 0.005  # the trained completions carry a KL: the sums are 0 by the rule, not by chance
+    # the metrics count the completions that have tokens alone
+    assert logged(trainer, "adaptive_kl/reward_penalty")[0] == pytest.approx(0.5 * kl[has].mean().item(), rel=1e-4)
+
+
 @pytest.mark.parametrize("estimator", [None, "k3"])
 def test_clip_shapes_each_token_before_the_completion_sum(tokenizer, tmp_path, estimator: Any) -> None:
     """KL_i = sum_t m min(k, 0.05): k the log-ratio k1 by default, k3 when named (with its warning)."""
@@ -436,6 +475,7 @@ def test_tool_response_tokens_carry_no_reward_penalty(tokenizer, tmp_path) -> No
     calculate = wrap_calculate_rewards(lambda self: torch.tensor([[1.0], [0.0]]), lambda name: RuntimeError(name))
     scoring = {"train": False, "recorder": _CallRecorder(lambda *args, **kwargs: None)}
     trainer._adaptive_kl_scoring = scoring
+    trainer.num_generations = trainer.num_generations_eval = 2  # the stand-in batch: one group of 2
 
     def generation() -> torch.Tensor:  # the locals of TRL's _generate_and_score_completions that the hook reads
         old_per_token_logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -1.0, -3.0]])  # noqa: F841

@@ -396,6 +396,24 @@ def test_the_trainer_findings_name_the_rows_their_figures_pick() -> None:
                         "[0.0011 - 0.0019] against 0.0030.")
 
 
+def test_the_k3_in_the_reward_finding_gives_the_defaults_recipe_beside_dr_grpo() -> None:
+    """k3 in the reward, in its own words per recipe: under dr_grpo as far from pi* as beta = 0, under the trainer's
+    group-scaled defaults closer (kl_lab_trl.json: 2.64 against 3.61), so the sentence gives both and claims neither;
+    without the defaults' rows it gives dr_grpo's alone."""
+    rows = [lab_row("dr_grpo", "beta = 0 (no KL)", [3.5, 3.6], 0.0, placement="off", betas=[None, None]),
+            lab_row("dr_grpo", "k3 in the reward", [3.8, 3.8], 0.0, placement="reward", betas=[None, None]),
+            lab_row("defaults", "beta = 0 (no KL)", [3.6, 3.62], 0.0, placement="off", betas=[None, None]),
+            lab_row("defaults", "k3 in the reward", [2.6, 2.68], 0.0, placement="reward", betas=[None, None]),
+            lab_row("defaults", "k1 in the reward", [0.001, 0.001], 0.0, placement="reward")]
+    (sentence,) = [f for f in trainer_lab.findings({"beta": 0.5, "rows": rows}) if f.startswith("**k3 in the reward")]
+    assert sentence == ("**k3 in the reward** ends 3.8000 [3.8000 - 3.8000] from pi* with dr_grpo, where beta = 0 ends "
+                        "3.5500 [3.5000 - 3.6000]; under the trainer's defaults 2.6400 [2.6000 - 2.6800], where "
+                        "beta = 0 ends 3.6100 [3.6000 - 3.6200] and k1 in the reward 0.0010 [0.0010 - 0.0010].")
+    (alone,) = [f for f in trainer_lab.findings({"beta": 0.5, "rows": rows[:2]}) if f.startswith("**k3 in the reward")]
+    assert alone == ("**k3 in the reward** ends 3.8000 [3.8000 - 3.8000] from pi* with dr_grpo, where beta = 0 ends "
+                     "3.5500 [3.5000 - 3.6000].")
+
+
 def test_the_reward_function_reads_the_decoded_letters() -> None:
     """contains_a: 1 when an 'a' is anywhere; first_a: 1 when the first letter is 'a' (EOS and pads decode to
     nothing, other characters are skipped)."""

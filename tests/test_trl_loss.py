@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -388,6 +389,49 @@ def test_a_setting_changed_after_the_trainer_was_built_stops_the_first_loss(toke
                                          r"trainer builds it in its __init__\)\. Set it before;"):
         trainer.train()
     assert trainer.state.global_step == 0 and not recorded
+
+
+def test_trainer_beta_set_during_training_is_refused_where_adapted_and_said_where_stock(tokenizer, tmp_path) -> None:
+    """TRL's loss reads trainer.beta; a callback that sets it mid-run (0.04 -> 0.4): with `clip` the adapted term
+    multiplies the controller's beta and would ignore it (on fa480e6 the KL part stayed 0.04's), so the next loss is
+    refused naming trainer.beta, before its step. With `none` the stock term follows it as stock TRL does, bit for bit,
+    and the metrics' beta does not: a warning, once. Set to 0 (no KL term in any setting) it is honoured silently."""
+    from transformers import TrainerCallback
+
+    class Schedule(TrainerCallback):
+        def __init__(self, trainer: Any, value: float) -> None:
+            self.trainer, self.value = trainer, value
+
+        def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+            self.trainer.beta = self.value
+
+    clipped = make_trainer(tokenizer, str(tmp_path / "clip"), kl_adaptation_method="clip", max_steps=3)
+    clipped.add_callback(Schedule(clipped, 0.4))
+    with pytest.raises(ValueError, match=r"^trainer\.beta=0\.4 is invalid: allowed is the beta the trainer was built "
+                                         r"with \(0\.04\) while adaptive KL is on \(kl_adaptation_method='clip'\)"):
+        clipped.train()
+    assert clipped.state.global_step == 1 and clipped.adaptive_kl.completed_steps == 1
+    def losses(name: str, beta: float = 0.4) -> list[float]:
+        trainer = make_trainer(tokenizer, str(tmp_path / name), max_steps=3)
+        trainer.add_callback(Schedule(trainer, beta))
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    runs = {}
+    with pytest.warns(UserWarning, match=r"^adaptive_kl: trainer\.beta was set to 0\.4 after the run started "
+                                         r"\(built with 0\.04\)"):
+        runs["none"] = losses("none")
+    with stock_trl():
+        runs["stock"] = losses("stock")
+        runs["unscheduled"] = losses("unscheduled", 0.04)
+    assert runs["none"] == runs["stock"] and len(runs["none"]) == 3
+    assert runs["none"][1:] != runs["unscheduled"][1:]  # the schedule moved the stock loss: it was followed
+    zero = make_trainer(tokenizer, str(tmp_path / "zero"), kl_adaptation_method="clip", max_steps=2)
+    zero.add_callback(Schedule(zero, 0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero.train()
+    assert zero.state.global_step == 2
 
 
 def test_at_beta_zero_a_setting_changed_after_the_trainer_was_built_is_refused_too(tokenizer, tmp_path) -> None:

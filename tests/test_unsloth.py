@@ -86,6 +86,9 @@ def test_generated_trainer_dynamic_beta_metrics_and_no_recompiles(tmp_path) -> N
     # decay 0.5 per step at reward 1.0; after step 4 (beta_schedule_steps) beta_min
     assert result["betas"] == pytest.approx([0.04, 0.02, 0.01, 0.005, 0.001, 0.001])
     assert result["final_beta"] == pytest.approx(0.001)
+    # an evaluation afterwards moves nothing (from its second batch on, Unsloth's generation left model.training True)
+    assert result["evaluated"] == {"final_beta": result["final_beta"], "completed_steps": result["completed_steps"]} \
+        and result["completed_steps"] == 6
     # Step 1's policy is the reference (LoRA's B = 0), scored on two paths whose log-probs may round differently on
     # another CPU: its KL is 0 up to k3's four float32 operations (exp counted twice) on parts of magnitude <= 3
     # (e^d ~ 1, |d| ~ 0, 1); later steps' KL is above that.
@@ -222,6 +225,9 @@ def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_pat
     assert dynamic["betas"] == pytest.approx([1.0, 0.5, 0.25]) and dynamic["final_beta"] == pytest.approx(0.125)
     assert dynamic["penalties"] == pytest.approx([b * kl for b, kl in zip(dynamic["betas"], dynamic["sequence_kl"])])
     assert dynamic["reward"] == pytest.approx([1.0] * 3, abs=1e-6)
+    # evaluated after each of its 3 steps: the same beta at the end, 3 controller steps (it decayed 512 times further
+    # when evaluation, run with model.training True by Unsloth's generation, was taken for training)
+    assert results["evaluated"] == {"final_beta": pytest.approx(0.125), "completed_steps": 3, "evaluations": 3}
     # three optimizer steps of two micro-batches: the controller is stepped three times, once per step (the scoring
     # of each generation batch moves nothing), each step reading its scored batch of 2 micro-batches' completions
     counting = results["counting"]

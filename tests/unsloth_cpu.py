@@ -107,6 +107,7 @@ else:
 import trl  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback, TrainerCallback, set_seed  # noqa: E402
+from transformers.trainer_utils import IntervalStrategy  # noqa: E402
 
 from unsloth_adaptive_kl.integrations.trainer_hooks import UNSLOTH_DEFAULTS  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, backward_grads, captured_inputs  # noqa: E402
@@ -430,15 +431,20 @@ def scenario_dynamic(out: str) -> dict:
 
     trainer.add_callback(GraphCounter())
     trainer.train()
-    return {
+    result = {
         "betas": logged(trainer, "adaptive_kl/current_beta"), "final_beta": trainer.current_beta,
         "raw_kl": logged(trainer, "adaptive_kl/raw_kl"), "adapted_kl": logged(trainer, "adaptive_kl/adapted_kl"),
         "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"), "kl": logged(trainer, "kl"),
         "graphs_after_step": graphs_after_step, "step_seconds": trainer.step_timer.times,
         "trainer_class": type(trainer).__name__, "stock_beta": trainer.beta,
+        "completed_steps": trainer.adaptive_kl.completed_steps,
         "loss_cache_entries": gpu_scenarios.loss_cache_entries(),  # before beta_recompiles compiles stock's too
-        **beta_recompiles(trainer, out),
     }
+    # an evaluation of 4 batches feeds the controller nothing (Unsloth's generation puts the model back in training
+    # mode: from its second batch on, model.training says training)
+    trainer.evaluate(Dataset.from_dict({"prompt": list(PROMPTS)[:4]}))
+    result["evaluated"] = {"final_beta": trainer.current_beta, "completed_steps": trainer.adaptive_kl.completed_steps}
+    return {**result, **beta_recompiles(trainer, out)}
 
 
 def beta_recompiles(trainer: Any, out: str) -> dict:
@@ -652,6 +658,17 @@ def scenario_reward(out: str) -> dict:
                           "penalties": logged(trainer, "adaptive_kl/reward_penalty"),
                           "sequence_kl": logged(trainer, "adaptive_kl/sequence_kl"), "reward": logged(trainer, "reward"),
                           "trainer_class": type(trainer).__name__}
+    # the same run evaluated after every step: the evaluations score with the penalty and feed the controller nothing
+    evaluated = make_trainer(f"{out}/evaluated", constant_reward, gradient_accumulation_steps=1, max_steps=3, beta=1.0,
+                             kl_placement="reward", kl_reduction="sequence_sum", kl_adaptation_method="dynamic",
+                             dynamic_beta_decay=0.5, per_device_eval_batch_size=4)
+    perturb_adapters(evaluated.model)
+    evaluated.eval_dataset = Dataset.from_dict({"prompt": list(PROMPTS)[:4]})
+    evaluated.args.eval_strategy, evaluated.args.eval_steps = IntervalStrategy.STEPS, 1
+    evaluated.train()
+    results["evaluated"] = {"final_beta": evaluated.current_beta,
+                            "completed_steps": evaluated.adaptive_kl.completed_steps,
+                            "evaluations": sum("eval_loss" in entry for entry in evaluated.state.log_history)}
     # The controller moves once per optimizer step (two micro-batches each), from the batch scored for that step.
     trainer = make_trainer(f"{out}/counting", gradient_accumulation_steps=2, max_steps=3, beta=0.1,
                            kl_placement="reward", kl_adaptation_method="test_counting_beta")

@@ -30,7 +30,7 @@ KL_PLACEMENTS = ("loss", "reward")
 
 
 # Estimators whose value is not the log-ratio k1: as a reward their score-function gradient is not the KL's gradient
-# (the KL lab: k3 in the reward does not regularise at all), so with the KL in the reward they warn.
+# (the KL lab: k3 in the reward misses the regularised optimum), so with the KL in the reward they warn.
 NOT_LOG_RATIO_ESTIMATORS = ("k2", "k3", "low_var_kl", "k3+", "k3_bottom_percentile")
 
 
@@ -61,8 +61,8 @@ _ESTIMATOR_WARNINGS = {
                 "KL in the reward ({to_reward}, where k1 is exact).",
     NOT_LOG_RATIO_IN_REWARD: "{estimator}={value!r} with {in_reward}: a KL in the reward must be the log-ratio "
                              "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the "
-                             "KL's, and the KL lab measures k3 in the reward not regularising at all (the KL to the "
-                             "reference as large as with beta=0, or larger). Use {reward_fix}.",
+                             "KL's, and the KL lab measures k3 in the reward ending far from the regularised optimum (in "
+                             "its exact lab with the KL to the reference above beta=0's). Use {reward_fix}.",
 }
 
 

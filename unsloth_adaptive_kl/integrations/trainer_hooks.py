@@ -27,6 +27,7 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import AdaptiveKLConfig, check_real, is_real, reject
+from ..core.numerics import valid_positions
 from .patching import PatchSet
 from .ref_sync import attach_reference_sync, reference_for_generation, warn_if_synced_reference_dropped
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
@@ -347,6 +348,9 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
                                                                "reference": "reference log-probs (ref_per_token_logps)"})
         penalty, metrics = self.adaptive_kl.penalize(term, gather=self.accelerator.gather, train=scoring["train"],
                                                      completed_steps=self.state.global_step)
+        # the groups as the trainer forms them for its statistics (by the model's mode, as its own code chooses)
+        group_size = self.num_generations if self.model.training else self.num_generations_eval
+        penalty = neutral_where_empty(penalty, self.accelerator.gather(valid_positions(mask).sum(1)), group_size)
         column = -penalty.to(rewards_per_func.device, rewards_per_func.dtype)
         column = column.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)
         scoring.update(metrics=metrics, mean_penalty=-torch.nanmean(column).nan_to_num(0.0).item())
@@ -354,6 +358,19 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         return torch.cat([rewards_per_func, column[:, None]], dim=1)
 
     return _calculate_rewards
+
+
+def neutral_where_empty(penalty: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The penalties beta_t * KL_i of a generation batch (groups of `group_size` consecutive completions), where a
+    completion with no valid token (`lengths` 0: TRL's `mask_truncated_completions` masks a truncated one) carries the
+    mean penalty of its group's completions that have tokens (0 where none has).
+
+    Its KL is unknown (its mask is zeroed before the reference forward), while its reward still enters the group's
+    statistics: penalised 0, it would lower every trained completion's advantage by its share of their mean penalty,
+    a push towards truncation. At the group's mean it moves no other completion's advantage by its penalty."""
+    groups, has_tokens = penalty.view(-1, group_size), (lengths > 0).view(-1, group_size).to(penalty.device)
+    mean = (groups * has_tokens).sum(1, keepdim=True) / has_tokens.sum(1, keepdim=True).clamp(min=1)
+    return torch.where(has_tokens, groups, mean).view(-1)
 
 
 def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorError) -> Callable:
@@ -368,20 +385,20 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
             return generate_and_score(self, *args, **kwargs)
 
     def generate_and_score(self: Any, *args: Any, **kwargs: Any) -> Any:
-        mode = "train" if self.model.training else "eval"
+        mode = "train" if self.model.training else "eval"  # the bucket the trainer logs this batch's metrics in
         rewards = self._metrics[mode]["reward"]
         logged = len(rewards)
-        runtime = self.adaptive_kl
-        if mode == "train" and self.beta != 0.0:
+        runtime, train = self.adaptive_kl, training(self)
+        if train and self.beta != 0.0:
             check_loss_hook_ran(self)
         if not (runtime.config.kl_in_reward and self.beta != 0.0):
             output = upstream(self, *args, **kwargs)
-            if mode == "train":
+            if train:
                 if len(rewards) != logged + 1:
                     raise missing_reward_metric()
                 observe_mean_reward(runtime, rewards[-1])
             return output
-        scoring = {"train": mode == "train", "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
+        scoring = {"train": train, "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
         with PatchSet() as patches:  # for this one generation, on the trainer instance
             patches.replace(self, "_adaptive_kl_scoring", scoring)
             # GRPOTrainer._get_per_token_logps_and_entropies: recorded, so the reference forward can be replayed
@@ -393,7 +410,7 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
         rewards[-1] += scoring["mean_penalty"]
         for name, value in scoring["metrics"].items():
             self._metrics[mode][name].append(value)
-        if mode == "train":  # the un-penalised mean reward (the penalty was added back above)
+        if train:  # the un-penalised mean reward (the penalty was added back above)
             observe_mean_reward(runtime, rewards[-1])
         return output
 
@@ -549,6 +566,54 @@ def warn_if_inside_a_generation_batch(trainer: Any, checkpoint: str) -> None:
             f"steps whose micro-batch count is a multiple of {every} resume exactly.", UserWarning, stacklevel=3)
 
 
+def check_trainer_beta(trainer: Any) -> None:
+    """At each loss call: `trainer.beta` (which the trainer's own loss reads) must still be the beta the run's
+    AdaptiveKL was built with, or 0 (every setting then computes the loss without a KL term, as the stock trainer).
+    Set to another value later (a callback scheduling it), an adapted setting would go on multiplying its own beta_t
+    and ignore it: refused. The stock KL term follows it, as in the stock trainer, and the metrics' beta does not: said
+    once."""
+    built, now = trainer.adaptive_kl.beta, trainer.beta
+    if now in (built, 0.0) or getattr(trainer, "_adaptive_kl_beta_warned", False):
+        return
+    config = trainer.adaptive_kl.config
+    if not config.is_stock_kl:
+        raise reject("trainer.beta", now,
+                     f"the beta the trainer was built with ({built:g}) while adaptive KL is on "
+                     f"({', '.join(config.adapted_fields())}): trainer.beta was set after the run started, and the "
+                     "adapted term multiplies the controller's beta, so the new value would be ignored. To move beta "
+                     "during training use kl_adaptation_method 'dynamic' or 'target'; to start from another, build the "
+                     "trainer with it")
+    trainer._adaptive_kl_beta_warned = True
+    warnings.warn(f"adaptive_kl: trainer.beta was set to {now:g} after the run started (built with {built:g}): the "
+                  "trainer's own KL term uses it, as the stock trainer does, but adaptive_kl/current_beta goes on "
+                  f"logging {built:g}, so current_beta * adapted_kl is no longer the loss's KL part.",
+                  UserWarning, stacklevel=3)
+
+
+EVALUATING = "_adaptive_kl_evaluating"  # set on a trainer for the length of one evaluation batch
+
+
+def wrap_prediction_step(upstream: Callable) -> Callable:
+    """prediction_step, where a trainer's evaluation scores a batch (its generation and its loss): the trainer is
+    marked as evaluating for the call, which `training` reads. Unsloth's generation wrapper puts the model back in
+    training mode (`FastLanguageModel.for_training`) after every generation, evaluation's included, so from an
+    evaluation's second batch on `model.training` says training."""
+
+    @functools.wraps(upstream)
+    def prediction_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with PatchSet() as patches:
+            patches.replace(self, EVALUATING, True)
+            return upstream(self, *args, **kwargs)
+
+    return prediction_step
+
+
+def training(trainer: Any) -> bool:
+    """Whether the trainer's current batch trains (and so feeds the beta controller): its model in training mode,
+    outside an evaluation batch (`wrap_prediction_step`, where a trainer needs it)."""
+    return bool(trainer.model.training) and not getattr(trainer, EVALUATING, False)
+
+
 def current_beta(self: Any) -> float:
     """The beta multiplying the KL term in the next step (`trainer.beta` stays the configured value)."""
     return self.adaptive_kl.current_beta
@@ -560,9 +625,9 @@ def record_metrics(trainer: Any, term: Any) -> None:
     queued micro-batches' metrics and move beta (like TRL's adaptive entropy controller: once per optimizer step,
     effective from the next step)."""
     trainer.adaptive_kl.check_settings(trainer.args)  # the args its config was copied from: changed, they would not act
-    mode = "train" if trainer.model.training else "eval"
+    mode = "train" if trainer.model.training else "eval"  # the bucket the trainer logs its own loss metrics in
     logged = trainer.adaptive_kl.record(
-        term, gather=trainer.accelerator.gather, train=mode == "train",
+        term, gather=trainer.accelerator.gather, train=training(trainer),
         end_of_step=trainer.accelerator.sync_gradients, completed_steps=trainer.state.global_step + 1,
     )
     for metrics in logged:

@@ -29,6 +29,7 @@ from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
     KLTermProbe,
+    check_trainer_beta,
     check_trl_settings,
     current_beta,
     record_metrics,
@@ -145,6 +146,7 @@ def _stock_loss_and_kl(
 # Replaces trl.GRPOTrainer._compute_loss (wraps it; the loss is then its policy part + beta_t * adapted KL).
 @functools.wraps(_stock_compute_loss)
 def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
+    check_trainer_beta(self)
     if self.beta == 0.0:  # no KL term: stock, but a setting changed mid-run is refused as at every door
         self.adaptive_kl.check_settings(self.args)
         return _stock_compute_loss(self, model, inputs)

@@ -49,6 +49,7 @@ from .trainer_hooks import (
     UNSLOTH_DEFAULTS,
     KLTermProbe,
     asks_for_adaptive_kl,
+    check_trainer_beta,
     config_argument,
     current_beta,
     plain,
@@ -57,6 +58,7 @@ from .trainer_hooks import (
     wrap_generate_and_score,
     wrap_init,
     wrap_load_optimizer_and_scheduler,
+    wrap_prediction_step,
     wrap_save_checkpoint,
 )
 from .versions import (
@@ -182,6 +184,7 @@ def _wrap_compute_loss(upstream: Callable) -> Callable:
     # Replaces UnslothGRPOTrainer.compute_loss (wraps it: exposes the trainer to the shim, then logs the metrics).
     @functools.wraps(upstream)
     def compute_loss(self: Any, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None):
+        check_trainer_beta(self)
         if self.beta == 0.0:  # no KL term: stock, but a setting changed mid-run is refused as at every door
             self.adaptive_kl.check_settings(self.args)
             return upstream(self, model, inputs, return_outputs, num_items_in_batch)
@@ -374,6 +377,9 @@ def _install(trainer_class: type) -> None:
     _patches.replace(trainer_class, "_calculate_rewards",
              wrap_calculate_rewards(trainer_class._calculate_rewards,
                                     lambda name: anchor_error("unsloth", generation_local(name), "Unsloth's generated trainer: ")))
+    # The generated trainer's prediction_step: evaluation marked, as Unsloth's generation leaves the model in training
+    # mode (TRL's model.training says it alone: its prediction_step stays stock).
+    _patches.replace(trainer_class, "prediction_step", wrap_prediction_step(trainer_class.prediction_step))
     _patches.replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
     _patches.replace(trainer_class, "_load_optimizer_and_scheduler",
              wrap_load_optimizer_and_scheduler(trainer_class._load_optimizer_and_scheduler))

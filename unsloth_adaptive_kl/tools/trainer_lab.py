@@ -705,8 +705,13 @@ def findings(table: dict[str, Any]) -> list[str]:
                        f"{_kl(row['tabular']['kl_opt'])}" for row in k3) + ".")
     off, k3_reward = _row(table, "dr_grpo", "beta = 0 (no KL)"), _row(table, "dr_grpo", "k3 in the reward")
     if off and k3_reward:
-        out.append(f"**k3 in the reward does not regularise**: {_seeds(k3_reward)} from pi* with dr_grpo, where "
-                   f"beta = 0 ends {_seeds(off)}.")
+        sentence = f"**k3 in the reward** ends {_seeds(k3_reward)} from pi* with dr_grpo, where beta = 0 ends {_seeds(off)}"
+        k3, none, k1 = (_row(table, "defaults", setting)
+                        for setting in ("k3 in the reward", "beta = 0 (no KL)", "k1 in the reward"))
+        if k3 and none and k1:  # the group scaling changes what it does (it is not the exact lab's environment)
+            sentence += (f"; under the trainer's defaults {_seeds(k3)}, where beta = 0 ends {_seeds(none)} and k1 in "
+                         f"the reward {_seeds(k1)}")
+        out.append(sentence + ".")
     defaults = [row for row in table["rows"] if row["recipe"] == "defaults" and row["placement"] == "loss"
                 and "refused" not in row]
     k1_defaults = _row(table, "defaults", "k1 in the reward")
