@@ -52,7 +52,10 @@ def test_none_with_liger_trains_as_stock(tokenizer, tmp_path) -> None:
         trainer.train()
         return logged(trainer, "loss"), [p.detach().clone() for p in trainer.model.parameters() if p.requires_grad]
 
-    patched_losses, patched_params = run("patched")
+    with pytest.warns(UserWarning) as caught:  # said once, at construction; no loss-hook warning at each step
+        patched_losses, patched_params = run("patched")
+    said = [str(w.message) for w in caught if "adaptive_kl" in str(w.message)]
+    assert len(said) == 1 and "hands the GRPO loss to Liger's fused loss" in said[0], said
     with stock_trl():
         stock_losses, stock_params = run("stock")
     assert patched_losses == stock_losses and len(stock_losses) == 2
@@ -77,6 +80,9 @@ def test_a_compute_loss_that_calls_liger_refuses_every_adapted_setting_and_leave
     with pytest.raises(ValueError, match=r"^use_liger_kernel=True is invalid with adaptive KL \(") as raised:
         check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04, **setting))
     assert "use_liger_kernel=False, or trl>=1.14" in str(raised.value)
-    check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04))  # none: stock, Liger's loss is the stock one
+    # none: stock, Liger's loss is the stock one, which the loss hook never sees: said once, at construction
+    with pytest.warns(UserWarning, match=r"^adaptive_kl: use_liger_kernel=True on trl==.*: this trl hands the GRPO loss "
+                                         r"to Liger's fused loss .* no adaptive_kl/ metric is logged\.$"):
+        assert check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04)) is True
     if "sync_ref_model" not in setting:  # beta = 0: no KL term to drop (sync with beta = 0 is refused on its own)
         check_loss_not_replaced(_LigerLossTrainer, config(beta=0.0, **setting))

@@ -429,7 +429,7 @@ def test_trainer_beta_set_during_training_is_refused_where_adapted_and_said_wher
     zero = make_trainer(tokenizer, str(tmp_path / "zero"), kl_adaptation_method="clip", max_steps=2)
     zero.add_callback(Schedule(zero, 0.0))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message="adaptive_kl")  # nothing from this package (trl 1.9.1 warns its own)
         zero.train()
     assert zero.state.global_step == 2
 
@@ -462,14 +462,14 @@ class _SuperLossTrainer:
 
 
 def subclassed_trainer(tokenizer, output_dir: str, mixin: type, **overrides: Any):
-    trainer = make_trainer(tokenizer, output_dir, max_steps=2, **overrides)
+    trainer = make_trainer(tokenizer, output_dir, **{"max_steps": 2, **overrides})
     trainer.__class__ = type(f"My{mixin.__name__}", (mixin, type(trainer)), {})
     return trainer
 
 
 def test_a_subclass_loss_that_bypasses_the_patched_one_stops_the_run(tokenizer, tmp_path) -> None:
     """An adapted setting trained through an override that never calls the patched `_compute_loss` would train with
-    the stock KL, log no adaptive_kl/ metric and never move beta: the next generation raises, naming the class and the
+    the stock KL, log no adaptive_kl/ metric and never move beta: the step's end raises, naming the class and the
     setting. The stock KL only warns (its loss is stock either way); an override calling super() is not flagged."""
     trainer = subclassed_trainer(tokenizer, str(tmp_path / "a"), _OwnLossTrainer, kl_adaptation_method="clip+dynamic",
                                  reward_threshold=-1.0)
@@ -477,10 +477,18 @@ def test_a_subclass_loss_that_bypasses_the_patched_one_stops_the_run(tokenizer, 
                                            r"adaptive KL's loss hook .* \(kl_adaptation_method='clip\+dynamic'\)$"):
         trainer.train()
     assert trainer.state.global_step == 1 and trainer.adaptive_kl.completed_steps == 0
+    # one generation batch for 4 optimizer steps: refused after the first of them (on fa480e6, at the next generation,
+    # after all 4)
+    trainer = subclassed_trainer(tokenizer, str(tmp_path / "spg"), _OwnLossTrainer, kl_adaptation_method="clip",
+                                 gradient_accumulation_steps=1, steps_per_generation=4, max_steps=4)
+    with pytest.raises(RuntimeError, match=r"^adaptive_kl: 1 optimizer step\(s\) of My_OwnLossTrainer ran without"):
+        trainer.train()
+    assert trainer.state.global_step == 1
     trainer = subclassed_trainer(tokenizer, str(tmp_path / "b"), _OwnLossTrainer)
     with pytest.warns(UserWarning, match=r"With kl_adaptation_method='none' the loss is stock; only the metrics are "
-                                         r"missing\.$"):
+                                         r"missing\.$") as caught:
         trainer.train()
+    assert sum("loss hook" in str(w.message) for w in caught) == 1  # once, though both steps bypassed it
     trainer = subclassed_trainer(tokenizer, str(tmp_path / "c"), _SuperLossTrainer, kl_adaptation_method="clip+dynamic",
                                  reward_threshold=-1.0)
     trainer.train()
@@ -644,7 +652,7 @@ def unsloth_adaptive_kl_estimators() -> tuple[str, ...]:
 def test_a_subclass_loss_that_bypasses_the_patched_one_stops_a_syncing_run_with_the_stock_kl(tokenizer,
                                                                                             tmp_path) -> None:
     """Reference syncing is this package's setting even with the stock KL (its KL trigger and step count come from the
-    loss hook): an override that never calls the patched `_compute_loss` raises at the next generation, naming
+    loss hook): an override that never calls the patched `_compute_loss` raises at the end of the step, naming
     sync_ref_model=True, rather than warning as the stock KL alone does. One step ran (global_step 1), none in the
     hook (completed_steps 0)."""
     trainer = subclassed_trainer(tokenizer, str(tmp_path), _OwnLossTrainer, sync_ref_model=True,

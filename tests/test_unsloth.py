@@ -283,8 +283,9 @@ def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are
     results = run_scenario("settings", tmp_path)
     for label, value_set in (("dr_grpo_group", "'group'"), ("dr_grpo_true", "True")):
         assert results[label]["warnings"] == [
-            f"scale_rewards={value_set} was set explicitly, but Unsloth's generated UnslothGRPOConfig changed it to "
-            "False: scale_rewards='none' is in effect."], label
+            f"scale_rewards={value_set} was passed to Unsloth's generated UnslothGRPOConfig (set explicitly, or as its "
+            "default by an argument parser such as TrlParser, which passes every field), which changed it to False: "
+            "scale_rewards='none' is in effect."], label
         assert results[label]["in_effect"]["scale_rewards"] == "none"
     unset = {"dr_grpo_unset": {"scale_rewards": "group"}, "grpo_beta_unset": {"beta": 0.0},
              "dapo_explicit": {"epsilon_high": None, "mask_truncated_completions": False}}
@@ -299,6 +300,8 @@ def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are
     assert results["dr_grpo_none"]["warnings"] == [] and results["dr_grpo_none"]["in_effect"]["scale_rewards"] == "group"
     assert "scale_rewards" not in results["dr_grpo_none"]["unsloth_defaults"]
     assert results["grpo_beta_unset"]["in_effect"]["beta"] == 0.001
+    # Unsloth's own flash AdamW: passed on as adamw_torch with the config marked, which its trainer reads: no warning
+    assert results["adamw_flash"]["warnings"] == [] and results["adamw_flash"]["flash_marked"] is True
     dapo = results["dapo_explicit"]["in_effect"]
     assert (dapo["epsilon_high"], dapo["mask_truncated_completions"]) == (0.28, True)
     assert "beta" not in results["dr_grpo_group"]["unsloth_defaults"]  # set explicitly: neither warned nor noted

@@ -836,7 +836,8 @@ def scenario_settings(out: str) -> dict:
                "grpo_beta_unset": dict(loss_type="grpo"),
                "dapo_explicit": dict(loss_type="dapo", beta=0.04),
                "sequence_clip": dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence",
-                                     kl_adaptation_method="clip")}
+                                     kl_adaptation_method="clip"),
+               "adamw_flash": dict(loss_type="grpo", beta=0.04, optim="adamw_flash")}
     results: dict[str, Any] = {}
     for label, fields in configs.items():
         with warnings.catch_warnings(record=True) as caught:
@@ -851,6 +852,7 @@ def scenario_settings(out: str) -> dict:
             "in_effect": {name: getattr(args, name) for name in ("beta", "scale_rewards", "mask_truncated_completions",
                                                                  "epsilon_high", "vllm_importance_sampling_correction")},
             "unsloth_defaults": getattr(args, UNSLOTH_DEFAULTS),
+            "flash_marked": getattr(args, "_unsloth_flash_adamw", False),
         }
     printed = io.StringIO()  # an adapted setting prints its line, where a user looks
     with contextlib.redirect_stdout(printed):

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from transformers import TrainingArguments
+from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
@@ -213,17 +213,24 @@ def plain(value: Any) -> Any:
     return value.value if isinstance(value, enum.Enum) else value
 
 
-def check_loss_not_replaced(trainer_class: type, args: Any) -> None:
+def check_loss_not_replaced(trainer_class: type, args: Any) -> bool:
     """Refuse, before anything is built, a non-stock setting where the installed trainer would never run the adapted
     loss: trl 1.9.1 - 1.13.0 with `use_liger_kernel=True` hand the whole loss to Liger's fused GRPO loss
     (`compute_liger_loss`), which computes its own beta * k3, so the adaptation, its metrics and the beta controller
-    would silently do nothing, and with kl_placement="reward" the KL would be counted twice. `none` stays stock."""
+    would silently do nothing, and with kl_placement="reward" the KL would be counted twice. `none` stays stock, and
+    says it logs no adaptive_kl/ metric: True is returned then (the loss hook never runs)."""
     if args is None or not getattr(args, "use_liger_kernel", False) or getattr(args, "beta", 0.0) == 0.0:
-        return
+        return False
+    if TRL_LIGER_LOSS_CALL not in source(trainer_class.compute_loss):
+        return False
     config = AdaptiveKLConfig.unvalidated_from(args)  # validated once, by `attach_runtime`
     syncing = bool(getattr(args, "sync_ref_model", False))
-    if (config.is_stock_kl and not syncing) or TRL_LIGER_LOSS_CALL not in source(trainer_class.compute_loss):
-        return
+    if config.is_stock_kl and not syncing:
+        warnings.warn(f"adaptive_kl: use_liger_kernel=True on {describe('trl')}: this trl hands the GRPO loss to "
+                      "Liger's fused loss (GRPOTrainer.compute_liger_loss), which this package does not hook. "
+                      "kl_adaptation_method='none' trains as stock; no adaptive_kl/ metric is logged.",
+                      UserWarning, stacklevel=4)
+        return True
     setting = (f"kl_adaptation_method={config.kl_adaptation_method!r}, kl_estimator={config.kl_estimator!r}, "
                f"kl_reduction={config.kl_reduction!r}, kl_placement={config.kl_placement!r}, "
                f"sync_ref_model={syncing}")
@@ -257,13 +264,15 @@ def wrap_init(upstream: Callable) -> Callable:
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         config = config_argument(args, kwargs)
-        check_loss_not_replaced(type(self), config)
+        loss_is_ligers = check_loss_not_replaced(type(self), config)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
         with PatchSet() as patches:
             if syncing:  # the stock __init__ sees syncing off; the config says True again afterwards
                 patches.replace(config, "sync_ref_model", False)
             upstream(self, *args, **kwargs)
         attach_runtime(self)
+        if not loss_is_ligers:  # where Liger's loss is the stock one, the hook never runs, as said above
+            self.add_callback(LossHookCheck(self))
         if syncing:
             attach_reference_sync(self)
         log_settings(self)
@@ -389,8 +398,6 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
         rewards = self._metrics[mode]["reward"]
         logged = len(rewards)
         runtime, train = self.adaptive_kl, training(self)
-        if train and self.beta != 0.0:
-            check_loss_hook_ran(self)
         if not (runtime.config.kl_in_reward and self.beta != 0.0):
             output = upstream(self, *args, **kwargs)
             if train:
@@ -431,27 +438,37 @@ def observe_mean_reward(runtime: AdaptiveKL, mean_reward: float) -> None:
         runtime.observe_rewards(mean_reward)
 
 
-def check_loss_hook_ran(trainer: Any) -> None:
-    """At each training generation: the optimizer steps since the last one must each have ended in the loss hook
-    (`record_metrics`, which moves the controller). A trainer subclass whose own `_compute_loss` / `compute_loss`
-    does not call the patched one trains with the stock KL term, logs no `adaptive_kl/` metric and never moves beta:
-    with an adapted setting that is an error, with the stock KL a warning (the loss is stock either way)."""
-    runtime, steps = trainer.adaptive_kl, trainer.state.global_step
-    seen = getattr(trainer, "_adaptive_kl_progress", None)
-    trainer._adaptive_kl_progress = (steps, runtime.completed_steps)
-    if seen is None or steps <= seen[0] or runtime.completed_steps != seen[1]:
-        return
-    config = runtime.config
-    message = (f"adaptive_kl: {steps - seen[0]} optimizer step(s) of {type(trainer).__name__} ran without the adaptive "
-               "KL's loss hook (GRPOTrainer._compute_loss, in Unsloth's trainer its compute_loss): an override of "
-               "_compute_loss or compute_loss that does not call super() trains with the stock KL term, logs no "
-               "adaptive_kl/ metric and never moves beta. Call super()._compute_loss(model, inputs) (or "
-               "super().compute_loss(...)) from the override.")
-    if config.is_stock_kl and not getattr(trainer.args, "sync_ref_model", False):
-        warnings.warn(message + " With kl_adaptation_method='none' the loss is stock; only the metrics are missing.",
-                      UserWarning, stacklevel=3)
-    else:
-        raise RuntimeError(f"{message} ({', '.join(config.adapted_fields() or ['sync_ref_model=True'])})")
+class LossHookCheck(TrainerCallback):
+    """After each optimizer step (`on_step_end`, training only): the step must have ended in the loss hook
+    (`record_metrics`, which counts it in `adaptive_kl.completed_steps`). A trainer subclass whose own `_compute_loss`
+    / `compute_loss` does not call the patched one trains with the stock KL term, logs no `adaptive_kl/` metric and
+    never moves beta: with an adapted setting (or reference syncing) that is an error, raised after the first such
+    step; with the stock KL a warning, once (the loss is stock either way)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.seen: tuple[int, int] | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.seen = (state.global_step, self.trainer.adaptive_kl.completed_steps)  # a resumed run's too
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer, runtime = self.trainer, self.trainer.adaptive_kl
+        seen, self.seen = self.seen, (state.global_step, runtime.completed_steps)
+        if seen is None or trainer.beta == 0.0 or runtime.completed_steps != seen[1]:
+            return
+        config = runtime.config
+        message = (f"adaptive_kl: {state.global_step - seen[0]} optimizer step(s) of {type(trainer).__name__} ran "
+                   "without the adaptive KL's loss hook (GRPOTrainer._compute_loss, in Unsloth's trainer its "
+                   "compute_loss): an override of _compute_loss or compute_loss that does not call super() trains with "
+                   "the stock KL term, logs no adaptive_kl/ metric and never moves beta. Call "
+                   "super()._compute_loss(model, inputs) (or super().compute_loss(...)) from the override.")
+        if not config.is_stock_kl or getattr(trainer.args, "sync_ref_model", False):
+            raise RuntimeError(f"{message} ({', '.join(config.adapted_fields() or ['sync_ref_model=True'])})")
+        if not getattr(trainer, "_adaptive_kl_hook_warned", False):
+            trainer._adaptive_kl_hook_warned = True
+            warnings.warn(message + " With kl_adaptation_method='none' the loss is stock; only the metrics are "
+                          "missing.", UserWarning, stacklevel=2)
 
 
 def wrap_save_checkpoint(upstream: Callable) -> Callable:
