@@ -473,9 +473,8 @@ def test_tool_response_tokens_carry_no_reward_penalty(tokenizer, tmp_path) -> No
 
     trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, beta=0.5, kl_reduction="sequence_sum", **REWARD)
     calculate = wrap_calculate_rewards(lambda self: torch.tensor([[1.0], [0.0]]), lambda name: RuntimeError(name))
-    scoring = {"train": False, "recorder": _CallRecorder(lambda *args, **kwargs: None)}
-    trainer._adaptive_kl_scoring = scoring
-    trainer.num_generations = trainer.num_generations_eval = 2  # the stand-in batch: one group of 2
+    scoring = {"train": False, "recorder": _CallRecorder(lambda *args, **kwargs: None), "group_size": 2}
+    trainer._adaptive_kl_scoring = scoring  # the stand-in batch: one group of 2
 
     def generation() -> torch.Tensor:  # the locals of TRL's _generate_and_score_completions that the hook reads
         old_per_token_logps = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -1.0, -3.0]])  # noqa: F841
@@ -513,6 +512,60 @@ def test_evaluation_never_feeds_the_beta_controller_a_reward(tokenizer, tmp_path
     trainer.train()
     assert (controller.generation_batch, controller.batch_reward) == (1, pytest.approx(1.0))
     assert trainer.current_beta == pytest.approx(0.45)
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+def test_an_evaluation_whose_generation_leaves_training_mode_on_feeds_nothing(tokenizer, tmp_path,
+                                                                              placement: str) -> None:
+    """Unsloth's generation (and TRL's continuous batching) puts the model in training mode, so model.training no
+    longer says an evaluation once a batch is generated. Here generation calls model.train(): an evaluation batch of
+    one prompt (num_generations_eval=2) is grouped by 2, as the trainer grouped it by the mode it read before
+    generating (on fa480e6 the penalty was grouped by num_generations, 4: a shape error), and its loss moves neither
+    beta nor the step count (on fa480e6 it was a dynamic step: 0.45 -> 0.405)."""
+    from datasets import Dataset
+
+    settings = REWARD if placement == "reward" else dict(gradient_accumulation_steps=1)
+    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), max_steps=1, beta=0.5,
+                           kl_adaptation_method="dynamic", reward_threshold=0.8, dynamic_beta_decay=0.9,
+                           num_generations_eval=2, per_device_eval_batch_size=2, **settings)
+    generate = trainer._generate
+
+    def generate_then_train(*args: Any, **kwargs: Any) -> Any:
+        output = generate(*args, **kwargs)
+        trainer.model.train()
+        return output
+
+    trainer._generate = generate_then_train
+    trainer.train()
+    assert trainer.adaptive_kl.completed_steps == 1 and trainer.current_beta == pytest.approx(0.45)
+    metrics = trainer.evaluate(Dataset.from_dict({"prompt": ["ab:"]}))
+    assert "eval_loss" in metrics
+    assert trainer.adaptive_kl.completed_steps == 1 and trainer.current_beta == pytest.approx(0.45)
+
+
+def test_an_unscored_completion_is_left_out_of_the_mean_a_masked_one_carries(tokenizer, tmp_path) -> None:
+    """One group of 4, beta = 0.5, k1 summed: penalties 0.5 * [2, 6, 20, -] where completion 2 is unscored (every
+    reward None: the trainer leaves it out of the baseline) and completion 3 has no valid token (masked). The masked
+    one carries the mean of the scored ones with tokens, 0.5 * (2 + 6) / 2 = 2.0 (with the unscored one counted it
+    would be 0.5 * 28 / 3 = 4.67); the unscored one stays NaN."""
+    from unsloth_adaptive_kl.integrations.trainer_hooks import _CallRecorder, wrap_calculate_rewards
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, beta=0.5, kl_reduction="sequence_sum", **REWARD)
+    calculate = wrap_calculate_rewards(lambda self: torch.tensor([[1.0], [1.0], [math.nan], [1.0]]),
+                                       lambda name: RuntimeError(name))
+    trainer._adaptive_kl_scoring = {"train": False, "recorder": _CallRecorder(lambda *args, **kwargs: None),
+                                    "group_size": 4}
+
+    def generation() -> torch.Tensor:  # the locals of TRL's _generate_and_score_completions that the hook reads
+        old_per_token_logps = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])  # noqa: F841
+        sampling_per_token_logps = None  # noqa: F841
+        ref_per_token_logps = torch.tensor([[-2.0, -2.0], [-4.0, -4.0], [-11.0, -11.0], [-9.0, -9.0]])  # noqa: F841
+        completion_mask = torch.tensor([[1, 1], [1, 1], [1, 1], [0, 0]])  # noqa: F841
+        tool_mask = None  # noqa: F841
+        return calculate(trainer)
+
+    column = generation()[:, 1]
+    assert column[[0, 1, 3]].tolist() == pytest.approx([-1.0, -3.0, -2.0]) and math.isnan(column[2])
 
 
 def test_a_generation_without_a_local_the_penalty_reads_is_an_error_naming_it(tokenizer, tmp_path) -> None:

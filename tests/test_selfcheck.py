@@ -543,13 +543,17 @@ def test_main_runs_the_trainer_parts_only_where_their_packages_are_and_passes_wh
 def test_stock_unsloth_bypasses_every_hook_on_a_step_inside_the_block_only() -> None:
     """Unsloth's own training step inside the block (without importing Unsloth: a generated module of the same shape,
     the shim keeping Unsloth's function as `upstream`, each method wrapper its upstream as `__wrapped__`, the module's
-    `use_adapter` this package's): the loss, the generation's and the rewards' methods, and TRL's own `use_adapter`
-    (the real generated trainer: test_unsloth's config scenario); the hooks again after it."""
+    `use_adapter` this package's): the loss, the generation's, the rewards' and the evaluation's methods, the step-end
+    check of the loss hook, and TRL's own `use_adapter` (the real generated trainer: test_unsloth's config scenario);
+    the hooks again after it."""
     import functools
 
     from trl.trainer import utils as trl_utils
 
+    from transformers import TrainerCallback
+
     from unsloth_adaptive_kl.integrations.ref_sync import use_reference
+    from unsloth_adaptive_kl.integrations.trainer_hooks import LossHookCheck
     from unsloth_adaptive_kl.tools.selfcheck import stock_unsloth
 
     def unsloths_loss(*args, **kwargs):
@@ -560,7 +564,8 @@ def test_stock_unsloth_bypasses_every_hook_on_a_step_inside_the_block_only() -> 
 
     shim.upstream = unsloths_loss
     methods, wrappers = {}, {}
-    for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards", "_save_checkpoint"):
+    for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards", "prediction_step",
+                 "_save_checkpoint"):
         def method(self, *args, **kwargs):
             return "unsloth's"
 
@@ -574,9 +579,11 @@ def test_stock_unsloth_bypasses_every_hook_on_a_step_inside_the_block_only() -> 
     try:
         with stock_unsloth(trainer_class()):
             assert module.UnslothEfficientGRPO is unsloths_loss and module.use_adapter is trl_utils.use_adapter
-            for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards"):
+            for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards", "prediction_step"):
                 assert vars(trainer_class)[name] is methods[name], name
             assert trainer_class._save_checkpoint is wrappers["_save_checkpoint"]  # not a step's: kept
+            assert LossHookCheck.on_step_end is TrainerCallback.on_step_end  # stock steps skip the loss hook
+        assert LossHookCheck.on_step_end is not TrainerCallback.on_step_end
         assert module.UnslothEfficientGRPO is shim and module.use_adapter is use_reference
         assert {name: vars(trainer_class)[name] for name in wrappers} == wrappers
     finally:

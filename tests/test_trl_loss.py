@@ -473,7 +473,7 @@ def test_a_subclass_loss_that_bypasses_the_patched_one_stops_the_run(tokenizer, 
     setting. The stock KL only warns (its loss is stock either way); an override calling super() is not flagged."""
     trainer = subclassed_trainer(tokenizer, str(tmp_path / "a"), _OwnLossTrainer, kl_adaptation_method="clip+dynamic",
                                  reward_threshold=-1.0)
-    with pytest.raises(RuntimeError, match=r"^adaptive_kl: 1 optimizer step\(s\) of My_OwnLossTrainer ran without the "
+    with pytest.raises(RuntimeError, match=r"^adaptive_kl: optimizer step 1 of My_OwnLossTrainer ran without the "
                                            r"adaptive KL's loss hook .* \(kl_adaptation_method='clip\+dynamic'\)$"):
         trainer.train()
     assert trainer.state.global_step == 1 and trainer.adaptive_kl.completed_steps == 0
@@ -481,7 +481,7 @@ def test_a_subclass_loss_that_bypasses_the_patched_one_stops_the_run(tokenizer, 
     # after all 4)
     trainer = subclassed_trainer(tokenizer, str(tmp_path / "spg"), _OwnLossTrainer, kl_adaptation_method="clip",
                                  gradient_accumulation_steps=1, steps_per_generation=4, max_steps=4)
-    with pytest.raises(RuntimeError, match=r"^adaptive_kl: 1 optimizer step\(s\) of My_OwnLossTrainer ran without"):
+    with pytest.raises(RuntimeError, match=r"^adaptive_kl: optimizer step 1 of My_OwnLossTrainer ran without"):
         trainer.train()
     assert trainer.state.global_step == 1
     trainer = subclassed_trainer(tokenizer, str(tmp_path / "b"), _OwnLossTrainer)
@@ -493,6 +493,8 @@ def test_a_subclass_loss_that_bypasses_the_patched_one_stops_the_run(tokenizer, 
                                  reward_threshold=-1.0)
     trainer.train()
     assert trainer.adaptive_kl.completed_steps == 2 and trainer.adaptive_kl.current_beta == pytest.approx(0.04 * 0.81)
+    trainer.train()  # a second train() starts at step 0 again, the hook ending each step: nothing is flagged
+    assert trainer.state.global_step == 2 and trainer.adaptive_kl.completed_steps == 2
 
 
 def test_a_callable_estimator_that_would_not_survive_a_checkpoint_is_refused_when_the_trainer_is_built(
@@ -658,7 +660,7 @@ def test_a_subclass_loss_that_bypasses_the_patched_one_stops_a_syncing_run_with_
     trainer = subclassed_trainer(tokenizer, str(tmp_path), _OwnLossTrainer, sync_ref_model=True,
                                  ref_model_sync_steps=1, ref_model_mixup_alpha=1.0)
     assert trainer.adaptive_kl.config.is_stock_kl
-    with pytest.raises(RuntimeError, match=r"^adaptive_kl: 1 optimizer step\(s\) of My_OwnLossTrainer ran without the "
+    with pytest.raises(RuntimeError, match=r"^adaptive_kl: optimizer step 1 of My_OwnLossTrainer ran without the "
                                            r"adaptive KL's loss hook .* \(sync_ref_model=True\)$"):
         trainer.train()
     assert trainer.state.global_step == 1 and trainer.adaptive_kl.completed_steps == 0

@@ -150,7 +150,8 @@ def test_a_generated_compute_loss_that_does_not_call_the_compiled_loss_once_is_a
         calls.extend([None] * inputs)
         return 0.5
 
-    compute_loss, trainer = integration._wrap_compute_loss(generated), SimpleNamespace(beta=0.04)
+    compute_loss = integration._wrap_compute_loss(generated)
+    trainer = SimpleNamespace(beta=0.04, adaptive_kl=SimpleNamespace(beta=0.04))  # trainer.beta as built
     for shim_calls in (0, 2):
         with pytest.raises(IncompatibleVersionError, match=r"unsloth_zoo.*`UnslothEfficientGRPO\.apply\(` \(the "
                            r"compiled loss, which the adaptive loss wraps\) was not found in Unsloth's generated "

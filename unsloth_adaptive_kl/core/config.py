@@ -220,7 +220,7 @@ class AdaptiveKLConfig:
             "'low_var_kl', 'k1+', 'k3+' (value of k1/k3, gradient of k2), 'k1_future' (value of k1, gradient of the "
             "whole completion's KL), 'k3_bottom_percentile', or a name registered with register_kl_estimator; "
             "programmatically also a callable (logp, ref_logp, mask) -> per-token KL. 'k1' in the loss and a "
-            "k3-family estimator in the reward warn (they do not regularise: docs, Ground truth). Every method reads "
+            "k3-family estimator in the reward warn (they miss the regularised optimum: docs, Ground truth). Every method reads "
             "the KL it gives."
         },
     )

@@ -15,8 +15,8 @@ class NonFiniteLogProbError(FloatingPointError, ValueError):
 
 
 class KLEstimatorWarning(UserWarning):
-    """An estimator that does not regularise where it is placed: 'k1' in the loss, a k3-family estimator in the reward
-    (the KL lab's exact figures: docs, Ground truth)."""
+    """An estimator that misses the regularised optimum where it is placed: 'k1' in the loss (it does not regularise),
+    a k3-family estimator in the reward (the KL lab's exact figures: docs, Ground truth)."""
 
 
 class IncompatibleVersionError(RuntimeError):

@@ -357,11 +357,12 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
                                                                "reference": "reference log-probs (ref_per_token_logps)"})
         penalty, metrics = self.adaptive_kl.penalize(term, gather=self.accelerator.gather, train=scoring["train"],
                                                      completed_steps=self.state.global_step)
-        # the groups as the trainer forms them for its statistics (by the model's mode, as its own code chooses)
-        group_size = self.num_generations if self.model.training else self.num_generations_eval
-        penalty = neutral_where_empty(penalty, self.accelerator.gather(valid_positions(mask).sum(1)), group_size)
+        # completions with tokens and a reward: TRL's baseline leaves the unscored ones out (they stay unscored)
+        unscored = torch.isnan(rewards_per_func).all(dim=1)
+        known = self.accelerator.gather(valid_positions(mask).sum(1)).to(unscored.device).masked_fill(unscored, 0)
+        penalty = neutral_where_empty(penalty, known, scoring["group_size"])
         column = -penalty.to(rewards_per_func.device, rewards_per_func.dtype)
-        column = column.masked_fill(torch.isnan(rewards_per_func).all(dim=1), math.nan)
+        column = column.masked_fill(unscored, math.nan)
         scoring.update(metrics=metrics, mean_penalty=-torch.nanmean(column).nan_to_num(0.0).item())
         self.reward_weights = torch.cat([self.reward_weights, self.reward_weights.new_ones(1)])
         return torch.cat([rewards_per_func, column[:, None]], dim=1)
@@ -372,7 +373,8 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
 def neutral_where_empty(penalty: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
     """The penalties beta_t * KL_i of a generation batch (groups of `group_size` consecutive completions), where a
     completion with no valid token (`lengths` 0: TRL's `mask_truncated_completions` masks a truncated one) carries the
-    mean penalty of its group's completions that have tokens (0 where none has).
+    mean penalty of its group's completions that have tokens (0 where none has; an unscored completion, left out of
+    the group's baseline by the trainer, is passed with length 0).
 
     Its KL is unknown (its mask is zeroed before the reference forward), while its reward still enters the group's
     statistics: penalised 0, it would lower every trained completion's advantage by its share of their mean penalty,
@@ -405,7 +407,9 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
                     raise missing_reward_metric()
                 observe_mean_reward(runtime, rewards[-1])
             return output
-        scoring = {"train": train, "recorder": _CallRecorder(self._get_per_token_logps_and_entropies)}
+        # the groups as the trainer forms them, by the mode it read before generating (generation may switch it)
+        scoring = {"train": train, "recorder": _CallRecorder(self._get_per_token_logps_and_entropies),
+                   "group_size": self.num_generations if mode == "train" else self.num_generations_eval}
         with PatchSet() as patches:  # for this one generation, on the trainer instance
             patches.replace(self, "_adaptive_kl_scoring", scoring)
             # GRPOTrainer._get_per_token_logps_and_entropies: recorded, so the reference forward can be replayed
@@ -440,29 +444,24 @@ def observe_mean_reward(runtime: AdaptiveKL, mean_reward: float) -> None:
 
 class LossHookCheck(TrainerCallback):
     """After each optimizer step (`on_step_end`, training only): the step must have ended in the loss hook
-    (`record_metrics`, which counts it in `adaptive_kl.completed_steps`). A trainer subclass whose own `_compute_loss`
-    / `compute_loss` does not call the patched one trains with the stock KL term, logs no `adaptive_kl/` metric and
-    never moves beta: with an adapted setting (or reference syncing) that is an error, raised after the first such
-    step; with the stock KL a warning, once (the loss is stock either way)."""
+    (`record_metrics`, which sets `adaptive_kl.completed_steps` to the step's number). A trainer subclass whose own
+    `_compute_loss` / `compute_loss` does not call the patched one trains with the stock KL term, logs no
+    `adaptive_kl/` metric and never moves beta: with an adapted setting (or reference syncing) that is an error,
+    raised after the first such step; with the stock KL a warning, once (the loss is stock either way)."""
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
-        self.seen: tuple[int, int] | None = None
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.seen = (state.global_step, self.trainer.adaptive_kl.completed_steps)  # a resumed run's too
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, runtime = self.trainer, self.trainer.adaptive_kl
-        seen, self.seen = self.seen, (state.global_step, runtime.completed_steps)
-        if seen is None or trainer.beta == 0.0 or runtime.completed_steps != seen[1]:
+        if trainer.beta == 0.0 or runtime.completed_steps == state.global_step:
             return
         config = runtime.config
-        message = (f"adaptive_kl: {state.global_step - seen[0]} optimizer step(s) of {type(trainer).__name__} ran "
-                   "without the adaptive KL's loss hook (GRPOTrainer._compute_loss, in Unsloth's trainer its "
-                   "compute_loss): an override of _compute_loss or compute_loss that does not call super() trains with "
-                   "the stock KL term, logs no adaptive_kl/ metric and never moves beta. Call "
-                   "super()._compute_loss(model, inputs) (or super().compute_loss(...)) from the override.")
+        message = (f"adaptive_kl: optimizer step {state.global_step} of {type(trainer).__name__} ran without the "
+                   "adaptive KL's loss hook (GRPOTrainer._compute_loss, in Unsloth's trainer its compute_loss): an "
+                   "override of _compute_loss or compute_loss that does not call super() trains with the stock KL "
+                   "term, logs no adaptive_kl/ metric and never moves beta. Call super()._compute_loss(model, inputs) "
+                   "(or super().compute_loss(...)) from the override.")
         if not config.is_stock_kl or getattr(trainer.args, "sync_ref_model", False):
             raise RuntimeError(f"{message} ({', '.join(config.adapted_fields() or ['sync_ref_model=True'])})")
         if not getattr(trainer, "_adaptive_kl_hook_warned", False):
@@ -612,9 +611,9 @@ EVALUATING = "_adaptive_kl_evaluating"  # set on a trainer for the length of one
 
 def wrap_prediction_step(upstream: Callable) -> Callable:
     """prediction_step, where a trainer's evaluation scores a batch (its generation and its loss): the trainer is
-    marked as evaluating for the call, which `training` reads. Unsloth's generation wrapper puts the model back in
-    training mode (`FastLanguageModel.for_training`) after every generation, evaluation's included, so from an
-    evaluation's second batch on `model.training` says training."""
+    marked as evaluating for the call, which `training` reads. The model's mode does not say it: Unsloth's generation
+    puts the model back in training mode (`FastLanguageModel.for_training`) after every generation, evaluation's
+    included, and TRL's transformers continuous batching generates with `model.train()`."""
 
     @functools.wraps(upstream)
     def prediction_step(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -627,7 +626,7 @@ def wrap_prediction_step(upstream: Callable) -> Callable:
 
 def training(trainer: Any) -> bool:
     """Whether the trainer's current batch trains (and so feeds the beta controller): its model in training mode,
-    outside an evaluation batch (`wrap_prediction_step`, where a trainer needs it)."""
+    outside an evaluation batch (`wrap_prediction_step`)."""
     return bool(trainer.model.training) and not getattr(trainer, EVALUATING, False)
 
 

@@ -37,6 +37,7 @@ from .trainer_hooks import (
     wrap_generate_and_score,
     wrap_init,
     wrap_load_optimizer_and_scheduler,
+    wrap_prediction_step,
     wrap_save_checkpoint,
 )
 from .trl_cpu_fallback import ChunkedLogProbWithCPUFallback
@@ -61,6 +62,7 @@ _stock_generate_and_score = StockGRPOTrainer._generate_and_score_completions
 _stock_calculate_rewards = StockGRPOTrainer._calculate_rewards
 _stock_save_checkpoint = StockGRPOTrainer._save_checkpoint
 _stock_load_optimizer_and_scheduler = StockGRPOTrainer._load_optimizer_and_scheduler
+_stock_prediction_step = StockGRPOTrainer.prediction_step
 
 
 @dataclass
@@ -197,6 +199,7 @@ _generate_and_score_completions = wrap_generate_and_score(_stock_generate_and_sc
 _calculate_rewards = wrap_calculate_rewards(_stock_calculate_rewards, lambda name: anchor_error("trl", generation_local(name)))
 _save_checkpoint = wrap_save_checkpoint(_stock_save_checkpoint)
 _load_optimizer_and_scheduler = wrap_load_optimizer_and_scheduler(_stock_load_optimizer_and_scheduler)
+_prediction_step = wrap_prediction_step(_stock_prediction_step)
 _current_beta = property(current_beta)
 
 
@@ -231,6 +234,9 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         # reference in checkpoints.
         (StockGRPOTrainer, "_save_checkpoint", _save_checkpoint),
         (StockGRPOTrainer, "_load_optimizer_and_scheduler", _load_optimizer_and_scheduler),
+        # GRPOTrainer.prediction_step: an evaluation batch marked as such, so that it feeds no beta controller (the
+        # model's mode does not say it: continuous batching generates with model.train()).
+        (StockGRPOTrainer, "prediction_step", _prediction_step),
         (StockGRPOTrainer, "current_beta", _current_beta),
         # GRPOTrainer.adaptive_kl, which stock trl has not: a trainer built before the patch says so (above).
         (StockGRPOTrainer, "adaptive_kl", BuiltBeforePatch()),

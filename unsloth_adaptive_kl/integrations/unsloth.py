@@ -225,7 +225,8 @@ def _report_changes(config: Any, explicit: dict[str, Any], passed: dict[str, Any
             continue
         # optim='adamw_flash' (Unsloth's own optimizer) is passed on as 'adamw_torch' with the config marked
         # (`mark_flash_adamw`), from which Unsloth's trainer builds its flash AdamW: not a change
-        flash = name == "optim" and explicit.get(name) == "adamw_flash" and getattr(config, "_unsloth_flash_adamw", False)
+        flash = (name == "optim" and str(plain(explicit.get(name))).strip().lower() == "adamw_flash"  # as Unsloth reads it
+                 and getattr(config, "_unsloth_flash_adamw", False))
         if name in explicit and explicit[name] is not None and plain(passed[name]) != plain(explicit[name]) and not flash:
             warnings.warn(
                 f"{name}={explicit[name]!r} was passed to Unsloth's generated {GENERATED_CONFIG} (set explicitly, or "
@@ -382,7 +383,7 @@ def _install(trainer_class: type) -> None:
              wrap_calculate_rewards(trainer_class._calculate_rewards,
                                     lambda name: anchor_error("unsloth", generation_local(name), "Unsloth's generated trainer: ")))
     # The generated trainer's prediction_step: evaluation marked, as Unsloth's generation leaves the model in training
-    # mode (TRL's model.training says it alone: its prediction_step stays stock).
+    # mode.
     _patches.replace(trainer_class, "prediction_step", wrap_prediction_step(trainer_class.prediction_step))
     _patches.replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
     _patches.replace(trainer_class, "_load_optimizer_and_scheduler",

@@ -261,16 +261,21 @@ def stock_trl() -> Iterator[None]:
 @contextlib.contextmanager
 def stock_unsloth(trainer: Any) -> Iterator[None]:
     """Unsloth's own training step inside the block: every hook this package puts on one bypassed (the loss shim,
-    the compute_loss, generation and reward wrappers, the reference forward's adapter switch), so that a step run in
-    it, generation included, is stock Unsloth's (the trainer keeps the settings its __init__ wrapper checked)."""
+    the compute_loss, generation, reward and evaluation wrappers, the reference forward's adapter switch, the
+    step-end check that the loss hook ran), so that a step run in it, generation included, is stock Unsloth's (the
+    trainer keeps the settings its __init__ wrapper checked)."""
+    from transformers import TrainerCallback
+
     from ..integrations import ref_sync
+    from ..integrations.trainer_hooks import LossHookCheck
 
     module, cls = sys.modules[type(trainer).__module__], type(trainer)
     with PatchSet() as patches:
         patches.replace(module, "UnslothEfficientGRPO", module.UnslothEfficientGRPO.upstream)
-        for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards"):
+        for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards", "prediction_step"):
             patches.replace(cls, name, getattr(cls, name).__wrapped__)
         patches.replace(module, "use_adapter", ref_sync._stock_use_adapter)
+        patches.replace(LossHookCheck, "on_step_end", TrainerCallback.on_step_end)  # stock steps skip the hook
         yield
 
 
