@@ -495,13 +495,13 @@ def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_traine
 
 def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:
     """`unsloth_adaptive_kl.patch()` returns early when TRL is patched; the integration's own `patch()`, called
-    directly, is idempotent as well: a second call records no second replacement (15 here: the 14 patch points and
-    the CPU fallback kernel where trl's has no CPU path, 14 otherwise) and leaves the fallback's upstream TRL's kernel,
+    directly, is idempotent as well: a second call records no second replacement (16 here: the 15 patch points and
+    the CPU fallback kernel where trl's has no CPU path, 15 otherwise) and leaves the fallback's upstream TRL's kernel,
     not the fallback itself (which would call itself on an accelerator)."""
     installed = len(trl_patch._patches)
     upstream = trl_patch.ChunkedLogProbWithCPUFallback.upstream
     trl_patch.patch()
-    assert len(trl_patch._patches) == installed == 14 + trl_patch.kernel_lacks_cpu_path()
+    assert len(trl_patch._patches) == installed == 15 + trl_patch.kernel_lacks_cpu_path()
     assert trl_patch.ChunkedLogProbWithCPUFallback.upstream is upstream
 
 
