@@ -81,8 +81,8 @@ def test_a_compute_loss_that_calls_liger_refuses_every_adapted_setting_and_leave
         check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04, **setting))
     assert "use_liger_kernel=False, or trl>=1.14" in str(raised.value)
     # none: stock, Liger's loss is the stock one, which the loss hook never sees: said once, at construction
-    with pytest.warns(UserWarning, match=r"^adaptive_kl: use_liger_kernel=True on trl==.*: this trl hands the GRPO loss "
-                                         r"to Liger's fused loss .* no adaptive_kl/ metric is logged\.$"):
+    with pytest.warns(UserWarning, match=r"^adaptive_kl: use_liger_kernel=True on trl==.*: this trl hands the GRPO "
+                                         r"loss to Liger's fused loss .* no adaptive_kl/ metric is logged\.$"):
         assert check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04)) is True
     if "sync_ref_model" not in setting:  # beta = 0: no KL term to drop (sync with beta = 0 is refused on its own)
         check_loss_not_replaced(_LigerLossTrainer, config(beta=0.0, **setting))

@@ -61,8 +61,9 @@ _ESTIMATOR_WARNINGS = {
                 "KL in the reward ({to_reward}, where k1 is exact).",
     NOT_LOG_RATIO_IN_REWARD: "{estimator}={value!r} with {in_reward}: a KL in the reward must be the log-ratio "
                              "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the "
-                             "KL's, and the KL lab measures k3 in the reward ending far from the regularised optimum (in "
-                             "its exact lab with the KL to the reference above beta=0's). Use {reward_fix}.",
+                             "KL's, and the KL lab measures k3 in the reward ending far from the regularised "
+                             "optimum (in its exact lab with the KL to the reference above beta=0's). Use "
+                             "{reward_fix}.",
 }
 
 
@@ -220,8 +221,8 @@ class AdaptiveKLConfig:
             "'low_var_kl', 'k1+', 'k3+' (value of k1/k3, gradient of k2), 'k1_future' (value of k1, gradient of the "
             "whole completion's KL), 'k3_bottom_percentile', or a name registered with register_kl_estimator; "
             "programmatically also a callable (logp, ref_logp, mask) -> per-token KL. 'k1' in the loss and a "
-            "k3-family estimator in the reward warn (they miss the regularised optimum: docs, Ground truth). Every method reads "
-            "the KL it gives."
+            "k3-family estimator in the reward warn (they miss the regularised optimum: docs, Ground truth). Every "
+            "method reads the KL it gives."
         },
     )
     kl_percentile: float = field(

@@ -223,11 +223,13 @@ def _report_changes(config: Any, explicit: dict[str, Any], passed: dict[str, Any
     for name, trl_default in _trl_defaults().items():
         if name not in passed:
             continue
-        # optim='adamw_flash' (Unsloth's own optimizer) is passed on as 'adamw_torch' with the config marked
-        # (`mark_flash_adamw`), from which Unsloth's trainer builds its flash AdamW: not a change
-        flash = (name == "optim" and str(plain(explicit.get(name))).strip().lower() == "adamw_flash"  # as Unsloth reads it
+        # optim='adamw_flash' (Unsloth's own optimizer, its name read as Unsloth reads it) is passed on as
+        # 'adamw_torch' with the config marked (`mark_flash_adamw`), from which Unsloth's trainer builds its flash
+        # AdamW: not a change
+        flash = (name == "optim" and str(plain(explicit.get(name))).strip().lower() == "adamw_flash"
                  and getattr(config, "_unsloth_flash_adamw", False))
-        if name in explicit and explicit[name] is not None and plain(passed[name]) != plain(explicit[name]) and not flash:
+        changed = name in explicit and explicit[name] is not None and plain(passed[name]) != plain(explicit[name])
+        if changed and not flash:
             warnings.warn(
                 f"{name}={explicit[name]!r} was passed to Unsloth's generated {GENERATED_CONFIG} (set explicitly, or "
                 f"as its default by an argument parser such as TrlParser, which passes every field), which changed it "

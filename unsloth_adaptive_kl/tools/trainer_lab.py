@@ -705,7 +705,8 @@ def findings(table: dict[str, Any]) -> list[str]:
                        f"{_kl(row['tabular']['kl_opt'])}" for row in k3) + ".")
     off, k3_reward = _row(table, "dr_grpo", "beta = 0 (no KL)"), _row(table, "dr_grpo", "k3 in the reward")
     if off and k3_reward:
-        sentence = f"**k3 in the reward** ends {_seeds(k3_reward)} from pi* with dr_grpo, where beta = 0 ends {_seeds(off)}"
+        sentence = (f"**k3 in the reward** ends {_seeds(k3_reward)} from pi* with dr_grpo, where beta = 0 ends "
+                    f"{_seeds(off)}")
         k3, none, k1 = (_row(table, "defaults", setting)
                         for setting in ("k3 in the reward", "beta = 0 (no KL)", "k1 in the reward"))
         if k3 and none and k1:  # the group scaling changes what it does (it is not the exact lab's environment)
