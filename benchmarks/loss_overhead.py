@@ -16,7 +16,7 @@ So, per trainer, on one captured real generation batch:
 (c) overhead = 1 + (b) / (a) per row, with a bootstrap 95 % interval (both resampled);
 (d) deterministic counts from torch.profiler: aten ops and bytes allocated that each method adds per micro-batch;
 (e) a sanity row: stock against the heaviest method end to end, interleaved, with an A/A control (stock against
-    stock): the difference must be consistent with (c) within the A/A interval.
+    stock, half a rotation from stock): the difference must be consistent with (c) within the A/A interval.
 It also times the core op alone (64 x 4096 per-token KL, every method) against the stock k3 expression.
 
 (a)-(e) run at two sizes: `--completions` x `--completion-length` (8 x 64) and a larger batch,
@@ -24,8 +24,10 @@ It also times the core op alone (64 x 4096 per-token KL, every method) against t
 as its stock loss is far slower and its interval far narrower). What the adaptation adds to the loss
 path is mostly fixed per call (ops, the metric row), while the stock loss grows with the tokens, so its share falls
 with size; the table `share by size` shows it per method.
-Writes JSON and ends with `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the default size) and
-`max_loss_overhead_ratio_large=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the larger one).
+Writes JSON after each trainer (`finished` false until the end; with `--budget SECONDS` the larger size is skipped,
+and the JSON says why, when the default size has used more than half of it) and ends with
+`max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the default size) and
+`max_loss_overhead_ratio_large=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the larger one, where it ran).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--large-e2e-repeats", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds: the larger size is skipped (and the JSON says so) when the default size has "
+                             "used more than half of them; default: no budget")
     parser.add_argument("--json", default=None, help="default: benchmarks/loss_overhead.json (the committed run); "
                                                      "with --smoke, loss_overhead_smoke.json in the temp folder")
     parser.add_argument("--trainer", choices=["trl", "unsloth"], default=None, help=argparse.SUPPRESS)
@@ -95,6 +100,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.json is None:  # a smoke run never overwrites the committed figures
         args.json = (os.path.join(tempfile.gettempdir(), "loss_overhead_smoke.json") if args.smoke
                      else "benchmarks/loss_overhead.json")
+    if args.budget is not None and not args.budget > 0:
+        parser.error(f"--budget={args.budget} is invalid: allowed is a number of seconds > 0")
     for name, value in vars(args).items():
         if name.endswith(("repeats", "completions", "completion_length")) or name in ("hidden", "layers"):
             if value < 1:
@@ -129,6 +136,14 @@ def timed(function: Callable[[], Any]) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def aa_half_way(stock: str, copy: str, others: list[str]) -> list[str]:
+    """A rotation's order with the A/A copy half a rotation from stock, so that it follows another variant, as stock
+    does: right after stock it would find stock's caches and allocator state in most rounds, and measure a noise floor
+    no method sees."""
+    half = (len(others) + 1) // 2
+    return [stock, *others[:half], copy, *others[half:]]
 
 
 def interleaved(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int = 3,
@@ -332,7 +347,8 @@ def report(args: argparse.Namespace, trainer: Any, stock: list[float], rows: lis
     """(e): the heaviest method end to end against stock, interleaved, with an A/A control."""
     heaviest = max(rows, key=lambda row: row["ratio"])
     apply_method(trainer, METHODS[heaviest["method"]])
-    e2e = interleaved({"stock": stock_loss, "stock (A/A)": stock_loss, heaviest["method"]: patched_loss},
+    functions = {"stock": stock_loss, "stock (A/A)": stock_loss, heaviest["method"]: patched_loss}
+    e2e = interleaved({name: functions[name] for name in aa_half_way("stock", "stock (A/A)", [heaviest["method"]])},
                       args.e2e_repeats)
     ratio = statistics.median(e2e[heaviest["method"]]) / statistics.median(e2e["stock"])
     aa = statistics.median(e2e["stock (A/A)"]) / statistics.median(e2e["stock"])
@@ -526,21 +542,39 @@ def main(argv: list[str] | None = None) -> int:
                   (args.stock_repeats, args.core_repeats, args.e2e_repeats)),
              "_large": ((args.large_completions, args.large_completion_length),
                         (args.large_stock_repeats, args.large_core_repeats, args.large_e2e_repeats))}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+
+    def write() -> None:
+        """The JSON as it stands: written after each trainer, so a run stopped by a time limit keeps what finished
+        (`finished` stays false until the end)."""
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+    results["finished"] = False
+    trainers = ["trl"] + (["unsloth"] if importlib.util.find_spec("unsloth") is not None else [])
     for suffix, (size, repeats) in sizes.items():
+        spent = time.perf_counter() - started
+        if suffix and args.budget is not None and spent > args.budget / 2:
+            results["large_skipped"] = (f"the default size took {spent:.0f} s of the {args.budget:.0f}-second budget "
+                                        "(more than half)")
+            print(f"\nthe larger size is skipped: {results['large_skipped']}")
+            break
         part = results if not suffix else results.setdefault("large", {})
         part["size"] = {"completions": size[0], "completion_length": size[1], "tokens": size[0] * size[1]}
-        part["trl"] = run_trainer("trl", args, passthrough, size, repeats)
-        print_table(f"TRL GRPOTrainer, {size[0]} x {size[1]} tokens", part["trl"])
-        if importlib.util.find_spec("unsloth") is not None:
-            part["unsloth"] = run_trainer("unsloth", args, passthrough, size, repeats)
-            print_table(f"Unsloth's generated trainer, {size[0]} x {size[1]} tokens", part["unsloth"])
-        part["headline"] = headline(part, started)
-    print_shares(results)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(results, f, indent=2)
+        for trainer in trainers:
+            part[trainer] = run_trainer(trainer, args, passthrough, size, repeats)
+            title = "TRL GRPOTrainer" if trainer == "trl" else "Unsloth's generated trainer"
+            print_table(f"{title}, {size[0]} x {size[1]} tokens", part[trainer])
+            part["headline"] = headline(part, started)
+            write()
+    if "large" in results:
+        print_shares(results)
+    results["finished"] = True
+    write()
     print(f"\n{time.perf_counter() - started:.0f} s; JSON in {args.json}")
-    for suffix, part in (("", results), ("_large", results["large"])):
+    for suffix, part in (("", results), ("_large", results.get("large"))):
+        if part is None:
+            continue
         h = part["headline"]
         print(f"max_loss_overhead_ratio{suffix}={h['ratio']:.3f} ci=[{h['ci'][0]:.3f},{h['ci'][1]:.3f}] "
               f"aa=[{h['aa'][0]:.3f},{h['aa'][1]:.3f}] ops_added={h['ops_added']}")

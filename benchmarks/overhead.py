@@ -4,8 +4,9 @@
     python benchmarks/overhead.py --smoke         # tiny sizes, checks that it runs and reports
 
 Per method and for `none`, against the unpatched stock GRPOTrainer:
-- median seconds per optimizer step, methods interleaved over repeats (rotated order, same seed, fixed-length
-  generation via min_new_tokens so every variant trains on equally long completions);
+- median seconds per optimizer step, methods interleaved over repeats (rotated order, the A/A copy half a rotation
+  from stock; same seed, fixed-length generation via min_new_tokens so every variant trains on equally long
+  completions);
 - model forward calls per step (forward hook on the causal LM): must equal stock with the KL in the loss; the KL in
   the reward (`kl_in_reward`) adds one no-grad policy forward per generation batch;
 - peak memory: on CPU, the peak RSS a variant's run adds in a fresh process (the imports' peak cleared), on GPU
@@ -25,6 +26,7 @@ benchmarks/loss_overhead.py resolves the loss path's overhead.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -47,7 +49,7 @@ from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWith
 from unsloth_adaptive_kl.tools.machine import hardware
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loss_overhead import bootstrap_ratio, core_op  # noqa: E402
+from loss_overhead import aa_half_way, bootstrap_ratio, core_op  # noqa: E402
 
 # "stock (A/A)" is stock again: its ratio to stock is the noise floor of this machine.
 VARIANTS = ["stock", "stock (A/A)", "none", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized",
@@ -61,7 +63,8 @@ KL_IN_REWARD = {"kl_placement": "reward", "kl_reduction": "sequence_sum"}
 REF_SYNC = "ref_sync"
 REF_SYNC_CONFIG = {"kl_adaptation_method": "none", "sync_ref_model": True, "ref_model_sync_steps": 1,
                    "ref_model_mixup_alpha": 1.0}
-TIMED = VARIANTS + [REF_SYNC]
+# The order the runs rotate through (each pass starts one later)
+TIMED = aa_half_way(*STOCK, [variant for variant in VARIANTS if variant not in STOCK] + [REF_SYNC])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -171,12 +174,17 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
     step_times: list[float] = []
     step_forwards: list[int] = []
 
+    def synchronized() -> float:  # on a GPU, the step's queued kernels belong to its time
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     class Timer(TrainerCallback):
         def on_step_begin(self, *_: Any, **__: Any) -> None:
-            self.start, self.forwards = time.perf_counter(), forwards[0]
+            self.start, self.forwards = synchronized(), forwards[0]
 
         def on_step_end(self, *_: Any, **__: Any) -> None:
-            step_times.append(time.perf_counter() - self.start)
+            step_times.append(synchronized() - self.start)
             step_forwards.append(forwards[0] - self.forwards)
 
     if variant in STOCK:
@@ -202,6 +210,10 @@ def run(variant: str, args: argparse.Namespace, output_dir: str) -> dict[str, An
                               callbacks=[Timer()])
     trainer.remove_callback(PrinterCallback)
     if torch.cuda.is_available():
+        # the previous run's trainer is garbage (a reference cycle) that transformers frees only inside train(): freed
+        # here, so that this run's peak holds this run's model and optimizer alone
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     exchanges = [0]
     if variant == REF_SYNC:  # count the reference forwards that ran with the synced copy exchanged in
@@ -297,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             times[variant].append(result["median_step_s"])
             forwards[variant].extend(result["forwards_per_step"])
-            cuda_peak[variant] = result["cuda_peak_bytes"]
+            if result["cuda_peak_bytes"] is not None:  # the largest over the repeats
+                cuda_peak[variant] = max(cuda_peak.get(variant, 0), result["cuda_peak_bytes"])
             if variant == REF_SYNC:
                 sync_runs.append(result)
     ref_sync_steps = times.pop(REF_SYNC)
@@ -361,8 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step time: every ratio in [{min(ratios):.3f}, {max(ratios):.3f}], A/A interval [{aa[0]:.3f}, {aa[1]:.3f}]")
     graphs = max([row["graphs_added_per_run"] for row in unsloth_rows], default=0)
     in_reward = next(row for row in rows if row["variant"] == "kl_in_reward")
-    print(f"kl_in_reward: {in_reward['extra_forwards']} extra forwards over {args.repeats} runs of {args.steps} steps "
-          "(one no-grad policy forward per generation batch)")
+    print(f"kl_in_reward: {in_reward['extra_forwards']} extra forwards over {len(forwards['kl_in_reward'])} counted "
+          f"steps ({args.repeats} runs, each's first step left out; one no-grad policy forward per generation batch)")
     print(f"extra_forwards={max(row['extra_forwards'] for row in rows if row is not in_reward)} "
           f"max_memory_ratio={max(row['memory_ratio'] for row in rows):.3f} graphs_added={graphs} "
           f"max_step_ratio={max(ratios):.3f} aa=[{aa[0]:.3f},{aa[1]:.3f}] "

@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loss_overhead import bootstrap_ratio  # noqa: E402
+from loss_overhead import aa_half_way, bootstrap_ratio  # noqa: E402
 
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
@@ -52,10 +52,8 @@ QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=2
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target", "clip+length_normalized+dynamic",
            "sigmoid+length_normalized"]
 STOCK = ("stock", "stock (A/A)")
-# The order a round runs the captured-batch variants in (each round starts one later): the A/A copy half a rotation
-# from stock, so that it follows a method, as stock does. Right after stock it would always find stock's caches and
-# allocator state, and measure a noise floor no method sees.
-ROTATION = ["stock", *METHODS[:len(METHODS) // 2], "stock (A/A)", *METHODS[len(METHODS) // 2:]]
+# The order a round runs the captured-batch variants in (each round starts one later)
+ROTATION = aa_half_way(*STOCK, METHODS)
 # The whole-step variants: the KL's placement is fixed when a trainer is built, so the KL in the reward has a trainer
 # of its own (on the same policy).
 WHOLE_STEP = ["stock", "sigmoid+length_normalized", "kl_in_reward"]
@@ -74,9 +72,10 @@ class Size:
 
 
 SIZES = {
-    # an estimate for one GPU: 14 rounds of 10 captured-batch steps, 6 profiled steps, then 2 rounds of the 3 whole-step
-    # variants of 2 GRPO steps each (12 generations of 64 completions of 256 tokens): 5 to 7 minutes with the 4-bit
-    # load and the first compile; `--budget` skips the whole steps when the captured part ran long
+    # an estimate for one GPU: 14 rounds (2 warm-up, 12 timed) of 10 captured-batch steps, 6 profiled steps, then 2
+    # rounds (1 untimed, 1 timed) of the 3 whole-step variants of 2 GRPO steps each (12 generations of 64 completions
+    # of 256 tokens): 5 to 7 minutes with the 4-bit load and the first compile; `--budget` skips the whole steps when
+    # the captured part ran long
     "0.5b": Size(QWEN2_5_0_5B, prompts=8, completions=8, length=256, rounds=12, whole_rounds=1),
     "small": Size({**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512},

@@ -8,7 +8,7 @@ token as the model output), forward + backward of:
 - stock: verl's own `ppo_loss` with its KL term (`use_kl_loss=True`, `kl_loss_type=low_var_kl`, `token-mean`);
 - each method: `AdaptivePPOLoss` (one call of verl's `ppo_loss` whose `kl_penalty` and `agg_loss` give the adapted
   KL for that call, at kl_loss_coef = beta; verl's own KL term where nothing is shaped);
-- an A/A control: a second, identical stock loss.
+- an A/A control: a second, identical stock loss, half a rotation from stock.
 Round-robin in a rotating order (benchmarks/loss_overhead.py `interleaved`); each row is median(method) /
 median(stock) with a bootstrap 95 % interval. The model's forward and backward, which a real step adds to both, are
 left out, so the ratio is an upper bound on the step's. Writes JSON and ends with `max_verl_loss_ratio=X.XXX`.
@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loss_overhead import bootstrap_ratio, interleaved  # noqa: E402
+from loss_overhead import aa_half_way, bootstrap_ratio, interleaved  # noqa: E402
 
 METHODS = ("none", "clip", "sigmoid", "length_normalized", "target", "sigmoid+length_normalized")
 # (responses, response length, prompt length, interleaved rounds): a micro-batch of a typical GRPO run, or a tiny one
@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     for method in METHODS:
         loss = AdaptivePPOLoss(config, AdaptiveKLConfig(kl_adaptation_method=method))
         functions[method] = forward_backward(loss)
-    samples = interleaved(functions, repeats=repeats)
+    samples = interleaved({name: functions[name] for name in aa_half_way("stock", "stock (A/A)", list(METHODS))},
+                          repeats=repeats)
     stock_ms = statistics.median(samples["stock"]) * 1e3
     rows = []
-    for name, times in samples.items():
-        if name == "stock":
-            continue
+    for name in list(functions)[1:]:  # the A/A row first, then the methods, as the page lists them
+        times = samples[name]
         low, high = bootstrap_ratio(times, samples["stock"], resamples=200 if args.smoke else 2000)
         rows.append({"method": name, "median_ms": statistics.median(times) * 1e3,
                      "ratio": statistics.median(times) / statistics.median(samples["stock"]), "ci": [low, high]})

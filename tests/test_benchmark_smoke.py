@@ -72,7 +72,7 @@ def test_loss_overhead_benchmark_smoke(tmp_path) -> None:
     report = json.loads(report_path.read_text())
     trainers = ["trl"] + (["unsloth"] if importlib.util.find_spec("unsloth") is not None else [])
     rows = [row for trainer in trainers for row in report[trainer]["rows"]]
-    assert len(rows) == 13 * len(trainers)
+    assert len(rows) == 13 * len(trainers) and report["finished"] is True
     # a CPU run trains both in fp32 (Unsloth latches its autocast off there), at both sizes, and says so
     assert [part[trainer]["precision"] for part in (report, report["large"]) for trainer in trainers] == (
         ["fp32"] * 2 * len(trainers))

@@ -499,7 +499,7 @@ def test_the_sanity_row_interleaves_the_aa_pair_and_checks_consistency_within_it
     (3 % slower: the noise floor) and the method (1.5 s) in the rotating order, so that the drift hits all alike. The
     ratio is the method's over stock's (not over the A/A copy's), the A/A ratio 1.03 with its interval around it, and
     `consistent` holds exactly when the decomposed ratio is within half the A/A interval's width of the measured one."""
-    names = ["stock", "stock (A/A)", "sigmoid"]
+    names = ["stock", "sigmoid", "stock (A/A)"]  # the A/A copy half a rotation from stock (`aa_half_way`)
     cost = {"stock": 1.0, "stock (A/A)": 1.03, "sigmoid": 1.5}
     calls = {"n": 0}
 
@@ -574,6 +574,51 @@ def test_the_loss_benchmark_runs_the_documented_sizes_and_shares_each_sizes_own_
     last = capsys.readouterr().out.strip().splitlines()[-2:]
     assert last[0].startswith("max_loss_overhead_ratio=1.030 ci=[1.020,1.040] aa=[0.990,1.010]")
     assert last[1].startswith("max_loss_overhead_ratio_large=1.006 ci=[0.996,1.016]")
+
+
+def test_a_budget_half_spent_on_the_default_size_skips_the_larger_and_the_json_is_written_after_each_trainer(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any) -> None:
+    """main() with the trainers' processes replaced and a clock that advances 60 s a trainer run: with --budget 200 the
+    default size (both trainers) takes 120 s, more than half, so the larger size is skipped and the JSON says why;
+    before each run the JSON on disk holds every run before it, `finished` false until the end."""
+    monkeypatch.setattr(loss_overhead.importlib.util, "find_spec", lambda name: object())  # "unsloth is installed"
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(loss_overhead.time, "perf_counter", lambda: clock["now"])
+    path = tmp_path / "loss.json"
+    seen: list[tuple[str, list[str], bool]] = []
+
+    def run_trainer(trainer: str, args: Any, argv: list[str], size: tuple[int, int],
+                    repeats: tuple[int, int, int]) -> dict[str, Any]:
+        written = json.loads(path.read_text()) if path.exists() else {}
+        seen.append((trainer, [t for t in ("trl", "unsloth") if t in written], written.get("finished", False)))
+        clock["now"] += 60
+        return overhead_result({"clip": 1.02}, [0.99, 1.01], 0.001)
+
+    monkeypatch.setattr(loss_overhead, "run_trainer", run_trainer)
+    monkeypatch.setattr(loss_overhead, "core_op", lambda repeats: [])
+    monkeypatch.setattr(loss_overhead, "core_op_profile", lambda: [])
+    assert loss_overhead.main(["--budget", "200", "--json", str(path)]) == 0
+    assert seen == [("trl", [], False), ("unsloth", ["trl"], False)]
+    report = json.loads(path.read_text())
+    assert report["finished"] is True and "large" not in report and "shares" not in report
+    assert report["large_skipped"] == "the default size took 120 s of the 200-second budget (more than half)"
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("max_loss_overhead_ratio=1.020 ")
+    with pytest.raises(SystemExit):
+        loss_overhead.parse_args(["--budget", "0"])
+    assert "--budget=0.0 is invalid: allowed is a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_the_aa_copy_runs_half_a_rotation_from_stock_in_every_benchmark() -> None:
+    """Right after stock, an A/A copy finds stock's caches in most rounds and measures a noise floor no method sees:
+    every benchmark's rotation puts it half the other variants after stock."""
+    assert loss_overhead.aa_half_way("s", "a", ["m1", "m2", "m3", "m4", "m5"]) == ["s", "m1", "m2", "m3", "a", "m4",
+                                                                                    "m5"]
+    assert loss_overhead.aa_half_way("s", "a", ["m"]) == ["s", "m", "a"]
+    import overhead
+
+    for order in (unsloth_cost.ROTATION, overhead.TIMED):
+        others = len(order) - 2
+        assert order[0] == "stock" and order.index("stock (A/A)") == 1 + (others + 1) // 2, order
 
 
 def test_the_trl_stubs_leaves_are_on_the_captured_batchs_device() -> None:

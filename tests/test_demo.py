@@ -16,6 +16,13 @@ import pytest
 DEMO = Path(__file__).parents[1] / "blackwell" / "test_adaptive_kl_grpo.py"
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path, monkeypatch) -> None:
+    """Each test in its own folder: parse_args creates --output-dir, by default adaptive_kl_demo_output/ in the
+    working directory, which would otherwise be the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def test_the_demo_runs_as_a_module_from_an_installed_package_and_records_that_command(tmp_path) -> None:
     """A wheel has no blackwell/ script: `python -m unsloth_adaptive_kl.tools.demo` is the same demo (it did nothing,
     with exit status 0, when the module had no __main__ block)."""
@@ -58,14 +65,23 @@ def test_quick_demo_writes_table_plot_and_metrics(tmp_path) -> None:
     by_method: dict[str, list[dict]] = {}
     for row in rows:
         by_method.setdefault(row["method"], []).append({k: float(v) for k, v in row.items() if k != "method"})
-    for row in by_method["clip"]:
-        assert float(row["adaptive_kl/adapted_kl"]) <= float(row["adaptive_kl/raw_kl"]) + 1e-12
-    betas = [row["adaptive_kl/current_beta"] for row in by_method["dynamic"]]
-    assert all(later <= earlier for earlier, later in zip(betas, betas[1:]))
     assert all(row["adaptive_kl/raw_kl"] == row["adaptive_kl/adapted_kl"] for row in by_method["none"])
     assert all(math.isnan(row["adaptive_kl/raw_kl"]) for row in by_method["beta=0"])
+    # In 4 steps from this reference the reward stays below dynamic's reward_threshold (0.8), so its beta never decays,
+    # and no token's KL reaches clip's kl_clip_threshold (1.0): neither method acts, and each run is stock's (`none`,
+    # the same seed and data) in every logged value, not merely "beta non-increasing" or "adapted <= raw". Up to
+    # rounding: the methods take the per-token KL on the package's path, stock on the trainer's.
+    assert max(row["reward"] for row in by_method["dynamic"]) <= 0.8
+    assert [row["adaptive_kl/current_beta"] for row in by_method["dynamic"]] == [0.04] * 4
+    keys = [key for key in by_method["none"][0] if key != "step_time"]
+    for method in ("clip", "dynamic"):
+        for row, stock in zip(by_method[method], by_method["none"], strict=True):
+            for key in keys:
+                assert (math.isnan(row[key]) and math.isnan(stock[key])) or row[key] == pytest.approx(
+                    stock[key], rel=1e-5, abs=1e-12), (method, row["step"], key)
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [item["method"] for item in summary["summary"]] == list(by_method)
+    assert summary["settings"]["learning_rate"] == 5e-3  # the rate the runs used, not null for "the default"
 
 
 def test_quick_kl_in_reward_comparison(tmp_path) -> None:
@@ -106,8 +122,8 @@ def test_bad_method_fails_before_training(tmp_path) -> None:
 
 
 def test_bad_loss_type_fails_before_training(tmp_path) -> None:
-    result = subprocess.run([sys.executable, str(DEMO), "--quick", "--loss-type", "nope", "--output-dir", str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(DEMO), "--quick", "--loss-type", "nope",
+                             "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "--loss-type='nope' is invalid: allowed is one of bnpo, cispo, dapo" in result.stderr
 
@@ -143,8 +159,81 @@ def test_a_model_that_cannot_be_loaded_stops_the_demo_after_its_first_run(tmp_pa
                       "--steps", "1", "--output-dir", str(tmp_path)])
     assert code == 1 and loads == ["org/model"]
     err = capsys.readouterr().err
-    assert "FAILED none seed 0: OSError: We couldn't connect" in err
+    assert ("FAILED none seed 0: ModelNotLoaded: --model 'org/model' could not be loaded: OSError: We couldn't "
+            "connect") in err
     assert "FAILED the remaining runs: not started, --model 'org/model' could not be loaded" in err
+
+
+def test_a_tokenizer_that_cannot_be_loaded_is_reported_by_the_flag_without_a_traceback(tmp_path) -> None:
+    """The trl backend (the default on a CPU) loads the tokenizer once, before the runs: a name that cannot be loaded
+    ended in transformers' traceback there. Offline, a name not in the cache fails at once, with no network."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, str(DEMO), "--model", "no-such-org/no-such-model", "--backend", "trl",
+                             "--methods", "none", "--steps", "1", "--seeds", "1", "--output-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "FAILED --model 'no-such-org/no-such-model' could not be loaded: OSError: " in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "metrics.csv").exists()
+
+
+def test_an_os_error_of_a_run_is_not_blamed_on_the_model(tmp_path, monkeypatch, capsys) -> None:
+    """Any OSError of the first run (here creating its folder) was reported as "--model could not be loaded" and
+    stopped the demo: only a failure to load the model says so; the other runs still run."""
+    from unsloth_adaptive_kl.tools import demo
+
+    ran = []
+
+    def run_one(task, method, seed, args, on_step):
+        ran.append(method)
+        if method == "none":
+            raise PermissionError(f"[Errno 13] Permission denied: '{tmp_path}/runs'")
+        return []
+
+    monkeypatch.setattr(demo, "model_task", lambda args: "task")
+    monkeypatch.setattr(demo, "run_one", run_one)
+    code = demo.main(["--model", "org/model", "--methods", "none,clip", "--steps", "1", "--seeds", "1",
+                      "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1 and ran == ["none", "clip"]
+    assert "FAILED none seed 0: PermissionError: [Errno 13] Permission denied" in err
+    assert "could not be loaded" not in err
+
+
+def test_an_unusable_output_dir_is_refused_before_training(tmp_path, monkeypatch, capsys) -> None:
+    """The folder was first used after all training: the runs failed creating runs/ in it, then writing the files
+    crashed with a traceback (FileNotFoundError for '', FileExistsError for a file). A path under a regular file is
+    unwritable whoever runs the test (root included)."""
+    from unsloth_adaptive_kl.tools import demo
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(demo, "tiny_task", lambda args: pytest.fail("training started"))
+    for value, error in (("", "FileNotFoundError"), (str(tmp_path / "file"), "FileExistsError"),
+                         (str(tmp_path / "file" / "sub"), "NotADirectoryError")):
+        with pytest.raises(SystemExit) as refused:
+            demo.main(["--quick", "--methods", "none", "--output-dir", value])
+        err = capsys.readouterr().err
+        assert refused.value.code == 2 and f"--output-dir={value!r} is invalid ({error}: " in err
+        assert "allowed is a writable directory" in err
+    assert demo.parse_args(["--output-dir", str(tmp_path / "new" / "folder")])  # created, as the runs need it
+    assert (tmp_path / "new" / "folder").is_dir() and not list((tmp_path / "new" / "folder").iterdir())
+
+
+def test_failed_runs_are_reported_before_the_files_are_written(tmp_path, monkeypatch, capsys) -> None:
+    """The FAILED lines came after writing the files: a failure there (a full disk) hid which runs had failed."""
+    from unsloth_adaptive_kl.tools import demo
+
+    def run_one(task, method, seed, args, on_step):
+        raise RuntimeError("boom")
+
+    def write_outputs(*args):
+        raise OSError("[Errno 28] No space left on device")
+
+    monkeypatch.setattr(demo, "tiny_task", lambda args: "task")
+    monkeypatch.setattr(demo, "run_one", run_one)
+    monkeypatch.setattr(demo, "write_outputs", write_outputs)
+    with pytest.raises(OSError, match="No space left"):
+        demo.main(["--quick", "--methods", "none", "--output-dir", str(tmp_path)])
+    assert "FAILED none seed 0: RuntimeError: boom" in capsys.readouterr().err
 
 
 def test_a_failed_run_is_reported_and_makes_the_exit_code_non_zero(tmp_path, monkeypatch, capsys) -> None:
@@ -370,16 +459,30 @@ def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_al
     nothing; a variant listed twice merged its two runs' rows into one summary line."""
     from unsloth_adaptive_kl.tools import demo
 
-    for flags, message in ((["--learning-rate", "-1"], "--learning-rate=-1.0 is invalid: allowed is a finite number > 0"),
-                           (["--learning-rate", "inf"], "--learning-rate=inf is invalid: allowed is a finite number > 0"),
+    for flags, message in ((["--learning-rate", "-1"], "--learning-rate=-1.0 is invalid: allowed is a finite number "
+                                                       "> 0"),
+                           (["--learning-rate", "inf"], "--learning-rate=inf is invalid: allowed is a finite number "
+                                                        "> 0"),
                            (["--pretrain-steps", "-3"], "--pretrain-steps=-3 is invalid: allowed is an integer >= 0"),
                            (["--methods", ","], "--methods=',' is invalid: allowed is a comma-separated list of at "
                                                 "least one variant"),
                            (["--methods", "none,clip,none"], "variant 'none' is listed twice: allowed is each variant "
-                                                             "once")):
-        with pytest.raises(SystemExit):
+                                                             "once"),
+                           # an empty name read as "no --model": the tiny demo ran
+                           (["--model", ""], "--model='' is invalid: allowed is a model name or path"),
+                           (["--model", " "], "--model=' ' is invalid: allowed is a model name or path"),
+                           # a part past the method was dropped
+                           (["--methods", "reward:sequence_mean:target:extra"],
+                            "variant 'reward:sequence_mean:target:extra' is invalid: allowed is 'reward:REDUCTION' or "
+                            "'reward:REDUCTION:METHOD'"),
+                           # with the KL term off, every variant but beta=0 trains as beta=0 does
+                           (["--beta", "0"], "--beta=0.0 turns the KL term off, so variant 'none' would be the "
+                                             "same run as 'beta=0': allowed is --beta > 0, or --beta 0 with only the "
+                                             "variant 'beta=0'"),
+                           (["--beta", "0", "--methods", "beta=0,clip"], "variant 'clip' would be the same run as")):
+        with pytest.raises(SystemExit) as refused:
             demo.parse_args(flags)
-        assert message in capsys.readouterr().err, flags
+        assert refused.value.code == 2 and message in capsys.readouterr().err, flags
     for beta in ("-1", "nan"):  # the core's rule and wording, as GRPOConfig(beta=...) refuses it, by the flag's name
         with pytest.raises(SystemExit):
             demo.parse_args(["--beta", beta, "--methods", "none"])
@@ -397,8 +500,27 @@ def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_al
         with pytest.raises(SystemExit) as refused:
             demo.parse_args(flags)
         assert refused.value.code == 2 and message in capsys.readouterr().err, flags
-    args = demo.parse_args(["--pretrain-steps", "0", "--learning-rate", "0.01", "--methods", "none", "--beta", "0"])
+    args = demo.parse_args(["--pretrain-steps", "0", "--learning-rate", "0.01", "--methods", "beta=0", "--beta", "0"])
     assert (args.pretrain_steps, args.learning_rate, args.beta) == (0, 0.01, 0.0)  # the edges allowed
+    # --learning-rate's default, resolved for the model in use (summary.json records it)
+    assert (demo.parse_args([]).learning_rate, demo.parse_args(["--model", "org/m"]).learning_rate) == (5e-3, 5e-6)
+
+
+def test_two_labels_with_the_same_settings_are_refused(capsys) -> None:
+    """Each pair ran the same settings twice, shown as two variants: the variants are keyed on their resolved settings
+    (the methods in canonical order, the defaults a label leaves out), not on how the label spells them."""
+    from unsloth_adaptive_kl.tools import demo
+
+    for first, second in (("dynamic+length_normalized", "length_normalized+dynamic"),
+                          ("dynamic+length_normalized", "dynamic + length_normalized"),
+                          ("ref_sync:5", "ref_sync:05"), ("reward:sequence_sum", "reward:sequence_sum:none"),
+                          ("none", "kl_reduction=loss_type"), ("none", "estimator=k3")):
+        with pytest.raises(SystemExit) as refused:
+            demo.parse_args(["--methods", f"clip,{first},{second}"])
+        assert refused.value.code == 2, (first, second)
+        assert (f"variants {first!r} and {second!r} are the same settings: allowed is each variant once"
+                in capsys.readouterr().err)
+    assert demo.parse_args(["--methods", "none,ref_sync:5,ref_sync:5:reset,reward:sequence_sum,reward:sequence_mean"])
 
 
 def test_each_variant_gets_only_the_method_fields_it_reads_and_an_unread_flag_is_refused(capsys) -> None:
@@ -414,10 +536,32 @@ def test_each_variant_gets_only_the_method_fields_it_reads_and_an_unread_flag_is
     for flags, message in ((["--kl-target", "0.3"], "--kl-target=0.3 has no effect: no variant of this run reads "
                                                      "kl_target"),
                            (["--kl-horizon", "50"], "--kl-horizon=50.0 has no effect: no variant of this run reads "
-                                                    "kl_horizon")):
+                                                    "kl_horizon"),
+                           # given at its default value, it was accepted: the check compared with the default
+                           (["--kl-target", "0.1"], "--kl-target=0.1 has no effect: no variant of this run reads "
+                                                    "kl_target")):
         with pytest.raises(SystemExit):
             demo.parse_args(["--methods", "none,clip,sigmoid" if "horizon" in flags[0] else "none,clip", *flags])
         assert message in capsys.readouterr().err
+
+
+def test_the_plot_gives_each_variant_its_own_colour_past_ten(tmp_path, monkeypatch) -> None:
+    """matplotlib's colour cycle C0-C9 repeats: with 12 variants the 11th and 12th took the 1st and 2nd's colours."""
+    import matplotlib.figure
+    from matplotlib.colors import to_rgba
+
+    from unsloth_adaptive_kl.tools import demo
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: saved.append(figure))
+    for count in (3, 12):
+        methods = [f"variant{index}" for index in range(count)]
+        rows = [{"method": method, "seed": 0, "step": step, **{key: float(index) for key in demo.LOGGED}}
+                for index, method in enumerate(methods) for step in (1, 2)]
+        demo.plot(rows, methods, str(tmp_path / "plot.png"))
+        lines = saved[-1].axes[0].lines
+        assert [line.get_label() for line in lines] == methods
+        assert len({to_rgba(line.get_color()) for line in lines}) == count
 
 
 def test_the_summary_is_each_seeds_last_tenth_and_their_mean_and_std() -> None:

@@ -521,3 +521,32 @@ def test_the_gpu_page_names_its_device_and_marks_a_cpu_run_as_not_a_gpu_result(m
     assert "hidden 896, 24 layers, vocabulary 151,936, LoRA r16; 8 prompts × 8 completions of 256 tokens" in cost
     assert "| `clip` | 250.0 | 1.004 | [0.990, 1.020] | 3,072 | 1.000 |" in cost and "Whole GRPO step" not in cost
     assert "| `aten::mm` | 1,200 | 1,210 |\n| `aten::where` |  | 15 |" in cost and "(GPU time, µs)" in cost
+    # a row of under 5 timed rounds: its bootstrap takes a handful of values, so no interval is shown
+    files["cost.json"]["step"]["clip"] = {**row, "n": 2}
+    assert "| `clip` | 250.0 | 1.004 | none (2 rounds: too few to resample) | 3,072 |" in hook.gpu_cost()
+
+
+def test_the_gpu_page_names_the_commit_and_what_the_loss_benchmark_did_not_reach(monkeypatch) -> None:
+    """The versions line names the commit a GPU results file ran at (and uncommitted changes); the loss benchmark's
+    block shows each size it reached, with its trainers, and says why the larger size is missing: skipped for the
+    budget, or a run stopped before its end."""
+    hook = docs_generator()
+    headline = {"ratio": 1.02, "ci": [1.01, 1.03], "aa": [0.98, 1.02], "ops_added": 40}
+    loss = {"command": "python benchmarks/loss_overhead.py --budget 400", "date": "2026-12-03",
+            "device": {"kind": "cpu", "name": "x86_64", "cores": 2},
+            "versions": {"unsloth_adaptive_kl": "0.1.0", "torch": "2.11.0", "vllm": None},
+            "commit": "0123456789abcdef+changes", "size": {"completions": 8, "completion_length": 64},
+            "trl": {"precision": "fp32"}, "unsloth": {"precision": "bf16"}, "headline": headline, "finished": True,
+            "large_skipped": "the default size took 230 s of the 400-second budget (more than half)"}
+    monkeypatch.setattr(hook, "_gpu", lambda name: loss if name == "loss_overhead.json" else None)
+    text = hook.gpu_loss()
+    assert "Versions: unsloth_adaptive_kl 0.1.0 (commit 0123456 with uncommitted changes), torch 2.11.0." in text
+    assert ("| default | 8 completions × 64 tokens | TRL and Unsloth | 1.020 | [1.010, 1.030] | [0.980, 1.020] | 40 |"
+            in text)
+    assert "| large |" not in text and text.endswith(
+        "The larger size was not run: the default size took 230 s of the 400-second budget (more than half).")
+    del loss["unsloth"], loss["large_skipped"]
+    loss.update(finished=False, commit="0123456789abcdef")
+    text = hook.gpu_loss()
+    assert "(commit 0123456)," in text and "| default | 8 completions × 64 tokens | TRL | 1.020 |" in text
+    assert "**The run stopped before its end**" in text

@@ -5,6 +5,7 @@ there; the Unsloth scenario's per-method and beta-moving checks run here on TRL'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -125,6 +126,20 @@ def test_ref_sync_scenario_with_an_8bit_optimizer_on_cpu(model_dir, tmp_path) ->
                                       optim="adamw_8bit", steps=3)
     assert check.ok, check.line()
     assert "1 syncs in 3 steps" in check.detail and "uint8" in check.detail  # 8-bit state again after the reset
+    # the reset at step 2 cleared Adam's state: step 3 counted from 1
+    assert "step counts [1] after the reset at step 2 (3 without it)" in check.detail
+
+
+def test_the_ref_sync_scenario_fails_where_the_optimizer_reset_did_nothing(model_dir, tmp_path, monkeypatch) -> None:
+    """A sync that kept the optimizer's state (its reset lost) leaves the step counts at 3: the check says so."""
+    from unsloth_adaptive_kl.integrations.ref_sync import SyncSchedule
+
+    stock = SyncSchedule.from_args.__func__
+    monkeypatch.setattr(SyncSchedule, "from_args",
+                        classmethod(lambda cls, args: dataclasses.replace(stock(cls, args), reset_optimizer=False)))
+    (check,) = scenarios.ref_sync_8bit(model_dir, str(tmp_path), backend="trl", device="cpu", precision="fp32",
+                                      optim="adamw_torch", steps=3)
+    assert not check.ok and "1 syncs in 3 steps" in check.detail and "step counts [3]" in check.detail
 
 
 def test_the_unsloth_scenarios_method_and_recompile_checks_run_on_trl_on_cpu(model_dir, tmp_path) -> None:
@@ -138,9 +153,10 @@ def test_the_unsloth_scenarios_method_and_recompile_checks_run_on_trl_on_cpu(mod
     assert clip.ok, clip.line()
     raw, adapted = (float(clip.detail.split(f"{key} ")[1].split(",")[0]) for key in ("raw_kl", "adapted_kl"))
     assert 0 < adapted < raw  # some tokens' KL is above the 0.2 threshold
-    (moving,) = scenarios.no_recompile_check("TRL", trainer, inputs, "_compute_loss")
-    assert moving.line() == ("[ok] TRL: no recompile while beta moves: beta 0.02 -> 0.01 -> 0.005: 0 frames compiled, "
-                             "0 new graphs")
+    (moving,) = scenarios.no_recompile_check("TRL", trainer, inputs, "_compute_loss", compiled=False)
+    assert moving.ok and moving.line() == (
+        "[untested] TRL: no recompile while beta moves: beta 0.02 -> 0.01 -> 0.005: 0 frames compiled, 0 new graphs "
+        "(nothing is compiled here: the counts check nothing)")
 
 
 def test_a_missing_optional_package_is_a_fail_line_naming_the_install(model_dir, tmp_path, monkeypatch) -> None:
@@ -574,18 +590,40 @@ def test_the_environment_of_a_cuda_machine_names_the_card_and_every_package(monk
     monkeypatch.setattr(gpucheck, "native_precision", lambda: "bf16")
     monkeypatch.setattr(gpucheck, "driver_version", lambda: "550.54.15")
     monkeypatch.setattr(gpucheck, "installed_versions", lambda packages: {"torch": "2.9.0", "trl": "1.15.0"})
+    monkeypatch.setenv("ADAPTIVE_KL_COMMIT", "0123abc")  # the tree travelled without its git folder
     found = gpucheck.environment()
     assert found["device"] == {"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0", "precision": "bf16",
                                "cuda": "12.4", "driver": "550.54.15"}
-    assert list(found["versions"]) == list(gpucheck.PACKAGES)
-    assert {p: v for p, v in found["versions"].items() if v} == {"torch": "2.9.0", "trl": "1.15.0"}
+    assert list(found["versions"]) == list(gpucheck.PACKAGES) and found["commit"] == "0123abc"
+    # a checkout on PYTHONPATH is no installed distribution: this package's version is the module's
+    assert {p: v for p, v in found["versions"].items() if v} == {"unsloth_adaptive_kl": "0.1.0", "torch": "2.9.0",
+                                                                  "trl": "1.15.0"}
     lines = gpucheck.environment_lines(found)
     assert lines[0] == "card: NVIDIA H200 (compute capability 9.0), precision bf16, CUDA 12.4, driver 550.54.15"
-    assert lines[1].startswith("versions: unsloth_adaptive_kl (not installed), torch==2.9.0, transformers (not "
+    assert lines[1].startswith("versions: unsloth_adaptive_kl==0.1.0, torch==2.9.0, transformers (not "
                                "installed), trl==1.15.0, peft (not installed)")
     assert len(lines) == 2
     unread = {**found, "device": {**found["device"], "driver": None}}  # nvidia-smi gave nothing
     assert gpucheck.environment_lines(unread)[0].endswith("CUDA 12.4, driver not read")
+
+
+def test_the_commit_is_the_checkouts_head_marked_where_tracked_files_changed(monkeypatch, tmp_path) -> None:
+    """Outside ADAPTIVE_KL_COMMIT: `git rev-parse HEAD` of the checkout this package is in, "+changes" where a
+    tracked file differs from it; None for a copy without its git folder."""
+    monkeypatch.delenv("ADAPTIVE_KL_COMMIT", raising=False)
+    checkout = tmp_path / "checkout"
+    package = checkout / "unsloth_adaptive_kl" / "tools"
+    package.mkdir(parents=True)
+    monkeypatch.setattr(gpucheck, "__file__", str(package / "gpucheck.py"))
+    assert gpucheck.source_commit() is None  # no git folder
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(checkout)]
+    (package / "gpucheck.py").write_text("v1\n")
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"]):
+        subprocess.run(git + command, check=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert gpucheck.source_commit() == head
+    (package / "gpucheck.py").write_text("v2\n")
+    assert gpucheck.source_commit() == head + "+changes"
 
 
 def test_the_driver_version_is_the_first_cards_or_none(monkeypatch) -> None:

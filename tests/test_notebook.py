@@ -42,6 +42,15 @@ def test_notebook_executes_on_cpu(tmp_path, monkeypatch) -> None:
     assert "dynamic+length_normalized seed 0" in text
     assert (tmp_path / "adaptive_kl_notebook_output" / "adaptive_kl_comparison.png").stat().st_size > 20_000
     assert any("image/png" in output.get("data", {}) for output in outputs)
+    # summary.json records what ran (it named the script, which did not) and its wall time (it had null)
+    summary = json.loads((tmp_path / "adaptive_kl_notebook_output" / "summary.json").read_text())
+    assert summary["environment"]["command"].startswith("notebook blackwell/adaptive_kl_grpo.ipynb --steps 6 ")
+    assert isinstance(summary["wall_seconds"], float) and summary["wall_seconds"] > 0
+    # its variants are the script's default, read from the demo rather than a copy that could drift from it
+    from unsloth_adaptive_kl.tools.demo import DEFAULT_METHODS
+
+    settings = next(cell.source for cell in notebook.cells if cell.source.startswith("METHODS = "))
+    assert settings.startswith("METHODS = demo.DEFAULT_METHODS") and summary["settings"]["methods"] == DEFAULT_METHODS
 
 
 def colab_cells(cuda: bool, pip_returncode: int = 0, imports_cell: bool = False) -> list[nbformat.NotebookNode]:

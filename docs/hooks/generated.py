@@ -6,7 +6,7 @@ returns. An unknown name fails the build. Sources:
 - `configuration`: `AdaptiveKLConfig`'s fields (type, default, help), what its validation allows (the text of the
   ValueError it raises for a bad value) and `read_by` (the core's `FIELD_READERS`);
 - `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
-- `demo_flags`: the demo's argparse parser;
+- `demo_flags`, `demo_logged`: the demo's argparse parser, the metrics it keeps (`demo.LOGGED`);
 - `loss_overhead`, `loss_overhead_sanity`, `benchmark_headline` (each with `large` for the larger size),
   `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `core_op_profile`, `steps`,
   `steps_against_aa`, `unsloth_steps`, `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
@@ -130,6 +130,13 @@ def demo_flags(_: Optional[str] = None) -> str:
         rows.append([", ".join(f"`{flag}`" for flag in action.option_strings), default,
                      (action.help or "") + choices])
     return _table(["flag", "default", "what it does"], rows)
+
+
+def demo_logged(_: Optional[str] = None) -> str:
+    """The metrics the demo keeps per step (`demo.LOGGED`), inline."""
+    from unsloth_adaptive_kl.tools.demo import LOGGED
+
+    return ", ".join(f"`{name}`" for name in LOGGED)
 
 
 def _benchmark(name: str) -> dict:
@@ -607,7 +614,12 @@ def _device(data: dict) -> str:
 
 
 def _versions(data: dict) -> str:
-    return ", ".join(f"{name} {version}" for name, version in data["versions"].items() if version)
+    """The versions a GPU results file records, this package's with the commit it ran at."""
+    versions = {name: version for name, version in data["versions"].items() if version}
+    if data.get("commit"):  # a sha, "+changes" where the checkout's tracked files differed from it
+        sha, _, changes = data["commit"].partition("+")
+        versions["unsloth_adaptive_kl"] += f" (commit {sha[:7]}{' with uncommitted changes' if changes else ''})"
+    return ", ".join(f"{name} {version}" for name, version in versions.items())
 
 
 def gpu_check(_: Optional[str] = None) -> str:
@@ -641,10 +653,12 @@ def gpu_cost(_: Optional[str] = None) -> str:
     model = size["model"]
 
     def rows(part: dict) -> list[list[str]]:
-        # one timed round (the whole step at the 0.5b size) leaves nothing to resample: its "interval" is the ratio
+        # under 5 timed rounds (the whole step: 1 at the 0.5b size, 2 at the small one) a bootstrap of the median
+        # takes a handful of values: no interval is shown
         return [[f"`{name}`", f"{row['median_s'] * 1e3:.1f}", f"{row['ratio']:.3f}",
-                 "the reference" if name == "stock" else "none (one round)" if row.get("n") == 1 else
-                 f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
+                 "the reference" if name == "stock" else
+                 f"none ({row['n']} round{'s' if row['n'] > 1 else ''}: too few to resample)" if row.get("n", 5) < 5
+                 else f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
                  "" if not row["memory_ratio"] else f"{row['peak_bytes'] / 2 ** 20:,.0f}",
                  "" if not row["memory_ratio"] else f"{row['memory_ratio']:.3f}",
                  "" if not row.get("working_memory_ratio") else f"{row['working_bytes'] / 2 ** 20:,.0f}",
@@ -682,23 +696,35 @@ def gpu_cost(_: Optional[str] = None) -> str:
 
 
 def gpu_loss(_: Optional[str] = None) -> str:
-    """docs/results/gpu/loss_overhead.json (benchmarks/loss_overhead.py, run by .ci/gpu/run cost): the headlines."""
+    """docs/results/gpu/loss_overhead.json (benchmarks/loss_overhead.py, run by .ci/gpu/run loss): the headlines,
+    and what the run did not reach (the larger size skipped for its budget, a run stopped before its end)."""
     data = _gpu("loss_overhead.json")
     if data is None:
         return "No run of benchmarks/loss_overhead.py is recorded in docs/results/gpu/loss_overhead.json."
     rows = []
-    for label, part in (("default", data), ("large", data["large"])):
+    for label, part in (("default", data), ("large", data.get("large"))):
+        if part is None or "headline" not in part:
+            continue
         headline = part["headline"]
-        rows.append([label, _size_label(part), f"{headline['ratio']:.3f}",
+        trainers = " and ".join(name for trainer, name in (("trl", "TRL"), ("unsloth", "Unsloth")) if trainer in part)
+        rows.append([label, _size_label(part), trainers, f"{headline['ratio']:.3f}",
                      f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]", f"[{headline['aa'][0]:.3f}, "
                      f"{headline['aa'][1]:.3f}]", headline["ops_added"]])
     precisions = ", ".join(f"{label} {data[trainer]['precision']}" for trainer, label in (("trl", "TRL"),
                            ("unsloth", "Unsloth")) if data.get(trainer))
+    missing = ""
+    if data.get("large_skipped"):
+        missing = f" The larger size was not run: {data['large_skipped']}."
+    elif not data.get("finished", True):
+        missing = (" **The run stopped before its end** (its command's time limit): the table holds what had "
+                   "finished, each size with the trainers it reached.")
     return (f"The run of {data['date']} on {_device(data)}: `{data['command']}`. Versions: {_versions(data)}.\n\n"
-            + _table(["size", "captured batch", "largest loss ratio", "95 % interval", "A/A interval", "ops added"],
-                     rows)
+            + _table(["size", "captured batch", "trainers", "largest loss ratio", "95 % interval",
+                      "A/A interval (end to end)", "ops added"], rows)
             + f"\n\nEach trainer's loss ran in its own precision ({precisions}): each ratio is against that trainer's "
-              "stock loss in the same precision.")
+              "stock loss in the same precision. The A/A interval is the end-to-end sanity row's (stock against "
+              "stock, whole loss calls): the noise of that comparison, not of the decomposed ratio beside it."
+            + missing)
 
 
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
@@ -718,6 +744,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "tested_versions": tested_versions,
     "anchors": anchors,
     "demo_flags": demo_flags,
+    "demo_logged": demo_logged,
     "loss_overhead": loss_overhead,
     "benchmark_headline": benchmark_headline,
     "loss_overhead_summary": loss_overhead_summary,

@@ -18,6 +18,8 @@ happens to the length afterwards is decided by the KL term.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -25,10 +27,11 @@ import random
 import shlex
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -45,9 +48,10 @@ KL_IN_REWARD_VARIANTS = ["none", "reward:sequence_mean", "reward:sequence_sum", 
 REF_SYNC_VARIANTS = ["none", "ref_sync:30", "ref_sync:30:reset"]
 QUICK = {"steps": 4, "seeds": 1, "pretrain_steps": 60}
 LOGGED = ["reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
-          "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr", "adaptive_kl/reward_penalty", "completions/mean_length",
-          "adaptive_kl/ref_syncs", "step_time"]
+          "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr", "adaptive_kl/reward_penalty",
+          "completions/mean_length", "adaptive_kl/ref_syncs", "step_time"]
 ALPHABET = "abcdefgh"
+TINY_LEARNING_RATE, MODEL_LEARNING_RATE = 5e-3, 5e-6  # --learning-rate's default for the tiny model / with --model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, default=3, help="number of seeds per method")
     parser.add_argument("--output-dir", default="adaptive_kl_demo_output",
                         help="where the plot, metrics.csv, metrics.json and summary.json go")
-    parser.add_argument("--model", default=None, help="a model name or path (GPU users); default: the embedded tiny model")
+    parser.add_argument("--model", default=None,
+                        help="a model name or path (GPU users); default: the embedded tiny model")
     parser.add_argument("--backend", choices=["unsloth", "trl", "auto"], default="auto",
                         help="with --model: Unsloth FastLanguageModel (4-bit + LoRA) or transformers + PEFT")
     parser.add_argument("--beta", type=float, default=0.04, help="beta of every variant but beta=0")
@@ -81,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-horizon", type=float, default=10000.0, help="kl_horizon (target)")
     parser.add_argument("--loss-type", default="dapo", help="GRPOConfig loss_type")
     parser.add_argument("--learning-rate", type=float, default=None,
-                        help="default: 5e-3 for the tiny model, 5e-6 with --model")
+                        help="default: {} for the tiny model, {} with --model".format(*(
+                            f"{rate:.0e}".replace("e-0", "e-") for rate in (TINY_LEARNING_RATE, MODEL_LEARNING_RATE))))
     parser.add_argument("--pretrain-steps", type=int, default=300, help="tiny model: reference pretraining steps")
     return parser
 
@@ -91,7 +97,8 @@ MODULE = ("python", "-m", "unsloth_adaptive_kl.tools.demo")  # the same demo fro
 
 
 def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.Namespace:
-    """The run's settings; `args.command` is the command line that gives them, `launcher` then `argv` (what
+    """The run's settings, each checked (a bad one is a usage error, exit 2, before any training), with --output-dir
+    created and written to; `args.command` is the command line that gives them, `launcher` then `argv` (what
     summary.json records: the notebook and tests pass `argv` themselves, so `sys.argv` would name their own
     process)."""
     parser = build_parser()
@@ -117,6 +124,9 @@ def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.
     if "backend" in given and args.model is None:
         parser.error(f"--backend={args.backend} has no effect without --model (the embedded tiny model trains with "
                      "TRL): allowed with --model")
+    if args.model is not None and not args.model.strip():  # an empty name would be read as "no --model"
+        parser.error(f"--model={args.model!r} is invalid: allowed is a model name or path (without --model: the "
+                     "embedded tiny model)")
     if "pretrain_steps" in given and args.model is not None:
         parser.error("--pretrain-steps has no effect with --model (it pretrains the embedded tiny model): allowed "
                      "without --model")
@@ -124,24 +134,24 @@ def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.
         parser.error(f"--beta={args.beta} is invalid: allowed is a finite number >= 0")
     methods = (KL_IN_REWARD_VARIANTS if args.kl_in_reward else REF_SYNC_VARIANTS if args.ref_sync
                else listed(args.methods))
-    given = args.methods
+    requested = args.methods
     args.methods = methods + listed(args.estimators, "estimator=") + listed(args.kl_reductions, "kl_reduction=")
     if not args.methods:
-        parser.error(f"--methods={given!r} is invalid: allowed is a comma-separated list of at least one variant")
-    repeated = sorted({method for method in args.methods if args.methods.count(method) > 1})
-    if repeated:  # a variant's runs are told apart by its label alone: twice would merge two runs into one
-        parser.error(f"variant {repeated[0]!r} is listed twice: allowed is each variant once")
+        parser.error(f"--methods={requested!r} is invalid: allowed is a comma-separated list of at least one variant")
     for name, value, least in (("--steps", args.steps, 1), ("--seeds", args.seeds, 1),
                                ("--pretrain-steps", args.pretrain_steps, 0)):
         if value < least:
             parser.error(f"{name}={value} is invalid: allowed is an integer >= {least}")
-    if args.learning_rate is not None and not 0 < args.learning_rate < math.inf:
+    if args.learning_rate is None:  # resolved here, so that summary.json's settings record the rate the runs used
+        args.learning_rate = TINY_LEARNING_RATE if args.model is None else MODEL_LEARNING_RATE
+    elif not 0 < args.learning_rate < math.inf:
         parser.error(f"--learning-rate={args.learning_rate} is invalid: allowed is a finite number > 0")
     if args.loss_type not in loss_types():
         parser.error(f"--loss-type={args.loss_type!r} is invalid: allowed is one of {', '.join(sorted(loss_types()))}")
     from ..integrations.trainer_hooks import TRL_SYNC_FIELDS, check_trl_settings  # TRL's rules (imports trl)
 
     read = set()
+    labels: dict[tuple, str] = {}  # each variant's resolved settings -> its label
     for method in args.methods:  # bad names and values fail here, before any training, as usage errors
         try:
             settings = variant_settings(method, args.beta)
@@ -153,12 +163,38 @@ def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.
             check_trl_settings(argparse.Namespace(**trl_fields), config)
         except ValueError as error:
             parser.error(f"variant {method!r}: {error}")
+        if args.beta == 0 and method != "beta=0":  # the KL term is off: the variant would train as 'beta=0' does
+            parser.error(f"--beta={args.beta} turns the KL term off, so variant {method!r} would be the same run as "
+                         "'beta=0': allowed is --beta > 0, or --beta 0 with only the variant 'beta=0'")
+        key = resolved_settings(config, trl_fields)
+        if key in labels:  # the same run twice, shown as two variants (or, under one label, merged into one)
+            parser.error(f"variant {method!r} is listed twice: allowed is each variant once" if labels[key] == method
+                         else f"variants {labels[key]!r} and {method!r} are the same settings: allowed is each variant "
+                         "once")
+        labels[key] = method
     for flag, field_name in (("--kl-target", "kl_target"), ("--kl-horizon", "kl_horizon")):
-        value = getattr(args, field_name)
-        if value != parser.get_default(field_name) and field_name not in read:  # nothing silently does nothing
-            parser.error(f"{flag}={value} has no effect: no variant of this run reads {field_name} (allowed with a "
-                         "variant that does: sigmoid or target for --kl-target, target for --kl-horizon)")
+        if field_name in given and field_name not in read:  # nothing silently does nothing, the default value included
+            parser.error(f"{flag}={getattr(args, field_name)} has no effect: no variant of this run reads {field_name} "
+                         "(allowed with a variant that does: sigmoid or target for --kl-target, target for "
+                         "--kl-horizon)")
+    try:  # last, so that a usage error above creates no folder; before any training, so that no run is lost to it
+        os.makedirs(args.output_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=args.output_dir):
+            pass
+    except OSError as error:
+        parser.error(f"--output-dir={args.output_dir!r} is invalid ({type(error).__name__}: {error}): allowed is a "
+                     "writable directory")
     return args
+
+
+def resolved_settings(config: AdaptiveKLConfig, trl_fields: dict[str, Any]) -> tuple:
+    """What a variant trains with, whatever its label spells: every AdaptiveKLConfig field (defaults included, the
+    methods in the canonical order the config stores, the estimator the placement resolves None to) and the TRL
+    fields it sets. Two labels with the same value (`dynamic+length_normalized` and `length_normalized+dynamic`,
+    `ref_sync:5` and `ref_sync:05`, `none` and `kl_reduction=loss_type`) are one run."""
+    values = {spec.name: getattr(config, spec.name) for spec in dataclasses.fields(config)}
+    values["kl_estimator"] = config.estimator
+    return tuple(sorted({**values, **trl_fields}.items()))
 
 
 def variant_settings(label: str, beta: float) -> dict[str, Any]:
@@ -176,8 +212,11 @@ def variant_settings(label: str, beta: float) -> dict[str, Any]:
                 "ref_model_sync_reset_optimizer": rest == ["reset"], "beta": beta}
     if label.startswith("reward:"):
         _, reduction, *method = label.split(":")
-        return {"kl_placement": "reward", "kl_reduction": reduction, "kl_adaptation_method": method[0] if method else "none",
-                "beta": beta}
+        if len(method) > 1:  # a part past the method would be dropped: the variant would not be what it says
+            raise ValueError(f"variant {label!r} is invalid: allowed is 'reward:REDUCTION' or "
+                             "'reward:REDUCTION:METHOD'")
+        return {"kl_placement": "reward", "kl_reduction": reduction,
+                "kl_adaptation_method": method[0] if method else "none", "beta": beta}
     for field_name in ("estimator", "kl_reduction"):
         if label.startswith(field_name + "="):
             key = "kl_estimator" if field_name == "estimator" else field_name
@@ -260,7 +299,7 @@ def tiny_task(args: argparse.Namespace) -> Task:
     rng = random.Random(1234)
     prompts = [reference_text(rng)[0] for _ in range(256)]
     settings = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=24,
-                    learning_rate=args.learning_rate or 5e-3, use_cpu=not torch.cuda.is_available(), bf16=False)
+                    learning_rate=args.learning_rate, use_cpu=not torch.cuda.is_available(), bf16=False)
     return Task(make_policy, trl.GRPOTrainer, prompts, hash_reward, settings)
 
 
@@ -290,6 +329,21 @@ def mixed_precision() -> dict[str, bool]:
     return {"bf16": bf16, "fp16": cuda and not bf16}
 
 
+class ModelNotLoaded(Exception):
+    """--model's model or tokenizer could not be loaded (a hub name without the network, a wrong path): unlike a
+    run's other failures, every run would fail alike."""
+
+
+@contextlib.contextmanager
+def loading(model: str) -> Iterator[None]:
+    """Turns the OSError with which transformers and Unsloth refuse a name they cannot load into ModelNotLoaded
+    naming --model; an OSError elsewhere in a run (e.g. writing its output folder) stays what it is."""
+    try:
+        yield
+    except OSError as error:
+        raise ModelNotLoaded(f"--model {model!r} could not be loaded: {type(error).__name__}: {error}") from error
+
+
 def model_task(args: argparse.Namespace) -> Task:
     backend = args.backend
     if backend == "auto":
@@ -304,28 +358,31 @@ def model_task(args: argparse.Namespace) -> Task:
 
     def make_policy(seed: int) -> tuple[Any, Any]:
         if backend == "unsloth":  # with the tokenizer FastLanguageModel returns, Unsloth's fixes applied
-            model, unsloth_tokenizer = FastLanguageModel.from_pretrained(args.model, max_seq_length=512,
-                                                                         load_in_4bit=True)
+            with loading(args.model):
+                model, unsloth_tokenizer = FastLanguageModel.from_pretrained(args.model, max_seq_length=512,
+                                                                             load_in_4bit=True)
             model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, random_state=seed,
                                                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
             return model, unsloth_tokenizer
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
+        with loading(args.model):
+            model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto")
         return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear")), tokenizer
 
     tokenizer = None
     if backend == "trl":  # one tokenizer for every run
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        with loading(args.model):
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
     rng = random.Random(1234)
     pairs = [(rng.randint(2, 49), rng.randint(2, 49)) for _ in range(256)]
     prompts = [[{"role": "user", "content": f"What is {a} + {b}? Reply with the number."}] for a, b in pairs]
     task = Task(make_policy, trl.GRPOTrainer, prompts, arithmetic_reward,
                 dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=128,
-                     learning_rate=args.learning_rate or 5e-6, **mixed_precision()))
+                     learning_rate=args.learning_rate, **mixed_precision()))
     task.grpo_settings["answers"] = [str(a + b) for a, b in pairs]
     return task
 
@@ -455,8 +512,12 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
     figure, axes = plt.subplots(rows_of_panels, columns, figsize=(6 * columns, 4.25 * rows_of_panels), squeeze=False)
     for axis in axes.flat[len(panels):]:
         axis.remove()
+    # One colour per variant, the same in every panel: matplotlib's 10-colour cycle (C0-C9) repeats from the 11th, so
+    # more variants take evenly spaced colours of a colormap instead.
+    colors = ([f"C{index}" for index in range(len(methods))] if len(methods) <= 10
+              else [matplotlib.colormaps["turbo"](index / (len(methods) - 1)) for index in range(len(methods))])
     for axis, (key, title) in zip(axes.flat, panels):
-        for color, method in enumerate(methods):  # one colour per method in every panel
+        for color, method in zip(colors, methods):
             seeds = sorted({r["seed"] for r in rows if r["method"] == method})
             curves = [[r[key] for r in rows if r["method"] == method and r["seed"] == s] for s in seeds]
             if not curves or all(math.isnan(value) for curve in curves for value in curve):
@@ -465,8 +526,8 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
             steps = list(range(1, length + 1))
             values = torch.tensor([curve[:length] for curve in curves], dtype=torch.float64)
             mean, low, high = values.nanmean(0), values.amin(0), values.amax(0)
-            axis.plot(steps, mean.tolist(), label=method, color=f"C{color}")
-            axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15, color=f"C{color}")
+            axis.plot(steps, mean.tolist(), label=method, color=color)
+            axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15, color=color)
         axis.set_title(title)
         axis.set_xlabel("step")
     axes.flat[0].legend(fontsize=8)
@@ -481,11 +542,14 @@ def main(argv: list[str] | None = None, launcher: tuple[str, ...] = SCRIPT) -> i
     # transformers >= 5.2x warns at every trainer that TRL's gradient_checkpointing names will go in v6: upstream's.
     warnings.filterwarnings("ignore", message=r".*is deprecated and will be removed in v6", category=FutureWarning)
     torch.set_num_threads(min(torch.get_num_threads(), 2))
-    os.makedirs(args.output_dir, exist_ok=True)
     from rich.progress import Progress
 
     started = time.perf_counter()
-    task = model_task(args) if args.model else tiny_task(args)
+    try:
+        task = model_task(args) if args.model is not None else tiny_task(args)
+    except ModelNotLoaded as error:  # the trl backend's tokenizer, loaded once for every run: no run can start
+        print(f"FAILED {error}", file=sys.stderr)
+        return 1
     rows: list[dict] = []
     failures: list[str] = []
     total = len(args.methods) * args.seeds * args.steps
@@ -500,9 +564,8 @@ def main(argv: list[str] | None = None, launcher: tuple[str, ...] = SCRIPT) -> i
                 except Exception as error:  # a failed run is reported and fails the demo, the others still run
                     failures.append(f"{method} seed {seed}: {type(error).__name__}: {error}")
                     progress.update(bar, completed=done_before + args.steps)
-                    if args.model and isinstance(error, OSError) and not rows:
-                        # the model could not be loaded (no network for a hub name, a wrong path): every other run
-                        # would retry the hub for as long, and fail alike
+                    if isinstance(error, ModelNotLoaded) and not rows:
+                        # every other run would retry the hub (or the path) for as long, and fail alike
                         failures.append(f"the remaining runs: not started, --model {args.model!r} could not be "
                                         "loaded")
                         break
@@ -512,11 +575,11 @@ def main(argv: list[str] | None = None, launcher: tuple[str, ...] = SCRIPT) -> i
 
     summary = summarise(rows, args.methods, args.steps)
     print_table(summary)
+    for failure in failures:  # before the files: a failure writing them must not hide the runs' failures
+        print(f"FAILED {failure}", file=sys.stderr)
     write_outputs(rows, summary, args, time.perf_counter() - started)
     plot(rows, args.methods, os.path.join(args.output_dir, "adaptive_kl_comparison.png"))
     print(f"Outputs in {args.output_dir}/: adaptive_kl_comparison.png, metrics.csv, metrics.json, summary.json")
-    for failure in failures:
-        print(f"FAILED {failure}", file=sys.stderr)
     return 1 if failures else 0
 
 
@@ -552,7 +615,8 @@ def environment(command: str) -> dict[str, Any]:
     """What produced a run: the command line, the installed versions and the hardware."""
     import platform
 
-    versions = installed_versions(("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth", "unsloth_zoo"))
+    versions = installed_versions(("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth",
+                                   "unsloth_zoo"))
     return {"command": command, "versions": versions, "hardware": hardware(), "python": platform.python_version()}
 
 

@@ -49,6 +49,7 @@ from typing import Any, Callable, Collection, Optional
 
 import torch
 
+from .. import __version__
 from .gpu_scenarios import CHAT_PROMPTS, MAX_SEQ_LENGTH, SCENARIOS, native_precision
 from .machine import installed_versions
 from .selfcheck import Check
@@ -119,7 +120,7 @@ def build_tiny_llama(model_dir: str) -> list[Check]:
 # and then train a transformers model through Unsloth's generated trainer (`load_policy`), and the demo runs with
 # `--backend trl`; vLLM has no CPU equivalent.
 DRY_RUN: dict[str, dict[str, Any]] = {
-    "trl-autocast": {"device": "cpu", "precision": "bf16", "steps": 1},
+    "trl-autocast": {"device": "cpu", "precision": "bf16", "steps": 2},  # two: beta's decay is compared once
     "trl-fp16-scaler": {"device": "cpu", "precision": "fp32", "steps": 2},
     "unsloth-4bit": {"device": "cpu"},
     "unsloth-fp16-scaler": {"device": "cpu", "steps": 2},
@@ -206,8 +207,30 @@ def environment() -> dict[str, Any]:
                   "precision": native_precision(), "cuda": torch.version.cuda, "driver": driver_version()}
     else:
         device = {"kind": "cpu", "name": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    installed = installed_versions(PACKAGES)
-    return {"device": device, "versions": {package: installed.get(package) for package in PACKAGES}}
+    # a checkout on PYTHONPATH (.ci/gpu/run) is not an installed distribution: its version is the module's
+    installed = {"unsloth_adaptive_kl": __version__, **installed_versions(PACKAGES)}
+    return {"device": device, "versions": {package: installed.get(package) for package in PACKAGES},
+            "commit": source_commit()}
+
+
+def source_commit() -> Optional[str]:
+    """The commit of this package's checkout, for a results JSON: $ADAPTIVE_KL_COMMIT where set (a copy of the tree
+    without its git folder, as a GPU machine gets), else `git rev-parse HEAD` with "+changes" where tracked files
+    differ from it; None outside a checkout."""
+    if os.environ.get("ADAPTIVE_KL_COMMIT"):
+        return os.environ["ADAPTIVE_KL_COMMIT"]
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not os.path.isdir(os.path.join(checkout, ".git")):  # an installed wheel, or a copy of the tree
+        return None
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True, timeout=30)
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout,
+                                 capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def environment_lines(found: dict[str, Any]) -> list[str]:
