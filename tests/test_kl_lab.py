@@ -160,9 +160,12 @@ def test_the_docs_figures_are_what_the_lab_computes() -> None:
                              [settings["k1 in the reward"], settings["k3 in the loss"]], table["beta"], training,
                              table["seeds"])
     stored_rows = {row["setting"]: row for row in table["rows"]}
+    # Both settings converge (learning rate decayed to 0), so a re-run lands on the stored figures to the machine's
+    # rounding (an Intel and an AMD CPU differ by under 1e-6): 1e-5 catches a change of the lab's maths (k3's
+    # KL(pi||pi*) is 0.009: collapsing onto pi* would fail here)
     for row in rerun["rows"]:
-        for column in ("reward", "length", "kl_ref", "kl_opt"):
-            assert row[column] == pytest.approx(stored_rows[row["setting"]][column], abs=0.01), (row["setting"], column)
+        for column in ("reward", "length", "kl_ref", "kl_opt", "kl_ref_first"):
+            assert row[column] == pytest.approx(stored_rows[row["setting"]][column], abs=1e-5), (row["setting"], column)
     assert {s.label for s in tabular_lab.default_settings()} <= set(stored_rows)
 
 
@@ -240,24 +243,48 @@ def test_the_words_the_docs_use_for_the_lab_hold_in_its_tables() -> None:
     assert all(row(env, "k1_future in the loss, dr_grpo, scale group")["kl_opt"] > 0.1 for env in ("contains_a", "first_a"))
 
 
-def test_the_saturated_length_finding_reads_the_drift_from_the_table() -> None:
-    """first_a under TRL's defaults: the verdict and the share are (E[length] - the optimum's) / (no KL's - the
-    optimum's), recomputed here; moving that row's length to the optimum's, or halfway, changes the words. The home
-    page's "weaken the term and they drift (... in the exact lab under TRL's default reward scaling)" and Choosing a
-    setting's "the exact lab's completions then drift as far as with no KL" rest on it."""
+def test_the_saturated_length_finding_says_where_the_kl_sits_and_why_the_length_follows() -> None:
+    """first_a under TRL's defaults: E[r] and E[length] against the optimum's, the first token's share of the KL to
+    the reference against the tokens after it, and the reference's length after a, each from the table; moving that
+    row's reward to the optimum's, or its KL onto the later tokens, changes the words. Choosing a setting's "the exact
+    lab's policy then over-optimises the reward, and the length follows" rests on it."""
     from unsloth_adaptive_kl.tools.tabular_findings import TRL_DEFAULTS, saturated_length
 
     stored = json.loads((ROOT / "docs" / "results" / "kl_lab.json").read_text())
     rows = {row["setting"]: row for row in stored["tables"]["first_a"]["rows"]}
-    best, off, stock = (rows[name]["length"] for name in ("the optimum pi*", "beta = 0 (no KL)", TRL_DEFAULTS))
+    stock, best = rows[TRL_DEFAULTS], rows["the optimum pi*"]
     sentence = saturated_length(stored)
-    assert f"({round(100 * (stock - best) / (off - best))}% of no KL's drift)" in sentence
-    assert "drift as far as no KL does" in sentence  # the committed run: 2.930 against 2.906 with no KL
-    for length, words in ((best, "TRL's defaults hold the length"), ((best + off) / 2, "drift part of the way"),
-                          (best + 0.8 * (off - best), "drift part of the way"),  # "as far" from 90 % of no KL's on
-                          (best + 0.95 * (off - best), "drift as far as no KL does")):
-        rows[TRL_DEFAULTS]["length"] = length
-        assert words in saturated_length(stored)
+    assert sentence.startswith("**Once the reward saturates, TRL's defaults over-optimise it, and the length follows")
+    assert (f"E[r] ends at {stock['reward']:.3f} against the optimum's {best['reward']:.3f}, and E[length] at "
+            f"{stock['length']:.3f} against the optimum's {best['length']:.3f}") in sentence
+    assert (f"of its KL(pi||pi_ref) {stock['kl_ref']:.4f}, the first token carries {stock['kl_ref_first']:.4f} and the "
+            f"tokens after it {stock['kl_ref'] - stock['kl_ref_first']:.4f}: the continuations stay at the "
+            "reference's") in sentence
+    assert stock["kl_ref"] - stock["kl_ref_first"] < 0.01 * stock["kl_ref"]  # the committed run: 0.0003 of 1.3836
+    stock["kl_ref_first"] = 0.9 * stock["kl_ref"]  # a tenth of the KL on the later tokens
+    assert "the continuations move from the reference's too" in saturated_length(stored)
+    stock["reward"] = best["reward"]
+    assert "TRL's defaults hold it near the optimum (first_a)" in saturated_length(stored)
+
+
+def test_the_first_tokens_share_of_the_kl_and_the_reference_length_after_a_by_hand() -> None:
+    """On SMALL ("", "a", "aa"; pi_ref 1/2, 1/4, 1/4) with p = (1/4, 1/2, 1/4): the first-token marginals are
+    (EOS 1/4, a 3/4) against (1/2, 1/2), so the first token's KL is 1/4 ln(1/2) + 3/4 ln(3/2); the rest, E_p[KL of the
+    continuation] = 3/4 (2/3 ln(4/3) + 1/3 ln(2/3)), adds up to the whole KL (the chain rule). The reference's length
+    after a: 2 ("a" and "aa" both have 2 tokens), against 1.5 over all."""
+    from unsloth_adaptive_kl.tools.tabular_findings import reference_length_after_a
+
+    tree = Tree(SMALL, reference_table=torch.zeros(2, 2))
+    logp = torch.tensor([0.25, 0.5, 0.25], dtype=torch.float64).log()
+    reference = tree.log_probs(tree.reference_table)
+    first = 0.25 * math.log(0.5) + 0.75 * math.log(1.5)
+    # the reference's log-probs are float32's (the tree's table): to its rounding
+    assert tabular_lab.first_token_kl(tree, logp, reference) == pytest.approx(first, abs=1e-7)
+    figures = tabular_lab.Figures.of(tree, logp, 1.0)
+    continuation = 0.75 * (2 / 3 * math.log(4 / 3) + 1 / 3 * math.log(2 / 3))
+    assert figures.kl_ref_first == pytest.approx(first, abs=1e-7)
+    assert figures.kl_ref - figures.kl_ref_first == pytest.approx(continuation, abs=1e-7)
+    assert reference_length_after_a(tree) == pytest.approx((2.0, 1.5), abs=1e-7)
 
 
 # ----- the exact figures, the GRPO loop's pieces and the rendered cells, against hand computations ------------------
@@ -489,20 +516,20 @@ def test_each_verdict_of_the_committed_findings_is_the_comparison_of_its_figures
     sentence = finding(result, "**k1 in the reward")
     assert sentence.startswith(f"**k1 in the reward {'lands on' if worst < 1e-3 else 'ends near'}")  # lands on
     assert "in all 16 of its rows" in sentence and f"at most {_ceil2(worst)}" in sentence  # 2.2e-06
-    held = all(row(env, "k1 in the loss")["kl_ref"] >= off[env]["kl_ref"] for env in envs)  # 2.676 > 1.458 etc.
+    held = all(row(env, "k1 in the loss")["kl_ref"] >= off[env]["kl_ref"] for env in envs)
     assert finding(result, "**k1 in the loss").startswith(
         "**k1 in the loss does not regularise**" if held else "**k1 in the loss**")
     k3 = finding(result, "**k3 in the loss")
     assert k3.startswith(f"**k3 in the loss (TRL's, Unsloth's, verl's) {where('k3 in the loss')}")  # 0.0091: near
     apart = [env for env in envs if min(row(env, "k3 in the loss")["kl_opt"], row(env, "k2 in the loss")["kl_opt"])
-             > 3 * row(env, "k1_future in the loss")["kl_opt"]]  # contains_a (first_a: 0.0007 against 0.0004)
+             > 3 * row(env, "k1_future in the loss")["kl_opt"]]  # contains_a's (first_a's are both near 0)
     assert (f"In {' and '.join(apart)} the per-token estimators" in k3) if apart else "per-token estimators" not in k3
     future = finding(result, "**k1_future in the loss**")
     exact = max(both("k1_future in the loss", "kl_opt") + both("k1_future in the loss, dapo, scale none", "kl_opt"))
     moved = min(both("k1_future in the loss, grpo, scale none", "kl_opt")
                 + both("k1_future in the loss, sequence_mean", "kl_opt"))
     assert f"ends at most {_ceil2(exact)} from" in future and f"moves the fixed point: {moved:.4f} or more" in future
-    on_frontier = max(both("k1_future in the loss, sequence_sum", "regret")) < 0.01  # 0.0006 and 0.0004
+    on_frontier = max(both("k1_future in the loss, sequence_sum", "regret")) < 0.01
     assert (", on the frontier (regret" in future) == on_frontier
     longer = all(row(env, "k1 in the reward, sequence_mean")["length"] > best[env]["length"] for env in envs)
     shorter = all(row(env, "length_normalized in the loss")["length"] < best[env]["length"] for env in envs)
@@ -516,7 +543,7 @@ def test_each_verdict_of_the_committed_findings_is_the_comparison_of_its_figures
     weaker = all(row(env, "sigmoid in the reward")["kl_ref"] > best[env]["kl_ref"] for env in envs)  # 1.169 > 0.447
     assert (", above the optimum's: shaping" in methods) == weaker
     closer = all(row("first_a", s)["kl_opt"] < row("contains_a", s)["kl_opt"]
-                 for s in ("k3 in the loss", "k2 in the loss"))  # 0.0014 < 0.0091, 0.0007 < 0.0208
+                 for s in ("k3 in the loss", "k2 in the loss"))
     assert f"end {'closer to' if closer else 'no closer to'}" in finding(result, "**With the reward saturated")
     for env in envs:
         named = sorted((r for r in result["tables"][env]["rows"] if r["regret"] > 0.05), key=lambda r: -r["regret"])

@@ -192,36 +192,59 @@ def findings(result: dict[str, Any]) -> list[str]:
     out.append(saturated_length(result))
     closer = all(_row(result, "first_a", setting)["kl_opt"] < _row(result, "contains_a", setting)["kl_opt"]
                  for setting in (k3, k2))
+    after = {name: _row(result, "first_a", name)["kl_ref"] - _row(result, "first_a", name)["kl_ref_first"]
+             for name in (k3, k2)}
     out.append(f"**With the reward saturated and the length free (first_a)**, the per-token estimators in the loss "
                f"end {'closer to' if closer else 'no closer to'} \\( \\pi^*_\\beta \\) than in contains_a: k3 "
                f"{_each(result, k3, 'kl_opt', 4)}, k2 {_each(result, k2, 'kl_opt', 4)}"
-               + (" (only the first token matters there, so there is little KL-to-go to miss)." if closer else "."))
+               + (" (the reward reads only the first token, and the tokens after it keep almost no KL to the reference: "
+                  f"k3 {after[k3]:.4f}, k2 {after[k2]:.4f}; a per-token estimator misses the KL-to-go of later tokens, "
+                  "and there is almost none)." if closer else "."))
     return out
 
 
 TRL_DEFAULTS = "k3+ in the loss, dapo, scale group"  # loss_type, scale_rewards and k3 times the ratio: TRL's defaults
-AS_FAR = 0.9  # a drift of at least this share of no KL's is "as far as no KL"
+HELD = 0.01  # the tokens after the first carry under this share of the KL to the reference: they stay at the reference
+
+
+def reference_length_after_a(tree: tabular_lab.Tree) -> tuple[float, float]:
+    """(E_ref[length | the first token is a], E_ref[length]): the reference's completions that start with a, the one
+    token first_a's reward reads, against all of them."""
+    p = tree.log_probs(tree.reference_table).double().exp()
+    starts_with_a = (tree.token[:, 0] == 0).double()
+    lengths = tree.lengths.double()
+    return float((p * starts_with_a * lengths).sum() / (p * starts_with_a).sum()), float((p * lengths).sum())
 
 
 def saturated_length(result: dict[str, Any]) -> str:
-    """first_a's length under TRL's defaults, as a share of the drift without a KL: (E[length] - the optimum's) /
-    (no KL's E[length] - the optimum's), beside the same term without the group scaling and k1 in the reward."""
+    """first_a under TRL's defaults: E[r] and E[length] against the optimum's (and no KL's), where the KL to the
+    reference sits (the first token, the one the reward reads, against the tokens after it), and why the length follows
+    the first token (the reference's length after a); beside the same term without the group scaling and k1 in the
+    reward."""
     env = "first_a"
     best, off, stock, unscaled, in_reward = (_row(result, env, name) for name in (
         OPTIMUM, OFF, TRL_DEFAULTS, "k3+ in the loss, dapo, scale none", "k1 in the reward, dapo, scale group"))
-    share = (stock["length"] - best["length"]) / (off["length"] - best["length"])
-    verdict = ("let the length drift as far as no KL does" if share >= AS_FAR else
-               "let the length drift part of the way" if share > 0 else "hold the length")
+    after = stock["kl_ref"] - stock["kl_ref_first"]
+    after_a, overall = reference_length_after_a(tabular_lab.Tree(tabular_lab.Environment(
+        **result["tables"][env]["environment"])))
+    over = stock["reward"] > best["reward"] + NEAR
+    verdict = ("over-optimise it, and the length follows" if over and stock["length"] > best["length"]
+               else "over-optimise it" if over else "hold it near the optimum")
+    later = ("the continuations stay at the reference's, where the term holds them" if after < HELD * stock["kl_ref"]
+             else "the continuations move from the reference's too")
     return (f"**Once the reward saturates, TRL's defaults {verdict} (first_a)**: with `loss_type=\"dapo\"`, "
-            "`scale_rewards=\"group\"` and k3 times the importance ratio (TRL's defaults: the lab's k3+), E[length] "
-            f"ends at {stock['length']:.3f}, against the optimum's {best['length']:.3f} and {off['length']:.3f} with "
-            f"no KL at all ({share:.0%} of no KL's drift), KL(pi||pi\\*) {stock['kl_opt']:.4f}. The reward reads only "
-            "the first token, so in expectation only the KL term acts on the tokens after it, and the group scaling "
-            "makes that term act weaker than its beta "
-            "([the scale relation](#the-scale-relation-what-a-loss-side-beta-means)). With "
-            f"`scale_rewards=\"none\"` the same term ends at E[length] {unscaled['length']:.3f} "
-            f"(KL(pi||pi\\*) {unscaled['kl_opt']:.4f}); k1 in the reward, with TRL's defaults otherwise, at "
-            f"{in_reward['length']:.3f} (KL(pi||pi\\*) {in_reward['kl_opt']:.4f}).")
+            "`scale_rewards=\"group\"` and k3 times the importance ratio (TRL's defaults: the lab's k3+), E[r] ends at "
+            f"{stock['reward']:.3f} against the optimum's {best['reward']:.3f}, and E[length] at {stock['length']:.3f} "
+            f"against the optimum's {best['length']:.3f} ({off['length']:.3f} with no KL at all, a run with no fixed "
+            f"point), KL(pi||pi\\*) {stock['kl_opt']:.4f}. The group scaling makes the term act weaker than its beta "
+            "([the scale relation](#the-scale-relation-what-a-loss-side-beta-means)), and the KL the policy gains sits "
+            f"where the reward reads: of its KL(pi||pi_ref) {stock['kl_ref']:.4f}, the first token carries "
+            f"{stock['kl_ref_first']:.4f} and the tokens after it {after:.4f}: {later}. The length follows the first "
+            f"token: under the reference, a completion that starts with a has E[length] {after_a:.3f}, against "
+            f"{overall:.3f} over all. With `scale_rewards=\"none\"` the same term ends at E[r] {unscaled['reward']:.3f} "
+            f"and E[length] {unscaled['length']:.3f} (KL(pi||pi\\*) {unscaled['kl_opt']:.4f}); k1 in the reward, with "
+            f"TRL's defaults otherwise, at E[r] {in_reward['reward']:.3f} and E[length] {in_reward['length']:.3f} "
+            f"(KL(pi||pi\\*) {in_reward['kl_opt']:.4f}).")
 
 
 def target_reading(result: dict[str, Any]) -> list[str]:

@@ -166,9 +166,18 @@ def frontier_reward(tree: Tree, kl_to_reference: float) -> float:
     return float((star.exp() * tree.rewards.double()).sum())
 
 
+def first_token_kl(tree: Tree, logp: torch.Tensor, logq: torch.Tensor) -> float:
+    """The first token's share of KL(p || q): the KL of the two first-token marginals. By the chain rule, KL(p || q)
+    minus it is E_p[KL of the continuations after the first token], the share of every later token."""
+    first = tree.token[:, 0]
+    marginal_p, marginal_q = (torch.zeros(tree.vocab, dtype=torch.float64).index_add(0, first, x.double().exp())
+                              for x in (logp, logq))
+    return float(torch.where(marginal_p > 0, marginal_p * (marginal_p.log() - marginal_q.log()), 0.0).sum())
+
+
 @dataclass
 class Figures:
-    """Exact figures of one policy against pi*_beta."""
+    """Exact figures of one policy against pi*_beta; kl_ref_first: the first token's share of kl_ref."""
 
     reward: float
     length: float
@@ -176,6 +185,7 @@ class Figures:
     kl_opt: float
     objective: float
     regret: float
+    kl_ref_first: float
 
     @classmethod
     def of(cls, tree: Tree, logp: torch.Tensor, beta: float) -> "Figures":
@@ -186,7 +196,8 @@ class Figures:
         kl_ref = kl(logp, reference)
         return cls(reward=reward, length=float((p * tree.lengths.double()).sum()), kl_ref=kl_ref,
                    kl_opt=kl(logp, optimum(tree, beta)), objective=reward - beta * kl_ref,
-                   regret=frontier_reward(tree, kl_ref) - reward)
+                   regret=frontier_reward(tree, kl_ref) - reward,
+                   kl_ref_first=first_token_kl(tree, logp, reference))
 
 
 # ----- the GRPO loop ------------------------------------------------------------------------------------------------
@@ -367,7 +378,7 @@ def default_settings(estimators: Sequence[str] = (), methods: Sequence[str] = ()
 
 
 ENVIRONMENTS = {"contains_a": Environment("contains_a"), "first_a": Environment("first_a")}
-COLUMNS = ("reward", "length", "kl_ref", "kl_opt", "objective", "regret")
+COLUMNS = ("reward", "length", "kl_ref", "kl_opt", "objective", "regret", "kl_ref_first")
 HEADER = ["setting", "beta trained", "E[r]", "E[length]", "KL(pi||pi_ref)", "KL(pi||pi*)", "objective",
           "frontier regret"]
 
