@@ -197,9 +197,9 @@ def findings(result: dict[str, Any]) -> list[str]:
     out.append(f"**With the reward saturated and the length free (first_a)**, the per-token estimators in the loss "
                f"end {'closer to' if closer else 'no closer to'} \\( \\pi^*_\\beta \\) than in contains_a: k3 "
                f"{_each(result, k3, 'kl_opt', 4)}, k2 {_each(result, k2, 'kl_opt', 4)}"
-               + (" (the reward reads only the first token, and the tokens after it keep almost no KL to the reference: "
-                  f"k3 {after[k3]:.4f}, k2 {after[k2]:.4f}; a per-token estimator misses the KL-to-go of later tokens, "
-                  "and there is almost none)." if closer else "."))
+               + (" (the reward reads only the first token, and the tokens after it keep almost no KL to the "
+                  f"reference: k3 {after[k3]:.4f}, k2 {after[k2]:.4f}; a per-token estimator misses the KL-to-go of "
+                  "later tokens, and there is almost none)." if closer else "."))
     return out
 
 
@@ -241,8 +241,8 @@ def saturated_length(result: dict[str, Any]) -> str:
             f"where the reward reads: of its KL(pi||pi_ref) {stock['kl_ref']:.4f}, the first token carries "
             f"{stock['kl_ref_first']:.4f} and the tokens after it {after:.4f}: {later}. The length follows the first "
             f"token: under the reference, a completion that starts with a has E[length] {after_a:.3f}, against "
-            f"{overall:.3f} over all. With `scale_rewards=\"none\"` the same term ends at E[r] {unscaled['reward']:.3f} "
-            f"and E[length] {unscaled['length']:.3f} (KL(pi||pi\\*) {unscaled['kl_opt']:.4f}); k1 in the reward, with "
+            f"{overall:.3f} over all. With `scale_rewards=\"none\"` the same term ends at E[r] "
+            f"{unscaled['reward']:.3f} and E[length] {unscaled['length']:.3f} (KL(pi||pi\\*) {unscaled['kl_opt']:.4f}); k1 in the reward, with "
             f"TRL's defaults otherwise, at E[r] {in_reward['reward']:.3f} and E[length] {in_reward['length']:.3f} "
             f"(KL(pi||pi\\*) {in_reward['kl_opt']:.4f}).")
 
