@@ -242,9 +242,10 @@ def saturated_length(result: dict[str, Any]) -> str:
             f"{stock['kl_ref_first']:.4f} and the tokens after it {after:.4f}: {later}. The length follows the first "
             f"token: under the reference, a completion that starts with a has E[length] {after_a:.3f}, against "
             f"{overall:.3f} over all. With `scale_rewards=\"none\"` the same term ends at E[r] "
-            f"{unscaled['reward']:.3f} and E[length] {unscaled['length']:.3f} (KL(pi||pi\\*) {unscaled['kl_opt']:.4f}); "
-            f"k1 in the reward, with TRL's defaults otherwise, at E[r] {in_reward['reward']:.3f} and E[length] {in_reward['length']:.3f} "
-            f"(KL(pi||pi\\*) {in_reward['kl_opt']:.4f}).")
+            f"{unscaled['reward']:.3f} and E[length] {unscaled['length']:.3f} (KL(pi||pi\\*) "
+            f"{unscaled['kl_opt']:.4f}); k1 in the reward, with TRL's defaults otherwise, at E[r] "
+            f"{in_reward['reward']:.3f} and E[length] {in_reward['length']:.3f} (KL(pi||pi\\*) "
+            f"{in_reward['kl_opt']:.4f}).")
 
 
 def target_reading(result: dict[str, Any]) -> list[str]:
