@@ -356,7 +356,7 @@ def lab_row(recipe: str, setting: str, seeds: list, tabular: float, *, placement
 
 
 def test_inside_is_the_seeds_range_to_four_decimals() -> None:
-    """A prediction or the other trainer's figure agrees with a row when it lies in its seeds' range of KL(pi||pi*),
+    """The other trainer's figure agrees with a row when it lies in its seeds' range of KL(pi||pi*),
     widened by half a unit of the 4th decimal the tables print (so one seed means equal to 4 decimals)."""
     two, one = lab_row("r", "s", [0.001, 0.003], 0.0), lab_row("r", "s", [0.001], 0.0)
     assert [trainer_lab.inside(v, two) for v in (0.002, 0.00304, 0.0009600, 0.0032, 0.0009)] == [

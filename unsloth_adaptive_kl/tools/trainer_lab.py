@@ -43,8 +43,8 @@ import torch
 
 from ..core import AdaptiveKLConfig
 from .logprob_paths import counted_logprob_calls, describe as describe_scorers
-from .tabular_findings import K1_VALUED
 from .machine import hardware
+from .tabular_findings import K1_VALUED
 from .tabular_lab import (ENVIRONMENTS, METHOD_FIELDS, REWARDS, Environment, Figures, Setting, Training, Tree,
                           beta_for_kl, beta_trained, chosen, show, train)
 
@@ -706,8 +706,9 @@ def findings(table: dict[str, Any]) -> list[str]:
                        f"`{row['recipe']}` {_seeds(row)}" for row in others) if others else "") + ".")
     modelled = [row for row in table["rows"] if "tabular" in row and not row["tabular"]["unmodelled"]
                 and row["placement"] != "off"]  # beta = 0 has no fixed point to predict
-    budget = [row for row in modelled if without_fixed_point(row)]
-    predicted = [row for row in modelled if not without_fixed_point(row) and row not in full]
+    why = [(row, without_fixed_point(row)) for row in modelled if row not in full]  # full: the noise floor's rows
+    budget = [(row, reason) for row, reason in why if reason]
+    predicted = [row for row, reason in why if not reason]
     if predicted:
         # The prediction is one sampled tabular run and each measured seed one trainer run: they agree where the
         # prediction lies within the seeds' range widened by the noise floor (the k1-in-the-reward runs' largest
@@ -729,11 +730,11 @@ def findings(table: dict[str, Any]) -> list[str]:
                              f"`{row['recipe']}`, {row['setting']} {_seeds(row)} against "
                              f"{_kl(row['tabular']['kl_opt'])}" for row in k3) + ".")
         if budget:
-            reasons = dict.fromkeys(without_fixed_point(row) for row in budget)
+            reasons = dict.fromkeys(reason for _, reason in budget)
             sentence += (f" The {len(budget)} rows whose setting has no fixed point end where the training budget "
                          f"leaves them ({'; '.join(reasons)}), so the tabular lab's run, on its own budget, predicts "
                          "none of them: " + "; ".join(f"`{row['recipe']}`, {row['setting']} {_seeds(row)}"
-                                                     for row in budget) + ".")
+                                                     for row, _ in budget) + ".")
         out.append(sentence)
     off, k3_reward = _row(table, "dr_grpo", "beta = 0 (no KL)"), _row(table, "dr_grpo", "k3 in the reward")
     if off and k3_reward:
