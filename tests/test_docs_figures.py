@@ -831,7 +831,16 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
         assert f" on a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**): " in text
     seconds = re.search(r"`, (\d+) s in all\. Versions: (.*)\.$", text)
     fixed(seconds[1], data["seconds"], 0)
-    assert seconds[2] == ", ".join(f"{p} {v}" for p, v in data["versions"].items() if v is not None)
+    assert seconds[2] == versions_line(data)
+
+
+def versions_line(data: dict) -> str:
+    """A GPU results file's versions as the page lists them: those installed, this package's naming the commit it ran
+    at (a file written before the commit was recorded names none)."""
+    commit = data.get("commit")
+    marked = "" if not commit else f" (commit {commit[:7]}{' with uncommitted changes' if '+' in commit else ''})"
+    return ", ".join(f"{p} {v}{marked if p == 'unsloth_adaptive_kl' else ''}"
+                     for p, v in data["versions"].items() if v is not None)
 
 
 def made_up_cost() -> dict:
@@ -949,12 +958,7 @@ def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source:
             ) in text
     first = text.split("\n\n")[0]
     assert first.startswith(f"The run of {data['date']} on ") and f": `{data['command']}`." in first
-    versions = [f"{k} {v}" for k, v in data["versions"].items() if v]
-    if data.get("commit"):  # this package's version names the commit (a file written before it was recorded: none)
-        versions = [f"{entry} (commit {data['commit'][:7]}" + (" with uncommitted changes)" if "+" in data["commit"]
-                                                               else ")") if entry.startswith("unsloth_adaptive_kl ")
-                    else entry for entry in versions]
-    assert first.endswith(f"Versions: {', '.join(versions)}.")
+    assert first.endswith(f"Versions: {versions_line(data)}.")
     device = data["device"]
     if device["kind"] == "cpu":
         assert f"a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**)" in first
