@@ -240,16 +240,21 @@ def test_vllm_kl_in_reward_needs_vllm_to_generate_and_the_penalty_to_be_beta_tim
 
 
 def test_the_reference_sync_scenario_needs_the_exact_sync_count_and_8bit_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    """3 steps, a sync every 2: exactly 1 sync, and the optimizer's state 8-bit again after the reset."""
+    """3 steps, a sync every 2: exactly 1 sync, the optimizer's state 8-bit again after the reset, and its step count
+    restarted there (1, not 3: a reset that did nothing kept the state)."""
     captured = CapturedTrainCheck(monkeypatch)
     monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
-    state = {"state1": torch.zeros(4, dtype=torch.uint8), "absmax1": torch.ones(2)}
+    state = {"step": 1, "state1": torch.zeros(4, dtype=torch.uint8), "absmax1": torch.ones(2)}
     optimizer = types.SimpleNamespace(state={"p": state})
     monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: fake_trainer(optimizer=optimizer))
     scenarios.ref_sync_8bit("m", "w", backend="trl", device="cpu", precision="fp32", optim="adamw_8bit", steps=3)
     assert captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
     assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 2.0}])
     assert not captured.ok([REQUIRED_ROW])
+    state["step"] = 3  # the reset did nothing
+    assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
+    state["step"] = torch.tensor(1.0)  # torch's AdamW keeps its count as a tensor
+    assert captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
     state["state1"] = torch.zeros(4)  # a float32 state where an 8-bit one was asked for
     assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
 
