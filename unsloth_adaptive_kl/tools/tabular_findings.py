@@ -192,8 +192,7 @@ def findings(result: dict[str, Any]) -> list[str]:
     out.append(saturated_length(result))
     closer = all(_row(result, "first_a", setting)["kl_opt"] < _row(result, "contains_a", setting)["kl_opt"]
                  for setting in (k3, k2))
-    after = {name: _row(result, "first_a", name)["kl_ref"] - _row(result, "first_a", name)["kl_ref_first"]
-             for name in (k3, k2)}
+    after = {name: later_tokens_kl(_row(result, "first_a", name)) for name in (k3, k2)}
     out.append(f"**With the reward saturated and the length free (first_a)**, the per-token estimators in the loss "
                f"end {'closer to' if closer else 'no closer to'} \\( \\pi^*_\\beta \\) than in contains_a: k3 "
                f"{_each(result, k3, 'kl_opt', 4)}, k2 {_each(result, k2, 'kl_opt', 4)}"
@@ -205,6 +204,11 @@ def findings(result: dict[str, Any]) -> list[str]:
 
 TRL_DEFAULTS = "k3+ in the loss, dapo, scale group"  # loss_type, scale_rewards and k3 times the ratio: TRL's defaults
 HELD = 0.01  # the tokens after the first carry under this share of the KL to the reference: they stay at the reference
+
+
+def later_tokens_kl(row: dict[str, Any]) -> float:
+    """The tokens after the first's share of a row's KL to the reference (the chain rule: the whole less the first's)."""
+    return row["kl_ref"] - row["kl_ref_first"]
 
 
 def reference_length_after_a(tree: tabular_lab.Tree) -> tuple[float, float]:
@@ -224,7 +228,7 @@ def saturated_length(result: dict[str, Any]) -> str:
     env = "first_a"
     best, off, stock, unscaled, in_reward = (_row(result, env, name) for name in (
         OPTIMUM, OFF, TRL_DEFAULTS, "k3+ in the loss, dapo, scale none", "k1 in the reward, dapo, scale group"))
-    after = stock["kl_ref"] - stock["kl_ref_first"]
+    after = later_tokens_kl(stock)
     after_a, overall = reference_length_after_a(tabular_lab.Tree(tabular_lab.Environment(
         **result["tables"][env]["environment"])))
     over = stock["reward"] > best["reward"] + NEAR
