@@ -121,9 +121,9 @@ def save_model(size: Size, model_dir: str) -> None:
 
 
 def build_trainer(size: Size, model_dir: str, output_dir: str, policy: Any = None, **overrides: Any) -> Any:
-    """Unsloth's generated trainer at `size` on the GPU check's chat prompts (`gpu_scenarios.chat_trainer`: TRL's
-    `mask_truncated_completions=False`); `policy`: a (model, tokenizer) already loaded (else loaded here);
-    `overrides`: GRPOConfig fields."""
+    """Unsloth's generated trainer at `size` on the GPU check's chat prompts (`gpu_scenarios.chat_trainer`, whose
+    `selfcheck.tiny_trainer` sets TRL's `mask_truncated_completions=False`); `policy`: a (model, tokenizer) already
+    loaded (else loaded here); `overrides`: GRPOConfig fields."""
     from unsloth_adaptive_kl.tools import gpu_scenarios
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -407,6 +407,14 @@ def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
         runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
     assert exit_info.value.code == 2 and "error: --json='/' is a folder: allowed is a file's path" in (
         capsys.readouterr().err)
+    # a --json that cannot be written (found after every check had run), and an unknown --gpu scenario (exit 1, as a
+    # failed check): usage errors, before anything runs
+    for flags, message in ((["--json", "/proc/selfcheck.json"], "--json='/proc/selfcheck.json' cannot be written ("),
+                           (["--gpu", "--dry-run", "--only", "bogus"], "--only: unknown scenario bogus; allowed: ")):
+        monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", *flags])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+        assert exit_info.value.code == 2 and f"error: {message}" in capsys.readouterr().err
 
 
 def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_commands(tmp_path) -> None:
@@ -422,18 +430,30 @@ def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_comm
 
 
 def test_the_scenarios_keep_truncated_completions_in_the_loss(monkeypatch) -> None:
-    """Every scenario's trainer (and the cost benchmark's) gets TRL's mask_truncated_completions=False explicitly:
-    Unsloth's generated config turns it on for loss_type='dapo', and the tiny Llama, which seldom samples EOS, then had
-    every completion masked out of the loss (all-zero gradients in the dry run's Unsloth scenarios, which need Unsloth
-    and run in .ci/gpu/dry-run). A scenario that asks for it still gets it."""
+    """Every trainer of the self-check's (the GPU scenarios' and the cost benchmark's too: they build it with
+    `selfcheck.tiny_trainer`) gets TRL's mask_truncated_completions=False explicitly: Unsloth's generated config turns
+    it on for loss_type='dapo', and the tiny Llama, which seldom samples EOS, then had every completion masked out of
+    the loss (all-zero gradients in the dry run's Unsloth scenarios; the self-check failed on 7 of 16 sampling seeds).
+    A trainer that asks for it still gets it; the scenarios' trainers pass their fields through unchanged."""
+    import trl
+
     from unsloth_adaptive_kl.tools import selfcheck
 
+    class Built(Exception):
+        pass
+
+    def config(**settings):
+        raise Built(settings)
+
+    monkeypatch.setattr(trl, "GRPOConfig", config)
+    for overrides, expected in (({}, False), ({"mask_truncated_completions": True}, True)):
+        with pytest.raises(Built) as built:
+            selfcheck.tiny_trainer("w", **overrides)
+        assert built.value.args[0]["mask_truncated_completions"] is expected
     seen = []
     monkeypatch.setattr(selfcheck, "tiny_trainer", lambda work_dir, **kwargs: seen.append(kwargs))
     scenarios.chat_trainer("m", "w", "unsloth", "cpu", "fp32", policy=("model", "tokenizer"), max_steps=1)
-    scenarios.chat_trainer("m", "w", "trl", "cpu", "fp32", policy=("model", "tokenizer"),
-                           mask_truncated_completions=True)
-    assert [kwargs["mask_truncated_completions"] for kwargs in seen] == [False, True]
+    assert "mask_truncated_completions" not in seen[0]
     assert seen[0]["max_steps"] == 1 and seen[0]["use_cpu"] is True and seen[0]["prompts"] == scenarios.CHAT_PROMPTS
 
 

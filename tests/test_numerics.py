@@ -417,17 +417,17 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
      "adaptive KL state: batch_reward='0.9' is invalid: allowed is a number, or None before the first reward."),
     ({"completed_steps": 7, "trained": {"kl_sum": 1.0}},
      "adaptive KL state: trained={'kl_sum': 1.0} is invalid: allowed is None, or the sums by name (completions, "
-     "tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as "
-     "format 3's [kl, tokens, completions], each a finite number."),
+     "tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, "
+     "old_logps) or as format 3's [kl, tokens, completions], each a finite number."),
     # the package never writes a non-finite sum (a batch whose KL is not finite is refused before it is kept)
     ({"completed_steps": 7, "trained": {"kl": math.inf}},
      "adaptive KL state: trained={'kl': inf} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
-     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as format 3's "
-     "[kl, tokens, completions], each a finite number."),
+     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps) or as "
+     "format 3's [kl, tokens, completions], each a finite number."),
     ({"completed_steps": 7, "scored": {"kl": "1"}},
      "adaptive KL state: scored={'kl': '1'} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
-     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps) or as format 3's "
-     "[kl, tokens, completions], each a finite number."),
+     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps) or as "
+     "format 3's [kl, tokens, completions], each a finite number."),
 ])
 def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change, message) -> None:
     """A negative beta loaded as it was made the KL term -1.006 (the loss rewarded KL), a NaN one poisoned it."""

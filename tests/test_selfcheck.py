@@ -457,10 +457,10 @@ def test_the_unsloth_checks_fail_on_a_failed_generation_a_fallback_or_an_unhooke
         raise AssertionError("nothing may be compared")
 
     monkeypatch.setattr(selfcheck, "tiny_trainer", no_trainer)
-    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: "ImportError: no unsloth_zoo")
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda *_: "ImportError: no unsloth_zoo")
     assert [c.line() for c in selfcheck.unsloth_checks(str(tmp_path))] == [
         "[FAIL] Unsloth trainer generated and hooked: ImportError: no unsloth_zoo"]
-    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: None)
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda *_: None)
     monkeypatch.setattr(unsloth_patch, "generated_grpo_trainer", lambda: None)
     assert [c.line() for c in selfcheck.unsloth_checks(str(tmp_path))] == [
         "[FAIL] Unsloth trainer generated: Unsloth fell back to TRL's trainer (see its warning)"]
@@ -475,17 +475,22 @@ def test_the_unsloth_checks_fail_on_a_failed_generation_a_fallback_or_an_unhooke
 
 
 def test_generating_unsloths_trainer_turns_on_its_cpu_switch_and_returns_an_import_error(monkeypatch) -> None:
-    """On this CPU machine: UNSLOTH_ALLOW_CPU and UNSLOTH_COMPILE_DISABLE set to 1, and an Unsloth that cannot be
-    imported (None in sys.modules, without importing the real one here) returned as the error the FAIL line shows."""
+    """On this CPU machine: UNSLOTH_ALLOW_CPU and UNSLOTH_COMPILE_DISABLE set to 1, UNSLOTH_COMPILE_LOCATION in the
+    run's folder, and an Unsloth that cannot be imported (None in sys.modules, without importing the real one here)
+    returned as the error the FAIL line shows."""
     from unsloth_adaptive_kl.tools import selfcheck
 
     for name in ("UNSLOTH_ALLOW_CPU", "UNSLOTH_COMPILE_DISABLE"):
         monkeypatch.setenv(name, "unset")  # so that the test's end removes what the call sets
         monkeypatch.delenv(name)
     monkeypatch.setitem(sys.modules, "unsloth", None)
-    error = selfcheck.generate_unsloth_trainer()
+    monkeypatch.setenv("UNSLOTH_COMPILE_LOCATION", "unset")
+    monkeypatch.delenv("UNSLOTH_COMPILE_LOCATION")
+    error = selfcheck.generate_unsloth_trainer("/run/folder")
     assert error == "ModuleNotFoundError: import of unsloth halted; None in sys.modules"
     assert (os.environ["UNSLOTH_ALLOW_CPU"], os.environ["UNSLOTH_COMPILE_DISABLE"]) == ("1", "1")
+    # Unsloth's generated trainer goes to the run's folder, not ./unsloth_compiled_cache in the user's directory
+    assert os.environ["UNSLOTH_COMPILE_LOCATION"] == "/run/folder/unsloth_compiled_cache"
 
 
 def fake_parts(monkeypatch, installed: set, **parts) -> None:
@@ -521,6 +526,27 @@ def test_main_fails_on_any_failed_check_and_writes_what_it_printed(monkeypatch, 
     record = json.loads((tmp_path / "out" / "record.json").read_text())
     assert record["passed"] is False and record["lines"] == out
     assert looked_up == ["trl", "transformers", "torch", "unsloth", "unsloth_zoo", "verl"]
+
+
+def test_a_part_that_raises_is_one_fail_line_and_the_other_parts_still_run(monkeypatch, tmp_path, capsys) -> None:
+    """TRL's part raising (an untested trl renamed an input the comparison reads, say) is one FAIL line naming the part
+    and the exception; Unsloth's and verl's parts still run, the exit is 1 and the record is written."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    fake_parts(monkeypatch, {"trl", "unsloth", "verl"}, unsloth_checks=[Check("unsloth a", True)],
+               verl_checks=[Check("verl a", True)])
+
+    def renamed(output_dir):
+        raise KeyError("old_per_token_logps")
+
+    monkeypatch.setattr(selfcheck, "trl_checks", renamed)
+    monkeypatch.setattr(selfcheck, "installed_versions", lambda packages: {})
+    assert selfcheck.main(str(tmp_path / "record.json")) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:-1] == ["[untested] trl version: trl==9.0", "[ok] core: fine",
+                         "[FAIL] TRL's checks: KeyError: 'old_per_token_logps'", "[ok] unsloth a", "[ok] verl a"]
+    assert re.fullmatch(r"self-check FAILED: 4 of 5 checks hold \(\d+ s\)", out[-1]), out[-1]
+    assert json.loads((tmp_path / "record.json").read_text())["lines"] == out
 
 
 def test_main_runs_the_trainer_parts_only_where_their_packages_are_and_passes_when_every_check_holds(

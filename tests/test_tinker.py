@@ -996,6 +996,26 @@ def test_kl_penalized_data_scale_by_std() -> None:
         assert metrics["reward/penalized_mean"] == pytest.approx(1.00005 - 0.075, rel=1e-6)
 
 
+def test_kl_penalized_data_gives_a_datum_without_tokens_its_groups_mean_penalty() -> None:
+    """A Datum whose mask is all 0 has no KL: it carries the mean penalty of its group's Datums with tokens, as TRL's
+    scoring gives it (penalised 0, its reward would lower the others' advantages). By hand, k1 = logp - ref: datum 0
+    k1 = 0.2 + 0.1 + 0.2 = 0.5, datum 1 (masked out) none, datum 2 0.25 + 0 + 0.5 = 0.75; beta 2: P = 1.0, (1.0 + 1.5) /
+    2 = 1.25 (the mean over its group's Datums with tokens: 0 and 2), 1.5. Equal rewards 1: penalised 0, -0.25, -0.5,
+    mean -0.25, advantages 0.25, 0, -0.25: the Datum without tokens is at the mean and the others sum to 0 (with a
+    penalty of 0 it would be at 1 and the others at -1/3 and -2/3)."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=2.0)
+    data = [integration.completion_datum([1, 2], [3, 4, 5], [-0.5, -0.9, -1.0], [-0.7, -1.0, -1.2]),
+            integration.completion_datum([1, 2], [3, 4, 5], [-0.5, -0.9, -1.0], [-0.7, -1.0, -1.2]),
+            integration.completion_datum([1, 2], [3, 4, 5], [-0.25, -1.0, -0.5], [-0.5, -1.0, -1.0])]
+    data[1].loss_fn_inputs["mask"] = types.TensorData.from_torch(torch.zeros(4))
+    datums, metrics = integration.kl_penalized_data(akl, data, [1.0, 1.0, 1.0], group_size=3)
+    advantages = [float(datum.loss_fn_inputs["advantages"].to_torch().sum()) / 3 for datum in (datums[0], datums[2])]
+    assert advantages == pytest.approx([0.25, -0.25], abs=1e-6)
+    assert float(datums[1].loss_fn_inputs["advantages"].to_torch().abs().sum()) == 0.0  # masked: 0 on every token
+    assert metrics["reward/penalized_mean"] == pytest.approx(1.0 - 1.25, abs=1e-6)
+    assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(1.25, abs=1e-6)  # the Datums with tokens'
+
+
 def test_record_step_kl_reduces_with_the_divisor_it_is_given() -> None:
     """record_step_kl of a dr_grpo batch: the KL is sum_i sum_t m k3 / (B * max_completion_length), k3 = exp(r) - r - 1,
     r = ref - logp, on the log-probs the result carries: completion 1 r = (-0.5, 0.5), completion 2 r = (0, 0, 1), so

@@ -250,16 +250,25 @@ def test_garbage_on_masked_reference_positions_leaves_loss_and_gradients_untouch
     assert all(torch.equal(g, c) for g, c in zip(dirty_grads, clean_grads))
 
 
-@pytest.mark.parametrize("which", ["policy", "reference"])
-def test_a_nan_log_prob_on_a_valid_token_raises_at_the_end_of_the_optimizer_step(tokenizer, tmp_path, which) -> None:
+@pytest.mark.parametrize("which, method, bias_correction", [
+    ("policy", "clip", True), ("reference", "clip", True),
+    # the old policy's (off-policy passes): the importance ratio's denominator, which TRL's bias-corrected k3 reads
+    # too; without the correction only the stock policy term does, whose loss would be NaN without a word
+    ("old policy", "clip", True), ("old policy", "none", False)])
+def test_a_nan_log_prob_on_a_valid_token_raises_at_the_end_of_the_optimizer_step(tokenizer, tmp_path, which, method,
+                                                                                  bias_correction) -> None:
     """Queued micro-batches read nothing back; the step's one transfer finds the NaN and names the tensor."""
     from unsloth_adaptive_kl import NonFiniteLogProbError
 
-    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_adaptation_method="clip")
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_adaptation_method=method,
+                               use_bias_correction_kl=bias_correction)
     inputs = fixed_inputs(trainer, tokenizer)
     if which == "reference":
         inputs["ref_per_token_logps"][0, 0] = math.nan
         inputs["ref_per_token_logps"][1, 2] = math.nan
+    elif which == "old policy":  # finite elsewhere (any values: the ratio need not be 1 here)
+        inputs["old_per_token_logps"] = inputs["ref_per_token_logps"].index_put(
+            (torch.tensor([0, 1]), torch.tensor([0, 2])), torch.tensor(math.nan))
     else:  # the policy's own forward gives a NaN on two valid tokens
         stock = trainer._get_per_token_logps_and_entropies
 

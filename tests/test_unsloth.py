@@ -25,6 +25,8 @@ from .unsloth_runs import ROOT, needs_unsloth, run_scenario
 def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
     result = run_scenario("config", tmp_path)
     assert result["trainer_class"] == "UnslothGRPOTrainer"
+    # the self-check's trainer keeps truncated completions in the loss, where Unsloth's config would mask them out
+    assert result["masks_truncated"] == {"unsloth_default": True, "selfcheck": False}
     # Unsloth's generated config subclasses ours, and Unsloth renames it after the class it replaced (for pickle)
     assert result["is_ours_subclassed"] is True
     assert result["config_class"] == "unsloth_adaptive_kl.integrations.trl.GRPOConfig"

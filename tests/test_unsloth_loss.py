@@ -188,6 +188,20 @@ def test_at_beta_zero_the_loss_hook_returns_unsloths_loss_but_refuses_a_setting_
 
 
 @needs_unsloth
+def test_a_non_finite_valid_log_prob_is_named_and_masked_garbage_changes_nothing_at_unsloths_door(tmp_path) -> None:
+    """As at every door: a NaN on one valid token of the reference or of the old policy's log-probs (which Unsloth's
+    importance ratio divides by) raises `NonFiniteLogProbError` naming the tensor and the one token; NaN and -inf on
+    masked reference positions leave the loss and gradients exactly the clean batch's, for `none` and `clip`."""
+    results = run_scenario("nonfinite", tmp_path)
+    for method in ("none", "clip"):
+        found = results[method]
+        assert found["masked"] >= 2 and found["masked_same"] is True
+        for tensor, kind in (("ref_per_token_logps", "reference"), ("old_per_token_logps", "old policy")):
+            assert found[tensor].startswith("NonFiniteLogProbError: adaptive KL: non-finite input at step "), found
+            assert f"in the {kind} log-probs (the {kind} tensor): 1 valid token(s) on process 0." in found[tensor]
+
+
+@needs_unsloth
 def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_path) -> None:
     """Unsloth's loss receives the mask `completion_ids != pad_token_id` (TRL's includes each completion's EOS): with
     pad = EOS, on one step's batch, no completion's EOS is in it while every letter before it is; with a pad token of

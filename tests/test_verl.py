@@ -1061,19 +1061,21 @@ def in_bf16(batch):
 
 @pytest.mark.parametrize("method", ["none", "clip", "length_normalized"])
 @pytest.mark.parametrize(("tensor", "value"), [("log_prob (the actor's forward)", math.nan),
-                                               ("ref_log_prob", math.inf), ("ref_log_prob", -math.inf)])
+                                               ("ref_log_prob", math.inf), ("ref_log_prob", -math.inf),
+                                               ("old_log_probs", math.nan)])
 def test_a_nonfinite_log_prob_on_a_valid_token_stops_the_actor_update_naming_verls_tensor(method, tensor, value):
-    """A NaN or +-inf on one valid response token, in the actor's forward or in ref_log_prob, whatever the method
-    (verl's low_var_kl clamps an infinite log-ratio to a finite KL: silent without the check): the actor update
-    raises NonFiniteLogProbError in the driver, naming verl's tensor, the one token and the step."""
+    """A NaN or +-inf on one valid response token, in the actor's forward, in ref_log_prob or in old_log_probs (the
+    PPO ratio's denominator, read by verl's policy loss), whatever the method (verl's low_var_kl clamps an infinite
+    log-ratio to a finite KL: silent without the check; a NaN old log-prob makes the policy loss NaN): the actor
+    update raises NonFiniteLogProbError in the driver, naming verl's tensor, the one token and the step."""
     batch = make_batch(seed=13)
-    if tensor == "ref_log_prob":
-        batch = with_response_value(batch, "ref_log_prob", 2, 0, value)
+    if tensor in ("ref_log_prob", "old_log_probs"):
+        batch = with_response_value(batch, tensor, 2, 0, value)
     else:
         batch = with_policy_value(batch, 2, 0, value)
     with pytest.raises(NonFiniteLogProbError,
-                       match=rf"at step 1: .*verl's {re.escape(tensor)} \(the \w+ tensor\): 1 valid token\(s\) on "
-                             r"process 0\."):
+                       match=rf"at step 1: .*verl's {re.escape(tensor)} \(the [\w ]+ tensor\): 1 valid token\(s\) "
+                             r"on process 0\."):
         logged_actor_metrics(batch, "token-mean", kl_adaptation_method=method, kl_clip_threshold=0.3)
 
 
@@ -1089,33 +1091,38 @@ def test_an_infinite_reference_log_prob_leaves_the_workers_gradient_finite_so_th
         verl_kl.raise_if_nonfinite(metrics[0][verl_kl.STATS + "nonfinite"], step=1)
 
 
-def test_the_adapted_loss_kl_is_computed_in_float32_from_bf16_log_probs():
-    """bf16 log-probs (the actor's forward, ref_log_prob): clip's adapted KL is verl's low_var_kl taken of the
-    float32 log-probs, clamped at the threshold and token-mean reduced over the valid tokens, by hand from the upcast
-    values (in bf16 it is off by bf16's rounding, ~1e-3)."""
+@pytest.mark.parametrize("method", ["clip", "dynamic", "target"])
+def test_the_adapted_loss_kl_is_computed_in_float32_from_bf16_log_probs(method):
+    """bf16 log-probs (the actor's forward, ref_log_prob): the adapted KL is verl's low_var_kl taken of the float32
+    log-probs (clip: clamped at the threshold; a moving beta's: as it is), token-mean reduced over the valid tokens,
+    by hand from the upcast values (in bf16 it is off by bf16's rounding, ~1e-3); only `none` keeps verl's own
+    term in verl's dtype."""
     batch, threshold = in_bf16(make_batch(seed=14, kl_scale=3.0)), 0.3
-    _, _, metrics = run_loss(adaptive(actor_config(), "clip", kl_clip_threshold=threshold), batch, 1, beta=0.2)
+    _, _, metrics = run_loss(adaptive(actor_config(), method, kl_clip_threshold=threshold, kl_target=0.1), batch, 1,
+                             beta=0.2)
     lp, ref, mask = padded(batch)
     r = torch.clamp(ref.float() - lp.float(), min=-20.0, max=20.0)
     k = torch.clamp(torch.exp(r) - r - 1, min=-10.0, max=10.0)
-    expected = float(torch.clamp(k, max=threshold)[mask].sum() / mask.sum())
+    expected = float((torch.clamp(k, max=threshold) if method == "clip" else k)[mask].sum() / mask.sum())
     assert sums_of(metrics).adapted == pytest.approx(expected, rel=1e-6)
     assert sums_of(metrics).raw == pytest.approx(float(k[mask].mean()), rel=1e-6)
 
 
-@pytest.mark.parametrize("kl_type", ["k2", "k3+"])
-@pytest.mark.parametrize("method", ["clip", "sigmoid"])
-def test_masked_response_tokens_holding_nan_or_inf_leave_the_loss_and_its_gradient_finite(method, kl_type):
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("kl_type", ["k2", "k3+", "low_var_kl"])
+@pytest.mark.parametrize("method", ["clip", "sigmoid", "none", "dynamic", "target"])
+def test_masked_response_tokens_holding_nan_or_inf_leave_the_loss_and_its_gradient_finite(method, kl_type, mode):
     """ref_log_prob NaN and -inf on two response tokens verl masks out (response_mask=0, e.g. a tool's output in a
     multi-turn response): no error, the loss is the one of the batch without them (their ref_log_prob finite), and
-    the log-prob gradient is finite everywhere and exactly 0 on those tokens. (verl's masked_sum drops the masked
-    values, but the backward of a KL of the raw log-probs multiplies its 0 by k2's derivative there, NaN.)"""
+    the log-prob gradient is finite everywhere and exactly 0 on those tokens, for every method, `none` (verl's own
+    term) included. (verl's masked_sum drops the masked values, but the backward of a KL of the raw log-probs
+    multiplies its 0 by k2's derivative there, NaN; seq-mean-token-mean's masked mean of a NaN is NaN.)"""
     clean = make_batch(seed=15, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
     for sample, position in ((0, 1), (2, 3)):
         clean = with_response_value(clean, "response_mask", sample, position, 0)
     dirty = with_response_value(with_response_value(clean, "ref_log_prob", 0, 1, math.nan),
                                 "ref_log_prob", 2, 3, -math.inf)
-    loss_fn = adaptive(actor_config(kl_type=kl_type), method, kl_clip_threshold=0.3, kl_target=0.1)
+    loss_fn = adaptive(actor_config(mode, kl_type=kl_type), method, kl_clip_threshold=0.3, kl_target=0.1)
     expected_loss, expected_grad, _ = run_loss(loss_fn, clean, 2, beta=0.5)
     loss, grad, _ = run_loss(loss_fn, dirty, 2, beta=0.5)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()

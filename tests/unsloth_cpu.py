@@ -111,7 +111,7 @@ from transformers.trainer_utils import IntervalStrategy  # noqa: E402
 
 from unsloth_adaptive_kl.integrations.trainer_hooks import UNSLOTH_DEFAULTS  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, backward_grads, captured_inputs  # noqa: E402
-from unsloth_adaptive_kl.tools.selfcheck import stock_unsloth  # noqa: E402
+from unsloth_adaptive_kl.tools.selfcheck import stock_unsloth, tiny_trainer  # noqa: E402
 from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads as selfcheck_loss_and_grads  # noqa: E402
 from unsloth_adaptive_kl.tools import gpu_scenarios  # noqa: E402
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer  # noqa: E402
@@ -314,7 +314,13 @@ def scenario_config(out: str) -> dict:
     hook = unsloth_adaptive_kl.integrations.unsloth
     replaced, generated = len(hook._patches), sys.modules[trl.GRPOTrainer.__module__]
     rl._patch_trl_rl_trainers("grpo_trainer")
+    # Unsloth's generated config masks truncated completions out for dapo unless told not to; the self-check's tiny
+    # model seldom samples EOS, so its trainer says not to (else a batch can have no valid token)
+    masks_truncated = {"unsloth_default": trl.GRPOConfig(output_dir=out, use_cpu=True,
+                                                         loss_type="dapo").mask_truncated_completions,
+                       "selfcheck": tiny_trainer(f"{out}/selfcheck").args.mask_truncated_completions}
     result = {
+        "masks_truncated": masks_truncated,
         "stock_step": stock_step_bypass(trl.GRPOTrainer),
         "patched_again": unsloth_adaptive_kl.is_patched() and trl.GRPOTrainer.__name__ == "UnslothGRPOTrainer",
         "config_class": f"{type(args).__module__}.{type(args).__name__}", "config_mro": [c.__name__ for c in type(args).__mro__][:4],
@@ -1001,10 +1007,37 @@ def scenario_autocast_latch(out: str) -> dict:
     return results
 
 
+def scenario_nonfinite(out: str) -> dict:
+    """Rule 13 at Unsloth's door, for `none` and `clip` on one captured batch: a NaN on a valid token of the reference
+    or of the old policy's log-probs (the importance ratio's denominator) is the error naming the tensor; NaN and
+    -inf on masked reference positions give the clean batch's loss and gradients."""
+    results: dict[str, Any] = {}
+    for method in ("none", "clip"):
+        trainer = make_trainer(f"{out}/{method}", loss_type="bnpo", max_steps=1, kl_adaptation_method=method,
+                               kl_clip_threshold=0.3)
+        inputs = capture_inputs(trainer)
+        masked = (inputs["completion_mask"] == 0).nonzero()  # the batch's padding (Unsloth masks pad tokens out)
+        clean_loss, clean_grads = loss_and_grads(trainer, dict(inputs))
+        ref = inputs["ref_per_token_logps"].clone()
+        ref[tuple(masked[0])], ref[tuple(masked[-1])] = math.nan, -math.inf
+        loss, grads = loss_and_grads(trainer, {**inputs, "ref_per_token_logps": ref})
+        results[method] = {"masked": len(masked),
+                           "masked_same": loss == clean_loss and all(map(torch.equal, grads, clean_grads))}
+        for tensor in ("ref_per_token_logps", "old_per_token_logps"):
+            bad = inputs["ref_per_token_logps"].clone()  # finite values (the ratio need not be 1 here), one NaN
+            bad[1, 0] = math.nan
+            try:
+                loss_and_grads(trainer, {**inputs, tensor: bad})
+                results[method][tensor] = "no error"
+            except Exception as error:
+                results[method][tensor] = f"{type(error).__name__}: {error}"
+    return results
+
+
 SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "sample_weights": scenario_sample_weights, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
              "drift": scenario_drift, "reward": scenario_reward,
              "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings,
-             "autocast_latch": scenario_autocast_latch}
+             "autocast_latch": scenario_autocast_latch, "nonfinite": scenario_nonfinite}
 
 if __name__ == "__main__":
     output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")

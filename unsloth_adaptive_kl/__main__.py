@@ -27,12 +27,27 @@ if args.jobs is not None and args.jobs < 1:
     parser.error(f"--jobs={args.jobs} is invalid: allowed is an integer >= 1")
 if args.budget is not None and not 0 < args.budget < math.inf:
     parser.error(f"--budget={args.budget} is invalid: allowed is a finite number of seconds > 0")
-if args.json is not None and os.path.isdir(args.json):  # found before the checks run, not after
-    parser.error(f"--json={args.json!r} is a folder: allowed is a file's path")
+if args.json is not None:  # found before the checks run, not after them
+    if os.path.isdir(args.json):
+        parser.error(f"--json={args.json!r} is a folder: allowed is a file's path")
+    try:  # the record's folder made (as the record would make it) and the file opened, as the end of the run will
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        existed = os.path.exists(args.json)
+        with open(args.json, "a"):
+            pass
+        if not existed:
+            os.remove(args.json)
+    except OSError as error:
+        parser.error(f"--json={args.json!r} cannot be written ({error.strerror}): allowed is a file's path that can be")
 gpu_only = {"--only": args.only, "--jobs": args.jobs, "--budget": args.budget,
             "--dry-run": args.dry_run or None}
 if args.gpu:
-    from .tools.gpucheck import BUDGET_S, main as gpu_check
+    from .tools.gpucheck import BUDGET_S, main as gpu_check, parse_only
+
+    try:  # a usage error (exit 2), as every other flag's
+        parse_only(args.only)
+    except SystemExit as refused:
+        parser.error(str(refused))
 
     sys.exit(gpu_check(args.only, args.jobs or 1, args.json, args.dry_run,
                        BUDGET_S if args.budget is None else args.budget))

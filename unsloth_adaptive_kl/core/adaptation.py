@@ -10,7 +10,8 @@ tensor:
     k      estimators: the configured estimator of the masked log-probs, or the per-token KL a trainer computed
     k'     shapings: clip / sigmoid / a registered shaping (each maps 0 to 0)
     K      reductions: the loss type's (or kl_reduction's) reduction of the per-completion sums, or with the KL in
-           the reward one KL_i per completion
+           the reward one KL_i per completion (`neutral_where_empty`: where a door that computes the group statistics
+           gives a completion without tokens its group's mean penalty)
 
 Notation: k the per-token KL estimate, m the mask, L_i = sum_t m, S_i = sum_t m k (the raw KL of completion i).
 Everything is computed in float32 whatever the input's dtype (bf16/fp16 upcast, float64 rounded), and is traceable
@@ -47,15 +48,18 @@ class TokenKL:
 
 
 def token_kl(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, *,
-             per_token_kl: Optional[torch.Tensor] = None, names: Optional[dict[str, str]] = None) -> TokenKL:
+             per_token_kl: Optional[torch.Tensor] = None, names: Optional[dict[str, str]] = None,
+             old_logps: Optional[torch.Tensor] = None) -> TokenKL:
     """mask, check, estimate, shape: k = the configured estimator of the masked log-probs, or `per_token_kl` (the KL
-    a trainer computed itself) masked; k' = shape(k). `names` (policy=, reference=): what a non-finite error calls the
-    two tensors (where they came from)."""
+    a trainer computed itself) masked; k' = shape(k). `old_logps`: the old policy's log-probs where a door holds them
+    (a trainer's importance ratio divides by them), checked with the others. `names` (policy=, reference=, old=):
+    what a non-finite error calls each tensor (where it came from)."""
     valid = valid_positions(mask)
     # The KL's gradient is the policy's alone: a reference handed over with a graph (a loop's own reference forward)
     # gets none.
     logp, ref = keep_valid(logps, valid), keep_valid(ref_logps.detach(), valid)
-    check = LogpCheck.of_masked(logp, ref, **(names or {}))
+    old = None if old_logps is None else keep_valid(old_logps.detach(), valid)
+    check = LogpCheck.of_masked(logp, ref, old, **(names or {}))
     kl = keep_valid(run_estimator(logp, ref, valid, config) if per_token_kl is None else per_token_kl, valid)
     return TokenKL(valid, kl, shape_kl(kl, config), check)
 
@@ -86,7 +90,7 @@ def kl_term(
     logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, config: AdaptiveKLConfig, *,
     loss_type: str = "grpo", context: ReductionContext = ReductionContext(),
     per_token_kl: Optional[torch.Tensor] = None, with_grad: Optional[bool] = None,
-    names: Optional[dict[str, str]] = None,
+    names: Optional[dict[str, str]] = None, old_logps: Optional[torch.Tensor] = None,
 ) -> KLTerm:
     """The KL term of one batch, as the placement says. `token_kl`, then the reduction:
 
@@ -103,7 +107,7 @@ def kl_term(
     elif with_grad is None:
         with_grad = not config.is_stock_kl
     with contextlib.nullcontext() if with_grad else torch.no_grad():
-        stage = token_kl(logps, ref_logps, mask, config, per_token_kl=per_token_kl, names=names)
+        stage = token_kl(logps, ref_logps, mask, config, per_token_kl=per_token_kl, names=names, old_logps=old_logps)
         lengths = stage.valid.sum(-1, dtype=stage.kl.dtype)  # float: a bf16 sum is exact only up to 256
         sums = stage.kl.sum(-1)
         adapted_sums = sums if stage.shaped is stage.kl else stage.shaped.sum(-1)
@@ -122,3 +126,17 @@ def kl_term(
         else:
             raw = REDUCTIONS[raw_reduction].reduce(sums.detach(), lengths, ctx)
         return KLTerm(raw, adapted, sums.detach(), lengths, at_threshold, stage.check)
+
+
+def neutral_where_empty(penalty: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The penalties beta_t * KL_i of a generation batch (groups of `group_size` consecutive completions), where a
+    completion with no valid token (`lengths` 0: TRL's `mask_truncated_completions` masks a truncated one, a Tinker
+    loop may mask one out) carries the mean penalty of its group's completions that have tokens (0 where none has; an
+    unscored completion, which a trainer leaves out of the group's baseline, is passed with length 0).
+
+    Its KL is unknown (its mask is zeroed before the reference forward), while its reward still enters the group's
+    statistics: penalised 0, it would lower every trained completion's advantage by its share of their mean penalty,
+    a push towards truncation. At the group's mean it moves no other completion's advantage by its penalty."""
+    groups, has_tokens = penalty.view(-1, group_size), (lengths > 0).view(-1, group_size).to(penalty.device)
+    mean = (groups * has_tokens).sum(1, keepdim=True) / has_tokens.sum(1, keepdim=True).clamp(min=1)
+    return torch.where(has_tokens, groups, mean).view(-1)

@@ -244,15 +244,16 @@ class AdaptiveKL:
     def term(self, logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, *,
              ctx: ReductionContext = ReductionContext(), loss_type: Optional[str] = None,
              per_token_kl: Optional[torch.Tensor] = None, with_grad: Optional[bool] = None,
-             names: Optional[dict[str, str]] = None) -> KLTerm:
+             names: Optional[dict[str, str]] = None, old_logps: Optional[torch.Tensor] = None) -> KLTerm:
         """The KL term of one batch (`adaptation.kl_term`: the loss's term, or with the KL in the reward each
         completion's KL_i) from the log-probs as the trainer holds them, of `per_token_kl` where the trainer computed
         the KL itself. Without `with_grad`, the loss's term records a graph only where it replaces the trainer's own
-        (`config.is_stock_kl` is False). `names`: what a non-finite error calls the two tensors, which `record` or
-        `penalize` reports at the step's end."""
+        (`config.is_stock_kl` is False). `old_logps`: the old policy's log-probs, where the trainer holds them (its
+        importance ratio divides by them), checked with the others. `names`: what a non-finite error calls each
+        tensor, which `record` or `penalize` reports at the step's end."""
         self.check_settings()
         return kl_term(logps, ref_logps, mask, self.config, loss_type=loss_type or self.loss_type, context=ctx,
-                       per_token_kl=per_token_kl, with_grad=with_grad, names=names)
+                       per_token_kl=per_token_kl, with_grad=with_grad, names=names, old_logps=old_logps)
 
     def observe_rewards(self, mean_reward: float) -> None:
         """The mean reward over all processes of a new training generation batch (un-penalised): a finite number, at

@@ -8,9 +8,10 @@ any estimator sees them, and the check for non-finite log-probs on valid tokens.
   `m * x` would not do: its value is NaN for a non-finite x on a masked position, and its backward multiplies the
   estimator's derivative there (exp(NaN), exp(huge)) by 0, which is NaN.
 - A non-finite log-prob on a valid token must raise, naming the tensor and how many tokens, without a host transfer
-  per micro-batch: `LogpCheck` carries the sum over valid tokens of each tensor (non-finite exactly when one of its
-  terms is, or the sum overflows), which rides in the statistics `AdaptiveKL` transfers once per optimizer step; the
-  tokens are counted only on that (error) path.
+  per micro-batch: `LogpCheck` carries the sum over valid tokens of each tensor (the policy's, the reference's, and
+  where a door holds them the old policy's, which a trainer's importance ratio divides by) (non-finite exactly when
+  one of its terms is, or the sum overflows), which rides in the statistics `AdaptiveKL` transfers once per optimizer
+  step; the tokens are counted only on that (error) path.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from .errors import NonFiniteLogProbError
 
-KINDS = ("policy", "reference")  # the two tensors a `LogpCheck` checks, in its order
+KINDS = ("policy", "reference", "old policy")  # the tensors a `LogpCheck` checks, in its order
 
 
 def in_float32(x: torch.Tensor) -> torch.Tensor:
@@ -55,41 +56,51 @@ def masked_logps(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> t
 
 @dataclass
 class LogpCheck:
-    """Whether the policy or reference log-probs hold a non-finite value on a valid token, as device tensors.
+    """Whether the policy, reference or old policy log-probs hold a non-finite value on a valid token, as device
+    tensors.
 
-    sums: (2,) float32, the sum over valid tokens of the policy and of the reference log-probs (masked positions
-        are 0): non-finite when a valid value is. It rides in `AdaptiveKL`'s statistics (no extra transfer).
-    tensors: the two masked tensors (detached), kept only to count the non-finite tokens once a sum says so.
-    names: what the error calls each (an integration names where its policy log-probs came from)."""
+    sums: (3,) float32, the sum over valid tokens of the policy, the reference and the old policy log-probs (masked
+        positions are 0; the old policy's 0 where the door holds none): non-finite when a valid value is. It rides in
+        `AdaptiveKL`'s statistics (no extra transfer).
+    tensors: the masked tensors (detached; None for an old policy not given), kept only to count the non-finite
+        tokens once a sum says so.
+    names: what the error calls each (an integration names where its log-probs came from)."""
 
     sums: torch.Tensor
-    tensors: tuple[torch.Tensor, torch.Tensor]
-    names: tuple[str, str] = ("policy log-probs", "reference log-probs")
+    tensors: tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]
+    names: tuple[str, str, str] = ("policy log-probs", "reference log-probs", "old policy log-probs")
 
     @classmethod
-    def of_masked(cls, logp: torch.Tensor, ref: torch.Tensor, **names: str) -> "LogpCheck":
-        """From tensors whose masked positions are already 0 (`masked_logps`). names: policy=, reference=."""
+    def of_masked(cls, logp: torch.Tensor, ref: torch.Tensor, old: Optional[torch.Tensor] = None,
+                  **names: str) -> "LogpCheck":
+        """From tensors whose masked positions are already 0 (`masked_logps`). names: policy=, reference=, old=."""
         logp, ref = logp.detach(), ref.detach()
-        labels = (names.get("policy", cls.names[0]), names.get("reference", cls.names[1]))
-        return cls(sums=torch.stack([logp.sum(), ref.sum()]).float(), tensors=(logp, ref), names=labels)
+        old = None if old is None else old.detach()
+        labels = tuple(names.get(kind, default) for kind, default in zip(("policy", "reference", "old"), cls.names))
+        old_sum = logp.new_zeros(()) if old is None else old.sum()
+        return cls(sums=torch.stack([logp.sum(), ref.sum(), old_sum.to(logp.dtype)]).float(),
+                   tensors=(logp, ref, old), names=labels)  # type: ignore[arg-type]
 
     @classmethod
-    def of(cls, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, **names: str) -> "LogpCheck":
+    def of(cls, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, old: Optional[torch.Tensor] = None,
+           **names: str) -> "LogpCheck":
         """From raw log-probs and the mask (masked positions may hold anything)."""
         with torch.no_grad():
-            logp, ref = masked_logps(logp, ref, mask)
-        return cls.of_masked(logp, ref, **names)
+            valid = valid_positions(mask)
+            logp, ref = masked_logps(logp, ref, valid)
+            old = None if old is None else keep_valid(old, valid)
+        return cls.of_masked(logp, ref, old, **names)
 
-    def counts(self) -> tuple[int, int]:
+    def counts(self) -> tuple[int, ...]:
         """How many valid tokens of each tensor are non-finite (one host transfer; the error path only)."""
-        return tuple(int((~torch.isfinite(tensor)).sum()) for tensor in self.tensors)  # type: ignore[return-value]
+        return tuple(0 if tensor is None else int((~torch.isfinite(tensor)).sum()) for tensor in self.tensors)
 
 
 @dataclass(frozen=True)
 class NonFinite:
     """One tensor with a NaN or +-inf on valid tokens, as the error names it.
 
-    name: what the error calls the tensor (where it came from); kind: 'policy' or 'reference'.
+    name: what the error calls the tensor (where it came from); kind: one of `KINDS`.
     process: the process that saw it (None where that is not known: a remote service, workers counted together).
     tokens: how many valid tokens (None where only its sum over them is known here: the count is the other
         process's, or the service's)."""
@@ -131,6 +142,6 @@ def this_process() -> int:
 def found_in_check(check: LogpCheck, process: Optional[int] = None) -> list[NonFinite]:
     """The tensors of one `LogpCheck` with a non-finite sum, counted (one host transfer)."""
     sums = check.sums.tolist()
-    counts = check.counts() if not all(map(math.isfinite, sums)) else (0, 0)
+    counts = check.counts() if not all(map(math.isfinite, sums)) else (0,) * len(sums)
     return [NonFinite(name, kind, process, count)
             for name, kind, total, count in zip(check.names, KINDS, sums, counts) if not math.isfinite(total)]

@@ -43,7 +43,8 @@ class KLStatistics:
     entries: how many raw/adapted values are summed (one per micro-batch with the KL in the loss, one per completion
         trained on with the KL in the reward); raw, adapted: their sums.
     clipped: valid tokens with k >= kl_clip_threshold (`clip` only, else 0).
-    policy_logps, reference_logps: the sums of the valid log-probs (`LogpCheck`): non-finite exactly when one is."""
+    policy_logps, reference_logps, old_logps: the sums of the valid log-probs (`LogpCheck`; the old policy's 0
+        where the door holds none): non-finite exactly when one is."""
 
     completions: float = 0.0
     tokens: float = 0.0
@@ -57,11 +58,12 @@ class KLStatistics:
     clipped: float = 0.0
     policy_logps: float = 0.0
     reference_logps: float = 0.0
+    old_logps: float = 0.0
 
     @classmethod
     def of_completions(cls, lengths: Sequence[float], sums: Sequence[float], *, entries: float, raw: float,
                        adapted: float, clipped: float = 0.0, policy_logps: float = 0.0,
-                       reference_logps: float = 0.0) -> "KLStatistics":
+                       reference_logps: float = 0.0, old_logps: float = 0.0) -> "KLStatistics":
         """One batch's sums from its completions' L_i and S_i read to the host, where a trainer reads its numbers
         there anyway (an engine whose metrics synchronise every micro-batch): `device_sums`'s fields, in
         Python floats, without a device operation per field."""
@@ -69,7 +71,7 @@ class KLStatistics:
                    kl=float(sum(sums)), tokens_sq=float(sum(length * length for length in lengths)),
                    tokens_kl=float(sum(length * kl for length, kl in zip(lengths, sums))),
                    kl_sq=float(sum(kl * kl for kl in sums)), entries=entries, raw=raw, adapted=adapted,
-                   clipped=clipped, policy_logps=policy_logps, reference_logps=reference_logps)
+                   clipped=clipped, policy_logps=policy_logps, reference_logps=reference_logps, old_logps=old_logps)
 
     def __add__(self, other: "KLStatistics") -> "KLStatistics":
         return KLStatistics(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -128,7 +130,7 @@ def device_sums(term: KLTerm) -> torch.Tensor:
     trained = lengths.sign()
     moments = torch.stack([trained, lengths, sums, lengths * lengths, lengths * sums, sums * sums]).sum(-1)
     entries = trained.sum() if term.raw.dim() else term.lengths.new_ones(())
-    check = term.check.sums if term.check is not None else term.sequence_kl.new_zeros(2)
+    check = term.check.sums if term.check is not None else term.sequence_kl.new_zeros(len(KINDS))
     # Few operations, each of one dtype: on a CPU each costs microseconds whatever its size, a mixed-dtype one
     # several times more (12 scalars stacked one by one: 150 against 65 us a call, measured).
     scalars = torch.stack([entries.to(term.raw.dtype), term.raw.sum(), term.adapted.detach().sum(),
@@ -139,9 +141,10 @@ def device_sums(term: KLTerm) -> torch.Tensor:
 def gather_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]], *, step: int,
                       gather: Gather = local) -> list[KLStatistics]:
     """Each batch's statistics (`device_sums` rows, one per batch, the same count on every process) summed over
-    processes: one collective, one host transfer. A non-finite log-prob on a valid token (a row's `policy_logps` /
-    `reference_logps` on any process) raises `NonFiniteLogProbError` naming `step`; every process sees every row, so
-    every process raises. checks: this process's `LogpCheck` of each batch (for the error's token counts)."""
+    processes: one collective, one host transfer. A non-finite log-prob on a valid token (a row's `policy_logps`,
+    `reference_logps` or `old_logps` on any process) raises `NonFiniteLogProbError` naming `step`; every process
+    sees every row, so every process raises. checks: this process's `LogpCheck` of each batch (for the error's token
+    counts)."""
     table = gather(torch.stack(rows)).view(-1, len(rows), len(NAMES)).tolist()  # [process][batch][field]
     per_process = [[KLStatistics(*values) for values in process] for process in table]
     found = nonfinite_found(per_process, checks)
@@ -158,7 +161,8 @@ def nonfinite_found(per_process: list[list[KLStatistics]], checks: list[Optional
     process's batches (`checks`), named by process for the others (only their sums are known here)."""
     flags = [(which, process, batch) for process, batches in enumerate(per_process)
              for batch, sums in enumerate(batches)
-             for which, value in enumerate((sums.policy_logps, sums.reference_logps)) if not math.isfinite(value)]
+             for which, value in enumerate((sums.policy_logps, sums.reference_logps, sums.old_logps))
+             if not math.isfinite(value)]
     if not flags:  # every step: one pass over the sums, nothing else
         return []
     rank, names = this_process(), next((check.names for check in checks if check is not None), LogpCheck.names)

@@ -74,16 +74,19 @@ def adapted_loss(
     mask: torch.Tensor,
     normalisers: LossNormalisers,
     loss_type: Optional[str] = None,
+    old_logps: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, KLTerm]:
     """(the loss with the adapted KL, the micro-batch's KL term for `record_metrics`).
 
     loss: the trainer's loss, with its own KL term where the setting is stock and without one otherwise.
     trainer_kl: the per-token KL the trainer computed. policy_logps, ref_logps: the log-probs as the trainer holds them
     (the raw reference, not `masked_reference`'s). loss_type: the reduction in effect (None: `adaptive_kl.loss_type`).
+    old_logps: the old policy's log-probs where the trainer holds them (None on-policy), checked with the others: a
+    NaN there on a valid token would make the trainer's importance ratio, and its loss, NaN.
     """
     config = adaptive_kl.config
     term = adaptive_kl.term(policy_logps, ref_logps, mask, ctx=normalisers.reduction_context(), loss_type=loss_type,
-                            per_token_kl=trainer_kl if config.reads_trainer_kl else None)
+                            per_token_kl=trainer_kl if config.reads_trainer_kl else None, old_logps=old_logps)
     if not config.is_stock_kl:
         loss = loss + term.adapted * (adaptive_kl.current_beta / normalisers.gradient_accumulation)  # one autograd node
     return loss, term

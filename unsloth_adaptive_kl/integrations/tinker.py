@@ -37,7 +37,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
-from ..core.adaptation import kl_term, token_kl
+from ..core.adaptation import kl_term, neutral_where_empty, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.config import check_real, is_real
 from ..core.errors import reject
@@ -381,6 +381,9 @@ def kl_penalized_data(
         r'_i = r_i - P_i,  P_i = akl.reward_penalty(logprobs, ref_logprobs, mask)_i = beta_t * KL_i   (no gradient)
         A_i = r'_i - mean_{j in group(i)} r'_j   (/ (std_group r' + std_epsilon) with scale_by_std)
 
+    A completion whose mask is all 0 has no KL: its P_i is its group's mean over the completions with tokens, as in
+    TRL's and Unsloth's scoring (penalised 0, its reward would lower every other completion's advantage).
+
     `data`: one Datum per completion (see `completion_datum`), groups of `group_size` consecutive completions of the
     same prompt; `logprobs` are the sampler's (the policy the completions came from). `rewards`: (N,) un-penalised.
     KL_i is the core's (estimator, shaping, `kl_reduction`: sequence_sum by default); configure
@@ -413,7 +416,10 @@ def kl_penalized_data(
                          "(score each completion, or leave an unscored completion's group out of the batch)")
     logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
     penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask, train=train)
-    penalized = (rewards - penalty.to(torch.float32)).view(-1, group_size)
+    # A completion without valid tokens (masked out) has no KL: its group's mean penalty, as TRL's and Unsloth's
+    # scoring gives it, so that its reward in the group's statistics moves no other completion's advantage by it.
+    penalty = neutral_where_empty(penalty.to(torch.float32), valid_positions(mask).sum(-1), group_size)
+    penalized = (rewards - penalty).view(-1, group_size)
     advantages = penalized - penalized.mean(dim=1, keepdim=True)
     if scale_by_std:
         advantages = advantages / (penalized.std(dim=1, keepdim=True) + std_epsilon)

@@ -25,6 +25,7 @@ from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
+from ..core.adaptation import neutral_where_empty
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import AdaptiveKLConfig, check_real, is_real, reject
 from ..core.numerics import valid_positions
@@ -368,20 +369,6 @@ def wrap_calculate_rewards(upstream: Callable, missing_locals: Callable[[str], E
         return torch.cat([rewards_per_func, column[:, None]], dim=1)
 
     return _calculate_rewards
-
-
-def neutral_where_empty(penalty: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The penalties beta_t * KL_i of a generation batch (groups of `group_size` consecutive completions), where a
-    completion with no valid token (`lengths` 0: TRL's `mask_truncated_completions` masks a truncated one) carries the
-    mean penalty of its group's completions that have tokens (0 where none has; an unscored completion, left out of
-    the group's baseline by the trainer, is passed with length 0).
-
-    Its KL is unknown (its mask is zeroed before the reference forward), while its reward still enters the group's
-    statistics: penalised 0, it would lower every trained completion's advantage by its share of their mean penalty,
-    a push towards truncation. At the group's mean it moves no other completion's advantage by its penalty."""
-    groups, has_tokens = penalty.view(-1, group_size), (lengths > 0).view(-1, group_size).to(penalty.device)
-    mean = (groups * has_tokens).sum(1, keepdim=True) / has_tokens.sum(1, keepdim=True).clamp(min=1)
-    return torch.where(has_tokens, groups, mean).view(-1)
 
 
 def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorError) -> Callable:

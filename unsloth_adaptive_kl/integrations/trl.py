@@ -173,7 +173,7 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
         gradient_accumulation=self.current_gradient_accumulation_steps if training else 1,
     )
     loss, term = adapted_loss(self.adaptive_kl, loss, kl, logps_probe.logps[0], inputs["ref_per_token_logps"], mask,
-                              normalisers)
+                              normalisers, old_logps=inputs.get("old_per_token_logps"))
     record_metrics(self, term)
     return loss
 

@@ -173,7 +173,8 @@ class _AdaptiveEfficientGRPO:
             calls.append(None)
             return tuple(outputs)
         loss_type, normalisers = _normalisers(kwargs, cls.bnpo_rule)
-        outputs[0], term = adapted_loss(trainer.adaptive_kl, outputs[0], kl, new, raw_ref, mask, normalisers, loss_type)
+        outputs[0], term = adapted_loss(trainer.adaptive_kl, outputs[0], kl, new, raw_ref, mask, normalisers, loss_type,
+                                        old_logps=old)
         if not stock:
             outputs[2] = mean_kl  # the compiled loss ran with beta=0.0, so it reported a KL of 0
         calls.append(term)

@@ -55,7 +55,7 @@ import math
 import os
 import warnings
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -72,6 +72,7 @@ from ..core.shapings import clipped_tokens
 from ..core.statistics import NAMES, KLStatistics
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
 from . import versions
+from .grpo_loss import masked_reference
 from .patching import PatchSet
 
 from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402  (verl: the integration's own extra)
@@ -93,7 +94,7 @@ REWARD_METRIC = "adaptive_kl/reward/"
 # The worker's per-completion statistics, which the driver hands to the core; never logged.
 STATS = "adaptive_kl_stats/"
 # What the non-finite error calls verl's log-probs: the actor loss's, and the reward's.
-LOSS_LOGPS = {"policy": "log_prob (the actor's forward)", "reference": "ref_log_prob"}
+LOSS_LOGPS = {"policy": "log_prob (the actor's forward)", "reference": "ref_log_prob", "old policy": "old_log_probs"}
 REWARD_LOGPS = {"policy": "old_log_probs", "reference": "ref_log_prob"}
 
 
@@ -383,8 +384,10 @@ class AdaptivePPOLoss:
     core's pipeline, `token_kl`), beta_t = the micro-batch's `adaptive_kl_beta` (the driver's controller), mode =
     `loss_agg_mode` (length_normalized: seq-mean-token-mean). ppo_loss's `kl_penalty` and `agg_loss` calls are
     replaced for the call, so the policy log-probs are padded once, by verl. Where nothing is shaped and verl's own
-    KL and aggregation apply (`none`, `dynamic`, `target`), the term is verl's own: ppo_loss itself with kl_loss_coef
-    = beta_t (the pipeline then masks verl's per-token KL for the statistics, and checks the log-probs).
+    KL term stands (`none`: `is_stock_kl`), the term is verl's own, bit for bit on the valid tokens: ppo_loss itself,
+    its KL taken against the reference with masked positions set to the policy's (`masked_reference`: 0 there with a
+    finite gradient, whatever the padding held), and the pipeline checks the log-probs and masks that KL for the
+    statistics. A moving beta (`dynamic`, `target`) takes the pipeline's float32 term, as at every other door.
 
     Metrics, per micro-batch: verl's own `kl_loss` (the un-adapted KL: its stock meaning) and `kl_coef` (beta_t), and
     under `STATS` the core's sums row of the micro-batch (`KLStatistics`' fields in order) and the non-finite valid
@@ -393,8 +396,7 @@ class AdaptivePPOLoss:
     def __init__(self, actor_config: Any, config: AdaptiveKLConfig) -> None:
         self.config = config
         self.agg_mode = kl_agg_mode(config, actor_config.loss_agg_mode)
-        self.verl_term = (not shapes_per_token(config) and config.reads_trainer_kl
-                          and self.agg_mode == actor_config.loss_agg_mode)
+        self.verl_term = config.is_stock_kl
         # What the pipeline runs: the configured estimator, or where the config reads the trainer's own KL, verl's
         # kl_loss_type as the estimator.
         self.pipeline_config = config if not config.reads_trainer_kl else dataclasses.replace(
@@ -417,6 +419,9 @@ class AdaptivePPOLoss:
         with PatchSet() as patches:
             patches.replace(losses, "kl_penalty", kl.per_token)
             patches.replace(losses, "agg_loss", kl.aggregate)
+            # And verl's get_policy_loss_fn, as ppo_loss calls it: its policy loss, called before the KL term, is
+            # verl's own; its old_log_prob is kept, so that the KL's check covers the importance ratio's denominator.
+            patches.replace(losses, "get_policy_loss_fn", kl.policy_loss_fn)
             loss, metrics = losses.ppo_loss(self.stock_config, model_output, data, dp_group)
         if not self.verl_term:  # verl's kl_loss keeps its stock meaning: the un-adapted KL of kl_loss_type
             metrics["kl_loss"] = Metric(value=kl.raw if kl.stock is None else kl.stock,
@@ -446,6 +451,7 @@ class _LossKL:
     def __init__(self, owner: AdaptivePPOLoss) -> None:
         self.owner = owner
         self.log_probs: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.old_log_prob: Optional[torch.Tensor] = None  # ppo_loss's old_log_prob, checked with the KL's log-probs
         self.verl_kld: Optional[torch.Tensor] = None
         self.stage: Optional[TokenKL] = None
         self.raw: Optional[torch.Tensor] = None  # verl's aggregation of the un-adapted KL, and of the adapted one
@@ -454,14 +460,22 @@ class _LossKL:
         self.stock: Optional[torch.Tensor] = None  # verl's kl_loss metric where an estimator replaces kl_loss_type
         self.batch_info: dict[str, Any] = {}
 
+    def policy_loss_fn(self, loss_mode: str) -> Callable[..., Any]:
+        """verl's `get_policy_loss_fn(loss_mode)`, its function called as it is, keeping the `old_log_prob` ppo_loss
+        passes it."""
+        upstream = core_algos.get_policy_loss_fn(loss_mode)
+
+        def policy_loss(*args: Any, **kwargs: Any) -> Any:
+            self.old_log_prob = kwargs.get("old_log_prob")
+            return upstream(*args, **kwargs)
+
+        return policy_loss
+
     def per_token(self, logprob: torch.Tensor, ref_logprob: torch.Tensor, kl_penalty: str) -> torch.Tensor:
-        """ppo_loss's per-token KL, remembered so that its aggregation below is recognised: verl's own where verl's
-        term stands; else an empty stand-in, as the adapted KL needs the mask, which only `agg_loss` receives."""
+        """ppo_loss's per-token KL: an empty stand-in, remembered so that its aggregation below is recognised, as
+        the KL (verl's own term too) needs the mask, which only `agg_loss` receives."""
         self.log_probs, self.kl_type = (logprob, ref_logprob), kl_penalty
-        if self.owner.verl_term:
-            self.verl_kld = core_algos.kl_penalty(logprob=logprob, ref_logprob=ref_logprob, kl_penalty=kl_penalty)
-        else:
-            self.verl_kld = logprob.new_empty(0)
+        self.verl_kld = logprob.new_empty(0)
         return self.verl_kld
 
     def aggregate(self, loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str,
@@ -474,14 +488,20 @@ class _LossKL:
                                        **batch_info)
         owner, (logprob, ref_logprob) = self.owner, self.log_probs
         self.batch_info = batch_info
-        if owner.verl_term:  # verl's own term, bit for bit; the pipeline masks its KL for the statistics and checks
+        if owner.verl_term:  # verl's own term, bit for bit on valid tokens; the pipeline masks it for the statistics
+            # Replaces verl's kl_penalty(log_prob, ref_log_prob) in ppo_loss: masked positions compare the policy with
+            # itself (k = 0 for every kl_loss_type), so a NaN or -inf there cannot reach the loss or its gradient.
+            kld = core_algos.kl_penalty(logprob=logprob, ref_logprob=masked_reference(ref_logprob, logprob, loss_mask),
+                                        kl_penalty=self.kl_type)
             with torch.no_grad():
-                self.stage = token_kl(logprob, ref_logprob, loss_mask, owner.pipeline_config, per_token_kl=loss_mat)
-            self.adapted = core_algos.agg_loss(loss_mat=loss_mat, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
+                self.stage = token_kl(logprob, ref_logprob, loss_mask, owner.pipeline_config, per_token_kl=kld,
+                                      old_logps=self.old_log_prob)
+            self.adapted = core_algos.agg_loss(loss_mat=kld, loss_mask=loss_mask, loss_agg_mode=loss_agg_mode,
                                                **batch_info)
             self.raw = self.adapted.detach()
             return self.adapted
-        self.stage = stage = token_kl(logprob, ref_logprob, loss_mask, owner.pipeline_config)
+        self.stage = stage = token_kl(logprob, ref_logprob, loss_mask, owner.pipeline_config,
+                                      old_logps=self.old_log_prob)
         # verl's agg_loss multiplies the loss by its mask and sums it per sequence: given the mask as float32,
         # converted once here for both aggregations, it does so faster than with verl's bool mask (~10 us a call on a
         # CPU at 8 x 1024, measured), with the same values (0/1; the counts exact).
@@ -510,13 +530,13 @@ class _LossKL:
             values = torch.cat([lengths, stage.kl.sum(-1), self.raw.view(1), self.adapted.view(1), clipped.view(1),
                                 stage.check.sums]).tolist()
         count = len(lengths)
-        raw, adapted, clipped, policy, reference = values[2 * count:]
+        raw, adapted, clipped, policy, reference, old = values[2 * count:]
         sums = KLStatistics.of_completions(
             values[:count], values[count:2 * count], entries=micro_batch_entries(sum(values[:count]), self.batch_info),
-            raw=raw, adapted=adapted, clipped=clipped, policy_logps=policy, reference_logps=reference)
+            raw=raw, adapted=adapted, clipped=clipped, policy_logps=policy, reference_logps=reference, old_logps=old)
         row = [getattr(sums, name) for name in NAMES]
-        found = [] if math.isfinite(policy) and math.isfinite(reference) else found_in_check(stage.check,
-                                                                                              this_process())
+        checked = (policy, reference, old)
+        found = [] if all(map(math.isfinite, checked)) else found_in_check(stage.check, this_process())
         return {STATS + "sums": row,
                 STATS + "nonfinite": [number for item in found
                                       for number in (KINDS.index(item.kind), item.process, item.tokens)]}
@@ -532,7 +552,8 @@ def raise_if_nonfinite(found: list[float], step: int) -> None:
     if tokens:
         raise nonfinite_error(step, [NonFinite(f"verl's {LOSS_LOGPS[KINDS[kind]]}", KINDS[kind], process, count)
                                      for (kind, process), count in sorted(tokens.items())],
-                              advice="check the actor's and the reference's forward in this precision")
+                              advice="check the actor's and the reference's forward in this precision, and the old "
+                              "log-probs the rollout computed")
 
 
 # ----- the KL in the reward (runs in the driver) -------------------------------------------------------------------

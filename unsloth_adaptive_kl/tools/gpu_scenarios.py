@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .selfcheck import Check
+from .selfcheck import Check, guarded
 
 MAX_SEQ_LENGTH = 512  # the demo's FastLanguageModel max_seq_length; the tiny Llama has more positions
 LORA_RANK = 8
@@ -93,9 +93,6 @@ def chat_trainer(model_dir: str, work_dir: str, backend: str, device: str, preci
     from .selfcheck import tiny_trainer
 
     model, tokenizer = policy or load_policy(model_dir, backend, precision, device)
-    # TRL's default, which Unsloth's generated config turns on for loss_type='dapo': the tiny Llama seldom samples
-    # EOS, so with it every completion of a batch can be truncated, masked out, and the loss's gradient all zero.
-    overrides.setdefault("mask_truncated_completions", False)
     return tiny_trainer(work_dir, model=model, tokenizer=tokenizer, prompts=CHAT_PROMPTS,
                         **precision_settings(device, precision), **overrides)
 
@@ -286,14 +283,6 @@ def counter_change(before: dict[str, int], after: dict[str, int]) -> dict[str, i
 
 UNSLOTH_METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "clip+length_normalized+dynamic",
                    "sigmoid+length_normalized"]
-
-
-def guarded(name: str, part: Callable[[], list[Check]]) -> list[Check]:
-    """The checks of `part`, or one FAIL line with its exception: a failing part leaves the others' lines."""
-    try:
-        return part()
-    except Exception as error:  # reported, and the exit code says so
-        return [Check(name, False, f"{type(error).__name__}: {error}")]
 
 
 def use_method(trainer: Any, method: str, **fields: Any) -> None:

@@ -108,10 +108,14 @@ def tiny_trainer(output_dir: str, model: Any = None, tokenizer: Any = None, prom
 
     from .tiny import add_lora, as_unsloth_model, build_tiny_model, build_tokenizer
 
+    # mask_truncated_completions: TRL's default, which Unsloth's generated config turns on for loss_type='dapo': the
+    # tiny Llama seldom samples EOS, so with it every completion of a batch can be truncated, masked out, and the
+    # loss's gradient all zero (7 of 16 sampling seeds on a CPU).
     settings: dict[str, Any] = dict(
         output_dir=output_dir, use_cpu=device() == "cpu", bf16=False, fp16=False, report_to="none",
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, max_steps=1, logging_steps=1,
         learning_rate=5e-3, beta=0.04, save_strategy="no", seed=0, disable_tqdm=True, loss_type="dapo",
+        mask_truncated_completions=False,
     )
     settings.update(overrides)
     set_seed(0)
@@ -292,7 +296,7 @@ def trl_checks(output_dir: str) -> list[Check]:
     return checks
 
 
-def generate_unsloth_trainer() -> Optional[str]:
+def generate_unsloth_trainer(output_dir: Optional[str] = None) -> Optional[str]:
     """Import Unsloth after this package, as users must; on a CPU-only machine with Unsloth's CPU switch and its
     trainer generation called directly, as Unsloth's PatchFastRL does on a GPU. Returns an error, or None."""
     from ..integrations import unsloth as unsloth_patch
@@ -300,6 +304,8 @@ def generate_unsloth_trainer() -> Optional[str]:
     if device() == "cpu":
         os.environ.setdefault("UNSLOTH_ALLOW_CPU", "1")
         os.environ.setdefault("UNSLOTH_COMPILE_DISABLE", "1")
+    if output_dir is not None:  # Unsloth writes its generated trainer to ./unsloth_compiled_cache unless told where
+        os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", os.path.join(output_dir, "unsloth_compiled_cache"))
     try:
         import unsloth  # noqa: F401
         import unsloth.models.rl as rl
@@ -317,7 +323,7 @@ def unsloth_checks(output_dir: str) -> list[Check]:
     except ImportError as error:  # Unsloth's integration hooks TRL's trainer: a trl that does not import stops it too
         return [Check("Unsloth trainer generated and hooked", False, str(versions.import_error("trl", error)))]
 
-    error = generate_unsloth_trainer()
+    error = generate_unsloth_trainer(output_dir)
     if error is not None:
         return [Check("Unsloth trainer generated and hooked", False, error)]
     generated = unsloth_patch.generated_grpo_trainer()
@@ -384,6 +390,14 @@ def verl_checks(_: str) -> list[Check]:
     return checks
 
 
+def guarded(name: str, part: Callable[[], list[Check]]) -> list[Check]:
+    """The checks of `part`, or one FAIL line with its exception: a failing part leaves the others' lines."""
+    try:
+        return part()
+    except Exception as error:  # reported, and the exit code says so
+        return [Check(name, False, f"{type(error).__name__}: {error}")]
+
+
 def main(json_path: Optional[str] = None) -> int:
     """Print each check as it ends; 0 if every check holds, else 1. `json_path`: also write what was printed there,
     with the command, the date, the machine and the versions (docs/results/selfcheck.json is such a record)."""
@@ -398,15 +412,17 @@ def main(json_path: Optional[str] = None) -> int:
         printed.append(check.line())
         print(printed[-1], flush=True)
     with tempfile.TemporaryDirectory() as output_dir:
-        parts = [lambda _: core_checks()]  # the core needs torch alone; the trainers' checks need their packages
+        # the core needs torch alone; the trainers' checks need their packages
+        parts: list[tuple[str, Callable[[str], list[Check]]]] = [("the core's checks", lambda _: core_checks())]
         if importlib.util.find_spec("trl"):
-            parts.append(trl_checks)
+            parts.append(("TRL's checks", trl_checks))
             if importlib.util.find_spec("unsloth"):
-                parts.append(unsloth_checks)
+                parts.append(("Unsloth's checks", unsloth_checks))
         if importlib.util.find_spec("verl"):
-            parts.append(verl_checks)
-        for part in parts:
-            for check in part(output_dir):
+            parts.append(("verl's checks", verl_checks))
+        for name, part in parts:
+            # a part that raises (an untested trainer version renamed an input, say) is one FAIL line, not the end
+            for check in guarded(name, lambda: part(output_dir)):
                 checks.append(check)
                 printed.append(check.line())
                 print(printed[-1], flush=True)
