@@ -7,7 +7,7 @@ On one micro-batch as verl's actor update sees it (nested prompts and responses,
 token as the model output), forward + backward of:
 - stock: verl's own `ppo_loss` with its KL term (`use_kl_loss=True`, `kl_loss_type=low_var_kl`, `token-mean`);
 - each method: `AdaptivePPOLoss` (one call of verl's `ppo_loss` whose `kl_penalty` and `agg_loss` give the adapted
-  KL for that call, at kl_loss_coef = beta; verl's own KL term where nothing is shaped);
+  KL for that call, at kl_loss_coef = beta; verl's own KL term for `none`);
 - an A/A control: a second, identical stock loss, half a rotation from stock.
 Round-robin in a rotating order (benchmarks/loss_overhead.py `interleaved`); each row is median(method) /
 median(stock) with a bootstrap 95 % interval. The model's forward and backward, which a real step adds to both, are

@@ -407,8 +407,8 @@ def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
         runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
     assert exit_info.value.code == 2 and "error: --json='/' is a folder: allowed is a file's path" in (
         capsys.readouterr().err)
-    # a --json that cannot be written (found after every check had run), and an unknown --gpu scenario (exit 1, as a
-    # failed check): usage errors, before anything runs
+    # a --json that cannot be written (it was found after every check had run) and an unknown --gpu scenario (it
+    # exited 1, as a failed check): usage errors now (exit 2), before anything runs
     for flags, message in ((["--json", "/proc/selfcheck.json"], "--json='/proc/selfcheck.json' cannot be written ("),
                            (["--gpu", "--dry-run", "--only", "bogus"], "--only: unknown scenario bogus; allowed: ")):
         monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", *flags])

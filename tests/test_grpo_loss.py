@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
-from unsloth_adaptive_kl.integrations.grpo_loss import LossNormalisers, adapted_loss, masked_reference
+from unsloth_adaptive_kl.core.numerics import masked_reference
+from unsloth_adaptive_kl.integrations.grpo_loss import LossNormalisers, adapted_loss
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # L = (2, 1)
 POLICY = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -1.5, -2.5]])

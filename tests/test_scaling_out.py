@@ -3,10 +3,11 @@ launched with `accelerate launch --config_file <yaml> --num_processes 2` on a ti
 processes run, and both log the same beta at every step and the same adaptive_kl metrics, decided on the mean over
 both processes (rank 0 scores 1.0 on average, rank 1 0.6: only their mean, 0.8, crosses the 0.7 threshold).
 
-On a CPU, accelerate 1.15 runs the FSDP config as DDP over gloo: `AcceleratorState` assigns `DistributedType.FSDP` only
-in its branch for accelerator devices (MULTI_GPU and the like), and CPU processes are MULTI_CPU; the test pins that, so
-that the docs' statement fails here the day accelerate shards on CPUs. FSDP2 sharding itself (torch's `fully_shard`
-on two gloo processes, without accelerate's routing) is tested with the reference sync (tests/test_ref_sync.py)."""
+On a CPU, accelerate (1.16) runs the FSDP config as DDP over gloo: `AcceleratorState` assigns `DistributedType.FSDP`
+only in its branch for accelerator devices (MULTI_GPU and the like), and CPU processes are MULTI_CPU; the test pins
+that, so that the docs' statement fails here the day accelerate shards on CPUs. FSDP2 sharding itself (torch's
+`fully_shard` on two gloo processes, without accelerate's routing) is tested with the reference sync
+(tests/test_ref_sync.py)."""
 
 from __future__ import annotations
 
@@ -63,10 +64,38 @@ def assert_both_ranks_agree_on_the_global_decision(ranks: list[dict]) -> None:
     assert max(entry["adaptive_kl/sequence_kl"] for entry in logged) > 0
 
 
+def by_hand(micro_batches: list[list[dict]]) -> dict[str, float]:
+    """One step's logged raw_kl, adapted_kl and sequence_kl from each process's micro-batches (`micro_batches[p][j]`:
+    process p's j-th of the step): the core gathers micro-batch j over the processes (its raw and adapted once each,
+    its completions' S_i and L_i), and TRL logs the mean over the step's micro-batches."""
+    per_batch = []
+    for batches in zip(*micro_batches):
+        sums = [s for batch in batches for s, length in zip(batch["sums"], batch["lengths"]) if length > 0]
+        per_batch.append({"raw_kl": sum(batch["raw"] for batch in batches) / len(batches),
+                          "adapted_kl": sum(batch["adapted"] for batch in batches) / len(batches),
+                          "sequence_kl": sum(sums) / len(sums)})
+    return {name: sum(batch[name] for batch in per_batch) / len(per_batch) for name in per_batch[0]}
+
+
+def assert_metrics_are_over_both_ranks(ranks: list[dict]) -> None:
+    """Each step's logged KL metrics are the two ranks' micro-batches combined by hand (`by_hand`), not one rank's:
+    the ranks' completions differ, so rank 0's alone gives other figures."""
+    apart = []  # how far rank 0's alone is from both ranks', each step (the first step's KL is 0: LoRA starts at 0)
+    for entry in ranks[0]["logged"]:
+        step = [[batch for batch in rank["micro_batches"] if batch["step"] == entry["step"]] for rank in ranks]
+        assert [len(batches) for batches in step] == [2, 2]  # gradient_accumulation_steps=2 on each process
+        both, alone = by_hand(step), by_hand(step[:1])
+        for name, value in both.items():
+            assert entry[f"adaptive_kl/{name}"] == pytest.approx(value, rel=1e-5, abs=1e-9), (name, entry)
+        apart.append(abs(alone["sequence_kl"] - both["sequence_kl"]) / max(both["sequence_kl"], 1e-12))
+    assert max(apart) > 1e-3, apart
+
+
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
 def test_two_processes_on_cpu_log_the_same_beta_and_metrics(name: str, tmp_path: Path) -> None:
     ranks = launch(CONFIGS[name], tmp_path, "cpu")
     assert_both_ranks_agree_on_the_global_decision(ranks)
+    assert_metrics_are_over_both_ranks(ranks)
     for rank in ranks:
         # use_cpu=True: gloo over two CPU processes; accelerate runs either config as DDP there (see the docstring)
         assert (rank["distributed_type"], rank["backend"], rank["model"]) == \

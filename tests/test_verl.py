@@ -243,9 +243,10 @@ def test_beta_used_is_the_beta_pushed_to_every_micro_batch():
 
 
 @pytest.mark.parametrize("method", ["dynamic", "target"])
-def test_unshaped_methods_are_stock_ppo_loss_at_the_pushed_beta(method):
-    """Nothing shaped, verl's own KL and aggregation: verl's ppo_loss with kl_loss_coef = the pushed beta, bit for
-    bit; target's KL measure over the micro-batches is the token mean of verl's per-token KL."""
+def test_unshaped_methods_equal_stock_ppo_loss_at_the_pushed_beta(method):
+    """Nothing shaped, on float32 log-probs: the pipeline's float32 term equals verl's ppo_loss with kl_loss_coef =
+    the pushed beta, bit for bit; target's KL measure over the micro-batches is the token mean of verl's per-token
+    KL."""
     batch = make_batch(seed=6)
     mode = "seq-mean-token-mean"
     stock_loss, stock_grad, _ = run_loss(lambda **kw: ppo_loss(actor_config(mode, coef=0.37), **kw), batch, 2)
@@ -1150,10 +1151,11 @@ def test_the_adapted_kl_of_the_masked_log_ratio_is_verls_kl_of_the_log_probs_for
 
 
 @pytest.mark.parametrize("method", ["none", "target"])
-def test_masked_infinite_log_probs_raise_nothing_where_verls_own_term_stands(monkeypatch, method):
-    """Where verl's own KL term stands, the check is still the core's, of the masked log-probs: +-inf on tokens verl
-    masks out (response_mask=0) leave every sum finite, so the actor update raises nothing, counts nothing (the count
-    runs on the error path only) and logs what the batch without them logs."""
+def test_masked_infinite_log_probs_raise_nothing_where_the_term_is_unshaped(monkeypatch, method):
+    """With verl's own KL term (`none`) and with the pipeline's unshaped one (`target`), the check is the core's, of
+    the masked log-probs: +-inf on tokens verl masks out (response_mask=0) leave every sum finite, so the actor
+    update raises nothing, counts nothing (the count runs on the error path only) and logs what the batch without
+    them logs."""
     clean = make_batch(seed=16, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
     for sample, position in ((0, 1), (2, 3)):
         clean = with_response_value(clean, "response_mask", sample, position, 0)

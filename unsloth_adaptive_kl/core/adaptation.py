@@ -130,9 +130,9 @@ def kl_term(
 
 def neutral_where_empty(penalty: torch.Tensor, lengths: torch.Tensor, group_size: int) -> torch.Tensor:
     """The penalties beta_t * KL_i of a generation batch (groups of `group_size` consecutive completions), where a
-    completion with no valid token (`lengths` 0: TRL's `mask_truncated_completions` masks a truncated one, a Tinker
-    loop may mask one out) carries the mean penalty of its group's completions that have tokens (0 where none has; an
-    unscored completion, which a trainer leaves out of the group's baseline, is passed with length 0).
+    completion with no valid token (`lengths` 0: a trainer that masks truncated completions out, or a loop that masks
+    one) carries the mean penalty of its group's completions that have tokens (0 where none has; an unscored
+    completion, which a trainer leaves out of the group's baseline, is passed with length 0).
 
     Its KL is unknown (its mask is zeroed before the reference forward), while its reward still enters the group's
     statistics: penalised 0, it would lower every trained completion's advantage by its share of their mean penalty,

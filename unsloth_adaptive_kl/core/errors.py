@@ -10,8 +10,9 @@ def reject(name: str, value: object, allowed: str) -> ValueError:
 
 
 class NonFiniteLogProbError(FloatingPointError, ValueError):
-    """A NaN or infinite log-prob (policy or reference) on a valid (mask=1) token: raised naming the step, the tensor
-    and how many tokens, before the loss reaches the optimizer (masked positions may hold anything)."""
+    """A NaN or infinite log-prob (policy, reference, or the old policy's where a door holds them) on a valid (mask=1)
+    token: raised naming the step, the tensor and how many tokens, before the loss reaches the optimizer (masked
+    positions may hold anything)."""
 
 
 class KLEstimatorWarning(UserWarning):

@@ -7,6 +7,8 @@ any estimator sees them, and the check for non-finite log-probs on valid tokens.
   inf on a valid position stays, so the sums it enters are non-finite and the check below reports it. A product
   `m * x` would not do: its value is NaN for a non-finite x on a masked position, and its backward multiplies the
   estimator's derivative there (exp(NaN), exp(huge)) by 0, which is NaN.
+- `masked_reference(ref, logp, mask)`: where a trainer computes the KL itself, the reference it is handed, with each
+  masked position holding the policy's own (detached) log-prob, so the trainer's KL there is 0 with a finite gradient.
 - A non-finite log-prob on a valid token must raise, naming the tensor and how many tokens, without a host transfer
   per micro-batch: `LogpCheck` carries the sum over valid tokens of each tensor (the policy's, the reference's, and
   where a door holds them the old policy's, which a trainer's importance ratio divides by) (non-finite exactly when
@@ -45,6 +47,13 @@ def keep_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     gradient on masked ones, whatever they hold; float32 whatever x's dtype. A bool `mask` is used as it is
     (`.bool()` returns it): a caller masking several tensors converts the mask once (`valid_positions`)."""
     return torch.where(mask.bool(), in_float32(x), 0.0)
+
+
+def masked_reference(ref_logps: torch.Tensor, policy_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The reference log-probs to hand a trainer's own KL line: valid positions keep theirs exactly, masked ones take
+    the policy's (detached), so the trainer's KL there is 0 with a finite gradient whatever the padding held (NaN,
+    -inf, or a gap so large that 0 * inf = NaN in the backward)."""
+    return torch.where(valid_positions(mask), ref_logps, policy_logps.detach())
 
 
 def masked_logps(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

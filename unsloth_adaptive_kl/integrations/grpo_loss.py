@@ -22,14 +22,7 @@ import torch
 
 from ..core.adaptation import KLTerm
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.numerics import valid_positions
 from ..core.reductions import ReductionContext
-
-def masked_reference(ref_logps: torch.Tensor, policy_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The reference log-probs to hand the trainer's own KL line: valid positions keep theirs exactly, masked ones take
-    the policy's (detached), so the trainer's KL there is 0 with a finite gradient whatever the padding held (NaN,
-    -inf, or a gap so large that 0 * inf = NaN in the backward)."""
-    return torch.where(valid_positions(mask), ref_logps, policy_logps.detach())
 
 
 @dataclass(frozen=True)

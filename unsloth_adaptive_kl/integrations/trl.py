@@ -24,7 +24,8 @@ import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 
 from ..core.config import AdaptiveKLConfig
-from .grpo_loss import LossNormalisers, adapted_loss, masked_reference
+from ..core.numerics import masked_reference
+from .grpo_loss import LossNormalisers, adapted_loss
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
@@ -114,7 +115,7 @@ class _PolicyLogpsProbe:
     first (policy) call's log-probs (for a non-stock `kl_estimator`, and the non-finite check of both log-probs).
 
     With `inputs` (a copy of the batch the stock loss reads) it also replaces that batch's reference log-probs by
-    `grpo_loss.masked_reference` (valid positions keep the trainer's values exactly), before the stock KL line reads
+    `numerics.masked_reference` (valid positions keep the trainer's values exactly), before the stock KL line reads
     them."""
 
     def __init__(self, method: Any, inputs: dict | None = None, mask: torch.Tensor | None = None) -> None:

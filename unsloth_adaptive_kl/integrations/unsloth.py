@@ -39,7 +39,8 @@ import trl.trainer.grpo_trainer as trl_grpo_trainer
 from transformers import TrainingArguments
 
 from ..core.config import reject
-from .grpo_loss import LossNormalisers, adapted_loss, masked_reference
+from ..core.numerics import masked_reference
+from .grpo_loss import LossNormalisers, adapted_loss
 from .patching import PatchSet
 from .ref_sync import use_reference
 from .trl import GRPOConfig

@@ -65,14 +65,14 @@ from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR,
                            is_real, warn_estimator_issue)
 from ..core.controllers import check_horizon
 from ..core.errors import reject
-from ..core.numerics import KINDS, NonFinite, found_in_check, masked_logps, nonfinite_error, this_process
+from ..core.numerics import (KINDS, NonFinite, found_in_check, masked_logps, masked_reference, nonfinite_error,
+                             this_process)
 from ..core.reductions import (agg_mode_of, kl_reduction, loss_type_of_agg_mode, loss_type_reduction,
                                reduction_left_as_is)
 from ..core.shapings import clipped_tokens
 from ..core.statistics import NAMES, KLStatistics
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
 from . import versions
-from .grpo_loss import masked_reference
 from .patching import PatchSet
 
 from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402  (verl: the integration's own extra)
