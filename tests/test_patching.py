@@ -307,7 +307,7 @@ def test_every_trl_anchor_is_found_in_the_installed_trl() -> None:
     assert versions.missing_anchors(versions.TRL_ANCHORS, trl_patch._stock_function) == []
 
 
-@pytest.mark.parametrize(("package", "version"), [("torch", "2.15.0"), ("transformers", "5.24.0"), ("trl", "1.16.0"),
+@pytest.mark.parametrize(("package", "version"), [("torch", "2.15.0"), ("transformers", "5.25.0"), ("trl", "1.16.0"),
                                                   ("datasets", "5.2.0")])
 def test_base_dependencies_admit_the_newest_releases(package: str, version: str) -> None:
     """A TRL user on the newest torch / transformers / trl installs this package without a downgrade: Unsloth's

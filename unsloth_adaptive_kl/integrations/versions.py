@@ -24,7 +24,7 @@ from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 # What the CI matrix runs (.ci/run): the docs' compatibility page lists the exact sets (docs/results/ci.json).
 TESTED: dict[str, SpecifierSet] = {
     "trl": SpecifierSet(">=1.9.1,<=1.16.0"),
-    "transformers": SpecifierSet(">=5.17.0,<=5.24.0"),
+    "transformers": SpecifierSet(">=5.17.0,<=5.25.0"),
     "torch": SpecifierSet(">=2.13.0,<=2.15.0"),
     "unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
     "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"),
