@@ -1,5 +1,6 @@
 """Run by test_dynamic_beta under `torchrun --nproc_per_node 2`: each rank writes the betas (and, with the KL in the
-reward, the penalties) it used."""
+reward, the penalties) it used, and, with the KL in the reward, each scored batch's per-completion KL and lengths as
+this rank held them before any gather, with the penalties the scoring returned (every rank's)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,20 @@ def main(output_dir: str) -> None:
             kl_placement=placement,
             kl_reduction="sequence_sum" if placement == "reward" else "loss_type",
         )
+        scored: list[dict[str, Any]] = []  # the KL in the reward: each scored batch, as this rank held it
+        penalize = trainer.adaptive_kl.penalize
+
+        def recording(term: Any, **kwargs: Any) -> Any:
+            penalty, metrics = penalize(term, **kwargs)
+            if kwargs["train"]:
+                scored.append({"step": kwargs["completed_steps"], "kl": term.sequence_kl.tolist(),
+                               "lengths": term.lengths.tolist(), "penalty": penalty.tolist()})
+            return penalty, metrics
+
+        trainer.adaptive_kl.penalize = recording
         trainer.train()
         runs[f"{placement} {threshold}"] = {
+            "scored": scored,
             "reward": logged(trainer, "reward"),
             "betas": logged(trainer, "adaptive_kl/current_beta"),
             "raw_kl": logged(trainer, "adaptive_kl/raw_kl"),

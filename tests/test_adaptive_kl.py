@@ -1005,7 +1005,7 @@ def test_a_registered_estimator_is_used_by_name() -> None:
 
 def test_registering_names_is_checked() -> None:
     with pytest.raises(ValueError, match=r"register_kl_estimator\('k3'\): allowed is a new, non-empty name "
-                                         r"\(registered: k1, k2, k3, "):
+                                         r"without surrounding spaces, other than 'None' \(registered: k1, k2, k3, "):
         register_kl_estimator("k3")
     with pytest.raises(ValueError, match=r"kl_estimator='k4' is invalid: allowed is None \(the placement's default\), one of k1, k2, k3, .*"
                                          r"test_least_confident_half(, [^ ]+)* \(register your own with register_kl_estimator\), or a callable"):

@@ -316,12 +316,26 @@ def test_two_processes_share_the_globally_averaged_beta(tmp_path) -> None:
     either rank alone would decide the other way for one of them."""
     torchrun(Path(__file__).with_name("distributed_beta.py"), str(tmp_path), timeout=300)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    scored = [ranks[rank]["reward 0.7"].pop("scored") for rank in (0, 1)]  # each rank's own batches: they differ
     assert ranks[0] == ranks[1]  # beta, the KL metrics and the penalties: over both processes, identical on each
     assert max(ranks[0]["loss 0.7"]["raw_kl"]) > 0 and max(ranks[0]["loss 0.7"]["sequence_kl"]) > 0
     # with the KL in the reward: the penalty is beta * the summed KL per completion, over both ranks' completions
     in_reward = ranks[0]["reward 0.7"]
     assert in_reward["reward_penalty"] == pytest.approx([b * kl for b, kl in zip(in_reward["betas"], in_reward["sequence_kl"])])
     assert max(abs(penalty) for penalty in in_reward["reward_penalty"]) > 1e-4  # k1 (the default): either sign
+    # ...by hand from each rank's scored batch: sequence_kl is the mean KL_i over both ranks' completions with tokens,
+    # and every rank's scoring got both ranks' penalties, in rank order (a metric of rank 0's batch alone differs)
+    assert [len(batches) for batches in scored] == [3, 3]
+    told_apart = 0
+    for step, (mine, theirs) in enumerate(zip(*scored)):
+        kl = [s for batch in (mine, theirs) for s, length in zip(batch["kl"], batch["lengths"]) if length > 0]
+        assert in_reward["sequence_kl"][step] == pytest.approx(sum(kl) / len(kl), rel=1e-5, abs=1e-9)
+        alone = [s for s, length in zip(mine["kl"], mine["lengths"]) if length > 0]
+        told_apart += in_reward["sequence_kl"][step] != pytest.approx(sum(alone) / len(alone), rel=1e-3)
+        beta = in_reward["betas"][step]
+        for batch in (mine, theirs):
+            assert batch["penalty"] == pytest.approx([beta * s for s in mine["kl"] + theirs["kl"]], rel=1e-5)
+    assert told_apart == 2  # the first batch is scored where policy and reference agree: every KL_i is 0
     for name, run in ranks[0].items():
         threshold = float(name.split()[1])
         assert run["reward"] == pytest.approx([0.8, 0.8, 0.8])  # un-penalised, as stock logs it
@@ -354,6 +368,26 @@ def test_target_controller_follows_the_formula_in_a_real_run(tokenizer, tmp_path
         assert min(betas) == pytest.approx(0.032)
     else:  # summed KL per completion passes 0.002 from step 3: beta rises back to beta_max
         assert max(betas[2:]) == pytest.approx(0.04)
+
+
+def test_a_target_horizon_that_would_end_beta_is_refused_when_the_trainer_is_built(tokenizer, tmp_path) -> None:
+    """n / kl_horizon >= 5 with beta_min=0 takes beta to 0 for good (the core's check_horizon): the trainer refused it
+    only inside its first step, after generation, forward and backward. n, with 4 completions a micro-batch and 2
+    micro-batches a step: 8 in the loss; 4 with num_iterations=2 (a completion counts once per generation batch); the
+    generation batch (4 x 2 = 8) in the reward. Just above n / 5 the trainer builds and its first step runs."""
+    settings = dict(kl_adaptation_method="target", kl_target=1.0, max_steps=1, gradient_accumulation_steps=2)
+    in_loss = "per_device_train_batch_size x gradient_accumulation_steps x processes / num_iterations"
+    for fields, n, spelled in [({"kl_horizon": 1.6}, 8, in_loss),
+                               ({"kl_horizon": 0.8, "num_iterations": 2}, 4, in_loss),
+                               ({"kl_horizon": 1.6, "kl_placement": "reward"}, 8, "generation_batch_size")]:
+        with pytest.raises(ValueError, match=rf"^kl_horizon={fields['kl_horizon']} is invalid for steps of {n} "
+                                             rf"completions with beta_min=0: .*allowed is kl_horizon > {n / 5:g} "
+                                             rf"\(n / 5\), or beta_min > 0; here n is {re.escape(spelled)}\.$"):
+            make_trainer(tokenizer, str(tmp_path), **settings, **fields)
+    trainer = make_trainer(tokenizer, str(tmp_path), **settings, kl_horizon=1.7)
+    trainer.train()  # the step's own check agrees: 8 / 1.7 < 5
+    assert trainer.current_beta == pytest.approx(0.04 * (1 - 0.2 * 8 / 1.7))  # the KL is far below kl_target=1
+    make_trainer(tokenizer, str(tmp_path), **settings, kl_horizon=1.6, beta_min=0.01)  # a floor above 0: allowed
 
 
 def test_target_controller_state_survives_resume(tokenizer, tmp_path) -> None:

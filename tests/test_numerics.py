@@ -335,7 +335,7 @@ def test_state_dict_carries_a_format_version_and_the_controller_kind(kind) -> No
     """...and is strict JSON before the first reward (its batch_reward, NaN in the controller, was written as a bare
     NaN, which JSON readers other than Python's refuse), and loads back to that NaN; a NaN written before loads too."""
     state = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.1).state_dict()
-    assert state["format_version"] == 5 and state["controller"] == kind and state["batch_reward"] is None
+    assert state["format_version"] == 6 and state["controller"] == kind and state["batch_reward"] is None
     json.dumps(state, allow_nan=False)
     for saved in (state, {**state, "batch_reward": math.nan}):
         runtime = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.2)
@@ -393,10 +393,22 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
             state("target", 0.15, beta_max=0.2))
 
 
+def test_a_format_5_state_without_the_old_policys_sum_loads_it_as_0() -> None:
+    """Format 6 added `old_logps` to the step's sums; a state written before it resumes with 0 there, and a format 6
+    state carries it through a save and load."""
+    state = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1).state_dict()
+    state["trained"].update(completions=1.0, tokens=2.0, kl=0.3, policy_logps=-3.0, old_logps=-0.75)
+    old = {**state, "format_version": 5, "trained": {k: v for k, v in state["trained"].items() if k != "old_logps"}}
+    for saved, expected in ((old, 0.0), (state, -0.75)):
+        resumed = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1)
+        resumed.load_state_dict(json.loads(json.dumps(saved)))
+        assert resumed.state_dict()["trained"] == {**state["trained"], "old_logps": expected}
+
+
 def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1)
-    with pytest.raises(ValueError, match=r"format_version=6 is not supported: allowed is 1 to 5"):
-        runtime.load_state_dict({**runtime.state_dict(), "format_version": 6})
+    with pytest.raises(ValueError, match=r"format_version=7 is not supported: allowed is 1 to 6"):
+        runtime.load_state_dict({**runtime.state_dict(), "format_version": 7})
     with pytest.raises(ValueError, match=r"unknown field\(s\) beta for a 'dynamic' controller"):
         runtime.load_state_dict({**runtime.state_dict(), "beta": 0.3})
 

@@ -10,6 +10,7 @@ import contextlib
 import copy
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -363,6 +364,34 @@ def test_gathered_penalties_come_in_rank_order(page: RunPage) -> None:
     gather, own_slice = next((ns["gather"], ns["own_slice"]) for ns in page.namespaces if "own_slice" in ns)
     x = torch.tensor([1.0, 2.0])
     assert torch.equal(gather(x), x) and torch.equal(own_slice(x), x)  # one process: the tensor itself
+
+
+def test_a_completion_without_tokens_gets_its_groups_mean_penalty_with_group_size() -> None:
+    """Two groups of 3; completion 1 is masked out. With group_size=3 its penalty is the mean of completions 0 and 2's
+    (as the trainers' scoring gives it), the others unchanged; without group_size it is 0 and the first such batch
+    warns, once. With gather, group_size counts every process's completions."""
+    config = AdaptiveKLConfig(kl_placement="reward", kl_reduction="sequence_sum")
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -0.5], [-1.5, -0.2], [-0.3, -0.9], [-1.1, -0.4], [-0.8, -0.6]])
+    ref = torch.tensor([[-1.5, -1.0], [-0.9, -0.1], [-1.0, -0.7], [-0.6, -0.6], [-0.8, -0.8], [-0.5, -1.0]])
+    mask = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
+    by_hand = BETA * ((logps - ref) * mask).sum(-1)  # k1 (the reward's default) summed over valid tokens, times beta
+    by_hand[1] = (by_hand[0] + by_hand[2]) / 2
+    grouped, _ = AdaptiveKL(config, beta=BETA).reward_penalty(logps, ref, mask, group_size=3)
+    torch.testing.assert_close(grouped, by_hand)
+    alone = AdaptiveKL(config, beta=BETA)
+    with pytest.warns(UserWarning, match=r"completion\(s\) \[1\] have no valid token.*Pass group_size="):
+        penalty, _ = alone.reward_penalty(logps, ref, mask)
+    assert penalty[1].item() == 0.0 and torch.equal(penalty[[0, 2, 3, 4, 5]], grouped[[0, 2, 3, 4, 5]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        alone.reward_penalty(logps, ref, mask)  # said once
+    twice = AdaptiveKL(config, beta=BETA).reward_penalty(logps, ref, mask, group_size=4,
+                                                         gather=lambda tensor: torch.cat([tensor, tensor]))[0]
+    torch.testing.assert_close(twice[1], (by_hand[0] + by_hand[2] + by_hand[3]) / 3)  # the group of 0..3
+    for bad in (0, 4, 2.0, True, "3"):
+        with pytest.raises(ValueError, match=rf"^group_size={bad!r} is invalid: allowed is an integer >= 1 that "
+                                             r"divides the 6 completions"):
+            AdaptiveKL(config, beta=BETA).reward_penalty(logps, ref, mask, group_size=bad)
 
 
 def test_other_loss_types_need_their_normaliser(page: RunPage) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
-from unsloth_adaptive_kl.integrations import unsloth, versions
+from unsloth_adaptive_kl.integrations import trl as trl_patch, unsloth, versions
 
 ROOT = Path(__file__).parents[1]
 
@@ -29,12 +29,21 @@ def as_printed(error: BaseException) -> str:
     return f"{name}: {error}"
 
 
-def test_the_missing_anchor_error_is_quoted_as_raised() -> None:
-    """compatibility.md and troubleshooting.md quote the error for a trl whose `_compute_loss` lacks the KL line."""
+def test_the_missing_anchor_error_is_quoted_as_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compatibility.md and troubleshooting.md quote the error for a trl whose `_compute_loss` lacks the KL line (a
+    new release: outside the tested range)."""
+    monkeypatch.setattr(versions, "is_tested", lambda package: False)
     error = versions.anchor_error("trl", versions.TRL_KL_LINE)
     printed = as_printed(error).replace(f"trl=={versions.installed_version('trl')} (", "trl==X.Y.Z (")
     pages = quoted("compatibility.md", "unsloth_adaptive_kl.") + quoted("troubleshooting.md", "unsloth_adaptive_kl.")
     assert len(pages) == 2 and pages == [printed] * 2, (pages, printed)
+
+
+def test_the_stock_config_error_is_quoted_as_raised() -> None:
+    """troubleshooting.md quotes the TypeError of a GRPOConfig bound before the import, given an adaptive-KL field."""
+    with pytest.raises(TypeError) as raised:
+        trl_patch.StockGRPOConfig(output_dir="out", kl_adaptation_method="clip")
+    assert quoted("troubleshooting.md", "TypeError") == [as_printed(raised.value)]
 
 
 def test_the_untested_version_warning_is_quoted_as_warned(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -234,6 +234,67 @@ def test_a_trl_it_cannot_patch_leaves_the_core_and_the_other_doors_working(why: 
     assert again == "patch(): True"
 
 
+HALF_PATCHED = """
+import sys, types, warnings
+import trl
+stock = trl.GRPOConfig
+# an Unsloth whose rl module is loaded (imported before the package, no trainer generated) and renamed its generator
+package = types.ModuleType("unsloth"); package.__path__ = []
+models = types.ModuleType("unsloth.models"); models.__path__ = []
+rl = types.ModuleType("unsloth.models.rl"); rl.patch_trl_rl_trainers_v2 = lambda *args: None
+sys.modules.update({"unsloth": package, "unsloth.models": models, "unsloth.models.rl": rl})
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import unsloth_adaptive_kl
+from unsloth_adaptive_kl import IncompatibleVersionWarning, IncompatibleVersionError
+said = [str(w.message) for w in caught if issubclass(w.category, IncompatibleVersionWarning)]
+print(len(said), "_patch_trl_rl_trainers" in said[0], "integrations are off" in said[0])
+print(unsloth_adaptive_kl.is_patched(), trl.GRPOConfig is stock, hasattr(unsloth_adaptive_kl, "GRPOConfig"))
+try:
+    unsloth_adaptive_kl.patch()
+except IncompatibleVersionError:
+    print("refused", unsloth_adaptive_kl.is_patched(), trl.GRPOConfig is stock)
+"""
+
+
+REIMPORTED = """
+import sys
+import trl
+import unsloth_adaptive_kl
+patched = trl.GRPOConfig
+for name in [name for name in sys.modules if name.startswith("unsloth_adaptive_kl")]:
+    del sys.modules[name]
+try:
+    import unsloth_adaptive_kl
+except ImportError as error:
+    print(str(error).startswith("unsloth_adaptive_kl: trl is patched already, by an earlier import of this package"))
+print(trl.GRPOConfig is patched, trl.GRPOConfig.__mro__.count(patched))
+"""
+
+
+def test_a_second_copy_of_the_package_refuses_to_patch_trl_again() -> None:
+    """The package's modules removed from sys.modules and imported again (a notebook's autoreload does as much)
+    took the patched trl objects for stock ones: the config class was subclassed twice, the loss wrapped twice (its
+    first step raised a false missing-anchor error) and unpatch() could not restore trl. Now the second import
+    refuses, saying why and what to do; the first copy's patch stays as it was."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", REIMPORTED], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-3:] == ["True", "True 1", ""]
+
+
+def test_a_missing_unsloth_anchor_leaves_trl_stock_too_as_its_warning_says() -> None:
+    """patch() patched TRL, then the Unsloth hook raised: the import warned "the TRL and Unsloth integrations are off
+    (trl.GRPOConfig has no adaptive-KL fields)" while trl.GRPOConfig had them and is_patched() was True. Now nothing
+    is patched half-way, at the import and at a later patch()."""
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-c", HALF_PATCHED], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[-4:] == ["1 True True", "False True False", "refused False True", ""]
+
+
 def stand_in_resolver(tmp_path, anchors: tuple, dropped: Optional[versions.Anchor]):
     """Maps each anchor's function name to a stand-in function (in a file, so its source can be read) whose body
     holds, as comments, the texts of every anchor of that name but `dropped`'s."""
@@ -255,10 +316,16 @@ def stand_in_resolver(tmp_path, anchors: tuple, dropped: Optional[versions.Ancho
                                                    ("grpo_compute_loss", "unsloth_zoo"),
                                                    ("grpo_accumulated_loss", "unsloth_zoo"),
                                                    ("_unsloth_grpo_sample_weight", "unsloth")])
-def test_a_missing_unsloth_anchor_names_the_package_it_belongs_to(tmp_path, function: str, package: str) -> None:
+@pytest.mark.parametrize("tested", [False, True])
+def test_a_missing_unsloth_anchor_names_the_package_it_belongs_to(tmp_path, monkeypatch, function: str, package: str,
+                                                                 tested: bool) -> None:
     """Unsloth generates UnslothGRPOTrainer's methods; the loss functions inlined beside them are unsloth_zoo's. A
-    missing anchor names its own package, its installed version and the install that fixes it."""
+    missing anchor names its own package, its installed version and the install that fixes it: a tested version
+    (the anchor is missing from its installed source, not from that release) is reinstalled, not installed again."""
     from unsloth_adaptive_kl.integrations.unsloth import anchor_package
+
+    found = Version("2026.10.9" if tested else "2026.11.1")  # installed or not here
+    monkeypatch.setattr(versions, "installed_version", lambda name: found)
 
     dropped = next(anchor for anchor in versions.UNSLOTH_ANCHORS if anchor.function == function)
     resolve = stand_in_resolver(tmp_path, versions.UNSLOTH_ANCHORS, dropped)
@@ -269,7 +336,12 @@ def test_a_missing_unsloth_anchor_names_the_package_it_belongs_to(tmp_path, func
     assert re.search(rf"^unsloth_adaptive_kl cannot patch {package}(==[\w.]+| \(not installed\)) \(tested: "
                      rf"{package}>=2026\.10\.7,<=2026\.10\.9\): the anchor `", message), message
     assert f"was not found in Unsloth's generated trainer: {function}." in message
-    assert message.endswith(f"pip install '{package}>=2026.10.7,<=2026.10.9'.")
+    if tested:
+        assert message.endswith(f"; this {package} is a tested version, so its installed source is not that "
+                                "release's (a fork, a development build or an edited file): reinstall it, pip install "
+                                f"--force-reinstall --no-deps '{package}==2026.10.9'.")
+    else:
+        assert message.endswith(f"; install a tested version: pip install '{package}>=2026.10.7,<=2026.10.9'.")
 
 
 @pytest.mark.parametrize("package", ["unsloth", "unsloth_zoo"])
@@ -475,6 +547,49 @@ def test_a_trainer_built_before_the_patch_says_so_at_its_first_step(tokenizer, t
     assert later.adaptive_kl.current_beta == 0.04 and not hasattr(early, "adaptive_kl")
 
 
+def test_a_trainer_built_while_patched_and_trained_after_unpatch_says_so_before_its_first_step(tokenizer,
+                                                                                                tmp_path) -> None:
+    """unpatch() restores the stock trainer's methods, so a trainer built before it trained one stock step and then
+    blamed "an override of _compute_loss or compute_loss that does not call super()", which no one wrote. Now the
+    train() call names unpatch(): an error before any step with an adapted setting, a warning (once) with `none`."""
+    clip = make_trainer(tokenizer, str(tmp_path / "clip"), max_steps=1, kl_adaptation_method="clip")
+    stock = make_trainer(tokenizer, str(tmp_path / "none"), max_steps=1)
+    unsloth_adaptive_kl.unpatch()
+    try:
+        with pytest.raises(RuntimeError, match=r"^adaptive_kl: this GRPOTrainer was built while unsloth_adaptive_kl "
+                                               r"was patched, and unsloth_adaptive_kl\.unpatch\(\) has since restored "
+                                               r"the stock trainer: .* \(kl_adaptation_method='clip'\)$"):
+            clip.train()
+        assert clip.state.global_step == 0
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                stock.train()
+            except RuntimeError:  # stock trl 1.15 has no CPU log-prob path (troubleshooting.md, "trl 1.15 on a CPU")
+                pass
+        said = [str(w.message) for w in caught if str(w.message).startswith("adaptive_kl: ")]
+        assert len(said) == 1 and "unpatch() has since restored the stock trainer" in said[0]
+    finally:
+        unsloth_adaptive_kl.patch()
+
+
+def test_a_stock_config_bound_before_the_import_says_why_it_refuses_an_adaptive_field() -> None:
+    """`from trl import GRPOConfig` above the import binds trl's stock class: given an adaptive-KL field it raised the
+    bare "unexpected keyword argument"; now the TypeError names the import order. Its stock fields work as before."""
+    stock = unsloth_adaptive_kl.integrations.trl.StockGRPOConfig
+    with pytest.raises(TypeError, match=r"^GRPOConfig\.__init__\(\) got an unexpected keyword argument "
+                                        r"'kl_adaptation_method': this GRPOConfig is trl's stock class, bound before "
+                                        r"`import unsloth_adaptive_kl` replaced trl\.GRPOConfig"):
+        stock(output_dir="out", use_cpu=True, beta=0.04, kl_adaptation_method="clip")
+    assert stock(output_dir="out", use_cpu=True, beta=0.04).beta == 0.04
+    unsloth_adaptive_kl.unpatch()
+    try:
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'kl_adaptation_method'$"):
+            stock(output_dir="out", use_cpu=True, kl_adaptation_method="clip")  # stock trl's own error again
+    finally:
+        unsloth_adaptive_kl.patch()
+
+
 def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_trainer_will_not_read_them() -> None:
     """The package's GRPOConfig (`unsloth_adaptive_kl.GRPOConfig`, or a trl.GRPOConfig bound before unpatch()) still
     takes the fields after unpatch(); a stock trainer built from it trained without them, silently."""
@@ -495,13 +610,13 @@ def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_traine
 
 def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:
     """`unsloth_adaptive_kl.patch()` returns early when TRL is patched; the integration's own `patch()`, called
-    directly, is idempotent as well: a second call records no second replacement (16 here: the 15 patch points and
-    the CPU fallback kernel where trl's has no CPU path, 15 otherwise) and leaves the fallback's upstream TRL's kernel,
+    directly, is idempotent as well: a second call records no second replacement (17 here: the 16 patch points and
+    the CPU fallback kernel where trl's has no CPU path, 16 otherwise) and leaves the fallback's upstream TRL's kernel,
     not the fallback itself (which would call itself on an accelerator)."""
     installed = len(trl_patch._patches)
     upstream = trl_patch.ChunkedLogProbWithCPUFallback.upstream
     trl_patch.patch()
-    assert len(trl_patch._patches) == installed == 15 + trl_patch.kernel_lacks_cpu_path()
+    assert len(trl_patch._patches) == installed == 16 + trl_patch.kernel_lacks_cpu_path()
     assert trl_patch.ChunkedLogProbWithCPUFallback.upstream is upstream
 
 
@@ -704,7 +819,8 @@ def test_unsloth_zoos_bnpo_rule_is_read_from_its_grpo_compute_loss_and_a_third_f
                    if isinstance(node, ast.FunctionDef) and node.name == "grpo_compute_loss"]
     assert versions.unsloth_bnpo_rule(ast.get_source_segment(text, function)) == expected
 
-    with pytest.raises(versions.IncompatibleVersionError) as caught:
+    with pytest.raises(versions.IncompatibleVersionError) as caught, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(versions, "is_tested", lambda name: False)  # a new unsloth_zoo
         versions.unsloth_bnpo_rule('    elif loss_type in ["dapo"]:\n')
     message = str(caught.value)
     assert message.startswith("unsloth_adaptive_kl cannot patch unsloth_zoo==")

@@ -11,7 +11,7 @@ import torch
 
 from .conftest import logged, make_trainer
 from unsloth_adaptive_kl import (AdaptiveKL, AdaptiveKLConfig, register_beta_controller, register_kl_estimator,
-                                 register_kl_shaping)
+                                 register_kl_reduction, register_kl_shaping)
 from unsloth_adaptive_kl.core import registry
 from unsloth_adaptive_kl.core.controllers import ConstantBeta
 from unsloth_adaptive_kl.core.estimators import estimator_names
@@ -92,6 +92,18 @@ def test_names_are_checked_and_unknown_ones_list_the_registered() -> None:
     for taken in ("clip", "none", "length_normalized", "test_accuracy_beta", "a+b", ""):
         with pytest.raises(ValueError, match=r"register_kl_shaping\(.*\): allowed is a new, non-empty name"):
             register_kl_shaping(taken)
+
+
+@pytest.mark.parametrize("name", [" pad", "pad ", "None"])
+def test_a_name_no_config_could_select_is_refused_by_every_registry(name: str) -> None:
+    """A config strips a method's name and reads kl_estimator='None' as unset (a command line's None): ' pad' was
+    registered, then refused by the config that listed it as allowed, and an estimator named 'None' was registered
+    and never used (the config computed k3)."""
+    rule = r"allowed is a new, non-empty name without surrounding spaces, other than 'None'"
+    for decorator in (register_kl_shaping, register_beta_controller, register_kl_estimator, register_kl_reduction):
+        with pytest.raises(ValueError, match=rf"^{decorator.__name__}\({name!r}\): {rule}"):
+            decorator(name)
+    assert name not in registry.method_names() and name not in estimator_names()
     with pytest.raises(TypeError, match="missing: step"):
         register_beta_controller("test_not_a_controller")(type("NoStep", (), {"observe_rewards": lambda s, r: None,
                                                                               "state_dict": dict,

@@ -1229,6 +1229,15 @@ def test_a_loss_type_whose_policy_gradient_term_is_not_ppo_clip_is_refused_by_th
         integration.grpo_kl_loss(AdaptiveKL(None, beta=0.1, loss_type=loss_type), **context)
 
 
+def test_a_loss_type_unknown_to_the_package_is_named_so_at_the_loss_doors() -> None:
+    """AdaptiveKL checks loss_type only where beta > 0 (at 0 a trainer has no KL term to reduce): at beta=0 a typo
+    reached the loss doors, which called it a loss type with a policy-gradient term of its own."""
+    akl = AdaptiveKL(None, beta=0.0, loss_type="grp")
+    for call in (lambda: integration.grpo_kl_loss(akl), lambda: integration.traceable_grpo_loss(akl)):
+        with pytest.raises(ValueError, match=r"^loss_type='grp' is not supported by adaptive KL: allowed is one of "):
+            call()
+
+
 def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> None:
     """As the own-loop doors and route 2 (`reward_penalty`) refuse it: a Datum mask of per-token weights (0.5 on a
     completion token) would count that token whole in the reductions' lengths; routes 1 and 3 name the input and

@@ -44,6 +44,7 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
         "was patched; the trainer is stock again, but the config class keeps the adaptive-KL fields, which it no "
         "longer reads (set one and nothing adapts). Start a new Python process for stock Unsloth."]
     assert result["trl_config_after_unpatch"] == [True] * 4
+    assert result["use_adapter_after_unpatch"] == [True, True]  # TRL's own, where it held the package's copy
     assert result["patch_after_unpatch"] == (
         "unsloth_adaptive_kl.patch() after unpatch(): Unsloth generated UnslothGRPOTrainer while this package was "
         "patched, and unpatch() took its hooks off; they cannot be put back on that class. Start a new Python process "

@@ -62,6 +62,11 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
             if "metrics" in part:  # each logged adaptive_kl/* value against docs/metrics.md's definition
                 assert_metrics_match(part["metrics"], part["expected_metrics"], rel=1e-4, abs_=1e-6)
         assert sum("metrics" in entry[method] for method in METHODS) == 6, loss_type
+        # docs/metrics.md: Unsloth's `kl` is the mean over completions of each one's token mean, not the token mean
+        # (which TRL's is); the captured completions' lengths differ, so the two are told apart
+        by_hand, logp_error = entry["stock_kl_by_hand"], two_path_logp_tolerance(20.0, 20)
+        assert abs(entry["stock_kl"] - by_hand["completion_mean"]) <= 4.5 * logp_error, (loss_type, by_hand)
+        assert abs(by_hand["token_mean"] - by_hand["completion_mean"]) > 100 * 4.5 * logp_error, by_hand
         assert entry["clip"]["kl_part"] < entry["none"]["kl_part"]
     grpo = results["grpo"]
     # grpo already averages per completion: length normalisation sums the same terms in another order.

@@ -323,9 +323,31 @@ def test_a_shared_field_goes_to_the_config_that_reads_it_and_one_neither_reads_w
         with pytest.warns(UserWarning) as caught:
             loss, reward = verl_kl.configs_from(block)
         assert [str(w.message) for w in caught] == [
-            "beta_max=0.2 has no effect: only kl_adaptation_method target reads it, and kl_adaptation_method='clip' "
-            "does not include it. Leave it at its default, or choose a setting that reads it."]
+            "adaptive_kl.beta_max=0.2 has no effect: only kl_adaptation_method target reads it, and "
+            "kl_adaptation_method='clip' does not include it. Leave it at its default, or choose a setting that reads "
+            "it."]
     assert (loss.beta_max, reward.beta_max) == (0.2, 0.3)
+
+
+def test_the_blocks_warnings_come_once_from_the_trainer_in_verls_terms():
+    """A field that has no effect, and k1 in the actor loss, each warned twice when the trainer was built (the config,
+    then the AdaptiveKL built from it; three times for the reward's: its placed copy too), without the block's name,
+    and k1's advised kl_placement='reward', which verl refuses: now once each, named by block, with verl's fix."""
+    def caught(config):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            _GuardedTrainer(config)
+        return [str(w.message) for w in seen if "no effect" in str(w.message) or "k1" in str(w.message)]
+
+    said = caught(trainer_config(use_kl_in_reward=False, kl_estimator="k1"))
+    assert len(said) == 1 and said[0].startswith(
+        "adaptive_kl.kl_estimator='k1' with actor_rollout_ref.actor.use_kl_loss=True: the expected gradient of k1 is "
+        "zero on-policy")
+    assert "algorithm.use_kl_in_reward=True with algorithm.kl_penalty=kl" in said[0] and "kl_placement" not in said[0]
+    assert [message.split(" has")[0] for message in caught(trainer_config(kl_clip_threshold=0.5))] == [
+        "adaptive_kl.kl_clip_threshold=0.5"]
+    assert [message.split(" has")[0] for message in caught(trainer_config(reward={"kl_clip_threshold": 0.5}))] == [
+        "adaptive_kl.reward.kl_clip_threshold=0.5"]
 
 
 def test_the_loss_only_fields_are_not_inherited_by_the_reward():
@@ -515,6 +537,20 @@ def test_a_coefficient_of_zero_warns_in_verls_terms_and_only_for_fields_that_wer
         "term off. Set actor_rollout_ref.actor.kl_loss_coef > 0 to regularise.",
         "adaptive_kl.reward.kl_adaptation_method='dynamic' has no effect: algorithm.kl_ctrl.kl_coef=0.0 turns this KL "
         "term off. Set algorithm.kl_ctrl.kl_coef > 0 to regularise."]
+
+
+@pytest.mark.parametrize("value", [True, "abc", "0.1", -0.1, float("nan")])
+@pytest.mark.parametrize("field", ["actor_rollout_ref.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"])
+def test_a_bad_kl_coefficient_is_refused_by_its_verl_name(field, value):
+    """As GRPOConfig(beta=...) and AdaptiveKL(beta=...) refuse it: float() took True to beta 1.0 and "0.1" to 0.1
+    silently, and "abc" raised "could not convert string to float" naming no field."""
+    from omegaconf import OmegaConf
+
+    config = trainer_config()
+    OmegaConf.update(config, field, value)
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)}={re.escape(repr(value))} is invalid: allowed is a "
+                                         r"finite number >= 0\.$"):
+        _GuardedTrainer(config)
 
 
 def test_a_registered_kl_reduction_verl_cannot_aggregate_is_refused_when_the_trainer_is_built():
@@ -1417,8 +1453,8 @@ def test_a_reward_field_that_its_methods_do_not_read_is_kept_and_warns_naming_it
         loss, reward = verl_kl.configs_from({"kl_adaptation_method": "target",
                                              "reward": {"kl_adaptation_method": "clip", "beta_max": 0.35}})
     assert [str(w.message) for w in caught] == [
-        "beta_max=0.35 has no effect: only kl_adaptation_method target reads it, and kl_adaptation_method='clip' "
-        "does not include it. Leave it at its default, or choose a setting that reads it."]
+        "adaptive_kl.reward.beta_max=0.35 has no effect: only kl_adaptation_method target reads it, and "
+        "kl_adaptation_method='clip' does not include it. Leave it at its default, or choose a setting that reads it."]
     assert reward.beta_max == 0.35 and loss.beta_max == AdaptiveKLConfig().beta_max
 
 

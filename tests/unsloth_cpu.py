@@ -278,6 +278,19 @@ def expected_metrics(trainer: Any, inputs: dict) -> dict[str, float]:
                          beta=trainer.adaptive_kl.current_beta, clip=args.kl_clip_threshold, target=args.kl_target)
 
 
+def stock_kl_by_hand(trainer: Any, inputs: dict) -> dict[str, Any]:
+    """docs/metrics.md's Unsloth `kl`: the mean over completions (with a valid token) of each completion's token mean
+    of its clamped k3, beside the token mean (TRL's) and the completions' lengths, which tell the two apart."""
+    with torch.no_grad():
+        logp = policy_logps(trainer.model, inputs)
+    r = torch.clamp(inputs["ref_per_token_logps"] - logp, -20, 20)
+    k, m = torch.clamp(torch.expm1(r) - r, -10, 10), inputs["completion_mask"].float()
+    lengths = m.sum(-1)
+    kept = lengths > 0
+    return {"completion_mean": ((k * m).sum(-1)[kept] / lengths[kept]).mean().item(),
+            "token_mean": ((k * m).sum() / m.sum()).item(), "lengths": lengths.tolist()}
+
+
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
@@ -342,6 +355,10 @@ def scenario_config(out: str) -> dict:
         unsloth_adaptive_kl.unpatch()
         unsloth_adaptive_kl.unpatch()
     result["unpatch_warnings"] = [str(w.message) for w in caught if "unpatch()" in str(w.message)]
+    # the generated module's use_adapter, a copy of ours (taken from the patched TRL module when Unsloth generated it)
+    result["use_adapter_after_unpatch"] = [generated.use_adapter is trl.trainer.utils.use_adapter,
+                                           sys.modules["trl.trainer.grpo_trainer"].use_adapter
+                                           is trl.trainer.utils.use_adapter]
     # trl's config names stay the config Unsloth generated (they were put back to TRL's own, beside Unsloth's trainer,
     # which then failed on a config without Unsloth's fields)
     result["trl_config_after_unpatch"] = [module.GRPOConfig is type(args) for module in (
@@ -393,6 +410,7 @@ def scenario_losses(out: str) -> dict:
                                  "none_grad_diff": max_abs_diff(grads, stock_grads),
                                  "stock_grad_max": max_abs(stock_grads), "stock_kl": trainer._metrics["train"]["kl"][-1]}
         entry["stock_magnitude"] = stock_magnitude(trainer, inputs)  # after the stock call's `kl` metric is read
+        entry["stock_kl_by_hand"] = stock_kl_by_hand(trainer, inputs)
         trainer.beta = 0.0
         policy, policy_grads = loss_and_grads(trainer, inputs)
         trainer.beta = 0.04

@@ -39,12 +39,15 @@ def patch() -> None:
                           "pip install 'unsloth-adaptive-kl[trl] @ git+https://github.com/unsloth-adaptive-kl/unsloth-adaptive-kl' "
                           "(or [unsloth]).")
     trl, unsloth = _integrations()
-    if trl.is_patched():  # already patched; the Unsloth hook too (idempotent), in case it failed after TRL's
-        unsloth.patch()
+    if trl.is_patched():  # already patched: the Unsloth hook with TRL (both or neither, below)
         return
     unsloth.check_import_order()
     trl.patch()
-    unsloth.patch()
+    try:
+        unsloth.patch()
+    except BaseException:  # nothing patched half-way: an Unsloth anchor missing leaves TRL stock too, as it says
+        trl.unpatch()
+        raise
 
 
 def unpatch() -> None:

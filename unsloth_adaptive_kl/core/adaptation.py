@@ -52,14 +52,14 @@ def token_kl(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor, c
              old_logps: Optional[torch.Tensor] = None) -> TokenKL:
     """mask, check, estimate, shape: k = the configured estimator of the masked log-probs, or `per_token_kl` (the KL
     a trainer computed itself) masked; k' = shape(k). `old_logps`: the old policy's log-probs where a door holds them
-    (a trainer's importance ratio divides by them), checked with the others. `names` (policy=, reference=, old=):
-    what a non-finite error calls each tensor (where it came from)."""
+    (a trainer's importance ratio divides by them), checked with the others. `names` (keyed by `KINDS`: policy,
+    reference, old policy): what a non-finite error calls each tensor (where it came from)."""
     valid = valid_positions(mask)
     # The KL's gradient is the policy's alone: a reference handed over with a graph (a loop's own reference forward)
     # gets none.
     logp, ref = keep_valid(logps, valid), keep_valid(ref_logps.detach(), valid)
     old = None if old_logps is None else keep_valid(old_logps.detach(), valid)
-    check = LogpCheck.of_masked(logp, ref, old, **(names or {}))
+    check = LogpCheck.of_masked(logp, ref, old, names)
     kl = keep_valid(run_estimator(logp, ref, valid, config) if per_token_kl is None else per_token_kl, valid)
     return TokenKL(valid, kl, shape_kl(kl, config), check)
 

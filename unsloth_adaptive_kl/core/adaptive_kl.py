@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from .adaptation import KLTerm, kl_term
+from .adaptation import KLTerm, kl_term, neutral_where_empty
 from .config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, is_real, reject, settings_of
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
@@ -31,8 +31,8 @@ from .reductions import (ReductionContext, check_completions_fit, check_divisors
                          loss_type_reduction, reduction_left_as_is, warn_unread_context)
 from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
 
-STATE_FORMAT = 5  # `state_dict()`'s format: 5 adds the step's rewards; 4 names the step's sums; 3 added the step's
-# KL; 2 the kind; 1 none
+STATE_FORMAT = 6  # `state_dict()`'s format: 6 adds the old policy's log-prob sum to the step's sums (`old_logps`);
+# 5 the step's rewards; 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
 
 
 class AdaptiveKL:
@@ -99,6 +99,7 @@ class AdaptiveKL:
         self._optimizer_steps = OptimizerSteps()  # a loop of your own: did an optimizer step between its batches?
         self._unstepped_warned = False
         self._twice_warned = False
+        self._warned_empty = False  # reward_penalty without group_size met a completion without tokens
         self._calls_since_optimizer = 0  # step() calls since the loop's optimizer last stepped
         self._stepped_twice: list[int] = []  # the step() calls between the last optimizer steps, each > 1
 
@@ -180,6 +181,7 @@ class AdaptiveKL:
         per_token_kl: Optional[torch.Tensor] = None,
         gather: Optional[Gather] = None,
         train: bool = True,
+        group_size: Optional[int] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """(P, metrics) for the KL in the reward, as `kl_loss` returns (term, metrics): P_i = beta_t * KL_i per
         completion, without gradient, to subtract from each reward before the group statistics. KL_i = the estimator
@@ -188,18 +190,38 @@ class AdaptiveKL:
         (float32, as trainers gather rewards). metrics: the `adaptive_kl/*` floats, `adaptive_kl/reward_penalty`
         included (also in `last_metrics`); the next `step` reads the batch's KL, unless `train=False` (an evaluation
         batch). Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid token raises
-        `NonFiniteLogProbError`."""
+        `NonFiniteLogProbError`.
+
+        `group_size`: the completions per prompt, each group consecutive in the (gathered) batch. A completion with
+        no valid token has no KL; with `group_size` it gets its group's mean penalty (`neutral_where_empty`), as the
+        trainer integrations give it, so that its reward moves no other advantage by its penalty. Without it, its
+        penalty is 0 and the first such batch warns."""
         self.check_settings()
         if not self.config.kl_in_reward:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
         check_batch(logps, ref_logps, mask, per_token_kl)
         check_estimator_read(self.config, per_token_kl)
+        gather = gather or local
+        term = self.term(logps, ref_logps, mask, per_token_kl=per_token_kl)
+        lengths = gather(term.lengths)  # every process's, as the penalties are returned
+        if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
+                                       or group_size < 1 or lengths.numel() % group_size):
+            raise reject("group_size", group_size, f"an integer >= 1 that divides the {lengths.numel()} completions "
+                         "(of every process, with gather), or None")
         if train:
             self._warn_if_unstepped("reward_penalty")
-        penalty, self.last_metrics = self.penalize(
-            self.term(logps, ref_logps, mask, per_token_kl=per_token_kl), gather=gather or local,
-            train=train, completed_steps=self.completed_steps)
+        penalty, self.last_metrics = self.penalize(term, gather=gather, train=train,
+                                                   completed_steps=self.completed_steps)
+        if group_size is not None:
+            penalty = neutral_where_empty(penalty, lengths, group_size)
+        elif not self._warned_empty and bool((lengths == 0).any()):
+            self._warned_empty = True
+            warnings.warn(f"adaptive KL: reward_penalty: completion(s) {(lengths == 0).nonzero().flatten().tolist()} "
+                          "have no valid token, so no KL: their penalty is 0, which lowers the advantages of the "
+                          "other completions of their group by their share of the group's mean penalty. Pass "
+                          "group_size= (the completions per prompt) to give them their group's mean penalty.",
+                          UserWarning, stacklevel=2)
         return penalty, self.last_metrics
 
     def step(self, mean_reward: Optional[float] = None, *, kl: Optional[WindowKL] = None) -> float:
@@ -427,8 +449,9 @@ class AdaptiveKL:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
-        load too (without rewards observed since their last step: formats up to 4 handed each to the controller at
-        once): format 3 (the step's KL as [sum S_i, sum L_i, completions] lists under `step_kl` and
+        load too: sums without `old_logps` (formats up to 5) load it as 0 (the old policy's log-probs' sum, which only
+        the non-finite check reads); format 4 without rewards observed since the last step (it handed each to the
+        controller at once); format 3 (the step's KL as [sum S_i, sum L_i, completions] lists under `step_kl` and
         `generation_kl`); formats 2 and 1 without the step's KL (a resumed run then has seen none). Format 1 has no
         version: the controller's fields and `completed_steps` (which the oldest trainer checkpoints lack), as the
         own-loop object and the trainer integrations' checkpoints wrote them; its kind is read from its fields."""

@@ -153,8 +153,8 @@ def python_number(value: Any, allowed: str) -> str:
     """`allowed`, followed for a numpy or torch number by why it is refused as such (Python numbers only)."""
     if is_real(value) or not hasattr(value, "item"):
         return allowed
-    kind = type(value)
-    return f"{allowed}, as a Python int or float (this is a {kind.__module__}.{kind.__qualname__}: pass float(...))"
+    kind, call = type(value), "int" if allowed.startswith("an integer") else "float"
+    return f"{allowed}, as a Python int or float (this is a {kind.__module__}.{kind.__qualname__}: pass {call}(...))"
 
 
 @dataclass
@@ -400,7 +400,7 @@ class AdaptiveKLConfig:
         warn_estimator_placement(self.estimator, self.kl_placement)
         steps = self.beta_schedule_steps
         if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
-            raise reject("beta_schedule_steps", steps, "an integer >= 1, or None for no cut-off")
+            raise reject("beta_schedule_steps", steps, python_number(steps, "an integer >= 1, or None for no cut-off"))
         if self.ref_model_sync_kl is not None:
             check_real("ref_model_sync_kl", self.ref_model_sync_kl,
                        is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,

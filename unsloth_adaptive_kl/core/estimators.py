@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from .numerics import masked_logps
+from .registry import NAME_RULE, selectable
 
 Estimator = Callable[..., torch.Tensor]
 _ESTIMATORS: dict[str, Estimator] = {}
@@ -26,9 +27,9 @@ def register_kl_estimator(name: str) -> Callable[[Estimator], Estimator]:
     parameter, if it has one, receives the `AdaptiveKLConfig` (for settings of its own). Every method then reads the
     KL it gives (shaping, length normalisation, reductions, the KL in the reward). Register before the config is
     built: the name is validated there. A registered name cannot be registered again."""
-    if not isinstance(name, str) or not name or name in _ESTIMATORS:
+    if not selectable(name) or name in _ESTIMATORS:
         taken = f" (registered: {', '.join(_ESTIMATORS)})" if name in _ESTIMATORS else ""
-        raise ValueError(f"register_kl_estimator({name!r}): allowed is a new, non-empty name{taken}.")
+        raise ValueError(f"register_kl_estimator({name!r}): allowed is {NAME_RULE}{taken}.")
 
     def add(function: Estimator) -> Estimator:
         if not callable(function):

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Optional
 
 import torch
 
@@ -81,24 +82,28 @@ class LogpCheck:
 
     @classmethod
     def of_masked(cls, logp: torch.Tensor, ref: torch.Tensor, old: Optional[torch.Tensor] = None,
-                  **names: str) -> "LogpCheck":
-        """From tensors whose masked positions are already 0 (`masked_logps`). names: policy=, reference=, old=."""
+                  names: Optional[Mapping[str, str]] = None) -> "LogpCheck":
+        """From tensors whose masked positions are already 0 (`masked_logps`). names: what the error calls each
+        tensor, keyed by its kind (`KINDS`); a kind not named keeps its default name."""
+        names = names or {}
+        if not set(names) <= set(KINDS):
+            raise KeyError(f"LogpCheck names {sorted(set(names) - set(KINDS))}: the kinds are {KINDS}")
         logp, ref = logp.detach(), ref.detach()
         old = None if old is None else old.detach()
-        labels = tuple(names.get(kind, default) for kind, default in zip(("policy", "reference", "old"), cls.names))
+        labels = tuple(names.get(kind, default) for kind, default in zip(KINDS, cls.names))
         old_sum = logp.new_zeros(()) if old is None else old.sum()
         return cls(sums=torch.stack([logp.sum(), ref.sum(), old_sum.to(logp.dtype)]).float(),
                    tensors=(logp, ref, old), names=labels)  # type: ignore[arg-type]
 
     @classmethod
     def of(cls, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, old: Optional[torch.Tensor] = None,
-           **names: str) -> "LogpCheck":
+           names: Optional[Mapping[str, str]] = None) -> "LogpCheck":
         """From raw log-probs and the mask (masked positions may hold anything)."""
         with torch.no_grad():
             valid = valid_positions(mask)
             logp, ref = masked_logps(logp, ref, valid)
             old = None if old is None else keep_valid(old, valid)
-        return cls.of_masked(logp, ref, old, **names)
+        return cls.of_masked(logp, ref, old, names)
 
     def counts(self) -> tuple[int, ...]:
         """How many valid tokens of each tensor are non-finite (one host transfer; the error path only)."""

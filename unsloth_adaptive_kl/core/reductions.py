@@ -19,6 +19,7 @@ import torch
 
 from .errors import reject
 from .numerics import in_float32, keep_valid, valid_positions
+from .registry import NAME_RULE, selectable
 
 
 CONTEXT_FIELDS = ("max_completion_length", "token_normalizer")
@@ -91,8 +92,8 @@ def register_reduction(name: str, *, loss_types: tuple[str, ...] = (), setting: 
     loss types, `kl_reduction` setting, per-completion form, `loss_agg_mode` name and context fields read given. A
     taken name or setting is a ValueError."""
     taken = [reduction.name for reduction in REDUCTIONS.values()] + list(kl_reduction_settings())
-    if not isinstance(name, str) or not name or name in taken or (setting is not None and setting in taken):
-        raise ValueError(f"register_kl_reduction({name!r}): allowed is a new, non-empty name (taken: "
+    if not selectable(name) or name in taken or (setting is not None and setting in taken):
+        raise ValueError(f"register_kl_reduction({name!r}): allowed is {NAME_RULE} (taken: "
                          f"{', '.join(dict.fromkeys(taken))}).")
 
     def add(function: ReduceFn) -> ReduceFn:

@@ -18,10 +18,19 @@ def method_names() -> tuple[str, ...]:
     return (*SHAPINGS, *LENGTH_METHODS, *BETA_CONTROLLERS)
 
 
+NAME_RULE = "a new, non-empty name without surrounding spaces, other than 'None'"
+
+
+def selectable(name: Any) -> bool:
+    """Whether a registered `name` can be selected by a config: a non-empty string without surrounding whitespace
+    (the config strips a method's), other than 'None' (a command line's None, read as unset)."""
+    return isinstance(name, str) and bool(name) and name == name.strip() and name != "None"
+
+
 def new_method_name(decorator: str, name: Any) -> str:
-    """`name`, checked for a new `kl_adaptation_method`: a non-empty string without '+', not 'none', not taken by
-    any method. A ValueError naming the decorator, the value and the names taken otherwise."""
-    if not isinstance(name, str) or not name or "+" in name or name == "none" or name in method_names():
-        raise ValueError(f"{decorator}({name!r}): allowed is a new, non-empty name without '+' other than 'none' "
+    """`name`, checked for a new `kl_adaptation_method`: `selectable`, without '+', not 'none', not taken by any
+    method. A ValueError naming the decorator, the value and the names taken otherwise."""
+    if not selectable(name) or "+" in name or name == "none" or name in method_names():
+        raise ValueError(f"{decorator}({name!r}): allowed is {NAME_RULE}, without '+' and other than 'none' "
                          f"(taken: {', '.join(method_names())}).")
     return name

@@ -34,8 +34,11 @@ class PatchSet:
     def replaced(self, owner: Any, name: str) -> bool:
         return any(o is owner and n == name for o, n, _, _ in self._originals)
 
-    def replace(self, owner: Any, name: str, replacement: Any) -> None:
-        self._originals.append((owner, name, vars(owner).get(name, _MISSING), replacement))
+    def replace(self, owner: Any, name: str, replacement: Any, *, stock: Any = _MISSING) -> None:
+        """owner.name = replacement; a restore puts back what it held, or `stock` where given (what it held is a
+        copy of our own patch: a module Unsloth generated from TRL's patched source)."""
+        self._originals.append((owner, name, vars(owner).get(name, _MISSING) if stock is _MISSING else stock,
+                                replacement))
         setattr(owner, name, replacement)
 
     def restore(self, keep: int = 0, *, leave_newer: bool = False) -> None:

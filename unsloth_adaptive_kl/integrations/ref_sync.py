@@ -34,7 +34,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 
 METRIC = "adaptive_kl/ref_syncs"
 STATE_FILE = "adaptive_kl_reference.pt"
-_stock_use_adapter = trl_utils.use_adapter
+stock_use_adapter = trl_utils.use_adapter
 # The reference the PEFT reference forward exchanges in while a trainer generates: None before its first sync.
 _MOVED: contextvars.ContextVar[Optional["AdapterReference"]] = contextvars.ContextVar("adaptive_kl_moved_reference",
                                                                                        default=None)
@@ -306,7 +306,7 @@ def use_reference(model: Any, adapter_name: Optional[str]) -> Iterator[None]:
     log-probs: TRL's own (adapter disabled, or the "ref" adapter) until the first sync, the synced reference after."""
     moved = _MOVED.get()
     if moved is None:
-        with _stock_use_adapter(model, adapter_name):
+        with stock_use_adapter(model, adapter_name):
             yield
     else:
         with moved.swapped_in():

@@ -37,7 +37,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
-from ..core.adaptation import kl_term, neutral_where_empty, token_kl
+from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.config import check_real, is_real
 from ..core.errors import reject
@@ -191,6 +191,7 @@ def check_loss_route(akl: AdaptiveKL, door: str) -> None:
     """Routes 1 and 3 put beta * KL into the loss beside a PPO-clip surrogate: a ValueError where the settings put it
     into the rewards, or where `akl.loss_type` names another policy-gradient term."""
     check_loss_placement(akl, door)
+    loss_type_reduction(akl.loss_type)  # a loss type unknown to the package (AdaptiveKL checks it only at beta > 0)
     if akl.loss_type not in PPO_CLIP_LOSS_TYPES:
         raise ValueError(f"loss_type={akl.loss_type!r} is invalid for {door}(...): its policy-gradient term is the "
                          "token-level PPO-clip surrogate, which that loss type replaces by its own; allowed is one of "
@@ -205,7 +206,7 @@ def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, advantages: torc
     every gradient would be NaN); `NonFiniteLogProbError` where the sampler log-probs (the PPO ratio's denominator) or
     the reference log-probs hold a NaN or +-inf on a valid token, naming each and how many tokens."""
     check_mask(mask, f"loss_fn_inputs[{MASK!r}]")
-    found = found_in_check(LogpCheck.of(sampled, ref, mask, **DATUM_LOGPS))
+    found = found_in_check(LogpCheck.of(sampled, ref, mask, names=DATUM_LOGPS))
     if found:
         raise nonfinite_error(step, found)
     bad = (mask != 0) & ~torch.isfinite(advantages)
@@ -415,10 +416,9 @@ def kl_penalized_data(
         raise ValueError(f"rewards hold NaN or +-inf at completion(s) {unscored}: every reward must be a finite number "
                          "(score each completion, or leave an unscored completion's group out of the batch)")
     logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
-    penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask, train=train)
-    # A completion without valid tokens (masked out) has no KL: its group's mean penalty, as TRL's and Unsloth's
-    # scoring gives it, so that its reward in the group's statistics moves no other completion's advantage by it.
-    penalty = neutral_where_empty(penalty.to(torch.float32), valid_positions(mask).sum(-1), group_size)
+    # A completion without valid tokens (masked out) has no KL: its group's mean penalty (group_size), as TRL's and
+    # Unsloth's scoring gives it, so that its reward in the group's statistics moves no other completion's advantage.
+    penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask, train=train, group_size=group_size)
     penalized = (rewards - penalty).view(-1, group_size)
     advantages = penalized - penalized.mean(dim=1, keepdim=True)
     if scale_by_std:

@@ -28,6 +28,7 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 from ..core.adaptation import neutral_where_empty
 from ..core.adaptive_kl import AdaptiveKL
 from ..core.config import AdaptiveKLConfig, check_real, is_real, reject
+from ..core.controllers import check_horizon
 from ..core.numerics import valid_positions
 from .patching import PatchSet
 from .ref_sync import attach_reference_sync, reference_for_generation, warn_if_synced_reference_dropped
@@ -160,6 +161,7 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
     adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type, num_iterations=trainer.args.num_iterations,
                              reference_sync=bool(getattr(trainer.args, "sync_ref_model", False)))
     check_trl_settings(trainer.args, config)
+    check_target_horizon(trainer, config)
     check_estimator_saves(config)
     if config.is_stock_kl and sequence_weighted_kl(trainer.args):  # stock: kept as the trainer computes it
         warnings.warn(
@@ -173,6 +175,27 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
         )
     trainer.adaptive_kl = adaptive_kl
     return adaptive_kl
+
+
+def check_target_horizon(trainer: Any, config: AdaptiveKLConfig) -> None:
+    """`target`'s horizon against a step's completions n, before training (the core's `check_horizon`, which the step
+    would otherwise raise after its generation, forward and backward): with the KL in the loss, n =
+    per_device_train_batch_size x gradient_accumulation_steps x processes / num_iterations (a completion counts once
+    per generation batch); in the reward, n = generation_batch_size (the batch scored). Each completion is counted as
+    if it had tokens (a step where some are masked out counts fewer)."""
+    if "target" not in config.kl_methods or trainer.beta == 0:
+        return
+    args = trainer.args
+    if config.kl_in_reward:
+        completions, spelled = args.generation_batch_size, "generation_batch_size"
+    else:
+        completions = (args.per_device_train_batch_size * args.gradient_accumulation_steps
+                       * trainer.accelerator.num_processes / args.num_iterations)
+        spelled = "per_device_train_batch_size x gradient_accumulation_steps x processes / num_iterations"
+    try:
+        check_horizon(config, completions)
+    except ValueError as error:
+        raise ValueError(f"{str(error).rstrip('.')}; here n is {spelled}.") from None
 
 
 def log_settings(trainer: Any) -> None:
@@ -278,7 +301,14 @@ def wrap_init(upstream: Callable) -> Callable:
             attach_reference_sync(self)
         log_settings(self)
 
+    __init__.adaptive_kl_hooked = True  # type: ignore[attr-defined]  (what `hooked` looks for; wraps() carries it)
     return __init__
+
+
+def hooked(trainer_class: type) -> bool:
+    """Whether a trainer class still holds this package's hooks: a class of its MRO has the `wrap_init` __init__
+    (unpatch() restores the stock one)."""
+    return any(getattr(vars(cls).get("__init__"), "adaptive_kl_hooked", False) for cls in trainer_class.__mro__)
 
 
 class _CallRecorder:
@@ -438,6 +468,22 @@ class LossHookCheck(TrainerCallback):
 
     def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """A trainer built while patched, trained after `unpatch()`: its class holds the stock methods again, so no
+        step would reach the hook. Said before the first step (an error with an adapted setting), naming unpatch()."""
+        if hooked(type(self.trainer)) or self.trainer.beta == 0.0:
+            return
+        config = self.trainer.adaptive_kl.config
+        message = (f"adaptive_kl: this {type(self.trainer).__name__} was built while unsloth_adaptive_kl was patched, "
+                   "and unsloth_adaptive_kl.unpatch() has since restored the stock trainer: it would train with the "
+                   "stock KL term, log no adaptive_kl/ metric and never move beta. Call unsloth_adaptive_kl.patch() "
+                   "before train(), or build the trainer while patched.")
+        if not config.is_stock_kl or getattr(self.trainer.args, "sync_ref_model", False):
+            raise RuntimeError(f"{message} ({', '.join(config.adapted_fields() or ['sync_ref_model=True'])})")
+        self.trainer._adaptive_kl_hook_warned = True  # the steps' own warning would blame an override
+        warnings.warn(message + " With kl_adaptation_method='none' the loss is stock; only the metrics are missing.",
+                      UserWarning, stacklevel=2)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, runtime = self.trainer, self.trainer.adaptive_kl

@@ -23,7 +23,7 @@ import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 
-from ..core.config import AdaptiveKLConfig
+from ..core.config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig
 from ..core.numerics import masked_reference
 from .grpo_loss import LossNormalisers, adapted_loss
 from .patching import PatchSet
@@ -89,6 +89,24 @@ def reduce_stock_config(config: Any, protocol: int) -> Any:
     if type(config) is not StockGRPOConfig:
         return object.__reduce_ex__(config, protocol)
     return stock_config, (dict(vars(config)),)
+
+
+def wrap_stock_config_init(upstream: Callable) -> Callable:
+    """trl's stock GRPOConfig.__init__: given an adaptive-KL field, the TypeError it raises anyway names the cause (a
+    name bound to the stock class before the import) instead of the bare "unexpected keyword argument"."""
+
+    @functools.wraps(upstream)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        fields = [name for name in kwargs if name in ADAPTIVE_KL_FIELDS]
+        if fields:
+            raise TypeError(
+                f"GRPOConfig.__init__() got an unexpected keyword argument {fields[0]!r}: this GRPOConfig is trl's "
+                "stock class, bound before `import unsloth_adaptive_kl` replaced trl.GRPOConfig (a `from trl import "
+                "GRPOConfig` above the import, here or in a module imported first). Import unsloth_adaptive_kl "
+                "first, or take the class after it (trl.GRPOConfig, unsloth_adaptive_kl.GRPOConfig).")
+        upstream(self, *args, **kwargs)
+
+    return __init__
 
 
 def stock_config(attributes: dict[str, Any]) -> Any:
@@ -202,6 +220,7 @@ _save_checkpoint = wrap_save_checkpoint(_stock_save_checkpoint)
 _load_optimizer_and_scheduler = wrap_load_optimizer_and_scheduler(_stock_load_optimizer_and_scheduler)
 _prediction_step = wrap_prediction_step(_stock_prediction_step)
 _current_beta = property(current_beta)
+_stock_config_init = wrap_stock_config_init(StockGRPOConfig.__init__)
 
 
 def kernel_lacks_cpu_path() -> bool:
@@ -219,6 +238,9 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         # object.__reduce_ex__, as trl's stock GRPOConfig inherits it: a stock config bound before the import (it
         # trains as `none`) pickles by its attributes, its class's name being ours now (above).
         (StockGRPOConfig, "__reduce_ex__", reduce_stock_config),
+        # trl's stock GRPOConfig.__init__: an adaptive-KL field given to a name bound before the import is a TypeError
+        # that says so.
+        (StockGRPOConfig, "__init__", _stock_config_init),
         # GRPOTrainer.__init__: validates the settings and builds the beta controller; with sync_ref_model=True it
         # lifts TRL's refusal of PEFT models and syncs the reference itself (ref_sync).
         (StockGRPOTrainer, "__init__", _init),
@@ -238,6 +260,7 @@ def _patch_points() -> list[tuple[Any, str, Any]]:
         # GRPOTrainer.prediction_step: an evaluation batch marked as such, so that it feeds no beta controller (the
         # model's mode does not say it: continuous batching generates with model.train()).
         (StockGRPOTrainer, "prediction_step", _prediction_step),
+        # GRPOTrainer.current_beta, which stock trl has not: the live beta (trainer.beta stays the configured one).
         (StockGRPOTrainer, "current_beta", _current_beta),
         # GRPOTrainer.adaptive_kl, which stock trl has not: a trainer built before the patch says so (above).
         (StockGRPOTrainer, "adaptive_kl", BuiltBeforePatch()),
@@ -260,6 +283,12 @@ def patch() -> None:
     """Install the adaptive KL into TRL in place. Idempotent."""
     if _patches:
         return
+    if StockGRPOConfig.__module__ == __name__:  # the "stock" objects above were an earlier copy of this module's
+        raise ImportError(
+            "unsloth_adaptive_kl: trl is patched already, by an earlier import of this package (a reload, or its "
+            "modules removed from sys.modules): the stock trl objects are out of this copy's reach, and patching "
+            "again would wrap the adaptive trainer twice. Restart the Python process (in a notebook, the kernel) and "
+            "import unsloth_adaptive_kl once.")
     check_anchors("trl", TRL_ANCHORS, _stock_function)
     for owner, name, replacement in _patch_points():
         _patches.replace(owner, name, replacement)

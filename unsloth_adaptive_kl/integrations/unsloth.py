@@ -42,7 +42,7 @@ from ..core.config import reject
 from ..core.numerics import masked_reference
 from .grpo_loss import LossNormalisers, adapted_loss
 from .patching import PatchSet
-from .ref_sync import use_reference
+from .ref_sync import stock_use_adapter, use_reference
 from .trl import GRPOConfig
 from .trainer_hooks import (
     LOGGED_TRL_FIELDS,
@@ -389,13 +389,16 @@ def _install(trainer_class: type) -> None:
     # The generated trainer's prediction_step: evaluation marked, as Unsloth's generation leaves the model in training
     # mode.
     _patches.replace(trainer_class, "prediction_step", wrap_prediction_step(trainer_class.prediction_step))
+    # The generated trainer's _save_checkpoint / _load_optimizer_and_scheduler: the controller state and the synced
+    # reference in checkpoints, as in TRL's; current_beta: the live beta (trainer.beta stays the configured one).
     _patches.replace(trainer_class, "_save_checkpoint", wrap_save_checkpoint(trainer_class._save_checkpoint))
     _patches.replace(trainer_class, "_load_optimizer_and_scheduler",
              wrap_load_optimizer_and_scheduler(trainer_class._load_optimizer_and_scheduler))
     _patches.replace(trainer_class, "current_beta", property(current_beta))
     # The generated module's `use_adapter` (imported from trl.trainer.grpo_trainer when Unsloth generated it, so
-    # already ours when TRL was patched then), as its _generate_and_score_completions calls it for the reference forward.
-    _patches.replace(module, "use_adapter", use_reference)
+    # already ours when TRL was patched then), as its _generate_and_score_completions calls it for the reference forward;
+    # unpatch() restores TRL's own, not the copy of ours.
+    _patches.replace(module, "use_adapter", use_reference, stock=stock_use_adapter)
 
 
 SWALLOWED_NOTE = (

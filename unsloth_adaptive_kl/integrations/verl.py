@@ -64,7 +64,7 @@ from ..core.adaptation import TokenKL, token_kl
 from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields, check_real,
                            is_real, warn_estimator_issue)
 from ..core.controllers import check_horizon
-from ..core.errors import reject
+from ..core.errors import KLEstimatorWarning, reject
 from ..core.numerics import (KINDS, NonFinite, found_in_check, masked_logps, masked_reference, nonfinite_error,
                              this_process)
 from ..core.reductions import (agg_mode_of, kl_reduction, loss_type_of_agg_mode, loss_type_reduction,
@@ -161,14 +161,28 @@ def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:
 
 def _config(values: dict[str, Any], overrides: dict[str, Any]) -> AdaptiveKLConfig:
     """AdaptiveKLConfig(**values), a bad value named with its block: `adaptive_kl.reward.` where `reward` set it
-    (`overrides`), else `adaptive_kl.`."""
-    try:
-        return AdaptiveKLConfig(**values)
-    except ValueError as error:
-        name = str(error).split("=", 1)[0]
-        if name not in values:  # not one field's error (a combination's): as the core words it
-            raise
-        raise ValueError(f"{'adaptive_kl.reward' if name in overrides else 'adaptive_kl'}.{error}") from None
+    (`overrides`), else `adaptive_kl.`. Its warnings are said once, in verl's terms: a field that has no effect with
+    its block's prefix, k1 in the loss with verl's fixes (`VERL_BLOCK_FIELDS`: the core's would advise kl_placement,
+    which verl refuses)."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            config = AdaptiveKLConfig(**values)
+        except ValueError as error:
+            name = str(error).split("=", 1)[0]
+            if name not in values:  # not one field's error (a combination's): as the core words it
+                raise
+            raise ValueError(f"{'adaptive_kl.reward' if name in overrides else 'adaptive_kl'}.{error}") from None
+    for warning in said:
+        message = str(warning.message)
+        if issubclass(warning.category, KLEstimatorWarning) and config.kl_placement == "loss":
+            warn_estimator_issue(K1_IN_LOSS, config.kl_estimator, VERL_BLOCK_FIELDS, stacklevel=3)
+        elif " has no effect: only " in message:
+            block = "adaptive_kl.reward" if message.split("=", 1)[0] in overrides else "adaptive_kl"
+            warnings.warn(f"{block}.{message}", warning.category, stacklevel=3)
+        else:
+            warnings.warn(warning.message, stacklevel=3)
+    return config
 
 
 def configs_from(block: Any, *, loss_on: bool = True, reward_on: bool = True
@@ -256,6 +270,7 @@ _VERL_FIELDS = dict(
     reward_fix="algorithm.kl_penalty=kl (k1, verl's default)")
 VERL_LOSS_FIELDS = EstimatorFields(estimator="actor_rollout_ref.actor.kl_loss_type", **_VERL_FIELDS)
 VERL_REWARD_FIELDS = EstimatorFields(estimator="algorithm.kl_penalty", **_VERL_FIELDS)
+VERL_BLOCK_FIELDS = EstimatorFields(estimator="adaptive_kl.kl_estimator", **_VERL_FIELDS)  # the estimator ours sets
 # verl's kl_penalty / kl_loss_type values whose value is the log-ratio k1 ('+': the value of the base, k2's gradient).
 VERL_LOG_RATIO = ("kl", "k1")
 VERL_K3 = ("low_var_kl", "k3")  # verl's k3 (clamped), value and gradient: a '+' type takes k2's gradient
@@ -333,14 +348,19 @@ def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
             warn_estimator_issue(NOT_LOG_RATIO_IN_REWARD, kl_penalty, VERL_REWARD_FIELDS)
 
 
-def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, field: str,
-                     placed: Optional[AdaptiveKLConfig] = None, overrides: Any = (), **kwargs: Any) -> AdaptiveKL:
-    """The core's `AdaptiveKL` of `placed` (default: `config`, the fields as the `field` block set them) at beta =
-    verl's `coefficient`, whose beta-0 warning speaks verl's terms: the block's fields that would have no effect and
-    the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement verl sets), as
-    are its errors: a bad coefficient by its verl name, a bound it breaks (`beta_min`, `beta_max`) with it and the
-    block that set the bound (`adaptive_kl.reward` for those in `overrides`, the fields the reward block set)."""
+def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, field: str, in_reward: bool = False,
+                     overrides: Any = (), **kwargs: Any) -> AdaptiveKL:
+    """The core's `AdaptiveKL` of `config` (the fields as the `field` block set them; `in_reward`: placed in the
+    reward) at beta = verl's `coefficient`, whose beta-0 warning speaks verl's terms: the block's fields that would have
+    no effect and the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement
+    verl sets), as are its errors: a bad coefficient by its verl name, a bound it breaks (`beta_min`, `beta_max`) with
+    it and the block that set the bound (`adaptive_kl.reward` for those in `overrides`, the fields the reward block
+    set). The config's own warnings were said by `_config`, in verl's terms, and are not repeated."""
     check_real(coefficient, beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".* has no effect: only ", category=UserWarning)
+        warnings.filterwarnings("ignore", category=KLEstimatorWarning)
+        placed = dataclasses.replace(config, kl_placement="reward") if in_reward else config
     fields = config.adapted_fields()
     if beta == 0.0 and fields:
         warnings.warn(f"{', '.join(f'{field}.{setting}' for setting in fields)} {'has' if len(fields) == 1 else 'have'} "
@@ -348,16 +368,18 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
                       UserWarning, stacklevel=3)
     loss_type = kwargs.get("loss_type")
     unchanged = beta != 0.0 and loss_type is not None and reduction_left_as_is(
-        placed or config, loss_type, prefix=f"{field}.",
+        placed, loss_type, prefix=f"{field}.",
         loss=f"{AGG_MODE_FIELD}={agg_mode_of(loss_type_reduction(loss_type))!r}")
     if unchanged:
         warnings.warn(unchanged, UserWarning, stacklevel=3)
-    with warnings.catch_warnings():  # said above, in verl's terms
+    with warnings.catch_warnings():  # said above or by `_config`, in verl's terms
         warnings.filterwarnings("ignore", message=r".* no effect: beta=0\.0 turns the KL term off", category=UserWarning)
         warnings.filterwarnings("ignore", message=r".* has no effect: loss_type=.* already reduces the KL term",
                                 category=UserWarning)
+        warnings.filterwarnings("ignore", message=r".* has no effect: only ", category=UserWarning)
+        warnings.filterwarnings("ignore", category=KLEstimatorWarning)
         try:
-            return AdaptiveKL(config if placed is None else placed, beta=beta, **kwargs)
+            return AdaptiveKL(placed, beta=beta, **kwargs)
         except ValueError as error:  # the core calls the coefficient `beta`, the block's fields by their own names
             bound = str(error).split("=", 1)[0]
             if bound in ("beta_min", "beta_max"):
@@ -588,7 +610,7 @@ class RewardKLController:
                 "algorithm.use_kl_in_reward=True: allowed is methods without length_normalized there (verl's reward "
                 "KL is the sum over each completion's tokens)" + advice)
         self.akl = verl_adaptive_kl(config, beta, "algorithm.kl_ctrl.kl_coef", field, overrides=overrides,
-                                    placed=dataclasses.replace(config, kl_placement="reward"), loss_type="bnpo")
+                                    in_reward=True, loss_type="bnpo")
         self._mean_reward: Optional[float] = None
         self.updates = 0
 
@@ -692,7 +714,7 @@ class AdaptiveKLTrainerMixin:
                                  "distillation_ppo_loss.")
             # The update's per-completion statistics hold each completion once per PPO epoch: target's n counts it once.
             self.loss_kl = verl_adaptive_kl(
-                loss_config, float(actor.kl_loss_coef), "actor_rollout_ref.actor.kl_loss_coef", "adaptive_kl",
+                loss_config, actor.kl_loss_coef, "actor_rollout_ref.actor.kl_loss_coef", "adaptive_kl",
                 loss_type=loss_type_of_agg_mode(actor.loss_agg_mode, field=AGG_MODE_FIELD),
                 num_iterations=actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT))
             kl_agg_mode(loss_config, actor.loss_agg_mode)  # a kl_reduction verl cannot aggregate: now, not on a worker
@@ -709,7 +731,7 @@ class AdaptiveKLTrainerMixin:
                     "+adaptive_kl.reward.kl_target=<target_kl> and +adaptive_kl.reward.kl_horizon=<horizon>, or "
                     "leave trainer_mode unset for verl's own.")
             self.reward_kl = RewardKLController(
-                reward_config, beta=float(config.algorithm.kl_ctrl.kl_coef), overrides=overrides,
+                reward_config, beta=config.algorithm.kl_ctrl.kl_coef, overrides=overrides,
                 field="adaptive_kl.reward" if "kl_adaptation_method" in overrides else "adaptive_kl",
                 loss_on=bool(actor.use_kl_loss))
             self.kl_ctrl_in_reward = self.reward_kl

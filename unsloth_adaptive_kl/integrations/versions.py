@@ -325,12 +325,18 @@ def missing_anchors(anchors: tuple[Anchor, ...], resolve: Callable[[str], Any]) 
 
 
 def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleVersionError:
-    found = describe(package)
+    """A missing anchor: the package, its version and the tested range, and the fix. A tested version without the
+    anchor is not that release's source (a fork, a development build, an edited install): reinstalling it fixes it."""
+    if is_tested(package):
+        fix = (f"this {package} is a tested version, so its installed source is not that release's (a fork, a "
+               f"development build or an edited file): reinstall it, pip install --force-reinstall --no-deps "
+               f"'{package}=={installed_version(package)}'")
+    else:
+        fix = f"install a tested version: pip install '{package}{tested_range(package)}'"
     return IncompatibleVersionError(
-        f"unsloth_adaptive_kl cannot patch {found}: the anchor `{'` or `'.join((anchor.text, *anchor.or_text))}` "
-        f"({anchor.reason}) was not found in "
-        f"{where}{anchor.function}. Adaptive KL cannot be applied; install a tested version: "
-        f"pip install '{package}{tested_range(package)}'."
+        f"unsloth_adaptive_kl cannot patch {describe(package)}: the anchor "
+        f"`{'` or `'.join((anchor.text, *anchor.or_text))}` ({anchor.reason}) was not found in "
+        f"{where}{anchor.function}. Adaptive KL cannot be applied; {fix}."
     )
 
 

@@ -278,7 +278,7 @@ def stock_unsloth(trainer: Any) -> Iterator[None]:
         patches.replace(module, "UnslothEfficientGRPO", module.UnslothEfficientGRPO.upstream)
         for name in ("compute_loss", "_generate_and_score_completions", "_calculate_rewards", "prediction_step"):
             patches.replace(cls, name, getattr(cls, name).__wrapped__)
-        patches.replace(module, "use_adapter", ref_sync._stock_use_adapter)
+        patches.replace(module, "use_adapter", ref_sync.stock_use_adapter)
         patches.replace(LossHookCheck, "on_step_end", TrainerCallback.on_step_end)  # stock steps skip the hook
         yield
 

@@ -305,7 +305,7 @@ def train(tree: Tree, setting: Setting, beta: float, training: Training, seed: i
         ref, mask, rewards = reference_logps[rows], tree.mask[rows], tree.rewards[rows]
         scored = rewards
         if setting.placement == "reward":
-            scored = rewards - akl.reward_penalty(logps.detach(), ref, mask)[0]
+            scored = rewards - akl.reward_penalty(logps.detach(), ref, mask, group_size=training.group_size)[0]
         advantage = advantages(scored, training.group_size, setting.scale_rewards)
         ratio = torch.exp(logps - logps.detach())  # on-policy: 1, with the gradient of log pi
         loss = policy_loss(-ratio * advantage.unsqueeze(-1), mask, setting.loss_type, max_length)

@@ -23,7 +23,9 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: Optional[st
     """A WordLevel tokenizer with one token per character of `alphabet`, plus pad and end-of-sequence (a fast
     tokenizer, left padding). `chat_template`: a Jinja chat template (e.g. `CHAT_TEMPLATE`). `vocab_size`: pad the
     vocabulary up to this size with `<unusedN>` tokens that no text encodes to (GPU kernels like a multiple of 64).
-    `pad_is_eos`: no pad token of its own, EOS pads (id 0), so the vocabulary is EOS and the alphabet alone."""
+    `pad_is_eos`: no pad token of its own, EOS pads (id 0), so the vocabulary is EOS and the alphabet alone.
+    A character outside `alphabet` encodes to the pad id (the unknown token): give prompts and rewards' texts from
+    the alphabet."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
