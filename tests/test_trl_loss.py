@@ -129,6 +129,9 @@ def prepared_trainer(tokenizer, tmp_path, **overrides):
     trainer = make_trainer(tokenizer, str(tmp_path), gradient_accumulation_steps=GA, **overrides)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = GA
+    # Each call is the step's last micro-batch, so its metrics are logged. accelerate's GradientState is one per
+    # process: a train() that an expected error interrupted inside a step (test_patching's) leaves it False.
+    trainer.accelerator.gradient_state._set_sync_gradients(True)
     return trainer
 
 

@@ -474,33 +474,33 @@ class LossHookCheck(TrainerCallback):
         step would reach the hook. Said before the first step (an error with an adapted setting), naming unpatch()."""
         if hooked(type(self.trainer)) or self.trainer.beta == 0.0:
             return
-        config = self.trainer.adaptive_kl.config
         message = (f"adaptive_kl: this {type(self.trainer).__name__} was built while unsloth_adaptive_kl was patched, "
                    "and unsloth_adaptive_kl.unpatch() has since restored the stock trainer: it would train with the "
                    "stock KL term, log no adaptive_kl/ metric and never move beta. Call unsloth_adaptive_kl.patch() "
                    "before train(), or build the trainer while patched.")
-        if not config.is_stock_kl or getattr(self.trainer.args, "sync_ref_model", False):
-            raise RuntimeError(f"{message} ({', '.join(config.adapted_fields() or ['sync_ref_model=True'])})")
-        self.trainer._adaptive_kl_hook_warned = True  # the steps' own warning would blame an override
-        warnings.warn(message + " With kl_adaptation_method='none' the loss is stock; only the metrics are missing.",
-                      UserWarning, stacklevel=2)
+        self._refuse_or_warn(message)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer, runtime = self.trainer, self.trainer.adaptive_kl
         if trainer.beta == 0.0 or runtime.completed_steps == state.global_step:
             return
-        config = runtime.config
         message = (f"adaptive_kl: optimizer step {state.global_step} of {type(trainer).__name__} ran without the "
                    "adaptive KL's loss hook (GRPOTrainer._compute_loss, in Unsloth's trainer its compute_loss): an "
                    "override of _compute_loss or compute_loss that does not call super() trains with the stock KL "
                    "term, logs no adaptive_kl/ metric and never moves beta. Call super()._compute_loss(model, inputs) "
                    "(or super().compute_loss(...)) from the override.")
+        self._refuse_or_warn(message)
+
+    def _refuse_or_warn(self, message: str) -> None:
+        """`message` (the hook will not run) as an error with an adapted setting or reference syncing; with the stock
+        KL a warning, once per trainer (the loss is stock either way)."""
+        trainer, config = self.trainer, self.trainer.adaptive_kl.config
         if not config.is_stock_kl or getattr(trainer.args, "sync_ref_model", False):
             raise RuntimeError(f"{message} ({', '.join(config.adapted_fields() or ['sync_ref_model=True'])})")
         if not getattr(trainer, "_adaptive_kl_hook_warned", False):
             trainer._adaptive_kl_hook_warned = True
             warnings.warn(message + " With kl_adaptation_method='none' the loss is stock; only the metrics are "
-                          "missing.", UserWarning, stacklevel=2)
+                          "missing.", UserWarning, stacklevel=3)
 
 
 def wrap_save_checkpoint(upstream: Callable) -> Callable:

@@ -46,6 +46,7 @@ and every class derived from them) refuse a config holding an `adaptive_kl` bloc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -55,7 +56,7 @@ import math
 import os
 import warnings
 from types import SimpleNamespace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -348,6 +349,17 @@ def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
             warn_estimator_issue(NOT_LOG_RATIO_IN_REWARD, kl_penalty, VERL_REWARD_FIELDS)
 
 
+@contextlib.contextmanager
+def said_by_config(*also: str) -> Iterator[None]:
+    """Ignores the config's own warnings (a field with no effect for the placement, the estimator's), which `_config`
+    said once in verl's terms, and the UserWarnings whose messages match the patterns `also`."""
+    with warnings.catch_warnings():
+        for message in (r".* has no effect: only ", *also):
+            warnings.filterwarnings("ignore", message=message, category=UserWarning)
+        warnings.filterwarnings("ignore", category=KLEstimatorWarning)
+        yield
+
+
 def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, field: str, in_reward: bool = False,
                      overrides: Any = (), **kwargs: Any) -> AdaptiveKL:
     """The core's `AdaptiveKL` of `config` (the fields as the `field` block set them; `in_reward`: placed in the
@@ -357,9 +369,7 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
     it and the block that set the bound (`adaptive_kl.reward` for those in `overrides`, the fields the reward block
     set). The config's own warnings were said by `_config`, in verl's terms, and are not repeated."""
     check_real(coefficient, beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r".* has no effect: only ", category=UserWarning)
-        warnings.filterwarnings("ignore", category=KLEstimatorWarning)
+    with said_by_config():
         placed = dataclasses.replace(config, kl_placement="reward") if in_reward else config
     fields = config.adapted_fields()
     if beta == 0.0 and fields:
@@ -372,12 +382,8 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
         loss=f"{AGG_MODE_FIELD}={agg_mode_of(loss_type_reduction(loss_type))!r}")
     if unchanged:
         warnings.warn(unchanged, UserWarning, stacklevel=3)
-    with warnings.catch_warnings():  # said above or by `_config`, in verl's terms
-        warnings.filterwarnings("ignore", message=r".* no effect: beta=0\.0 turns the KL term off", category=UserWarning)
-        warnings.filterwarnings("ignore", message=r".* has no effect: loss_type=.* already reduces the KL term",
-                                category=UserWarning)
-        warnings.filterwarnings("ignore", message=r".* has no effect: only ", category=UserWarning)
-        warnings.filterwarnings("ignore", category=KLEstimatorWarning)
+    with said_by_config(r".* no effect: beta=0\.0 turns the KL term off",  # said above, in verl's terms
+                        r".* has no effect: loss_type=.* already reduces the KL term"):
         try:
             return AdaptiveKL(placed, beta=beta, **kwargs)
         except ValueError as error:  # the core calls the coefficient `beta`, the block's fields by their own names
