@@ -1326,3 +1326,26 @@ def test_the_rewards_observed_during_a_step_survive_a_checkpoint_taken_before_it
     with pytest.raises(ValueError, match=r"^adaptive KL state: rewards=\[nan\] is invalid: allowed is a list of finite "):
         resumed.load_state_dict(bad)
 
+
+
+def test_a_training_term_without_a_gradient_warns_once_and_a_measurement_does_not() -> None:
+    """kl_loss on detached log-probs (the reward branch's `logps.detach()`, copied) returned a term that added nothing
+    to the gradient, silently. Training with autograd on, it says so once; under torch.no_grad(), for an evaluation
+    batch (train=False) or at beta 0 it is a measurement and stays quiet."""
+    logps = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
+    ref, mask = torch.tensor([[-1.2, -1.0], [-0.4, -2.0]]), torch.ones(2, 2)
+    akl = AdaptiveKL(None, beta=BETA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        term, _ = akl.kl_loss(logps, ref, mask)
+        assert term.requires_grad
+        akl.kl_loss(logps.detach(), ref, mask, train=False)
+        with torch.no_grad():
+            akl.kl_loss(logps, ref, mask)
+        AdaptiveKL(None, beta=0.0).kl_loss(logps.detach(), ref, mask)
+    with pytest.warns(UserWarning, match=r"^adaptive KL: kl_loss\(\.\.\.\) returned a KL term without a gradient: "
+                                         r"neither logps nor per_token_kl requires grad") as said:
+        term, _ = akl.kl_loss(logps.detach(), ref, mask)
+        akl.kl_loss(logps.detach(), ref, mask)
+    mine = [w for w in said if "without a gradient" in str(w.message)]
+    assert not term.requires_grad and len(mine) == 1 and mine[0].filename == __file__  # said once, at the user's line

@@ -301,7 +301,8 @@ def test_a_registered_reduction_is_selected_by_kl_reduction_in_every_placement()
         akl = AdaptiveKL(AdaptiveKLConfig(kl_reduction="max_completion"), beta=0.5, loss_type="grpo")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a registered reduction may divide by either: no divisor is unread
-            loss, metrics = akl.kl_loss(logp, logp, MASK, per_token_kl=KL, max_completion_length=4)
+            loss, metrics = akl.kl_loss(logp, logp, MASK, per_token_kl=KL.clone().requires_grad_(),
+                                        max_completion_length=4)
         assert loss.item() == pytest.approx(0.5 * 3.0)
         assert metrics["adaptive_kl/raw_kl"] == pytest.approx((2.6 / 3 + 3.0) / 2)  # grpo's own reduction
         reward = AdaptiveKL(AdaptiveKLConfig(kl_reduction="max_completion", kl_placement="reward"), beta=0.5)

@@ -520,7 +520,8 @@ def test_each_verdict_of_the_committed_findings_is_the_comparison_of_its_figures
     assert finding(result, "**k1 in the loss").startswith(
         "**k1 in the loss does not regularise**" if held else "**k1 in the loss**")
     k3 = finding(result, "**k3 in the loss")
-    assert k3.startswith(f"**k3 in the loss (TRL's, Unsloth's, verl's) {where('k3 in the loss')}")  # 0.0091: near
+    assert k3.startswith("**k3 in the loss (verl's; TRL's and Unsloth's without the importance ratio) "
+                         f"{where('k3 in the loss')}")  # 0.0091: near
     apart = [env for env in envs if min(row(env, "k3 in the loss")["kl_opt"], row(env, "k2 in the loss")["kl_opt"])
              > 3 * row(env, "k1_future in the loss")["kl_opt"]]  # contains_a's (first_a's are both near 0)
     assert (f"In {' and '.join(apart)} the per-token estimators" in k3) if apart else "per-token estimators" not in k3
@@ -583,10 +584,12 @@ def test_a_finding_changes_its_words_when_its_figures_say_otherwise() -> None:
     assert "They shorten completions" not in finding(result, "in the reward do not regularise")
     result = stored_lab()
     set_figure(result, "contains_a", "k3 in the loss", "kl_opt", 0.2)  # far in one environment
-    assert finding(result, "**k3 in the loss").startswith("**k3 in the loss (TRL's, Unsloth's, verl's) ends far from")
+    assert finding(result, "**k3 in the loss").startswith("**k3 in the loss (verl's; TRL's and Unsloth's without the "
+                                                          "importance ratio) ends far from")
     set_figure(result, "contains_a", "k3 in the loss", "kl_opt", 0.0091)
     set_figure(result, "first_a", "k3 in the loss", "kl_opt", 0.0005)  # on pi* in one environment only: near
-    assert finding(result, "**k3 in the loss").startswith("**k3 in the loss (TRL's, Unsloth's, verl's) ends near")
+    assert finding(result, "**k3 in the loss").startswith("**k3 in the loss (verl's; TRL's and Unsloth's without the "
+                                                          "importance ratio) ends near")
     result = stored_lab()
     set_figure(result, "first_a", "clip in the loss", "kl_ref", 0.3)  # below the optimum's 0.473
     assert "`clip` and `dynamic` end at a KL to the reference of 0.300 to" in finding(result, "**The adaptive methods")

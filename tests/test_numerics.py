@@ -430,16 +430,16 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     ({"completed_steps": 7, "trained": {"kl_sum": 1.0}},
      "adaptive KL state: trained={'kl_sum': 1.0} is invalid: allowed is None, or the sums by name (completions, "
      "tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, "
-     "old_logps) or as format 3's [kl, tokens, completions], each a finite number."),
+     "old_logps), each a finite number."),
     # the package never writes a non-finite sum (a batch whose KL is not finite is refused before it is kept)
     ({"completed_steps": 7, "trained": {"kl": math.inf}},
      "adaptive KL state: trained={'kl': inf} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
-     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps) or as "
-     "format 3's [kl, tokens, completions], each a finite number."),
+     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps), each "
+     "a finite number."),
     ({"completed_steps": 7, "scored": {"kl": "1"}},
      "adaptive KL state: scored={'kl': '1'} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
-     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps) or as "
-     "format 3's [kl, tokens, completions], each a finite number."),
+     "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps), each "
+     "a finite number."),
 ])
 def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change, message) -> None:
     """A negative beta loaded as it was made the KL term -1.006 (the loss rewarded KL), a NaN one poisoned it."""
@@ -451,6 +451,31 @@ def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change
     assert runtime.current_beta == 0.2 and runtime.completed_steps == 0
 
 
+@pytest.mark.parametrize("field", ["completed_steps", "last_raw_kl", "trained", "scored", "rewards"])
+def test_a_current_state_missing_a_field_it_writes_is_refused_naming_it(field) -> None:
+    """A format-6 state without `completed_steps` loaded it as 0: a dynamic run with beta_schedule_steps=3 resumed
+    after step 2 cut beta to beta_min at step 5, not 3. Each field `state_dict()` writes is required of its format."""
+    saved = AdaptiveKL(config(kl_adaptation_method="dynamic", beta_schedule_steps=3), 0.1)
+    saved.completed_steps = 2
+    state = saved.state_dict()
+    del state[field]
+    runtime = AdaptiveKL(config(kl_adaptation_method="dynamic", beta_schedule_steps=3), 0.2)
+    with pytest.raises(ValueError) as raised:
+        runtime.load_state_dict(state)
+    assert str(raised.value) == (
+        f"adaptive KL state: missing field(s) {field} for a 'dynamic' controller (format 6): allowed are "
+        "batch_reward, completed_steps, generation_batch, last_decayed_batch, last_raw_kl, rewards, scored, trained, "
+        "value.")
+    assert runtime.current_beta == 0.2 and runtime.completed_steps == 0
+    # a format 6 state's sums are all of today's: one missing is refused too (format 5's lack old_logps, loaded as 0)
+    state = saved.state_dict()
+    del state["trained"]["old_logps"]
+    with pytest.raises(ValueError, match=r"^adaptive KL state: trained=\{'completions': 0\.0, .*\} is invalid: allowed "
+                                         r"is None, or the sums by name \(completions, .*, old_logps\), each a finite "
+                                         r"number\.$"):
+        runtime.load_state_dict(state)
+
+
 def test_a_state_missing_a_controller_field_is_refused_naming_it() -> None:
     """{"controller": "dynamic"} alone loaded, and the run resumed at its initial beta, silently."""
     runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.2)
@@ -459,7 +484,8 @@ def test_a_state_missing_a_controller_field_is_refused_naming_it() -> None:
     with pytest.raises(ValueError) as raised:
         runtime.load_state_dict(state)
     assert str(raised.value) == ("adaptive KL state: missing field(s) last_decayed_batch, value for a 'dynamic' "
-                                 "controller: allowed are batch_reward, generation_batch, last_decayed_batch, value.")
+                                 "controller (format 6): allowed are batch_reward, completed_steps, generation_batch, "
+                                 "last_decayed_batch, last_raw_kl, rewards, scored, trained, value.")
     assert runtime.current_beta == 0.2
 
 

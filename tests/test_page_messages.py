@@ -85,10 +85,10 @@ def test_the_held_beta_and_unread_divisor_warnings_are_quoted_as_warned() -> Non
         forgot = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), beta=0.04)
         optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
         for _ in range(3):  # a loop of your own that never calls forgot.step()
-            forgot.kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
+            forgot.kl_loss(torch.zeros(1, 2, requires_grad=True), torch.zeros(1, 2), torch.ones(1, 2))
             optimizer.step()
-        AdaptiveKL(None, beta=0.04).kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2),
-                                            token_normalizer=7.0)
+        AdaptiveKL(None, beta=0.04).kl_loss(torch.zeros(1, 2, requires_grad=True), torch.zeros(1, 2),
+                                            torch.ones(1, 2), token_normalizer=7.0)
     printed = [f"UserWarning: {warning.message}" for warning in caught]
     assert quoted("troubleshooting.md", "UserWarning: adaptive KL: beta holds") == ["\n".join(printed[:4])]
     assert quoted("troubleshooting.md", "UserWarning: token_normalizer") == [printed[4]]
@@ -104,3 +104,22 @@ def test_the_changed_setting_error_is_quoted_as_raised() -> None:
     with pytest.raises(ValueError) as raised:
         akl.kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2))
     assert quoted("troubleshooting.md", "ValueError: kl_clip_threshold changed") == [as_printed(raised.value)]
+
+
+def elided(block: str) -> re.Pattern:
+    """A quoted message whose `...` stand for text the page leaves out, as a pattern of the whole message."""
+    return re.compile(".*".join(re.escape(part) for part in block.split("...")), re.S)
+
+
+def test_the_sequence_level_bias_correction_error_is_quoted_as_raised() -> None:
+    """troubleshooting.md quotes, shortened, the refusal of an adapted k3 that TRL weights by the sequence-level
+    importance ratio."""
+    from argparse import Namespace
+
+    from unsloth_adaptive_kl.integrations.trainer_hooks import check_trl_settings
+
+    args = Namespace(beta=0.04, importance_sampling_level="sequence", use_bias_correction_kl=True)
+    with pytest.raises(ValueError) as raised:
+        check_trl_settings(args, AdaptiveKLConfig(kl_adaptation_method="clip"))
+    (block,) = quoted("troubleshooting.md", "ValueError: use_bias_correction_kl=True")
+    assert elided(block).fullmatch(as_printed(raised.value)), (block, as_printed(raised.value))

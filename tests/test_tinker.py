@@ -1246,7 +1246,7 @@ def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> N
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
     datum.loss_fn_inputs["mask"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0, 0.5]))
-    message = r"^loss_fn_inputs\['mask'\] must hold 0 and 1 only .*: 1 entries are neither, e\.g\. 0\.5\."
+    message = r"^loss_fn_inputs\['mask'\] must hold 0 and 1 only .*: 1 entry is neither, e\.g\. 0\.5\."
     with pytest.raises(ValueError, match=message):
         integration.grpo_kl_loss(akl)([datum], [torch.full((3,), -1.0, requires_grad=True)])
     with pytest.raises(ValueError, match=message):

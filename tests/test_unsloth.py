@@ -290,6 +290,9 @@ def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are
             "default by an argument parser such as TrlParser, which passes every field), which changed it to False: "
             "scale_rewards='none' is in effect."], label
         assert results[label]["in_effect"]["scale_rewards"] == "none"
+    troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()  # the page quotes the first and the line
+    assert f"```text\nUserWarning: {results['dr_grpo_group']['warnings'][0]}\n```" in troubleshooting
+    assert f"```text\n{results['settings_lines'][0]}\n```" in troubleshooting
     unset = {"dr_grpo_unset": {"scale_rewards": "group"}, "grpo_beta_unset": {"beta": 0.0},
              "dapo_explicit": {"epsilon_high": None, "mask_truncated_completions": False}}
     for label, trl_defaults in unset.items():  # Unsloth's own defaults: no warning, recorded with TRL's default

@@ -5,6 +5,7 @@ generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -219,6 +220,10 @@ def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_pat
     assert own["eos_completions"] > 0 and own["eos_in_mask"] == own["eos_completions"]
     assert len(same["warnings"]) == 1 and same["warnings"][0].startswith(
         "pad_token_id=0 is the eos_token_id: Unsloth's GRPO loss masks every pad token out of the loss")
+    # troubleshooting.md quotes its beginning, up to "..."
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    (quoted,) = re.findall(r"```text\n(UserWarning: pad_token_id=.*?)\n```", page)
+    assert quoted.endswith(": ...") and f"UserWarning: {same['warnings'][0]}".startswith(quoted[:-len("...")])
     assert results["refused"].startswith("pad_token_id=0 is invalid: allowed is a token other than the eos_token_id "
                                          "(0) with kl_adaptation_method='clip', kl_placement='loss': Unsloth's GRPO")
     assert own["warnings"] == []

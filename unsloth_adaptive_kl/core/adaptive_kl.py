@@ -100,6 +100,7 @@ class AdaptiveKL:
         self._unstepped_warned = False
         self._twice_warned = False
         self._warned_empty = False  # reward_penalty without group_size met a completion without tokens
+        self._warned_gradless = False  # kl_loss, training with autograd on, returned a term without a gradient
         self._calls_since_optimizer = 0  # step() calls since the loop's optimizer last stepped
         self._stepped_twice: list[int] = []  # the step() calls between the last optimizer steps, each > 1
 
@@ -170,7 +171,22 @@ class AdaptiveKL:
             trained = self._trained + sums
             self._check_window(trained.window(self.num_iterations))  # the step so far, before the loop's backward
             self._trained = trained
-        return term.adapted * self.current_beta, self.last_metrics
+        loss = term.adapted * self.current_beta
+        if train and torch.is_grad_enabled() and not loss.requires_grad and self.current_beta > 0:
+            self._warn_gradless()
+        return loss, self.last_metrics
+
+    def _warn_gradless(self) -> None:
+        """A training batch's term without a gradient (autograd on): added to the loss it regularises nothing. Said
+        once per run; a KL measured on purpose runs under torch.no_grad() (as a hosted service's step KL is)."""
+        if self._warned_gradless:
+            return
+        self._warned_gradless = True
+        warnings.warn("adaptive KL: kl_loss(...) returned a KL term without a gradient: neither logps nor "
+                      "per_token_kl requires grad (a .detach(), or log-probs computed under torch.no_grad()), so "
+                      "adding it to the loss regularises nothing. Pass the policy's log-probs with autograd; to "
+                      "measure the KL alone call kl_loss under torch.no_grad(), and pass train=False for an "
+                      "evaluation batch.", UserWarning, stacklevel=3)
 
     def reward_penalty(
         self,
@@ -476,19 +492,23 @@ class AdaptiveKL:
                 f"adaptive KL state: a {found!r} controller's state cannot be loaded into this run's {expected!r} "
                 f"controller (kl_adaptation_method={self.config.kl_adaptation_method!r}): resume with the "
                 "kl_adaptation_method the checkpoint was written with.")
-        completed_steps = state.pop("completed_steps", 0)  # the oldest trainer checkpoints lack it
+        # what state_dict() of this format wrote beside the controller's fields: one of them missing is refused as a
+        # missing controller field is (a resumed run would restart its count or its sums unannounced)
+        ours = _written_beside_the_controller(version)
+        unknown = sorted(set(state) - fields - set(ours) - {"completed_steps"})  # format 1 may have it
+        missing = sorted((fields | set(ours)) - set(state))
+        if unknown or missing:
+            found = f"unknown field(s) {', '.join(unknown)}" if unknown else f"missing field(s) {', '.join(missing)}"
+            raise ValueError(f"adaptive KL state: {found} for a {expected!r} controller (format {version}): allowed "
+                             f"are {', '.join(sorted(fields | set(ours)))}.")
+        completed_steps = state.pop("completed_steps", 0)  # format 1: the oldest trainer checkpoints lack it
         last_raw_kl = state.pop("last_raw_kl", None)
-        trained, scored = (_sums(state.pop(name, None), name) for name in (("trained", "scored") if version >= 4
-                                                                            else ("step_kl", "generation_kl")))
+        trained, scored = (_sums(state.pop(name, None), name, every_sum=version == STATE_FORMAT)
+                           for name in (("trained", "scored") if version >= 4 else ("step_kl", "generation_kl")))
         rewards = state.pop("rewards", [])
         if not isinstance(rewards, list) or not all(is_real(r) and math.isfinite(r) for r in rewards):
             raise reject("adaptive KL state: rewards", rewards, "a list of finite numbers (the mean rewards observed "
                          "since the last step)")
-        unknown, missing = sorted(set(state) - fields), sorted(fields - set(state))
-        if unknown or missing:
-            found = f"unknown field(s) {', '.join(unknown)}" if unknown else f"missing field(s) {', '.join(missing)}"
-            raise ValueError(f"adaptive KL state: {found} for a {expected!r} controller: allowed are "
-                             f"{', '.join(sorted(fields))}.")
         # a beta that is negative or not a number would flip or poison the KL term from the first resumed step
         value = state.get("value", 0.0)
         check_real("adaptive KL state: value", value, is_real(value) and 0 <= value < math.inf,
@@ -577,8 +597,10 @@ def check_mask(mask: torch.Tensor, name: str = "mask") -> None:
         return
     other = (mask != 0) & (mask != 1)
     if bool(other.any()):
+        count = int(other.sum())
         raise ValueError(f"{name} must hold 0 and 1 only (1 on each completion's tokens, 0 on padding): "
-                         f"{int(other.sum())} entries are neither, e.g. {mask[other][0].item()!r}. A per-token "
+                         f"{count} {'entry is' if count == 1 else 'entries are'} neither, e.g. "
+                         f"{mask[other][0].item()!r}. A per-token "
                          "weight is not a mask: each nonzero entry would count as one whole token.")
 
 
@@ -613,13 +635,24 @@ def as_tensor_if_array(value: Any) -> Any:
         return value
 
 
-def _sums(saved: Any, name: str) -> Optional[KLStatistics]:
-    """A checkpoint's sums: by name (format 4), or format 3's [sum S_i, sum L_i, completions]; anything else a
-    ValueError naming the field."""
+def _written_beside_the_controller(version: int) -> tuple[str, ...]:
+    """The fields `state_dict()` of format `version` wrote beside the controller's own (formats 2 to 6; format 1
+    wrote `completed_steps` from the own-loop object only)."""
+    sums = ("trained", "scored") if version >= 4 else ("step_kl", "generation_kl") if version == 3 else ()
+    return (("completed_steps",) * (version >= 2) + ("last_raw_kl",) * (version >= 3) + sums
+            + ("rewards",) * (version >= 5))
+
+
+def _sums(saved: Any, name: str, every_sum: bool) -> Optional[KLStatistics]:
+    """A checkpoint's sums: by name (format 4 on; `every_sum`: each of today's, as the current format writes them),
+    or format 3's [sum S_i, sum L_i, completions]; anything else a ValueError naming the field."""
     if saved is None:
         return None
-    allowed = (f"None, or the sums by name ({', '.join(asdict(KLStatistics()))}) or as format 3's "
-               "[kl, tokens, completions], each a finite number")
+    names = asdict(KLStatistics())
+    as_list = "" if every_sum else " or as format 3's [kl, tokens, completions]"
+    allowed = f"None, or the sums by name ({', '.join(names)}){as_list}, each a finite number"
+    if every_sum and not (isinstance(saved, dict) and set(saved) == set(names)):
+        raise reject(f"adaptive KL state: {name}", saved, allowed)
     try:
         sums = (KLStatistics(**saved) if isinstance(saved, dict) else
                 KLStatistics(**dict(zip(("kl", "tokens", "completions"), saved, strict=True))))

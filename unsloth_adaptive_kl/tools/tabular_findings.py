@@ -116,9 +116,10 @@ def findings(result: dict[str, Any]) -> list[str]:
     k3, k2, future = "k3 in the loss", "k2 in the loss", "k1_future in the loss"
     apart = [env for env in ENVIRONMENTS if min(_row(result, env, k3)["kl_opt"], _row(result, env, k2)["kl_opt"])
              > 3 * _row(result, env, future)["kl_opt"]]
-    out.append(f"**k3 in the loss (TRL's, Unsloth's, verl's) {_where(result, k3)} \\( \\pi^*_\\beta \\)**: "
-               f"KL(pi||pi\\*) {_each(result, k3, 'kl_opt', 4)}; k2 (= k3+ = k1+ = TRL's bias-corrected k3 "
-               f"on-policy, one gradient) {_each(result, k2, 'kl_opt', 4)}; k1_future, which adds the KL of the "
+    out.append(f"**k3 in the loss (verl's; TRL's and Unsloth's without the importance ratio) {_where(result, k3)} "
+               f"\\( \\pi^*_\\beta \\)**: KL(pi||pi\\*) {_each(result, k3, 'kl_opt', 4)}; k2 (= k3+ = k1+ = the "
+               "k3 TRL and Unsloth compute by default, bias-corrected by the importance ratio: on-policy one "
+               f"gradient) {_each(result, k2, 'kl_opt', 4)}; k1_future, which adds the KL of the "
                f"tokens that follow, {_each(result, future, 'kl_opt', 4)}. "
                + (f"In {' and '.join(apart)} the per-token estimators end more than three times as far as k1_future: "
                   "a per-token loss misses the KL of the tokens that follow (Tang & Munos, 2025), so the claim that "
