@@ -46,7 +46,7 @@ import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import trl as trl_patch
 from unsloth_adaptive_kl.integrations.patching import PatchSet
 from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
-from unsloth_adaptive_kl.tools.machine import hardware
+from unsloth_adaptive_kl.tools.machine import hardware, source_commit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from loss_overhead import aa_half_way, bootstrap_ratio, core_op  # noqa: E402
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     # one timed pass (--smoke) has no A/A interval: NaN ends, which the docs render as none
     aa = bootstrap_ratio(times["stock (A/A)"], times["stock"]) if len(times["stock"]) > 1 else (math.nan, math.nan)
     report = {"command": shlex.join(["python", "benchmarks/overhead.py", *argv]),
-              "machine": hardware(), "settings": vars(args),
+              "machine": hardware(), "commit": source_commit(), "settings": vars(args),
               "device": "cuda" if torch.cuda.is_available() else "cpu", "rows": rows,
               "unsloth_rows": unsloth_rows, "core_x_k3": core, "step_seconds": times, "ref_sync": ref_sync,
               "aa_interval": list(aa)}

@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         low, high = bootstrap_ratio(times, samples["stock"], resamples=200 if args.smoke else 2000)
         rows.append({"method": name, "median_ms": statistics.median(times) * 1e3,
                      "ratio": statistics.median(times) / statistics.median(samples["stock"]), "ci": [low, high]})
-    from unsloth_adaptive_kl.tools.machine import hardware
+    from unsloth_adaptive_kl.tools.machine import hardware, source_commit
 
     result = {"command": shlex.join(["python", "benchmarks/verl_loss.py", *(sys.argv[1:] if argv is None else argv)]),
-              "date": time.strftime("%Y-%m-%d"), "machine": hardware(),
+              "date": time.strftime("%Y-%m-%d"), "machine": hardware(), "commit": source_commit(),
               "responses": responses, "response_length": response_length, "prompt_length": prompt_length,
               "repeats": len(samples["stock"]), "stock_ms": stock_ms,
               "rows": rows, "torch": torch.__version__, "seconds": time.perf_counter() - started}

@@ -19,7 +19,8 @@ FIGURE = re.compile(r"\d+(?:\.\d+)*(?:e[-+]?\d+)?")
 def run_self_check(tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
     """`python -m unsloth_adaptive_kl --json selfcheck.json` in tmp_path, on the CPU even where a GPU is visible (its
     lines name the device, and the committed records' is a CPU): the process and the record it wrote."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "ADAPTIVE_KL_COMMIT": "0123456"}  # as a copy of the tree without its git folder records it
     result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl", "--json", "selfcheck.json"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -28,6 +29,7 @@ def run_self_check(tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
     assert record["lines"] == [line for line in out if line in record["lines"]]  # as printed, in order
     assert record["lines"][0].startswith("unsloth_adaptive_kl self-check") and record["lines"][-1] == out[-1]
     assert record["command"] == "python -m unsloth_adaptive_kl --json selfcheck.json" and record["passed"]
+    assert record["commit"] == "0123456"
     return result, record
 
 

@@ -26,13 +26,14 @@ def in_tmp_path(tmp_path, monkeypatch) -> None:
 def test_the_demo_runs_as_a_module_from_an_installed_package_and_records_that_command(tmp_path) -> None:
     """A wheel has no blackwell/ script: `python -m unsloth_adaptive_kl.tools.demo` is the same demo (it did nothing,
     with exit status 0, when the module had no __main__ block)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ADAPTIVE_KL_COMMIT": "0123456"}
     argv = ["--quick", "--methods", "none", "--pretrain-steps", "2", "--output-dir", str(tmp_path)]
     result = subprocess.run([sys.executable, "-m", "unsloth_adaptive_kl.tools.demo", *argv], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["environment"]["command"] == "python -m unsloth_adaptive_kl.tools.demo " + " ".join(argv)
+    assert summary["environment"]["commit"] == "0123456"  # the commit it ran at (source_commit)
     assert [row["method"] for row in summary["summary"]] == ["none"]
 
 

@@ -75,6 +75,23 @@ def interval(text: str, ends: list[float], decimals: int) -> None:
     fixed(high, ends[1], decimals)
 
 
+def made_at(data: dict) -> str:
+    """How a page names the commit a results file ran at: its first 7 hex digits, "with uncommitted changes" where
+    `source_commit` marked it "+changes"; a file without one (written before results recorded it) says so."""
+    commit = data.get("commit")
+    if not commit:
+        return "at a commit it did not record"
+    return f"at commit `{commit[:7]}`" + (" with uncommitted changes" if commit.endswith("+changes") else "")
+
+
+def test_a_results_files_commit_is_named_as_it_was_recorded(hook: Any) -> None:
+    """Written by hand: a clean checkout's sha, one with changes, none."""
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    assert hook._commit({"commit": sha}) == "at commit `0123456`"
+    assert hook._commit({"commit": sha + "+changes"}) == "at commit `0123456` with uncommitted changes"
+    assert hook._commit({"commit": None}) == hook._commit({}) == "at a commit it did not record"
+
+
 def ratio_with_interval(text: str, ratio: float, ends: list[float], decimals: int) -> None:
     """`text` is 'ratio [low, high]'."""
     value, rest = text.split(" ", 1)
@@ -140,7 +157,7 @@ def test_benchmark_headline_is_its_sizes_headline(hook: Any, size: Optional[str]
     part, data = loss_part(size), load("benchmarks/loss_overhead.json")
     found = re.fullmatch(r"`max_loss_overhead_ratio(?P<suffix>\S*?)=(?P<ratio>\S+) ci=\[(?P<c0>[^,]+),(?P<c1>[^\]]+)\] "
                          r"aa=\[(?P<a0>[^,]+),(?P<a1>[^\]]+)\] ops_added=(?P<ops>\d+)` \((?P<trainer>\w+), "
-                         r"`(?P<method>[^`]+)`, (?P<size>[^;]+); (?P<total>\d+) s for the whole run\)",
+                         r"`(?P<method>[^`]+)`, (?P<size>[^;]+); (?P<total>\d+) s for the whole run, (?P<commit>.+)\)",
                          hook.benchmark_headline(size))
     headline = part["headline"]
     assert found["suffix"] == ("_large" if size == "large" else "")
@@ -152,6 +169,7 @@ def test_benchmark_headline_is_its_sizes_headline(hook: Any, size: Optional[str]
     assert (found["trainer"], found["method"], found["size"]) == (headline["trainer"], headline["method"],
                                                                    size_label(part["size"]))
     fixed(found["total"], data["large"]["headline"]["seconds"], 0)
+    assert found["commit"] == made_at(data) and data["commit"]  # the benchmark records it
 
 
 @pytest.mark.parametrize("size", LOSS_SIZES)
@@ -280,7 +298,8 @@ def test_core_op_profile_lists_the_ops_that_round_to_one_per_cent(hook: Any, tmp
 def made_up_steps() -> dict:
     row = {"variant": "stock", "median_step_s": 0.41234, "step_ratio": 1.0, "forwards_per_step": [34, 40],
            "extra_forwards": 0, "peak_memory_bytes": 3 * 2 ** 27, "memory_ratio": 1.0, "core_ratio": None}
-    return {"device": "cpu", "aa_interval": [0.91, 1.12],
+    return {"device": "cpu", "aa_interval": [0.91, 1.12], "command": "python benchmarks/overhead.py --steps 5",
+            "commit": "0123456789abcdef0123456789abcdef01234567+changes",
             "settings": {"hidden": 64, "layers": 3, "batch": 8, "completion_length": 16, "steps": 5, "repeats": 7},
             "rows": [row, {**row, "variant": "clip", "median_step_s": 0.43, "step_ratio": 1.043,
                            "forwards_per_step": [10, 18, 18], "extra_forwards": 2, "peak_memory_bytes": 400 * 2 ** 20,
@@ -313,7 +332,7 @@ def test_steps_table_and_its_settings(hook: Any, source: str, monkeypatch: pytes
             fixed(row[7], r["core_ratio"], 2)
     found = re.fullmatch(r"A/A interval of the step ratio \(stock against stock\): (\[[^\]]+\]|none \(one timed pass\))\. Settings: "
                          r"hidden (\d+), (\d+) layers, batch (\d+), (\d+)-token completions, (\d+) steps x (\d+) "
-                         r"timed passes, device `(\w+)`\.", sentence)
+                         r"timed passes, device `(\w+)`, `(.+)` (at .+)\.", sentence)
     if source == "one timed pass":
         assert found[1] == "none (one timed pass)"
     else:
@@ -321,7 +340,7 @@ def test_steps_table_and_its_settings(hook: Any, source: str, monkeypatch: pytes
     s = data["settings"]
     assert [int(n) for n in found.groups()[1:7]] == [s["hidden"], s["layers"], s["batch"], s["completion_length"],
                                                      s["steps"], s["repeats"]]
-    assert found[8] == data["device"]
+    assert (found[8], found[9], found[10]) == (data["device"], data["command"], made_at(data))
 
 
 def against_aa(text: str) -> list[list[str]]:
@@ -430,13 +449,14 @@ def test_verl_loss_table_and_its_settings(hook: Any) -> None:
         interval(row[3], r["ci"], 3)
     found = re.fullmatch(r"Stock `ppo_loss` with its KL term: (\S+) ms\. One micro-batch of (\d+) responses of (\d+) "
                          r"to (\d+) tokens after (\d+)-token prompts, (\d+) interleaved rounds, one CPU thread "
-                         r"\(verl (\S+), torch (\S+)\)\. Made by `(.+)` on (\S+), (.+)\.", sentence)
+                         r"\(verl (\S+), torch (\S+)\)\. Made by `(.+)` on (\S+), (.+), (at .+)\.", sentence)
     fixed(found[1], data["stock_ms"], 3)
     # benchmarks/verl_loss.py draws each response's length from half the maximum to the maximum
     assert [int(n) for n in found.groups()[1:6]] == [data["responses"], data["response_length"] // 2,
                                                      data["response_length"], data["prompt_length"], data["repeats"]]
     assert (found[7], found[8]) == (data["verl"], data["torch"])
-    assert (found[9], found[10], found[11]) == (data["command"], data["date"], data["machine"])
+    assert (found[9], found[10], found[11], found[12]) == (data["command"], data["date"], data["machine"],
+                                                           made_at(data))
     assert data["command"].startswith("python benchmarks/verl_loss.py")  # the committed run, not a smoke run
     assert "--smoke" not in data["command"] and data["machine"].startswith("CPU: ")
 
@@ -533,7 +553,7 @@ def test_self_check_is_the_recorded_output(hook: Any, name: Optional[str]) -> No
     data = load(f"docs/results/{name or 'selfcheck.json'}")
     text = hook.self_check(name)
     assert text.split("```text\n", 1)[1] == "\n".join(data["lines"]) + "\n```"
-    assert f"on {data['date']} with " in text and f"(`{data['command']}`)" in text
+    assert f"on {data['date']} with " in text and f"(`{data['command']}`, {made_at(data)}):" in text
 
 
 # ----- the demo's committed runs ------------------------------------------------------------------------------------
@@ -712,13 +732,14 @@ def test_kl_lab_sentences_and_groups(hook: Any) -> None:
     fixed(found[2], target["beta_star"], 4)
     assert float(found[3]) == target["beta_0"] and int(found[4]) == target["training"]["steps"]
     training = next(iter(lab["tables"].values()))["training"]
-    found = re.search(r"\(torch \S+, (\d+) s on (.+?)\): (\d+) groups of (\d+) completions a step, "
+    found = re.search(r"\(torch \S+, (\d+) s on (.+?), (at [^)]+)\): (\d+) groups of (\d+) completions a step, "
                       r"(\d+) steps, .*, seeds (.+) averaged", hook.kl_lab_run())
     fixed(found[1], lab["seconds"], 0)
     assert found[2] == lab["machine"] and lab["machine"].startswith("CPU: ")  # the machine the run recorded
-    assert [int(n) for n in found.groups()[2:5]] == [training["groups"], training["group_size"], training["steps"]]
+    assert found[3] == made_at(lab)
+    assert [int(n) for n in found.groups()[3:6]] == [training["groups"], training["group_size"], training["steps"]]
     # the seeds themselves (it read "seeds 2 averaged", the count, beside the trainer lab's "seeds 0, 1 averaged")
-    assert found[6] == ", ".join(str(seed) for seed in range(lab["seeds"]))
+    assert found[7] == ", ".join(str(seed) for seed in range(lab["seeds"]))
     for environment, table in lab["tables"].items():
         groups = re.findall(r"^\*\*(.+)\*\*$", hook.kl_lab(environment), re.MULTILINE)
         assert groups == list(dict.fromkeys(row["group"] for row in table["rows"]))
@@ -836,10 +857,8 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
 
 def versions_line(data: dict) -> str:
     """A GPU results file's versions as the page lists them: those installed, this package's naming the commit it ran
-    at (a file written before the commit was recorded names none)."""
-    commit = data.get("commit")
-    marked = "" if not commit else f" (commit {commit[:7]}{' with uncommitted changes' if '+' in commit else ''})"
-    return ", ".join(f"{p} {v}{marked if p == 'unsloth_adaptive_kl' else ''}"
+    at (`made_at`)."""
+    return ", ".join(f"{p} {v}{f' ({made_at(data)})' if p == 'unsloth_adaptive_kl' else ''}"
                      for p, v in data["versions"].items() if v is not None)
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl.tools import gpu_scenarios as scenarios
-from unsloth_adaptive_kl.tools import gpucheck
+from unsloth_adaptive_kl.tools import gpucheck, machine
 from unsloth_adaptive_kl.tools.selfcheck import Check
 
 ROOT = Path(__file__).parents[1]
@@ -634,16 +634,16 @@ def test_the_commit_is_the_checkouts_head_marked_where_tracked_files_changed(mon
     checkout = tmp_path / "checkout"
     package = checkout / "unsloth_adaptive_kl" / "tools"
     package.mkdir(parents=True)
-    monkeypatch.setattr(gpucheck, "__file__", str(package / "gpucheck.py"))
-    assert gpucheck.source_commit() is None  # no git folder
+    monkeypatch.setattr(machine, "__file__", str(package / "machine.py"))
+    assert machine.source_commit() is None  # no git folder
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(checkout)]
-    (package / "gpucheck.py").write_text("v1\n")
+    (package / "machine.py").write_text("v1\n")
     for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"]):
         subprocess.run(git + command, check=True)
     head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    assert gpucheck.source_commit() == head
-    (package / "gpucheck.py").write_text("v2\n")
-    assert gpucheck.source_commit() == head + "+changes"
+    assert machine.source_commit() == head
+    (package / "machine.py").write_text("v2\n")
+    assert machine.source_commit() == head + "+changes"
 
 
 def test_the_driver_version_is_the_first_cards_or_none(monkeypatch) -> None:

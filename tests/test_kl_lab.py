@@ -454,7 +454,9 @@ def test_the_command_line_runs_target_at_a_constant_rate_and_the_tables_at_the_s
         return {"beta_star": beta, "tau": 0.4, "beta_0": 0.2, "runs": []}
 
     monkeypatch.setattr(kl_lab, "target_experiment", target)
+    monkeypatch.setenv("ADAPTIVE_KL_COMMIT", "0123456")
     result = kl_lab.main(["--only", "beta = 0 (no KL)", "--processes", "1", "--steps", "7", "--beta", "0.3"])
+    assert result["commit"] == "0123456"  # the commit it ran at (source_commit)
     assert seen == {"env": ENVIRONMENTS["contains_a"], "beta": 0.3,
                     "training": Training(steps=1500, schedule="constant")}
     assert [table["training"]["steps"] for table in result["tables"].values()] == [7, 7]

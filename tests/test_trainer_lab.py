@@ -152,12 +152,14 @@ def test_the_set_fields_reach_the_config_last() -> None:
     assert fields["per_device_train_batch_size"] == 32 and fields["learning_rate"] == 3e-3
 
 
-def test_a_refused_combination_is_a_row_that_says_so(tmp_path) -> None:
+def test_a_refused_combination_is_a_row_that_says_so(tmp_path, monkeypatch) -> None:
     """--set passes any field through; a combination the package refuses (TRL #6586: the sequence-level ratio with the
     bias correction under an adapted k3) is refused before training and the row names the refusal, while a setting
     that is accepted with it trains."""
+    monkeypatch.setenv("ADAPTIVE_KL_COMMIT", "0123456")
     result = kl_lab.main(["--trainer", "trl", "--recipe", "dr_grpo", "--only", "in the loss", "--steps", "2",
                           "--set", "importance_sampling_level=sequence", "use_bias_correction_kl=True"])
+    assert result["commit"] == "0123456"  # the commit it ran at (source_commit)
     rows = {row["setting"]: row for row in result["trainers"]["trl"]["rows"]}
     assert rows["clip in the loss"]["refused"].startswith(
         "use_bias_correction_kl=True is invalid: allowed is False with importance_sampling_level='sequence'")

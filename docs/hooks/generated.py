@@ -139,6 +139,15 @@ def demo_logged(_: Optional[str] = None) -> str:
     return ", ".join(f"`{name}`" for name in LOGGED)
 
 
+def _commit(data: dict) -> str:
+    """The commit a results file ran at (its `commit`, from `source_commit`), for the sentence saying how it was made;
+    a file written outside a checkout, or before results recorded one, says that it did not record it."""
+    if not data.get("commit"):
+        return "at a commit it did not record"
+    sha, _, changes = data["commit"].partition("+")  # "+changes": tracked files differed from it
+    return f"at commit `{sha[:7]}`" + (" with uncommitted changes" if changes else "")
+
+
 def _benchmark(name: str) -> dict:
     return json.loads((ROOT / "benchmarks" / name).read_text())
 
@@ -187,7 +196,8 @@ def benchmark_headline(size: Optional[str] = None) -> str:
     suffix = "_large" if size == "large" else ""
     return (f"`max_loss_overhead_ratio{suffix}={h['ratio']:.3f} ci=[{h['ci'][0]:.3f},{h['ci'][1]:.3f}] "
             f"aa=[{h['aa'][0]:.3f},{h['aa'][1]:.3f}] ops_added={h['ops_added']}` "
-            f"({h['trainer']}, `{h['method']}`, {_size_label(part)}; {total:.0f} s for the whole run)")
+            f"({h['trainer']}, `{h['method']}`, {_size_label(part)}; {total:.0f} s for the whole run, "
+            f"{_commit(_benchmark('loss_overhead.json'))})")
 
 
 def loss_overhead_summary(argument: Optional[str] = None) -> str:
@@ -273,7 +283,8 @@ def steps(_: Optional[str] = None) -> str:
             + "\n\nA/A interval of the step ratio (stock against stock): "
             + (f"[{aa[0]:.3f}, {aa[1]:.3f}]" if aa else NO_AA) + ". Settings: "
             f"hidden {s['hidden']}, {s['layers']} layers, batch {s['batch']}, {s['completion_length']}-token "
-            f"completions, {s['steps']} steps x {s['repeats']} timed passes, device `{data['device']}`.")
+            f"completions, {s['steps']} steps x {s['repeats']} timed passes, device `{data['device']}`, "
+            f"`{data['command']}` {_commit(data)}.")
 
 
 NO_AA = "none (one timed pass)"
@@ -340,7 +351,7 @@ def verl_loss(_: Optional[str] = None) -> str:
             f"{data['responses']} responses of {data['response_length'] // 2} to {data['response_length']} tokens "
             f"after {data['prompt_length']}-token prompts, {data['repeats']} interleaved rounds, one CPU thread "
             f"(verl {data['verl']}, torch {data['torch']}). Made by `{data['command']}` on {data['date']}, "
-            f"{data['machine']}.")
+            f"{data['machine']}, {_commit(data)}.")
 
 
 def _values_at(data: Any, path: list[str]) -> list[Any]:
@@ -413,7 +424,8 @@ def self_check(name: Optional[str] = None) -> str:
     self-check printed, with the versions and the machine it ran on."""
     data = json.loads((ROOT / "docs" / "results" / (name or "selfcheck.json")).read_text())
     installed = ", ".join(f"{package} {version}" for package, version in data["versions"].items())
-    return (f"Its output on {data['date']} with {installed}, on a {data['hardware']} (`{data['command']}`):\n\n"
+    return (f"Its output on {data['date']} with {installed}, on a {data['hardware']} (`{data['command']}`, "
+            f"{_commit(data)}):\n\n"
             "```text\n" + "\n".join(data["lines"]) + "\n```")
 
 
@@ -449,7 +461,7 @@ def demo_results(name: Optional[str] = None) -> str:
     env = data.get("environment", {})
     versions = ", ".join(f"{package} {version}" for package, version in env.get("versions", {}).items())
     command = re.sub(r" --output-dir \S+", "", env.get("command", ""))  # where it wrote is not what it measured
-    return (f"{table}\n\nCommand: `{command}`. Versions: {versions}. Hardware: "
+    return (f"{table}\n\nCommand: `{command}`, {_commit(env)}. Versions: {versions}. Hardware: "
             f"{env.get('hardware', '')}. Wall time: {data['wall_seconds']:.0f} s. Values: mean +/- std over "
             f"{data['settings']['seeds']} seeds of each seed's mean over the last {data.get('window', 12)} steps.")
 
@@ -515,7 +527,7 @@ def kl_lab_run(_: Optional[str] = None) -> str:
     training = next(iter(result["tables"].values()))["training"]
     seeds = ", ".join(str(seed) for seed in next(iter(result["tables"].values()))["seeds"])
     return (f"Made by `{result['command']}` (torch {result['torch']}, {result['seconds']:.0f} s on "
-            f"{result['machine']}): "
+            f"{result['machine']}, {_commit(result)}): "
             f"{training['groups']} groups of {training['group_size']} completions a step, {training['steps']} steps, "
             f"Adam at {training['learning_rate']} decayed linearly to 0, seeds {seeds} averaged "
             "(a spread in KL(pi||pi*) above 0.05 between seeds is shown beside it).")
@@ -548,8 +560,8 @@ def kl_lab_trainer(name: Optional[str] = None) -> str:
     result = _lab_through(str(name))
     (table,) = result["trainers"].values()
     versions = ", ".join(f"{name} {version}" for name, version in result["versions"].items() if version)
-    made = (f"Made by `{result['command']}` ({versions}; {result['seconds']:.0f} s on {result.get('machine', 'a CPU')})"
-            f": {describe(table)}.")
+    made = (f"Made by `{result['command']}` ({versions}; {result['seconds']:.0f} s on "
+            f"{result.get('machine', 'a CPU')}, {_commit(result)}): {describe(table)}.")
     return "\n\n".join([made, *(f"**{recipe}**\n\n{markdown(HEADER, rows)}" for recipe, rows in trainer_rows(table))])
 
 
@@ -616,9 +628,8 @@ def _device(data: dict) -> str:
 def _versions(data: dict) -> str:
     """The versions a GPU results file records, this package's with the commit it ran at."""
     versions = {name: version for name, version in data["versions"].items() if version}
-    if data.get("commit"):  # a sha, "+changes" where the checkout's tracked files differed from it
-        sha, _, changes = data["commit"].partition("+")
-        versions["unsloth_adaptive_kl"] += f" (commit {sha[:7]}{' with uncommitted changes' if changes else ''})"
+    if "unsloth_adaptive_kl" in versions:
+        versions["unsloth_adaptive_kl"] += f" ({_commit(data)})"
     return ", ".join(f"{name} {version}" for name, version in versions.items())
 
 

@@ -37,7 +37,7 @@ import torch
 
 from ..core.reductions import loss_types
 from ..core.config import AdaptiveKLConfig
-from .machine import hardware, installed_versions
+from .machine import hardware, installed_versions, source_commit
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
 # --kl-in-reward: the KL as a loss term (stock) against the KL in the reward, per-token mean and summed, and the
@@ -612,12 +612,13 @@ def nan_as_null(value: Any) -> Any:
 
 
 def environment(command: str) -> dict[str, Any]:
-    """What produced a run: the command line, the installed versions and the hardware."""
+    """What produced a run: the command line, the installed versions, the commit (`source_commit`) and the hardware."""
     import platform
 
     versions = installed_versions(("unsloth_adaptive_kl", "trl", "transformers", "torch", "peft", "unsloth",
                                    "unsloth_zoo"))
-    return {"command": command, "versions": versions, "hardware": hardware(), "python": platform.python_version()}
+    return {"command": command, "versions": versions, "hardware": hardware(), "python": platform.python_version(),
+            "commit": source_commit()}
 
 
 if __name__ == "__main__":

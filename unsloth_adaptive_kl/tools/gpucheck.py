@@ -51,7 +51,7 @@ import torch
 
 from .. import __version__
 from .gpu_scenarios import CHAT_PROMPTS, MAX_SEQ_LENGTH, SCENARIOS, native_precision
-from .machine import installed_versions
+from .machine import installed_versions, source_commit
 from .selfcheck import Check
 
 
@@ -211,26 +211,6 @@ def environment() -> dict[str, Any]:
     installed = {"unsloth_adaptive_kl": __version__, **installed_versions(PACKAGES)}
     return {"device": device, "versions": {package: installed.get(package) for package in PACKAGES},
             "commit": source_commit()}
-
-
-def source_commit() -> Optional[str]:
-    """The commit of this package's checkout, for a results JSON: $ADAPTIVE_KL_COMMIT where set (a copy of the tree
-    without its git folder, as a GPU machine gets), else `git rev-parse HEAD` with "+changes" where tracked files
-    differ from it; None outside a checkout."""
-    if os.environ.get("ADAPTIVE_KL_COMMIT"):
-        return os.environ["ADAPTIVE_KL_COMMIT"]
-    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if not os.path.isdir(os.path.join(checkout, ".git")):  # an installed wheel, or a copy of the tree
-        return None
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=checkout, capture_output=True, text=True, timeout=30)
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=checkout,
-                                 capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def environment_lines(found: dict[str, Any]) -> list[str]:

@@ -27,7 +27,7 @@ import torch
 
 from ..core.estimators import estimator_names
 from ..core.registry import method_names
-from .machine import hardware
+from .machine import hardware, source_commit
 from .tabular_lab import (ENVIRONMENTS, ESTIMATORS_HEADER, HEADER, TARGET_HEADER, Training, chosen, default_settings,
                           estimator_expectations, estimator_rows, run_table, show, table_rows, target_experiment,
                           target_rows)
@@ -140,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     settings = chosen(default_settings(args.estimator, args.method), args.only)
     environments = list(ENVIRONMENTS) if args.env == "all" else [args.env]
     result: dict[str, Any] = {"command": command, "torch": torch.__version__, "machine": hardware(),
-                              "seeds": args.seeds, "tables": {}}
+                              "commit": source_commit(), "seeds": args.seeds, "tables": {}}
     for name in environments:
         table = run_table(ENVIRONMENTS[name], settings, args.beta, training, range(args.seeds), args.processes)
         result["tables"][name] = table

@@ -28,7 +28,7 @@ from ..integrations import versions
 from ..integrations.patching import PatchSet
 from ..core.tolerance import (EPS32, float32_chain_tolerance, k3_gradient_magnitude, k3_magnitude,
                               reordered_sum_tolerance)
-from .machine import hardware, installed_versions
+from .machine import hardware, installed_versions, source_commit
 
 VERSION_PACKAGES = ("trl", "transformers", "torch", "unsloth", "unsloth_zoo")  # reported against the tested ranges
 PROMPTS = ["ab:", "cde:", "fg:", "h:", "bad:", "ce:", "gh:", "abc:"]
@@ -437,10 +437,11 @@ def main(json_path: Optional[str] = None) -> int:
 
 
 def write_record(json_path: str, printed: list[str], passed: bool) -> None:
-    """The run as JSON: the command that wrote it, the date, the machine, the installed versions of the packages it
-    checks, and its lines as printed (this package's lines only: a trainer's own banner and notices are not ours)."""
+    """The run as JSON: the command that wrote it, the date, the commit (`source_commit`), the machine, the installed
+    versions of the packages it checks, and its lines as printed (this package's lines only: a trainer's own banner
+    and notices are not ours)."""
     record = {"command": shlex.join(["python", "-m", "unsloth_adaptive_kl", *sys.argv[1:]]),
-              "date": time.strftime("%Y-%m-%d"),
+              "date": time.strftime("%Y-%m-%d"), "commit": source_commit(),
               "hardware": hardware(), "versions": installed_versions((*VERSION_PACKAGES, "verl")), "passed": passed,
               "lines": printed}
     os.makedirs(os.path.dirname(json_path) or ".", exist_ok=True)

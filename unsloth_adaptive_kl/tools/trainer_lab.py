@@ -43,7 +43,7 @@ import torch
 
 from ..core import AdaptiveKLConfig
 from .logprob_paths import counted_logprob_calls, describe as describe_scorers
-from .machine import hardware
+from .machine import hardware, source_commit
 from .tabular_findings import K1_VALUED
 from .tabular_lab import (ENVIRONMENTS, METHOD_FIELDS, REWARDS, Environment, Figures, Setting, Training, Tree,
                           beta_for_kl, beta_trained, chosen, show, train)
@@ -308,7 +308,6 @@ PROGRESS_EVERY = 100  # optimizer steps between a run's progress lines
 def progress_callback(run: LabRun) -> Any:
     """A TrainerCallback that prints to stderr, every `PROGRESS_EVERY` optimizer steps, how far the run is and since
     when: a run stopped from outside (the GPU check's time limit) says where it had got to."""
-    import sys
     import time
 
     from transformers import TrainerCallback
@@ -318,8 +317,11 @@ def progress_callback(run: LabRun) -> Any:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step % PROGRESS_EVERY == 0:
-                print(f"trainer lab: {run.trainer}, {run.setting.label}, seed {run.seed}: step {state.global_step} of "
-                      f"{run.steps} after {time.perf_counter() - self.started:.0f} s", file=sys.stderr, flush=True)
+                line = (f"trainer lab: {run.trainer}, {run.setting.label}, seed {run.seed}: step "
+                        f"{state.global_step} of {run.steps} after {time.perf_counter() - self.started:.0f} s\n")
+                # one write to fd 2: the seeds' forked workers share it, and print's two writes (text, then the
+                # newline) interleaved, one worker's line running into the next's
+                os.write(2, line.encode())
 
     return Progress()
 
@@ -861,7 +863,7 @@ def main(args: Any, command: str) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     result: dict[str, Any] = {"command": command, "versions": versions, "trainers": {},
-                              "machine": f"{hardware()}, {args.processes} worker processes"}
+                              "machine": f"{hardware()}, {args.processes} worker processes", "commit": source_commit()}
     for trainer in trainers:
         table = run_trainer_table(trainer, settings, args.recipe or list(RECIPES), args.beta, args.steps or STEPS,
                                   range(args.seeds), args.processes, parse_overrides(args.overrides),
