@@ -289,9 +289,9 @@ def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
 def test_readme_methods_column_says_what_the_committed_demo_run_shows() -> None:
     """README's "on the demo task" column against the committed runs (docs/results/default, and options for `target`),
     seed by seed: a seed's length drifted where it is nearer the mean of the drift without a KL (`beta=0`) than that
-    of stock (`none`). A method "holds length" where no seed drifted, "length drifts" where every seed did, "length
-    drifts in most seeds" or "in some seeds" for more or at most half of them; it "costs reward" where its mean reward
-    is below stock's by more than both runs' spreads over seeds. A mean over seeds alone would call a variant that
+    of stock (`none`). A method "holds length" where no seed drifted, else "length drifted in K of N seeds" with the
+    run's own counts (its words "in most seeds" / "in some seeds" called 1 of 10 as 5 of 10); it "costs reward" where
+    its mean reward is below stock's by more than both runs' spreads over seeds. A mean over seeds alone would call a variant that
     drifted in a few seeds by a lot as drifting as one that drifted in all."""
     def means(run: str) -> dict[str, dict[str, list[float]]]:
         return {row["method"]: row for row in json.loads((ROOT / f"docs/results/{run}/summary.json").read_text())["summary"]}
@@ -299,7 +299,7 @@ def test_readme_methods_column_says_what_the_committed_demo_run_shows() -> None:
     default, options = means("default"), means("options")
     readme = (ROOT / "README.md").read_text()
     table = readme[readme.index("|---|", readme.index("## Methods")):]  # the rows under the header
-    rows = re.findall(r"^\| `(\w+)`(?: \(default\))? \|[^\n]*\| ([a-z ]+) \|$", table, re.M)
+    rows = re.findall(r"^\| `(\w+)`(?: \(default\))? \|[^\n]*\| ([a-z0-9 ]+) \|$", table, re.M)
     assert [method for method, _ in rows] == ["none", "clip", "sigmoid", "length_normalized", "dynamic", "target"]
     stock, drift = default["none"]["completions/mean_length"][0], default["beta=0"]["completions/mean_length"][0]
     for method, claim in rows:
@@ -309,10 +309,8 @@ def test_readme_methods_column_says_what_the_committed_demo_run_shows() -> None:
             continue
         lengths = default[method]["by_seed"]["completions/mean_length"]
         drifted = sum(1 for length in lengths if abs(length - drift) < abs(length - stock))
-        said = {"holds length": drifted == 0, "length drifts": drifted == len(lengths),
-                "length drifts in most seeds": len(lengths) / 2 < drifted < len(lengths),
-                "length drifts in some seeds": 0 < drifted <= len(lengths) / 2}
-        assert said[claim], (method, claim, drifted, len(lengths))
+        expected = "holds length" if drifted == 0 else f"length drifted in {drifted} of {len(lengths)} seeds"
+        assert claim == expected, (method, claim, drifted, len(lengths))
 
 
 def test_the_summed_kl_in_the_loss_has_the_tightest_length_spread_of_the_loss_side_settings() -> None:

@@ -573,7 +573,7 @@ def test_every_committed_demo_run_has_the_settings_the_results_page_names_once()
     assert len(settings) == 4
     for run, given in settings.items():
         assert (given["seeds"], given["steps"], given["beta"], given["loss_type"], given["learning_rate"]) == \
-            (settings["default"]["seeds"], 120, 0.04, "dapo", None), run  # None: the tiny task's 5e-3
+            (settings["default"]["seeds"], 120, 0.04, "dapo", 5e-3), run  # the tiny task's, as resolved and recorded
         assert runs[run]["window"] == 12, run
     for run in ("options", "kl_in_reward"):  # the runs with a `target` variant
         assert (settings[run]["kl_target"], settings[run]["kl_horizon"]) == (0.2, 100.0), run
