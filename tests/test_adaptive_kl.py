@@ -1108,6 +1108,24 @@ def test_a_mean_reward_that_is_text_a_bool_or_the_rewards_is_refused(reward) -> 
     assert akl.step(mean_reward=torch.tensor(0.9)) == pytest.approx(BETA * 0.9)  # a 0-dim tensor is a number
 
 
+@pytest.mark.parametrize("reward", [torch.tensor(0.9), torch.tensor([0.9]), np.array(0.9), np.array([0.9]),
+                                    np.float32(0.9), torch.tensor([0.9], dtype=torch.float16)])
+def test_a_one_element_tensor_or_array_is_a_mean_reward_alike(reward) -> None:
+    """A one-element tensor was read as its number and a one-element numpy array refused (numpy 2's float() takes
+    only a 0-dim array): both doors now read item(). dynamic decays once, by 0.9, above its threshold 0.5."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5), BETA)
+    assert akl.step(mean_reward=reward) == pytest.approx(BETA * 0.9)
+
+
+@pytest.mark.parametrize("reward", [torch.tensor([True]), np.array([True]), np.bool_(True), np.array([math.nan])])
+def test_a_one_element_bool_or_nan_is_refused_as_the_number_would_be(reward) -> None:
+    """item() of a bool tensor or array is a bool, refused as True is; NaN inside an array is refused as NaN is."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
+    with pytest.raises(ValueError, match=r"^mean_reward=.* is invalid: allowed is a finite number"):
+        akl.step(mean_reward=reward)
+    assert akl.current_beta == BETA
+
+
 @pytest.mark.parametrize("name", ["logps", "ref_logps", "per_token_kl"])
 def test_integer_log_probs_are_refused_naming_the_tensor(name: str) -> None:
     """Log-probs cast to integers were truncated and trained on: a term of 0.18 where the float input gives 0.33."""

@@ -6,6 +6,7 @@ log-probs on valid tokens raise (naming the step, the tensor and how many tokens
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 import math
 import warnings
 
@@ -17,7 +18,7 @@ from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbEr
 from unsloth_adaptive_kl.core.reductions import ReductionContext
 from unsloth_adaptive_kl.core.estimators import estimate_kl
 from unsloth_adaptive_kl.core.numerics import in_float32, keep_valid
-from unsloth_adaptive_kl.core.statistics import NAMES
+from unsloth_adaptive_kl.core.statistics import NAMES, KLStatistics
 
 from .kl_terms import adapted_kl_term
 
@@ -430,16 +431,23 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     ({"completed_steps": 7, "trained": {"kl_sum": 1.0}},
      "adaptive KL state: trained={'kl_sum': 1.0} is invalid: allowed is None, or the sums by name (completions, "
      "tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, "
-     "old_logps), each a finite number."),
+     "old_logps), each a finite number (completions, tokens, tokens_sq, kl_sq, "
+     "entries and clipped >= 0)."),
     # the package never writes a non-finite sum (a batch whose KL is not finite is refused before it is kept)
     ({"completed_steps": 7, "trained": {"kl": math.inf}},
      "adaptive KL state: trained={'kl': inf} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
      "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps), each "
-     "a finite number."),
+     "a finite number (completions, tokens, tokens_sq, kl_sq, entries and clipped >= 0)."),
     ({"completed_steps": 7, "scored": {"kl": "1"}},
      "adaptive KL state: scored={'kl': '1'} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
      "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps), each "
-     "a finite number."),
+     "a finite number (completions, tokens, tokens_sq, kl_sq, entries and clipped >= 0)."),
+    # a negative count (hand-edited; the package never writes one) loaded into the next step's KL and metrics
+    ({"completed_steps": 7, "trained": {**asdict(KLStatistics()), "tokens": -4.0}},
+     f"adaptive KL state: trained={ {**asdict(KLStatistics()), 'tokens': -4.0} !r} is invalid: allowed is None, or "
+     "the sums by name (completions, tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, "
+     "policy_logps, reference_logps, old_logps), each a finite number (completions, tokens, tokens_sq, kl_sq, "
+     "entries and clipped >= 0)."),
 ])
 def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change, message) -> None:
     """A negative beta loaded as it was made the KL term -1.006 (the loss rewarded KL), a NaN one poisoned it."""
@@ -472,7 +480,7 @@ def test_a_current_state_missing_a_field_it_writes_is_refused_naming_it(field) -
     del state["trained"]["old_logps"]
     with pytest.raises(ValueError, match=r"^adaptive KL state: trained=\{'completions': 0\.0, .*\} is invalid: allowed "
                                          r"is None, or the sums by name \(completions, .*, old_logps\), each a finite "
-                                         r"number\.$"):
+                                         r"number \(completions, .* >= 0\)\.$"):
         runtime.load_state_dict(state)
 
 

@@ -1285,6 +1285,19 @@ class _RewardTrainer(verl_kl.AdaptiveKLTrainerMixin, _ScoringTrainer):
     pass
 
 
+@pytest.mark.parametrize("reward", ["0.9", True, math.nan])
+def test_the_reward_controllers_door_reads_a_mean_reward_as_the_cores(reward):
+    """`RewardKLController.observe_rewards` took float(reward): "0.9" and True became 0.9 and 1.0, and dynamic
+    decayed on them, where `AdaptiveKL.step` refuses both; NaN was refused only at verl's `update`. Refused here now,
+    in the core's words; a one-element tensor is a number at both doors."""
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="dynamic"), beta=0.3)
+    with pytest.raises(ValueError, match=re.escape(f"mean_reward={reward!r} is invalid: allowed is a finite number")):
+        ctrl.observe_rewards(reward)
+    assert ctrl._mean_reward is None
+    ctrl.observe_rewards(torch.tensor([0.9]))
+    assert ctrl._mean_reward == pytest.approx(0.9)
+
+
 def test_a_batch_of_padding_alone_has_no_mean_reward(monkeypatch):
     """The controllers read the mean reward of a batch's real samples, fetched from the transfer queue by key (each
     sample's rm_scores summed over its tokens, as verl's critic/score/mean); a batch of verl's padding samples alone

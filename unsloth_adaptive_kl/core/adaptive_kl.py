@@ -35,6 +35,21 @@ STATE_FORMAT = 6  # `state_dict()`'s format: 6 adds the old policy's log-prob su
 # 5 the step's rewards; 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
 
 
+def finite_mean_reward(mean_reward: Any) -> float:
+    """A batch's mean reward as a float: a finite number (a one-element tensor or numpy array is one, both read by
+    `item()`); else a ValueError naming it (`dynamic` would decay on +inf and never on NaN, silently; text, a bool or
+    the rewards themselves are not a mean)."""
+    try:  # a tensor's or an array's item() reads one element alike; several (the rewards) or a list fail here
+        value = mean_reward.item() if hasattr(mean_reward, "item") else mean_reward
+        reward = math.nan if isinstance(value, (str, bytes, bool)) else float(value)
+    except (TypeError, ValueError, RuntimeError):
+        reward = math.nan
+    if not math.isfinite(reward):
+        raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
+                     "the step scored no new generation batch")
+    return reward
+
+
 class AdaptiveKL:
     """The adaptive KL of one training run: beta_t (`current_beta`, from the configured controller) times the
     adapted KL term, its metrics, and its checkpointable state.
@@ -294,18 +309,11 @@ class AdaptiveKL:
                        per_token_kl=per_token_kl, with_grad=with_grad, names=names, old_logps=old_logps)
 
     def observe_rewards(self, mean_reward: float) -> None:
-        """The mean reward over all processes of a new training generation batch (un-penalised): a finite number, at
-        every door (`dynamic` would decay on +inf and never on NaN, silently); else a ValueError naming it. The
-        controller observes, at the step's end, the mean of the batches observed during the step: the mean reward of
-        the completions the step trained on, where its batches are of one size (a trainer's are)."""
-        several = isinstance(mean_reward, torch.Tensor) and mean_reward.numel() != 1  # the rewards, not their mean
-        try:  # a list or an array of rewards would fail in float() without naming the field
-            reward = math.nan if several or isinstance(mean_reward, (str, bytes, bool)) else float(mean_reward)
-        except (TypeError, ValueError):
-            reward = math.nan
-        if not math.isfinite(reward):
-            raise reject("mean_reward", mean_reward, "a finite number (the batch's mean reward), or None where "
-                         "the step scored no new generation batch")
+        """The mean reward over all processes of a new training generation batch (un-penalised), as
+        `finite_mean_reward` reads it at every door. The controller observes, at the step's end, the mean of the
+        batches observed during the step: the mean reward of the completions the step trained on, where its batches
+        are of one size (a trainer's are)."""
+        reward = finite_mean_reward(mean_reward)
         self._rewards.append(reward)
 
     def record(
@@ -643,6 +651,10 @@ def _written_beside_the_controller(version: int) -> tuple[str, ...]:
             + ("rewards",) * (version >= 5))
 
 
+# the sums that count or square: never negative as the package writes them
+NOT_NEGATIVE = ("completions", "tokens", "tokens_sq", "kl_sq", "entries", "clipped")
+
+
 def _sums(saved: Any, name: str, every_sum: bool) -> Optional[KLStatistics]:
     """A checkpoint's sums: by name (format 4 on; `every_sum`: each of today's, as the current format writes them),
     or format 3's [sum S_i, sum L_i, completions]; anything else a ValueError naming the field."""
@@ -650,7 +662,8 @@ def _sums(saved: Any, name: str, every_sum: bool) -> Optional[KLStatistics]:
         return None
     names = asdict(KLStatistics())
     as_list = "" if every_sum else " or as format 3's [kl, tokens, completions]"
-    allowed = f"None, or the sums by name ({', '.join(names)}){as_list}, each a finite number"
+    allowed = (f"None, or the sums by name ({', '.join(names)}){as_list}, each a finite number ("
+               f"{', '.join(NOT_NEGATIVE[:-1])} and {NOT_NEGATIVE[-1]} >= 0)")
     if every_sum and not (isinstance(saved, dict) and set(saved) == set(names)):
         raise reject(f"adaptive KL state: {name}", saved, allowed)
     try:
@@ -659,5 +672,7 @@ def _sums(saved: Any, name: str, every_sum: bool) -> Optional[KLStatistics]:
     except (TypeError, ValueError):
         raise reject(f"adaptive KL state: {name}", saved, allowed) from None
     if not all(is_real(value) and math.isfinite(value) for value in astuple(sums)):  # as the package writes them
+        raise reject(f"adaptive KL state: {name}", saved, allowed)
+    if any(getattr(sums, field) < 0 for field in NOT_NEGATIVE):  # would feed the next step's KL and metrics
         raise reject(f"adaptive KL state: {name}", saved, allowed)
     return sums

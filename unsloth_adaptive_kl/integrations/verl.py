@@ -62,6 +62,7 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
+from ..core.adaptive_kl import finite_mean_reward
 from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields, check_real,
                            is_real, warn_estimator_issue)
 from ..core.controllers import check_horizon
@@ -633,8 +634,9 @@ class RewardKLController:
         return self.akl.config
 
     def observe_rewards(self, mean_reward: float) -> None:
-        """The mean (un-penalised) reward of the batch about to be penalised."""
-        self._mean_reward = float(mean_reward)
+        """The mean (un-penalised) reward of the batch about to be penalised, read as the core's every door reads
+        it (a finite number; else a ValueError naming it, here rather than at `update`)."""
+        self._mean_reward = finite_mean_reward(mean_reward)
 
     def penalize(self, kld: torch.Tensor, old: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor
                  ) -> dict[str, float]:
