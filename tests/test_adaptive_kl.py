@@ -4,6 +4,7 @@ user-registered estimator (SPEC 3.11)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -14,7 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, WindowKL, register_kl_estimator
+from unsloth_adaptive_kl import (AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarning, NonFiniteLogProbError, WindowKL,
+                                 register_kl_estimator)
+from unsloth_adaptive_kl.core.numerics import NONFINITE_ADVICE
+from unsloth_adaptive_kl.core.statistics import KLStatistics, device_sums, gather_statistics
 from unsloth_adaptive_kl.core.estimators import estimator_names
 from unsloth_adaptive_kl.core.tolerance import k1_magnitude, k3_gradient_magnitude, k3_magnitude
 
@@ -596,6 +600,65 @@ def test_an_evaluation_pass_through_the_trainer_door_moves_nothing() -> None:
     assert akl.current_beta == pytest.approx(BETA * 0.9) and math.isfinite(akl.last_raw_kl)
 
 
+def engine_sums(**change: float) -> KLStatistics:
+    """A batch's sums as an engine gathers them (two completions of 2 and 1 tokens, k1 sums -2 and -3), changed."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1"), BETA)
+    term = akl.term(torch.tensor([[-1.0, -1.0], [-3.0, 0.0]]), torch.zeros(2, 2), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    (sums,) = gather_statistics([device_sums(term)], [term.check], step=1)
+    return dataclasses.replace(sums, **change)
+
+
+@pytest.mark.parametrize(("change", "error", "message"), [
+    # record() raised NonFiniteLogProbError on a non-finite log-prob sum; record_sums trained on without a word
+    ({"old_logps": math.nan}, NonFiniteLogProbError,
+     "adaptive KL: non-finite input at step 1: NaN or +-inf on valid (mask=1) tokens in the old policy log-probs "
+     "(the old policy tensor): non-finite (its sum over the valid tokens)."),
+    # tokens -40: target read the step's KL as -5 / max(-40, 1) = -5, not -5 / 3
+    ({"tokens": -40.0}, ValueError, "record_sums: batches[0].tokens=-40.0 is invalid: allowed is a finite number >= 0 "
+     "(a count, as device_sums computes it)."),
+    ({"completions": math.inf}, ValueError, "record_sums: batches[0].completions=inf is invalid: allowed is a finite "
+     "number >= 0 (a count, as device_sums computes it)."),
+    ({"kl_sq": -1.0}, ValueError, "record_sums: batches[0].kl_sq=-1.0 is invalid: allowed is a number >= 0 (a sum of "
+     "squares)."),
+    ({"kl": "5"}, ValueError, "record_sums: batches[0].kl='5' is invalid: allowed is a number."),
+])
+def test_an_engines_sums_are_checked_as_a_batch_of_ones_own_and_nothing_kept(change, error, message) -> None:
+    """`record_sums`, the door of an engine that gathers its own sums, checked nothing: sums `record` refuses (a
+    non-finite log-prob) or `load_state_dict` refuses (a negative or non-finite count) were kept, and the step moved
+    beta from them. Refused now, before anything is kept: the refused step leaves the run as it was."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1), BETA)
+    before = akl.state_dict()
+    with pytest.raises(error) as raised:
+        akl.record_sums([engine_sums(**change)], train=True, completed_steps=1)
+    assert str(raised.value) == (message if error is ValueError else message.removesuffix(".") + ". Masked positions "
+                                 f"may hold anything; a valid token's log-prob must be finite ({NONFINITE_ADVICE}).")
+    assert akl.state_dict() == before
+
+
+def test_an_engines_sums_give_what_record_gives() -> None:
+    """The same batch through `kl_loss` (record's door) and through `record_sums`: equal metrics and step KL (k1
+    sums -2 and -3 over 3 tokens: the step's KL, last_raw_kl, -5 / 3 per token)."""
+    own, engine = (AdaptiveKL(AdaptiveKLConfig(kl_estimator="k1"), BETA) for _ in range(2))
+    logps = torch.tensor([[-1.0, -1.0], [-3.0, 0.0]], requires_grad=True)
+    _, metrics = own.kl_loss(logps, torch.zeros(2, 2), torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    own.step()
+    (logged,) = engine.record_sums([engine_sums()], train=True, completed_steps=1)
+    assert logged == metrics and engine.last_raw_kl == own.last_raw_kl == pytest.approx(-5 / 3)
+
+
+@pytest.mark.parametrize("completed_steps", [-3, 2.5, True, "1"])
+def test_an_engines_step_count_is_an_integer(completed_steps) -> None:
+    """completed_steps=-3 was kept, and the checkpoint the run then wrote could not be loaded (load_state_dict refuses
+    it); 2.5 the same."""
+    akl = AdaptiveKL(None, BETA)
+    with pytest.raises(ValueError, match=re.escape(f"completed_steps={completed_steps!r} is invalid: allowed is an "
+                                                   "integer >= 0 (the optimizer steps completed with this one)")):
+        akl.record_sums([engine_sums()], train=True, completed_steps=completed_steps)
+    assert akl.completed_steps == 0
+    with pytest.raises(TypeError, match=r"record_sums: batches\[0\] must be a KLStatistics, not dict"):
+        akl.record_sums([{"kl": 1.0}], train=True, completed_steps=1)
+
+
 def test_a_step_without_a_valid_token_keeps_the_last_kl() -> None:
     """A KL-triggered reference sync reads `last_raw_kl`: a step that trained on no valid token has no KL, and leaves
     the last one (k3 of r = 1: e - 2) where it was rather than NaN (which would skip the sync silently)."""
@@ -1152,6 +1215,21 @@ def test_a_window_kl_that_would_move_beta_to_nan_inf_or_0_is_refused(fields, mes
         WindowKL(*fields)
     assert str(raised.value) == message
     assert math.isnan(WindowKL(math.nan, math.nan, 3.0).token_mean)  # a step that measured no KL: beta holds
+
+
+@pytest.mark.parametrize("measure", ["token_mean", "sequence_sum"])
+def test_a_given_window_without_a_kl_holds_beta_saying_so_and_keeps_the_last_kl(measure: str) -> None:
+    """step(kl=WindowKL(nan, nan, 64)), an engine's step that measured no KL, held target's beta without a word (the
+    warning was skipped whenever a window was given) and set last_raw_kl to NaN, where a step of one's own that
+    trained on no valid token keeps the last one. One step with a KL first: 0.5 per token, above the target 0.1, so
+    beta rises by 1 + 0.2 * 40 / 80 = 1.1; then the NaN window holds it there and keeps 0.5."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1, kl_horizon=80.0,
+                                      kl_target_measure=measure), BETA)
+    assert akl.step(kl=WindowKL(0.5, 0.5, 40.0)) == pytest.approx(BETA * 1.1)
+    with pytest.warns(UserWarning, match=re.escape(f"beta holds at step 2: the step's WindowKL has no KL ({measure}="
+                                                   "nan, a step that measured none)")):
+        assert akl.step(kl=WindowKL(math.nan, math.nan, 64.0)) == pytest.approx(BETA * 1.1)
+    assert akl.last_raw_kl == 0.5
 
 
 def test_target_refuses_a_horizon_under_which_beta_would_reach_0_and_stay() -> None:

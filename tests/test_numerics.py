@@ -427,27 +427,32 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     ({"completed_steps": 7, "generation_batch": "3"},
      "adaptive KL state: generation_batch='3' is invalid: allowed is an integer >= 0 (a count)."),
     ({"completed_steps": 7, "batch_reward": "0.9"},
-     "adaptive KL state: batch_reward='0.9' is invalid: allowed is a number, or None before the first reward."),
+     "adaptive KL state: batch_reward='0.9' is invalid: allowed is a finite number, or None (or NaN) before the "
+     "first reward."),
+    # +inf loaded, and dynamic decayed on it at the next step, where step(mean_reward=inf) is refused at every door
+    ({"completed_steps": 7, "generation_batch": 3, "last_decayed_batch": 2, "batch_reward": math.inf},
+     "adaptive KL state: batch_reward=inf is invalid: allowed is a finite number, or None (or NaN) before the "
+     "first reward."),
     ({"completed_steps": 7, "trained": {"kl_sum": 1.0}},
      "adaptive KL state: trained={'kl_sum': 1.0} is invalid: allowed is None, or the sums by name (completions, "
      "tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, "
-     "old_logps), each a finite number (completions, tokens, tokens_sq, kl_sq, "
-     "entries and clipped >= 0)."),
+     "old_logps), each a finite number (completions, tokens, tokens_sq, entries, "
+     "clipped and kl_sq >= 0)."),
     # the package never writes a non-finite sum (a batch whose KL is not finite is refused before it is kept)
     ({"completed_steps": 7, "trained": {"kl": math.inf}},
      "adaptive KL state: trained={'kl': inf} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
      "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps), each "
-     "a finite number (completions, tokens, tokens_sq, kl_sq, entries and clipped >= 0)."),
+     "a finite number (completions, tokens, tokens_sq, entries, clipped and kl_sq >= 0)."),
     ({"completed_steps": 7, "scored": {"kl": "1"}},
      "adaptive KL state: scored={'kl': '1'} is invalid: allowed is None, or the sums by name (completions, tokens, kl, "
      "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps), each "
-     "a finite number (completions, tokens, tokens_sq, kl_sq, entries and clipped >= 0)."),
+     "a finite number (completions, tokens, tokens_sq, entries, clipped and kl_sq >= 0)."),
     # a negative count (hand-edited; the package never writes one) loaded into the next step's KL and metrics
     ({"completed_steps": 7, "trained": {**asdict(KLStatistics()), "tokens": -4.0}},
      f"adaptive KL state: trained={ {**asdict(KLStatistics()), 'tokens': -4.0} !r} is invalid: allowed is None, or "
      "the sums by name (completions, tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, "
-     "policy_logps, reference_logps, old_logps), each a finite number (completions, tokens, tokens_sq, kl_sq, "
-     "entries and clipped >= 0)."),
+     "policy_logps, reference_logps, old_logps), each a finite number (completions, tokens, tokens_sq, entries, "
+     "clipped and kl_sq >= 0)."),
 ])
 def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change, message) -> None:
     """A negative beta loaded as it was made the KL term -1.006 (the loss rewarded KL), a NaN one poisoned it."""

@@ -562,13 +562,19 @@ def test_reward_penalty_route(fake_tinker: Tinker, estimator: Any) -> None:
 def test_an_unscored_reward_or_a_group_size_that_is_not_a_count_is_refused() -> None:
     """One NaN reward would make every advantage of its group NaN, prompt positions included (NaN * 0); a group_size of
     2.0 or True is not a count, and a group of one (1, or True) has the advantage 0 whatever its reward, NaN with
-    scale_by_std (a sample std of one value); a std_epsilon of 0 divides a group of equal rewards by 0."""
+    scale_by_std (a sample std of one value); a std_epsilon of 0 divides a group of equal rewards by 0. None or text
+    for a reward failed in torch, naming neither the argument nor what it takes."""
     data = [integration.completion_datum([1, 2], [3, 4, 5], [-1.0, -1.2, -0.8], [-1.1, -1.0, -0.9])
             for _ in range(4)]
     akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
     with pytest.raises(ValueError, match=r"^rewards hold NaN or \+-inf at completion\(s\) \[1, 3\]: every reward must "
                                          r"be a finite number"):
         integration.kl_penalized_data(akl, data, [1.0, math.nan, 0.0, math.inf], group_size=2)
+    for rewards in ([None, 1.0, 0.0, 1.0], ["1", "0", "0", "1"]):  # torch's bare TypeError / "too many dimensions"
+        with pytest.raises(ValueError) as raised:
+            integration.kl_penalized_data(akl, data, rewards, group_size=2)
+        assert str(raised.value) == (f"rewards={rewards!r} is invalid: allowed is one finite number per Datum (score "
+                                     "each completion, or leave an unscored completion's group out of the batch).")
     for group_size in (2.0, True, 3, 0, 1):
         with pytest.raises(ValueError) as raised:
             integration.kl_penalized_data(akl, data, [1.0, 0.0, 0.0, 1.0], group_size=group_size)
@@ -1340,8 +1346,8 @@ def test_std_epsilon_without_scale_by_std_warns_that_it_has_no_effect() -> None:
 def test_each_door_names_its_own_mistakes() -> None:
     """What a Tinker loop met as another door's words, or a torch error:
     - kl_penalized_data on the default placement said "call kl_loss(...) instead of reward_penalty(...)";
-    - record_step_kl with the KL in the reward, or without the loss's divisor, named kl_loss or nothing (after the
-      optimizer step had run); a result of other Datums, padded to the same width, gave a KL of the wrong tokens; a
+    - record_step_kl with the KL in the reward, or without the loss's divisor (the KL term's, or the loss type's,
+      which raw_kl reads), named kl_loss or nothing (after the optimizer step had run); a result of other Datums, padded to the same width, gave a KL of the wrong tokens; a
       loss type other than PPO-clip's, whose KL it measures as well, was refused as if it were the loss;
     - an empty batch raised "received an empty list of sequences" from torch."""
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])  # T = 3
@@ -1368,6 +1374,12 @@ def test_each_door_names_its_own_mistakes() -> None:
     with pytest.raises(ValueError, match=r"^token_normalizer=None is invalid: .*: pass it to "
                                          r"record_step_kl\(\.\.\.\)\.$"):
         integration.record_step_kl(dapo, [datum], result([0.0, -1.0, -1.0]))
+    # raw_kl is reduced as the loss type reduces: dr_grpo's divisor, missing, was named as kl_loss's (the KL term's
+    # reduction, length_normalized's sequence mean, needs none, and was the only one this door asked)
+    normalized = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="length_normalized"), beta=0.1, loss_type="dr_grpo")
+    with pytest.raises(ValueError, match=r"^max_completion_length=None is invalid: .*: pass it to "
+                                         r"record_step_kl\(\.\.\.\)\.$"):
+        integration.record_step_kl(normalized, [datum], result([0.0, -1.0, -1.0]))
     with pytest.raises(ValueError, match=r"^result\.loss_fn_outputs\[0\]\['logprobs'\] has 4 values, Datum 0 3 target "
                                          r"tokens: the result must be the forward_backward of these Datums, in their "
                                          r"order$"):

@@ -17,7 +17,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Mapping
-from dataclasses import asdict, astuple
+from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
@@ -29,7 +29,8 @@ from .numerics import LogpCheck
 from .optimizer_steps import OptimizerSteps
 from .reductions import (ReductionContext, check_completions_fit, check_divisors_given, kl_reduction,
                          loss_type_reduction, reduction_left_as_is, warn_unread_context)
-from .statistics import Gather, KLStatistics, device_sums, gather_statistics, local
+from .statistics import (NAMES, NOT_NEGATIVE, Gather, KLStatistics, check_given_sums, device_sums,
+                         gather_statistics, invalid_sum, local)
 
 STATE_FORMAT = 6  # `state_dict()`'s format: 6 adds the old policy's log-prob sum to the step's sums (`old_logps`);
 # 5 the step's rewards; 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
@@ -169,9 +170,7 @@ class AdaptiveKL:
         check_estimator_read(self.config, per_token_kl)
         ctx = divisors(max_completion_length, token_normalizer)
         warn_unread_context(ctx, self.config, self.loss_type)
-        kl, raw = kl_reduction(self.config, self.loss_type), loss_type_reduction(self.loss_type)
-        # raw_kl is reduced as the loss type reduces (the trainer's own metric), whatever the KL term's reduction
-        reductions = {"the KL term": kl, **({"raw_kl": raw} if raw != kl else {})}
+        reductions = self.loss_reductions()
         check_divisors_given(ctx, reductions.values(), "kl_loss")
         check_completions_fit(ctx, mask, reductions)
         if train:
@@ -265,7 +264,8 @@ class AdaptiveKL:
 
         The first step that leaves beta where it is for want of an input says so (a UserWarning): `dynamic` before any
         `mean_reward` was passed, `target` (the KL in the loss) with no valid token in a training `kl_loss` since the
-        last step and no `kl`."""
+        last step and no `kl`, or a `kl` whose measure is NaN (a step that measured none, which also keeps
+        `last_raw_kl`)."""
         if kl is not None and not isinstance(kl, WindowKL):  # else found missing only after the step's sums are gone
             raise TypeError(f"kl must be a WindowKL(token_mean=..., sequence_sum=..., completions=...) or None (the "
                             f"KL of the batches the step trained on), not {type(kl).__name__}")
@@ -308,6 +308,12 @@ class AdaptiveKL:
         return kl_term(logps, ref_logps, mask, self.config, loss_type=loss_type or self.loss_type, context=ctx,
                        per_token_kl=per_token_kl, with_grad=with_grad, names=names, old_logps=old_logps)
 
+    def loss_reductions(self) -> dict[str, str]:
+        """{what: its reduction's name} of what `kl_loss` reduces: the KL term, and raw_kl where the loss type
+        reduces otherwise (raw_kl is the trainer's own metric, reduced as the loss type reduces)."""
+        kl, raw = kl_reduction(self.config, self.loss_type), loss_type_reduction(self.loss_type)
+        return {"the KL term": kl, **({"raw_kl": raw} if raw != kl else {})}
+
     def observe_rewards(self, mean_reward: float) -> None:
         """The mean reward over all processes of a new training generation batch (un-penalised), as
         `finite_mean_reward` reads it at every door. The controller observes, at the step's end, the mean of the
@@ -337,7 +343,13 @@ class AdaptiveKL:
     def record_sums(self, batches: list[KLStatistics], *, train: bool, completed_steps: int) -> list[dict[str, float]]:
         """The end of an optimizer step (in training; in evaluation, of a pass) whose batches' sums are known over
         all processes: `record`'s last stage, for an engine that gathers its workers' sums itself.
-        Returns each batch's metrics; in training the sums are the step's and the controller moves."""
+        Returns each batch's metrics; in training the sums are the step's and the controller moves. Sums no batch can
+        hold (`check_given_sums`) and a `completed_steps` that is not an integer >= 0 are refused, before any is kept.
+        """
+        check_real("completed_steps", completed_steps,
+                   isinstance(completed_steps, int) and not isinstance(completed_steps, bool) and completed_steps >= 0,
+                   "an integer >= 0 (the optimizer steps completed with this one)")
+        check_given_sums(batches, completed_steps)
         metrics = []
         for sums in batches:
             metrics.append(sums.metrics(beta=self.current_beta, config=self.config, step=completed_steps))
@@ -381,7 +393,7 @@ class AdaptiveKL:
         self._warn_if_held(completed_steps, given)
         self._trained, self._scored = KLStatistics(), None
         self._optimizer_steps.reset()
-        if window is not None:
+        if window is not None and not math.isnan(window.token_mean):  # a step that measured none keeps the last
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
         self.completed_steps = completed_steps
@@ -406,6 +418,9 @@ class AdaptiveKL:
             missing = ("target moves beta from the KL of the valid tokens the step trained on, and no training "
                        "kl_loss saw one since the last step (call kl_loss(..., train=True) before step(), or pass "
                        "step(kl=WindowKL(...)))")
+        elif kind == "target" and kl is not None and math.isnan(getattr(kl, self.config.kl_target_measure)):
+            missing = (f"the step's WindowKL has no KL ({self.config.kl_target_measure}=nan, a step that measured "
+                       "none): target moves beta from the KL the step measured")
         elif (kind == "target" and kl is None and self.config.kl_in_reward and math.isnan(self.last_raw_kl)
               and (self._scored is None or not self._scored.completions)):  # later steps on a batch read may hold
             missing = ("target moves beta from the KL of the valid tokens of the generation batch scored for the "
@@ -651,10 +666,6 @@ def _written_beside_the_controller(version: int) -> tuple[str, ...]:
             + ("rewards",) * (version >= 5))
 
 
-# the sums that count or square: never negative as the package writes them
-NOT_NEGATIVE = ("completions", "tokens", "tokens_sq", "kl_sq", "entries", "clipped")
-
-
 def _sums(saved: Any, name: str, every_sum: bool) -> Optional[KLStatistics]:
     """A checkpoint's sums: by name (format 4 on; `every_sum`: each of today's, as the current format writes them),
     or format 3's [sum S_i, sum L_i, completions]; anything else a ValueError naming the field."""
@@ -671,8 +682,6 @@ def _sums(saved: Any, name: str, every_sum: bool) -> Optional[KLStatistics]:
                 KLStatistics(**dict(zip(("kl", "tokens", "completions"), saved, strict=True))))
     except (TypeError, ValueError):
         raise reject(f"adaptive KL state: {name}", saved, allowed) from None
-    if not all(is_real(value) and math.isfinite(value) for value in astuple(sums)):  # as the package writes them
-        raise reject(f"adaptive KL state: {name}", saved, allowed)
-    if any(getattr(sums, field) < 0 for field in NOT_NEGATIVE):  # would feed the next step's KL and metrics
+    if invalid_sum(sums, finite=NAMES) is not None:  # as the package writes them: else fed to the next step's KL
         raise reject(f"adaptive KL state: {name}", saved, allowed)
     return sums

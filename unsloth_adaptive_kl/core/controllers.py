@@ -83,15 +83,16 @@ class ConstantBeta:
         return {**state, "batch_reward": None if math.isnan(self.batch_reward) else self.batch_reward}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Its fields, each checked first (`counts`, and `batch_reward` a number, or None or NaN before the first
-        reward); a subclass's own fields are set as they come, for it to check."""
+        """Its fields, each checked first (`counts`, and `batch_reward` a finite number, or None or NaN before the
+        first reward); a subclass's own fields are set as they come, for it to check."""
         for name in self.counts:
             value = state[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise reject(f"adaptive KL state: {name}", value, "an integer >= 0 (a count)")
-        if state["batch_reward"] is not None and not is_real(state["batch_reward"]):
-            raise reject("adaptive KL state: batch_reward", state["batch_reward"], "a number, or None before the first "
-                         "reward")
+        reward = state["batch_reward"]  # +-inf: dynamic would decay on it, as no door lets a mean reward of +inf in
+        if reward is not None and (not is_real(reward) or math.isinf(reward)):
+            raise reject("adaptive KL state: batch_reward", reward, "a finite number, or None (or NaN) before the "
+                         "first reward")
         for name, value in state.items():
             setattr(self, name, value)
         if self.batch_reward is None:

@@ -146,7 +146,9 @@ def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, confi
 
     The estimator is given float32 whatever the input's dtype (bf16/fp16 upcast, float64 rounded; float32 is not
     copied). Masked positions (mask == 0) of logp and ref are replaced by 0 before the estimator sees them, so
-    whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient."""
+    whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient. Traceable (torch.fx,
+    `torch.compile(fullgraph=True)`), so it checks nothing on the host: a (B, 1) mask or reference broadcasts, and a
+    mask entry of 0.5 is a valid position. `AdaptiveKL.kl_loss` and `reward_penalty` check a batch's shapes and mask."""
     logp, ref = masked_logps(logp, ref, mask)
     return run_estimator(logp, ref, mask, config)
 

@@ -21,6 +21,7 @@ import torch
 
 from .adaptation import KLTerm
 from .controllers import WindowKL
+from .config import is_real, reject
 from .numerics import KINDS, LogpCheck, NonFinite, nonfinite_error, this_process
 
 METRIC_PREFIX = "adaptive_kl/"
@@ -136,6 +137,42 @@ def device_sums(term: KLTerm) -> torch.Tensor:
     scalars = torch.stack([entries.to(term.raw.dtype), term.raw.sum(), term.adapted.detach().sum(),
                            term.at_threshold.to(term.raw.dtype)])
     return torch.cat([moments, torch.cat([scalars, check.to(term.raw.dtype)]).double()])
+
+
+# the sums of counts (finite whatever the KL), and those never negative as a batch's are computed
+COUNTS = ("completions", "tokens", "tokens_sq", "entries", "clipped")
+NOT_NEGATIVE = COUNTS + ("kl_sq",)
+
+
+def invalid_sum(sums: KLStatistics, finite: Sequence[str] = COUNTS) -> Optional[str]:
+    """The first field of `sums` no batch's sums can hold, or None: not a real number, not finite among `finite` (the
+    counts by default; a non-finite KL is the metrics' FloatingPointError, as for a batch of one's own), or below 0
+    among `NOT_NEGATIVE` (a count or a square). The rule of every door that takes sums from outside."""
+    for field in fields(sums):
+        value = getattr(sums, field.name)
+        if (not is_real(value) or (field.name in finite and not math.isfinite(value))
+                or (field.name in NOT_NEGATIVE and value < 0)):
+            return field.name
+    return None
+
+
+def check_given_sums(batches: Sequence[KLStatistics], step: int) -> None:
+    """An engine's own sums, checked as a batch of one's own is: each a `KLStatistics`; a non-finite log-prob sum
+    raises `NonFiniteLogProbError` naming `step` (as `gather_statistics` does; the process and the tokens are not
+    known here), a field `invalid_sum` finds a ValueError naming it."""
+    for index, sums in enumerate(batches):
+        if not isinstance(sums, KLStatistics):
+            raise TypeError(f"record_sums: batches[{index}] must be a KLStatistics, not {type(sums).__name__}")
+        logps = (sums.policy_logps, sums.reference_logps, sums.old_logps)
+        found = [NonFinite(name, kind) for name, kind, value in zip(LogpCheck.names, KINDS, logps)
+                 if is_real(value) and not math.isfinite(value)]
+        if found:
+            raise nonfinite_error(step, found)
+        field = invalid_sum(sums)
+        if field is not None:
+            raise reject(f"record_sums: batches[{index}].{field}", getattr(sums, field),
+                         "a finite number >= 0 (a count, as device_sums computes it)" if field in COUNTS
+                         else "a number >= 0 (a sum of squares)" if field in NOT_NEGATIVE else "a number")
 
 
 def gather_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]], *, step: int,

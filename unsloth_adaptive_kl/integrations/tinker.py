@@ -344,7 +344,8 @@ def record_step_kl(
     Returns the core's `adaptive_kl/*` metrics of the batch. Call it once per forward_backward_custom; `train=False`
     for an evaluation batch, whose KL the next step does not read."""
     check_loss_placement(akl, "record_step_kl")  # any loss type: it measures the KL, whatever loss trained on it
-    check_divisors_given(divisors(max_completion_length, token_normalizer), [kl_reduction(akl.config, akl.loss_type)],
+    # the reductions akl.kl_loss reads below, each asked here: a divisor missing is named as this door's
+    check_divisors_given(divisors(max_completion_length, token_normalizer), akl.loss_reductions().values(),
                          "record_step_kl")
     if len(result.loss_fn_outputs) != len(data):
         raise ValueError(f"{len(data)} Datums but the result has {len(result.loss_fn_outputs)} outputs")
@@ -399,7 +400,11 @@ def kl_penalized_data(
         raise ValueError("kl_placement='loss' puts beta * KL into the loss: kl_penalized_data(...) needs "
                          "AdaptiveKLConfig(kl_placement='reward'); for the KL in the loss, use grpo_kl_loss(...) or "
                          "traced_loss_data(...)")
-    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    try:  # None (an unscored completion) or text failed in torch, naming neither the argument nor what it takes
+        rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        raise reject("rewards", rewards, "one finite number per Datum (score each completion, or leave an unscored "
+                     "completion's group out of the batch)") from None
     if len(data) != rewards.numel():
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
     # A group of one has the advantage 0 whatever its reward (and NaN with scale_by_std: a sample std of one value).
