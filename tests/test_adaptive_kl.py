@@ -659,6 +659,21 @@ def test_an_engines_step_count_is_an_integer(completed_steps) -> None:
         akl.record_sums([{"kl": 1.0}], train=True, completed_steps=1)
 
 
+@pytest.mark.parametrize("train", ["no", None, 1])
+def test_train_is_true_or_false_at_every_door(train) -> None:
+    """train="no" trained (a truthy string), None passed as an evaluation batch: both silently. Each public door that
+    takes it refuses anything but a bool, naming it."""
+    message = re.escape(f"train={train!r} is invalid: allowed is True (a training batch, which the next step reads) "
+                        "or False (an evaluation batch).")
+    logps, ref = batch()
+    with pytest.raises(ValueError, match=message):
+        AdaptiveKL(None, BETA).kl_loss(logps, ref, MASK, train=train)
+    with pytest.raises(ValueError, match=message):
+        AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(logps, ref, MASK, train=train)
+    with pytest.raises(ValueError, match=message):
+        AdaptiveKL(None, BETA).record_sums([engine_sums()], train=train, completed_steps=1)
+
+
 def test_a_step_without_a_valid_token_keeps_the_last_kl() -> None:
     """A KL-triggered reference sync reads `last_raw_kl`: a step that trained on no valid token has no KL, and leaves
     the last one (k3 of r = 1: e - 2) where it was rather than NaN (which would skip the sync silently)."""

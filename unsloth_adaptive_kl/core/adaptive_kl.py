@@ -163,6 +163,7 @@ class AdaptiveKL:
         naming the step, the tensor and how many tokens; masked positions may hold anything (their KL is 0, with a
         zero gradient)."""
         self.check_settings()
+        check_train(train)
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
@@ -227,6 +228,7 @@ class AdaptiveKL:
         trainer integrations give it, so that its reward moves no other advantage by its penalty. Without it, its
         penalty is 0 and the first such batch warns."""
         self.check_settings()
+        check_train(train)
         if not self.config.kl_in_reward:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
@@ -346,6 +348,7 @@ class AdaptiveKL:
         Returns each batch's metrics; in training the sums are the step's and the controller moves. Sums no batch can
         hold (`check_given_sums`) and a `completed_steps` that is not an integer >= 0 are refused, before any is kept.
         """
+        check_train(train)
         check_real("completed_steps", completed_steps,
                    isinstance(completed_steps, int) and not isinstance(completed_steps, bool) and completed_steps >= 0,
                    "an integer >= 0 (the optimizer steps completed with this one)")
@@ -602,6 +605,13 @@ def check_batch(logps: torch.Tensor, ref_logps: torch.Tensor, mask: torch.Tensor
         devices = ", ".join(f"{name} on {tensor.device}" for name, tensor in given.items())
         raise ValueError(f"{', '.join(given)} must be on one device (the policy's): got {devices}.")
     check_mask(mask)
+
+
+def check_train(train: Any) -> None:
+    """`train` is True or False: "no" trained (a truthy string) and None passed as an evaluation batch, silently."""
+    if not isinstance(train, bool):
+        raise reject("train", train, "True (a training batch, which the next step reads) or False (an evaluation "
+                     "batch)")
 
 
 def check_estimator_read(config: AdaptiveKLConfig, per_token_kl: Optional[torch.Tensor]) -> None:
