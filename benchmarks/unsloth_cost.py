@@ -57,6 +57,9 @@ ROTATION = aa_half_way(*STOCK, METHODS)
 # The whole-step variants: the KL's placement is fixed when a trainer is built, so the KL in the reward has a trainer
 # of its own (on the same policy).
 WHOLE_STEP = ["stock", "sigmoid+length_normalized", "kl_in_reward"]
+# With `--budget`: the captured-batch rounds stop by this share of it (at least one timed round runs), and the whole
+# steps start only if at most WHOLE_UNTIL of it is spent, their timed round only if it would end within it.
+ROUNDS_BY, WHOLE_UNTIL = 0.45, 0.55
 KL_IN_REWARD = {"kl_placement": "reward", "kl_reduction": "sequence_sum"}
 
 
@@ -72,10 +75,10 @@ class Size:
 
 
 SIZES = {
-    # an estimate for one GPU: 14 rounds (2 warm-up, 12 timed) of 10 captured-batch steps, 6 profiled steps, then 2
-    # rounds (1 untimed, 1 timed) of the 3 whole-step variants of 2 GRPO steps each (12 generations of 64 completions
-    # of 256 tokens): 5 to 7 minutes with the 4-bit load and the first compile; `--budget` skips the whole steps when
-    # the captured part ran long
+    # at most 13 rounds (1 warm-up, 12 timed) of 10 captured-batch steps, 6 profiled steps, then 2 rounds (1 untimed,
+    # 1 timed) of the 3 whole-step variants of 2 GRPO steps each (12 generations of 64 completions of 256 tokens);
+    # more than 9 minutes on an H200 (a run stopped at 560 s had not ended its captured-batch rounds), so the GPU run
+    # gives it `--budget`, which ends the rounds by time
     "0.5b": Size(QWEN2_5_0_5B, prompts=8, completions=8, length=256, rounds=12, whole_rounds=1),
     "small": Size({**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512},
@@ -87,11 +90,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="0.5b")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds of the captured-batch step")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (compiles, caches)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (compiles, caches)")
     parser.add_argument("--whole-rounds", type=int, default=None, help="rounds of the whole-step timing (0: none)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds: the whole steps are skipped (and the JSON says so) when the captured-batch part "
-                             "has used more than half of them; default: no budget")
+                        help="seconds the run may take: the captured-batch rounds stop by "
+                             f"{ROUNDS_BY:.0%} of them, the whole steps are skipped when more than {WHOLE_UNTIL:.0%} "
+                             "is spent, and their timed round when it would end past them (the JSON says what "
+                             "stopped); default: no budget")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     for flag, value, least in (("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0),
@@ -155,14 +160,29 @@ def timed(function: Callable[[], Any]) -> tuple[float, int, int]:
 Sample = tuple[float, int, int]  # seconds, peak bytes, peak bytes above the call's start
 
 
-def rotating(names: list[str], rounds: int, warmup: int, run: Callable[[str], Sample]) -> dict[str, list[Sample]]:
-    """`run(name)` for every name, `warmup + rounds` times in a rotating order; the timed rounds' results."""
+def rotating(names: list[str], rounds: int, warmup: int, run: Callable[[str], Sample], until: float | None = None,
+             least: int = 1, label: str = "round", after: Callable[[dict[str, list[Sample]]], None] | None = None
+             ) -> dict[str, list[Sample]]:
+    """`run(name)` for every name, `warmup + rounds` times in a rotating order; the timed rounds' results. `until`: a
+    `time.perf_counter()` deadline: once `least` timed rounds have run, no round starts that the last round's
+    duration says would end after it. Each round prints a line (`label`, its seconds); `after(samples)` follows each
+    timed round."""
     samples: dict[str, list[Sample]] = {name: [] for name in names}
-    for index in range(warmup + rounds):
+    total, took = warmup + rounds, 0.0
+    for index in range(total):
+        if until is not None and index - warmup >= least and time.perf_counter() + took > until:
+            print(f"{label}s stop after {index - warmup} timed: the next would end past the budget", flush=True)
+            break
+        start = time.perf_counter()
         for name in names[index % len(names):] + names[:index % len(names)]:
             result = run(name)
             if index >= warmup:
                 samples[name].append(result)
+        took = time.perf_counter() - start
+        print(f"{label} {index + 1} of {total} ({'timed' if index >= warmup else 'warm-up'}): {took:.1f} s",
+              flush=True)
+        if index >= warmup and after is not None:
+            after(samples)
     return samples
 
 
@@ -184,12 +204,17 @@ def ratios(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
     return rows
 
 
-def captured_steps(trainer: Any, rounds: int, warmup: int) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+def captured_steps(trainer: Any, rounds: int, warmup: int, until: float | None = None,
+                   progress: Callable[[dict[str, dict[str, Any]]], None] | None = None
+                   ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """The `step` rows: compute_loss forward + backward + the optimizer's step on one captured micro-batch; and the
-    profile of stock's step and of the method with the largest ratio (`top_operations`)."""
+    profile of stock's step and of the method with the largest ratio (`top_operations`). `until`: the rounds'
+    deadline (`rotating`); `progress(rows)`: the rows so far, after each timed round."""
     from unsloth_adaptive_kl.tools import gpu_scenarios, selfcheck
 
+    start = time.perf_counter()
     inputs = selfcheck.captured_inputs(trainer, "compute_loss")
+    print(f"batch captured in {time.perf_counter() - start:.1f} s (one GRPO step, generation included)", flush=True)
     trainer.model.train()
     optimizer = trainer.optimizer
 
@@ -209,8 +234,13 @@ def captured_steps(trainer: Any, rounds: int, warmup: int) -> tuple[dict[str, di
         gpu_scenarios.use_method(trainer, name)
         return step
 
-    samples = rotating(ROTATION, rounds, warmup, lambda name: timed(variant(name)))
-    rows = ratios({name: samples[name] for name in (*STOCK, *METHODS)})  # the table's order: stock, A/A, methods
+    def table(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
+        return ratios({name: samples[name] for name in (*STOCK, *METHODS)})  # the order: stock, A/A, methods
+
+    samples = rotating(ROTATION, rounds, warmup, lambda name: timed(variant(name)), until=until,
+                       label="captured-batch round",
+                       after=None if progress is None else lambda so_far: progress(table(so_far)))
+    rows = table(samples)
     heaviest = max(METHODS, key=lambda name: rows[name]["ratio"])
     return rows, {"method": heaviest, "stock": top_operations(variant("stock")),
                   "heaviest": top_operations(variant(heaviest))}
@@ -256,10 +286,11 @@ class StepClock:
         trainer.add_callback(Callback())
 
 
-def whole_steps(trainers: dict[str, Any], rounds: int) -> dict[str, dict[str, Any]]:
+def whole_steps(trainers: dict[str, Any], rounds: int, until: float | None = None) -> dict[str, dict[str, Any]]:
     """The `whole_step` rows: a whole GRPO step, generation included (2 steps a run, the second timed), on the
     trainer of each variant (`trainers`: 'loss' and 'reward', the KL's placement), with the reward penalty each
-    logged (the KL was in the reward exactly where it was asked for)."""
+    logged (the KL was in the reward exactly where it was asked for); none where `until` (a deadline, `rotating`)
+    left no time for a timed round after the untimed one."""
     from unsloth_adaptive_kl.tools import gpu_scenarios, selfcheck
 
     clocks = {placement: StepClock(trainer) for placement, trainer in trainers.items()}
@@ -278,7 +309,11 @@ def whole_steps(trainers: dict[str, Any], rounds: int) -> dict[str, dict[str, An
         penalties[name] += [] if penalty is None else [penalty]
         return clocks[placement].seconds[-1], 0, 0
 
-    rows = ratios(rotating(WHOLE_STEP, rounds, 1, run))  # a first, untimed round: each trainer's first run warms up
+    # a first, untimed round: each trainer's first run warms up
+    samples = rotating(WHOLE_STEP, rounds, 1, run, until=until, least=0, label="whole-step round")
+    if not samples["stock"]:
+        return {}
+    rows = ratios(samples)
     for name, row in rows.items():
         row["reward_penalty"] = statistics.mean(penalties[name]) if penalties[name] else None
     return rows
@@ -298,12 +333,22 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     report: dict[str, Any] = {
         "command": shlex.join(["python", "benchmarks/unsloth_cost.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": time.strftime("%Y-%m-%d"), "size": args.size, "settings": asdict(size), "rounds": rounds,
-        "warmup": args.warmup, "whole_rounds": whole_rounds, **gpucheck.environment()}
+        "date": time.strftime("%Y-%m-%d"), "size": args.size, "settings": asdict(size), "rounds": 0,
+        "rounds_planned": rounds, "warmup": args.warmup, "whole_rounds": whole_rounds, **gpucheck.environment(),
+        "phases": {}}
+
+    def by(share: float) -> float | None:
+        """The moment `share` of the budget is spent (None: no budget)."""
+        return None if args.budget is None else started + share * args.budget
+
+    def phase(name: str) -> None:
+        """A phase ended: its time since the start, printed and kept (where the time of a run goes)."""
+        report["phases"][name] = time.perf_counter() - started
+        print(f"{report['phases'][name]:.0f} s: {name}", flush=True)
 
     def write(**measured: Any) -> None:
-        """The report so far, written: the environment before anything is measured, then the captured-batch part,
-        which survives a run stopped during the whole steps."""
+        """The report so far, written: the environment before anything is measured, then the captured-batch rows
+        after each timed round, so that a run stopped by its command's time limit keeps what had finished."""
         report.update(measured, seconds=time.perf_counter() - started)
         step, whole = report.get("step"), report.get("whole_step")
         if step:
@@ -320,19 +365,28 @@ def main(argv: list[str] | None = None) -> int:
     write()
     with tempfile.TemporaryDirectory() as folder:
         save_model(size, os.path.join(folder, "model"))
+        phase("model saved")
         trainer = build_trainer(size, os.path.join(folder, "model"), os.path.join(folder, "out"))
-        step, profile = captured_steps(trainer, rounds, args.warmup)
-        write(step=step, profile=profile, whole_step={})
+        phase("trainer built")
+        step, profile = captured_steps(trainer, rounds, args.warmup, until=by(ROUNDS_BY),
+                                       progress=lambda rows: write(step=rows, rounds=rows["stock"]["n"]))
+        phase("captured batch timed and profiled")
+        write(step=step, rounds=step["stock"]["n"], profile=profile, whole_step={})
         whole = {}
         spent = time.perf_counter() - started
-        if whole_rounds and args.budget is not None and spent > args.budget / 2:
+        if whole_rounds and args.budget is not None and spent > WHOLE_UNTIL * args.budget:
             write(whole_step_skipped=f"the captured-batch part took {spent:.0f} s of the {args.budget:.0f}-second "
-                                     "budget (more than half)")
+                                     f"budget (more than {WHOLE_UNTIL:.0%})")
         elif whole_rounds:
             in_reward = build_trainer(size, "", os.path.join(folder, "reward"),
                                       policy=(trainer.model, trainer.processing_class), **KL_IN_REWARD)
-            whole = whole_steps({"loss": trainer, "reward": in_reward}, whole_rounds)
-            write(whole_step=whole)
+            whole = whole_steps({"loss": trainer, "reward": in_reward}, whole_rounds, until=by(1.0))
+            phase("whole steps")
+            if whole:
+                write(whole_step=whole)
+            else:
+                write(whole_step_skipped=f"the untimed round took {report['phases']['whole steps'] - spent:.0f} s, "
+                                         f"and a timed one would have ended past the {args.budget:.0f}-second budget")
     print(f"{'variant':<34}{'s/step':>10}{'x stock':>9}{'95% interval':>18}{'peak MiB':>10}{'x stock':>9}")
     for title, rows in (("captured batch", step), ("whole step", whole)):
         print(f"-- {title}")

@@ -128,6 +128,29 @@ def test_rotating_runs_every_name_in_a_rotating_order_and_keeps_the_timed_rounds
                        "c": [(7.0, 70), (12.0, 120), (14.0, 140)]}
 
 
+@pytest.mark.parametrize("least, timed", [(1, 1), (0, 0)])
+def test_rotating_stops_at_a_deadline_the_last_round_says_it_would_pass(monkeypatch: pytest.MonkeyPatch, least: int,
+                                                                        timed: int) -> None:
+    """Two names of 10 s each on a fake clock, 1 warm-up round and 5 timed ones, a deadline 35 s on: after the warm-up
+    round (20 s) the next would end at 40 s, so none starts once `least` timed rounds have run (1: the first, b a, runs
+    anyway, and `after` sees its samples; 0: none runs); without a deadline all 6 run."""
+    clock = FakeClock()
+    fake_time(monkeypatch, clock)
+    start = clock.now
+
+    def run(name: str) -> tuple[float, int, int]:
+        clock.advance(10.0)
+        return clock.now - start, 0, 0
+
+    seen: list[dict] = []
+    samples = unsloth_cost.rotating(["a", "b"], rounds=5, warmup=1, run=run, until=start + 35.0, least=least,
+                                    after=lambda so_far: seen.append({k: list(v) for k, v in so_far.items()}))
+    assert samples == ({"a": [(40.0, 0, 0)], "b": [(30.0, 0, 0)]} if timed else {"a": [], "b": []})
+    assert seen == [samples] * timed and clock.now == start + 20.0 * (1 + timed)
+    everything = unsloth_cost.rotating(["a", "b"], rounds=5, warmup=1, run=run)
+    assert [len(v) for v in everything.values()] == [5, 5]
+
+
 # ----- unsloth_cost: ratios, peak memory, timing, profile -----------------------------------------------------------
 
 def test_ratios_are_medians_against_stocks_median_with_an_interval_and_peak_memory_against_stocks() -> None:
@@ -298,8 +321,13 @@ def test_captured_steps_times_each_method_against_stock_with_the_switch_outside_
 
     monkeypatch.setattr(unsloth_cost, "top_operations", top_operations)
     trainer = FakeUnslothTrainer(clock)
-    rows, profile = unsloth_cost.captured_steps(trainer, rounds=3, warmup=1)
+    progress: list[dict] = []
+    rows, profile = unsloth_cost.captured_steps(trainer, rounds=3, warmup=1, progress=progress.append)
     assert list(rows) == ["stock", "stock (A/A)", *unsloth_cost.METHODS]
+    # the rows so far after each timed round: what a run stopped by its time limit keeps
+    assert [{name: row["n"] for name, row in so_far.items()} for so_far in progress] == [
+        {name: n for name in rows} for n in (1, 2, 3)]
+    assert progress[-1] == rows
     for name, row in rows.items():
         assert row["ratio"] == pytest.approx(STEP_COST["stock" if name.startswith("stock") else name]), name
         assert row["n"] == 3 and row["median_s"] == pytest.approx(row["ratio"])
@@ -331,6 +359,16 @@ def test_captured_steps_profiles_a_method_even_when_the_aa_pair_has_the_largest_
     monkeypatch.setattr(unsloth_cost, "ratios", noisy)
     rows, profile = unsloth_cost.captured_steps(FakeUnslothTrainer(clock), rounds=1, warmup=0)
     assert profile["method"] == "target"
+
+
+def test_captured_steps_end_their_rounds_by_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deadline the warm-up round (10 steps, 9 method switches of 100 s: about 911 s) says the next round would pass:
+    one timed round runs, and its rows are the table."""
+    clock = FakeClock()
+    fake_unsloth(monkeypatch, clock)
+    monkeypatch.setattr(unsloth_cost, "top_operations", lambda step: [])
+    rows, _ = unsloth_cost.captured_steps(FakeUnslothTrainer(clock), rounds=12, warmup=1, until=clock.now + 1500.0)
+    assert {row["n"] for row in rows.values()} == {1}
 
 
 # ----- unsloth_cost.whole_steps on fake trainers -------------------------------------------------------------------
@@ -391,6 +429,16 @@ def test_whole_steps_time_the_second_step_of_each_run_after_an_untimed_round(mon
     assert rows["stock"]["reward_penalty"] is None and rows["stock"]["memory_ratio"] is None
 
 
+def test_whole_steps_time_nothing_when_the_untimed_round_leaves_no_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The untimed round (3 runs of 2 steps, first runs compiling: about 330 s) says a timed round would end past a
+    deadline 400 s on: none runs, and there are no rows (not rows of nothing)."""
+    clock = FakeClock()
+    fake_unsloth(monkeypatch, clock)
+    trainers = {"loss": FakeGRPOTrainer(clock, "loss", []), "reward": FakeGRPOTrainer(clock, "reward", [])}
+    assert unsloth_cost.whole_steps(trainers, rounds=1, until=clock.now + 400.0) == {}
+    assert len(trainers["loss"].runs) == 2 and len(trainers["reward"].runs) == 1
+
+
 # ----- unsloth_cost.main: the JSON's summary and the last line -----------------------------------------------------
 
 def cost_row(median: float, ratio: float, ci: list[float], memory: Any = None, peak: int = 0,
@@ -418,8 +466,8 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
     monkeypatch.setattr(unsloth_cost, "save_model", lambda size, folder: None)
     monkeypatch.setattr(unsloth_cost, "build_trainer", lambda *args, **kwargs: types.SimpleNamespace(
         model=None, processing_class=None))
-    monkeypatch.setattr(unsloth_cost, "captured_steps", lambda trainer, rounds, warmup: (step, profile))
-    monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds: whole)
+    monkeypatch.setattr(unsloth_cost, "captured_steps", lambda trainer, rounds, warmup, **kw: (step, profile))
+    monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds, until: whole)
     path = tmp_path / "cost.json"
     assert unsloth_cost.main(["--size", "small", "--json", str(path)]) == 0
     report = json.loads(path.read_text())
@@ -430,22 +478,34 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
         "max_step_ratio=1.050 max_memory_ratio=1.100 aa=[0.900,1.300] loss_share=0.250")
 
 
-def test_a_budget_half_spent_on_the_captured_batch_skips_the_whole_steps_and_says_so(monkeypatch: pytest.MonkeyPatch,
-                                                                                     tmp_path: Path) -> None:
-    """`--budget 100`: the captured-batch part taking 60 s (a fake clock) leaves the whole steps untimed, and the JSON
-    says why; taking 40 s, they run. The JSON exists, with the environment, before anything is measured."""
+def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--budget 100` on a fake clock: the captured-batch rounds get the deadline 45 s on, and the rows after each
+    timed round are written with the rounds so far (so a run stopped by its time limit keeps them); that part taking
+    60 s leaves the whole steps untimed (more than 55 s spent), and the JSON says why; taking 40 s, they run with the
+    deadline 100 s on; where their untimed round left no time for a timed one, the JSON says that. The JSON exists,
+    with the environment, before anything is measured; each phase's time since the start is kept."""
     clock = FakeClock()
     fake_time(monkeypatch, clock)
+    start = clock.now
     step = {"stock": cost_row(0.5, 1.0, [0.98, 1.02]), "stock (A/A)": cost_row(0.5, 1.0, [0.9, 1.1]),
             "none": cost_row(0.5, 1.0, [0.99, 1.01])}
     profile = {"method": "none", "stock": [], "heaviest": []}
     path = tmp_path / "cost.json"
-    written_first = []
+    written_first, written_after_round, deadlines = [], [], []
 
-    def captured(trainer, rounds, warmup):
+    def captured(trainer, rounds, warmup, until, progress):
         written_first.append(json.loads(path.read_text()))
+        deadlines.append(until - start)
+        progress({name: {**row, "n": 1} for name, row in step.items()})
+        written_after_round.append(json.loads(path.read_text()))
         clock.advance(spent)
         return step, profile
+
+    def whole_steps(trainers, rounds, until):
+        deadlines.append(until - start)
+        clock.advance(30.0)
+        return whole
 
     monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: None)
     monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu"}, "versions": {"torch": "x"}})
@@ -453,17 +513,24 @@ def test_a_budget_half_spent_on_the_captured_batch_skips_the_whole_steps_and_say
     monkeypatch.setattr(unsloth_cost, "build_trainer", lambda *args, **kwargs: types.SimpleNamespace(
         model=None, processing_class=None))
     monkeypatch.setattr(unsloth_cost, "captured_steps", captured)
-    monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds: {"stock": cost_row(2.0, 1.0, [1, 1])})
-    for spent, skipped in ((60.0, True), (40.0, False)):
+    monkeypatch.setattr(unsloth_cost, "whole_steps", whole_steps)
+    for spent, whole, skipped in ((60.0, {}, "the captured-batch part took 60 s of the 100-second budget (more "
+                                               "than 55%)"),
+                                  (40.0, {"stock": cost_row(2.0, 1.0, [1, 1])}, None),
+                                  (40.0, {}, "the untimed round took 30 s, and a timed one would have ended past the "
+                                             "100-second budget")):
+        deadlines.clear()
+        start = clock.now
         assert unsloth_cost.main(["--size", "small", "--budget", "100", "--json", str(path)]) == 0
         report = json.loads(path.read_text())
         assert written_first[-1]["versions"] == {"torch": "x"} and "step" not in written_first[-1]
-        if skipped:
-            assert report["whole_step"] == {} and report["loss_share"] is None
-            assert report["whole_step_skipped"] == ("the captured-batch part took 60 s of the 100-second budget "
-                                                    "(more than half)")
-        else:
-            assert list(report["whole_step"]) == ["stock"] and "whole_step_skipped" not in report
+        assert written_after_round[-1]["rounds"] == 1 and written_after_round[-1]["step"]["none"]["n"] == 1
+        assert "profile" not in written_after_round[-1]
+        assert report["rounds"] == 3 and report["rounds_planned"] == unsloth_cost.SIZES["small"].rounds
+        assert deadlines == [45.0] + [100.0] * (spent < 55)
+        assert report["phases"]["captured batch timed and profiled"] == spent
+        assert report["whole_step"] == whole and report.get("whole_step_skipped") == skipped
+        assert (report["loss_share"] is None) == (not whole)
 
 
 def test_the_gpu_size_times_enough_rounds_after_a_warm_up() -> None:

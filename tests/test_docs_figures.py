@@ -804,8 +804,11 @@ CUDA = {"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0", "cuda": "12.
 
 
 def check_cell(checks: list[dict]) -> str:
-    return "<br>".join(("**FAIL**" if not c["ok"] else "untested" if c.get("untested") else "ok") + f": {c['name']}"
-                       + (f": {c['detail']}" if c["detail"] else "") for c in checks)
+    """Each check as the check prints it, a star in its name or detail escaped (KL(pi||pi*) would open an emphasis
+    that a later star closes)."""
+    return "<br>".join(("**FAIL**" if not c["ok"] else "untested" if c.get("untested") else "ok") + ": "
+                       + (c["name"] + (f": {c['detail']}" if c["detail"] else "")).replace("*", "\\*")
+                       for c in checks)
 
 
 def made_up_check() -> dict:
@@ -815,7 +818,8 @@ def made_up_check() -> dict:
                       {"name": "trl version", "ok": True, "detail": "1.17.0 (tested: 1.9-1.16)", "untested": True}],
             "scenarios": {"a": {"ran": True, "seconds": 61.4, "checks": [
                 {"name": "x", "ok": True, "detail": "fine | good"}, {"name": "y", "ok": False, "detail": "boom"},
-                {"name": "z", "ok": True, "detail": ""}]},
+                {"name": "z", "ok": True, "detail": ""},
+                {"name": "guard", "ok": True, "detail": "KL(pi||pi*) 9e-05, then pi* again"}]},
                 "b": {"ran": False, "why": "not asked for (--only)"},
                 "c": {"ran": True, "seconds": 2.6, "checks": [{"name": "w", "ok": False, "detail": "timed out"}]}}}
 
@@ -853,6 +857,33 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
     seconds = re.search(r"`, (\d+) s in all\. Versions: (.*)\.$", text)
     fixed(seconds[1], data["seconds"], 0)
     assert seconds[2] == versions_line(data)
+
+
+@pytest.mark.parametrize("source", ["committed", "made up", "dry run"])
+def test_gpu_check_summary_names_the_card_and_each_scenarios_verdict(hook: Any, source: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """compatibility.md's sentence: the card, date and commit, then the scenarios that passed (every check ok), those
+    that failed (one check failed: `a` and `c` of the made-up run) and those not run with why; a dry run is no GPU
+    run."""
+    data = load("docs/results/gpu/check.json") if source == "committed" else made_up_check()
+    if source == "dry run":
+        data = {**data, "dry_run": True}
+    monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "check.json" else None)
+    text = hook.gpu_check_summary()
+    if source == "dry run":
+        assert text == "No GPU run of the check is recorded: [Tested on a GPU](gpu.md) shows its dry run on a CPU."
+        return
+    head, *parts = text.removesuffix(".").split("; ")
+    assert head == f"The last recorded GPU check: {data['device']['name']}, {data['date']}, {made_at(data)}"
+    verdicts = {"passed": [], "**failed**": []}
+    for name, scenario in data["scenarios"].items():
+        if scenario["ran"]:
+            verdicts["passed" if all(c["ok"] for c in scenario["checks"]) else "**failed**"].append(f"`{name}`")
+    expected = [f"{verdict}: {', '.join(names)}" for verdict, names in verdicts.items() if names]
+    expected += [f"not run: `{name}`, {s['why']}" for name, s in data["scenarios"].items() if not s["ran"]]
+    assert parts == expected
+    if source == "made up":
+        assert parts == ["**failed**: `a`, `c`", "not run: `b`, not asked for (--only)"]
 
 
 def versions_line(data: dict) -> str:
@@ -925,7 +956,8 @@ def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monke
     assert (f"Model: hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, vocabulary "
             f"{model['vocab_size']:,}, LoRA r{size['lora_rank']}; {size['prompts']} prompts × {size['completions']} "
             f"completions of {size['length']} tokens.") in text
-    assert f"the optimizer's step; {data['rounds']} rounds after {data['warmup']} warm-up rounds)" in text
+    warmup = f"after {data['warmup']} warm-up round{'s' * (data['warmup'] != 1)})"
+    assert f"the optimizer's step; {data['rounds']} rounds, {warmup}" in text
     profile = data["profile"]
     method = profile["method"]
     assert found[1][0] == ["operation", "stock", f"`{method}`"]
@@ -946,6 +978,23 @@ def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monke
         fixed(share[1], data["loss_share"] * 100, 0)
     else:
         assert len(found) == 2 and "Whole GRPO step" not in text and "captured-batch step is" not in text
+
+
+def test_gpu_cost_of_a_run_its_budget_or_time_limit_cut_short(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds the budget ended say so (7 of the 12 planned); a file written after a timed round of a run then stopped
+    by its command's time limit (no profile yet) shows its table and says the rest was not reached."""
+    data = {**made_up_cost(), "rounds": 7, "rounds_planned": 12, "warmup": 1}
+    monkeypatch.setattr(hook, "_gpu", lambda name: data)
+    assert ("the optimizer's step; 7 rounds of the 12 planned: its `--budget` ended the rest, after 1 warm-up "
+            "round):") in hook.gpu_cost()
+    del data["profile"]
+    data.update(whole_step={}, loss_share=None, rounds=1)
+    text = hook.gpu_cost()
+    found = tables(text)
+    assert len(found) == 1 and "1 round of the 12 planned" in text
+    cost_rows(found[0][1], data["step"])
+    assert text.endswith("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
+                         "rounds that had finished; the profile and the whole steps were not reached.")
 
 
 def test_gpu_cost_without_whole_steps(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -650,9 +650,25 @@ def gpu_check(_: Optional[str] = None) -> str:
             f"Versions: {_versions(data)}.\n\n" + _table(["scenario", "seconds", "checks"], rows))
 
 
+def gpu_check_summary(_: Optional[str] = None) -> str:
+    """docs/results/gpu/check.json in a sentence: the card, the date and commit, and which scenarios passed, failed
+    or did not run (and why); a dry run is said to be none."""
+    data = _gpu("check.json")
+    if data is None or data["dry_run"]:
+        return "No GPU run of the check is recorded: [Tested on a GPU](gpu.md) shows its dry run on a CPU."
+    ran = {name: scenario for name, scenario in data["scenarios"].items() if scenario["ran"]}
+    groups = {"passed": [name for name, scenario in ran.items() if all(c["ok"] for c in scenario["checks"])],
+              "**failed**": [name for name, scenario in ran.items() if not all(c["ok"] for c in scenario["checks"])]}
+    parts = [f"{verdict}: " + ", ".join(f"`{name}`" for name in names) for verdict, names in groups.items() if names]
+    parts += [f"not run: `{name}`, {scenario['why']}" for name, scenario in data["scenarios"].items()
+              if not scenario["ran"]]
+    return f"The last recorded GPU check: {data['device']['name']}, {data['date']}, {_commit(data)}; {'; '.join(parts)}."
+
+
 def _check_line(check: dict) -> str:
     status = "**FAIL**" if not check["ok"] else "untested" if check.get("untested") else "ok"  # as the check prints it
-    return f"{status}: {check['name']}" + (f": {check['detail']}" if check["detail"] else "")
+    text = check["name"] + (f": {check['detail']}" if check["detail"] else "")
+    return f"{status}: " + text.replace("*", "\\*")  # a star (the guard's KL(pi||pi*)) would open an emphasis
 
 
 def gpu_cost(_: Optional[str] = None) -> str:
@@ -685,9 +701,12 @@ def gpu_cost(_: Optional[str] = None) -> str:
             f"hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, vocabulary {model['vocab_size']:,}, "
             f"LoRA r{size['lora_rank']}; {size['prompts']} prompts × {size['completions']} completions of "
             f"{size['length']} tokens. Versions: {_versions(data)}.\n\n"
-            f"Captured batch (`compute_loss` forward and backward, then the optimizer's step; {data['rounds']} "
-            f"rounds after {data['warmup']} warm-up rounds):\n\n" + _table(header, rows(data["step"])))
-    profile = data["profile"]
+            f"Captured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):\n\n"
+            + _table(header, rows(data["step"])))
+    profile = data.get("profile")
+    if profile is None:
+        return text + ("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
+                       "rounds that had finished; the profile and the whole steps were not reached.")
     times = {name: {op["name"]: op["self_us"] for op in profile[part]}
              for name, part in (("stock", "stock"), (profile["method"], "heaviest"))}
     names = list(dict.fromkeys([*times["stock"], *times[profile["method"]]]))
@@ -704,6 +723,15 @@ def gpu_cost(_: Optional[str] = None) -> str:
     elif data.get("whole_step_skipped"):
         text += f"\n\nThe whole GRPO step was not timed: {data['whole_step_skipped']}."
     return text
+
+
+def _rounds(data: dict) -> str:
+    """The captured batch's timed rounds, and those its budget left out (a file from before `rounds_planned` was
+    recorded ran them all)."""
+    rounds, planned = data["rounds"], data.get("rounds_planned", data["rounds"])
+    left_out = "" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest"
+    warmup = data["warmup"]
+    return f"{rounds} round{'s' * (rounds != 1)}{left_out}, after {warmup} warm-up round{'s' * (warmup != 1)}"
 
 
 def gpu_loss(_: Optional[str] = None) -> str:
@@ -777,6 +805,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "ci_record": ci_record,
     "self_check": self_check,
     "gpu_check": gpu_check,
+    "gpu_check_summary": gpu_check_summary,
     "gpu_cost": gpu_cost,
     "gpu_loss": gpu_loss,
 }
