@@ -385,8 +385,9 @@ def main(argv: list[str] | None = None) -> int:
             if whole:
                 write(whole_step=whole)
             else:
-                write(whole_step_skipped=f"the untimed round took {report['phases']['whole steps'] - spent:.0f} s, "
-                                         f"and a timed one would have ended past the {args.budget:.0f}-second budget")
+                write(whole_step_skipped=f"their untimed round ended {report['phases']['whole steps']:.0f} s into "
+                                         f"the {args.budget:.0f}-second budget, and a timed one would have ended "
+                                         "past it")
     print(f"{'variant':<34}{'s/step':>10}{'x stock':>9}{'95% interval':>18}{'peak MiB':>10}{'x stock':>9}")
     for title, rows in (("captured batch", step), ("whole step", whole)):
         print(f"-- {title}")

@@ -517,8 +517,8 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
     for spent, whole, skipped in ((60.0, {}, "the captured-batch part took 60 s of the 100-second budget (more "
                                                "than 55%)"),
                                   (40.0, {"stock": cost_row(2.0, 1.0, [1, 1])}, None),
-                                  (40.0, {}, "the untimed round took 30 s, and a timed one would have ended past the "
-                                             "100-second budget")):
+                                  (40.0, {}, "their untimed round ended 70 s into the 100-second budget, and a "
+                                             "timed one would have ended past it")):
         deadlines.clear()
         start = clock.now
         assert unsloth_cost.main(["--size", "small", "--budget", "100", "--json", str(path)]) == 0
