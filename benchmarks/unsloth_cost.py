@@ -57,8 +57,9 @@ ROTATION = aa_half_way(*STOCK, METHODS)
 # The whole-step variants: the KL's placement is fixed when a trainer is built, so the KL in the reward has a trainer
 # of its own (on the same policy).
 WHOLE_STEP = ["stock", "sigmoid+length_normalized", "kl_in_reward"]
-# With `--budget`: the captured-batch rounds stop by this share of it (at least one timed round runs), and the whole
-# steps start only if at most WHOLE_UNTIL of it is spent, their timed round only if it would end within it.
+# With `--budget`: the captured-batch rounds aim to end by this share of it (a round starts only if the last one's
+# duration says it ends by then; the warm-up and one timed round always run), and the whole steps start only if at
+# most WHOLE_UNTIL of it is spent, their timed round only if the untimed one's duration says it ends within it.
 ROUNDS_BY, WHOLE_UNTIL = 0.45, 0.55
 KL_IN_REWARD = {"kl_placement": "reward", "kl_reduction": "sequence_sum"}
 
@@ -378,11 +379,14 @@ def main(argv: list[str] | None = None) -> int:
             write(whole_step_skipped=f"the captured-batch part took {spent:.0f} s of the {args.budget:.0f}-second "
                                      f"budget (more than {WHOLE_UNTIL:.0%})")
         elif whole_rounds:
+            # what the page says if the command's time limit stops the run in them; replaced when they end
+            write(whole_step_skipped="the run stopped during the whole steps (its command's time limit)")
             in_reward = build_trainer(size, "", os.path.join(folder, "reward"),
                                       policy=(trainer.model, trainer.processing_class), **KL_IN_REWARD)
             whole = whole_steps({"loss": trainer, "reward": in_reward}, whole_rounds, until=by(1.0))
             phase("whole steps")
             if whole:
+                del report["whole_step_skipped"]
                 write(whole_step=whole)
             else:
                 write(whole_step_skipped=f"their untimed round ended {report['phases']['whole steps']:.0f} s into "

@@ -504,6 +504,9 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
 
     def whole_steps(trainers, rounds, until):
         deadlines.append(until - start)
+        # what the page would say of a run stopped here by its command's time limit
+        assert json.loads(path.read_text())["whole_step_skipped"] == ("the run stopped during the whole steps (its "
+                                                                      "command's time limit)")
         clock.advance(30.0)
         return whole
 

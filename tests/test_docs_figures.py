@@ -868,22 +868,27 @@ def test_gpu_check_summary_names_the_card_and_each_scenarios_verdict(hook: Any, 
     data = load("docs/results/gpu/check.json") if source == "committed" else made_up_check()
     if source == "dry run":
         data = {**data, "dry_run": True}
+    if source == "made up":  # a scenario that ran and recorded no check held none
+        data["scenarios"]["d"] = {"ran": True, "seconds": 1.0, "checks": []}
     monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "check.json" else None)
     text = hook.gpu_check_summary()
     if source == "dry run":
         assert text == "No GPU run of the check is recorded: [Tested on a GPU](gpu.md) shows its dry run on a CPU."
+        monkeypatch.setattr(hook, "_gpu", lambda name: None)
+        assert hook.gpu_check_summary() == "No run of the GPU check is recorded in docs/results/gpu/check.json."
         return
     head, *parts = text.removesuffix(".").split("; ")
     assert head == f"The last recorded GPU check: {data['device']['name']}, {data['date']}, {made_at(data)}"
     verdicts = {"passed": [], "**failed**": []}
     for name, scenario in data["scenarios"].items():
         if scenario["ran"]:
-            verdicts["passed" if all(c["ok"] for c in scenario["checks"]) else "**failed**"].append(f"`{name}`")
+            held = scenario["checks"] and all(c["ok"] for c in scenario["checks"])
+            verdicts["passed" if held else "**failed**"].append(f"`{name}`")
     expected = [f"{verdict}: {', '.join(names)}" for verdict, names in verdicts.items() if names]
     expected += [f"not run: `{name}`, {s['why']}" for name, s in data["scenarios"].items() if not s["ran"]]
     assert parts == expected
     if source == "made up":
-        assert parts == ["**failed**: `a`, `c`", "not run: `b`, not asked for (--only)"]
+        assert parts == ["**failed**: `a`, `c`, `d`", "not run: `b`, not asked for (--only)"]
 
 
 def versions_line(data: dict) -> str:
@@ -971,7 +976,8 @@ def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monke
     clock = "GPU" if data["device"]["kind"] == "cuda" else "CPU"
     assert f"({clock} time, µs)" in text and f"top {len(profile['stock'])}:" in text
     if data["whole_step"]:
-        assert f"Whole GRPO step, generation included ({data['whole_rounds']} rounds):" in text
+        timed = data["whole_step"]["stock"]["n"]  # the rounds run, which a budget can make fewer than planned
+        assert f"Whole GRPO step, generation included ({timed} round{'s' * (timed != 1)}):" in text
         assert found[2][0] == header
         cost_rows(found[2][1], data["whole_step"])
         share = re.search(r"The captured-batch step is (\d+)% of stock's whole step\.$", text)
@@ -991,10 +997,21 @@ def test_gpu_cost_of_a_run_its_budget_or_time_limit_cut_short(hook: Any, monkeyp
     data.update(whole_step={}, loss_share=None, rounds=1)
     text = hook.gpu_cost()
     found = tables(text)
-    assert len(found) == 1 and "1 round of the 12 planned" in text
+    # not the budget's doing: the run had not reached the end of its rounds
+    assert len(found) == 1 and "step; 1 round so far, of the 12 planned, after 1 warm-up round):" in text
     cost_rows(found[0][1], data["step"])
+    assert "--budget" not in text
     assert text.endswith("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
                          "rounds that had finished; the profile and the whole steps were not reached.")
+    # the file as written at the start (the environment, no rows): what the H200's first 0.5B run kept
+    started = {key: value for key, value in made_up_cost().items()
+               if key not in ("step", "whole_step", "loss_share", "profile")}
+    started.update(rounds=0, rounds_planned=12, phases={"model saved": 9.6, "trainer built": 31.2})
+    data = started
+    text = hook.gpu_cost()
+    assert not tables(text) and text.startswith("The `--size 0.5b` run of 2026-12-01 on NVIDIA H200 ")
+    assert text.endswith("tokens. Versions: torch 2.11.0.\n\n**The run stopped before its first timed round** (its "
+                         "command's time limit); it reached: model saved at 10 s, trainer built at 31 s.")
 
 
 def test_gpu_cost_without_whole_steps(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -654,15 +654,22 @@ def gpu_check_summary(_: Optional[str] = None) -> str:
     """docs/results/gpu/check.json in a sentence: the card, the date and commit, and which scenarios passed, failed
     or did not run (and why); a dry run is said to be none."""
     data = _gpu("check.json")
-    if data is None or data["dry_run"]:
+    if data is None:
+        return "No run of the GPU check is recorded in docs/results/gpu/check.json."
+    if data["dry_run"]:
         return "No GPU run of the check is recorded: [Tested on a GPU](gpu.md) shows its dry run on a CPU."
     ran = {name: scenario for name, scenario in data["scenarios"].items() if scenario["ran"]}
-    groups = {"passed": [name for name, scenario in ran.items() if all(c["ok"] for c in scenario["checks"])],
-              "**failed**": [name for name, scenario in ran.items() if not all(c["ok"] for c in scenario["checks"])]}
+
+    def passed(scenario: dict) -> bool:
+        return bool(scenario["checks"]) and all(check["ok"] for check in scenario["checks"])  # no check: none held
+
+    groups = {"passed": [name for name, scenario in ran.items() if passed(scenario)],
+              "**failed**": [name for name, scenario in ran.items() if not passed(scenario)]}
     parts = [f"{verdict}: " + ", ".join(f"`{name}`" for name in names) for verdict, names in groups.items() if names]
     parts += [f"not run: `{name}`, {scenario['why']}" for name, scenario in data["scenarios"].items()
               if not scenario["ran"]]
-    return f"The last recorded GPU check: {data['device']['name']}, {data['date']}, {_commit(data)}; {'; '.join(parts)}."
+    head = f"The last recorded GPU check: {data['device']['name']}, {data['date']}, {_commit(data)}"
+    return "; ".join([head, *parts]) + "."
 
 
 def _check_line(check: dict) -> str:
@@ -695,14 +702,18 @@ def gpu_cost(_: Optional[str] = None) -> str:
     # peak: all that is allocated at the step's peak (the model and optimizer state included); working: that peak
     # above what was allocated when the step began
     header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock", "working MiB", "x stock"]
-    share = "" if data["loss_share"] is None else (
+    share = "" if data.get("loss_share") is None else (
         f" The captured-batch step is {data['loss_share']:.0%} of stock's whole step.")
     text = (f"The `--size {data['size']}` run of {data['date']} on {_device(data)}: `{data['command']}`. Model: "
             f"hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, vocabulary {model['vocab_size']:,}, "
             f"LoRA r{size['lora_rank']}; {size['prompts']} prompts × {size['completions']} completions of "
-            f"{size['length']} tokens. Versions: {_versions(data)}.\n\n"
-            f"Captured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):\n\n"
-            + _table(header, rows(data["step"])))
+            f"{size['length']} tokens. Versions: {_versions(data)}.")
+    if "step" not in data:  # the file written at the start: the run was stopped before a timed round ended
+        reached = ", ".join(f"{name} at {seconds:.0f} s" for name, seconds in data.get("phases", {}).items())
+        return text + ("\n\n**The run stopped before its first timed round** (its command's time limit)"
+                       + (f"; it reached: {reached}" if reached else "") + ".")
+    text += (f"\n\nCaptured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):"
+             "\n\n" + _table(header, rows(data["step"])))
     profile = data.get("profile")
     if profile is None:
         return text + ("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
@@ -718,7 +729,8 @@ def gpu_cost(_: Optional[str] = None) -> str:
                       [[f"`{name}`", *(f"{times[k][name]:,.0f}" if name in times[k] else "" for k in times)]
                        for name in names]))
     if data["whole_step"]:
-        text += (f"\n\nWhole GRPO step, generation included ({data['whole_rounds']} rounds):\n\n"
+        timed = data["whole_step"]["stock"]["n"]  # the rounds run (a budget can end them before those planned)
+        text += (f"\n\nWhole GRPO step, generation included ({timed} round{'s' * (timed != 1)}):\n\n"
                  + _table(header, rows(data["whole_step"])) + "\n\n" + share.strip())
     elif data.get("whole_step_skipped"):
         text += f"\n\nThe whole GRPO step was not timed: {data['whole_step_skipped']}."
@@ -726,10 +738,11 @@ def gpu_cost(_: Optional[str] = None) -> str:
 
 
 def _rounds(data: dict) -> str:
-    """The captured batch's timed rounds, and those its budget left out (a file from before `rounds_planned` was
-    recorded ran them all)."""
+    """The captured batch's timed rounds, and those left out: by the budget in a run that went on to its profile, by
+    the run's stop in one that did not (a file from before `rounds_planned` was recorded ran them all)."""
     rounds, planned = data["rounds"], data.get("rounds_planned", data["rounds"])
-    left_out = "" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest"
+    left_out = ("" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest"
+                if "profile" in data else f" so far, of the {planned} planned")
     warmup = data["warmup"]
     return f"{rounds} round{'s' * (rounds != 1)}{left_out}, after {warmup} warm-up round{'s' * (warmup != 1)}"
 
