@@ -60,7 +60,8 @@ WHOLE_STEP = ["stock", "sigmoid+length_normalized", "kl_in_reward"]
 # With `--budget`: the captured-batch rounds aim to end by this share of it (a round starts only if the last one's
 # duration says it ends by then; the warm-up and one timed round always run), and the whole steps start only if at
 # most WHOLE_UNTIL of it is spent, their timed round only if the untimed one's duration says it ends within it.
-ROUNDS_BY, WHOLE_UNTIL = 0.45, 0.55
+# The rounds' intervals come first (each ratio's, the A/A pair's), the whole step's share of a step second.
+ROUNDS_BY, WHOLE_UNTIL = 0.6, 0.65
 KL_IN_REWARD = {"kl_placement": "reward", "kl_reduction": "sequence_sum"}
 
 
