@@ -95,10 +95,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first (compiles, caches)")
     parser.add_argument("--whole-rounds", type=int, default=None, help="rounds of the whole-step timing (0: none)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds the run may take: the captured-batch rounds stop by "
-                             f"{ROUNDS_BY:.0%} of them, the whole steps are skipped when more than {WHOLE_UNTIL:.0%} "
-                             "is spent, and their timed round when it would end past them (the JSON says what "
-                             "stopped); default: no budget")
+                        # argparse %-formats a help text: a percent sign is written %%
+                        help="seconds the run may take: the captured-batch rounds aim to end by "
+                             f"{ROUNDS_BY * 100:.0f} %% of them, the whole steps are skipped when more than "
+                             f"{WHOLE_UNTIL * 100:.0f} %% is spent, and their timed round when it would end past "
+                             "them (the JSON says what stopped); default: no budget")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     for flag, value, least in (("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0),
@@ -390,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
                 del report["whole_step_skipped"]
                 write(whole_step=whole)
             else:
-                write(whole_step_skipped=f"their untimed round ended {report['phases']['whole steps']:.0f} s into "
+                write(whole_step_skipped=f"its untimed round ended {report['phases']['whole steps']:.0f} s into "
                                          f"the {args.budget:.0f}-second budget, and a timed one would have ended "
                                          "past it")
     print(f"{'variant':<34}{'s/step':>10}{'x stock':>9}{'95% interval':>18}{'peak MiB':>10}{'x stock':>9}")

@@ -520,7 +520,7 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
     for spent, whole, skipped in ((70.0, {}, "the captured-batch part took 70 s of the 100-second budget (more "
                                                "than 65%)"),
                                   (40.0, {"stock": cost_row(2.0, 1.0, [1, 1])}, None),
-                                  (40.0, {}, "their untimed round ended 70 s into the 100-second budget, and a "
+                                  (40.0, {}, "its untimed round ended 70 s into the 100-second budget, and a "
                                              "timed one would have ended past it")):
         deadlines.clear()
         start = clock.now
@@ -534,6 +534,17 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
         assert report["phases"]["captured batch timed and profiled"] == spent
         assert report["whole_step"] == whole and report.get("whole_step_skipped") == skipped
         assert (report["loss_share"] is None) == (not whole)
+
+
+def test_the_help_states_the_budgets_shares(capsys: Any) -> None:
+    """`--help` prints (argparse %-formats each help text: a bare percent sign raised TypeError there) the shares of
+    `--budget` the rounds and the whole steps get, from the constants the run reads."""
+    with pytest.raises(SystemExit) as exit:
+        unsloth_cost.parse_args(["--help"])
+    assert exit.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"the captured-batch rounds aim to end by {unsloth_cost.ROUNDS_BY * 100:.0f} % of them, the whole steps "
+            f"are skipped when more than {unsloth_cost.WHOLE_UNTIL * 100:.0f} % is spent") in text
 
 
 def test_the_gpu_size_times_enough_rounds_after_a_warm_up() -> None:
