@@ -691,7 +691,7 @@ def gpu_cost(_: Optional[str] = None) -> str:
         # takes a handful of values: no interval is shown
         return [[f"`{name}`", f"{row['median_s'] * 1e3:.1f}", f"{row['ratio']:.3f}",
                  "the reference" if name == "stock" else
-                 f"none ({row['n']} round{'s' if row['n'] > 1 else ''}: too few to resample)" if row.get("n", 5) < 5
+                 f"none ({_rounds_of(row['n'])}: too few to resample)" if row.get("n", 5) < 5
                  else f"[{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]",
                  "" if not row["memory_ratio"] else f"{row['peak_bytes'] / 2 ** 20:,.0f}",
                  "" if not row["memory_ratio"] else f"{row['memory_ratio']:.3f}",
@@ -723,14 +723,14 @@ def gpu_cost(_: Optional[str] = None) -> str:
     names = list(dict.fromkeys([*times["stock"], *times[profile["method"]]]))
     clock = "GPU" if data["device"]["kind"] == "cuda" else "CPU"
     text += (f"\n\nWhere a step's time goes: torch.profiler's self time per step ({clock} time, µs) of the "
-             f"operations that take the most in stock's step or in that of `{profile['method']}` (the largest ratio above); a blank cell is an operation outside that step's "
-             f"top {len(profile['stock'])}:\n\n"
+             f"operations that take the most in stock's step or in that of `{profile['method']}` (the largest "
+             f"ratio above); a blank cell is an operation outside that step's top {len(profile['stock'])}:\n\n"
              + _table(["operation", "stock", f"`{profile['method']}`"],
                       [[f"`{name}`", *(f"{times[k][name]:,.0f}" if name in times[k] else "" for k in times)]
                        for name in names]))
     if data["whole_step"]:
-        timed = data["whole_step"]["stock"]["n"]  # the rounds run (a budget can end them before those planned)
-        text += (f"\n\nWhole GRPO step, generation included ({timed} round{'s' * (timed != 1)}):\n\n"
+        # the rounds run (a budget can end them before those planned)
+        text += (f"\n\nWhole GRPO step, generation included ({_rounds_of(data['whole_step']['stock']['n'])}):\n\n"
                  + _table(header, rows(data["whole_step"])) + "\n\n" + share.strip())
     elif data.get("whole_step_skipped"):
         text += f"\n\nThe whole GRPO step was not timed: {data['whole_step_skipped']}."
@@ -743,8 +743,11 @@ def _rounds(data: dict) -> str:
     rounds, planned = data["rounds"], data.get("rounds_planned", data["rounds"])
     left_out = ("" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest"
                 if "profile" in data else f" so far, of the {planned} planned")
-    warmup = data["warmup"]
-    return f"{rounds} round{'s' * (rounds != 1)}{left_out}, after {warmup} warm-up round{'s' * (warmup != 1)}"
+    return f"{_rounds_of(rounds)}{left_out}, after {data['warmup']} warm-up round{'s' * (data['warmup'] != 1)}"
+
+
+def _rounds_of(count: int) -> str:
+    return f"{count} round{'s' * (count != 1)}"
 
 
 def gpu_loss(_: Optional[str] = None) -> str:
