@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from .adaptation import KLTerm, kl_term, neutral_where_empty
-from .config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, is_real, reject, settings_of
+from .config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, is_real, is_whole, reject, settings_of
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
 from .optimizer_steps import OptimizerSteps
@@ -77,7 +77,7 @@ class AdaptiveKL:
         if not isinstance(config, AdaptiveKLConfig):
             raise TypeError(f"config must be an AdaptiveKLConfig (or None for the defaults), not {type(config).__name__}")
         check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
-        if not isinstance(num_iterations, int) or isinstance(num_iterations, bool) or num_iterations < 1:
+        if not is_whole(num_iterations, 1):
             raise reject("num_iterations", num_iterations, "an integer >= 1 (the optimizer passes over each "
                          "generation batch)")
         config.validate_adaptive_kl(beta=beta)
@@ -237,8 +237,7 @@ class AdaptiveKL:
         gather = gather or local
         term = self.term(logps, ref_logps, mask, per_token_kl=per_token_kl)
         lengths = gather(term.lengths)  # every process's, as the penalties are returned
-        if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool)
-                                       or group_size < 1 or lengths.numel() % group_size):
+        if group_size is not None and (not is_whole(group_size, 1) or lengths.numel() % group_size):
             raise reject("group_size", group_size, f"an integer >= 1 that divides the {lengths.numel()} completions "
                          "(of every process, with gather), or None")
         if train:
@@ -349,8 +348,7 @@ class AdaptiveKL:
         hold (`check_given_sums`) and a `completed_steps` that is not an integer >= 0 are refused, before any is kept.
         """
         check_train(train)
-        check_real("completed_steps", completed_steps,
-                   isinstance(completed_steps, int) and not isinstance(completed_steps, bool) and completed_steps >= 0,
+        check_real("completed_steps", completed_steps, is_whole(completed_steps, 0),
                    "an integer >= 0 (the optimizer steps completed with this one)")
         check_given_sums(batches, completed_steps)
         metrics = []

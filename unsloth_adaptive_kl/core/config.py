@@ -141,6 +141,11 @@ def is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_whole(value: Any, least: int) -> bool:
+    """An int, not a bool, >= least (a count, a size, a number of steps)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 def check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
     """`reject` unless value is a real number, not NaN, and `ok` holds. A numpy or torch number is refused as such,
     saying so: the settings are kept and saved (a trainer's JSON) as Python numbers, and "0.04 is invalid: allowed is
@@ -399,7 +404,7 @@ class AdaptiveKLConfig:
         self._validate_placement(methods)
         warn_estimator_placement(self.estimator, self.kl_placement)
         steps = self.beta_schedule_steps
-        if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 1):
+        if steps is not None and not is_whole(steps, 1):
             raise reject("beta_schedule_steps", steps, python_number(steps, "an integer >= 1, or None for no cut-off"))
         if self.ref_model_sync_kl is not None:
             check_real("ref_model_sync_kl", self.ref_model_sync_kl,

@@ -39,7 +39,7 @@ from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
-from ..core.config import check_real, is_real
+from ..core.config import check_real, is_real, is_whole
 from ..core.errors import reject
 from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
                                warn_unread_context)
@@ -408,7 +408,7 @@ def kl_penalized_data(
     if len(data) != rewards.numel():
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
     # A group of one has the advantage 0 whatever its reward (and NaN with scale_by_std: a sample std of one value).
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 2 or len(data) % group_size:
+    if not is_whole(group_size, 2) or len(data) % group_size:
         raise reject("group_size", group_size, f"an integer >= 2 that divides the {len(data)} completions (a "
                      "group's completions of one prompt)")
     check_real("std_epsilon", std_epsilon, is_real(std_epsilon) and 0 < std_epsilon < math.inf, "a finite number > 0 "
