@@ -410,6 +410,9 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1)
     with pytest.raises(ValueError, match=r"format_version=7 is not supported: allowed is 1 to 6"):
         runtime.load_state_dict({**runtime.state_dict(), "format_version": 7})
+    # True read as format 1 (a bool is an int to Python): refused as no version at all
+    with pytest.raises(ValueError, match=r"format_version=True is not supported: allowed is 1 to 6"):
+        runtime.load_state_dict({**runtime.state_dict(), "format_version": True})
     with pytest.raises(ValueError, match=r"unknown field\(s\) beta for a 'dynamic' controller"):
         runtime.load_state_dict({**runtime.state_dict(), "beta": 0.3})
 
@@ -419,6 +422,8 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     ({"value": math.nan}, "adaptive KL state: value=nan is invalid: allowed is a finite number >= 0 (beta)."),
     ({"value": "0.1"}, "adaptive KL state: value='0.1' is invalid: allowed is a finite number >= 0 (beta)."),
     ({"completed_steps": -3}, "adaptive KL state: completed_steps=-3 is invalid: allowed is an integer >= 0."),
+    # a bool is no step count, here as at record_sums
+    ({"completed_steps": True}, "adaptive KL state: completed_steps=True is invalid: allowed is an integer >= 0."),
     ({"value": None}, "adaptive KL state: value=None is invalid: allowed is a finite number >= 0 (beta)."),
     # each beside a good step count, which was loaded before the bad field raised (without naming it, for the first)
     ({"completed_steps": 7, "last_raw_kl": "x"},

@@ -500,7 +500,7 @@ class AdaptiveKL:
                             f"{type(state).__name__}")
         state = dict(state)
         version = state.pop("format_version", 1)
-        if not isinstance(version, int) or not 1 <= version <= STATE_FORMAT:
+        if not is_whole(version, 1) or version > STATE_FORMAT:  # True is no version (record_sums' rule for counts)
             raise ValueError(f"adaptive KL state: format_version={version!r} is not supported: allowed is 1 to "
                              f"{STATE_FORMAT} (a newer unsloth-adaptive-kl wrote it?).")
         expected = controller_kind(self.controller)
@@ -538,7 +538,7 @@ class AdaptiveKL:
         check_real("adaptive KL state: value", value, is_real(value) and 0 <= value < math.inf,
                    "a finite number >= 0 (beta)")
         check_real("adaptive KL state: completed_steps", completed_steps,
-                   isinstance(completed_steps, int) and completed_steps >= 0, "an integer >= 0")
+                   is_whole(completed_steps, 0), "an integer >= 0")
         if not (last_raw_kl is None or (is_real(last_raw_kl) and math.isfinite(last_raw_kl))):
             raise reject("adaptive KL state: last_raw_kl", last_raw_kl, "None or a finite number (the last step's KL)")
         # every field of ours checked; the controller checks its own as it loads them, and gets its previous state
