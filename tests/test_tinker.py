@@ -749,6 +749,10 @@ def test_the_custom_and_the_traced_routes_share_their_checks() -> None:
         integration.grpo_kl_loss(akl)([datum], [torch.full((4,), -1.0, requires_grad=True)])
     with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{sampler}"):
         integration.traced_loss_data(akl, [datum])
+    # route 2 (the KL in the reward) named it "the policy log-probs", the own-loop door's words; two Datums, two tokens
+    in_reward = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.2)
+    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{sampler.replace('1 valid', '2 valid')}"):
+        integration.kl_penalized_data(in_reward, [datum] * 2, [0.0, 1.0], group_size=2)
     for route in (integration.grpo_kl_loss, integration.traceable_grpo_loss):
         with pytest.raises(ValueError, match=r"^clip_epsilon=1\.5 is invalid: allowed is a number with 0 <= x < 1\.$"):
             route(akl, clip_epsilon=1.5)
@@ -897,6 +901,29 @@ def test_completion_datum_refuses_what_it_cannot_align() -> None:
         integration.completion_datum([1, 2], [3, 4], [-1.0, -2.0], [-1.0])
 
 
+
+@pytest.mark.parametrize(("prompt", "completion", "message"), [
+    # int() read these as the tokens 1, 7 and 1, 4: another prompt, another completion, silently
+    ([1.9, 7.6], [3], r"^prompt_tokens\[0\]=1\.9 is invalid: allowed is a token id: an integer >= 0 "),
+    ([1, 2], [True, 4], r"^completion_tokens\[0\]=True is invalid: allowed is a token id: an integer >= 0 "),
+    ([1, 2], torch.tensor([3.0, 4.5]), r"^completion_tokens\[0\]=tensor\(3\.\) is invalid: allowed is a token id"),
+    ([1, -2], [3], r"^prompt_tokens\[1\]=-2 is invalid: allowed is a token id: an integer >= 0 "),
+])
+def test_completion_datum_refuses_a_token_that_is_not_an_id(prompt, completion, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        integration.completion_datum(prompt, completion, [-1.0] * len(completion), [-1.0] * len(completion))
+
+
+def test_completion_datum_takes_the_integer_ids_tokenizers_give() -> None:
+    """Python ints, numpy ints and an integer tensor's elements are token ids: the same Datum from each."""
+    expected = integration.completion_datum([5, 6], [7, 8], [-1.0, -2.0], [-1.5, -2.5])
+    for prompt, completion in ((np.array([5, 6]), np.array([7, 8], dtype=np.int32)),
+                               (torch.tensor([5, 6]), torch.tensor([7, 8]))):
+        datum = integration.completion_datum(prompt, completion, [-1.0, -2.0], [-1.5, -2.5])
+        assert datum.model_input.to_ints() == expected.model_input.to_ints() == [5, 6, 7]
+        assert datum.loss_fn_inputs["target_tokens"].to_torch().tolist() == [6, 7, 8]
+
+
 def test_mismatched_batches_are_refused_not_broadcast() -> None:
     """Every count must agree, and the error names the two: a Datum input of another length than target_tokens (T = 4
     here, 3 given; in a batch with a longer Datum, padding would hide it and misalign the tokens), log-prob tensors /
@@ -1000,6 +1027,17 @@ def test_kl_penalized_data_scale_by_std() -> None:
         assert metrics["adaptive_kl/reward_penalty"] == pytest.approx(0.075, rel=1e-5)
         assert metrics["reward/mean"] == pytest.approx(1.00005, rel=1e-6)
         assert metrics["reward/penalized_mean"] == pytest.approx(1.00005 - 0.075, rel=1e-6)
+
+
+@pytest.mark.parametrize("scale_by_std", ["False", 1, None])
+def test_kl_penalized_data_scale_by_std_is_true_or_false(scale_by_std) -> None:
+    """scale_by_std="False" (a config's text) scaled the advantages, silently, as a truthy value; train beside it was
+    refused the same value."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.1)
+    data = [integration.completion_datum([1, 2], [3, 4], [-1.0, -1.5], [-1.25, -1.5])] * 2
+    with pytest.raises(ValueError, match=rf"^scale_by_std={scale_by_std!r} is invalid: allowed is True \(each group's "
+                                         r"advantages divided by its rewards' std \+ std_epsilon\) or False\.$"):
+        integration.kl_penalized_data(akl, data, [0.0, 1.0], group_size=2, scale_by_std=scale_by_std)
 
 
 def test_kl_penalized_data_gives_a_datum_without_tokens_its_groups_mean_penalty() -> None:
@@ -1244,10 +1282,10 @@ def test_a_loss_type_unknown_to_the_package_is_named_so_at_the_loss_doors() -> N
             call()
 
 
-def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> None:
-    """As the own-loop doors and route 2 (`reward_penalty`) refuse it: a Datum mask of per-token weights (0.5 on a
-    completion token) would count that token whole in the reductions' lengths; routes 1 and 3 name the input and
-    how many entries before a loss is computed."""
+def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_every_route() -> None:
+    """As the own-loop doors refuse it: a Datum mask of per-token weights (0.5 on a completion token) would count that
+    token whole in the reductions' lengths; the three routes name the input and how many entries before a loss is
+    computed (route 2 called it `mask`, the own-loop door's name, not the Datum's field)."""
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
@@ -1257,6 +1295,9 @@ def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_both_loss_routes() -> N
         integration.grpo_kl_loss(akl)([datum], [torch.full((3,), -1.0, requires_grad=True)])
     with pytest.raises(ValueError, match=message):
         integration.traced_loss_data(akl, [datum])
+    in_reward = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.2)
+    with pytest.raises(ValueError, match=message.replace("1 entry is", "2 entries are")):  # two Datums
+        integration.kl_penalized_data(in_reward, [datum] * 2, [0.0, 1.0], group_size=2)
 
 
 def test_check_traced_loss_raises_where_the_kl_overflowed_on_finite_log_probs() -> None:

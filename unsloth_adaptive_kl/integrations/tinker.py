@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import warnings
 from typing import Callable, Optional, Sequence, Union
 
@@ -72,6 +73,18 @@ def _tensor_data(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> "t
     return types.TensorData.from_torch(values.detach().to("cpu", dtype).contiguous())
 
 
+def _token_ids(tokens: Sequence[int], name: str) -> list[int]:
+    """`tokens` as Python ints: int() would read a float (1.9) or a bool as another token id, silently."""
+    ids = []
+    for index, token in enumerate(tokens):
+        value = token.item() if isinstance(token, torch.Tensor) and token.numel() == 1 else token
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise reject(f"{name}[{index}]", token, "a token id: an integer >= 0 (a float or a bool would be read as "
+                         "another token)")
+        ids.append(int(value))
+    return ids
+
+
 def completion_datum(
     prompt_tokens: Sequence[int],
     completion_tokens: Sequence[int],
@@ -83,8 +96,9 @@ def completion_datum(
     With tokens x = prompt + completion (P + C tokens): model_input = x[:-1], target_tokens = x[1:] (T = P + C - 1);
     the last C positions are the completion: logprobs / ref_logprobs there are `sampling_logprobs` / `ref_logprobs`
     (C values each: the sampler's and the reference model's log-probs of the completion tokens), 0 before;
-    mask = 0 on the first P - 1 positions, 1 on the last C."""
-    prompt, completion = [int(t) for t in prompt_tokens], [int(t) for t in completion_tokens]
+    mask = 0 on the first P - 1 positions, 1 on the last C. Each token an integer >= 0 (a Python or numpy int, or
+    an integer tensor's element): a float or a bool is a ValueError naming it."""
+    prompt, completion = _token_ids(prompt_tokens, "prompt_tokens"), _token_ids(completion_tokens, "completion_tokens")
     if not prompt or not completion:
         raise ValueError("completion_datum needs at least one prompt token and one completion token")
     sampled = torch.as_tensor(sampling_logprobs, dtype=torch.float32).flatten()
@@ -198,17 +212,23 @@ def check_loss_route(akl: AdaptiveKL, door: str) -> None:
                          f"{', '.join(PPO_CLIP_LOSS_TYPES)} (the loss types whose term it is).")
 
 
-def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                      step: int) -> None:
-    """The rules of the core's own-loop doors, for routes 1 and 3 before a loss is computed from the Datums (route 2's
-    `reward_penalty` is such a door, and it computes the advantages from rewards it checks): a ValueError where the
-    mask holds an entry other than 0 and 1, or an advantage on a valid (mask=1) token is NaN or +-inf (the loss and
-    every gradient would be NaN); `NonFiniteLogProbError` where the sampler log-probs (the PPO ratio's denominator) or
-    the reference log-probs hold a NaN or +-inf on a valid token, naming each and how many tokens."""
+def check_datum_inputs(sampled: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, step: int) -> None:
+    """Every route's check of the Datums' `mask` (0 and 1 only: a ValueError) and of their `logprobs` (the sampler's)
+    and `ref_logprobs` (finite on valid tokens: `NonFiniteLogProbError`), each named as the Datum's field (the core's
+    own-loop doors call them `mask` and the policy's)."""
     check_mask(mask, f"loss_fn_inputs[{MASK!r}]")
     found = found_in_check(LogpCheck.of(sampled, ref, mask, names=DATUM_LOGPS))
     if found:
         raise nonfinite_error(step, found)
+
+
+def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      step: int) -> None:
+    """The rules of the core's own-loop doors, for routes 1 and 3 before a loss is computed from the Datums (route 2
+    computes the advantages from rewards it checks): `check_datum_inputs` (the sampler log-probs are the PPO ratio's
+    denominator), and a ValueError where an advantage on a valid (mask=1) token is NaN or +-inf (the loss and every
+    gradient would be NaN)."""
+    check_datum_inputs(sampled, ref, mask, step)
     bad = (mask != 0) & ~torch.isfinite(advantages)
     if bool(bad.any()):
         raise ValueError(f"loss_fn_inputs[{ADVANTAGES!r}] holds NaN or +-inf on {int(bad.sum())} valid (mask=1) "
@@ -411,6 +431,9 @@ def kl_penalized_data(
     if not is_whole(group_size, 2) or len(data) % group_size:
         raise reject("group_size", group_size, f"an integer >= 2 that divides the {len(data)} completions (a "
                      "group's completions of one prompt)")
+    if not isinstance(scale_by_std, bool):  # "False" (a config's text) is truthy: it would scale, silently
+        raise reject("scale_by_std", scale_by_std, "True (each group's advantages divided by its rewards' std + "
+                     "std_epsilon) or False")
     check_real("std_epsilon", std_epsilon, is_real(std_epsilon) and 0 < std_epsilon < math.inf, "a finite number > 0 "
                "(a group of equal rewards has a std of 0)")
     if not scale_by_std and std_epsilon != STD_EPSILON:
@@ -421,6 +444,7 @@ def kl_penalized_data(
         raise ValueError(f"rewards hold NaN or +-inf at completion(s) {unscored}: every reward must be a finite number "
                          "(score each completion, or leave an unscored completion's group out of the batch)")
     logps, ref, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, REF_LOGPROBS, MASK))
+    check_datum_inputs(logps, ref, mask, akl.completed_steps + 1)  # as routes 1 and 3 name them
     # A completion without valid tokens (masked out) has no KL: its group's mean penalty (group_size), as TRL's and
     # Unsloth's scoring gives it, so that its reward in the group's statistics moves no other completion's advantage.
     penalty, penalty_metrics = akl.reward_penalty(logps, ref, mask, train=train, group_size=group_size)
