@@ -1461,3 +1461,33 @@ def test_a_training_term_without_a_gradient_warns_once_and_a_measurement_does_no
         akl.kl_loss(logps.detach(), ref, mask)
     mine = [w for w in said if "without a gradient" in str(w.message)]
     assert not term.requires_grad and len(mine) == 1 and mine[0].filename == __file__  # said once, at the user's line
+
+
+NUMPY_INT = ", as a Python int (this is a numpy.int64: pass int(...))."
+
+
+@pytest.mark.parametrize(("door", "message"), [
+    (lambda: AdaptiveKL(None, BETA, num_iterations=np.int64(2)),
+     "num_iterations=np.int64(2) is invalid: allowed is an integer >= 1 (the optimizer passes over each generation "
+     "batch)"),
+    (lambda: AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA).reward_penalty(
+        *batch(requires_grad=False), torch.ones(3, 4), group_size=np.int64(3)),
+     "group_size=np.int64(3) is invalid: allowed is an integer >= 1 that divides the 3 completions (of every process, "
+     "with gather), or None"),
+    (lambda: AdaptiveKL(None, BETA).record_sums([engine_sums()], train=True, completed_steps=np.int64(1)),
+     "completed_steps=np.int64(1) is invalid: allowed is an integer >= 0 (the optimizer steps completed with this "
+     "one)"),
+    (lambda: AdaptiveKL(None, BETA).load_state_dict({**AdaptiveKL(None, BETA).state_dict(),
+                                                    "completed_steps": np.int64(1)}),
+     "adaptive KL state: completed_steps=np.int64(1) is invalid: allowed is an integer >= 0"),
+    (lambda: AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA).load_state_dict(
+        {**AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA).state_dict(),
+         "generation_batch": np.int64(1)}),
+     "adaptive KL state: generation_batch=np.int64(1) is invalid: allowed is an integer >= 0 (a count)"),
+])
+def test_a_numpy_integer_count_is_refused_saying_why(door, message) -> None:
+    """Each count is a Python int (the settings and a state are saved as JSON): a numpy one was refused with "allowed
+    is an integer", of an integer; every door now says why, as the config's fields do."""
+    with pytest.raises(ValueError) as raised:
+        door()
+    assert str(raised.value) == message + NUMPY_INT

@@ -70,7 +70,7 @@ BAD_VALUES = [
     ("beta_schedule_steps", -5, "an integer >= 1, or None"),
     ("beta_schedule_steps", 2.5, "an integer >= 1, or None"),
     ("beta_schedule_steps", True, "an integer >= 1, or None"),
-    ("beta_schedule_steps", np.int64(10), "an integer >= 1, or None for no cut-off, as a Python int or float (this is "
+    ("beta_schedule_steps", np.int64(10), "an integer >= 1, or None for no cut-off, as a Python int (this is "
                                           "a numpy.int64: pass int(...))."),
     ("beta_max", 0.02, "None or a finite number >= beta_min and >= beta=0.04"),  # target would cut beta at once
     ("kl_percentile", 0.0, "a number with 0 < x <= 1"),  # would keep one token, whatever the batch

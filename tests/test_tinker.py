@@ -580,6 +580,12 @@ def test_an_unscored_reward_or_a_group_size_that_is_not_a_count_is_refused() -> 
             integration.kl_penalized_data(akl, data, [1.0, 0.0, 0.0, 1.0], group_size=group_size)
         assert str(raised.value) == (f"group_size={group_size!r} is invalid: allowed is an integer >= 2 that divides "
                                      "the 4 completions (a group's completions of one prompt).")
+    # an integer, but not a Python one: said so ("allowed is an integer" of np.int64(2) read as a contradiction)
+    with pytest.raises(ValueError) as raised:
+        integration.kl_penalized_data(akl, data, [1.0, 0.0, 0.0, 1.0], group_size=np.int64(2))
+    assert str(raised.value) == ("group_size=np.int64(2) is invalid: allowed is an integer >= 2 that divides the 4 "
+                                 "completions (a group's completions of one prompt), as a Python int (this is a "
+                                 "numpy.int64: pass int(...)).")
     for epsilon in (0.0, -1e-4, math.nan, math.inf):
         with pytest.raises(ValueError, match=rf"^std_epsilon={epsilon!r} is invalid: allowed is a finite number > 0"):
             integration.kl_penalized_data(akl, data, [1.0, 1.0, 0.0, 1.0], group_size=2, scale_by_std=True,

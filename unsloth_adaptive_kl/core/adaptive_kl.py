@@ -23,7 +23,8 @@ from typing import Any, Optional
 import torch
 
 from .adaptation import KLTerm, kl_term, neutral_where_empty
-from .config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, is_real, is_whole, reject, settings_of
+from .config import (ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, check_whole, is_real, is_whole, python_number,
+                     reject, settings_of)
 from .controllers import WindowKL, controller_kind, make_beta_controller
 from .numerics import LogpCheck
 from .optimizer_steps import OptimizerSteps
@@ -77,9 +78,8 @@ class AdaptiveKL:
         if not isinstance(config, AdaptiveKLConfig):
             raise TypeError(f"config must be an AdaptiveKLConfig (or None for the defaults), not {type(config).__name__}")
         check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
-        if not is_whole(num_iterations, 1):
-            raise reject("num_iterations", num_iterations, "an integer >= 1 (the optimizer passes over each "
-                         "generation batch)")
+        check_whole("num_iterations", num_iterations, 1, "an integer >= 1 (the optimizer passes over each generation "
+                    "batch)")
         config.validate_adaptive_kl(beta=beta)
         if not reference_sync:
             config.refuse_sync_settings("without a reference sync", "AdaptiveKL syncs no reference itself: a "
@@ -238,8 +238,8 @@ class AdaptiveKL:
         term = self.term(logps, ref_logps, mask, per_token_kl=per_token_kl)
         lengths = gather(term.lengths)  # every process's, as the penalties are returned
         if group_size is not None and (not is_whole(group_size, 1) or lengths.numel() % group_size):
-            raise reject("group_size", group_size, f"an integer >= 1 that divides the {lengths.numel()} completions "
-                         "(of every process, with gather), or None")
+            raise reject("group_size", group_size, python_number(group_size, f"an integer >= 1 that divides the "
+                         f"{lengths.numel()} completions (of every process, with gather), or None"))
         if train:
             self._warn_if_unstepped("reward_penalty")
         penalty, self.last_metrics = self.penalize(term, gather=gather, train=train,
@@ -348,8 +348,7 @@ class AdaptiveKL:
         hold (`check_given_sums`) and a `completed_steps` that is not an integer >= 0 are refused, before any is kept.
         """
         check_train(train)
-        check_real("completed_steps", completed_steps, is_whole(completed_steps, 0),
-                   "an integer >= 0 (the optimizer steps completed with this one)")
+        check_whole("completed_steps", completed_steps, 0, "an integer >= 0 (the optimizer steps completed with this one)")
         check_given_sums(batches, completed_steps)
         metrics = []
         for sums in batches:
@@ -537,8 +536,7 @@ class AdaptiveKL:
         value = state.get("value", 0.0)
         check_real("adaptive KL state: value", value, is_real(value) and 0 <= value < math.inf,
                    "a finite number >= 0 (beta)")
-        check_real("adaptive KL state: completed_steps", completed_steps,
-                   is_whole(completed_steps, 0), "an integer >= 0")
+        check_whole("adaptive KL state: completed_steps", completed_steps, 0, "an integer >= 0")
         if not (last_raw_kl is None or (is_real(last_raw_kl) and math.isfinite(last_raw_kl))):
             raise reject("adaptive KL state: last_raw_kl", last_raw_kl, "None or a finite number (the last step's KL)")
         # every field of ours checked; the controller checks its own as it loads them, and gets its previous state

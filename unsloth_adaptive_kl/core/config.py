@@ -146,6 +146,12 @@ def is_whole(value: Any, least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
+def check_whole(name: str, value: Any, least: int, allowed: str) -> None:
+    """`reject` unless `is_whole(value, least)`; a numpy or torch integer is refused as such, saying so (`check_real`)."""
+    if not is_whole(value, least):
+        raise reject(name, value, python_number(value, allowed))
+
+
 def check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
     """`reject` unless value is a real number, not NaN, and `ok` holds. A numpy or torch number is refused as such,
     saying so: the settings are kept and saved (a trainer's JSON) as Python numbers, and "0.04 is invalid: allowed is
@@ -158,8 +164,9 @@ def python_number(value: Any, allowed: str) -> str:
     """`allowed`, followed for a numpy or torch number by why it is refused as such (Python numbers only)."""
     if is_real(value) or not hasattr(value, "item"):
         return allowed
-    kind, call = type(value), "int" if allowed.startswith("an integer") else "float"
-    return f"{allowed}, as a Python int or float (this is a {kind.__module__}.{kind.__qualname__}: pass {call}(...))"
+    kind = type(value)
+    python, call = ("a Python int", "int") if allowed.startswith("an integer") else ("a Python int or float", "float")
+    return f"{allowed}, as {python} (this is a {kind.__module__}.{kind.__qualname__}: pass {call}(...))"
 
 
 @dataclass
@@ -404,8 +411,8 @@ class AdaptiveKLConfig:
         self._validate_placement(methods)
         warn_estimator_placement(self.estimator, self.kl_placement)
         steps = self.beta_schedule_steps
-        if steps is not None and not is_whole(steps, 1):
-            raise reject("beta_schedule_steps", steps, python_number(steps, "an integer >= 1, or None for no cut-off"))
+        if steps is not None:
+            check_whole("beta_schedule_steps", steps, 1, "an integer >= 1, or None for no cut-off")
         if self.ref_model_sync_kl is not None:
             check_real("ref_model_sync_kl", self.ref_model_sync_kl,
                        is_real(self.ref_model_sync_kl) and 0 < self.ref_model_sync_kl < math.inf,

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import AdaptiveKLConfig, is_real, is_whole, python_number, reject
+from .config import AdaptiveKLConfig, check_whole, is_real, python_number, reject
 from .registry import BETA_CONTROLLERS as _CONTROLLERS
 from .registry import new_method_name
 
@@ -86,9 +86,7 @@ class ConstantBeta:
         """Its fields, each checked first (`counts`, and `batch_reward` a finite number, or None or NaN before the
         first reward); a subclass's own fields are set as they come, for it to check."""
         for name in self.counts:
-            value = state[name]
-            if not is_whole(value, 0):
-                raise reject(f"adaptive KL state: {name}", value, "an integer >= 0 (a count)")
+            check_whole(f"adaptive KL state: {name}", state[name], 0, "an integer >= 0 (a count)")
         reward = state["batch_reward"]  # +-inf: dynamic would decay on it, as no door lets a mean reward of +inf in
         if reward is not None and (not is_real(reward) or math.isinf(reward)):
             raise reject("adaptive KL state: batch_reward", reward, "a finite number, or None (or NaN) before the "

@@ -40,7 +40,7 @@ from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
-from ..core.config import check_real, is_real, is_whole
+from ..core.config import check_real, is_real, is_whole, python_number
 from ..core.errors import reject
 from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
                                warn_unread_context)
@@ -429,8 +429,8 @@ def kl_penalized_data(
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
     # A group of one has the advantage 0 whatever its reward (and NaN with scale_by_std: a sample std of one value).
     if not is_whole(group_size, 2) or len(data) % group_size:
-        raise reject("group_size", group_size, f"an integer >= 2 that divides the {len(data)} completions (a "
-                     "group's completions of one prompt)")
+        raise reject("group_size", group_size, python_number(group_size, f"an integer >= 2 that divides the "
+                     f"{len(data)} completions (a group's completions of one prompt)"))
     if not isinstance(scale_by_std, bool):  # "False" (a config's text) is truthy: it would scale, silently
         raise reject("scale_by_std", scale_by_std, "True (each group's advantages divided by its rewards' std + "
                      "std_epsilon) or False")

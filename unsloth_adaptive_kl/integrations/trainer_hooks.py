@@ -27,7 +27,7 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from ..core.adaptation import neutral_where_empty
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.config import AdaptiveKLConfig, check_real, is_real, is_whole, reject
+from ..core.config import AdaptiveKLConfig, check_real, check_whole, is_real, reject
 from ..core.controllers import check_horizon
 from ..core.numerics import valid_positions
 from .patching import PatchSet
@@ -121,8 +121,7 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
     alpha, steps = getattr(args, "ref_model_mixup_alpha", 0.6), getattr(args, "ref_model_sync_steps", 512)
     check_real("ref_model_mixup_alpha", alpha, is_real(alpha) and 0 < alpha <= 1,
                "a number with 0 < x <= 1 with sync_ref_model=True")
-    if not is_whole(steps, 1):
-        raise reject("ref_model_sync_steps", steps, "an integer >= 1 with sync_ref_model=True")
+    check_whole("ref_model_sync_steps", steps, 1, "an integer >= 1 with sync_ref_model=True")
     if getattr(args, "beta", None) == 0:
         raise reject("sync_ref_model", args.sync_ref_model,
                      "False with beta=0.0 (beta=0 turns the KL term off, so there is no reference to sync); set "

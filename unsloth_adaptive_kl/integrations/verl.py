@@ -64,7 +64,7 @@ from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
 from ..core.adaptive_kl import finite_mean_reward
 from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields, check_real,
-                           is_real, is_whole, warn_estimator_issue)
+                           check_whole, is_real, warn_estimator_issue)
 from ..core.controllers import check_horizon
 from ..core.errors import KLEstimatorWarning, reject
 from ..core.numerics import (KINDS, NonFinite, found_in_check, masked_logps, masked_reference, nonfinite_error,
@@ -307,8 +307,7 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
                      "controllers move once per)")
     if on["loss"]:
         epochs = actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)
-        if not is_whole(epochs, 1):
-            raise reject("actor_rollout_ref.actor.ppo_epochs", epochs, "an integer >= 1")
+        check_whole("actor_rollout_ref.actor.ppo_epochs", epochs, 1, "an integer >= 1")
         check_kl_type("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
         # k3 named explicitly reads the trainer's own KL, as unset does (TRL's and Unsloth's are k3): here that is
         # kl_loss_type, which need not be k3
