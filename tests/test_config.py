@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import re
 from typing import Any
 
 import numpy as np
@@ -256,3 +257,13 @@ def test_the_stock_kl_is_exactly_no_adapted_field(fields, adapted) -> None:
     warning names) are one table: stock exactly when no field is named."""
     config = AdaptiveKLConfig(**fields)
     assert (config.adapted_fields(), config.is_stock_kl) == (adapted, not adapted)
+
+
+def test_numpys_float64_is_a_float_and_its_float32_is_refused_saying_so() -> None:
+    """The rule `is_real` states: np.float64 subclasses float (json writes it as one), so a field takes it and keeps
+    the same number; np.float32 is refused naming its type (float(np.float32(0.1)) is 0.10000000149...)."""
+    assert AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=np.float64(0.5)).kl_clip_threshold == 0.5
+    with pytest.raises(ValueError, match=re.escape("kl_clip_threshold=np.float32(0.5) is invalid: allowed is a finite "
+                                                   "number > 0, as a Python int or float (this is a numpy.float32: "
+                                                   "pass float(...)).")):
+        AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=np.float32(0.5))

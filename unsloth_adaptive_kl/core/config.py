@@ -137,7 +137,8 @@ def canonical_methods(value: Union[str, Sequence[str]]) -> str:
 
 
 def is_real(value: Any) -> bool:
-    """An int or float, not a bool."""
+    """An int or float, not a bool. numpy's float64 is a float (a subclass, saved in JSON as one), and passes; its
+    float32 and integers, and torch's numbers, are not, and are refused saying so (`python_number`)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -153,9 +154,9 @@ def check_whole(name: str, value: Any, least: int, allowed: str) -> None:
 
 
 def check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
-    """`reject` unless value is a real number, not NaN, and `ok` holds. A numpy or torch number is refused as such,
-    saying so: the settings are kept and saved (a trainer's JSON) as Python numbers, and "0.04 is invalid: allowed is
-    a number" would read as a contradiction."""
+    """`reject` unless value is a real number, not NaN, and `ok` holds. A numpy or torch number (but numpy's float64,
+    a float) is refused as such, saying so: the settings are kept and saved (a trainer's JSON) as Python numbers, and
+    "0.04 is invalid: allowed is a number" would read as a contradiction."""
     if not is_real(value) or math.isnan(value) or not ok:
         raise reject(name, value, python_number(value, allowed))
 
