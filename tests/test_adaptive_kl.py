@@ -1028,15 +1028,76 @@ def test_a_field_that_no_setting_in_effect_reads_warns_naming_it() -> None:
     assert [str(w.message).split(" has")[0] for w in caught] == ["kl_horizon=50.0", "beta_max=0.1"]
 
 
+def own_k1(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (logp - ref) * mask
+
+
+register_kl_estimator("test_scaled_k3")(
+    lambda logp, ref, mask, config: config.kl_clip_threshold * (torch.exp(ref - logp) - (ref - logp) - 1) * mask)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(kl_adaptation_method="dynamic", beta_min=BETA),
+     f"kl_adaptation_method dynamic cannot move beta: it lowers beta, down to beta_min={BETA}, which is beta={BETA}. "
+     "Set beta_min < beta for beta to decay."),
+    (dict(kl_adaptation_method="dynamic", dynamic_beta_decay=1.0, beta_schedule_steps=None),
+     "kl_adaptation_method dynamic cannot move beta: dynamic_beta_decay=1.0 multiplies it by 1 after a rewarded step, "
+     "and beta_schedule_steps=None sets no cut-off. Set dynamic_beta_decay < 1 for beta to decay."),
+    (dict(kl_adaptation_method="dynamic", dynamic_beta_decay=1.0, reward_threshold=0.5),
+     "reward_threshold=0.5 has no effect: dynamic_beta_decay=1.0 leaves beta where it is after a rewarded step (beta "
+     "moves only at beta_schedule_steps=1000, to beta_min). Set dynamic_beta_decay < 1 for the reward to decay beta."),
+    (dict(kl_adaptation_method="target", beta_min=BETA, beta_max=BETA),
+     f"kl_adaptation_method target cannot move beta: beta_min = beta_max = {BETA} is the one value it may take. Set "
+     "beta_min < beta_max for beta to follow kl_target."),
+], ids=["dynamic floor at beta", "dynamic decay 1", "reward threshold unread", "target bounds at beta"])
+def test_a_controller_that_cannot_move_beta_is_said(settings: dict, message: str) -> None:
+    """Each held beta where it was for the whole run, silently: its method and fields did nothing (by hand below, a
+    rewarded step and a KL far above target leave it at BETA). Said as an unread field is: by the config and again by
+    AdaptiveKL, which knows beta (the config alone does not: the floor at beta is said once)."""
+    with pytest.warns(UserWarning) as caught:
+        akl = AdaptiveKL(AdaptiveKLConfig(**settings), BETA)
+    assert [str(w.message) for w in caught] == [message] * (1 if "beta_max" not in settings and "beta_min" in settings
+                                                            else 2)
+    logps, ref = batch()
+    akl.kl_loss(logps, ref, MASK)
+    assert akl.step(mean_reward=1.0) == BETA
+
+
+@pytest.mark.parametrize("settings", [
+    dict(kl_adaptation_method="dynamic", dynamic_beta_decay=1.0),  # moves at the cut-off: reward_threshold at default
+    dict(kl_adaptation_method="target", beta_min=BETA),  # may rise
+    dict(kl_adaptation_method="dynamic", beta_min=0.0),
+])
+def test_a_controller_that_can_move_beta_says_nothing(settings: dict) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdaptiveKL(AdaptiveKLConfig(**settings), BETA)
+
+
+@pytest.mark.parametrize("estimator", [own_k1, "test_least_confident_half"], ids=["callable", "registered"])
+def test_an_estimator_of_ones_own_that_receives_no_config_leaves_the_fields_unread_said(estimator) -> None:
+    """A callable estimator, or one registered without a config parameter, is handed the log-probs alone: with it,
+    kl_clip_threshold under sigmoid and kl_percentile did nothing, and no field was said unread (any estimator but
+    the built-in ones counted as reading every field). One registered with the config may read any: nothing said."""
+    with pytest.warns(UserWarning) as caught:
+        AdaptiveKLConfig(kl_adaptation_method="sigmoid", kl_estimator=estimator, kl_clip_threshold=0.5,
+                         kl_percentile=0.5)
+    named = "own_k1" if callable(estimator) else repr(estimator)
+    assert [str(w.message) for w in caught] == [
+        "kl_clip_threshold=0.5 has no effect: only kl_adaptation_method clip reads it, and kl_adaptation_method="
+        "'sigmoid' does not include it" + UNREAD,
+        "kl_percentile=0.5 has no effect: only kl_estimator 'k3_bottom_percentile' reads it, and the estimator in "
+        f"effect is {named}" + UNREAD]
+
+
 @pytest.mark.parametrize("settings", [
     dict(kl_adaptation_method="clip", kl_clip_threshold=0.5),
     dict(kl_adaptation_method="target", kl_target=0.2, beta_min=0.01, kl_horizon=50.0, beta_max=0.1),
     dict(kl_adaptation_method="sigmoid+dynamic", kl_target=0.2, beta_schedule_steps=None, dynamic_beta_decay=0.5),
     dict(kl_estimator="k3_bottom_percentile", kl_percentile=0.5, kl_percentile_scale=2.0),
-    dict(kl_estimator="test_least_confident_half", kl_clip_threshold=0.5),  # a user's estimator may read any field
-    dict(kl_estimator=lambda logp, ref, mask: logp - ref, kl_target=0.5),
+    dict(kl_estimator="test_scaled_k3", kl_clip_threshold=0.5),  # it receives the config: it may read any field
     dict(kl_target=0.1, kl_clip_threshold=1.0),  # the defaults, spelled out
-], ids=["clip", "target", "sigmoid+dynamic", "percentile", "registered", "callable", "defaults"])
+], ids=["clip", "target", "sigmoid+dynamic", "percentile", "registered with the config", "defaults"])
 def test_a_field_a_setting_in_effect_reads_says_nothing(settings: dict) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")

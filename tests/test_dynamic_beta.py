@@ -39,12 +39,26 @@ def test_reward_below_threshold_leaves_beta_unchanged(tokenizer, tmp_path) -> No
     assert logged(trainer, "reward") == pytest.approx([0.8, 0.8, 0.8])
 
 
-def test_schedule_cut_off_sets_beta_min(tokenizer, tmp_path) -> None:
+def test_schedule_cut_off_sets_beta_min(tokenizer, tmp_path, recwarn) -> None:
     trainer = make_trainer(
         tokenizer, str(tmp_path), constant_reward(0.0), max_steps=4, beta_min=0.01, beta_schedule_steps=2, **DYNAMIC
     )
     trainer.train()
     assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.04, 0.01, 0.01])
+    assert not [w for w in recwarn if "no step trains at it" in str(w.message)]
+
+
+def test_a_cut_off_the_run_ends_before_is_said(tokenizer, tmp_path) -> None:
+    """beta_schedule_steps=2 in a run of 2 steps: beta = beta_min would start at step 3, so it did nothing, silently;
+    said when training starts (as an unreached reference sync is)."""
+    trainer = make_trainer(
+        tokenizer, str(tmp_path), constant_reward(0.0), max_steps=2, beta_min=0.01, beta_schedule_steps=2, **DYNAMIC
+    )
+    with pytest.warns(UserWarning, match=re.escape(
+            "adaptive_kl: beta_schedule_steps=2 sets beta = beta_min=0.01 after 2 optimizer steps, and this run has 2: "
+            "no step trains at it. Set beta_schedule_steps below 2 for the cut-off to act, or None for none.")):
+        trainer.train()
+    assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.04])
 
 
 def test_at_most_one_decay_per_generation_batch(tokenizer, tmp_path) -> None:

@@ -429,22 +429,26 @@ def synced_linear(steps: int, alpha: float) -> tuple[ReferenceSync, torch.nn.Lin
     initial = [p.detach().clone() for p in layer.parameters()]
     sync = ReferenceSync(HandMadeTrainer(layer), SyncSchedule(steps=steps, alpha=alpha, min_kl=None,
                                                               reset_optimizer=False))
-    sync.on_train_begin(None, SimpleNamespace(max_steps=steps), None)
+    sync.on_train_begin(None, SimpleNamespace(max_steps=steps + 1), None)  # a run that trains after a sync
     return sync, layer, initial
 
 
-def test_a_sync_that_no_step_of_the_run_reaches_is_said(recwarn) -> None:
+def test_a_sync_that_no_step_of_the_run_trains_on_is_said(recwarn) -> None:
     """sync_ref_model=True with TRL's default ref_model_sync_steps=512 in a run of 4 steps never synced, and said
-    nothing; a run that reaches the sync step, or whose length is unknown (max_steps 0), says nothing."""
-    sync, _, _ = synced_linear(steps=2, alpha=0.5)
-    with pytest.warns(UserWarning) as caught:
-        sync.on_train_begin(None, SimpleNamespace(max_steps=1), None)
-    assert [str(w.message) for w in caught] == [
-        "adaptive_kl: sync_ref_model=True syncs every ref_model_sync_steps=2 optimizer steps, and this run has 1: the "
-        "reference never moves. Set ref_model_sync_steps <= 1 to sync it."]
-    for max_steps in (2, 0):
+    nothing; nor did a sync at the last step (ref_model_sync_steps = max_steps), after which nothing trains. A run
+    that trains after a sync, or whose length is unknown (max_steps 0), says nothing."""
+    sync, _, _ = synced_linear(steps=3, alpha=0.5)
+    for max_steps in (2, 3):
+        with pytest.warns(UserWarning) as caught:
+            sync.on_train_begin(None, SimpleNamespace(max_steps=max_steps), None)
+        assert [str(w.message) for w in caught] == [
+            f"adaptive_kl: sync_ref_model=True syncs every ref_model_sync_steps=3 optimizer steps, and this run has "
+            f"{max_steps}: no step trains against a synced reference. Set ref_model_sync_steps below {max_steps} to "
+            "sync it."]
+    recwarn.clear()
+    for max_steps in (4, 0):
         sync.on_train_begin(None, SimpleNamespace(max_steps=max_steps), None)
-    assert not [w for w in recwarn if "never moves" in str(w.message)]
+    assert not [w for w in recwarn if "synced reference" in str(w.message)]
 
 
 def test_the_synced_peft_reference_forward_draws_no_lora_dropout() -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .errors import KLEstimatorWarning, reject
-from .estimators import BUILT_IN_ESTIMATORS, estimator_names
+from .estimators import BUILT_IN_ESTIMATORS, estimator_names, takes_config
 from .reductions import kl_reduction_settings
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
@@ -148,7 +148,8 @@ def is_whole(value: Any, least: int) -> bool:
 
 
 def check_whole(name: str, value: Any, least: int, allowed: str) -> None:
-    """`reject` unless `is_whole(value, least)`; a numpy or torch integer is refused as such, saying so (`check_real`)."""
+    """`reject` unless `is_whole(value, least)`; a numpy or torch integer is refused as such, saying so (as by
+    `check_real`)."""
     if not is_whole(value, least):
         raise reject(name, value, python_number(value, allowed))
 
@@ -422,6 +423,8 @@ class AdaptiveKLConfig:
             raise reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
         for name in self.unread_fields():
             warnings.warn(self._unread_message(name), UserWarning)  # attributed here: once per process and message
+        for message in self._beta_held(beta):
+            warnings.warn(message, UserWarning)
 
     def refuse_sync_settings(self, where: str, fix: str) -> None:
         """`ref_model_sync_kl` and `ref_model_sync_reset_optimizer` act on a reference sync alone: where none runs
@@ -431,10 +434,39 @@ class AdaptiveKLConfig:
                 raise reject(name, getattr(self, name), f"{off!r} {where} (the setting acts on the reference sync, "
                              f"which is off); {fix}")
 
+    def _beta_held(self, beta: Optional[float]) -> list[str]:
+        """What leaves a moving beta where it is, said (with `beta` > 0, or unknown: beta = 0 is said as the KL term
+        off): `dynamic` with beta_min = beta (it only lowers beta, down to beta_min) or dynamic_beta_decay = 1 (a
+        rewarded step multiplies beta by 1: without a cut-off beta never moves, with one reward_threshold decides
+        nothing); `target` with beta_min = beta_max (the one value it may take)."""
+        if beta == 0:
+            return []
+        methods, said = self.kl_methods, []
+        if "dynamic" in methods and beta is not None and self.beta_min == beta:
+            said.append(f"kl_adaptation_method dynamic cannot move beta: it lowers beta, down to beta_min="
+                        f"{self.beta_min!r}, which is beta={beta!r}. Set beta_min < beta for beta to decay.")
+        elif "dynamic" in methods and self.dynamic_beta_decay == 1 and self.beta_schedule_steps is None:
+            said.append("kl_adaptation_method dynamic cannot move beta: dynamic_beta_decay="
+                        f"{self.dynamic_beta_decay!r} multiplies it by 1 after a rewarded step, and "
+                        "beta_schedule_steps=None sets no cut-off. Set dynamic_beta_decay < 1 for beta to decay.")
+        elif ("dynamic" in methods and self.dynamic_beta_decay == 1
+              and self.reward_threshold != AdaptiveKLConfig.__dataclass_fields__["reward_threshold"].default):
+            said.append(f"reward_threshold={self.reward_threshold!r} has no effect: dynamic_beta_decay="
+                        f"{self.dynamic_beta_decay!r} leaves beta where it is after a rewarded step (beta moves only "
+                        f"at beta_schedule_steps={self.beta_schedule_steps!r}, to beta_min). Set "
+                        "dynamic_beta_decay < 1 for the reward to decay beta.")
+        if "target" in methods and self.beta_max is not None and self.beta_min == self.beta_max:
+            said.append(f"kl_adaptation_method target cannot move beta: beta_min = beta_max = {self.beta_max!r} is the "
+                        "one value it may take. Set beta_min < beta_max for beta to follow kl_target.")
+        return said
+
     def _unread_message(self, name: str) -> str:
         readers = FIELD_READERS[name]
         if readers[0] in BUILT_IN_ESTIMATORS:
-            why = f"kl_estimator {readers[0]!r} reads it, and the estimator in effect is {self.estimator!r}"
+            estimator = self.estimator
+            named = (repr(estimator) if isinstance(estimator, str)  # a callable by its name, not its address
+                     else getattr(estimator, "__qualname__", repr(estimator)))
+            why = f"kl_estimator {readers[0]!r} reads it, and the estimator in effect is {named}"
         else:
             missing = "does not include it" if len(readers) == 1 else "includes neither"
             why = (f"kl_adaptation_method {' or '.join(readers)} reads it, and "
@@ -444,12 +476,15 @@ class AdaptiveKLConfig:
 
     def reads(self, name: str) -> bool:
         """Whether a setting in effect reads the field `name`: one of its `FIELD_READERS` (a method or the estimator),
-        or any field it does not list. Also True while a method or an estimator a user registered is in effect: it
-        receives the config and may read any field."""
+        or any field it does not list. Also True while a method a user registered is in effect, or an estimator
+        registered with a config parameter (`takes_config`): it receives the config and may read any field. A callable
+        estimator receives none: the fields it leaves unread are said as a built-in one's are."""
         methods, estimator = self.kl_methods, self.estimator
         if name not in FIELD_READERS or any(method not in METHODS for method in methods):
             return True
-        return estimator not in BUILT_IN_ESTIMATORS or bool({*methods, estimator}.intersection(FIELD_READERS[name]))
+        if estimator not in BUILT_IN_ESTIMATORS and takes_config(estimator):
+            return True
+        return bool({*methods, estimator}.intersection(FIELD_READERS[name]))
 
     def unread_fields(self) -> list[str]:
         """The fields set away from their defaults that no setting in effect reads: each does nothing."""

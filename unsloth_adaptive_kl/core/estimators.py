@@ -42,6 +42,12 @@ def register_kl_estimator(name: str) -> Callable[[Estimator], Estimator]:
     return add
 
 
+def takes_config(estimator: Any) -> bool:
+    """Whether `run_estimator` hands `estimator` the config: a name registered with a 4th parameter. A callable, and a
+    name registered without one, receive no setting."""
+    return isinstance(estimator, str) and estimator in _TAKES_CONFIG
+
+
 def estimator_names() -> tuple[str, ...]:
     """Every registered estimator name, built-in first."""
     return tuple(_ESTIMATORS)
@@ -135,7 +141,7 @@ def run_estimator(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, con
     estimator = config.estimator
     if callable(estimator):
         return estimator(logp, ref, mask)
-    if estimator in _TAKES_CONFIG:
+    if takes_config(estimator):
         return _ESTIMATORS[estimator](logp, ref, mask, config)
     return _ESTIMATORS[estimator](logp, ref, mask)
 

@@ -183,10 +183,12 @@ class ReferenceSync(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.bind()
-        if 0 < state.max_steps < self.schedule.steps:  # e.g. TRL's default of 512 steps in a shorter run
+        # e.g. TRL's default of 512 steps in a shorter run; a sync after the last step moves nothing that trains
+        if 0 < state.max_steps <= self.schedule.steps:
             warnings.warn(f"adaptive_kl: sync_ref_model=True syncs every ref_model_sync_steps={self.schedule.steps} "
-                          f"optimizer steps, and this run has {state.max_steps}: the reference never moves. Set "
-                          f"ref_model_sync_steps <= {state.max_steps} to sync it.", UserWarning, stacklevel=2)
+                          f"optimizer steps, and this run has {state.max_steps}: no step trains against a synced "
+                          f"reference. Set ref_model_sync_steps below {state.max_steps} to sync it.", UserWarning,
+                          stacklevel=2)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self.trainer

@@ -296,6 +296,7 @@ def wrap_init(upstream: Callable) -> Callable:
         attach_runtime(self)
         if not loss_is_ligers:  # where Liger's loss is the stock one, the hook never runs, as said above
             self.add_callback(LossHookCheck(self))
+        self.add_callback(ScheduleCheck(self))
         if syncing:
             attach_reference_sync(self)
         log_settings(self)
@@ -456,6 +457,26 @@ def observe_mean_reward(runtime: AdaptiveKL, mean_reward: float) -> None:
                          "at every step).")
     if not math.isnan(mean_reward):
         runtime.observe_rewards(mean_reward)
+
+
+class ScheduleCheck(TrainerCallback):
+    """At the start of training: `dynamic`'s `beta_schedule_steps`, set where the run ends first (beta = beta_min
+    from the step after it: no step trains at it with beta_schedule_steps >= max_steps), is said, as the reference
+    sync's step is (`ReferenceSync.on_train_begin`). Its default (1000) is not: the reward alone decays beta then."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        config, steps = self.trainer.adaptive_kl.config, self.trainer.adaptive_kl.config.beta_schedule_steps
+        if ("dynamic" not in config.kl_methods or self.trainer.beta == 0.0 or steps is None
+                or steps == AdaptiveKLConfig.__dataclass_fields__["beta_schedule_steps"].default):
+            return
+        if 0 < state.max_steps <= steps:  # max_steps 0: the run's length is not known
+            warnings.warn(f"adaptive_kl: beta_schedule_steps={steps} sets beta = beta_min={config.beta_min:g} after "
+                          f"{steps} optimizer steps, and this run has {state.max_steps}: no step trains at it. Set "
+                          f"beta_schedule_steps below {state.max_steps} for the cut-off to act, or None for none.",
+                          UserWarning, stacklevel=2)
 
 
 class LossHookCheck(TrainerCallback):

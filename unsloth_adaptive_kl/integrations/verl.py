@@ -427,8 +427,10 @@ class AdaptivePPOLoss:
         self.verl_term = config.is_stock_kl
         # What the pipeline runs: the configured estimator, or where the config reads the trainer's own KL, verl's
         # kl_loss_type as the estimator.
-        self.pipeline_config = config if not config.reads_trainer_kl else dataclasses.replace(
-            config, kl_estimator=functools.partial(verl_kl_penalty, kl_type=actor_config.kl_loss_type))
+        # (the config's warnings were said by the driver, in verl's terms: not again per worker)
+        with said_by_config():
+            self.pipeline_config = config if not config.reads_trainer_kl else dataclasses.replace(
+                config, kl_estimator=functools.partial(verl_kl_penalty, kl_type=actor_config.kl_loss_type))
         # A copy sharing global_batch_info (which ppo_loss fills in), whose kl_loss_coef is beta_t.
         self.stock_config = copy.copy(actor_config)
 
