@@ -450,7 +450,7 @@ class AdaptiveKLConfig:
                         f"{self.dynamic_beta_decay!r} multiplies it by 1 after a rewarded step, and "
                         "beta_schedule_steps=None sets no cut-off. Set dynamic_beta_decay < 1 for beta to decay.")
         elif ("dynamic" in methods and self.dynamic_beta_decay == 1
-              and self.reward_threshold != AdaptiveKLConfig.__dataclass_fields__["reward_threshold"].default):
+              and self.reward_threshold != FIELD_DEFAULTS["reward_threshold"]):
             said.append(f"reward_threshold={self.reward_threshold!r} has no effect: dynamic_beta_decay="
                         f"{self.dynamic_beta_decay!r} leaves beta where it is after a rewarded step (beta moves only "
                         f"at beta_schedule_steps={self.beta_schedule_steps!r}, to beta_min). Set "
@@ -507,10 +507,10 @@ class AdaptiveKLConfig:
 
 
 ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)
-_DEFAULTS = tuple((spec.name, spec.default) for spec in dataclasses.fields(AdaptiveKLConfig))
+FIELD_DEFAULTS = {spec.name: spec.default for spec in dataclasses.fields(AdaptiveKLConfig)}  # in declaration order
 
 
 def settings_of(source: Any) -> tuple[Any, ...]:
     """The adaptive-KL fields' values that `source` (a config, or a trainer's args it was copied from) holds, in
     `ADAPTIVE_KL_FIELDS` order, a field it lacks at its default (as `AdaptiveKLConfig.unvalidated_from` reads it)."""
-    return tuple([getattr(source, name, default) for name, default in _DEFAULTS])
+    return tuple([getattr(source, name, default) for name, default in FIELD_DEFAULTS.items()])

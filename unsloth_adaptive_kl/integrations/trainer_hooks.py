@@ -27,7 +27,7 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from ..core.adaptation import neutral_where_empty
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.config import AdaptiveKLConfig, check_real, check_whole, is_real, reject
+from ..core.config import FIELD_DEFAULTS, AdaptiveKLConfig, check_real, check_whole, is_real, reject
 from ..core.controllers import check_horizon
 from ..core.numerics import valid_positions
 from .patching import PatchSet
@@ -470,7 +470,7 @@ class ScheduleCheck(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         config, steps = self.trainer.adaptive_kl.config, self.trainer.adaptive_kl.config.beta_schedule_steps
         if ("dynamic" not in config.kl_methods or self.trainer.beta == 0.0 or steps is None
-                or steps == AdaptiveKLConfig.__dataclass_fields__["beta_schedule_steps"].default):
+                or steps == FIELD_DEFAULTS["beta_schedule_steps"]):
             return
         if 0 < state.max_steps <= steps:  # max_steps 0: the run's length is not known
             warnings.warn(f"adaptive_kl: beta_schedule_steps={steps} sets beta = beta_min={config.beta_min:g} after "

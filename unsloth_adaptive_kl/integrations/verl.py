@@ -63,8 +63,8 @@ import torch
 from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
 from ..core.adaptive_kl import finite_mean_reward
-from ..core.config import (K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields, check_real,
-                           check_whole, is_real, warn_estimator_issue)
+from ..core.config import (FIELD_DEFAULTS, K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields,
+                           check_real, check_whole, is_real, warn_estimator_issue)
 from ..core.controllers import check_horizon
 from ..core.errors import KLEstimatorWarning, reject
 from ..core.numerics import (KINDS, NonFinite, found_in_check, masked_logps, masked_reference, nonfinite_error,
@@ -114,11 +114,10 @@ check_anchors()
 
 # ----- configuration ----------------------------------------------------------------------------------------------
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AdaptiveKLConfig)}
 AGG_MODE_FIELD = "actor_rollout_ref.actor.loss_agg_mode"  # what an unknown aggregation mode's error names
 # verl's own default for an actor config that does not set ppo_epochs
 PPO_EPOCHS_DEFAULT = next(f.default for f in dataclasses.fields(ActorConfig) if f.name == "ppo_epochs")
-_FIELDS = set(_DEFAULTS)
+_FIELDS = set(FIELD_DEFAULTS)
 # Fields verl never reads, each with why: set to anything but its default, a ValueError (nothing silently does nothing).
 NOT_READ_BY_VERL = {
     "ref_model_sync_kl": "the reference sync is TRL's (sync_ref_model); verl keeps its own reference model",
@@ -141,7 +140,7 @@ def first_set(values: dict[str, Any], names: Any, also_default: tuple = ()) -> O
     """The first of `names` that `values` sets to something other than AdaptiveKLConfig's default (and than
     `also_default`, values that mean the default there), or None."""
     return next((name for name in names
-                 if name in values and values[name] != _DEFAULTS[name] and values[name] not in also_default), None)
+                 if name in values and values[name] != FIELD_DEFAULTS[name] and values[name] not in also_default), None)
 
 
 def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:

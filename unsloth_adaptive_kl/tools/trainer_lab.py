@@ -42,6 +42,7 @@ from typing import Any, Collection, Optional, Sequence
 import torch
 
 from ..core import AdaptiveKLConfig
+from ..core.config import FIELD_DEFAULTS
 from .logprob_paths import counted_logprob_calls, describe as describe_scorers
 from .machine import hardware, source_commit
 from .tabular_findings import K1_VALUED
@@ -424,7 +425,7 @@ PREDICTED_FIELDS = ("beta", "loss_type", "scale_rewards", "num_generations", "nu
                     "mask_truncated_completions", "temperature")  # what `prediction_of` reads of TRL's fields
 TRAINER_FIELDS = (*PREDICTED_FIELDS, "epsilon", "epsilon_high", "top_k", "top_p", "learning_rate", "lr_scheduler_type",
                   "warmup_steps", "warmup_ratio", "optim", "weight_decay", "max_grad_norm", "seed")
-KL_DEFAULTS = {spec.name: spec.default for spec in dataclasses.fields(AdaptiveKLConfig)}
+KL_DEFAULTS = FIELD_DEFAULTS  # the package's fields a row records, at their defaults
 
 
 def settings_in_effect(args: Any) -> dict[str, Any]:
