@@ -65,7 +65,6 @@ METHODS: dict[str, dict[str, Any]] = {
 }
 FIELDS = ("kl_adaptation_method", "kl_estimator", "kl_reduction")
 STOCK_EVERY = 8  # the stock loss (30-60 ms) is sampled in every 8th round of the sub-millisecond stub/patched pair
-DEFAULTS = {"kl_adaptation_method": "none", "kl_estimator": "k3", "kl_reduction": "loss_type"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -179,10 +178,11 @@ def profile_counts(function: Callable[[], Any]) -> tuple[int, int]:
 
 
 def apply_method(trainer: Any, settings: dict[str, Any]) -> None:
+    from unsloth_adaptive_kl.core.config import FIELD_DEFAULTS
     from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 
     for field in FIELDS:
-        setattr(trainer.args, field, settings.get(field, DEFAULTS[field]))
+        setattr(trainer.args, field, settings.get(field, FIELD_DEFAULTS[field]))
     attach_runtime(trainer)
 
 

@@ -45,7 +45,6 @@ import torch
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import trl as trl_patch
 from unsloth_adaptive_kl.integrations.patching import PatchSet
-from unsloth_adaptive_kl.integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 from unsloth_adaptive_kl.tools.machine import hardware, source_commit
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -101,8 +100,8 @@ def set_stock(stock: bool) -> None:
     would make it call itself on an accelerator)."""
     if stock:
         unsloth_adaptive_kl.unpatch()
-        if trl_patch.kernel_lacks_cpu_path() and not _STOCK_FALLBACK:
-            _STOCK_FALLBACK.replace(trl_patch.trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbWithCPUFallback)
+        if not _STOCK_FALLBACK:
+            trl_patch.stock_cpu_fallback(_STOCK_FALLBACK)
     else:
         _STOCK_FALLBACK.restore()
         unsloth_adaptive_kl.patch()

@@ -186,3 +186,16 @@ def test_a_controller_whose_state_is_not_json_is_refused_when_the_run_is_built(t
         AdaptiveKL(config, 0.1)
     with pytest.raises(TypeError, match="ConfigKeepingBeta"):  # a trainer refuses it when built, not at its first save
         make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), kl_adaptation_method="test_config_keeping_beta")
+
+
+@pytest.mark.parametrize("beta", [-0.04, math.nan, math.inf, "0.04"])
+def test_building_a_controller_directly_refuses_the_beta_adaptive_kl_refuses(beta: Any) -> None:
+    """`make_beta_controller` is public: a controller built without `AdaptiveKL` keeps its rule for beta (a negative
+    beta would reward KL; it was accepted there, and only a NaN or an inf refused)."""
+    from unsloth_adaptive_kl.core import make_beta_controller
+
+    config = AdaptiveKLConfig(kl_adaptation_method="dynamic")
+    expected = rf"beta={beta!r} is invalid: allowed is a finite number >= 0"
+    for build in (lambda: make_beta_controller(beta, config), lambda: AdaptiveKL(config, beta=beta)):
+        with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            build()

@@ -1106,8 +1106,8 @@ def test_anchors_tested_versions_and_demo_flags(hook: Any) -> None:
     for which, found in ((None, versions.TRL_ANCHORS), ("trl", versions.TRL_ANCHORS),
                          ("unsloth", versions.UNSLOTH_ANCHORS), ("verl", versions.VERL_ANCHORS)):
         header, rows = only_table(hook.anchors(which))
-        assert rows == [[f"`{a.function}`", f"`{a.text}`" + (" (signature)" * bool(a.signature)), a.reason.replace(
-            "\n", " ")] for a in found], which
+        assert rows == [[f"`{a.function}`", f"`{'; '.join(map(str.strip, a.text.splitlines()))}`"
+                         + (" (signature)" * bool(a.signature)), a.reason.replace("\n", " ")] for a in found], which
     header, rows = only_table(hook.tested_versions())
     assert [row[0] for row in rows] == [f"`{name}`" for name in versions.TESTED]
     for name, row in zip(versions.TESTED, rows):  # the same range, its lower bound first

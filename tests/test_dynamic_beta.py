@@ -282,9 +282,7 @@ def test_which_transformers_loads_the_root_adapter_is_read_in_its_source(monkeyp
 
     for function, only_subfolders in ((with_the_fix, False), (without_it, True)):
         monkeypatch.setattr(transformers.Trainer, "_load_from_checkpoint", function)
-        trainer_hooks.loads_only_adapter_subfolders.cache_clear()
         assert trainer_hooks.loads_only_adapter_subfolders() is only_subfolders
-    trainer_hooks.loads_only_adapter_subfolders.cache_clear()
 
 
 @pytest.mark.parametrize(("settings", "checkpoint", "every"), [

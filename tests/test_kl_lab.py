@@ -485,10 +485,12 @@ def finding(result: dict, title: str) -> str:
 
 def test_the_bounds_and_ranges_the_findings_print() -> None:
     """'at most' rounds up to two significant digits (a bound that holds), a range reads low to high."""
-    from unsloth_adaptive_kl.tools.tabular_findings import _at_most, _span
+    from unsloth_adaptive_kl.tools.tabular_findings import _at_most, counted, span
 
     assert [_at_most(v) for v in (2.14e-06, 0.0123, 0.05, 0.00061, 0.0)] == ["2.2e-06", "0.013", "0.05", "0.00061", "0"]
-    assert _span([2.389, 2.092, 2.2]) == "2.092 to 2.389" and _span([2.0, 2.0004]) == "2.000"
+    assert span([2.389, 2.092, 2.2]) == "2.092 to 2.389" and span([2.0, 2.0004]) == "2.000"
+    assert span([0.501, 0.5012], "{:.3g}".format) == "0.501" and span([0.49, 0.51], "{:.3g}".format) == "0.49 to 0.51"
+    assert [counted(n, "run") for n in (1, 2)] == ["1 run", "2 runs"]  # the Unsloth lab's "over 1 runs (1 recipes"
 
 
 def test_each_verdict_of_the_committed_findings_is_the_comparison_of_its_figures() -> None:

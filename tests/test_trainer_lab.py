@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from unsloth_adaptive_kl.core.config import FIELD_DEFAULTS
 from unsloth_adaptive_kl.tools import kl_lab, tabular_lab, trainer_lab
 from unsloth_adaptive_kl.tools.tabular_lab import ENVIRONMENTS, Setting, Tree, kl, optimum
 
@@ -327,7 +328,7 @@ def test_predict_reproduces_the_committed_rows_predictions() -> None:
                             ("mu2", "k1 in the reward")):
         (row,) = [row for row in rows if (row["recipe"], row["setting"]) == (recipe, setting)]
         fields = [f"{name}={value!r}" for name, value in row["in_effect"].items()  # what the prediction reads
-                  if value is not None and (name in trainer_lab.PREDICTED_FIELDS or name in trainer_lab.KL_DEFAULTS)]
+                  if value is not None and (name in trainer_lab.PREDICTED_FIELDS or name in FIELD_DEFAULTS)]
         predicted = kl_lab.main(["--predict", "--trainer", "trl", "--beta", str(table["beta"]), "--set", *fields])
         # The same settings give the same run; its figures agree to float32 rounding, not bit for bit, across CPUs:
         # 500 float32 Adam steps whose sums another vector width orders otherwise (5e-7 relative between AVX-512 and
@@ -385,7 +386,7 @@ def test_the_trainer_findings_name_the_rows_their_figures_pick() -> None:
                 unmodelled=("num_iterations=2",)),
         lab_row("lora", "k1 in the reward", [0.007, 0.009], 0.0001, placement="reward", unmodelled=("LoRA",))]}
     noise, measured, *rest = trainer_lab.findings(table)
-    assert noise.startswith("**k1 in the reward, the noise floor**: over 2 runs (1 recipes the tabular lab models x "
+    assert noise.startswith("**k1 in the reward, the noise floor**: over 2 runs (1 recipe the tabular lab models x "
                             "seeds) it ends 0.0005 to 0.0013 from pi*_0.5, at an effective beta of 0.49 to 0.51: "
                             "`dr_grpo` 0.0009 [0.0005 - 0.0013]; in the recipes the tabular lab does not model: "
                             "`mu2` 0.0030 [0.0020 - 0.0040].")
@@ -459,7 +460,7 @@ def test_a_trainer_rows_figures_are_each_prompts_policy_against_its_own_optimum(
     reference), the held-out one against the held-out prompt's, computed here from the closed form; the cells read
     those figures, measured minus predicted, and Unsloth minus TRL."""
     prompts, held = trainer_lab.TRAIN_PROMPTS, trainer_lab.HELD_OUT
-    in_effect = {**{name: None for name in trainer_lab.TRAINER_FIELDS}, **trainer_lab.KL_DEFAULTS, **IN_EFFECT,
+    in_effect = {**{name: None for name in trainer_lab.TRAINER_FIELDS}, **FIELD_DEFAULTS, **IN_EFFECT,
                  "beta": 0.5, "kl_placement": "reward", "kl_estimator": "k1"}
 
     def policies(seed: int) -> dict:

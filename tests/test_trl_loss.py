@@ -331,6 +331,33 @@ def test_none_is_stock_over_a_real_run(tokenizer, tmp_path, loss_type: str) -> N
                                                "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr"}
 
 
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_with_the_entropy_bonus_policy_loss_holds_the_adapted_kl_term_as_stock_holds_its_own(tokenizer, tmp_path,
+                                                                                             loss_type: str) -> None:
+    """With TRL's entropy bonus on, TRL logs `policy_loss`: the loss before the bonus, its KL term included, taken
+    before the accumulation divide for grpo and after it for dapo. `dynamic` before any decay (a reward threshold out
+    of reach) adapts nothing: it trains as stock and must log stock's policy_loss, at GA = 2, where a term scaled as
+    the other loss type's would be off by 2. Without its KL part, steps 2 and 3 logged other values."""
+    args = dict(loss_type=loss_type, gradient_accumulation_steps=GA, max_steps=3, entropy_coef=0.05)
+    adapted_log, adapted_params = run_and_params(tokenizer, str(tmp_path / "adapted"), kl_adaptation_method="dynamic",
+                                                 reward_threshold=1e9, **args)
+    with stock_trl():
+        stock_log, stock_params = run_and_params(tokenizer, str(tmp_path / "stock"), **args)
+    for name, value in stock_params.items():
+        assert torch.equal(adapted_params[name], value), name
+    stock = [(entry["policy_loss"], entry["kl"]) for entry in stock_log if "policy_loss" in entry]
+    adapted = [entry["policy_loss"] for entry in adapted_log if "policy_loss" in entry]
+    assert len(stock) == len(adapted) == 3
+    # float32 rounding of the policy part (terms of order 0.1 that cancel) leaves ~4e-8 between the two paths; the KL
+    # part, beta * kl (/ GA for dapo), is live from step 2 and at least 10 times the tolerance, so its absence or a
+    # factor of 2 shows
+    tolerance = 1e-6
+    assert stock[0][1] == 0.0 and all(0.04 * kl / GA > 10 * tolerance for _, kl in stock[1:]), stock
+    for (expected, _), found in zip(stock, adapted):
+        assert math.isclose(found, expected, rel_tol=1e-5, abs_tol=tolerance), (found, expected)
+
+
 def logged_metric_keys(log_history: list[dict]) -> set:
     return {key for entry in log_history for key in entry if key.startswith("adaptive_kl/")}
 

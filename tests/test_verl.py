@@ -52,6 +52,7 @@ from verl_cpu import ADAPTIVE_RUN, BETA_MAX, HORIZON, KL_TARGET, REWARD_BETA  # 
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_TYPES = ["low_var_kl", "k1", "k2", "k3+"]
+METRIC = "adaptive_kl/"  # the prefix of the metric names a verl user sees
 
 
 # ----- verl's ppo_loss on real TensorDicts --------------------------------------------------------------------------
@@ -533,9 +534,9 @@ def test_a_coefficient_of_zero_warns_in_verls_terms_and_only_for_fields_that_wer
     assert caught(config) == []  # nothing set: stock verl at 0, nothing to say
     config.adaptive_kl = {"kl_adaptation_method": "clip", "reward": {"kl_adaptation_method": "dynamic"}}
     assert caught(config) == [
-        "adaptive_kl.kl_adaptation_method='clip' has no effect: actor_rollout_ref.actor.kl_loss_coef=0.0 turns this KL "
+        "adaptive_kl.kl_adaptation_method='clip' has no effect: actor_rollout_ref.actor.kl_loss_coef=0.0 turns the KL "
         "term off. Set actor_rollout_ref.actor.kl_loss_coef > 0 to regularise.",
-        "adaptive_kl.reward.kl_adaptation_method='dynamic' has no effect: algorithm.kl_ctrl.kl_coef=0.0 turns this KL "
+        "adaptive_kl.reward.kl_adaptation_method='dynamic' has no effect: algorithm.kl_ctrl.kl_coef=0.0 turns the KL "
         "term off. Set algorithm.kl_ctrl.kl_coef > 0 to regularise."]
 
 
@@ -954,8 +955,8 @@ def test_verls_padding_samples_are_not_completions_of_the_metrics():
     logged = logged_actor_metrics(batch, "token-mean", kl_adaptation_method="clip", kl_clip_threshold=0.3)
     k, mask = per_token(batch)
     real_lengths, real_sums = mask.sum(-1)[:-1].double(), (k * mask).sum(-1)[:-1].double()
-    assert logged[verl_kl.METRIC + "sequence_kl"] == pytest.approx(float(real_sums.mean()), rel=1e-6)
-    assert logged[verl_kl.METRIC + "length_kl_corr"] == pytest.approx(
+    assert logged[METRIC + "sequence_kl"] == pytest.approx(float(real_sums.mean()), rel=1e-6)
+    assert logged[METRIC + "length_kl_corr"] == pytest.approx(
         statistics.correlation(real_lengths.tolist(), real_sums.tolist()), rel=1e-5)
 
 
@@ -970,18 +971,18 @@ def test_logged_loss_metrics_follow_their_definitions(mode):
     k, mask = per_token(batch)
     lengths, sums, raw, adapted = by_hand(k, mask, torch.clamp(k, max=threshold), mode)
     assert sorted(key for key in logged if "adaptive_kl" in key) == [
-        verl_kl.METRIC + name for name in ("adapted_kl", "clip_fraction", "current_beta", "length_kl_corr", "raw_kl",
+        METRIC + name for name in ("adapted_kl", "clip_fraction", "current_beta", "length_kl_corr", "raw_kl",
                                            "sequence_kl")]
-    assert logged[verl_kl.METRIC + "raw_kl"] == pytest.approx(raw, rel=1e-6)
-    assert logged[verl_kl.METRIC + "adapted_kl"] == pytest.approx(adapted, rel=1e-6)
+    assert logged[METRIC + "raw_kl"] == pytest.approx(raw, rel=1e-6)
+    assert logged[METRIC + "adapted_kl"] == pytest.approx(adapted, rel=1e-6)
     assert adapted < raw
-    assert logged[verl_kl.METRIC + "current_beta"] == 0.37 == logged["actor/kl_coef"]
-    assert logged[verl_kl.METRIC + "sequence_kl"] == pytest.approx(float(sums.mean()), rel=1e-6)
-    assert logged[verl_kl.METRIC + "length_kl_corr"] == pytest.approx(
+    assert logged[METRIC + "current_beta"] == 0.37 == logged["actor/kl_coef"]
+    assert logged[METRIC + "sequence_kl"] == pytest.approx(float(sums.mean()), rel=1e-6)
+    assert logged[METRIC + "length_kl_corr"] == pytest.approx(
         statistics.correlation(lengths.tolist(), sums.tolist()), rel=1e-5)
     clipped = int(((k >= threshold) & mask).sum())
     assert 0 < clipped < int(mask.sum())
-    assert logged[verl_kl.METRIC + "clip_fraction"] == pytest.approx(clipped / float(lengths.sum()), rel=1e-6)
+    assert logged[METRIC + "clip_fraction"] == pytest.approx(clipped / float(lengths.sum()), rel=1e-6)
     assert logged["actor/kl_loss"] == pytest.approx(raw, rel=1e-6)  # verl's own metric keeps its stock meaning
 
 
@@ -1002,7 +1003,7 @@ def test_two_data_parallel_workers_are_summed_whole(mode):
     shaped = torch.cat([(torch.clamp(k, max=threshold) * mask).sum(-1) for k, mask in per_shard]).double()
     reduce = ((lambda s: float(s.sum() / lengths.sum())) if mode == "token-mean"  # noqa: E731
               else (lambda s: float((s / lengths).mean())))
-    metric = {key[len(verl_kl.METRIC):]: value for key, value in logged.items() if key.startswith(verl_kl.METRIC)}
+    metric = {key[len(METRIC):]: value for key, value in logged.items() if key.startswith(METRIC)}
     assert metric["raw_kl"] == pytest.approx(reduce(sums), rel=1e-6) == pytest.approx(logged["actor/kl_loss"])
     assert metric["adapted_kl"] == pytest.approx(reduce(shaped), rel=1e-6)
     assert metric["sequence_kl"] == pytest.approx(float(sums.mean()), rel=1e-6)
@@ -1014,7 +1015,7 @@ def test_two_data_parallel_workers_are_summed_whole(mode):
     assert error != 0
     assert trainer.loss_kl.current_beta == pytest.approx(0.37 * (1 + error * 8 / horizon), rel=1e-9)
     _, alone = actor_update(shards[:1], mode, **fields)  # worker 0's completions alone: another batch's values
-    assert alone[verl_kl.METRIC + "sequence_kl"] != pytest.approx(metric["sequence_kl"], rel=1e-3)
+    assert alone[METRIC + "sequence_kl"] != pytest.approx(metric["sequence_kl"], rel=1e-3)
 
 
 def test_a_nonfinite_log_prob_on_the_second_worker_is_named_with_its_process():
@@ -1492,9 +1493,9 @@ def test_length_normalized_logs_the_raw_kl_as_loss_agg_mode_reduces_it():
     lengths, sums = mask.sum(-1).double(), (k * mask).sum(-1).double()
     token_mean, sequence_mean = float(sums.sum() / lengths.sum()), float((sums / lengths).mean())
     assert abs(token_mean - sequence_mean) > 1e-3
-    assert logged[verl_kl.METRIC + "raw_kl"] == pytest.approx(token_mean, rel=1e-6)
+    assert logged[METRIC + "raw_kl"] == pytest.approx(token_mean, rel=1e-6)
     assert logged["actor/kl_loss"] == pytest.approx(token_mean, rel=1e-6)
-    assert logged[verl_kl.METRIC + "adapted_kl"] == pytest.approx(sequence_mean, rel=1e-6)
+    assert logged[METRIC + "adapted_kl"] == pytest.approx(sequence_mean, rel=1e-6)
 
 
 def test_nonfinite_log_probs_in_two_micro_batches_of_one_worker_are_counted_together():
@@ -1692,7 +1693,7 @@ def test_the_loss_beta_moves_with_each_batchs_reward_and_the_update_leaves_verl_
     trainer._mean_reward = 0.0
     trainer._update_actor(meta, metrics)
     assert metrics["actor/kl_coef"] == pytest.approx(0.185, rel=1e-12)
-    assert metrics[verl_kl.METRIC + "current_beta"] == pytest.approx(0.185, rel=1e-12)
+    assert metrics[METRIC + "current_beta"] == pytest.approx(0.185, rel=1e-12)
     assert trainer.loss_kl.current_beta == pytest.approx(0.185, rel=1e-12)
     assert verl_kl.BETA_KEY not in meta.extra_info and trainer_base.reduce_metrics is reduce_metrics
 

@@ -14,6 +14,8 @@ returns. An unknown name fails the build. Sources:
   `docs/results/NAME/summary.json`, written by the demo;
 - `value FILE:PATHS:FORMAT`: one figure (or the range of several) of any committed results file;
 - `ci_record`: `docs/results/ci.json`, the record `.ci/run` writes (`.ci-record.json`);
+- `gpu_check`, `gpu_check_summary`, `gpu_cost`, `gpu_loss`, `gpu_measured`: `docs/results/gpu/*.json`, written by
+  `.ci/gpu/run`;
 - `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_estimators`, `kl_lab_run`, `kl_lab_tables_show`,
   `kl_lab_target_reading`:
   `docs/results/kl_lab.json`, written by the KL lab (the sentences are `tabular_findings`');
@@ -114,8 +116,14 @@ def anchors(which: Optional[str] = None) -> str:
     found = {"trl": versions.TRL_ANCHORS, "unsloth": versions.UNSLOTH_ANCHORS,
              "verl": versions.VERL_ANCHORS}[which or "trl"]
     return _table(["in", "anchor", "why"],
-                  [[f"`{a.function}`", f"`{a.text}`" + (" (signature)" if a.signature else ""), a.reason]
+                  [[f"`{a.function}`", f"`{anchor_line(a.text)}`" + (" (signature)" if a.signature else ""), a.reason]
                    for a in found])
+
+
+def anchor_line(text: str) -> str:
+    """An anchor's text in one table cell: the lines of one of several lines (consecutive in the source) joined by
+    `; `, as Python would read them on one line."""
+    return "; ".join(line.strip() for line in text.splitlines())
 
 
 def demo_flags(_: Optional[str] = None) -> str:
@@ -750,6 +758,25 @@ def _rounds_of(count: int) -> str:
     return f"{count} round{'s' * (count != 1)}"
 
 
+GPU_MEASURES = {
+    "cost.json": "The cost of each method in an Unsloth step at Qwen2.5-0.5B's size (`benchmarks/unsloth_cost.py`)",
+    "loss_overhead.json": "The loss benchmark on CUDA (`benchmarks/loss_overhead.py`)",
+}
+
+
+def gpu_measured(_: Optional[str] = None) -> str:
+    """Whether the GPU page's measurements (docs/results/gpu/cost.json, loss_overhead.json) come from a GPU, a
+    sentence each: a CPU run, or the cost at its small size, is said to be no such measurement."""
+    sentences = []
+    for name, what in GPU_MEASURES.items():
+        data = _gpu(name)
+        if data is not None and data["device"]["kind"] == "cuda" and data.get("size") != "small":
+            sentences.append(f"{what} was measured on {data['device']['name']}, {data['date']}, {_commit(data)}.")
+        else:
+            sentences.append(f"{what} has not been measured on a GPU yet.")
+    return " ".join(sentences) + " [Tested on a GPU](gpu.md) shows the last recorded runs, a CPU run marked as such."
+
+
 def gpu_loss(_: Optional[str] = None) -> str:
     """docs/results/gpu/loss_overhead.json (benchmarks/loss_overhead.py, run by .ci/gpu/run loss): the headlines,
     and what the run did not reach (the larger size skipped for its budget, a run stopped before its end)."""
@@ -824,6 +851,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "gpu_check_summary": gpu_check_summary,
     "gpu_cost": gpu_cost,
     "gpu_loss": gpu_loss,
+    "gpu_measured": gpu_measured,
 }
 
 
@@ -833,9 +861,20 @@ def render(markdown: str) -> str:
         name = match["name"]
         if name not in GENERATORS:
             raise KeyError(f"unknown generated block {name!r}: known are {', '.join(GENERATORS)}")
-        return GENERATORS[name](match["argument"])
+        return optimum_stars_kept(GENERATORS[name](match["argument"]))
 
     return INLINE.sub(replace, MARKER.sub(replace, markdown))
+
+
+CODE = re.compile(r"(```.*?```|`[^`\n]*`)", re.DOTALL)
+
+
+def optimum_stars_kept(markdown: str) -> str:
+    """`pi*` and `beta*` (the optimum and its beta) in generated prose escaped: two in one paragraph would open and
+    close an emphasis, hiding both stars and italicising the words between. Code, fenced or between backticks, is
+    left as it is."""
+    return "".join(part if part.startswith("`") else re.sub(r"\b(pi|beta)\*", r"\1\\*", part)
+                   for part in CODE.split(markdown))
 
 
 def on_page_markdown(markdown: str, **_: Any) -> str:  # MkDocs hook

@@ -18,7 +18,7 @@ import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -52,6 +52,13 @@ def finite_mean_reward(mean_reward: Any) -> float:
     return reward
 
 
+def kl_off_message(fields: Sequence[str], coefficient: str = "beta") -> str:
+    """The warning that the adapted `fields` do nothing at a KL coefficient of 0 (`coefficient`: its name where it was
+    set)."""
+    return (f"{', '.join(fields)} {'has' if len(fields) == 1 else 'have'} no effect: {coefficient}=0.0 turns the KL "
+            f"term off. Set {coefficient} > 0 to regularise.")
+
+
 class AdaptiveKL:
     """The adaptive KL of one training run: beta_t (`current_beta`, from the configured controller) times the
     adapted KL term, its metrics, and its checkpointable state.
@@ -77,10 +84,9 @@ class AdaptiveKL:
         config = AdaptiveKLConfig() if config is None else config
         if not isinstance(config, AdaptiveKLConfig):
             raise TypeError(f"config must be an AdaptiveKLConfig (or None for the defaults), not {type(config).__name__}")
-        check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
+        config.validate_adaptive_kl(beta=beta)  # beta first, then the fields it bounds
         check_whole("num_iterations", num_iterations, 1, "an integer >= 1 (the optimizer passes over each generation "
                     "batch)")
-        config.validate_adaptive_kl(beta=beta)
         if not reference_sync:
             config.refuse_sync_settings("without a reference sync", "AdaptiveKL syncs no reference itself: a "
                                         "trainer's integration does, with sync_ref_model=True")
@@ -90,9 +96,7 @@ class AdaptiveKL:
             if unchanged is not None:
                 warnings.warn(unchanged, UserWarning, stacklevel=2)
         elif not config.is_stock_kl:
-            fields = config.adapted_fields()
-            warnings.warn(f"{', '.join(fields)} {'has' if len(fields) == 1 else 'have'} no effect: beta=0.0 turns the "
-                          "KL term off. Set beta > 0 to regularise.", UserWarning, stacklevel=2)
+            warnings.warn(kl_off_message(config.adapted_fields()), UserWarning, stacklevel=2)
         self.config = config
         self._settings = settings_of(config)  # what the run was validated and built with (`check_settings`)
         self.beta = float(beta)

@@ -162,6 +162,12 @@ def check_real(name: str, value: Any, ok: bool, allowed: str) -> None:
         raise reject(name, value, python_number(value, allowed))
 
 
+def check_beta(beta: Any, name: str = "beta", allowed: str = "a finite number >= 0") -> None:
+    """`reject` a KL coefficient unless it is a finite number >= 0: a negative one would reward KL, a NaN or an inf
+    make the loss so. `name`: the coefficient as the caller's user knows it (an integration's own name for it)."""
+    check_real(name, beta, is_real(beta) and 0 <= beta < math.inf, allowed)
+
+
 def python_number(value: Any, allowed: str) -> str:
     """`allowed`, followed for a numpy or torch number by why it is refused as such (Python numbers only)."""
     if is_real(value) or not hasattr(value, "item"):
@@ -368,7 +374,7 @@ class AdaptiveKLConfig:
         coefficient in use, which bounds beta_min and beta_max (None: unknown, not checked)."""
         methods = self.kl_methods  # parsed here once: every later call reads it
         if beta is not None:  # the trainer's own field, named before the fields it bounds
-            check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
+            check_beta(beta)
         check_real("kl_clip_threshold", self.kl_clip_threshold,
                    is_real(self.kl_clip_threshold) and 0 < self.kl_clip_threshold < math.inf,
                    "a finite number > 0")
@@ -488,8 +494,8 @@ class AdaptiveKLConfig:
 
     def unread_fields(self) -> list[str]:
         """The fields set away from their defaults that no setting in effect reads: each does nothing."""
-        return [spec.name for spec in dataclasses.fields(AdaptiveKLConfig)
-                if getattr(self, spec.name) != spec.default and not self.reads(spec.name)]
+        return [name for name, default in FIELD_DEFAULTS.items()
+                if getattr(self, name) != default and not self.reads(name)]
 
     def _validate_placement(self, methods: tuple[str, ...]) -> None:
         if self.kl_placement not in KL_PLACEMENTS:
@@ -506,8 +512,8 @@ class AdaptiveKLConfig:
                          f"one of {', '.join(allowed)} with kl_placement='reward' (one KL per completion)")
 
 
-ADAPTIVE_KL_FIELDS = tuple(name for name in AdaptiveKLConfig.__dataclass_fields__)
 FIELD_DEFAULTS = {spec.name: spec.default for spec in dataclasses.fields(AdaptiveKLConfig)}  # in declaration order
+ADAPTIVE_KL_FIELDS = tuple(FIELD_DEFAULTS)
 
 
 def settings_of(source: Any) -> tuple[Any, ...]:

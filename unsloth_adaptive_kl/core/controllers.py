@@ -1,8 +1,8 @@
 """Beta controllers: the live KL coefficient, updated once per optimizer step, with checkpointable state.
 
 The live beta is trainer state, never written back into `trainer.beta`/`args.beta` (stock trainers skip the
-reference model whenever those are 0). Every process calls `update` with the same globally averaged reward and
-step, so every process holds the same beta.
+reference model whenever those are 0). Every process calls `observe_rewards` and `step` with the same globally
+averaged statistics and step, so every process holds the same beta.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .config import AdaptiveKLConfig, check_whole, is_real, python_number, reject
+from .config import AdaptiveKLConfig, check_beta, check_whole, is_real, python_number, reject
 from .registry import BETA_CONTROLLERS as _CONTROLLERS
 from .registry import new_method_name
 
@@ -210,8 +210,7 @@ def controller_kind(controller: BetaController) -> str:
 
 def make_beta_controller(beta: float, config: AdaptiveKLConfig) -> BetaController:
     """The controller of the configured beta method, or a constant beta; its state must survive a checkpoint."""
-    if not math.isfinite(beta):
-        raise ValueError(f"beta={beta!r} is invalid: allowed is a finite number >= 0.")
+    check_beta(beta)
     kind = next((method for method in config.kl_methods if method in _CONTROLLERS), None)
     controller = ConstantBeta(beta, config) if kind is None else _CONTROLLERS[kind](beta, config)
     check_checkpointable(controller)

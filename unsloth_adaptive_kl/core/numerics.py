@@ -96,14 +96,12 @@ class LogpCheck:
                    tensors=(logp, ref, old), names=labels)  # type: ignore[arg-type]
 
     @classmethod
-    def of(cls, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, old: Optional[torch.Tensor] = None,
+    def of(cls, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor,
            names: Optional[Mapping[str, str]] = None) -> "LogpCheck":
         """From raw log-probs and the mask (masked positions may hold anything)."""
         with torch.no_grad():
-            valid = valid_positions(mask)
-            logp, ref = masked_logps(logp, ref, valid)
-            old = None if old is None else keep_valid(old, valid)
-        return cls.of_masked(logp, ref, old, names)
+            logp, ref = masked_logps(logp, ref, valid_positions(mask))
+        return cls.of_masked(logp, ref, None, names)
 
     def counts(self) -> tuple[int, ...]:
         """How many valid tokens of each tensor are non-finite (one host transfer; the error path only)."""

@@ -1,6 +1,6 @@
-"""The reductions of a per-token tensor to the loss's scalar, in one table (pure torch, a leaf: it imports only
-numerics and errors). Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths L_i,
-so the per-token tensor is summed once per completion whatever the reduction.
+"""The reductions of a per-token tensor to the loss's scalar, in one table (pure torch: it imports only numerics,
+errors and the registry). Every reduction is a function of the per-completion sums S_i = sum_t m x and the lengths
+L_i, so the per-token tensor is summed once per completion whatever the reduction.
 
 `REDUCTIONS` holds one `Reduction` record each (its function, the loss types it serves, its `kl_reduction` setting,
 its per-completion form in the reward, its `loss_agg_mode` name); the config's validation, the KL pipeline and the

@@ -40,7 +40,7 @@ from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
-from ..core.config import check_real, is_real, is_whole, python_number
+from ..core.config import check_beta, check_real, is_real, is_whole, python_number
 from ..core.errors import reject
 from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
                                warn_unread_context)
@@ -566,8 +566,7 @@ def traced_loss_data(
     check_divisors_given(context, terms.values(), "traced_loss_data")
     check_completions_fit(context, mask, terms)
     if beta is not None:  # a negative one would reward KL, a NaN or inf make the loss so
-        check_real("beta", beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0, or None for "
-                   "akl.current_beta")
+        check_beta(beta, allowed="a finite number >= 0, or None for akl.current_beta")
     reduction = kl_reduction(akl.config, akl.loss_type)
     pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context, f"loss_type={akl.loss_type!r}")
     kl_weights = _reduction_weights(mask, reduction, context, f"kl_reduction={reduction!r}")

@@ -581,7 +581,6 @@ def _holds_adapter(folder: str) -> bool:
 ROOT_ADAPTER_LOAD = 'resume_from_checkpoint, "default"'
 
 
-@functools.lru_cache(maxsize=None)
 def loads_only_adapter_subfolders() -> bool:
     """Whether the installed transformers resumes a PEFT model from a checkpoint's adapter sub-folders alone, where
     it has any (read in its source: `ROOT_ADAPTER_LOAD` absent)."""

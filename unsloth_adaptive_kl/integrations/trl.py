@@ -23,8 +23,10 @@ import trl.trainer.grpo_config as trl_grpo_config
 import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 
+from ..core.adaptation import KLTerm
 from ..core.config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig
 from ..core.numerics import masked_reference
+from ..core.reductions import loss_type_reduction
 from .grpo_loss import LossNormalisers, adapted_loss
 from .patching import PatchSet
 from .ref_sync import use_reference
@@ -193,8 +195,22 @@ def _compute_loss(self: Any, model: Any, inputs: dict) -> torch.Tensor:
     )
     loss, term = adapted_loss(self.adaptive_kl, loss, kl, logps_probe.logps[0], inputs["ref_per_token_logps"], mask,
                               normalisers, old_logps=inputs.get("old_per_token_logps"))
+    if getattr(self, "_entropy_bonus_enabled", False) and not config.is_stock_kl:
+        _policy_loss_with_term(self, term, normalisers.gradient_accumulation)
     record_metrics(self, term)
     return loss
+
+
+def _policy_loss_with_term(trainer: Any, term: KLTerm, gradient_accumulation: int) -> None:
+    """TRL's `policy_loss` metric (logged with the entropy bonus on) is the loss before the bonus, its KL term
+    included; the stock call made it without one. Its last entry gets beta_t * adapted, as TRL scales and gathers its
+    own term there: divided by the accumulation for dapo, cispo and vespo (`TRL_POLICY_LOSS_AFTER_DIVIDE`), not for
+    the others, whose entry precedes the divide. One gather and one read per micro-batch, as TRL's own entry costs."""
+    part = term.adapted.detach() * trainer.adaptive_kl.current_beta
+    if loss_type_reduction(trainer.adaptive_kl.loss_type) == "token_sum_normalized":
+        part = part / gradient_accumulation
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode]["policy_loss"][-1] += trainer.accelerator.gather(part).nanmean().item()
 
 
 class BuiltBeforePatch:
@@ -226,6 +242,15 @@ _stock_config_init = wrap_stock_config_init(StockGRPOConfig.__init__)
 def kernel_lacks_cpu_path() -> bool:
     """Whether the installed trl's chunked log-prob kernel is Triton-only (trl 1.15), so CPU needs the fallback."""
     return TRL_KERNEL_WITHOUT_CPU_PATH in inspect.getsource(trl_utils)
+
+
+def stock_cpu_fallback(patches: PatchSet) -> None:
+    """Give unpatched TRL the CPU log-prob path its kernel lacks (trl 1.15), through `patches`: the stock side of a
+    tool's comparison, as stock trl 1.15 cannot run on a CPU at all without it. Restore `patches` before `patch()`,
+    which takes the kernel it finds as its own fallback's upstream (the fallback would then call itself)."""
+    if kernel_lacks_cpu_path():
+        # trl.trainer.utils._ChunkedLogProbFunction: trl 1.15's Triton kernel has no CPU path.
+        patches.replace(trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbWithCPUFallback)
 
 
 def _patch_points() -> list[tuple[Any, str, Any]]:

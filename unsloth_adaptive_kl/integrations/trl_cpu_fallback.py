@@ -28,7 +28,8 @@ def chunked_logprob_torch(
 ) -> tuple[Optional[torch.Tensor], ...]:
     """Same outputs as the kernel: z = softcap * tanh(logit_scale * (h W^T + b) / softcap) / temperature,
     log p(target), and when requested the entropy, log(sum_v p_v^2), mean z and whether the target is the
-    first argmax. Materialises the [N, V] logits, which is fine for the CPU models this path serves."""
+    first argmax. Materialises the [N, V] logits, which is fine for the CPU models this path serves; `chunk_size`, the
+    kernel's own argument, is taken and not needed."""
     z = torch.nn.functional.linear(hidden, weight, bias).float() * logit_scale
     if final_logit_softcapping is not None:
         z = final_logit_softcapping * torch.tanh(z / final_logit_softcapping)

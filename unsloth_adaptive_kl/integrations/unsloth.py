@@ -10,9 +10,11 @@ This package never imports unsloth. `patch()` (run when `unsloth_adaptive_kl` is
   `_AdaptiveEfficientGRPO`, which runs Unsloth's compiled loss with beta=0.0 (a constant: no recompiles, however
   beta moves) and adds beta_t * adapted KL, computed eagerly from the same log-probs, outside the compiled region,
   by the decisions it shares with the TRL integration (`grpo_loss.adapted_loss`);
-- `UnslothGRPOConfig.__init__` warns where the generated config changed a field the user set (`_wrap_config_init`);
+- `UnslothGRPOConfig.__init__` warns where the generated config changed a field the user set (`_wrap_config_init`),
+  from the fields its `__post_init__` records as they reached TRL's (`_wrap_config_post_init`);
 - `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_calculate_rewards`,
-  `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL integration, and the
+  `prediction_step`, `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL
+  integration, `current_beta` the same property, and the
   module's `use_adapter` the same stand-in (`ref_sync.use_reference`).
 
 Unsloth generates its trainers inside a try/except (`patch_trl_rl_trainers`) that turns any exception into a log
@@ -489,6 +491,9 @@ class _RLModuleFinder(importlib.abc.MetaPathFinder):
             upstream_exec(module)
             _hook_rl_module(module)
 
+        # Replaces this spec's loader's exec_module (importlib's SourceFileLoader.exec_module, on the loader made for
+        # this import alone): unsloth.models.rl runs as before, then is hooked. unpatch() takes the finder off
+        # sys.meta_path, so a later import of the module is stock.
         spec.loader.exec_module = exec_module
         return spec
 

@@ -54,6 +54,7 @@ import json
 import logging
 import math
 import os
+import re
 import warnings
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional
@@ -62,9 +63,9 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
-from ..core.adaptive_kl import finite_mean_reward
+from ..core.adaptive_kl import finite_mean_reward, kl_off_message
 from ..core.config import (FIELD_DEFAULTS, K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields,
-                           check_real, check_whole, is_real, warn_estimator_issue)
+                           check_beta, check_whole, warn_estimator_issue)
 from ..core.controllers import check_horizon
 from ..core.errors import KLEstimatorWarning, reject
 from ..core.numerics import (KINDS, NonFinite, found_in_check, masked_logps, masked_reference, nonfinite_error,
@@ -72,7 +73,7 @@ from ..core.numerics import (KINDS, NonFinite, found_in_check, masked_logps, mas
 from ..core.reductions import (agg_mode_of, kl_reduction, loss_type_of_agg_mode, loss_type_reduction,
                                reduction_left_as_is)
 from ..core.shapings import clipped_tokens
-from ..core.statistics import NAMES, KLStatistics
+from ..core.statistics import METRIC_PREFIX, NAMES, KLStatistics
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
 from . import versions
 from .patching import PatchSet
@@ -91,8 +92,7 @@ logger = logging.getLogger(__name__)
 TRAINER_NAME = "adaptive_kl"
 BETA_KEY = "adaptive_kl_beta"  # the loss beta in the batch's meta info / each micro-batch's non-tensor data
 STATE_FILE = "adaptive_kl.json"
-METRIC = "adaptive_kl/"
-REWARD_METRIC = "adaptive_kl/reward/"
+REWARD_METRIC = METRIC_PREFIX + "reward/"
 # The worker's per-completion statistics, which the driver hands to the core; never logged.
 STATS = "adaptive_kl_stats/"
 # What the non-finite error calls verl's log-probs: the actor loss's, and the reward's.
@@ -367,21 +367,20 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
     verl sets), as are its errors: a bad coefficient by its verl name, a bound it breaks (`beta_min`, `beta_max`) with
     it and the block that set the bound (`adaptive_kl.reward` for those in `overrides`, the fields the reward block
     set). The config's own warnings were said by `_config`, in verl's terms, and are not repeated."""
-    check_real(coefficient, beta, is_real(beta) and 0 <= beta < math.inf, "a finite number >= 0")
+    check_beta(beta, coefficient)
     with said_by_config():
         placed = dataclasses.replace(config, kl_placement="reward") if in_reward else config
     fields = config.adapted_fields()
     if beta == 0.0 and fields:
-        warnings.warn(f"{', '.join(f'{field}.{setting}' for setting in fields)} {'has' if len(fields) == 1 else 'have'} "
-                      f"no effect: {coefficient}=0.0 turns this KL term off. Set {coefficient} > 0 to regularise.",
-                      UserWarning, stacklevel=3)
+        warnings.warn(kl_off_message([f"{field}.{setting}" for setting in fields], coefficient), UserWarning,
+                      stacklevel=3)
     loss_type = kwargs.get("loss_type")
     unchanged = beta != 0.0 and loss_type is not None and reduction_left_as_is(
         placed, loss_type, prefix=f"{field}.",
         loss=f"{AGG_MODE_FIELD}={agg_mode_of(loss_type_reduction(loss_type))!r}")
     if unchanged:
         warnings.warn(unchanged, UserWarning, stacklevel=3)
-    with said_by_config(r".* no effect: beta=0\.0 turns the KL term off",  # said above, in verl's terms
+    with said_by_config(re.escape(kl_off_message(placed.adapted_fields())),  # said above, in verl's terms
                         r".* has no effect: loss_type=.* already reduces the KL term"):
         try:
             return AdaptiveKL(placed, beta=beta, **kwargs)
@@ -686,7 +685,7 @@ def apply_adaptive_kl_penalty(data: Any, kl_ctrl: RewardKLController, kl_penalty
     finally:
         for key, value in raw.items():
             data.batch[key] = value
-    metrics.update({REWARD_METRIC + key[len(METRIC):]: value for key, value in adaptive.items()})
+    metrics.update({REWARD_METRIC + key.removeprefix(METRIC_PREFIX): value for key, value in adaptive.items()})
     return data, metrics
 
 
@@ -935,7 +934,8 @@ def patch() -> None:
 
 
 def unpatch() -> None:
-    """Restore verl's own trainers' `__init__`. Idempotent; the registered trainer stays registered."""
+    """Restore verl's own trainers' `__init__` and `__init_subclass__`. Idempotent; the registered trainer stays
+    registered."""
     _patches.restore(leave_newer=True)
 
 

@@ -52,6 +52,16 @@ TRL_LOGPS_CALL = Anchor("GRPOTrainer._compute_loss", "= self._get_per_token_logp
                         "the policy log-probs, for a non-default kl_estimator")
 TRL_REWARD_METRIC = Anchor("GRPOTrainer._generate_and_score_completions", 'self._metrics[mode]["reward"].append(',
                            "the mean reward the dynamic beta reads")
+# With the entropy bonus on, TRL logs `policy_loss`: the loss before the bonus, its KL term included, taken after the
+# accumulation divide for dapo, cispo and vespo and before it for the other loss types.
+TRL_POLICY_LOSS_METRIC = Anchor(
+    "GRPOTrainer._compute_loss",
+    'self._metrics[mode]["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())',
+    "the policy_loss metric (entropy bonus on), which holds the KL term")
+TRL_POLICY_LOSS_AFTER_DIVIDE = Anchor(
+    "GRPOTrainer._compute_loss",
+    "loss = (per_token_loss * mask).sum() / normalizer\n            policy_loss = loss.detach()",
+    "dapo/cispo/vespo's policy_loss, taken after the accumulation divide")
 
 
 def reward_placement_anchors(function: str) -> tuple[Anchor, ...]:
@@ -93,6 +103,8 @@ TRL_ANCHORS = (
     TRL_KL_LINE,
     TRL_LOGPS_CALL,
     TRL_REWARD_METRIC,
+    TRL_POLICY_LOSS_METRIC,
+    TRL_POLICY_LOSS_AFTER_DIVIDE,
     Anchor("GRPOTrainer._compute_loss",
            'mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]',
            "the loss mask"),

@@ -9,7 +9,6 @@ naming what to install (`missing_packages`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import io
 import json
@@ -208,13 +207,9 @@ def fp16_grad_scaler(model_dir: str, work_dir: str, backend: str = "trl", device
     need = ("unsloth", "bitsandbytes") if backend == "unsloth" else ()
     name = f"{'TRL' if backend != 'unsloth' else 'Unsloth 4-bit' if device == 'cuda' else 'Unsloth'}, {precision}" + (
         " + GradScaler" if precision == "fp16" else " (no GradScaler)") + f" on {device}"
-    missing = missing_packages(name, *need)
-    if missing:
-        return missing
-    if backend == "unsloth":
-        unsloth_failure = import_unsloth(name)
-        if unsloth_failure:
-            return unsloth_failure
+    failure = missing_packages(name, *need) or (import_unsloth(name) if backend == "unsloth" else None)
+    if failure:
+        return failure
     trainer = chat_trainer(model_dir, work_dir, backend, device, precision, max_steps=steps, beta=0.04,
                            kl_adaptation_method="clip+length_normalized", kl_clip_threshold=0.5,
                            optim="adamw_torch", warmup_steps=0)
@@ -288,10 +283,10 @@ UNSLOTH_METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "c
 def use_method(trainer: Any, method: str, **fields: Any) -> None:
     """Switch a trainer to `method` with `fields`, the other fields only some methods read at their defaults (for
     `clip`, a threshold that some tokens of `shifted_reference` pass)."""
-    from ..core.config import FIELD_READERS, AdaptiveKLConfig
+    from ..core.config import FIELD_DEFAULTS, FIELD_READERS
     from ..integrations.trainer_hooks import attach_runtime
 
-    settings = {spec.name: spec.default for spec in dataclasses.fields(AdaptiveKLConfig) if spec.name in FIELD_READERS}
+    settings = {name: default for name, default in FIELD_DEFAULTS.items() if name in FIELD_READERS}
     if "clip" in method.split("+"):
         settings["kl_clip_threshold"] = 0.2
     for field, value in {**settings, "kl_adaptation_method": method, **fields}.items():
@@ -456,14 +451,11 @@ def ref_sync_8bit(model_dir: str, work_dir: str, backend: str = "unsloth", devic
     GPU) trains: the sync count, the optimizer's state after the reset (8-bit again on the next step), finite
     weights and metrics."""
     name = f"reference sync with {optim}" + ("" if backend == "unsloth" else f" ({backend} on {device})")
-    missing = missing_packages(name, *(["bitsandbytes"] if "8bit" in optim else []),
-                               *(["unsloth"] if backend == "unsloth" else []))
-    if missing:
-        return missing
-    if backend == "unsloth":
-        failure = import_unsloth(name)
-        if failure:
-            return failure
+    failure = missing_packages(name, *(["bitsandbytes"] if "8bit" in optim else []),
+                               *(["unsloth"] if backend == "unsloth" else [])) or (
+        import_unsloth(name) if backend == "unsloth" else None)
+    if failure:
+        return failure
     precision = precision or native_precision()
     trainer = chat_trainer(model_dir, work_dir, backend, device, precision, max_steps=steps, beta=0.04, optim=optim,
                            warmup_steps=0, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5,

@@ -250,13 +250,11 @@ def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[]
 def stock_trl() -> Iterator[None]:
     from .. import patch, unpatch
     from ..integrations import trl as trl_patch
-    from ..integrations.trl_cpu_fallback import ChunkedLogProbWithCPUFallback
 
     unpatch()
     try:
         with PatchSet() as patches:  # restored before patch() installs its own fallback again
-            if trl_patch.kernel_lacks_cpu_path():  # stock trl 1.15 cannot run on a CPU at all without it
-                patches.replace(trl_patch.trl_utils, "_ChunkedLogProbFunction", ChunkedLogProbWithCPUFallback)
+            trl_patch.stock_cpu_fallback(patches)
             yield
     finally:
         patch()

@@ -9,7 +9,7 @@ its setting label, as `tabular_lab.default_settings` writes it.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from . import tabular_lab
 from .tabular_lab import TARGET_TRACE_EVERY
@@ -34,10 +34,15 @@ def _each(result: dict[str, Any], setting: str, column: str, digits: int = 3) ->
     return " and ".join(f"{_row(result, env, setting)[column]:.{digits}f}" for env in ENVIRONMENTS)
 
 
-def _span(values: Sequence[float]) -> str:
-    """'2.092 to 2.389', or one figure where all are the same at three decimals."""
-    low, high = f"{min(values):.3f}", f"{max(values):.3f}"
+def span(values: Sequence[float], show: Callable[[float], str] = "{:.3f}".format) -> str:
+    """'2.092 to 2.389', or one figure where the lowest and the highest show the same (`show`: three decimals)."""
+    low, high = show(min(values)), show(max(values))
     return low if low == high else f"{low} to {high}"
+
+
+def counted(number: int, noun: str) -> str:
+    """'1 run', '2 runs'."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _names(names: Sequence[str]) -> str:
@@ -90,11 +95,11 @@ def findings(result: dict[str, Any]) -> list[str]:
         lengths = {env: [reward(name, env)["length"] for name in grows] for env in ENVIRONMENTS}
         shorter = all(max(lengths[env]) < optimum[env]["length"] for env in ENVIRONMENTS)
         rewards = [reward(name, env)["reward"] for name in grows for env in ENVIRONMENTS]
-        span = "; ".join(f"{env}: {_span(kls[env])} against {off[env]['kl_ref']:.3f}" for env in ENVIRONMENTS)
-        length = "; ".join(f"{env}: {_span(lengths[env])} against the optimum's {optimum[env]['length']:.3f}"
+        kl_spans = "; ".join(f"{env}: {span(kls[env])} against {off[env]['kl_ref']:.3f}" for env in ENVIRONMENTS)
+        length = "; ".join(f"{env}: {span(lengths[env])} against the optimum's {optimum[env]['length']:.3f}"
                            for env in ENVIRONMENTS)
         out.append(f"**{_names(grows)} in the reward do not regularise**: the KL to the reference ends above that of "
-                   f"no KL at all ({span}), E[r] at {_span(rewards)}. As a reward their "
+                   f"no KL at all ({kl_spans}), E[r] at {span(rewards)}. As a reward their "
                    "score-function gradient is not the KL's gradient (their value is not the log-ratio). "
                    + (f"They shorten completions (every extra token adds \\( k \\geq 0 \\) to the summed penalty: "
                       f"E[length] {length}), which is why a length curve alone does not reveal it. " if shorter else
@@ -263,7 +268,7 @@ def target_reading(result: dict[str, Any]) -> list[str]:
         betas = [*run["betas"], run["final_beta"]]
         within = [abs(beta / star - 1) <= SETTLED for beta in betas]
         settled = next((index for index in range(len(within)) if all(within[index:])), None)
-        start = f"At \\( n/\\text{{kl\\_horizon}} = {run['rate']:g} \\), \\( \\beta \\) "
+        start = f"At \\( n/\\mathrm{{kl\\_horizon}} = {run['rate']:g} \\), \\( \\beta \\) "
         if settled is None:
             tail = run["betas"][len(run["betas"]) // 2:]
             out.append(f"{start}never stays within {SETTLED:.0%} of \\( \\beta^* = {star:.3f} \\): over the second "

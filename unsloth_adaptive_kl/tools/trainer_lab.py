@@ -5,10 +5,11 @@
     python -m unsloth_adaptive_kl.tools.kl_lab --trainer trl --set loss_type=dapo scale_rewards=group num_iterations=2
 
 The tabular lab's environment (tabular_lab.py) with a tiny Llama as the policy, built in-process (tools/tiny.py) over the
-vocabulary {EOS, a, b} and a pad token the model never samples (`never_sampled`; `--pad-is-eos`: pad = EOS, no pad
-token). Its completions of at most 4 tokens are the tabular lab's 31, so every figure stays exact: the model's next-token distribution after a prompt x and each of the 15 prefixes is one row of a tabular table
-(`node_logits`), and log pi(y | x) follows by the tabular lab's enumeration. The reference is the initial model (the
-trainers' reference, with full fine-tuning and with LoRA), so pi*_beta(y | x) is proportional to
+vocabulary {EOS, a, b} and a pad token the model never samples (its logit fixed at `PAD_LOGIT` through `bias_unit`;
+`--pad-is-eos`: pad = EOS, no pad token). Its completions of at most 4 tokens are the tabular lab's 31, so every figure
+stays exact: the model's next-token distribution after a prompt x and each of the 15 prefixes is one row of a tabular
+table (`node_logits`), and log pi(y | x) follows by the tabular lab's enumeration. The reference is the initial model
+(the trainers' reference, with full fine-tuning and with LoRA), so pi*_beta(y | x) is proportional to
 pi_ref(y | x) exp(r(y) / beta) for each prompt.
 
 Training is the trainer as a user configures it: `GRPOConfig(...)` with this package's fields and any field passed
@@ -45,7 +46,7 @@ from ..core import AdaptiveKLConfig
 from ..core.config import FIELD_DEFAULTS
 from .logprob_paths import counted_logprob_calls, describe as describe_scorers
 from .machine import hardware, source_commit
-from .tabular_findings import K1_VALUED
+from .tabular_findings import K1_VALUED, counted, span
 from .tabular_lab import (ENVIRONMENTS, METHOD_FIELDS, REWARDS, Environment, Figures, Setting, Training, Tree,
                           beta_for_kl, beta_trained, chosen, show, train)
 
@@ -425,7 +426,6 @@ PREDICTED_FIELDS = ("beta", "loss_type", "scale_rewards", "num_generations", "nu
                     "mask_truncated_completions", "temperature")  # what `prediction_of` reads of TRL's fields
 TRAINER_FIELDS = (*PREDICTED_FIELDS, "epsilon", "epsilon_high", "top_k", "top_p", "learning_rate", "lr_scheduler_type",
                   "warmup_steps", "warmup_ratio", "optim", "weight_decay", "max_grad_norm", "seed")
-KL_DEFAULTS = FIELD_DEFAULTS  # the package's fields a row records, at their defaults
 
 
 def settings_in_effect(args: Any) -> dict[str, Any]:
@@ -434,7 +434,7 @@ def settings_in_effect(args: Any) -> dict[str, Any]:
     def plain(value: Any) -> Any:
         return value.value if isinstance(value, enum.Enum) else value
 
-    return {name: plain(getattr(args, name, None)) for name in (*TRAINER_FIELDS, *KL_DEFAULTS)}
+    return {name: plain(getattr(args, name, None)) for name in (*TRAINER_FIELDS, *FIELD_DEFAULTS)}
 
 
 @dataclass(frozen=True)
@@ -454,7 +454,7 @@ def prediction_of(in_effect: dict[str, Any], lora: bool = False) -> Prediction:
     with `use_bias_correction_kl=True` (TRL >= 1.10's default, which Unsloth follows) is k3 times the importance
     ratio pi / pi_old: on-policy its value is k3 and its gradient k2's, the lab's `k3+`, so the prediction runs k3+
     there (and k3 where the trainer applies no ratio, trl 1.9's default)."""
-    fields = {name: in_effect[name] for name, default in KL_DEFAULTS.items()
+    fields = {name: in_effect[name] for name, default in FIELD_DEFAULTS.items()
               if in_effect.get(name, default) != default}
     config = AdaptiveKLConfig(**fields)
     beta = float(in_effect["beta"])
@@ -701,9 +701,9 @@ def findings(table: dict[str, Any]) -> list[str]:
     if full:
         values = [value for row in full for value in row["train"]["kl_opt_seeds"]]
         betas = [beta for row in full for beta in row["train"]["effective_beta_seeds"] if beta is not None]
-        out.append(f"**k1 in the reward, the noise floor**: over {len(values)} runs ({len(full)} recipes the tabular "
-                   f"lab models x seeds) it ends {_kl(min(values))} to {_kl(max(values))} from pi*_{table['beta']:g}, at an "
-                   f"effective beta of {min(betas):.3g} to {max(betas):.3g}: " + "; ".join(
+        out.append(f"**k1 in the reward, the noise floor**: over {counted(len(values), 'run')} "
+                   f"({counted(len(full), 'recipe')} the tabular lab models x seeds) it ends {span(values, _kl)} from "
+                   f"pi*_{table['beta']:g}, at an effective beta of {span(betas, '{:.3g}'.format)}: " + "; ".join(
                        f"`{row['recipe']}` {_seeds(row)}" for row in full) + (
                    "; in the recipes the tabular lab does not model: " + "; ".join(
                        f"`{row['recipe']}` {_seeds(row)}" for row in others) if others else "") + ".")
