@@ -142,11 +142,11 @@ TOKENS = sum(LENGTHS)
 def assert_matches_formula(trainer, kl_part: torch.Tensor, grads: list[torch.Tensor], expected: torch.Tensor) -> None:
     """The KL part and its gradient against the formula's. The formula's log-probs come from a plain forward and
     log_softmax, TRL's from its chunked path: per token they differ by <= two_path_logp_tolerance (logits < 20,
-    vocabulary 20). With log ratios within +/-2 the KL's first and second derivatives stay below e^2 < 7.4, and a
+    the model's vocabulary). With log ratios within +/-2 the KL's first and second derivatives stay below e^2 < 7.4, and a
     reduction weights a token by at most beta (beta * max_completion_length for sequence_sum), so the value is
     within 7.4 * weight * that. The gradient is a difference of two backward passes (total - policy), each reordered
     (reordered_sum_tolerance over the tokens), plus the per-token 7.4 * logp error relative to its size."""
-    logp_error = two_path_logp_tolerance(20.0, 20)
+    logp_error = two_path_logp_tolerance(20.0, trainer.model.config.vocab_size)
     weight = trainer.args.beta * (trainer.args.max_completion_length if trainer.args.kl_reduction == "sequence_sum" else 1)
     assert abs(kl_part.item() - expected.item()) <= 7.4 * weight * logp_error
     expected_grads = backward_grads(trainer, expected)

@@ -1,17 +1,19 @@
 """Unsloth's loss through the package's hook on its compiled loss (`UnslothEfficientGRPO`): `none` and no-op
 adaptations against stock Unsloth's loss and gradients, each method's KL part against its formula, the keywords the
-generated compute_loss passes, and what the loss's mask and per-completion weights do to an adapted KL. The real
-generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py)."""
+generated compute_loss passes, what the loss's mask and per-completion weights do to an adapted KL, and Unsloth's
+entropy bonus beside it. The real generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py)."""
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from typing import Any
 
 import pytest
 
-from unsloth_adaptive_kl.core.tolerance import reordered_sum_tolerance, two_path_logp_tolerance
+from unsloth_adaptive_kl.core.tolerance import EPS32, reordered_sum_tolerance, two_path_logp_tolerance
+from unsloth_adaptive_kl.tools.tiny import build_tokenizer
 
 from .metric_definitions import assert_metrics_match
 from .unsloth_runs import ROOT, needs_unsloth, run_scenario
@@ -22,6 +24,9 @@ METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+l
 # (1.5 (logp - ref)^2); k1_future: value k1, gradient the KL-to-go G_t of each token (by hand in the harness)
 # The harness's micro-batch: 4 completions of at most 8 tokens.
 TOKENS = 4 * 8
+# A log-prob from a plain forward + log_softmax against one from Unsloth's fused path: they differ by <= LOGP_ERROR per
+# token (the harness's tiny model: logits below 20, a vocabulary of the tokenizer's 52 tokens).
+LOGP_ERROR = two_path_logp_tolerance(20.0, len(build_tokenizer()))
 
 
 @needs_unsloth
@@ -41,16 +46,15 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
         for method in METHODS:
             part = entry[method]
             # The formula takes log-probs from a plain forward + log_softmax, Unsloth from its fused path: they
-            # differ by <= logp_error per token (max logit < 20 for this tiny model, vocabulary 20). For log ratios
-            # within +/-1.5 the KL's derivative |1 - e^r| and its second derivative e^r are below e^1.5 < 4.5, and
-            # every reduction weights a token by at most beta (beta * max_completion_length for sequence_sum).
-            logp_error = two_path_logp_tolerance(20.0, 20)
+            # differ by <= LOGP_ERROR per token. For log ratios within +/-1.5 the KL's derivative |1 - e^r| and its
+            # second derivative e^r are below e^1.5 < 4.5, and every reduction weights a token by at most beta
+            # (beta * max_completion_length for sequence_sum).
             weight = 0.04 * (8 if method == "k2/sequence_sum" else 1)
-            assert abs(part["kl_part"] - part["expected"]) <= weight * 4.5 * logp_error, (loss_type, method)
+            assert abs(part["kl_part"] - part["expected"]) <= weight * 4.5 * LOGP_ERROR, (loss_type, method)
             assert part["grad_max"] > 0
-            # Its gradient: each of the TOKENS per-token terms moves by <= 4.5 * logp_error relative to the largest,
+            # Its gradient: each of the TOKENS per-token terms moves by <= 4.5 * LOGP_ERROR relative to the largest,
             # plus the reordering error of the two backward passes whose difference it is (total - policy).
-            grad_tolerance = (TOKENS * 4.5 * logp_error * part["grad_max"]
+            grad_tolerance = (TOKENS * 4.5 * LOGP_ERROR * part["grad_max"]
                               + 4 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"]))
             assert part["grad_diff"] <= grad_tolerance, (loss_type, method, part["grad_diff"], grad_tolerance)
             # current_beta * adapted_kl is the KL part of the loss, without the GA factor (2 here)
@@ -65,9 +69,9 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
         assert sum("metrics" in entry[method] for method in METHODS) == 6, loss_type
         # docs/metrics.md: Unsloth's `kl` is the mean over completions of each one's token mean, not the token mean
         # (which TRL's is); the captured completions' lengths differ, so the two are told apart
-        by_hand, logp_error = entry["stock_kl_by_hand"], two_path_logp_tolerance(20.0, 20)
-        assert abs(entry["stock_kl"] - by_hand["completion_mean"]) <= 4.5 * logp_error, (loss_type, by_hand)
-        assert abs(by_hand["token_mean"] - by_hand["completion_mean"]) > 100 * 4.5 * logp_error, by_hand
+        by_hand = entry["stock_kl_by_hand"]
+        assert abs(entry["stock_kl"] - by_hand["completion_mean"]) <= 4.5 * LOGP_ERROR, (loss_type, by_hand)
+        assert abs(by_hand["token_mean"] - by_hand["completion_mean"]) > 100 * 4.5 * LOGP_ERROR, by_hand
         assert entry["clip"]["kl_part"] < entry["none"]["kl_part"]
     grpo = results["grpo"]
     # grpo already averages per completion: length normalisation sums the same terms in another order.
@@ -111,6 +115,31 @@ def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(tmp_path) 
     assert max(abs(a - b) for a, b in zip(hooked["grad"], stock["grad"])) <= 2 * reordered_sum_tolerance(TOKENS, grad_scale)
     if rejected["rejected_tokens_leave_kl"]:
         assert stock["loss"] != pytest.approx(rejected["stock_without_rejection"]["loss"], rel=1e-3)
+
+
+@needs_unsloth
+def test_unsloths_entropy_bonus_stays_beside_an_adapted_kl(tmp_path) -> None:
+    """A fixed entropy_coef: Unsloth adds -entropy_coef * the entropy mean after the compiled loss this package hooks.
+    No-op adaptations keep stock Unsloth's loss and gradients, bonus included, and clip's KL part (the loss minus the
+    loss at beta 0, the bonus in both) is its formula's."""
+    results = run_scenario("entropy_bonus", tmp_path)
+    assert set(results) == {"grpo", "dapo"}
+    for loss_type, entry in results.items():
+        # the bonus is there: entropies of a 20-token vocabulary are up to log 20, times 0.05
+        assert 0.01 < entry["stock_without_bonus"] - entry["stock_loss"] < 0.05 * math.log(20), loss_type
+        # the hooked loss sums the KL in another order (the bound of the drift test, on the policy and KL terms'
+        # magnitude) and adds the same bonus: one more rounding of the total
+        loss_tolerance = (reordered_sum_tolerance(TOKENS, entry["stock_magnitude"])
+                          + 2 * EPS32 * entry["stock_without_bonus"])
+        grad_tolerance = 2 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"])
+        assert entry["none"] == {"loss": entry["stock_loss"], "grad_diff": 0.0}, loss_type  # the stock call itself
+        for label in ("clip_above_every_kl", "dynamic_before_decay"):
+            assert abs(entry[label]["loss"] - entry["stock_loss"]) <= loss_tolerance, (loss_type, label)
+            assert entry[label]["grad_diff"] <= grad_tolerance, (loss_type, label)
+        # as in test_generated_trainer_none_is_stock_and_methods_match_formula, plus each loss's last rounding
+        clip = entry["clip"]
+        assert clip["expected"] > 1e-3
+        assert abs(clip["kl_part"] - clip["expected"]) <= 0.04 * 4.5 * LOGP_ERROR + loss_tolerance, loss_type
 
 
 def test_a_loss_keyword_the_generated_trainer_stops_passing_is_an_error_naming_it() -> None:

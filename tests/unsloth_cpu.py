@@ -583,6 +583,41 @@ def scenario_drift(out: str) -> dict:
     return results
 
 
+def scenario_entropy_bonus(out: str) -> dict:
+    """Unsloth's entropy bonus (a fixed entropy_coef: grpo_accumulated_loss adds -entropy_coef * the entropy mean
+    after the compiled loss this package hooks) beside an adapted KL: no-op adaptations against stock Unsloth's loss
+    and gradients with the bonus, and clip's KL part (total - the loss at beta 0, bonus in both) against the formula."""
+    results: dict[str, Any] = {}
+    for loss_type in ("grpo", "dapo"):
+        trainer = make_trainer(f"{out}/{loss_type}", loss_type=loss_type, max_steps=1, entropy_coef=0.05)
+        inputs = capture_inputs(trainer)
+        with torch.no_grad():  # a reference visibly different from the policy, as in scenario_losses
+            inputs["ref_per_token_logps"] = policy_logps(trainer.model, inputs) + torch.linspace(
+                -1.5, 1.5, inputs["completion_ids"].numel()).view_as(inputs["completion_ids"])
+        stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
+        trainer.entropy_coef = 0.0  # TRL's trainer holds the coefficient it was built with; Unsloth's loss reads it
+        without_bonus, _ = stock_loss_and_grads(trainer, inputs)
+        magnitude = stock_magnitude(trainer, inputs)  # the policy and KL terms'; the bonus is one scalar added after
+        trainer.entropy_coef = 0.05
+        trainer.beta = 0.0
+        policy, _ = loss_and_grads(trainer, inputs)  # the policy term and the bonus
+        trainer.beta = 0.04
+        entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_without_bonus": without_bonus,
+                                 "stock_magnitude": magnitude, "stock_grad_max": max_abs(stock_grads)}
+        for label, settings in {"none": {}, **NO_OP_ADAPTATIONS}.items():
+            for name, value in {"kl_adaptation_method": "none", **settings}.items():
+                setattr(trainer.args, name, value)
+            unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
+            loss, grads = loss_and_grads(trainer, inputs)
+            entry[label] = {"loss": loss, "grad_diff": max_abs_diff(grads, stock_grads)}
+        trainer.args.kl_adaptation_method, trainer.args.kl_clip_threshold = "clip", 0.3
+        unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
+        total, _ = loss_and_grads(trainer, inputs)
+        entry["clip"] = {"kl_part": total - policy, "expected": independent_kl_part(trainer, inputs).item()}
+        results[loss_type] = entry
+    return results
+
+
 def rejected_tokens_drift(out: str) -> dict:
     """unsloth_zoo's rollout rejection (UNSLOTH_GRPO_ROLLOUT_RS, reached with vLLM or rollout log-probs as old):
     the hooked loss against the stock compiled loss, called directly with one real micro-batch's arguments plus
@@ -1053,7 +1088,7 @@ def scenario_nonfinite(out: str) -> dict:
 
 
 SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "sample_weights": scenario_sample_weights, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
-             "drift": scenario_drift, "reward": scenario_reward,
+             "drift": scenario_drift, "entropy_bonus": scenario_entropy_bonus, "reward": scenario_reward,
              "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings,
              "autocast_latch": scenario_autocast_latch, "nonfinite": scenario_nonfinite}
 
