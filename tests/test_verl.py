@@ -697,7 +697,7 @@ def test_reward_clip_shapes_the_per_token_kl():
     assert metrics["actor/reward_kl_penalty"] < float((kld.sum(-1) / mask.sum(-1)).mean())
     assert core_algos.kl_penalty is stock_kl_penalty
     assert metrics[verl_kl.REWARD_METRIC + "adapted_kl"] < metrics[verl_kl.REWARD_METRIC + "raw_kl"]
-    assert ctrl.updates == 1
+    assert ctrl.akl.completed_steps == 1  # apply_kl_penalty ended with the controller's update: one step
 
 
 @pytest.mark.parametrize(("block", "where", "advice"), [

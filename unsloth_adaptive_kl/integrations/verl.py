@@ -618,7 +618,6 @@ class RewardKLController:
         self.akl = verl_adaptive_kl(config, beta, "algorithm.kl_ctrl.kl_coef", field, overrides=overrides,
                                     in_reward=True, loss_type="bnpo")
         self._mean_reward: Optional[float] = None
-        self.updates = 0
 
     @property
     def value(self) -> float:
@@ -653,7 +652,6 @@ class RewardKLController:
         carries the batch's token mean and completion count."""
         mean_reward, self._mean_reward = self._mean_reward, None
         self.akl.step(mean_reward)
-        self.updates += 1
 
     def state_dict(self) -> dict[str, Any]:
         return self.akl.state_dict()
