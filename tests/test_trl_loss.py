@@ -583,12 +583,19 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
     inputs["ref_per_token_logps"] = logp + torch.linspace(-4.0, 4.0, logp.numel()).view_as(logp)
     if off_policy:
         inputs["old_per_token_logps"] = logp + torch.linspace(0.3, -0.3, logp.numel()).view_as(logp)
-    with stock_trl():
-        stock_loss, stock_grads = loss_and_grads(trainer, "_compute_loss", inputs)
-        magnitude = absolute_loss(trainer, "_compute_loss", inputs)
     adaptations = dict(NO_OP_ADAPTATIONS)
     if loss_type in SAME_REDUCTION:
         adaptations["same_reduction"] = dict(kl_reduction=SAME_REDUCTION[loss_type])
+    assert_no_op_adaptations_are_stock(trainer, inputs, adaptations)
+    assert max(trainer._metrics["train"]["adaptive_kl/raw_kl"]) > 1.0
+
+
+def assert_no_op_adaptations_are_stock(trainer, inputs: dict, adaptations: dict) -> None:
+    """Each of `adaptations` (settings that change nothing on `inputs`) gives stock TRL's loss and gradients: the same
+    per-token terms, reduced in another order (the KL on its own, then added)."""
+    with stock_trl():
+        stock_loss, stock_grads = loss_and_grads(trainer, "_compute_loss", inputs)
+        magnitude = absolute_loss(trainer, "_compute_loss", inputs)
     tokens = int(inputs["completion_mask"].sum())
     stock_grad_max = max(g.abs().max().item() for g in stock_grads)
     for label, settings in adaptations.items():
@@ -596,11 +603,36 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
             setattr(trainer.args, name, value)
         attach_runtime(trainer)
         loss, grads = loss_and_grads(trainer, "_compute_loss", inputs)
-        # The same per-token terms, reduced in another order (the KL on its own, then added).
         assert abs(loss - stock_loss) <= reordered_sum_tolerance(tokens, magnitude), label
         grad_diff = max((g - s).abs().max().item() for g, s in zip(grads, stock_grads))
         assert grad_diff <= 2 * reordered_sum_tolerance(tokens, stock_grad_max), (label, grad_diff)
-        assert max(trainer._metrics["train"]["adaptive_kl/raw_kl"]) > 1.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_trls_policy_masks_leave_the_kl_on_every_valid_token_as_stock_does(tokenizer, tmp_path, loss_type) -> None:
+    """TRL multiplies the policy term alone by its entropy mask (top_entropy_quantile) and its off-policy sequence
+    mask (off_policy_mask_threshold), then adds beta * KL over every valid token. With both on, no-op adaptations
+    give stock TRL's loss and gradients, and clip's KL part is its formula over every valid token, masked ones too."""
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, top_entropy_quantile=0.5,
+                               off_policy_mask_threshold=0.0, use_bias_correction_kl=False, kl_clip_threshold=0.3)
+    inputs = fixed_inputs(trainer, tokenizer)
+    with torch.no_grad():
+        logp = policy_logps(trainer.model, inputs)
+    # old - logp = 0.3 > the threshold: the completions with a negative advantage (2 of 4) leave the policy term
+    inputs["old_per_token_logps"] = logp + 0.3
+    with stock_trl():
+        trainer.beta = 0.0
+        masked_policy, _ = loss_and_grads(trainer, "_compute_loss", inputs)
+        trainer.top_entropy_quantile, trainer.off_policy_mask_threshold = 1.0, None
+        unmasked_policy, _ = loss_and_grads(trainer, "_compute_loss", inputs)
+        trainer.top_entropy_quantile, trainer.off_policy_mask_threshold = 0.5, 0.0
+        trainer.beta = 0.04
+    assert abs(masked_policy - unmasked_policy) > 1e-3  # the masks act on this batch
+    assert_no_op_adaptations_are_stock(trainer, inputs, NO_OP_ADAPTATIONS)
+    trainer.args.kl_adaptation_method, trainer.args.kl_clip_threshold = "clip", 0.3
+    attach_runtime(trainer)
+    kl_part, grads = kl_part_and_grads(trainer, inputs)
+    assert_matches_formula(trainer, kl_part, grads, expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs)))
 
 
 class _LogpsRecorder:

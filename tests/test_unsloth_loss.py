@@ -1,7 +1,7 @@
 """Unsloth's loss through the package's hook on its compiled loss (`UnslothEfficientGRPO`): `none` and no-op
 adaptations against stock Unsloth's loss and gradients, each method's KL part against its formula, the keywords the
 generated compute_loss passes, what the loss's mask and per-completion weights do to an adapted KL, and Unsloth's
-entropy bonus beside it. The real generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py)."""
+entropy bonus and mask beside it. The real generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py)."""
 
 from __future__ import annotations
 
@@ -118,15 +118,18 @@ def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(tmp_path) 
 
 
 @needs_unsloth
-def test_unsloths_entropy_bonus_stays_beside_an_adapted_kl(tmp_path) -> None:
-    """A fixed entropy_coef: Unsloth adds -entropy_coef * the entropy mean after the compiled loss this package hooks.
-    No-op adaptations keep stock Unsloth's loss and gradients, bonus included, and clip's KL part (the loss minus the
-    loss at beta 0, the bonus in both) is its formula's."""
-    results = run_scenario("entropy_bonus", tmp_path)
+def test_unsloths_entropy_bonus_and_mask_stay_beside_an_adapted_kl(tmp_path) -> None:
+    """A fixed entropy_coef: Unsloth adds -entropy_coef * the entropy mean after the compiled loss this package hooks;
+    top_entropy_quantile=0.5: the compiled loss multiplies the policy term alone by the entropy mask. No-op
+    adaptations keep stock Unsloth's loss and gradients, bonus and mask included, and clip's KL part (the loss minus
+    the loss at beta 0, bonus and mask in both) is its formula's over every valid token."""
+    results = run_scenario("entropy", tmp_path)
     assert set(results) == {"grpo", "dapo"}
+    vocabulary = len(build_tokenizer())
     for loss_type, entry in results.items():
-        # the bonus is there: entropies of a 20-token vocabulary are up to log 20, times 0.05
-        assert 0.01 < entry["stock_without_bonus"] - entry["stock_loss"] < 0.05 * math.log(20), loss_type
+        # the bonus is there: a token's entropy is at most log(vocabulary), times 0.05, over 2 accumulation steps
+        assert 0.01 < entry["stock_without_bonus"] - entry["stock_loss"] < 0.05 * math.log(vocabulary), loss_type
+        assert abs(entry["policy"] - entry["policy_without_mask"]) > 1e-3, loss_type  # and the mask acts
         # the hooked loss sums the KL in another order (the bound of the drift test, on the policy and KL terms'
         # magnitude) and adds the same bonus: one more rounding of the total
         loss_tolerance = (reordered_sum_tolerance(TOKENS, entry["stock_magnitude"])

@@ -583,13 +583,16 @@ def scenario_drift(out: str) -> dict:
     return results
 
 
-def scenario_entropy_bonus(out: str) -> dict:
+def scenario_entropy(out: str) -> dict:
     """Unsloth's entropy bonus (a fixed entropy_coef: grpo_accumulated_loss adds -entropy_coef * the entropy mean
-    after the compiled loss this package hooks) beside an adapted KL: no-op adaptations against stock Unsloth's loss
-    and gradients with the bonus, and clip's KL part (total - the loss at beta 0, bonus in both) against the formula."""
+    after the compiled loss this package hooks) and entropy mask (top_entropy_quantile: the compiled loss multiplies
+    the policy term alone by it) beside an adapted KL: no-op adaptations against stock Unsloth's loss and gradients
+    with both, and clip's KL part (total - the loss at beta 0, bonus and mask in both) against the formula over every
+    valid token."""
     results: dict[str, Any] = {}
     for loss_type in ("grpo", "dapo"):
-        trainer = make_trainer(f"{out}/{loss_type}", loss_type=loss_type, max_steps=1, entropy_coef=0.05)
+        trainer = make_trainer(f"{out}/{loss_type}", loss_type=loss_type, max_steps=1, entropy_coef=0.05,
+                               top_entropy_quantile=0.5)
         inputs = capture_inputs(trainer)
         with torch.no_grad():  # a reference visibly different from the policy, as in scenario_losses
             inputs["ref_per_token_logps"] = policy_logps(trainer.model, inputs) + torch.linspace(
@@ -601,8 +604,12 @@ def scenario_entropy_bonus(out: str) -> dict:
         trainer.entropy_coef = 0.05
         trainer.beta = 0.0
         policy, _ = loss_and_grads(trainer, inputs)  # the policy term and the bonus
+        trainer.args.top_entropy_quantile = 1.0
+        policy_without_mask, _ = loss_and_grads(trainer, inputs)
+        trainer.args.top_entropy_quantile = 0.5
         trainer.beta = 0.04
         entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_without_bonus": without_bonus,
+                                 "policy": policy, "policy_without_mask": policy_without_mask,
                                  "stock_magnitude": magnitude, "stock_grad_max": max_abs(stock_grads)}
         for label, settings in {"none": {}, **NO_OP_ADAPTATIONS}.items():
             for name, value in {"kl_adaptation_method": "none", **settings}.items():
@@ -1088,7 +1095,7 @@ def scenario_nonfinite(out: str) -> dict:
 
 
 SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "sample_weights": scenario_sample_weights, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
-             "drift": scenario_drift, "entropy_bonus": scenario_entropy_bonus, "reward": scenario_reward,
+             "drift": scenario_drift, "entropy": scenario_entropy, "reward": scenario_reward,
              "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings,
              "autocast_latch": scenario_autocast_latch, "nonfinite": scenario_nonfinite}
 
