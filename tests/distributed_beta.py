@@ -9,9 +9,9 @@ import os
 import sys
 from typing import Any
 
-import torch.distributed as dist
 
 from tests.conftest import logged, make_trainer
+from tests.torchrun_exit import end_process
 from unsloth_adaptive_kl.tools.tiny import build_tokenizer
 
 RANK_REWARD = {0: 1.0, 1: 0.6}
@@ -66,7 +66,4 @@ def main(output_dir: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
-    # accelerate started the process group; torch >= 2.15 aborts a process that exits with it still open
-    # ("terminate called without an active exception").
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    end_process()

@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from tests.torchrun_exit import end_process
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
 
 CONFIG = dict(kl_adaptation_method="target", kl_target=0.18, kl_horizon=20.0)  # the KL is 0.203: inside the clamp
@@ -41,8 +42,8 @@ def main(output_dir: str) -> None:
     beta = akl.step()
     with open(os.path.join(output_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"metrics": metrics, "beta": beta, "last_raw_kl": akl.last_raw_kl}, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    end_process()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import logged, make_trainer
+from tests.torchrun_exit import end_process
 from unsloth_adaptive_kl.integrations.ref_sync import STATE_FILE, AdapterReference, _full, _load_into
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
 
@@ -95,8 +96,8 @@ def main(mode: str, output_dir: str) -> None:
     dist.init_process_group("gloo")  # before any model is saved (process 0 writes, see make_trainer)
     results = {"ddp": ddp, "fsdp2": fsdp2}[mode](output_dir)
     torch.save(results, os.path.join(output_dir, f"{mode}-rank{os.environ['RANK']}.pt"))
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_process()

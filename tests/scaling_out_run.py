@@ -12,12 +12,13 @@ import sys
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import unsloth_adaptive_kl  # noqa: F401  (first: patches trl)
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
+
+from tests.torchrun_exit import end_process
 
 RANK_REWARD = {0: 1.0, 1: 0.6}  # all-process mean 0.8: above the 0.7 threshold, though rank 1's own 0.6 is below
 
@@ -72,13 +73,4 @@ def main(output_dir: str, device: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
-    # accelerate started the process group; a process that exits with it still open can abort at exit ("terminate
-    # called without an active exception": SIGABRT on one rank, SIGTERM on the other; seen on torch 2.14.1 and 2.15).
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    # Closed, one rank still aborted once after training had ended (FSDP2 on gloo, torch 2.15, in a CI run: the same
-    # message, exit code -6), in this call or at the interpreter's teardown: which is not known. The test reads
-    # only the JSON written above, so the process ends here, without the teardown's C++ destructors.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process()
