@@ -14,8 +14,8 @@ This package never imports unsloth. `patch()` (run when `unsloth_adaptive_kl` is
   from the fields its `__post_init__` records as they reached TRL's (`_wrap_config_post_init`);
 - `UnslothGRPOTrainer.__init__`, `compute_loss`, `_generate_and_score_completions`, `_calculate_rewards`,
   `prediction_step`, `_save_checkpoint` and `_load_optimizer_and_scheduler` get the same wrappers as the TRL
-  integration, `current_beta` the same property, and the
-  module's `use_adapter` the same stand-in (`ref_sync.use_reference`).
+  integration, `current_beta` the same property, and the module's `use_adapter` the same stand-in
+  (`ref_sync.use_reference`).
 
 Unsloth generates its trainers inside a try/except (`patch_trl_rl_trainers`) that turns any exception into a log
 line. Where `_install` fails there, what it replaced is undone and the generated `__init__` refuses every adaptive-KL
