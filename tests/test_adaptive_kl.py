@@ -20,10 +20,10 @@ from unsloth_adaptive_kl import (AdaptiveKL, AdaptiveKLConfig, KLEstimatorWarnin
 from unsloth_adaptive_kl.core.numerics import NONFINITE_ADVICE
 from unsloth_adaptive_kl.core.statistics import KLStatistics, device_sums, gather_statistics
 from unsloth_adaptive_kl.core.estimators import estimator_names
-from unsloth_adaptive_kl.core.tolerance import k1_magnitude, k3_gradient_magnitude, k3_magnitude
+from unsloth_adaptive_kl.core.tolerance import k3_gradient_magnitude, k3_magnitude
 
 from .conftest import torchrun
-from .float32_error import assert_float32_close
+from .float32_error import assert_float32_close, k1_magnitude
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 
 BETA = 0.04

@@ -20,9 +20,10 @@ from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 from unsloth_adaptive_kl.integrations.versions import TRL_ANCHORS
 
 from .conftest import logged, make_trainer, stock_trl
+from .float32_error import MAX_LOGIT, two_path_logp_tolerance
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 from unsloth_adaptive_kl.core.reductions import loss_types
-from unsloth_adaptive_kl.core.tolerance import EPS32, reordered_sum_tolerance, two_path_logp_tolerance
+from unsloth_adaptive_kl.core.tolerance import EPS32, reordered_sum_tolerance
 
 GA = 2
 LENGTHS = [5, 3, 1, 4]
@@ -51,12 +52,14 @@ def fixed_inputs(trainer, tokenizer, log_ratio_scale: float = 1.0, shift: float 
 
 
 def policy_logps(model, inputs: dict) -> torch.Tensor:
-    """log pi(completion token) from a plain forward pass and log_softmax (independent of TRL's fused path)."""
+    """log pi(completion token) from a plain forward pass and log_softmax (independent of TRL's fused path); every
+    logit below MAX_LOGIT in size, as the bound on two paths' log-prob difference assumes."""
     input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     logits = model(input_ids=input_ids, attention_mask=attention).logits
     prompt_length = inputs["prompt_ids"].size(1)
     logits = logits[:, prompt_length - 1 : -1].float()
+    assert logits.abs().max().item() < MAX_LOGIT, "the two-path log-prob bound assumes |logits| < MAX_LOGIT"
     return torch.log_softmax(logits, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
@@ -141,12 +144,12 @@ TOKENS = sum(LENGTHS)
 
 def assert_matches_formula(trainer, kl_part: torch.Tensor, grads: list[torch.Tensor], expected: torch.Tensor) -> None:
     """The KL part and its gradient against the formula's. The formula's log-probs come from a plain forward and
-    log_softmax, TRL's from its chunked path: per token they differ by <= two_path_logp_tolerance (logits < 20,
+    log_softmax, TRL's from its chunked path: per token they differ by <= two_path_logp_tolerance (logits < MAX_LOGIT,
     the model's vocabulary). With log ratios within +/-2 the KL's first and second derivatives stay below e^2 < 7.4, and a
     reduction weights a token by at most beta (beta * max_completion_length for sequence_sum), so the value is
     within 7.4 * weight * that. The gradient is a difference of two backward passes (total - policy), each reordered
     (reordered_sum_tolerance over the tokens), plus the per-token 7.4 * logp error relative to its size."""
-    logp_error = two_path_logp_tolerance(20.0, trainer.model.config.vocab_size)
+    logp_error = two_path_logp_tolerance(MAX_LOGIT, trainer.model.config.vocab_size)
     weight = trainer.args.beta * (trainer.args.max_completion_length if trainer.args.kl_reduction == "sequence_sum" else 1)
     assert abs(kl_part.item() - expected.item()) <= 7.4 * weight * logp_error
     expected_grads = backward_grads(trainer, expected)

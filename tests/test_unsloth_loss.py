@@ -12,9 +12,10 @@ from typing import Any
 
 import pytest
 
-from unsloth_adaptive_kl.core.tolerance import EPS32, reordered_sum_tolerance, two_path_logp_tolerance
+from unsloth_adaptive_kl.core.tolerance import EPS32, reordered_sum_tolerance
 from unsloth_adaptive_kl.tools.tiny import build_tokenizer
 
+from .float32_error import MAX_LOGIT, two_path_logp_tolerance
 from .metric_definitions import assert_metrics_match
 from .unsloth_runs import ROOT, needs_unsloth, run_scenario
 
@@ -25,8 +26,9 @@ METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+l
 # The harness's micro-batch: 4 completions of at most 8 tokens.
 TOKENS = 4 * 8
 # A log-prob from a plain forward + log_softmax against one from Unsloth's fused path: they differ by <= LOGP_ERROR per
-# token (the harness's tiny model: logits below 20, a vocabulary of the tokenizer's 52 tokens).
-LOGP_ERROR = two_path_logp_tolerance(20.0, len(build_tokenizer()))
+# token (the harness's tiny model: logits below MAX_LOGIT, which its plain forward asserts, and a vocabulary of the
+# tokenizer's 52 tokens).
+LOGP_ERROR = two_path_logp_tolerance(MAX_LOGIT, len(build_tokenizer()))
 
 
 @needs_unsloth
@@ -118,28 +120,37 @@ def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(tmp_path) 
 
 
 @needs_unsloth
-def test_unsloths_entropy_bonus_and_mask_stay_beside_an_adapted_kl(tmp_path) -> None:
+def test_unsloths_entropy_bonus_and_policy_masks_stay_beside_an_adapted_kl(tmp_path) -> None:
     """A fixed entropy_coef: Unsloth adds -entropy_coef * the entropy mean after the compiled loss this package hooks;
-    top_entropy_quantile=0.5: the compiled loss multiplies the policy term alone by the entropy mask. No-op
-    adaptations keep stock Unsloth's loss and gradients, bonus and mask included, and clip's KL part (the loss minus
-    the loss at beta 0, bonus and mask in both) is its formula's over every valid token."""
-    results = run_scenario("entropy", tmp_path)
+    top_entropy_quantile=0.5 and off_policy_mask_threshold=0.1: the compiled loss multiplies the policy term alone by
+    the entropy mask and the off-policy sequence mask. No-op adaptations keep stock Unsloth's loss and gradients,
+    bonus and masks included, and clip's KL part (the loss minus the loss at beta 0, bonus and masks in both) is its
+    formula's over every valid token."""
+    results = run_scenario("policy_masks", tmp_path)
     assert set(results) == {"grpo", "dapo"}
     vocabulary = len(build_tokenizer())
     for loss_type, entry in results.items():
         # the bonus is there, and below 0.05 * the largest entropy a token can have, log(vocabulary)
         assert 0.01 < entry["stock_without_bonus"] - entry["stock_loss"] < 0.05 * math.log(vocabulary), loss_type
-        assert abs(entry["policy"] - entry["policy_without_mask"]) > 1e-3, loss_type  # and the mask acts
+        # each mask acts, alone and beside the other (the off-policy one drops the two completions with a negative
+        # advantage, the entropy mask half of the tokens), and a policy term stays: the loss at beta 0 is not the bonus
+        without = entry["policy_without"]
+        assert abs(without["entropy_mask"] - without["masks"]) > 1e-3, loss_type
+        assert abs(without["off_policy_mask"] - without["masks"]) > 1e-3, loss_type
+        assert abs(entry["policy"] - without["entropy_mask"]) > 1e-3, loss_type
+        assert abs(entry["policy"] - without["off_policy_mask"]) > 1e-3, loss_type
+        assert abs(entry["policy"] - (entry["stock_loss"] - entry["stock_without_bonus"])) > 1e-3, loss_type
         # the hooked loss sums the KL in another order (the bound of the drift test, on the policy and KL terms'
         # magnitude) and adds the same bonus: one more rounding of the total
         loss_tolerance = (reordered_sum_tolerance(TOKENS, entry["stock_magnitude"])
-                          + 2 * EPS32 * entry["stock_without_bonus"])
+                          + 2 * EPS32 * abs(entry["stock_loss"]))
         grad_tolerance = 2 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"])
         assert entry["none"] == {"loss": entry["stock_loss"], "grad_diff": 0.0}, loss_type  # the stock call itself
         for label in ("clip_above_every_kl", "dynamic_before_decay"):
             assert abs(entry[label]["loss"] - entry["stock_loss"]) <= loss_tolerance, (loss_type, label)
             assert entry[label]["grad_diff"] <= grad_tolerance, (loss_type, label)
-        # as in test_generated_trainer_none_is_stock_and_methods_match_formula, plus each loss's last rounding
+        # as in test_generated_trainer_none_is_stock_and_methods_match_formula, plus each loss's last rounding: the
+        # KL part covers every valid token, the masked ones too
         clip = entry["clip"]
         assert clip["expected"] > 1e-3
         assert abs(clip["kl_part"] - clip["expected"]) <= 0.04 * 4.5 * LOGP_ERROR + loss_tolerance, loss_type

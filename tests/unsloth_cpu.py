@@ -223,16 +223,16 @@ def stock_magnitude(trainer: Any, inputs: dict) -> float:
 
 
 def independent_kl_part(trainer: Any, inputs: dict) -> torch.Tensor:
-    """beta * KL term / GA from the formulas of docs/methods.md and Unsloth's clamped k3 on a plain forward pass
-    (on-policy, log ratios within +/-1.5: no clamp acts, so the clamp order of the installed version does not matter
-    here)."""
+    """beta * KL term / GA from the formulas of docs/methods.md and Unsloth's clamped k3 on a plain forward pass (log
+    ratios within +/-1.5: no clamp acts, so the clamp order of the installed version does not matter here), times
+    the importance ratio exp(logp - old) with use_bias_correction_kl (TRL's default: k3+)."""
     args = trainer.args
     trainer.model.train()
     logp = policy_logps(trainer.model, inputs)
     r = torch.clamp(inputs["ref_per_token_logps"] - logp, -20, 20)
     k = torch.clamp(torch.expm1(r) - r, -10, 10)
     if args.use_bias_correction_kl:  # times the importance ratio: 1 on-policy, but it carries k's own gradient
-        k = k * torch.exp(logp - logp.detach())
+        k = k * torch.exp(logp - inputs.get("old_per_token_logps", logp.detach()))
     if args.kl_estimator == "k2":
         k = 0.5 * (logp - inputs["ref_per_token_logps"]) ** 2
     elif args.kl_estimator == "user_three_k2":
@@ -583,33 +583,46 @@ def scenario_drift(out: str) -> dict:
     return results
 
 
-def scenario_entropy(out: str) -> dict:
-    """Unsloth's entropy bonus (a fixed entropy_coef: grpo_accumulated_loss adds -entropy_coef * the entropy mean
-    after the compiled loss this package hooks) and entropy mask (top_entropy_quantile: the compiled loss multiplies
-    the policy term alone by it) beside an adapted KL: no-op adaptations against stock Unsloth's loss and gradients
-    with both, and clip's KL part (total - the loss at beta 0, bonus and mask in both) against the formula over every
-    valid token."""
+def scenario_policy_masks(out: str) -> dict:
+    """What Unsloth applies to the policy term alone, beside an adapted KL: a fixed entropy_coef (grpo_accumulated_loss
+    adds -entropy_coef * the entropy mean after the compiled loss this package hooks), the entropy mask
+    (top_entropy_quantile) and the off-policy sequence mask (off_policy_mask_threshold 0.1; num_iterations=2), both
+    of which the compiled loss multiplies the policy term by. No-op adaptations against stock Unsloth's loss
+    and gradients with all three, and clip's KL part (total - the loss at beta 0, bonus and masks in both) against
+    the formula over every valid token."""
     results: dict[str, Any] = {}
     for loss_type in ("grpo", "dapo"):
         trainer = make_trainer(f"{out}/{loss_type}", loss_type=loss_type, max_steps=1, entropy_coef=0.05,
-                               top_entropy_quantile=0.5)
+                               top_entropy_quantile=0.5, off_policy_mask_threshold=0.1, num_iterations=2)
         inputs = capture_inputs(trainer)
         with torch.no_grad():  # a reference visibly different from the policy, as in scenario_losses
-            inputs["ref_per_token_logps"] = policy_logps(trainer.model, inputs) + torch.linspace(
-                -1.5, 1.5, inputs["completion_ids"].numel()).view_as(inputs["completion_ids"])
+            logp = policy_logps(trainer.model, inputs)
+        inputs["ref_per_token_logps"] = logp + torch.linspace(
+            -1.5, 1.5, inputs["completion_ids"].numel()).view_as(inputs["completion_ids"])
+        # two completions with a negative advantage, whose old log-probs sit 0.3 above the policy's (> the threshold:
+        # they leave the policy term), and two with a positive one, whose old log-probs are the policy's
+        inputs["advantages"] = torch.tensor([-0.9, 0.6, -0.3, 0.6]).to(inputs["advantages"])
+        inputs["old_per_token_logps"] = logp + 0.3 * (inputs["advantages"] < 0).unsqueeze(-1)
         stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
         trainer.entropy_coef = 0.0  # TRL's trainer holds the coefficient it was built with; Unsloth's loss reads it
         without_bonus, _ = stock_loss_and_grads(trainer, inputs)
-        magnitude = stock_magnitude(trainer, inputs)  # the policy and KL terms'; the bonus is one scalar added after
+        # the policy and KL terms' magnitude, every completion's (the bonus is one scalar added after): with every
+        # advantage -|A| the off-policy mask would drop other completions than it does in the loss
+        trainer.args.off_policy_mask_threshold = None
+        magnitude = stock_magnitude(trainer, inputs)
+        trainer.args.off_policy_mask_threshold = 0.1
         trainer.entropy_coef = 0.05
         trainer.beta = 0.0
         policy, _ = loss_and_grads(trainer, inputs)  # the policy term and the bonus
-        trainer.args.top_entropy_quantile = 1.0
-        policy_without_mask, _ = loss_and_grads(trainer, inputs)
-        trainer.args.top_entropy_quantile = 0.5
+        without = {}  # the policy term without one mask or both, so that each is seen to act alone
+        for label, quantile, threshold in (("entropy_mask", 1.0, 0.1), ("off_policy_mask", 0.5, None),
+                                           ("masks", 1.0, None)):
+            trainer.args.top_entropy_quantile, trainer.args.off_policy_mask_threshold = quantile, threshold
+            without[label], _ = loss_and_grads(trainer, inputs)
+        trainer.args.top_entropy_quantile, trainer.args.off_policy_mask_threshold = 0.5, 0.1
         trainer.beta = 0.04
-        entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_without_bonus": without_bonus,
-                                 "policy": policy, "policy_without_mask": policy_without_mask,
+        entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_without_bonus": without_bonus, "policy": policy,
+                                 "policy_without": without,
                                  "stock_magnitude": magnitude, "stock_grad_max": max_abs(stock_grads)}
         for label, settings in {"none": {}, **NO_OP_ADAPTATIONS}.items():
             for name, value in {"kl_adaptation_method": "none", **settings}.items():
@@ -1095,7 +1108,7 @@ def scenario_nonfinite(out: str) -> dict:
 
 
 SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "sample_weights": scenario_sample_weights, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
-             "drift": scenario_drift, "entropy": scenario_entropy, "reward": scenario_reward,
+             "drift": scenario_drift, "policy_masks": scenario_policy_masks, "reward": scenario_reward,
              "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings,
              "autocast_latch": scenario_autocast_latch, "nonfinite": scenario_nonfinite}
 

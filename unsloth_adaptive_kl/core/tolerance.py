@@ -17,13 +17,6 @@ def reordered_sum_tolerance(terms: int, magnitude: float, eps: float = EPS32) ->
     return terms * eps * magnitude
 
 
-def two_path_logp_tolerance(max_logit: float, vocabulary: int) -> float:
-    """Bound on |log p| differences between two float32 log-softmax implementations (a fused, chunked one and a
-    plain one): each rounds log-sum-exp over `vocabulary` terms of size <= e^max_logit relative to the max, an
-    absolute error of at most (vocabulary * EPS32) plus EPS32 * |max_logit| for the subtraction."""
-    return EPS32 * (vocabulary + abs(max_logit))
-
-
 def float32_chain_tolerance(operations: int, magnitude: torch.Tensor | float) -> torch.Tensor | float:
     """Bound on |computed - exact| for `operations` chained float32 operations on float32 inputs, to first order:
     each returns its exact result times (1 + d), |d| <= EPS32 / 2, and no intermediate exceeds `magnitude`, the same
@@ -43,8 +36,3 @@ def k3_gradient_magnitude(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor
     """Per token, the parts of dk3/dlogp = 1 - exp(r): exp(r) (1 + |r|) + 1, in float64."""
     r = ref.detach().double() - logp.detach().double()
     return torch.exp(r) * (1 + r.abs()) + 1
-
-
-def k1_magnitude(logp: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per token, the parts of k1 = logp - ref: |logp| + |ref|, in float64."""
-    return logp.detach().double().abs() + ref.detach().double().abs()
