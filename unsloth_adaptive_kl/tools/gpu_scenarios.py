@@ -15,7 +15,7 @@ import json
 import math
 import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -44,6 +44,12 @@ def missing_packages(scenario: str, *modules: str) -> list[Check]:
     """A FAIL line per module of `modules` that is not installed, saying what to install."""
     return [Check(f"{scenario}: needs {module}", False, f"{module} is not installed: {INSTALL[module]}")
             for module in modules if importlib.util.find_spec(module) is None]
+
+
+def unmet_needs(scenario: str, modules: Sequence[str], with_unsloth: bool) -> list[Check]:
+    """`missing_packages`, else (`with_unsloth`: the scenario runs Unsloth in this process) `import_unsloth`'s lines:
+    empty when the scenario can run."""
+    return missing_packages(scenario, *modules) or (import_unsloth(scenario) if with_unsloth else [])
 
 
 def native_precision() -> str:
@@ -207,7 +213,7 @@ def fp16_grad_scaler(model_dir: str, work_dir: str, backend: str = "trl", device
     need = ("unsloth", "bitsandbytes") if backend == "unsloth" else ()
     name = f"{'TRL' if backend != 'unsloth' else 'Unsloth 4-bit' if device == 'cuda' else 'Unsloth'}, {precision}" + (
         " + GradScaler" if precision == "fp16" else " (no GradScaler)") + f" on {device}"
-    failure = missing_packages(name, *need) or (import_unsloth(name) if backend == "unsloth" else None)
+    failure = unmet_needs(name, need, backend == "unsloth")
     if failure:
         return failure
     trainer = chat_trainer(model_dir, work_dir, backend, device, precision, max_steps=steps, beta=0.04,
@@ -337,7 +343,7 @@ def unsloth_4bit(model_dir: str, work_dir: str, device: str = "cuda") -> list[Ch
     batch, each method of `UNSLOTH_METHODS` on it, and no recompile while beta moves. On a CPU (the dry run) the same
     code on the float32 model that `load_policy` gives there."""
     name = "Unsloth 4-bit + LoRA" if device == "cuda" else "Unsloth + LoRA (float32, dry run on the CPU)"
-    failure = missing_packages(name, "unsloth", "bitsandbytes", "triton") or import_unsloth(name)
+    failure = unmet_needs(name, ("unsloth", "bitsandbytes", "triton"), with_unsloth=True)
     if failure:
         return failure
     from .logprob_paths import counted_logprob_calls, describe
@@ -415,7 +421,7 @@ def unsloth_guard(model_dir: str, work_dir: str, steps: Optional[int] = None) ->
 def vllm_kl_in_reward(model_dir: str, work_dir: str, steps: int = 2) -> list[Check]:
     """Unsloth with `fast_inference=True`: vLLM generates, the KL is in the reward (GPU only)."""
     name = "vLLM fast_inference, kl_placement='reward'"
-    failure = missing_packages(name, "unsloth", "bitsandbytes", "vllm") or import_unsloth(name)
+    failure = unmet_needs(name, ("unsloth", "bitsandbytes", "vllm"), with_unsloth=True)
     if failure:
         return failure
     precision = native_precision()
@@ -451,9 +457,8 @@ def ref_sync_8bit(model_dir: str, work_dir: str, backend: str = "unsloth", devic
     GPU) trains: the sync count, the optimizer's state after the reset (8-bit again on the next step), finite
     weights and metrics."""
     name = f"reference sync with {optim}" + ("" if backend == "unsloth" else f" ({backend} on {device})")
-    failure = missing_packages(name, *(["bitsandbytes"] if "8bit" in optim else []),
-                               *(["unsloth"] if backend == "unsloth" else [])) or (
-        import_unsloth(name) if backend == "unsloth" else None)
+    need = (["bitsandbytes"] if "8bit" in optim else []) + (["unsloth"] if backend == "unsloth" else [])
+    failure = unmet_needs(name, need, backend == "unsloth")
     if failure:
         return failure
     precision = precision or native_precision()
