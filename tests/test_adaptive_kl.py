@@ -159,6 +159,17 @@ def test_reference_sync_settings_without_a_reference_sync_are_refused(name: str,
     assert getattr(AdaptiveKL(config, BETA, reference_sync=True).config, name) == value
 
 
+def test_reference_sync_is_true_or_false() -> None:
+    """reference_sync="no" (truthy) let the sync settings through that reference_sync=False refuses, without a word;
+    train="no" was already refused alike."""
+    config = AdaptiveKLConfig(ref_model_sync_kl=0.1)
+    for given in ("no", 1, None):
+        with pytest.raises(ValueError) as error:
+            AdaptiveKL(config, BETA, reference_sync=given)
+        assert str(error.value).startswith(f"reference_sync={given!r} is invalid: allowed is True (the loop syncs the "
+                                           "reference model) or False")
+
+
 def test_each_door_refuses_the_other_placement_and_the_step_reads_its_own() -> None:
     """reward_penalty refuses the loss placement as kl_loss refuses the reward one, so a stray call in a loss-placement
     loop cannot replace the step's KL (it once took last_raw_kl from 1.897 to 0.616 and moved target's beta); the step
@@ -1307,6 +1318,17 @@ def test_a_given_window_without_a_kl_holds_beta_saying_so_and_keeps_the_last_kl(
                                                    "nan, a step that measured none)")):
         assert akl.step(kl=WindowKL(math.nan, math.nan, 64.0)) == pytest.approx(BETA * 1.1)
     assert akl.last_raw_kl == 0.5
+
+
+def test_a_given_window_of_0_completions_holds_beta_saying_so() -> None:
+    """step(kl=WindowKL(5.0, 5.0, 0)): a KL 50 times the target, over no completion, moves target's beta by
+    1 + 0.2 * 0 / kl_horizon = 1: held three steps without a word. Now it says why, once; the KL is still read."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="target", kl_target=0.1), BETA)
+    with pytest.warns(UserWarning, match=re.escape("beta holds at step 1: the step's WindowKL counts completions=0: "
+                                                   "target moves beta by e * n / kl_horizon")) as caught:
+        betas = [akl.step(kl=WindowKL(5.0, 5.0, 0.0)) for _ in range(3)]
+    assert betas == [BETA] * 3 and len([w for w in caught if "beta holds" in str(w.message)]) == 1
+    assert akl.last_raw_kl == 5.0
 
 
 def test_target_refuses_a_horizon_under_which_beta_would_reach_0_and_stay() -> None:

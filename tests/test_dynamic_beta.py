@@ -55,7 +55,7 @@ def test_a_cut_off_the_run_ends_before_is_said(tokenizer, tmp_path) -> None:
         tokenizer, str(tmp_path), constant_reward(0.0), max_steps=2, beta_min=0.01, beta_schedule_steps=2, **DYNAMIC
     )
     with pytest.warns(UserWarning, match=re.escape(
-            "adaptive_kl: beta_schedule_steps=2 sets beta = beta_min=0.01 after 2 optimizer steps, and this run has 2: "
+            "adaptive_kl: beta_schedule_steps=2 sets beta = beta_min=0.01 after 2 steps, and this run has 2: "
             "no step trains at it. Set beta_schedule_steps below 2 for the cut-off to act, or None for none.")):
         trainer.train()
     assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.04])

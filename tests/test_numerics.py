@@ -370,7 +370,8 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
     """own-loop.md's way to change a setting mid-run (a new AdaptiveKL, then load the old state): the state's beta
     replaced a new constant beta without a word (which a trainer's own KL term, at the run's beta, did not follow: a
     constant beta is now the run's, saying so), and stayed outside new bounds (a target's 0.5 above a new
-    beta_max=0.2; a dynamic 0.01 below a new beta_min=0.05, until its next decay jumped to it)."""
+    beta_max=0.2; a dynamic 0.01 below a new beta_min=0.05, until its next decay jumped to it; a dynamic 1.0 above
+    a new beta=0.1, which dynamic only lowers)."""
     def state(method: str, beta: float, **fields: float) -> dict:
         return AdaptiveKL(config(kl_adaptation_method=method, **fields), beta).state_dict()
 
@@ -380,8 +381,10 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
              ("target", {"beta_max": 0.2}, 0.5, 0.2, r"^adaptive KL: the loaded state's beta 0\.5 is outside this "
                                                      r"run's beta_min=0, beta_max=0\.2: clamped to 0\.2, as target "
                                                      r"keeps beta within them\.$"),
-             ("dynamic", {"beta_min": 0.05}, 0.01, 0.05, r"beta 0\.01 is outside this run's beta_min=0\.05: clamped "
-                                                         r"to 0\.05")]
+             ("dynamic", {"beta_min": 0.05}, 0.01, 0.05, r"beta 0\.01 is outside this run's beta_min=0\.05, "
+                                                         r"beta=0\.1: clamped to 0\.05"),
+             ("dynamic", {}, 1.0, 0.1, r"^adaptive KL: the loaded state's beta 1 is outside this run's beta_min=0, "
+                                       r"beta=0\.1: clamped to 0\.1, as dynamic keeps beta within them\.$")]
     for method, fields, saved, loaded, message in cases:
         runtime = AdaptiveKL(config(kl_adaptation_method=method, **fields), 0.1)
         with pytest.warns(UserWarning, match=message):
@@ -392,6 +395,19 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
         AdaptiveKL(config(kl_adaptation_method="clip"), 0.1).load_state_dict(state("clip", 0.1))
         AdaptiveKL(config(kl_adaptation_method="target", beta_max=0.2), 0.1).load_state_dict(
             state("target", 0.15, beta_max=0.2))
+        AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1).load_state_dict(state("dynamic", 0.05))
+
+
+def test_a_target_state_at_beta_0_is_refused_where_the_run_has_a_kl_term() -> None:
+    """target's update multiplies beta by at least 1 - 0.2 n / kl_horizon > 0: a loaded 0 would hold the KL term off
+    for the rest of a run whose beta is > 0, without a word. It is refused, and nothing of the state is loaded."""
+    saved = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1).state_dict()
+    saved["value"], saved["completed_steps"] = 0.0, 7
+    runtime = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1)
+    with pytest.raises(ValueError, match=r"^adaptive KL state: value=0\.0 is invalid: allowed is a number > 0 for "
+                                         r"target: its multiplicative update never leaves 0"):
+        runtime.load_state_dict(saved)
+    assert (runtime.current_beta, runtime.completed_steps) == (0.1, 0)
 
 
 def test_a_format_5_state_without_the_old_policys_sum_loads_it_as_0() -> None:

@@ -143,3 +143,8 @@ def test_registered_methods_and_estimators_run_in_the_kl_lab() -> None:
     assert run.final_beta == 0.5 * 2 ** 10
     with pytest.raises(SystemExit, match="--method nope: not registered"):
         kl_lab.main(["--method", "nope"])
+    # a built-in's rows were added again under the table's labels at the defaults (clip at 1.0 beside the table's
+    # 0.1), and the results, matched by label, mixed the two into both rows
+    for flag, name in (("--method", "clip"), ("--estimator", "k3")):
+        with pytest.raises(SystemExit, match=f"^{flag} {name}: built in, and the table has its rows already"):
+            kl_lab.main([flag, name])

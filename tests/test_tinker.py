@@ -933,7 +933,7 @@ def test_completion_datum_takes_the_integer_ids_tokenizers_give() -> None:
 def test_mismatched_batches_are_refused_not_broadcast() -> None:
     """Every count must agree, and the error names the two: a Datum input of another length than target_tokens (T = 4
     here, 3 given; in a batch with a longer Datum, padding would hide it and misalign the tokens), log-prob tensors /
-    result outputs / rewards of another count than the Datums (one reward for two Datums would broadcast to both);
+    result outputs / rewards of another count than the Datums, a policy row of another length than its Datum (one reward for two Datums would broadcast to both);
     and the custom loss refuses the reward placement (its KL would be computed in the loss as well)."""
     datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 0.0, 1.0, 1.0]))
@@ -947,6 +947,13 @@ def test_mismatched_batches_are_refused_not_broadcast() -> None:
         integration.grpo_kl_loss(akl)([short, longer], [row, torch.full((5,), -1.0)])
     with pytest.raises(ValueError, match=r"^1 Datums but 2 log-prob tensors$"):
         integration.grpo_kl_loss(akl)([datum], [row, row])
+    # the policy's rows in another order than the Datums (padded to one width, they trained on misaligned tokens, as
+    # record_step_kl already refused), and a row of shape (T, 1) (a bare broadcast error)
+    swapped = r"^logprobs\[0\] has 5 values, Datum 0 4 target tokens: the SDK passes one log-prob per target token, "
+    with pytest.raises(ValueError, match=swapped):
+        integration.grpo_kl_loss(akl)([datum, longer], [torch.full((5,), -1.0), row])
+    with pytest.raises(ValueError, match=r"^logprobs\[0\] has shape \(4, 1\), Datum 0 4 target tokens: "):
+        integration.grpo_kl_loss(akl)([datum], [row.view(4, 1)])
     two_outputs = types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(row)}] * 2)
     with pytest.raises(ValueError, match=r"^1 Datums but the result has 2 outputs$"):

@@ -486,6 +486,11 @@ def test_a_shared_field_with_one_kl_off_goes_to_the_other():
     (dict(), {"reward": {"kl_adaptation_method": "target", "kl_target": -1.0}},
      r"^adaptive_kl\.reward\.kl_target=-1\.0 is invalid: allowed is a finite number >= 0"),
     (dict(), {"kl_clip_threshold": -1.0}, r"^adaptive_kl\.kl_clip_threshold=-1\.0 is invalid: allowed is a finite "),
+    # and a method that cannot be parsed, in either block (the top level's was named without its block)
+    (dict(), {"kl_adaptation_method": "clip+sigmoid"},
+     r"^adaptive_kl\.kl_adaptation_method='clip\+sigmoid' is invalid: "),
+    (dict(), {"reward": {"kl_adaptation_method": "clip+sigmoid"}},
+     r"^adaptive_kl\.reward\.kl_adaptation_method='clip\+sigmoid' is invalid: "),
     # verl's fields by verl's names, before any rollout (it said num_iterations=0; a kl type failed at the first
     # update with a bare NotImplementedError)
     (dict(ppo_epochs=0), {}, r"^actor_rollout_ref\.actor\.ppo_epochs=0 is invalid: allowed is an integer >= 1\.$"),
@@ -569,6 +574,44 @@ def test_a_registered_kl_reduction_verl_cannot_aggregate_is_refused_when_the_tra
             _GuardedTrainer(trainer_config(use_kl_in_reward=False, kl_reduction="my_mean"))
     finally:
         reductions.REDUCTIONS.pop("my_mean", None)
+
+
+class _SetUpStub(_StubTrainer):
+    """verl's _setup, as far as the mixin reads it: the run's length, from the dataloader or the config."""
+
+    def _setup(self):
+        self.total_training_steps = 100
+
+
+class _SetUpTrainer(verl_kl.AdaptiveKLTrainerMixin, _SetUpStub):
+    pass
+
+
+def test_a_schedule_cut_off_the_run_ends_before_is_said_as_trls_trainer_says_it():
+    """dynamic's beta_schedule_steps=5000 in a run of 100 steps never acts; TRL's trainer said so at train(), verl's
+    built silently. Now said once its length is known (_setup), with the block the field came from; a cut-off within
+    the run, and the default (1000), are not."""
+    import warnings
+
+    def said(**block):
+        use_kl_loss = "reward" not in block
+        trainer = _SetUpTrainer(trainer_config(use_kl_loss=use_kl_loss, use_kl_in_reward=not use_kl_loss, **block))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if use_kl_loss:  # the workers' loss is set after this check (no workers here): the check alone
+                trainer.total_training_steps = 100
+                trainer._warn_if_schedule_after_run()
+            else:
+                trainer._setup()
+        return [str(w.message) for w in caught]
+
+    assert said(kl_adaptation_method="dynamic", beta_schedule_steps=5000) == [
+        "adaptive_kl.beta_schedule_steps=5000 sets beta = beta_min=0 after 5000 steps, and this run has 100: no step "
+        "trains at it. Set adaptive_kl.beta_schedule_steps below 100 for the cut-off to act, or None for none."]
+    (reward,) = said(reward={"kl_adaptation_method": "dynamic", "beta_schedule_steps": 100})
+    assert reward.startswith("adaptive_kl.reward.beta_schedule_steps=100 sets beta = beta_min=0 after 100 steps")
+    assert said(kl_adaptation_method="dynamic", beta_schedule_steps=99) == []
+    assert said(kl_adaptation_method="dynamic") == []
 
 
 def test_verls_default_reward_estimator_is_the_log_ratio():

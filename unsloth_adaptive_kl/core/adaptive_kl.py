@@ -87,6 +87,8 @@ class AdaptiveKL:
         config.validate_adaptive_kl(beta=beta)  # beta first, then the fields it bounds
         check_whole("num_iterations", num_iterations, 1, "an integer >= 1 (the optimizer passes over each generation "
                     "batch)")
+        if not isinstance(reference_sync, bool):  # "no" is truthy: the sync fields it should refuse would pass
+            raise reject("reference_sync", reference_sync, "True (the loop syncs the reference model) or False")
         if not reference_sync:
             config.refuse_sync_settings("without a reference sync", "AdaptiveKL syncs no reference itself: a "
                                         "trainer's integration does, with sync_ref_model=True")
@@ -425,6 +427,9 @@ class AdaptiveKL:
         elif kind == "target" and kl is not None and math.isnan(getattr(kl, self.config.kl_target_measure)):
             missing = (f"the step's WindowKL has no KL ({self.config.kl_target_measure}=nan, a step that measured "
                        "none): target moves beta from the KL the step measured")
+        elif kind == "target" and kl is not None and not kl.completions:
+            missing = ("the step's WindowKL counts completions=0: target moves beta by e * n / kl_horizon, n the "
+                       "completions the step accounts for, and by nothing where n is 0")
         elif (kind == "target" and kl is None and self.config.kl_in_reward and math.isnan(self.last_raw_kl)
               and (self._scored is None or not self._scored.completions)):  # later steps on a batch read may hold
             missing = ("target moves beta from the KL of the valid tokens of the generation batch scored for the "
@@ -540,6 +545,10 @@ class AdaptiveKL:
         value = state.get("value", 0.0)
         check_real("adaptive KL state: value", value, is_real(value) and 0 <= value < math.inf,
                    "a finite number >= 0 (beta)")
+        if value == 0 < self.beta and controller_kind(self.controller) == "target":
+            # target multiplies beta by at least 1 - 0.2 n / kl_horizon > 0 a step: from 0 it would stay 0, the KL off
+            raise reject("adaptive KL state: value", value, "a number > 0 for target: its multiplicative update "
+                         "never leaves 0, so the KL term would stay off for the rest of the run")
         check_whole("adaptive KL state: completed_steps", completed_steps, 0, "an integer >= 0")
         if not (last_raw_kl is None or (is_real(last_raw_kl) and math.isfinite(last_raw_kl))):
             raise reject("adaptive KL state: last_raw_kl", last_raw_kl, "None or a finite number (the last step's KL)")
@@ -560,7 +569,8 @@ class AdaptiveKL:
     def _check_loaded_beta(self) -> None:
         """A constant beta is the run's own setting: a state's other one is not loaded (a trainer's own KL term
         trains at the run's), saying so. A moving one continues the run, clamped, saying so, into this run's bounds
-        for `dynamic` (beta_min) and `target` (beta_min, beta_max), which a new config may have moved."""
+        for `dynamic` (beta_min and beta, which it only lowers) and `target` (beta_min, beta_max), which a new config
+        may have moved."""
         loaded, kind, config = self.controller.value, controller_kind(self.controller), self.config
         if kind == "constant" and loaded != self.beta:
             self.controller.value = self.beta
@@ -569,12 +579,13 @@ class AdaptiveKL:
                           "is loaded).", UserWarning, stacklevel=3)
         if kind not in ("dynamic", "target"):
             return
-        high = config.beta_max if kind == "target" and config.beta_max is not None else math.inf
+        ceiling = ("beta_max", config.beta_max) if kind == "target" else ("beta", self.beta)
+        high = math.inf if ceiling[1] is None else ceiling[1]
         bounded = min(max(loaded, config.beta_min), high)
         if bounded != loaded:
             self.controller.value = bounded
             warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is outside this run's "
-                          f"beta_min={config.beta_min:g}" + (f", beta_max={high:g}" if high < math.inf else "")
+                          f"beta_min={config.beta_min:g}" + (f", {ceiling[0]}={high:g}" if high < math.inf else "")
                           + f": clamped to {bounded:g}, as {kind} keeps beta within them.", UserWarning, stacklevel=3)
 
 

@@ -440,6 +440,19 @@ class AdaptiveKLConfig:
                 raise reject(name, getattr(self, name), f"{off!r} {where} (the setting acts on the reference sync, "
                              f"which is off); {fix}")
 
+    def schedule_after_run(self, beta: float, run_steps: int, field: str = "beta_schedule_steps") -> Optional[str]:
+        """`dynamic`'s cut-off set where a run of `run_steps` steps (0: not known) ends first, said: beta = beta_min
+        from the step after beta_schedule_steps, so with beta_schedule_steps >= run_steps no step trains at it. None
+        otherwise, and for the default (1000), where the reward alone decays beta. `field`: the name the loop's
+        configuration gives it."""
+        steps = self.beta_schedule_steps
+        if ("dynamic" not in self.kl_methods or beta == 0 or steps is None
+                or steps == FIELD_DEFAULTS["beta_schedule_steps"] or not 0 < run_steps <= steps):
+            return None
+        return (f"{field}={steps} sets beta = beta_min={self.beta_min:g} after {steps} steps, and this run has "
+                f"{run_steps}: no step trains at it. Set {field} below {run_steps} for the cut-off to act, or "
+                "None for none.")
+
     def _beta_held(self, beta: Optional[float]) -> list[str]:
         """What leaves a moving beta where it is, said (with `beta` > 0, or unknown: beta = 0 is said as the KL term
         off): `dynamic` with beta_min = beta (it only lowers beta, down to beta_min) or dynamic_beta_decay = 1 (a

@@ -138,6 +138,20 @@ def _stack(rows: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence([row.to(torch.float32) for row in rows], batch_first=True)
 
 
+def _policy_rows(rows: Sequence[torch.Tensor], data: Sequence["types.Datum"], name: str, source: str) -> torch.Tensor:
+    """The policy's log-prob rows, one 1-D tensor per Datum, as (B, max T_i) (`_stack`). A row that is not its
+    Datum's length (the target tokens') is a ValueError naming `name` (with `{i}` for the row) and `source`, what
+    the rows must be: rows swapped, or another batch's, padded to one width, would pass silently, a valid token
+    reading a log-prob of 0 or another completion's."""
+    for i, (row, datum) in enumerate(zip(rows, data)):
+        tokens = _input(datum, MASK).numel()
+        if not isinstance(row, torch.Tensor) or row.shape != (tokens,):
+            given = (f"type {type(row).__name__}" if not isinstance(row, torch.Tensor) else
+                     f"{row.numel()} values" if row.dim() == 1 else f"shape {tuple(row.shape)}")
+            raise ValueError(f"{name.format(i=i)} has {given}, Datum {i} {tokens} target tokens: {source}")
+    return _stack(rows)
+
+
 def _batch(data: Sequence["types.Datum"], key: str) -> torch.Tensor:
     """loss_fn_inputs[key] of every Datum, (B, max T_i); a ValueError for no Datum (a loop that drops groups of
     equal rewards may drop them all)."""
@@ -296,7 +310,8 @@ class GRPOKLLoss:
             raise ValueError(f"{len(data)} Datums but {len(logprobs)} log-prob tensors")
         self._warn_if_stale()
         old, advantages, mask = (_batch(data, key) for key in (SAMPLING_LOGPROBS, ADVANTAGES, MASK))
-        logps = _stack(logprobs)
+        logps = _policy_rows(logprobs, data, "logprobs[{i}]", "the SDK passes one log-prob per target token, a "
+                             "tensor of shape (T_i,) per Datum, in their order")
         ref = _batch(data, REF_LOGPROBS)  # masked positions may hold anything: the core zeroes them
         check_datum_batch(old, ref, advantages, mask, self.training_step)
         check_completions_fit(self.context, mask, loss_terms(self.config, self.loss_type))
@@ -371,12 +386,8 @@ def record_step_kl(
         raise ValueError(f"{len(data)} Datums but the result has {len(result.loss_fn_outputs)} outputs")
     mask = _batch(data, MASK)
     rows = [output[SAMPLING_LOGPROBS].to_torch().flatten() for output in result.loss_fn_outputs]
-    for i, (row, datum) in enumerate(zip(rows, data)):  # padded to one width, another batch's rows would pass
-        if row.numel() != _input(datum, MASK).numel():
-            raise ValueError(f"result.loss_fn_outputs[{i}]['logprobs'] has {row.numel()} values, Datum {i} "
-                             f"{_input(datum, MASK).numel()} target tokens: the result must be the forward_backward "
-                             "of these Datums, in their order")
-    logps = _stack(rows)
+    logps = _policy_rows(rows, data, "result.loss_fn_outputs[{i}]['logprobs']", "the result must be the "
+                         "forward_backward of these Datums, in their order")
     with torch.no_grad():
         _, metrics = akl.kl_loss(logps, _batch(data, REF_LOGPROBS), mask, max_completion_length=max_completion_length,
                                  token_normalizer=token_normalizer, train=train)

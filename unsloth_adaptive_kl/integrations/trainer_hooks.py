@@ -468,15 +468,9 @@ class ScheduleCheck(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        config, steps = self.trainer.adaptive_kl.config, self.trainer.adaptive_kl.config.beta_schedule_steps
-        if ("dynamic" not in config.kl_methods or self.trainer.beta == 0.0 or steps is None
-                or steps == FIELD_DEFAULTS["beta_schedule_steps"]):
-            return
-        if 0 < state.max_steps <= steps:  # max_steps 0: the run's length is not known
-            warnings.warn(f"adaptive_kl: beta_schedule_steps={steps} sets beta = beta_min={config.beta_min:g} after "
-                          f"{steps} optimizer steps, and this run has {state.max_steps}: no step trains at it. Set "
-                          f"beta_schedule_steps below {state.max_steps} for the cut-off to act, or None for none.",
-                          UserWarning, stacklevel=2)
+        late = self.trainer.adaptive_kl.config.schedule_after_run(self.trainer.beta, state.max_steps)
+        if late is not None:
+            warnings.warn(f"adaptive_kl: {late}", UserWarning, stacklevel=2)
 
 
 class LossHookCheck(TrainerCallback):

@@ -160,6 +160,23 @@ def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:
     return dict(block)
 
 
+def _block(name: str, overrides: dict[str, Any]) -> str:
+    """The block a field's value came from: `adaptive_kl.reward` where `reward` set it (`overrides`), else
+    `adaptive_kl`."""
+    return "adaptive_kl.reward" if name in overrides else "adaptive_kl"
+
+
+def _reads(values: dict[str, Any], overrides: dict[str, Any]) -> Any:
+    """`AdaptiveKLConfig.reads` of `values` (which fields its methods read), a kl_adaptation_method it cannot parse
+    named with its block, as `_config` names a bad field."""
+    config = AdaptiveKLConfig.unvalidated_from(SimpleNamespace(**values))
+    try:
+        config.kl_methods
+    except ValueError as error:
+        raise ValueError(f"{_block('kl_adaptation_method', overrides)}.{error}") from None
+    return config.reads
+
+
 def _config(values: dict[str, Any], overrides: dict[str, Any]) -> AdaptiveKLConfig:
     """AdaptiveKLConfig(**values), a bad value named with its block: `adaptive_kl.reward.` where `reward` set it
     (`overrides`), else `adaptive_kl.`. Its warnings are said once, in verl's terms: a field that has no effect with
@@ -173,14 +190,13 @@ def _config(values: dict[str, Any], overrides: dict[str, Any]) -> AdaptiveKLConf
             name = str(error).split("=", 1)[0]
             if name not in values:  # not one field's error (a combination's): as the core words it
                 raise
-            raise ValueError(f"{'adaptive_kl.reward' if name in overrides else 'adaptive_kl'}.{error}") from None
+            raise ValueError(f"{_block(name, overrides)}.{error}") from None
     for warning in said:
         message = str(warning.message)
         if issubclass(warning.category, KLEstimatorWarning) and config.kl_placement == "loss":
             warn_estimator_issue(K1_IN_LOSS, config.kl_estimator, VERL_BLOCK_FIELDS, stacklevel=3)
         elif " has no effect: only " in message:
-            block = "adaptive_kl.reward" if message.split("=", 1)[0] in overrides else "adaptive_kl"
-            warnings.warn(f"{block}.{message}", warning.category, stacklevel=3)
+            warnings.warn(f"{_block(message.split('=', 1)[0], overrides)}.{message}", warning.category, stacklevel=3)
         else:
             warnings.warn(warning.message, stacklevel=3)
     return config
@@ -217,8 +233,7 @@ def configs_from(block: Any, *, loss_on: bool = True, reward_on: bool = True
     # A shared field goes to the config that reads it; one that only the loss's reads, that neither reads, or that
     # `reward` overrides stays with the loss's, which says so if it does not read it. A field under `reward` is the
     # reward's.
-    loss_reads = AdaptiveKLConfig.unvalidated_from(SimpleNamespace(**fields)).reads
-    reward_reads = AdaptiveKLConfig.unvalidated_from(SimpleNamespace(**reward_fields)).reads
+    loss_reads, reward_reads = _reads(fields, {}), _reads(reward_fields, reward_overrides)
     loss = {name: value for name, value in fields.items()
             if loss_reads(name) or name in reward_overrides or not reward_reads(name)}
     reward = {name: value for name, value in reward_fields.items() if name in reward_overrides or reward_reads(name)}
@@ -704,6 +719,7 @@ class AdaptiveKLTrainerMixin:
                                                   reward_on=bool(config.algorithm.use_kl_in_reward))
         overrides = _plain(_plain(config.get("adaptive_kl")).get("reward"), "adaptive_kl.reward")
         check_before_training(config, loss_config, reward_config, overrides)
+        self._reward_overrides = overrides
         with open_dict(config):  # verl's mode logic (replay buffer, checkpoints) keys on its own mode names
             config.trainer.v1.trainer_mode = self.base_trainer_mode
         super().__init__(config)
@@ -748,11 +764,23 @@ class AdaptiveKLTrainerMixin:
     # -- setup: the adaptive loss on the actor workers
     def _setup(self) -> None:
         super()._setup()
+        self._warn_if_schedule_after_run()
         if self.loss_kl is not None:
             from verl.utils.config import omega_conf_to_dataclass
 
             actor_config = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
             self.actor_rollout_wg.set_loss_fn(AdaptivePPOLoss(actor_config, self.adaptive_kl_config))
+
+    def _warn_if_schedule_after_run(self) -> None:
+        """`dynamic`'s beta_schedule_steps at or past the run's last step (verl's total_training_steps, known once
+        its dataloader is built) is said, for each KL's config, as TRL's trainer says it (`ScheduleCheck`)."""
+        kls = ((self.loss_kl, "adaptive_kl"),
+               (self.reward_kl and self.reward_kl.akl, _block("beta_schedule_steps", self._reward_overrides)))
+        for akl, block in kls:
+            late = akl and akl.config.schedule_after_run(akl.beta, self.total_training_steps,
+                                                         f"{block}.beta_schedule_steps")
+            if late:
+                warnings.warn(late, UserWarning, stacklevel=3)
 
     # -- each step
     def _batch_mean_reward(self, batch: Any) -> Optional[float]:

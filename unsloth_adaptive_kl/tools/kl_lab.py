@@ -25,7 +25,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..core.estimators import estimator_names
+from ..core.config import METHODS
+from ..core.estimators import BUILT_IN_ESTIMATORS, estimator_names
 from ..core.registry import method_names
 from .machine import hardware, source_commit
 from .tabular_lab import (ENVIRONMENTS, ESTIMATORS_HEADER, HEADER, TARGET_HEADER, Training, chosen, default_settings,
@@ -88,12 +89,17 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             raise SystemExit(f"--import {module}: no such module here (the folder the lab runs in, {os.getcwd()}, "
                              "is searched first)")
         importlib.import_module(module)
-    for flag, asked, registered in (("--estimator", args.estimator, estimator_names()),
-                                    ("--method", args.method, method_names())):
+    for flag, asked, registered, built_in in (("--estimator", args.estimator, estimator_names(), BUILT_IN_ESTIMATORS),
+                                              ("--method", args.method, method_names(), METHODS)):
         unknown = [name for name in asked if name not in registered]
         if unknown:
             raise SystemExit(f"{flag} {', '.join(unknown)}: not registered; registered are {', '.join(registered)} "
                              "(register yours in a module named with --import)")
+        # a built-in's added rows would share the table's labels (and results, matched by label) at other settings
+        ours = [name for name in asked if name in built_in]
+        if ours:
+            raise SystemExit(f"{flag} {', '.join(ours)}: built in, and the table has its rows already (--only picks "
+                             f"them); {flag} adds rows for one registered with --import")
     trainer_only = {"--recipe": args.recipe, "--set": args.overrides, "--pad-is-eos": args.pad_is_eos,
                     "--learning-rate": args.learning_rate, "--predict": args.predict}
     tabular_only = {"--estimator": args.estimator, "--method": args.method, "--no-target": args.no_target}
