@@ -404,7 +404,7 @@ def test_the_trainer_sections_carry_no_typed_figure() -> None:
 # hook, from the results file its command wrote. Every page but the changelog (a history of what was measured when).
 SETTINGS_IN_PROSE = {
     "results.md": {"0", "1", "5", "12", "24", "30", "120", "0.04", "0.2", "0.9", "5e-3"},
-    "choosing-a-setting.md": {"0", "1", "2", "5", "8", "30", "64", "100", "120", "1000", "10000", "2019", "0.001",
+    "choosing-a-setting.md": {"0", "1", "2", "5", "8", "12", "30", "64", "100", "120", "1000", "10000", "2019", "0.001",
                               "0.04", "0.2", "0.8", "0.9", "5e-3"},
     "ground-truth.md": {"0", "1"},
     "index.md": set(),

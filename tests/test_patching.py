@@ -359,8 +359,8 @@ def test_an_untested_unsloth_or_unsloth_zoo_whose_anchors_hold_warns_naming_it(t
 
 
 def test_an_anchor_with_another_form_takes_either_and_names_both_when_neither_is_there(tmp_path) -> None:
-    """The luspo reduction is checked in the form of trl >= 1.10 or in trl 1.9.1's (which sums over the padding too):
-    either passes; a source with neither is refused, naming both forms."""
+    """The luspo reduction is checked in the form of trl >= 1.10 or in trl 1.9.1's (which averages over the padding
+    too): either passes; a source with neither is refused, naming both forms."""
     (luspo,) = [anchor for anchor in versions.TRL_ANCHORS if anchor.reason == "the luspo reduction"]
     assert luspo.or_text == ("loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()",)
     for index, form in enumerate((luspo.text, *luspo.or_text)):

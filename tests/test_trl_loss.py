@@ -301,13 +301,36 @@ def run_and_params(tokenizer, output_dir: str, **overrides):
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 
-# trl 1.9.1's luspo sums its per-token loss over every position, padding included
-# (`(per_token_loss * mask.sum(1, keepdim=True)).mean()`, later masked first), so its stock KL counts the padded
-# positions' KL, which this package keeps out (a masked position gives 0, whatever it holds): there `none` is not stock.
+# trl 1.9.1's luspo averages its per-token loss over every position, padding included, each weighted by its
+# completion's length (`(per_token_loss * mask.sum(1, keepdim=True)).mean()`, later masked first), so its stock KL
+# counts the padded positions' KL, which this package keeps out (a masked position gives 0, whatever it holds): there
+# `none` is not stock.
 (UNMASKED_LUSPO,) = next(anchor for anchor in TRL_ANCHORS if anchor.reason == "the luspo reduction").or_text
 STOCK_LOSS_TYPES = [loss_type for loss_type in loss_types()
                     if not (loss_type == "luspo" and UNMASKED_LUSPO in inspect.getsource(
                         trl_patch._stock_function("GRPOTrainer._compute_loss")))]
+
+
+def test_an_adapted_kl_with_luspo_is_refused_where_trl_weights_its_loss_by_length_over_the_padding(tokenizer,
+                                                                                                   tmp_path) -> None:
+    """trl 1.9.1 reduces luspo as (1 / (B T)) sum_i L_i sum_t x_{i,t} over every position, later releases as
+    (1 / B) sum_i S_i; the adapted KL is reduced as the latter, so on 1.9.1 a setting that changes nothing (clip above
+    every KL) trained at another scale than stock, each completion's KL weighted L_i / T apart. There it is refused
+    before training, naming the trl; elsewhere the trainer is built. `none` is the trainer's own term on either."""
+    unmasked = UNMASKED_LUSPO in inspect.getsource(trl_patch._stock_function("GRPOTrainer._compute_loss"))
+    args = dict(loss_type="luspo", importance_sampling_level="sequence", use_bias_correction_kl=False,
+                kl_adaptation_method="clip", kl_clip_threshold=1e3)
+    if unmasked:
+        with pytest.raises(ValueError, match=r"^loss_type='luspo' is invalid: allowed is another loss_type with "
+                                             r"kl_adaptation_method='clip', kl_reduction='loss_type' on trl==1\.9\.1 .*"
+                                             r"Upgrade trl \(luspo's reduction changed in 1\.10\.0\), or use "
+                                             r"kl_adaptation_method='none'"):
+            make_trainer(tokenizer, str(tmp_path / "clip"), **args)
+    else:
+        assert make_trainer(tokenizer, str(tmp_path / "clip"), **args).adaptive_kl.config.kl_adaptation_method == "clip"
+    none = make_trainer(tokenizer, str(tmp_path / "none"), **{**args, "kl_adaptation_method": "none",
+                                                                  "kl_clip_threshold": 1.0})
+    assert none.adaptive_kl.config.is_stock_kl
 
 
 @pytest.mark.parametrize("loss_type", STOCK_LOSS_TYPES)

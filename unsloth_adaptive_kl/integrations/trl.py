@@ -24,7 +24,7 @@ import trl.trainer.grpo_trainer as trl_grpo_trainer
 import trl.trainer.utils as trl_utils
 
 from ..core.adaptation import KLTerm
-from ..core.config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig
+from ..core.config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, reject
 from ..core.numerics import masked_reference
 from ..core.reductions import loss_type_reduction
 from .grpo_loss import LossNormalisers, adapted_loss
@@ -49,11 +49,14 @@ from .versions import (
     TRL_KERNEL_WITHOUT_CPU_PATH,
     TRL_KL_LINE,
     TRL_LOGPS_CALL,
+    TRL_PADDED_LUSPO,
     TRL_REWARD_METRIC,
     Anchor,
     anchor_error,
     check_anchors,
+    describe,
     generation_local,
+    source,
 )
 
 StockGRPOConfig = trl_grpo_config.GRPOConfig
@@ -228,8 +231,31 @@ class BuiltBeforePatch:
             "`import unsloth_adaptive_kl`.")
 
 
+def _refuse_padded_luspo(upstream: Callable) -> Callable:
+    # Wraps GRPOTrainer.__init__ (after `wrap_init`). Where this trl reduces luspo by its padded, length-weighted mean
+    # (TRL_PADDED_LUSPO) and the loss is TRL's own `_compute_loss` (hooked above; Unsloth's generated trainer reduces
+    # luspo by its own loss), an adapted KL, reduced as later releases reduce luspo, would sit at another scale than
+    # the trainer's own KL term: a setting that changes nothing would not train as stock. Refused before training.
+    @functools.wraps(upstream)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        upstream(self, *args, **kwargs)
+        config = self.adaptive_kl.config
+        if (self.loss_type == "luspo" and self.beta != 0.0 and not config.is_stock_kl and not config.kl_in_reward
+                and getattr(type(self), "_compute_loss", None) is _compute_loss
+                and TRL_PADDED_LUSPO in source(_stock_compute_loss)):
+            raise reject("loss_type", "luspo", f"another loss_type with kl_adaptation_method="
+                         f"{config.kl_adaptation_method!r}, kl_reduction={config.kl_reduction!r} on "
+                         f"{describe('trl')}: this trl's luspo averages its loss over every position, padding "
+                         "included, each weighted by its completion's length, and the adapted KL is reduced as later "
+                         "releases reduce luspo (the mean over completions of each one's summed KL), at another "
+                         "scale than this trl's own KL term. Upgrade trl (luspo's reduction changed in 1.10.0), or "
+                         "use kl_adaptation_method='none' (this trl's own term)")
+
+    return __init__
+
+
 # Built once, so that patch() after unpatch() installs the very same objects.
-_init = wrap_init(_stock_init)
+_init = _refuse_padded_luspo(wrap_init(_stock_init))
 _generate_and_score_completions = wrap_generate_and_score(_stock_generate_and_score, _missing(TRL_REWARD_METRIC))
 _calculate_rewards = wrap_calculate_rewards(_stock_calculate_rewards, lambda name: anchor_error("trl", generation_local(name)))
 _save_checkpoint = wrap_save_checkpoint(_stock_save_checkpoint)

@@ -99,6 +99,9 @@ TRL_SYNC_MIX = Anchor("SyncRefModelCallback._sync_target_model",
 # The locals of `_generate_and_score_completions` read where it calls `_calculate_rewards` (kl_placement="reward").
 GENERATION_LOCALS = ("old_per_token_logps", "sampling_per_token_logps", "ref_per_token_logps", "completion_mask",
                      "tool_mask")
+# trl 1.9.1's luspo reduction: the mean over every position, padding included, of the per-token loss times its
+# completion's length, (1 / (B T)) sum_i L_i sum_t x_{i,t} (1.10.0 on: (1 / B) sum_i sum_t m_{i,t} x_{i,t}).
+TRL_PADDED_LUSPO = "loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()"
 TRL_ANCHORS = (
     TRL_KL_LINE,
     TRL_LOGPS_CALL,
@@ -112,9 +115,9 @@ TRL_ANCHORS = (
            "the grpo/sapo reduction"),
     Anchor("GRPOTrainer._compute_loss", "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
            "the bnpo reduction"),
-    # trl 1.9.1 sums luspo's loss over every position, padding included (docs/methods.md names the exception)
+    # trl 1.9.1 averages luspo's loss over every position, padding included, weighted by length (docs/methods.md)
     Anchor("GRPOTrainer._compute_loss", "loss = (per_token_loss * mask).sum(-1).mean()", "the luspo reduction",
-           or_text=("loss = (per_token_loss * mask.sum(1, keepdim=True)).mean()",)),
+           or_text=(TRL_PADDED_LUSPO,)),
     Anchor("GRPOTrainer._compute_loss",
            "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
            "the dr_grpo reduction"),
