@@ -854,9 +854,12 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
                f"{driver}, {device['precision']}): " in text and "not a GPU result" not in text
     else:
         assert f" on a CPU ({device['name']}, {device['cores']} cores; **not a GPU result**): " in text
-    seconds = re.search(r"`, (\d+) s in all\. Versions: (.*)\.$", text)
+    seconds = re.search(r"`, (\d+) s in all\. Versions: (.*?)\. (Outside the tested ranges: .*|Each of its .*)$", text)
     fixed(seconds[1], data["seconds"], 0)
     assert seconds[2] == versions_line(data)
+    # the versions outside the CPU matrix's ranges, by name: torch 2.11.0 (the GPU image's) against >=2.13.0
+    assert seconds[3] == ("Outside the tested ranges: torch 2.11.0 (tested: `>=2.13.0,<=2.15.0`); the GPU results were "
+                          "taken on a version the CPU matrix does not run.")
 
 
 @pytest.mark.parametrize("source", ["committed", "made up", "dry run"])

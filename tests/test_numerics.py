@@ -16,6 +16,7 @@ import torch.fx
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, NonFiniteLogProbError
 from unsloth_adaptive_kl.core.reductions import ReductionContext
+from unsloth_adaptive_kl.core.controllers import WindowKL
 from unsloth_adaptive_kl.core.estimators import estimate_kl
 from unsloth_adaptive_kl.core.numerics import in_float32, keep_valid
 from unsloth_adaptive_kl.core.statistics import NAMES, KLStatistics
@@ -399,15 +400,36 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
 
 
 def test_a_target_state_at_beta_0_is_refused_where_the_run_has_a_kl_term() -> None:
-    """target's update multiplies beta by at least 1 - 0.2 n / kl_horizon > 0: a loaded 0 would hold the KL term off
-    for the rest of a run whose beta is > 0, without a word. It is refused, and nothing of the state is loaded."""
+    """target's update multiplies beta: from a loaded 0 the KL term stayed off for the rest of a run whose beta is
+    > 0, without a word. With beta_min=0 it is refused, and nothing of the state is loaded; with beta_min > 0 the
+    clamp lifts it to beta_min, saying so."""
     saved = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1).state_dict()
     saved["value"], saved["completed_steps"] = 0.0, 7
     runtime = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1)
     with pytest.raises(ValueError, match=r"^adaptive KL state: value=0\.0 is invalid: allowed is a number > 0 for "
-                                         r"target: its multiplicative update never leaves 0"):
+                                         r"target with beta_min=0: its multiplicative update never leaves 0"):
         runtime.load_state_dict(saved)
     assert (runtime.current_beta, runtime.completed_steps) == (0.1, 0)
+    floored = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1, beta_min=0.01), 0.1)
+    with pytest.warns(UserWarning, match=r"beta 0 is outside this run's beta_min=0\.01: clamped to 0\.01"):
+        floored.load_state_dict(saved)
+    assert (floored.current_beta, floored.completed_steps) == (0.01, 7)
+
+
+def test_target_says_when_its_beta_underflows_to_0() -> None:
+    """n / kl_horizon = 4.9 (under check_horizon's 5) multiplies beta by 1 - 0.2 * 4.9 = 0.02 a step while the KL is
+    below the target: 0.1 * 0.02^k reaches float64's smallest number and then 0 (from which it never returns) within
+    200 steps, the KL term then off without a word. Said once, at the step it happens."""
+    akl = AdaptiveKL(config(kl_adaptation_method="target", kl_target=1.0, kl_horizon=10.0), 0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        betas = [akl.step(kl=WindowKL(0.01, 0.01, 49.0)) for _ in range(200)]
+    zero = betas.index(0.0)
+    assert betas[zero - 1] > 0 and set(betas[zero:]) == {0.0}
+    said = [str(w.message) for w in caught if "underflowed" in str(w.message)]
+    assert said == [f"adaptive KL: target's beta underflowed to 0 at step {zero + 1} (beta_min=0): its multiplicative "
+                    "update never leaves 0, so the KL term is off for the rest of the run. Set beta_min > 0 for a "
+                    "floor, or a larger kl_horizon for smaller updates."]
 
 
 def test_a_format_5_state_without_the_old_policys_sum_loads_it_as_0() -> None:

@@ -933,8 +933,9 @@ def test_completion_datum_takes_the_integer_ids_tokenizers_give() -> None:
 def test_mismatched_batches_are_refused_not_broadcast() -> None:
     """Every count must agree, and the error names the two: a Datum input of another length than target_tokens (T = 4
     here, 3 given; in a batch with a longer Datum, padding would hide it and misalign the tokens), log-prob tensors /
-    result outputs / rewards of another count than the Datums, a policy row of another length than its Datum (one reward for two Datums would broadcast to both);
-    and the custom loss refuses the reward placement (its KL would be computed in the loss as well)."""
+    result outputs / rewards of another count than the Datums (one reward for two Datums would broadcast to both), a
+    policy row of another length than its Datum; and the custom loss refuses the reward placement (its KL would be
+    computed in the loss as well)."""
     datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 0.0, 1.0, 1.0]))
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)

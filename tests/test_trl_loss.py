@@ -311,26 +311,42 @@ STOCK_LOSS_TYPES = [loss_type for loss_type in loss_types()
                         trl_patch._stock_function("GRPOTrainer._compute_loss")))]
 
 
-def test_an_adapted_kl_with_luspo_is_refused_where_trl_weights_its_loss_by_length_over_the_padding(tokenizer,
-                                                                                                   tmp_path) -> None:
+def test_an_adapted_kl_with_luspo_is_refused_where_trl_weights_its_loss_by_length_over_the_padding(
+        tokenizer, tmp_path, monkeypatch) -> None:
     """trl 1.9.1 reduces luspo as (1 / (B T)) sum_i L_i sum_t x_{i,t} over every position, later releases as
     (1 / B) sum_i S_i; the adapted KL is reduced as the latter, so on 1.9.1 a setting that changes nothing (clip above
     every KL) trained at another scale than stock, each completion's KL weighted L_i / T apart. There it is refused
-    before training, naming the trl; elsewhere the trainer is built. `none` is the trainer's own term on either."""
+    before training, naming the trl and the adapted fields, for GRPOTrainer and a subclass whose _compute_loss calls
+    the hooked one; elsewhere the trainer is built. `none`, the KL in the reward (no KL term in the loss) and beta 0
+    are built on either."""
+    import trl
+
     unmasked = UNMASKED_LUSPO in inspect.getsource(trl_patch._stock_function("GRPOTrainer._compute_loss"))
-    args = dict(loss_type="luspo", importance_sampling_level="sequence", use_bias_correction_kl=False,
-                kl_adaptation_method="clip", kl_clip_threshold=1e3)
-    if unmasked:
-        with pytest.raises(ValueError, match=r"^loss_type='luspo' is invalid: allowed is another loss_type with "
-                                             r"kl_adaptation_method='clip', kl_reduction='loss_type' on trl==1\.9\.1 .*"
-                                             r"Upgrade trl \(luspo's reduction changed in 1\.10\.0\), or use "
-                                             r"kl_adaptation_method='none'"):
-            make_trainer(tokenizer, str(tmp_path / "clip"), **args)
-    else:
-        assert make_trainer(tokenizer, str(tmp_path / "clip"), **args).adaptive_kl.config.kl_adaptation_method == "clip"
-    none = make_trainer(tokenizer, str(tmp_path / "none"), **{**args, "kl_adaptation_method": "none",
-                                                                  "kl_clip_threshold": 1.0})
-    assert none.adaptive_kl.config.is_stock_kl
+    args = dict(loss_type="luspo", importance_sampling_level="sequence", use_bias_correction_kl=False)
+    adapted = dict(args, kl_adaptation_method="clip", kl_clip_threshold=1e3)
+
+    class Subclass(trl.GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs)
+
+    for trainer_class in (trl.GRPOTrainer, Subclass):
+        monkeypatch.setattr(trl, "GRPOTrainer", trainer_class)
+        folder = str(tmp_path / trainer_class.__name__)
+        if unmasked:
+            with pytest.raises(ValueError, match=r"^loss_type='luspo' is invalid: allowed is another loss_type with "
+                                                 r"kl_adaptation_method='clip' on trl==1\.9\.1 .* Upgrade trl \(luspo's "
+                                                 r"reduction changed in 1\.10\.0\), put the KL in the reward "
+                                                 r"\(kl_placement='reward'\), or leave kl_adaptation_method='clip' "
+                                                 r"unset \(this trl's own term\)\.$"):
+                make_trainer(tokenizer, folder, **adapted)
+        else:
+            assert make_trainer(tokenizer, folder, **adapted).adaptive_kl.config.kl_adaptation_method == "clip"
+    monkeypatch.undo()
+    for label, settings in {"none": args, "reward": dict(adapted, kl_placement="reward", kl_clip_threshold=1.0),
+                            "beta 0": dict(adapted, beta=0.0)}.items():
+        with warnings.catch_warnings():  # beta 0 warns that the settings have no effect
+            warnings.simplefilter("ignore")
+            assert make_trainer(tokenizer, str(tmp_path / label), **settings).loss_type == "luspo", label
 
 
 @pytest.mark.parametrize("loss_type", STOCK_LOSS_TYPES)

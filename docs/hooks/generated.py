@@ -14,8 +14,8 @@ returns. An unknown name fails the build. Sources:
   `docs/results/NAME/summary.json`, written by the demo;
 - `value FILE:PATHS:FORMAT`: one figure (or the range of several) of any committed results file;
 - `ci_record`: `docs/results/ci.json`, the record `.ci/run` writes (`.ci-record.json`);
-- `gpu_check`, `gpu_check_summary`, `gpu_cost`, `gpu_loss`, `gpu_measured`: `docs/results/gpu/*.json`, written by
-  `.ci/gpu/run`;
+- `gpu_check`, `gpu_check_summary`, `gpu_cost`, `gpu_loss`, `gpu_measured`, `gpu_untested`: `docs/results/gpu/*.json`,
+  written by `.ci/gpu/run`;
 - `kl_lab ENVIRONMENT`, `kl_lab_target`, `kl_lab_estimators`, `kl_lab_run`, `kl_lab_tables_show`,
   `kl_lab_target_reading`:
   `docs/results/kl_lab.json`, written by the KL lab (the sentences are `tabular_findings`');
@@ -655,7 +655,25 @@ def gpu_check(_: Optional[str] = None) -> str:
             rows.append([f"`{name}`", f"{scenario['seconds']:.0f}",
                          "<br>".join(_check_line(c) for c in scenario["checks"])])
     return (f"The {kind} of {data['date']} on {_device(data)}: `{data['command']}`, {data['seconds']:.0f} s in all. "
-            f"Versions: {_versions(data)}.\n\n" + _table(["scenario", "seconds", "checks"], rows))
+            f"Versions: {_versions(data)}. {gpu_untested()}\n\n" + _table(["scenario", "seconds", "checks"], rows))
+
+
+def gpu_untested(_: Optional[str] = None) -> str:
+    """Which versions of docs/results/gpu/check.json lie outside `versions.TESTED` (the CPU matrix's ranges), in a
+    sentence: the GPU machine's image is not chosen by this project."""
+    from packaging.version import Version
+
+    from unsloth_adaptive_kl.integrations.versions import TESTED, tested_range
+
+    data = _gpu("check.json")
+    if data is None:
+        return ""
+    outside = [f"{name} {version} (tested: `{tested_range(name)}`)" for name, version in data["versions"].items()
+               if name in TESTED and version is not None and Version(version) not in TESTED[name]]
+    if not outside:
+        return "Each of its versions is within the tested ranges."
+    return ("Outside the tested ranges: " + ", ".join(outside) + "; the GPU results were taken on a version the CPU "
+            "matrix does not run.")
 
 
 def gpu_check_summary(_: Optional[str] = None) -> str:
@@ -849,6 +867,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "self_check": self_check,
     "gpu_check": gpu_check,
     "gpu_check_summary": gpu_check_summary,
+    "gpu_untested": gpu_untested,
     "gpu_cost": gpu_cost,
     "gpu_loss": gpu_loss,
     "gpu_measured": gpu_measured,

@@ -545,10 +545,11 @@ class AdaptiveKL:
         value = state.get("value", 0.0)
         check_real("adaptive KL state: value", value, is_real(value) and 0 <= value < math.inf,
                    "a finite number >= 0 (beta)")
-        if value == 0 < self.beta and controller_kind(self.controller) == "target":
-            # target multiplies beta by at least 1 - 0.2 n / kl_horizon > 0 a step: from 0 it would stay 0, the KL off
-            raise reject("adaptive KL state: value", value, "a number > 0 for target: its multiplicative update "
-                         "never leaves 0, so the KL term would stay off for the rest of the run")
+        if value == 0 == self.config.beta_min < self.beta and controller_kind(self.controller) == "target":
+            # target multiplies beta a step: from 0 it would stay 0, the KL off (with beta_min > 0 the clamp lifts it)
+            raise reject("adaptive KL state: value", value, "a number > 0 for target with beta_min=0: its "
+                         "multiplicative update never leaves 0, so the KL term would stay off for the rest of the run "
+                         "(set beta_min > 0 to resume from it at that floor)")
         check_whole("adaptive KL state: completed_steps", completed_steps, 0, "an integer >= 0")
         if not (last_raw_kl is None or (is_real(last_raw_kl) and math.isfinite(last_raw_kl))):
             raise reject("adaptive KL state: last_raw_kl", last_raw_kl, "None or a finite number (the last step's KL)")

@@ -168,6 +168,11 @@ class TargetKL(ConstantBeta):
             return
         error = min(max(kl / config.kl_target - 1.0, -0.2), 0.2)
         value = max(self.value * (1.0 + error * window.completions / config.kl_horizon), config.beta_min)
+        if value == 0 < self.value:  # float underflow (beta_min = 0): from 0 a multiplicative update never returns
+            warnings.warn(f"adaptive KL: target's beta underflowed to 0 at step {completed_steps} (beta_min=0): its "
+                          "multiplicative update never leaves 0, so the KL term is off for the rest of the run. Set "
+                          "beta_min > 0 for a floor, or a larger kl_horizon for smaller updates.", UserWarning,
+                          stacklevel=2)
         self.value = value if config.beta_max is None else min(value, config.beta_max)
 
 

@@ -97,7 +97,8 @@ class KLStatistics:
             raise FloatingPointError(
                 f"adaptive KL: non-finite KL at step {step}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
                 "The policy and reference log-probs are finite on valid tokens, so the KL itself is not: an "
-                "estimator that exponentiates the log-ratio (k2, k3) overflowed float32 where they diverged, or a "
+                "estimator that exponentiates the log-ratio (k3, k3+, k3_bottom_percentile) overflowed float32 where "
+                "they diverged, or a "
                 "per-token KL handed in (per_token_kl, a trainer's own) holds a NaN or inf on a valid token.")
         values = {"raw_kl": raw_kl, "adapted_kl": adapted_kl, "current_beta": beta,
                   "sequence_kl": self.kl / self.completions if self.completions else math.nan,

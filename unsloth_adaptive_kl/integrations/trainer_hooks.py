@@ -27,7 +27,7 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from ..core.adaptation import neutral_where_empty
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.config import FIELD_DEFAULTS, AdaptiveKLConfig, check_real, check_whole, is_real, reject
+from ..core.config import AdaptiveKLConfig, check_real, check_whole, is_real, reject
 from ..core.controllers import check_horizon
 from ..core.numerics import valid_positions
 from .patching import PatchSet

@@ -233,23 +233,23 @@ class BuiltBeforePatch:
 
 def _refuse_padded_luspo(upstream: Callable) -> Callable:
     # Wraps GRPOTrainer.__init__ (after `wrap_init`). Where this trl reduces luspo by its padded, length-weighted mean
-    # (TRL_PADDED_LUSPO) and the loss is TRL's own `_compute_loss` (hooked above; Unsloth's generated trainer reduces
-    # luspo by its own loss), an adapted KL, reduced as later releases reduce luspo, would sit at another scale than
-    # the trainer's own KL term: a setting that changes nothing would not train as stock. Refused before training.
+    # (TRL_PADDED_LUSPO), an adapted KL in the loss, reduced as later releases reduce luspo, would sit at another
+    # scale than the trainer's own KL term: a setting that changes nothing would not train as stock. Refused before
+    # training. (Unsloth's generated trainer, which reduces luspo by its own loss, is not a GRPOTrainer subclass: its
+    # __init__ is hooked in integrations/unsloth.py.)
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         upstream(self, *args, **kwargs)
         config = self.adaptive_kl.config
         if (self.loss_type == "luspo" and self.beta != 0.0 and not config.is_stock_kl and not config.kl_in_reward
-                and getattr(type(self), "_compute_loss", None) is _compute_loss
                 and TRL_PADDED_LUSPO in source(_stock_compute_loss)):
-            raise reject("loss_type", "luspo", f"another loss_type with kl_adaptation_method="
-                         f"{config.kl_adaptation_method!r}, kl_reduction={config.kl_reduction!r} on "
-                         f"{describe('trl')}: this trl's luspo averages its loss over every position, padding "
-                         "included, each weighted by its completion's length, and the adapted KL is reduced as later "
-                         "releases reduce luspo (the mean over completions of each one's summed KL), at another "
-                         "scale than this trl's own KL term. Upgrade trl (luspo's reduction changed in 1.10.0), or "
-                         "use kl_adaptation_method='none' (this trl's own term)")
+            adapted = ", ".join(config.adapted_fields())
+            raise reject("loss_type", "luspo", f"another loss_type with {adapted} on {describe('trl')}: this trl's "
+                         "luspo averages its loss over every position, padding included, each weighted by its "
+                         "completion's length, and the adapted KL is reduced as later releases reduce luspo (the mean "
+                         "over completions of each one's summed KL), at another scale than this trl's own KL term. "
+                         "Upgrade trl (luspo's reduction changed in 1.10.0), put the KL in the reward "
+                         f"(kl_placement='reward'), or leave {adapted} unset (this trl's own term)")
 
     return __init__
 
