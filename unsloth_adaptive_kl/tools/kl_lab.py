@@ -89,17 +89,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             raise SystemExit(f"--import {module}: no such module here (the folder the lab runs in, {os.getcwd()}, "
                              "is searched first)")
         importlib.import_module(module)
-    for flag, asked, registered, built_in in (("--estimator", args.estimator, estimator_names(), BUILT_IN_ESTIMATORS),
-                                              ("--method", args.method, method_names(), METHODS)):
+    for flag, asked, registered in (("--estimator", args.estimator, estimator_names()),
+                                    ("--method", args.method, method_names())):
         unknown = [name for name in asked if name not in registered]
         if unknown:
             raise SystemExit(f"{flag} {', '.join(unknown)}: not registered; registered are {', '.join(registered)} "
                              "(register yours in a module named with --import)")
-        # a built-in's added rows would share the table's labels (and results, matched by label) at other settings
-        ours = [name for name in asked if name in built_in]
-        if ours:
-            raise SystemExit(f"{flag} {', '.join(ours)}: built in, and the table has its rows already (--only picks "
-                             f"them); {flag} adds rows for one registered with --import")
     trainer_only = {"--recipe": args.recipe, "--set": args.overrides, "--pad-is-eos": args.pad_is_eos,
                     "--learning-rate": args.learning_rate, "--predict": args.predict}
     tabular_only = {"--estimator": args.estimator, "--method": args.method, "--no-target": args.no_target}
@@ -108,6 +103,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         raise SystemExit(f"{', '.join(unused)}: not read with --trainer {args.trainer} (" + (
             "the trainers' table runs its own settings; use --only to pick rows" if args.trainer != "tabular"
             else "only with --trainer trl, unsloth or both") + ")")
+    for flag, asked, built_in in (("--estimator", args.estimator, BUILT_IN_ESTIMATORS), ("--method", args.method, METHODS)):
+        # a built-in's added rows would share the table's labels (and results, matched by label) at other settings
+        ours = [name for name in asked if name in built_in]
+        if ours:
+            raise SystemExit(f"{flag} {', '.join(ours)}: built in, and the table has its rows already (--only picks "
+                             f"them); {flag} adds rows for one registered with --import")
     if args.predict:
         given = {"--recipe": args.recipe, "--learning-rate": args.learning_rate is not None,
                  "--steps": args.steps is not None, "--only": args.only, "--json": args.json,
