@@ -343,7 +343,7 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
         try:
             check_horizon(settings, completions)
         except ValueError as error:
-            where = "adaptive_kl.reward" if kl == "reward" and "kl_horizon" in reward_block else "adaptive_kl"
+            where = _block("kl_horizon", reward_block) if kl == "reward" else "adaptive_kl"
             raise ValueError(f"{where}.{str(error).rstrip('.')}; here n is data.train_batch_size x "
                              "actor_rollout_ref.rollout.n.") from None
 
@@ -402,8 +402,8 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
         except ValueError as error:  # the core calls the coefficient `beta`, the block's fields by their own names
             bound = str(error).split("=", 1)[0]
             if bound in ("beta_min", "beta_max"):
-                block = "adaptive_kl.reward" if bound in overrides else "adaptive_kl"
-                raise ValueError(f"{block}.{error} Here beta is {coefficient}={beta!r}.") from None
+                message = f"{_block(bound, overrides)}.{error} Here beta is {coefficient}={beta!r}."
+                raise ValueError(message) from None
             raise
 
 
@@ -753,7 +753,7 @@ class AdaptiveKLTrainerMixin:
                     "leave trainer_mode unset for verl's own.")
             self.reward_kl = RewardKLController(
                 reward_config, beta=config.algorithm.kl_ctrl.kl_coef, overrides=overrides,
-                field="adaptive_kl.reward" if "kl_adaptation_method" in overrides else "adaptive_kl",
+                field=_block("kl_adaptation_method", overrides),
                 loss_on=bool(actor.use_kl_loss))
             self.kl_ctrl_in_reward = self.reward_kl
         if self.loss_kl is None and self.reward_kl is None:
