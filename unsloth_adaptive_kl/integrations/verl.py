@@ -777,9 +777,10 @@ class AdaptiveKLTrainerMixin:
         kls = ((self.loss_kl, "adaptive_kl"),
                (self.reward_kl and self.reward_kl.akl, _block("beta_schedule_steps", self._reward_overrides)))
         for akl, block in kls:
-            late = akl and akl.config.schedule_after_run(akl.beta, self.total_training_steps,
-                                                         f"{block}.beta_schedule_steps")
-            if late:
+            if akl is None:  # that KL is off
+                continue
+            late = akl.config.schedule_after_run(akl.beta, self.total_training_steps, f"{block}.beta_schedule_steps")
+            if late is not None:
                 warnings.warn(late, UserWarning, stacklevel=3)
 
     # -- each step

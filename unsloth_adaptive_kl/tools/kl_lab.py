@@ -103,7 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         raise SystemExit(f"{', '.join(unused)}: not read with --trainer {args.trainer} (" + (
             "the trainers' table runs its own settings; use --only to pick rows" if args.trainer != "tabular"
             else "only with --trainer trl, unsloth or both") + ")")
-    for flag, asked, built_in in (("--estimator", args.estimator, BUILT_IN_ESTIMATORS), ("--method", args.method, METHODS)):
+    for flag, asked, built_in in (("--estimator", args.estimator, BUILT_IN_ESTIMATORS),
+                                  ("--method", args.method, METHODS)):
         # a built-in's added rows would share the table's labels (and results, matched by label) at other settings
         ours = [name for name in asked if name in built_in]
         if ours:
