@@ -1292,6 +1292,8 @@ def test_integer_log_probs_are_refused_naming_the_tensor(name: str) -> None:
 @pytest.mark.parametrize(("fields", "message"), [
     ((0.1, 0.1, math.nan), "WindowKL.completions=nan is invalid: allowed is a finite number >= 0 (the completions "
                            "the step accounts for)."),
+    ((0.1, 0.1, -0.5), "WindowKL.completions=-0.5 is invalid: allowed is a finite number >= 0 (the completions the "
+                       "step accounts for)."),
     ((0.1, 0.1, -1.0), "WindowKL.completions=-1.0 is invalid: allowed is a finite number >= 0 (the completions the "
                        "step accounts for)."),
     ((math.inf, 0.1, 3.0), "WindowKL.token_mean=inf is invalid: allowed is a finite number, or NaN where the step "

@@ -124,11 +124,25 @@ def test_combination_applies_shaping_before_length_normalisation() -> None:
     assert sigmoid_then_length.adapted.item() == pytest.approx((row0 + row1) / 2, rel=1e-6)
 
 
-def test_empty_completion_does_not_divide_by_zero() -> None:
+# The same by hand with completion 0 empty: sums 0 (L=0) and 3.0 (L=1); 1 token in all. The empty completion counts
+# as one completion (B = 2) and adds no token: bnpo divides by 1, not by max(L_i, 1) summed (2).
+EMPTY_FIRST_REDUCTIONS = {
+    **dict.fromkeys(("grpo", "sapo"), (0.0 + 3.0 / 1) / 2),  # the mean of S_i / max(L_i, 1)
+    "luspo": (0.0 + 3.0) / 2,
+    "bnpo": 3.0 / 1,
+    "dr_grpo": 3.0 / (2 * 4),
+    **dict.fromkeys(("dapo", "cispo", "vespo"), 3.0 / 5.0),
+}
+
+
+@pytest.mark.parametrize("loss_type", sorted(EMPTY_FIRST_REDUCTIONS))
+def test_empty_completion_does_not_divide_by_zero(loss_type: str) -> None:
     mask = torch.tensor([[0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    for loss_type in HAND_REDUCTIONS:
-        term = adapted_kl_term(KL, mask, config("sigmoid+length_normalized"), loss_type, CTX)
-        assert math.isfinite(term.adapted.item()) and math.isfinite(term.raw.item())
+    assert reduce_kl(KL, mask, loss_type_reduction(loss_type), CTX).item() == pytest.approx(
+        EMPTY_FIRST_REDUCTIONS[loss_type], rel=1e-6)
+    term = adapted_kl_term(KL, mask, config("sigmoid+length_normalized"), loss_type, CTX)
+    assert math.isfinite(term.adapted.item()) and math.isfinite(term.raw.item())
+    assert set(EMPTY_FIRST_REDUCTIONS) == set(loss_types())
 
 
 def test_non_finite_values_at_padded_positions_do_not_leak() -> None:

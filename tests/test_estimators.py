@@ -152,6 +152,16 @@ def test_callable_estimator_is_used() -> None:
     assert "k3_bottom_percentile" in estimator_names()
 
 
+def test_any_nonzero_mask_entry_is_a_valid_position() -> None:
+    """estimate_kl's mask: an entry of 0.25 marks a valid token (its log-probs kept), 0 a masked one (a NaN there
+    gives 0). Position 0: ref - logp = -0.5; position 1: ref - logp = 1, so k1 = -1 and k3 = e - 2."""
+    logp, ref, mask = torch.tensor([[-1.0, -2.0, math.nan]]), torch.tensor([[-1.5, -1.0, 5.0]]), torch.tensor(
+        [[1.0, 0.25, 0.0]])
+    assert estimate_kl(logp, ref, mask, config_of("k1")).tolist() == [[0.5, -1.0, 0.0]]
+    assert estimate_kl(logp, ref, mask, config_of("k3"))[0].tolist() == pytest.approx(
+        [math.exp(-0.5) + 0.5 - 1.0, math.e - 2.0, 0.0], rel=1e-6)
+
+
 @pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
 def test_kl_reduction_overrides_loss_type_by_hand(loss_type: str) -> None:
     # masked sums 2.6 (L=3) and 3.0 (L=1)

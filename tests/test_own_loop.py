@@ -388,6 +388,13 @@ def test_a_completion_without_tokens_gets_its_groups_mean_penalty_with_group_siz
     twice = AdaptiveKL(config, beta=BETA).reward_penalty(logps, ref, mask, group_size=4,
                                                          gather=lambda tensor: torch.cat([tensor, tensor]))[0]
     torch.testing.assert_close(twice[1], (by_hand[0] + by_hand[2] + by_hand[3]) / 3)  # the group of 0..3
+    # a group none of whose completions has a token: 0 each (no mean to carry), not 0 / 0
+    empty_group = mask.clone()
+    empty_group[:3] = 0.0
+    expected = by_hand.clone()
+    expected[:3] = 0.0
+    torch.testing.assert_close(AdaptiveKL(config, beta=BETA).reward_penalty(logps, ref, empty_group, group_size=3)[0],
+                               expected, rtol=0, atol=0)
     for bad in (0, 4, 2.0, True, "3"):
         with pytest.raises(ValueError, match=rf"^group_size={bad!r} is invalid: allowed is an integer >= 1 that "
                                              r"divides the 6 completions"):
