@@ -95,25 +95,27 @@ def scored_batch(trainer: Any, logps: Callable[[Any, dict], torch.Tensor] = plai
     return captured
 
 
-@pytest.mark.parametrize(("scale_rewards", "reduction", "estimator"),
-                         [("group", "sequence_sum", None), ("batch", "sequence_sum", None), ("none", "sequence_sum", None),
-                          ("group", "sequence_mean", None), ("group", "loss_type", None),
-                          ("group", "sequence_sum", "k3")])
+@pytest.mark.parametrize(("scale_rewards", "reduction", "estimator", "weight"),
+                         [("group", "sequence_sum", None, 1.0), ("batch", "sequence_sum", None, 1.0),
+                          ("none", "sequence_sum", None, 1.0), ("group", "sequence_mean", None, 1.0),
+                          ("group", "loss_type", None, 1.0), ("group", "sequence_sum", "k3", 1.0),
+                          ("none", "sequence_sum", None, 2.0)])
 def test_advantages_are_the_formula_of_penalised_rewards(tokenizer, tmp_path, scale_rewards: str, reduction: str,
-                                                         estimator: Any) -> None:
+                                                         estimator: Any, weight: float) -> None:
     """GRPOConfig(kl_placement="reward") penalises each completion by beta * its summed k1 (logp - ref, the
     placement's default: SPEC 3.12) computed by hand from the trainer's policy and reference log-probs of the batch;
-    k3 named explicitly warns and penalises by the summed k3."""
+    k3 named explicitly warns and penalises by the summed k3. The reward function's weight (`reward_weights`) scales
+    its rewards, not the penalty: with weight 2 the penalty column weighed 2 would double it."""
     rewards: list[float] = []
     beta = 0.5
     with k3_in_the_reward() if estimator == "k3" else contextlib.nullcontext():
         trainer = make_trainer(tokenizer, str(tmp_path), recording(hash_reward, rewards), per_device_train_batch_size=8,
                                max_steps=1, beta=beta, scale_rewards=scale_rewards, kl_reduction=reduction,
-                               kl_estimator=estimator, **REWARD)
+                               kl_estimator=estimator, reward_weights=[weight], **REWARD)
     assert trainer.adaptive_kl.config.estimator == (estimator or "k1")
     perturb_adapters(trainer.model)
     batch = scored_batch(trainer)
-    r = torch.tensor(rewards[:8], dtype=torch.float64)
+    r = weight * torch.tensor(rewards[:8], dtype=torch.float64)
     logps, ref, mask = batch["policy_logps"], batch["ref_per_token_logps"], batch["completion_mask"]
     kl = completion_kl_by_hand(logps, ref, mask, reduction, estimator or "k1")
     expected = expected_advantages(r, kl, beta, group=4, scale_rewards=scale_rewards)
@@ -374,6 +376,23 @@ def test_loss_placement_is_stock_over_a_real_run(tokenizer, tmp_path) -> None:
         torch.testing.assert_close(patched_params[name], value, rtol=0, atol=1e-6)
 
 
+def test_the_reward_placement_at_beta_0_warns_once_and_trains_as_stock(tokenizer, tmp_path) -> None:
+    """beta 0 computes no reference log-probs, so there is no KL to put in the rewards: the reward placement warns
+    that it has no effect and trains as stock TRL at beta 0 (same weights), logging no adaptive_kl metric."""
+    from unsloth_adaptive_kl.tools.selfcheck import stock_trl
+
+    with pytest.warns(UserWarning, match=r"^kl_placement='reward' has no effect: beta=0\.0 turns the KL term off"):
+        patched_log, patched_params = run_and_params(tokenizer, str(tmp_path / "patched"), beta=0.0, max_steps=2,
+                                                     **REWARD)
+    with stock_trl():
+        stock_log, stock_params = run_and_params(tokenizer, str(tmp_path / "stock"), beta=0.0, max_steps=2,
+                                                 gradient_accumulation_steps=1)
+    assert len(patched_log) == len(stock_log) == 3
+    assert not any(key.startswith("adaptive_kl/") for entry in patched_log for key in entry)
+    for name, value in stock_params.items():
+        assert torch.equal(patched_params[name], value), name
+
+
 def test_dynamic_reads_the_unpenalised_reward(tokenizer, tmp_path) -> None:
     """Rewards 0.81 > 0.8 every batch while the penalty takes the penalised mean below 0.8: beta still decays."""
     trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(0.81), max_steps=3, beta=1.0,
@@ -494,17 +513,23 @@ def test_tool_response_tokens_carry_no_reward_penalty(tokenizer, tmp_path) -> No
 def test_evaluation_never_feeds_the_beta_controller_a_reward(tokenizer, tmp_path, placement: str) -> None:
     """Only training generation batches count for the dynamic controller (SPEC: one observed mean reward per
     training generation batch): after evaluate() it has seen no batch (generation_batch 0, no reward), no optimizer
-    step completed, beta is 0.5 and is logged under evaluation's metrics; one training step with reward 1.0 above the
-    0.8 threshold then counts one batch and decays once, to 0.5 * 0.9 = 0.45."""
+    step completed, beta is 0.5 and is logged under evaluation's metrics (its reward, 0, unseen); one training step
+    with reward 1.0 above the 0.8 threshold then counts one batch and decays once, to 0.5 * 0.9 = 0.45."""
     from datasets import Dataset
 
     from .conftest import PROMPTS
 
     settings = REWARD if placement == "reward" else dict(gradient_accumulation_steps=1)
-    trainer = make_trainer(tokenizer, str(tmp_path), constant_reward(1.0), max_steps=1, beta=0.5,
+    phase_reward = {"value": 0.0}  # 0 while evaluating, 1.0 in training: a leaked evaluation reward shows
+
+    def reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [phase_reward["value"]] * len(completions)
+
+    trainer = make_trainer(tokenizer, str(tmp_path), reward, max_steps=1, beta=0.5,
                            kl_adaptation_method="dynamic", reward_threshold=0.8, dynamic_beta_decay=0.9, **settings)
     trainer.eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
     metrics = trainer.evaluate()
+    phase_reward["value"] = 1.0
     assert metrics["eval_adaptive_kl/current_beta"] == 0.5  # logged as evaluation's, not training's
     controller = trainer.adaptive_kl.controller
     assert controller.generation_batch == 0 and math.isnan(controller.batch_reward) and controller.value == 0.5

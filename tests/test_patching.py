@@ -152,6 +152,28 @@ def test_unsloths_generated_module_loaded_is_the_late_import_error(monkeypatch: 
         unsloth_patch.check_import_order()
 
 
+def test_a_kl_line_reached_other_than_once_is_the_anchor_error() -> None:
+    """The probe standing in for beta records each `beta * tensor`; a trainer that reaches its KL line twice (or
+    never, or as `tensor * beta`) is refused, not read from its first product."""
+    from unsloth_adaptive_kl.integrations.trainer_hooks import KLTermProbe
+
+    def missing() -> RuntimeError:
+        return RuntimeError("the KL line")
+
+    once = KLTermProbe(0.1, keep_stock_term=False)
+    kl = torch.tensor([0.5, 2.0])
+    assert torch.equal(once * kl, torch.zeros(2)) and torch.equal(once.single_capture(missing), kl)
+    assert torch.equal(KLTermProbe(0.1, keep_stock_term=True) * kl, 0.1 * kl)
+    twice = KLTermProbe(0.1, keep_stock_term=False)
+    for _ in range(2):
+        twice * kl
+    reflected = KLTermProbe(0.1, keep_stock_term=True)
+    assert torch.equal(kl * reflected, 0.1 * kl) and 2.0 * reflected == pytest.approx(0.2)
+    for probe in (twice, reflected, KLTermProbe(0.1, keep_stock_term=True)):
+        with pytest.raises(RuntimeError, match="^the KL line$"):
+            probe.single_capture(missing)
+
+
 def test_missing_anchor_is_refused_naming_anchor_version_and_tested_range(monkeypatch) -> None:
     unsloth_adaptive_kl.unpatch()
     real = trl_patch._stock_function

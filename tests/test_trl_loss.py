@@ -375,15 +375,18 @@ def test_none_is_stock_over_a_real_run(tokenizer, tmp_path, loss_type: str) -> N
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+@pytest.mark.parametrize("setting", [{"kl_adaptation_method": "dynamic", "reward_threshold": 1e9},
+                                     {"kl_adaptation_method": "none"}], ids=["dynamic", "none"])
 def test_with_the_entropy_bonus_policy_loss_holds_the_adapted_kl_term_as_stock_holds_its_own(tokenizer, tmp_path,
-                                                                                             loss_type: str) -> None:
+                                                                                             loss_type: str,
+                                                                                             setting: dict) -> None:
     """With TRL's entropy bonus on, TRL logs `policy_loss`: the loss before the bonus, its KL term included, taken
     before the accumulation divide for grpo and after it for dapo. `dynamic` before any decay (a reward threshold out
     of reach) adapts nothing: it trains as stock and must log stock's policy_loss, at GA = 2, where a term scaled as
-    the other loss type's would be off by 2. Without its KL part, steps 2 and 3 logged other values."""
+    the other loss type's would be off by 2. Without its KL part, steps 2 and 3 logged other values. `none` keeps
+    TRL's own term, which holds it already: adding the term again would count the KL twice."""
     args = dict(loss_type=loss_type, gradient_accumulation_steps=GA, max_steps=3, entropy_coef=0.05)
-    adapted_log, adapted_params = run_and_params(tokenizer, str(tmp_path / "adapted"), kl_adaptation_method="dynamic",
-                                                 reward_threshold=1e9, **args)
+    adapted_log, adapted_params = run_and_params(tokenizer, str(tmp_path / "adapted"), **setting, **args)
     with stock_trl():
         stock_log, stock_params = run_and_params(tokenizer, str(tmp_path / "stock"), **args)
     for name, value in stock_params.items():

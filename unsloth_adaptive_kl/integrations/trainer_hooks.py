@@ -83,7 +83,8 @@ class KLTermProbe(float):
             self.locals_at_kl_line = {name: caller.get(name) for name in self.read_locals}
         return float(self) * other if self.keep_stock_term else torch.zeros_like(other)
 
-    __rmul__ = __mul__
+    # No __rmul__: `per_token_kl * beta` is Tensor.__mul__ taking the probe as a plain number, never reaching it; a
+    # trainer that wrote its KL line that way records nothing, and `single_capture` says so.
 
     def single_capture(self, missing: AnchorError) -> torch.Tensor:
         """The one per-token KL recorded; `missing()` is raised when the KL line was not reached exactly once."""
