@@ -381,9 +381,11 @@ def test_the_reward_placement_at_beta_0_warns_once_and_trains_as_stock(tokenizer
     that it has no effect and trains as stock TRL at beta 0 (same weights), logging no adaptive_kl metric."""
     from unsloth_adaptive_kl.tools.selfcheck import stock_trl
 
-    with pytest.warns(UserWarning, match=r"^kl_placement='reward' has no effect: beta=0\.0 turns the KL term off"):
+    off = r"^kl_placement='reward' has no effect: beta=0\.0 turns the KL term off"
+    with pytest.warns(UserWarning, match=off) as said:
         patched_log, patched_params = run_and_params(tokenizer, str(tmp_path / "patched"), beta=0.0, max_steps=2,
                                                      **REWARD)
+    assert sum(bool(re.match(off, str(warning.message))) for warning in said) == 1
     with stock_trl():
         stock_log, stock_params = run_and_params(tokenizer, str(tmp_path / "stock"), beta=0.0, max_steps=2,
                                                  gradient_accumulation_steps=1)
