@@ -351,6 +351,43 @@ def test_the_blocks_warnings_come_once_from_the_trainer_in_verls_terms():
         "adaptive_kl.reward.kl_clip_threshold=0.5"]
 
 
+HELD = ("kl_adaptation_method dynamic cannot move beta: dynamic_beta_decay=1.0 multiplies it by 1 after a rewarded "
+        "step, and beta_schedule_steps=None sets no cut-off. Set dynamic_beta_decay < 1 for beta to decay.")
+
+
+def beta_held_said(build) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        build()
+    return [str(w.message) for w in seen if "cannot move beta" in str(w.message)]
+
+
+@pytest.mark.parametrize(("switches", "coefficients"), [
+    (dict(use_kl_in_reward=False), ["actor_rollout_ref.actor.kl_loss_coef"]),
+    (dict(use_kl_loss=False), ["algorithm.kl_ctrl.kl_coef"]),
+    ({}, ["actor_rollout_ref.actor.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"]),
+], ids=["loss", "reward", "both"])
+def test_what_leaves_beta_where_it_is_is_said_once_for_each_kl_that_is_on_in_verls_terms(switches, coefficients):
+    """dynamic with dynamic_beta_decay=1 and no cut-off cannot move beta: said once for each KL that is on, with its
+    block and verl's name for its beta (it was said 3 to 5 times, in the core's terms: by the configs, built for both
+    KLs whether on or off, and again by each controller); an actor worker's loss does not say it again."""
+    config = trainer_config(kl_adaptation_method="dynamic", dynamic_beta_decay=1.0, beta_schedule_steps=None,
+                            **switches)
+    assert beta_held_said(lambda: _GuardedTrainer(config)) == [
+        f"adaptive_kl: {HELD} Here beta is {coefficient}=0.1." for coefficient in coefficients]
+    held = AdaptiveKLConfig(kl_adaptation_method="dynamic", dynamic_beta_decay=1.0, beta_schedule_steps=None)
+    assert beta_held_said(lambda: verl_kl.AdaptivePPOLoss(actor_config(), held)) == []
+
+
+def test_what_leaves_the_rewards_beta_where_it_is_names_the_reward_block_that_set_it():
+    """beta_min under adaptive_kl.reward equal to verl's algorithm.kl_ctrl.kl_coef: dynamic can only lower beta, to
+    beta_min, so the reward's beta cannot move; the loss's (beta_min 0) can, and nothing is said of it."""
+    config = trainer_config(kl_adaptation_method="dynamic", reward={"beta_min": 0.1})
+    assert beta_held_said(lambda: _GuardedTrainer(config)) == [
+        "adaptive_kl.reward: kl_adaptation_method dynamic cannot move beta: it lowers beta, down to beta_min=0.1, "
+        "which is beta=0.1. Set beta_min < beta for beta to decay. Here beta is algorithm.kl_ctrl.kl_coef=0.1."]
+
+
 def test_the_loss_only_fields_are_not_inherited_by_the_reward():
     """kl_estimator and kl_reduction at the top of the block act on the KL in the loss; the reward's config keeps its
     defaults (verl's algorithm.kl_penalty, penalised per token), and reward.kl_reduction=sequence_sum is what verl

@@ -429,7 +429,7 @@ class AdaptiveKLConfig:
             raise reject("ref_model_sync_reset_optimizer", self.ref_model_sync_reset_optimizer, "True or False")
         for name in self.unread_fields():
             warnings.warn(self._unread_message(name), UserWarning)  # attributed here: once per process and message
-        for message in self._beta_held(beta):
+        for message in self.beta_held(beta):
             warnings.warn(message, UserWarning)
 
     def refuse_sync_settings(self, where: str, fix: str) -> None:
@@ -453,7 +453,7 @@ class AdaptiveKLConfig:
                 f"{run_steps}: no step trains at it. Set {field} below {run_steps} for the cut-off to act, or "
                 "None for none.")
 
-    def _beta_held(self, beta: Optional[float]) -> list[str]:
+    def beta_held(self, beta: Optional[float]) -> list[str]:
         """What leaves a moving beta where it is, said (with `beta` > 0, or unknown: beta = 0 is said as the KL term
         off): `dynamic` with beta_min = beta (it only lowers beta, down to beta_min) or dynamic_beta_decay = 1 (a
         rewarded step multiplies beta by 1: without a cut-off beta never moves, with one reward_threshold decides

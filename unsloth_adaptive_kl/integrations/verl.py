@@ -181,7 +181,8 @@ def _config(values: dict[str, Any], overrides: dict[str, Any]) -> AdaptiveKLConf
     """AdaptiveKLConfig(**values), a bad value named with its block: `adaptive_kl.reward.` where `reward` set it
     (`overrides`), else `adaptive_kl.`. Its warnings are said once, in verl's terms: a field that has no effect with
     its block's prefix, k1 in the loss with verl's fixes (`VERL_BLOCK_FIELDS`: the core's would advise kl_placement,
-    which verl refuses)."""
+    which verl refuses). What leaves beta where it is (`beta_held`) is not said here: the config knows no beta, and
+    both configs are built whether their KL is on or off; each KL's controller says it (`verl_adaptive_kl`)."""
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         try:
@@ -191,8 +192,11 @@ def _config(values: dict[str, Any], overrides: dict[str, Any]) -> AdaptiveKLConf
             if name not in values:  # not one field's error (a combination's): as the core words it
                 raise
             raise ValueError(f"{_block(name, overrides)}.{error}") from None
+    held = config.beta_held(None)
     for warning in said:
         message = str(warning.message)
+        if message in held:
+            continue
         if issubclass(warning.category, KLEstimatorWarning) and config.kl_placement == "loss":
             warn_estimator_issue(K1_IN_LOSS, config.kl_estimator, VERL_BLOCK_FIELDS, stacklevel=3)
         elif " has no effect: only " in message:
@@ -364,11 +368,12 @@ def warn_verl_estimators(config: Any, loss_config: AdaptiveKLConfig) -> None:
 
 
 @contextlib.contextmanager
-def said_by_config(*also: str) -> Iterator[None]:
-    """Ignores the config's own warnings (a field with no effect for the placement, the estimator's), which `_config`
-    said once in verl's terms, and the UserWarnings whose messages match the patterns `also`."""
+def said_by_config(config: AdaptiveKLConfig, *also: str) -> Iterator[None]:
+    """Ignores `config`'s own warnings (a field with no effect for the placement, the estimator's), which `_config`
+    said once in verl's terms, what leaves its beta where it is (`beta_held`, said by the controller), and the
+    UserWarnings whose messages match the patterns `also`."""
     with warnings.catch_warnings():
-        for message in (r".* has no effect: only ", *also):
+        for message in (r".* has no effect: only ", *map(re.escape, config.beta_held(None)), *also):
             warnings.filterwarnings("ignore", message=message, category=UserWarning)
         warnings.filterwarnings("ignore", category=KLEstimatorWarning)
         yield
@@ -381,9 +386,10 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
     no effect and the verl setting that turns the KL off (the core's names `beta` and, for the reward, the placement
     verl sets), as are its errors: a bad coefficient by its verl name, a bound it breaks (`beta_min`, `beta_max`) with
     it and the block that set the bound (`adaptive_kl.reward` for those in `overrides`, the fields the reward block
-    set). The config's own warnings were said by `_config`, in verl's terms, and are not repeated."""
+    set). The config's own warnings were said by `_config`, in verl's terms, and are not repeated; what leaves beta
+    where it is (`beta_held`) is said here, once for each KL that is on, with its block and verl's coefficient."""
     check_beta(beta, coefficient)
-    with said_by_config():
+    with said_by_config(config):
         placed = dataclasses.replace(config, kl_placement="reward") if in_reward else config
     fields = config.adapted_fields()
     if beta == 0.0 and fields:
@@ -395,16 +401,21 @@ def verl_adaptive_kl(config: AdaptiveKLConfig, beta: float, coefficient: str, fi
         loss=f"{AGG_MODE_FIELD}={agg_mode_of(loss_type_reduction(loss_type))!r}")
     if unchanged:
         warnings.warn(unchanged, UserWarning, stacklevel=3)
-    with said_by_config(re.escape(kl_off_message(placed.adapted_fields())),  # said above, in verl's terms
-                        r".* has no effect: loss_type=.* already reduces the KL term"):
+    held = placed.beta_held(beta)
+    with said_by_config(placed, re.escape(kl_off_message(placed.adapted_fields())),  # said in verl's terms
+                        r".* has no effect: loss_type=.* already reduces the KL term", *map(re.escape, held)):
         try:
-            return AdaptiveKL(placed, beta=beta, **kwargs)
+            akl = AdaptiveKL(placed, beta=beta, **kwargs)
         except ValueError as error:  # the core calls the coefficient `beta`, the block's fields by their own names
             bound = str(error).split("=", 1)[0]
             if bound in ("beta_min", "beta_max"):
                 message = f"{_block(bound, overrides)}.{error} Here beta is {coefficient}={beta!r}."
                 raise ValueError(message) from None
             raise
+    for message in held:  # in verl's terms: the block that set the fields it names, and beta's verl name
+        block = "adaptive_kl.reward" if any(re.search(rf"\b{name}\b", message) for name in overrides) else "adaptive_kl"
+        warnings.warn(f"{block}: {message} Here beta is {coefficient}={beta!r}.", UserWarning, stacklevel=3)
+    return akl
 
 
 # ----- the KL in the actor loss (runs in every actor worker) -------------------------------------------------------
@@ -441,7 +452,7 @@ class AdaptivePPOLoss:
         # What the pipeline runs: the configured estimator, or where the config reads the trainer's own KL, verl's
         # kl_loss_type as the estimator.
         # (the config's warnings were said by the driver, in verl's terms: not again per worker)
-        with said_by_config():
+        with said_by_config(config):
             self.pipeline_config = config if not config.reads_trainer_kl else dataclasses.replace(
                 config, kl_estimator=functools.partial(verl_kl_penalty, kl_type=actor_config.kl_loss_type))
         # A copy sharing global_batch_info (which ppo_loss fills in), whose kl_loss_coef is beta_t.
