@@ -1886,3 +1886,186 @@ def test_a_bound_is_named_with_the_block_that_set_it(block, named):
     assert str(raised.value).startswith(f"{named} is invalid: ")
     assert str(raised.value).endswith("Here beta is algorithm.kl_ctrl.kl_coef=0.1.")
 
+
+# ----- from a mutation audit of verl.py: each test fails on a change that every other test let pass ----------------
+
+
+def test_none_keeps_verls_own_kl_term_in_verls_dtype():
+    """`none` is verl's ppo_loss itself, bit for bit, also on bf16 log-probs: verl's KL term in bf16, not the
+    pipeline's float32 one (which the other methods take: test_the_adapted_loss_kl_is_computed_in_float32_from_bf16_
+    log_probs). A `none` routed through the pipeline equals it in float32 (test_none_is_stock_ppo_loss_bit_for_bit)
+    but not here."""
+    batch = in_bf16(make_batch(seed=14, kl_scale=3.0))
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        config = actor_config(mode)
+        stock_loss, stock_grad, stock_metrics = run_loss(lambda **kw: ppo_loss(copy.deepcopy(config), **kw), batch, 2)
+        loss, grad, metrics = run_loss(adaptive(copy.deepcopy(config)), batch, 2, beta=config.kl_loss_coef)
+        assert torch.equal(loss, stock_loss) and torch.equal(grad, stock_grad), mode
+        assert [m["kl_loss"].values for m in metrics] == [m["kl_loss"].values for m in stock_metrics]
+
+
+def _run_with_entropy(loss_fn, batch, beta=None):
+    """One micro-batch with an entropy model output (a leaf of its own): (loss, d loss / d entropy, metrics)."""
+    td, log_probs, prompts, responses = batch
+    td = td.clone()
+    tu.assign_non_tensor(td, dp_size=1, batch_num_tokens=sum(responses), global_batch_size=len(prompts))
+    if beta is not None:
+        tu.assign_non_tensor(td, **{verl_kl.BETA_KEY: beta})
+    g = torch.Generator().manual_seed(99)
+    entropy = (torch.rand(log_probs.shape[0], generator=g) * 2).requires_grad_(True)
+    offsets = torch.tensor([0, *torch.tensor([p + r for p, r in zip(prompts, responses)]).cumsum(0).tolist()])
+    nested = lambda values: torch.nested.nested_tensor_from_jagged(values, offsets)  # noqa: E731
+    loss, metrics = loss_fn(model_output={"log_probs": nested(log_probs.clone().requires_grad_(True)),
+                                          "entropy": nested(entropy)}, data=td)
+    loss.backward()
+    return loss.detach(), entropy.grad, metrics
+
+
+@pytest.mark.parametrize("method", ["none", "length_normalized", "clip"])
+def test_the_entropy_term_stays_verls_own(method):
+    """verl's entropy bonus (entropy_coeff > 0) goes through the same agg_loss the adaptive loss replaces: it must
+    stay verl's own, aggregated by loss_agg_mode (token-mean here, where length_normalized aggregates the KL
+    seq-mean-token-mean) and with its gradient: verl's actor/entropy_loss and the entropy's gradient equal stock
+    ppo_loss's, bit for bit."""
+    batch = make_batch(seed=31, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
+    config = copy.deepcopy(actor_config("token-mean"))
+    object.__setattr__(config, "entropy_coeff", 0.01)
+    _, stock_grad, stock = _run_with_entropy(lambda **kw: ppo_loss(copy.deepcopy(config), **kw), batch)
+    _, grad, ours = _run_with_entropy(adaptive(copy.deepcopy(config), method, kl_clip_threshold=0.3), batch,
+                                      beta=config.kl_loss_coef)
+    assert ours["actor/entropy_loss"].values == stock["actor/entropy_loss"].values
+    assert stock_grad is not None and bool((stock_grad != 0).any())
+    assert torch.equal(grad, stock_grad)
+
+
+def test_verls_kl_loss_metric_keeps_its_stock_meaning_beside_an_estimator_and_length_normalized():
+    """kl_estimator=k2 with length_normalized under loss_agg_mode=token-mean: the adapted term is aggregated
+    seq-mean-token-mean, but verl's actor/kl_loss stays what stock verl logs: low_var_kl (kl_loss_type) aggregated
+    token-mean (loss_agg_mode), whatever aggregation the adapted term takes."""
+    batch = make_batch(seed=4, response_lengths=[5, 3, 8, 2, 6, 4, 7, 1])
+    config = actor_config("token-mean")
+    _, _, stock = run_loss(lambda **kw: ppo_loss(copy.deepcopy(config), **kw), batch, 2)
+    _, _, ours = run_loss(adaptive(copy.deepcopy(config), "length_normalized", kl_estimator="k2"), batch, 2, beta=0.05)
+    assert [m["kl_loss"].values for m in ours] == [m["kl_loss"].values for m in stock]
+
+
+def test_a_nonfinite_reward_log_prob_names_the_step_of_the_batch():
+    """The KL in the reward: a NaN in old_log_probs of the first batch penalised names step 1 (the batch's step, as
+    the actor loss's error names its update's); after one batch penalised cleanly, the next batch's names step 2."""
+    ctrl = verl_kl.RewardKLController(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.1)
+    data = reward_batch(seed=3)
+    data.batch["old_log_probs"][1, 0] = math.nan
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: "):
+        verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
+    verl_kl.apply_adaptive_kl_penalty(reward_batch(seed=4), ctrl, kl_penalty="kl")
+    data = reward_batch(seed=5)
+    data.batch["old_log_probs"][1, 0] = math.nan
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 2: "):
+        verl_kl.apply_adaptive_kl_penalty(data, ctrl, kl_penalty="kl")
+
+
+def test_the_actor_updates_are_counted_so_the_second_ones_error_names_step_2():
+    """Each actor update is one controller step: after a clean update (step 1), a NaN in the actor's forward on the
+    second update is named at step 2 (the driver counts the updates the controller took)."""
+    trainer, _ = actor_update(make_batch(seed=13), "token-mean", kl_adaptation_method="clip", kl_clip_threshold=0.3)
+    trainer.actor_rollout_wg.shards = [with_policy_value(make_batch(seed=13), 2, 0, math.nan)]
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 2: .*verl's log_prob \(the actor's forward\)"):
+        trainer._update_actor(types.SimpleNamespace(extra_info={}), {})
+
+
+def test_a_schedule_inherited_by_the_reward_is_named_with_the_block_that_set_it():
+    """dynamic and beta_schedule_steps=5000 at the top of the block, the loss's KL off: the reward's controller takes
+    them, and the schedule warning names adaptive_kl.beta_schedule_steps, where the user set it (not
+    adaptive_kl.reward.beta_schedule_steps, a field the user never wrote)."""
+    trainer = _SetUpTrainer(trainer_config(use_kl_loss=False, kl_adaptation_method="dynamic",
+                                           beta_schedule_steps=5000))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer._setup()
+    assert [str(w.message).split(" sets")[0] for w in caught] == ["adaptive_kl.beta_schedule_steps=5000"]
+
+
+def test_a_percentile_scale_under_reward_is_refused_as_the_other_estimator_fields():
+    """kl_percentile_scale tunes the loss's estimator (k3_bottom_percentile) alone: under adaptive_kl.reward it is
+    refused as kl_estimator and kl_percentile are (verl's algorithm.kl_penalty is the reward's estimator), not
+    accepted with a no-effect warning."""
+    with pytest.raises(ValueError, match=r"^adaptive_kl\.reward\.kl_percentile_scale=2\.0 is not used with verl: the "
+                                         r"estimator of the KL in the reward is verl's algorithm\.kl_penalty"):
+        verl_kl.configs_from({"reward": {"kl_percentile_scale": 2.0}})
+
+
+def test_unpatch_leaves_an_init_someone_set_after_the_patch():
+    """unpatch() restores verl's own __init__ where it still holds ours; where someone else set the trainer's
+    __init__ since (another package's patch), theirs stays: restoring verl's would undo it."""
+    base = trainer_base.PPOTrainer
+    ours = vars(base)["__init__"]
+    verls = ours.__wrapped__
+
+    def theirs(self, config, *args, **kwargs):
+        return verls(self, config, *args, **kwargs)
+
+    base.__init__ = theirs
+    verl_kl.unpatch()
+    try:
+        assert vars(base)["__init__"] is theirs
+    finally:
+        base.__init__ = verls
+        verl_kl.patch()
+    assert vars(base)["__init__"].__wrapped__ is verls
+
+
+def test_a_verl_trainer_subclass_keeps_its_other_bases_init_subclass():
+    """The refusal is installed through PPOTrainer's __init_subclass__, which must hand on to the next class's in
+    the MRO: a subclass mixing in a class with its own __init_subclass__ (a registry, say) still runs it."""
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    seen = []
+
+    class Registering:
+        def __init_subclass__(cls, **kwargs):
+            super().__init_subclass__(**kwargs)
+            seen.append(cls.__name__)
+
+    class Mine(PPOTrainerSync, Registering):
+        pass
+
+    assert seen == ["Mine"]
+
+
+def test_the_loss_kls_verl_fields_are_not_checked_while_that_kl_is_off():
+    """actor.kl_loss_type is read by verl only with use_kl_loss=True: with the loss's KL off (the KL in the reward
+    alone) a kl_loss_type verl does not compute is not refused (verl never computes it)."""
+    trainer = _GuardedTrainer(trainer_config(use_kl_loss=False, kl_loss_type="low_var"))
+    assert trainer.loss_kl is None and trainer.reward_kl is not None
+
+
+def test_an_algorithm_without_kl_penalty_takes_verls_default_log_ratio():
+    """algorithm.kl_penalty left out reads as verl's default 'kl' (k1): neither refused nor warned about."""
+    from unsloth_adaptive_kl import KLEstimatorWarning
+
+    config = trainer_config()
+    del config.algorithm["kl_penalty"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KLEstimatorWarning)
+        assert _GuardedTrainer(config).reward_kl is not None
+
+
+def test_at_a_coefficient_of_zero_a_reduction_is_said_once_as_turned_off():
+    """kl_loss_coef = 0 with kl_reduction='token_mean' (which token-mean applies already): the one thing said is
+    that the KL is off; 'already reduces the KL term that way' is not said beside it."""
+    config = trainer_config(use_kl_in_reward=False, kl_reduction="token_mean")
+    config.actor_rollout_ref.actor.kl_loss_coef = 0.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _GuardedTrainer(config)
+    assert [str(w.message) for w in caught if "no effect" in str(w.message)] == [
+        "adaptive_kl.kl_reduction='token_mean' has no effect: actor_rollout_ref.actor.kl_loss_coef=0.0 turns the KL "
+        "term off. Set actor_rollout_ref.actor.kl_loss_coef > 0 to regularise."]
+
+
+def test_a_distillation_block_that_is_not_enabled_is_not_refused():
+    """verl's own config always holds a distillation block (enabled: false): only distillation.enabled=True is
+    refused beside the KL in the loss."""
+    config = trainer_config(use_kl_in_reward=False)
+    config.distillation = {"enabled": False}
+    assert _GuardedTrainer(config).loss_kl is not None
