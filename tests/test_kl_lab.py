@@ -7,7 +7,7 @@ import itertools
 import json
 import math
 import warnings
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -637,3 +637,197 @@ def test_the_trace_holds_beta_after_steps_0_n_2n(monkeypatch) -> None:
     run = train(Tree(ENVIRONMENTS["contains_a"]), setting, 0.2, replace(TRAINING, steps=7), seed=0, trace_every=3)
     assert len(set(after)) == 7  # beta moves every step
     assert run.betas == [after[0], after[3], after[6]] and run.final_beta == after[-1]
+
+
+# ----- from a mutation audit of the KL lab (tools/kl_lab.py, tabular_lab.py, tabular_findings.py): each test below
+# fails on the change its docstring names ("Mutant"), which every other test let pass
+
+
+def test_first_a_rewards_exactly_the_completions_whose_first_token_is_a() -> None:
+    """first_a's reward reads the first token only: the 15 of 31 completions that start with a (1 + 2 + 4 ending in
+    EOS after a, a? or a??, and 8 of four letters) score 1, "a" alone (a, EOS) among them; the empty one and every
+    completion starting with b score 0. (Mutants: `len(tokens) > 1`, `tokens[-1] == 0`.)"""
+    tree = Tree(ENVIRONMENTS["first_a"])
+    assert tree.rewards.tolist() == [1.0 if c[0] == 0 else 0.0 for c in tree.completions]
+    rewards = dict(zip(tree.completions, tree.rewards.tolist()))
+    assert sum(rewards.values()) == 15 and rewards[(0, 2)] == 1.0 and rewards[(2,)] == 0.0
+    assert rewards[(1, 0, 2)] == 0.0 and rewards[(0, 1, 1, 1)] == 1.0
+
+
+def test_the_reference_scale_multiplies_the_drawn_logits() -> None:
+    """`reference_scale` is the standard deviation of the reference's logits: the same draw times the scale.
+    (Mutant: the draw divided by it.)"""
+    plain, scaled = (Tree(Environment(reference_scale=scale)).reference_table for scale in (1.0, 2.0))
+    assert torch.allclose(scaled, 2 * plain)
+
+
+def test_beta_for_kl_finds_a_beta_above_a_thousand() -> None:
+    """The bisection's range is [1e-6, 1e6]: on the small tree with a float64 reference (pi_ref = (1/2, 1/4, 1/4)),
+    pi*_beta puts m = 1 / (1 + e^(-1/beta)) on the rewarded completions, at KL bernoulli_kl(m) to the reference; at
+    beta = 10^4 that KL (about 1.25e-9) is found again as beta = 10^4. (Mutant: the upper end 1e3.)"""
+    tree = Tree(SMALL, torch.zeros(2, 2, dtype=torch.float64))
+    for beta in (3.0, 1e4):
+        m = 1 / (1 + math.exp(-1 / beta))
+        assert beta_for_kl(tree, bernoulli_kl(m)) == pytest.approx(beta, rel=1e-4)
+
+
+def test_beta_trained_and_the_optimums_row_by_hand() -> None:
+    """beta trained: 0 with no KL, beta in the reward, beta (G - 1) / G = 0.4375 in the loss (G = 8), beta in the
+    loss as passed; the optimum's row carries beta itself. (Mutants: 'off' trained at beta, the optimum's row at 0.)"""
+    beta_trained = tabular_lab.beta_trained
+    assert beta_trained(Setting("off", "off"), 0.5, TRAINING) == 0.0
+    assert beta_trained(Setting("r", "reward"), 0.5, TRAINING) == 0.5
+    assert beta_trained(Setting("l"), 0.5, TRAINING) == 0.4375
+    assert beta_trained(Setting("p", beta_scale="passed"), 0.5, TRAINING) == 0.5
+    table = tabular_lab.run_table(ENVIRONMENTS["contains_a"], [Setting("off", "off")], 0.5, replace(TRAINING, steps=1),
+                                  [0])
+    assert [row["beta_trained"] for row in table["rows"]] == [0.5, 0.0]
+
+
+def test_the_loss_types_the_trainers_lab_predicts_and_an_unknown_one() -> None:
+    """The same by-hand batch as above: sapo as grpo (2.25), cispo and vespo as dapo (2.0); a loss type the lab
+    does not run is refused, not reduced some way. (Mutants: sapo, cispo or vespo unknown; no ValueError.)"""
+    per_token = torch.tensor([[1.0, 2.0, 7.0, 7.0], [3.0, 7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    for loss_type, expected in (("sapo", 2.25), ("cispo", 2.0), ("vespo", 2.0)):
+        assert float(tabular_lab.policy_loss(per_token, mask, loss_type, 4)) == pytest.approx(expected), loss_type
+    with pytest.raises(ValueError, match="loss_type='nope'"):
+        tabular_lab.policy_loss(per_token, mask, "nope", 4)
+
+
+def test_the_estimator_rows_and_the_markdown_tables_by_hand() -> None:
+    """The estimators table's cells (the KL to 6 decimals, the bias to 2 significant digits, the std to 4), and a
+    Markdown table with '|' and '*' escaped and one '---|' a column. (Mutants: the bias as '.2e'; '*' unescaped; one
+    separator short.)"""
+    result = {"kl": 0.1234567, "rows": [{"estimator": "k2", "expectation": 0.1, "bias": -0.0234567, "std": 0.123456}]}
+    assert tabular_lab.estimator_rows(result) == [["KL(pi || pi_ref)", "0.123457", "", ""],
+                                                   ["k2", "0.100000", "-2.3e-02", "0.1235"]]
+    assert tabular_lab.markdown(["a*", "b|c"], [["x", "KL(pi||pi*)"]]) == (
+        "| a\\* | b\\|c |\n|---|---|\n| x | KL(pi\\|\\|pi\\*) |")
+
+
+def test_chosen_keeps_every_setting_without_only_and_refuses_a_text_in_no_label() -> None:
+    """(Mutants: no --only choosing nothing; a TEXT in no label dropped without a word.)"""
+    settings = tabular_lab.default_settings()
+    assert tabular_lab.chosen(settings, []) == settings
+    assert [s.label for s in tabular_lab.chosen(settings, ["k2 in the"])] == ["k2 in the reward", "k2 in the loss"]
+    with pytest.raises(SystemExit, match="--only 'no such row': in no setting's label"):
+        tabular_lab.chosen(settings, ["k2 in the", "no such row"])
+
+
+def test_the_committed_lab_run_is_the_labs_defaults() -> None:
+    """docs/results/kl_lab.json, which the Ground truth page renders as "the lab", was written by the lab's defaults:
+    the same rows in the same order with the same settings, the default Training (32 groups of 8, 500 steps, Adam 0.08
+    decayed linearly), the target runs at TARGET_RATES from beta_0 = 0.2, a trace every TARGET_TRACE_EVERY steps.
+    (Mutants: a method's field, a Training default, a target rate, a row dropped from default_settings.)"""
+    stored = stored_lab()
+    settings = tabular_lab.default_settings()
+    for table in stored["tables"].values():
+        rows = table["rows"][1:]
+        assert [row["setting"] for row in rows] == [s.label for s in settings]
+        for row, setting in zip(rows, settings):
+            assert (row["placement"], row["config"], row["loss_type"], row["scale_rewards"], row["group"]) == (
+                setting.placement, setting.config_fields(), setting.loss_type, setting.scale_rewards, setting.group)
+        assert table["training"] == {"steps": 500, "groups": 32, "group_size": 8, "learning_rate": 0.08,
+                                     "schedule": "linear"} == asdict(Training())
+    target = stored["target"]
+    assert [run["rate"] for run in target["runs"]] == [0.005, 0.02, 0.1] == list(tabular_lab.TARGET_RATES)
+    assert [run["kl_horizon"] for run in target["runs"]] == [256 / rate for rate in (0.005, 0.02, 0.1)]
+    assert target["beta_0"] == 0.2 and tabular_lab.TARGET_TRACE_EVERY == 50
+    assert all(len(run["betas"]) == 1500 // 50 for run in target["runs"])
+
+
+def test_the_command_line_reads_env_seeds_the_default_beta_no_target_and_json(tmp_path, monkeypatch) -> None:
+    """--env picks one table, --seeds 2 runs seeds 0 and 1 (and says 2), beta is 0.5 when not given (the page's
+    "beta = 0.5"), --no-target runs no target experiment, and --json writes what main returns.
+    (Mutants: --env ignored; one seed run; the result's seeds 1; default beta 0.4; nothing written.)"""
+    monkeypatch.setattr(kl_lab, "target_experiment", lambda *args, **kwargs: pytest.fail("--no-target ran it"))
+    path = tmp_path / "lab.json"
+    result = kl_lab.main(["--env", "first_a", "--only", "beta = 0 (no KL)", "--seeds", "2", "--steps", "1",
+                          "--no-target", "--processes", "1", "--json", str(path)])
+    assert list(result["tables"]) == ["first_a"] and result["seeds"] == 2 and "target" not in result
+    table = result["tables"]["first_a"]
+    assert table["beta"] == 0.5 and table["seeds"] == [0, 1]
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+
+
+def test_the_findings_print_each_figure_of_its_own_row() -> None:
+    """The saturated-reward sentence's later-token KL: k3's then k2's, each kl_ref - kl_ref_first of its own first_a
+    row; the target reading's KL(pi||pi*) to 5 decimals (the table's); the scale-group range to 4.
+    (Mutants: k3's and k2's swapped; the target's KL to 4 decimals; the range's low end to 3.)"""
+    from unsloth_adaptive_kl.tools.tabular_findings import target_reading
+
+    result = stored_lab()
+
+    def row(env: str, setting: str) -> dict:
+        return next(r for r in result["tables"][env]["rows"] if r["setting"] == setting)
+
+    for name in ("k3 in the loss", "k2 in the loss"):  # make the two rows' later-token KL differ, and first_a closer
+        for env, value in (("contains_a", 0.02), ("first_a", 0.001)):
+            set_figure(result, env, name, "kl_opt", value)
+    set_figure(result, "first_a", "k3 in the loss", "kl_ref_first", row("first_a", "k3 in the loss")["kl_ref"] - 0.0123)
+    set_figure(result, "first_a", "k2 in the loss", "kl_ref_first", row("first_a", "k2 in the loss")["kl_ref"] - 0.0456)
+    assert "k3 0.0123, k2 0.0456; a per-token estimator" in finding(result, "**With the reward saturated")
+    grouped = [0.1234, 0.2345]
+    for value, loss_type in zip(grouped, ("dapo", "grpo")):
+        setting = f"k1_future in the loss, {loss_type}, scale group"
+        for env in ("contains_a", "first_a"):
+            set_figure(result, env, setting, "kl_opt", value)
+    for env in ("contains_a", "first_a"):
+        set_figure(result, env, "k1_future in the loss, dr_grpo, scale group", "kl_opt", 0.2)
+    assert "0.1234 to 0.2345" in finding(result, "**k1_future in the loss**")
+    run = {"rate": 0.02, "betas": [0.2, 0.5], "final_beta": 0.5, "kl_opt": 7.3e-05}
+    (reading,) = target_reading({"beta_star": 0.5, "training": {"steps": 100}, "runs": [run]})
+    assert reading.endswith("(KL(pi||pi\\*) 0.00007).")
+
+
+def test_the_kl_loss_gets_this_batchs_token_count_and_max_length(monkeypatch) -> None:
+    """dapo's token_normalizer is the number of tokens in the batch the KL term is taken over (the mask's sum), and
+    dr_grpo's max_completion_length the environment's max_length (4). (Mutant: the token count plus one.)"""
+    seen = []
+
+    class Recording(tabular_lab.AdaptiveKL):
+        def kl_loss(self, logps, ref, mask, **divisors):
+            seen.append((float(mask.sum()), divisors))
+            return super().kl_loss(logps, ref, mask, **divisors)
+
+    monkeypatch.setattr(tabular_lab, "AdaptiveKL", Recording)
+    tree = Tree(ENVIRONMENTS["contains_a"])
+    train(tree, Setting("k3", loss_type="dapo"), 0.1, replace(TRAINING, steps=2), seed=0)
+    train(tree, Setting("k3", loss_type="dr_grpo"), 0.1, replace(TRAINING, steps=2), seed=0)
+    assert [divisors for _, divisors in seen[2:]] == [{"max_completion_length": 4}] * 2
+    assert all(float(divisors["token_normalizer"]) == tokens for tokens, divisors in seen[:2])
+
+
+def test_the_target_runs_beta_over_the_second_half_and_horizon(monkeypatch) -> None:
+    """target_experiment's row from a run's trace: kl_horizon = completions per step / rate, 'beta over the second
+    half' the least and largest of the trace's second half, KL(pi||pi*) to pi* of beta. A stand-in run with a known
+    trace. (Mutant: the tail from the first quarter on.)"""
+    tree = Tree(ENVIRONMENTS["contains_a"])
+    star = optimum(tree, 0.5)
+
+    def fake_train(tree_, setting, beta, training, seed, trace_every=0):
+        assert beta == 0.2 and trace_every == 50
+        return tabular_lab.Run(Figures.of(tree, star, beta), 0.5, star, [0.2, 0.9, 0.45, 0.51, 0.49, 0.52, 0.5, 0.48])
+
+    monkeypatch.setattr(tabular_lab, "train", fake_train)
+    result = tabular_lab.target_experiment(tree.env, 0.5, replace(TRAINING, steps=8), rates=(0.02,))
+    (run,) = result["runs"]
+    assert run["kl_horizon"] == 256 / 0.02 and (run["beta_tail_min"], run["beta_tail_max"]) == (0.48, 0.52)
+    assert run["kl_opt"] == 0.0
+
+
+def test_a_kl_to_the_optimum_of_one_in_ten_thousand_shows() -> None:
+    """Only KL(pi||pi*) below 5e-5 reads 0; 1e-4 reads 0.0001. (Mutant: the threshold 5e-4.)"""
+    row = {"setting": "s", "group": "g", "beta_trained": 0.5, "reward": 0.9, "length": 3.0, "kl_ref": 0.5,
+           "kl_opt": 1e-4, "kl_opt_spread": 0.0, "objective": 0.65, "regret": 0.0}
+    assert tabular_lab.table_rows({"rows": [row]})[0][1][0][5] == "0.0001"
+
+
+def test_at_most_keeps_a_value_already_at_two_significant_digits() -> None:
+    """The findings' bound, rounded up at the second significant digit: a value with two digits stays as it is (in
+    binary floats 0.14 / 0.001 is 140.00000000000003, which a ceil took to 0.15), one with more goes up a unit."""
+    from unsloth_adaptive_kl.tools.tabular_findings import _at_most
+
+    assert [_at_most(v) for v in (0.14, 1e-05, 2.5e-06, 2.14e-06, 0.1401, 99.0, 0.0)] == [
+        "0.14", "1e-05", "2.5e-06", "2.2e-06", "0.15", "99", "0"]

@@ -8,7 +8,7 @@ its setting label, as `tabular_lab.default_settings` writes it.
 
 from __future__ import annotations
 
-import math
+from decimal import ROUND_CEILING, Decimal
 from typing import Any, Callable, Sequence
 
 from . import tabular_lab
@@ -51,11 +51,12 @@ def _names(names: Sequence[str]) -> str:
 
 
 def _at_most(value: float) -> str:
-    """`value` rounded up to two significant digits: a bound that holds ('at most 2.2e-06' for 2.14e-06)."""
+    """`value` rounded up to two significant digits: a bound that holds ('at most 2.2e-06' for 2.14e-06). In decimal,
+    from the value as printed: in binary floats 0.14 / 0.001 is 140.00000000000003, whose ceil would say 0.15."""
     if value <= 0:
         return "0"
-    unit = 10 ** (math.floor(math.log10(value)) - 1)
-    return f"{math.ceil(value / unit) * unit:.2g}"
+    exact = Decimal(repr(value))
+    return f"{float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - 1), ROUND_CEILING)):.2g}"
 
 
 def _where(result: dict[str, Any], setting: str) -> str:
