@@ -680,6 +680,35 @@ def test_trls_policy_masks_leave_the_kl_on_every_valid_token_as_stock_does(token
     assert_matches_formula(trainer, kl_part, grads, expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs)))
 
 
+@pytest.mark.parametrize("ratio_shape", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_vllms_importance_sampling_ratio_weights_the_policy_term_alone_as_stock_does(tokenizer, tmp_path, loss_type,
+                                                                                    ratio_shape) -> None:
+    """With vLLM generating and `vllm_importance_sampling_correction` (TRL's default), TRL multiplies the policy term
+    alone by the ratio of the old policy to vLLM's sampling log-probs (`inputs["importance_sampling_ratio"]`, per
+    token, or per completion in the sequence modes), then adds beta * KL unweighted. vLLM cannot run here: the trainer
+    is told it generated with vLLM and the batch carries a ratio as vLLM's generation step writes it. No-op adaptations
+    give stock TRL's loss and gradients, and clip's KL part is its formula, with no ratio in it."""
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, kl_clip_threshold=0.3)
+    inputs = fixed_inputs(trainer, tokenizer)
+    columns = T if ratio_shape == "token" else 1
+    inputs["importance_sampling_ratio"] = torch.linspace(0.5, 2.0, 4 * columns).view(4, columns)
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+    with stock_trl():
+        trainer.beta = 0.0
+        weighted_policy, _ = loss_and_grads(trainer, "_compute_loss", inputs)
+        trainer.use_vllm = False
+        unweighted_policy, _ = loss_and_grads(trainer, "_compute_loss", inputs)
+        trainer.use_vllm, trainer.beta = True, 0.04
+    assert abs(weighted_policy - unweighted_policy) > 1e-3  # the ratio acts on this batch
+    assert_no_op_adaptations_are_stock(trainer, inputs, NO_OP_ADAPTATIONS)
+    trainer.args.kl_adaptation_method = "clip"
+    attach_runtime(trainer)
+    kl_part, grads = kl_part_and_grads(trainer, inputs)
+    expected = expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs))
+    assert_matches_formula(trainer, kl_part, grads, expected)
+
+
 class _LogpsRecorder:
     """Stands in for `trainer._get_per_token_logps_and_entropies` during one `_compute_loss`: keeps the log-probs the
     trainer itself computed for the policy."""

@@ -156,6 +156,28 @@ def test_unsloths_entropy_bonus_and_policy_masks_stay_beside_an_adapted_kl(tmp_p
         assert abs(clip["kl_part"] - clip["expected"]) <= 0.04 * 4.5 * LOGP_ERROR + loss_tolerance, loss_type
 
 
+@needs_unsloth
+def test_vllms_importance_sampling_ratio_weights_unsloths_policy_term_alone_beside_an_adapted_kl(tmp_path) -> None:
+    """With vLLM generating, grpo_compute_loss multiplies the policy term alone by the ratio of the old policy to
+    vLLM's sampling log-probs (TRL's default mode, per completion, and a per-token one), then adds beta * KL. vLLM
+    cannot run here: the harness tells the trainer it generated with vLLM and puts sampling log-probs in the batch.
+    No-op adaptations keep stock Unsloth's loss and gradients, and clip's KL part is its formula, no ratio in it."""
+    results = run_scenario("vllm_is_ratio", tmp_path)
+    assert set(results) == {f"{lt}/{mode}" for lt in ("grpo", "dapo") for mode in ("sequence_mask", "token_truncate")}
+    for case, entry in results.items():
+        assert abs(entry["policy"] - entry["unweighted_policy"]) > 1e-3, case  # the ratio acts on this batch
+        assert entry["stock_magnitude"] >= abs(entry["stock_loss"])
+        loss_tolerance = reordered_sum_tolerance(TOKENS, entry["stock_magnitude"])
+        grad_tolerance = 2 * reordered_sum_tolerance(TOKENS, entry["stock_grad_max"])
+        assert entry["none"] == {"loss": entry["stock_loss"], "grad_diff": 0.0}, case  # the stock call itself
+        for label in ("clip_above_every_kl", "dynamic_before_decay"):
+            assert abs(entry[label]["loss"] - entry["stock_loss"]) <= loss_tolerance, (case, label)
+            assert entry[label]["grad_diff"] <= grad_tolerance, (case, label)
+        clip = entry["clip"]  # the bound of the policy-masks test above
+        assert clip["expected"] > 1e-3
+        assert abs(clip["kl_part"] - clip["expected"]) <= 0.04 * 4.5 * LOGP_ERROR + loss_tolerance, case
+
+
 def test_a_loss_keyword_the_generated_trainer_stops_passing_is_an_error_naming_it() -> None:
     """The installed grpo_compute_loss reads the keywords it reduces the loss by with defaults (loss_type 'grpo',
     num_processes 1, gradient accumulation 1, ...): where the generated compute_loss stops passing one (a rename),

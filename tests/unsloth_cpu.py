@@ -583,6 +583,24 @@ def scenario_drift(out: str) -> dict:
     return results
 
 
+def beside_stock(trainer: Any, inputs: dict, stock_grads: list[torch.Tensor], policy: float) -> dict[str, Any]:
+    """`none` and the no-op adaptations through the hooked loss: each one's loss and its gradients' largest difference
+    from stock Unsloth's (`stock_grads`); and clip's KL part (its loss minus `policy`, the loss at beta 0) beside the
+    formula's."""
+    entry: dict[str, Any] = {}
+    for label, settings in {"none": {}, **NO_OP_ADAPTATIONS}.items():
+        for name, value in {"kl_adaptation_method": "none", **settings}.items():
+            setattr(trainer.args, name, value)
+        unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
+        loss, grads = loss_and_grads(trainer, inputs)
+        entry[label] = {"loss": loss, "grad_diff": max_abs_diff(grads, stock_grads)}
+    trainer.args.kl_adaptation_method, trainer.args.kl_clip_threshold = "clip", 0.3
+    unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
+    total, _ = loss_and_grads(trainer, inputs)
+    entry["clip"] = {"kl_part": total - policy, "expected": independent_kl_part(trainer, inputs).item()}
+    return entry
+
+
 def scenario_policy_masks(out: str) -> dict:
     """What Unsloth applies to the policy term alone, beside an adapted KL: a fixed entropy_coef (grpo_accumulated_loss
     adds -entropy_coef * the entropy mean after the compiled loss this package hooks), the entropy mask
@@ -621,20 +639,52 @@ def scenario_policy_masks(out: str) -> dict:
             without[label], _ = loss_and_grads(trainer, inputs)
         trainer.args.top_entropy_quantile, trainer.args.off_policy_mask_threshold = 0.5, 0.1
         trainer.beta = 0.04
-        entry: dict[str, Any] = {"stock_loss": stock_loss, "stock_without_bonus": without_bonus, "policy": policy,
-                                 "policy_without": without,
-                                 "stock_magnitude": magnitude, "stock_grad_max": max_abs(stock_grads)}
-        for label, settings in {"none": {}, **NO_OP_ADAPTATIONS}.items():
-            for name, value in {"kl_adaptation_method": "none", **settings}.items():
-                setattr(trainer.args, name, value)
+        results[loss_type] = {"stock_loss": stock_loss, "stock_without_bonus": without_bonus, "policy": policy,
+                              "policy_without": without, "stock_magnitude": magnitude,
+                              "stock_grad_max": max_abs(stock_grads),
+                              **beside_stock(trainer, inputs, stock_grads, policy)}
+    return results
+
+
+# The vLLM importance-sampling modes the scenario below takes: TRL's default, and a per-token one.
+VLLM_IS_MODES = ("sequence_mask", "token_truncate")
+
+
+def scenario_vllm_is_ratio(out: str) -> dict:
+    """vLLM's importance-sampling correction (`vllm_importance_sampling_correction`, TRL's default): grpo_compute_loss
+    takes the ratio of the old policy to vLLM's sampling log-probs and multiplies the policy term alone by it. vLLM
+    cannot run on a CPU: the trainer is told it generated with vLLM (`use_vllm`) and the batch carries sampling
+    log-probs where vLLM's generation step writes them. Per mode: the policy term with and without the ratio, no-op
+    adaptations against stock Unsloth's loss and gradients, and clip's KL part against the formula (no ratio in it)."""
+    results: dict[str, Any] = {}
+    for loss_type in ("grpo", "dapo"):
+        trainer = make_trainer(f"{out}/{loss_type}", loss_type=loss_type, max_steps=1, num_iterations=2)
+        inputs = capture_inputs(trainer)
+        ids = inputs["completion_ids"]
+        with torch.no_grad():
+            logp = policy_logps(trainer.model, inputs)
+        inputs["ref_per_token_logps"] = logp + torch.linspace(-1.5, 1.5, ids.numel()).view_as(ids)
+        inputs["old_per_token_logps"] = logp
+        # per-token log ratios old - sampling from -0.15 to 0.15: every completion's sum within (log 0.5, log 3), the
+        # sequence_mask bounds, and every token's within token_truncate's
+        inputs["sampling_per_token_logps"] = logp - torch.linspace(-0.15, 0.15, ids.numel()).view_as(ids)
+        inputs["advantages"] = torch.tensor([-0.9, 0.6, -0.3, 0.6]).to(inputs["advantages"])  # both signs
+        # a trainer built without vLLM has the correction off, whatever the config says
+        trainer.use_vllm = trainer.vllm_importance_sampling_correction = True
+        for mode in VLLM_IS_MODES:
+            trainer.args.vllm_importance_sampling_mode = mode
+            trainer.args.kl_adaptation_method = "none"
             unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
-            loss, grads = loss_and_grads(trainer, inputs)
-            entry[label] = {"loss": loss, "grad_diff": max_abs_diff(grads, stock_grads)}
-        trainer.args.kl_adaptation_method, trainer.args.kl_clip_threshold = "clip", 0.3
-        unsloth_adaptive_kl.integrations.trainer_hooks.attach_runtime(trainer)
-        total, _ = loss_and_grads(trainer, inputs)
-        entry["clip"] = {"kl_part": total - policy, "expected": independent_kl_part(trainer, inputs).item()}
-        results[loss_type] = entry
+            stock_loss, stock_grads = stock_loss_and_grads(trainer, inputs)
+            trainer.beta = 0.0
+            policy, _ = loss_and_grads(trainer, inputs)
+            trainer.vllm_importance_sampling_correction = False
+            unweighted_policy, _ = loss_and_grads(trainer, inputs)
+            trainer.vllm_importance_sampling_correction, trainer.beta = True, 0.04
+            results[f"{loss_type}/{mode}"] = {
+                "stock_loss": stock_loss, "policy": policy, "unweighted_policy": unweighted_policy,
+                "stock_magnitude": stock_magnitude(trainer, inputs), "stock_grad_max": max_abs(stock_grads),
+                **beside_stock(trainer, inputs, stock_grads, policy)}
     return results
 
 
@@ -1108,7 +1158,8 @@ def scenario_nonfinite(out: str) -> dict:
 
 
 SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "sample_weights": scenario_sample_weights, "losses": scenario_losses, "dynamic": scenario_dynamic, "timing": scenario_timing,
-             "drift": scenario_drift, "policy_masks": scenario_policy_masks, "reward": scenario_reward,
+             "drift": scenario_drift, "policy_masks": scenario_policy_masks,
+             "vllm_is_ratio": scenario_vllm_is_ratio, "reward": scenario_reward,
              "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings,
              "autocast_latch": scenario_autocast_latch, "nonfinite": scenario_nonfinite}
 
