@@ -831,3 +831,186 @@ def test_at_most_keeps_a_value_already_at_two_significant_digits() -> None:
 
     assert [_at_most(v) for v in (0.14, 1e-05, 2.5e-06, 2.14e-06, 0.1401, 99.0, 0.0)] == [
         "0.14", "1e-05", "2.5e-06", "2.2e-06", "0.15", "99", "0"]
+
+
+# ----- from a mutation audit of tabular_findings.py: each verdict's threshold and reading, where the committed figures
+# agree in both environments and sit far from every threshold, so that a changed rule reads the same words on them
+
+
+def test_a_kl_to_the_optimum_below_1e_3_is_on_it_below_0_05_near_it_and_else_far() -> None:
+    """KL(pi||pi*) below 1e-3 in both environments "lands on" pi*, below 0.05 "ends near" it, else "ends far from" it:
+    one k1-valued row at 0.0015 makes k1 in the reward end near (at most 0.0015); k3 in the loss at 0.0009, 0.0015
+    and 0.07 in both environments lands on, ends near and ends far. (Mutants: EXACT 2e-3; NEAR 0.1.)"""
+    result = stored_lab()
+    set_figure(result, "contains_a", "k1_future in the reward", "kl_opt", 0.0015)
+    k1 = finding(result, "**k1 in the reward")
+    assert k1.startswith("**k1 in the reward ends near \\( \\pi^*_\\beta \\)**") and "is at most 0.0015." in k1
+    k3 = "**k3 in the loss (verl's; TRL's and Unsloth's without the importance ratio) "
+    for value, where in ((0.0009, "lands on"), (0.0015, "ends near"), (0.07, "ends far from")):
+        for env in ("contains_a", "first_a"):
+            set_figure(result, env, "k3 in the loss", "kl_opt", value)
+        assert finding(result, "**k3 in the loss").startswith(f"{k3}{where} \\( \\pi^*_\\beta \\)**"), value
+
+
+def test_k1_future_summed_is_on_the_frontier_only_below_0_01_in_both_environments() -> None:
+    """k1_future with `sequence_sum` is "on the frontier" when its frontier regret is below 0.01 in both environments:
+    0.0099 in both is, 0.015 in both is not, nor 0.02 in contains_a beside 0.0004 in first_a. The scale-group range is
+    that of the three k1_future `scale group` rows (0.3 to 0.4 here), not of the `scale none` ones.
+    (Mutants: FRONTIER 0.02; the least environment's regret instead of the largest; the range from `scale none`.)"""
+    result = stored_lab()
+    summed = "k1_future in the loss, sequence_sum"
+    for regrets, on in (((0.0099, 0.0099), True), ((0.015, 0.015), False), ((0.02, 0.0004), False)):
+        for env, regret in zip(("contains_a", "first_a"), regrets):
+            set_figure(result, env, summed, "regret", regret)
+        sentence = finding(result, "**k1_future in the loss**")
+        shown = f"(regret {regrets[0]:.4f} and {regrets[1]:.4f})"
+        assert f"\\( \\pi^*_\\beta \\){', on the frontier' if on else ''} {shown}" in sentence, regrets
+    for loss_type, value in (("dr_grpo", 0.3), ("dapo", 0.35), ("grpo", 0.4)):
+        for env in ("contains_a", "first_a"):
+            set_figure(result, env, f"k1_future in the loss, {loss_type}, scale group", "kl_opt", value)
+            if loss_type != "dr_grpo":  # dr_grpo with `scale none` is the row "k1_future in the loss"
+                set_figure(result, env, f"k1_future in the loss, {loss_type}, scale none", "kl_opt", 0.0001)
+    assert "the KL term is not ([the scale relation](#the-scale-relation-what-a-loss-side-beta-means)): 0.3000 to " \
+           "0.4000." in finding(result, "**k1_future in the loss**")
+
+
+def test_the_adaptive_methods_end_within_the_frontier_bound_only_if_every_row_does() -> None:
+    """The adaptive methods' regret is the largest of `clip`'s, `dynamic`'s and `target`'s rows (loss and reward, both
+    environments): below 0.01 each ends "within" it of the frontier, else "up to" it. One target row at 0.02, or one
+    clip row at 0.015, is "up to"; the largest at 0.0095 is "within 0.0095". (Mutants: the least row's regret; target
+    left out; FRONTIER 0.02.)"""
+    up_to = "each ends up to {} from the reward-KL frontier. "
+    for env, setting, regret, expected in (
+            ("first_a", "target in the loss", 0.02, up_to.format("0.0200")),
+            ("contains_a", "clip in the reward", 0.015, up_to.format("0.0150")),
+            ("first_a", "dynamic in the loss", 0.0095, "each ends within 0.0095 of the reward-KL frontier rather")):
+        result = stored_lab()
+        set_figure(result, env, setting, "regret", regret)  # the committed methods' rows: at most 0.0012
+        assert expected in finding(result, "**The adaptive methods"), setting
+
+
+def test_clip_and_dynamic_grow_and_sigmoid_weakens_only_in_every_row() -> None:
+    """`clip` and `dynamic` "let the KL to the reference grow" only when every one of their rows ends above the
+    optimum's KL to the reference: one dynamic row at 0.300 (the optimum's 0.473) and they "end at" a range from 0.300.
+    Sigmoid in the reward "weakens the penalty" only when above the optimum's in both environments: at 0.300 and 1.200
+    it does not (contains_a's optimum: 0.447). (Mutants: dynamic left out of the rows that grow; `any` environment.)"""
+    result = stored_lab()
+    set_figure(result, "first_a", "dynamic in the reward", "kl_ref", 0.3)
+    assert "`clip` and `dynamic` end at a KL to the reference of 0.300 to " in finding(result, "**The adaptive methods")
+    result = stored_lab()
+    set_figure(result, "contains_a", "sigmoid in the reward", "kl_ref", 0.3)
+    set_figure(result, "first_a", "sigmoid in the reward", "kl_ref", 1.2)
+    assert finding(result, "**The adaptive methods").endswith(
+        "in the reward the KL to the reference ends at 0.300 and 1.200.")
+    set_figure(result, "contains_a", "sigmoid in the reward", "kl_ref", 0.5)
+    assert finding(result, "**The adaptive methods").endswith(
+        "ends at 0.500 and 1.200, above the optimum's: shaping k1's signed values weakens the penalty.")
+
+
+def test_means_lengthen_and_normalisation_shortens_only_in_both_environments() -> None:
+    """The title says "lengthen, shortens" only when the per-completion mean in the reward ends longer than the optimum
+    (2.721 and 2.494) and length_normalized shorter, each in both environments; one environment the other way and the
+    title only says they move the length. (Mutants: `any` environment, for either.)"""
+    lengthen = "**Per-completion means lengthen, length normalisation shortens**"
+    move = "**Per-completion means and length normalisation move the length**"
+    for mean, normalized, title in (((3.0, 2.6), (2.2, 2.1), lengthen), ((3.0, 2.4), (2.2, 2.1), move),
+                                    ((3.0, 2.6), (2.8, 2.1), move)):
+        result = stored_lab()
+        for env, m, n in zip(("contains_a", "first_a"), mean, normalized):
+            set_figure(result, env, "k1 in the reward, sequence_mean", "length", m)
+            set_figure(result, env, "length_normalized in the loss", "length", n)
+        sentence = finding(result, "**Per-completion")
+        assert sentence.startswith(f"{title}: with the optimum's E[length] at 2.721 and 2.494"), (mean, normalized)
+        assert f"(`sequence_mean`) ends at {mean[0]:.3f} and {mean[1]:.3f}" in sentence
+
+
+def test_k1_in_the_loss_does_not_regularise_only_above_no_kl_in_both_environments() -> None:
+    """"k1 in the loss does not regularise" when its KL to the reference ends at or above no KL's in both
+    environments; below it in one (1.000 against 1.600) and the title says nothing of it. (Mutant: always "held".)"""
+    result = stored_lab()
+    for env, off in (("contains_a", 1.5), ("first_a", 1.6)):
+        set_figure(result, env, "beta = 0 (no KL)", "kl_ref", off)
+    set_figure(result, "contains_a", "k1 in the loss", "kl_ref", 2.0)
+    set_figure(result, "first_a", "k1 in the loss", "kl_ref", 1.0)
+    assert finding(result, "**k1 in the loss").startswith(
+        "**k1 in the loss**: its expected gradient is zero on-policy; the KL to the reference ends at 2.000 and 1.000, "
+        "against 1.500 and 1.600 with no KL.")
+    set_figure(result, "first_a", "k1 in the loss", "kl_ref", 1.7)
+    assert finding(result, "**k1 in the loss").startswith("**k1 in the loss does not regularise**: ")
+
+
+def test_the_per_token_estimators_are_apart_only_beyond_three_times_k1_future() -> None:
+    """An environment is named where k3's and k2's KL(pi||pi*) in the loss both exceed three times k1_future's: at 2.5
+    times (0.01 against 0.004) none is; at 0.01 against 0.003 contains_a is. (Mutant: two times.)"""
+    result = stored_lab()
+    for env, (k3, k2, future) in (("contains_a", (0.01, 0.012, 0.004)), ("first_a", (0.002, 0.0025, 0.001))):
+        for setting, value in (("k3 in the loss", k3), ("k2 in the loss", k2), ("k1_future in the loss", future)):
+            set_figure(result, env, setting, "kl_opt", value)
+    sentence = finding(result, "**k3 in the loss")
+    assert sentence.endswith("k1_future, which adds the KL of the tokens that follow, 0.0040 and 0.0010. ")
+    set_figure(result, "contains_a", "k1_future in the loss", "kl_opt", 0.003)
+    assert "0.0030 and 0.0010. In contains_a the per-token estimators end more than three times as far as k1_future" \
+        in finding(result, "**k3 in the loss")
+
+
+def test_first_a_is_closer_only_where_both_per_token_estimators_are() -> None:
+    """"closer to pi*" in first_a than in contains_a only when k3's and k2's KL(pi||pi*) in the loss are both smaller in
+    first_a: k3 at 0.0200 there against 0.0090 reads "no closer", and the sentence ends at the figures.
+    (Mutant: "closer" whenever first_a's KL is at most 1.)"""
+    result = stored_lab()
+    for setting, (contains_a, first_a) in (("k3 in the loss", (0.009, 0.02)), ("k2 in the loss", (0.02, 0.0005))):
+        set_figure(result, "contains_a", setting, "kl_opt", contains_a)
+        set_figure(result, "first_a", setting, "kl_opt", first_a)
+    assert finding(result, "**With the reward saturated").endswith(
+        "end no closer to \\( \\pi^*_\\beta \\) than in contains_a: k3 0.0090 and 0.0200, k2 0.0200 and 0.0005.")
+    set_figure(result, "first_a", "k3 in the loss", "kl_opt", 0.001)
+    assert "end closer to \\( \\pi^*_\\beta \\) than in contains_a: k3 0.0090 and 0.0010, k2 0.0200 and 0.0005 (the " \
+        in finding(result, "**With the reward saturated")
+
+
+def test_the_saturated_reward_sentence_reads_trls_defaults_row_and_its_two_neighbours() -> None:
+    """first_a: the row of TRL's defaults is "k3+ in the loss, dapo, scale group"; it over-optimises when its E[r]
+    exceeds the optimum's by more than 0.05, "and the length follows" only when its E[length] is above the optimum's
+    too; the later tokens "stay at the reference's" when they carry under 1 % of its KL to the reference (0.015 of 2.0:
+    0.75 %), not at 5 % (0.005 of 0.1). Beside it: k3+ with `scale_rewards="none"` and k1 in the reward with
+    `scale_rewards="group"`, each its own row's figures. (Mutants: the verdict ignores the length; the share compared
+    with 0.01 itself; HELD 0.1; k3 for k3+, or `scale none` for `scale group`, beside it; TRL_DEFAULTS k3's row.)"""
+    from unsloth_adaptive_kl.tools.tabular_findings import saturated_length
+
+    result = stored_lab()
+    for setting, figures in (
+            ("the optimum pi*", {"reward": 0.7, "length": 2.5}), ("beta = 0 (no KL)", {"length": 2.9}),
+            ("k3+ in the loss, dapo, scale group", {"reward": 0.95, "length": 2.2, "kl_ref": 0.1,
+                                                    "kl_ref_first": 0.095, "kl_opt": 0.25}),
+            ("k3+ in the loss, dapo, scale none", {"reward": 0.7123, "length": 2.5432, "kl_opt": 0.0123}),
+            ("k1 in the reward, dapo, scale group", {"reward": 0.9111, "length": 2.8222, "kl_opt": 0.3333})):
+        for column, value in figures.items():
+            set_figure(result, "first_a", setting, column, value)
+    sentence = saturated_length(result)
+    assert sentence.startswith("**Once the reward saturates, TRL's defaults over-optimise it (first_a)**:")
+    for part in ("E[r] ends at 0.950 against the optimum's 0.700, and E[length] at 2.200 against the optimum's 2.500 "
+                 "(2.900 with no KL at all, a run with no fixed point), KL(pi||pi\\*) 0.2500.",
+                 "of its KL(pi||pi_ref) 0.1000, the first token carries 0.0950 and the tokens after it 0.0050: the "
+                 "continuations move from the reference's too.",
+                 "the same term ends at E[r] 0.712 and E[length] 2.543 (KL(pi||pi\\*) 0.0123); k1 in the reward, with "
+                 "TRL's defaults otherwise, at E[r] 0.911 and E[length] 2.822 (KL(pi||pi\\*) 0.3333)."):
+        assert part in sentence, part
+    for column, value in (("length", 2.6), ("kl_ref", 2.0), ("kl_ref_first", 1.985)):
+        set_figure(result, "first_a", "k3+ in the loss, dapo, scale group", column, value)
+    sentence = saturated_length(result)
+    assert sentence.startswith("**Once the reward saturates, TRL's defaults over-optimise it, and the length follows "
+                               "(first_a)**:")
+    assert ("of its KL(pi||pi_ref) 2.0000, the first token carries 1.9850 and the tokens after it 0.0150: the "
+            "continuations stay at the reference's, where the term holds them.") in sentence
+
+
+def test_a_pair_of_figures_reads_contains_a_then_first_a_to_three_decimals() -> None:
+    """Every pair of figures reads "contains_a and first_a", three decimals unless a finding asks for more; a count
+    of none is plural. (Mutants: the environments reversed; four decimals by default; "0 run".)"""
+    from unsloth_adaptive_kl.tools.tabular_findings import counted
+
+    result = stored_lab()
+    set_figure(result, "contains_a", "k1 in the reward", "length", 2.7251)  # the optimum's 2.7214 and 2.4940:
+    set_figure(result, "first_a", "k1 in the reward", "length", 2.4987)  # within 0.01 of it
+    assert "E[length] 2.725 and 2.499, the optimum's." in finding(result, "**k1 in the reward")
+    assert counted(0, "run") == "0 runs"
