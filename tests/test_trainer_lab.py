@@ -496,3 +496,328 @@ def test_a_trainer_rows_figures_are_each_prompts_policy_against_its_own_optimum(
     other = json.loads(json.dumps({**table, "rows": [{**row, "train": {**row["train"], "kl_opt": 0.5}}]}))
     _, (side,) = trainer_lab.side_by_side_rows(table, other)
     assert side[trainer_lab.SIDE_BY_SIDE.index("Unsloth - TRL")] == f"{0.5 - row['train']['kl_opt']:.4f}"
+
+
+# ----- from a mutation audit of trainer_lab.py: what each survivor changed that users read -------------------------
+
+def test_each_setting_and_recipe_runs_what_its_label_says() -> None:
+    """A row is read by its label: "kN in the P" runs estimator kN (k3 where none is set: the trainers' own) placed in
+    P, "M in the loss" adaptation method M; a recipe's label names each field it sets beyond dr_grpo's (and "dr_grpo"
+    only where it sets it), LoRA only where it trains LoRA, and every recipe steps on BATCH completions."""
+    settings = trainer_lab.trainer_settings()
+    assert len(settings) == 6 + len(tabular_lab.METHOD_FIELDS)
+    for setting in settings:
+        config = dict(setting.config)
+        if setting.placement == "off":
+            assert setting.label == "beta = 0 (no KL)" and not config
+            continue
+        name, _, place = setting.label.partition(" in the ")
+        assert place.split(" ")[0] == setting.placement, setting
+        if name.startswith("k"):
+            assert config.get("kl_estimator", "k3") == name, setting
+        else:
+            assert config["kl_adaptation_method"] == name, setting
+    for recipe in trainer_lab.RECIPES.values():
+        fields = dict(recipe.fields)
+        assert ("LoRA" in recipe.label) == recipe.lora, recipe
+        assert recipe.label.startswith("dr_grpo") == (fields.get("loss_type") == "dr_grpo"), recipe
+        for name, value in fields.items():
+            if name not in ("loss_type", "scale_rewards", "per_device_train_batch_size"):
+                assert f"{name}={value}" in recipe.label, recipe
+        batch = fields.get("per_device_train_batch_size", trainer_lab.BATCH)
+        assert batch * fields.get("gradient_accumulation_steps", 1) == 64, recipe
+
+
+def test_the_config_is_the_batch_the_schedule_and_the_kl_setting_the_lab_describes() -> None:
+    """config_fields for dr_grpo at a learning rate of its own: an optimizer step is one batch of 64 completions in
+    groups of 8 (no accumulation), completions of at most the environment's 4 tokens, AdamW without weight decay (the
+    pad's row never moves: `bias_unit`) decayed linearly from the run's rate, one log line a run; k1 in the reward at
+    beta as passed, placed in the reward."""
+    setting = next(s for s in trainer_lab.trainer_settings() if s.label == "k1 in the reward")
+    run = trainer_lab.LabRun("trl", setting, trainer_lab.RECIPES["dr_grpo"], 0.5, 10, 3, learning_rate=1e-2)
+    fields = trainer_lab.config_fields(run, "out")
+    batch = (fields["per_device_train_batch_size"], fields["num_generations"], fields["gradient_accumulation_steps"])
+    assert batch == (64, 8, 1)
+    assert fields["max_completion_length"] == ENV.max_length == 4
+    assert (fields["learning_rate"], fields["weight_decay"], fields["optim"], fields["lr_scheduler_type"],
+            fields["warmup_steps"]) == (1e-2, 0.0, "adamw_torch", "linear", 0)
+    assert (fields["seed"], fields["max_steps"], fields["logging_steps"]) == (3, 10, 10)
+    assert (fields["beta"], fields["kl_placement"], fields["kl_estimator"]) == (0.5, "reward", "k1")
+    assert (fields["loss_type"], fields["scale_rewards"]) == ("dr_grpo", "none")
+
+
+def test_the_reward_function_skips_any_character_that_is_not_a_letter() -> None:
+    """What the docstring of the reward test says and no decoded text of the lab's tokenizer holds: a character other
+    than a or b (a space, a pad's text) is skipped, not an error."""
+    contains, first = (trainer_lab.reward_function(ENVIRONMENTS[name]) for name in ("contains_a", "first_a"))
+    assert contains([" a", "b-b", "<pad>"]) == [1.0, 0.0, 1.0]  # "<pad>" holds an 'a'
+    assert first([" a", "-ba", "<b>"]) == [1.0, 0.0, 0.0]
+
+
+def test_a_run_records_the_precision_its_trainer_trained_in() -> None:
+    """precision_of: Unsloth's own GRPO autocast where it latched one (its dtype named), else the config's bf16 or
+    fp16, else fp32."""
+    from types import SimpleNamespace
+
+    def trainer(bf16: bool, fp16: bool, **latched) -> SimpleNamespace:
+        return SimpleNamespace(args=SimpleNamespace(bf16=bf16, fp16=fp16), **latched)
+
+    assert [trainer_lab.precision_of(trainer(*flags)) for flags in ((True, False), (False, True), (False, False))] == [
+        "bf16", "fp16", "fp32"]
+    assert trainer_lab.precision_of(trainer(False, False, _autocast_enabled=True,
+                                            _autocast_dtype=torch.float16)) == "fp16"
+    assert trainer_lab.precision_of(trainer(False, True, _autocast_enabled=True,
+                                            _autocast_dtype=torch.bfloat16)) == "bf16"
+    assert trainer_lab.precision_of(trainer(True, False, _autocast_enabled=False,
+                                            _autocast_dtype=torch.float16)) == "bf16"
+
+
+def test_the_settings_in_effect_carry_every_field_the_prediction_reads() -> None:
+    """A row's prediction reads the trainer's args through `settings_in_effect`: a field it leaves out is never named
+    as not modelled. It records the fields the committed runs recorded (docs/results/kl_lab_*.json), in their order;
+    an enum (of any kind) as its value; and a run sampling at temperature 0.7 with two clipped passes and a
+    sequence-level ratio says so."""
+    import enum
+    from types import SimpleNamespace
+
+    class Level(enum.Enum):  # not a str: json cannot write it
+        SEQUENCE = "sequence"
+
+    for name in ("trl", "unsloth", "unsloth_pad_is_eos"):
+        (table,) = json.loads((ROOT / "docs" / "results" / f"kl_lab_{name}.json").read_text())["trainers"].values()
+        recorded = {tuple(row["in_effect"]) for row in table["rows"] if "in_effect" in row}
+        assert recorded == {tuple(trainer_lab.settings_in_effect(SimpleNamespace()))}, name
+    args = SimpleNamespace(**{**FIELD_DEFAULTS, **IN_EFFECT, "temperature": 0.7, "num_iterations": 2,
+                              "importance_sampling_level": Level.SEQUENCE, "mask_truncated_completions": True})
+    in_effect = trainer_lab.settings_in_effect(args)
+    assert in_effect["importance_sampling_level"] == "sequence" and json.loads(json.dumps(in_effect)) == in_effect
+    assert [note.split(":")[0] for note in trainer_lab.prediction_of(in_effect).unmodelled] == [
+        "num_iterations=2", "importance_sampling_level='sequence'", "mask_truncated_completions=True",
+        "temperature=0.7"]
+
+
+def test_a_field_the_settings_leave_unset_is_read_as_the_trainers_default() -> None:
+    """prediction_of on settings that leave the runtime fields unset (None or absent): one pass, no accumulation,
+    groups of GROUP_SIZE, so nothing is named as not modelled; two steps a generation without accumulation are."""
+    bare = {"beta": 0.04, "loss_type": "grpo", "scale_rewards": "group", "num_iterations": None}
+    prediction = trainer_lab.prediction_of(bare)
+    assert (prediction.unmodelled, prediction.group_size, prediction.setting.placement) == ((), 8, "loss")
+    (note,) = trainer_lab.prediction_of({**bare, "steps_per_generation": 2}).unmodelled
+    assert note.startswith("steps_per_generation=2: ")
+
+
+def test_a_lora_row_names_lora_as_not_modelled_and_a_row_keeps_its_worst_seeds_pad(tables, monkeypatch) -> None:
+    """run_trainer_table passes the recipe's LoRA to the prediction: the LoRA row's tabular figures name it as not
+    modelled (so the noise floor and "measured against predicted" leave it out), the full fine-tuning row's nothing; a
+    row's pad probability is its seeds' largest (the guard's bound holds for every seed); the table records --set."""
+    in_effect = {**{name: None for name in trainer_lab.TRAINER_FIELDS}, **FIELD_DEFAULTS, **IN_EFFECT,
+                 "beta": 0.5, "kl_placement": "reward", "kl_estimator": "k1"}
+    monkeypatch.setattr(trainer_lab, "train_through", lambda run, tables_: {
+        "tables": tables, "in_effect": in_effect, "pad_probability": [1e-9, 3e-9][run.seed]})
+    setting = Setting("k1 in the reward", "reward", (("kl_estimator", "k1"),))
+    table = trainer_lab.run_trainer_table("trl", [setting], ["lora", "dr_grpo"], 0.5, 1, [0, 1],
+                                          overrides=[("temperature", 1.0)])
+    lora, full = table["rows"]
+    assert lora["tabular"]["unmodelled"] == ["LoRA: only the adapters train (the tabular lab trains every logit)"]
+    assert full["tabular"]["unmodelled"] == [] and full["recipe"] == "dr_grpo"
+    assert lora["pad_probability"] == full["pad_probability"] == 3e-9
+    assert table["overrides"] == {"temperature": 1.0} and "; --set temperature=1.0;" in trainer_lab.describe(table)
+
+
+def test_set_splits_at_the_first_equals_sign_and_keeps_a_value_python_cannot_parse_as_text() -> None:
+    """`--set run_name=a=b` sets run_name to "a=b"; a value that is not a Python expression (a path: a SyntaxError,
+    not a ValueError, to literal_eval) is its text."""
+    assert trainer_lab.parse_overrides(["run_name=a=b", "output_dir=/tmp/lab out", "hub_model_id=a/b-1"]) == (
+        ("run_name", "a=b"), ("output_dir", "/tmp/lab out"), ("hub_model_id", "a/b-1"))
+
+
+def test_a_kl_cell_is_zero_only_below_half_a_unit_of_its_fourth_decimal() -> None:
+    """_kl prints '0' for |KL| < 0.00005 (what 4 decimals cannot tell from 0), else 4 decimals, signed: 5e-5 (in
+    binary a little above it) is 0.0001, a difference of -6e-5 is -0.0001."""
+    assert [trainer_lab._kl(v) for v in (4.9e-5, -4.9e-5, 5e-5, -6e-5, 0.01234)] == [
+        "0", "0", "0.0001", "-0.0001", "0.0123"]
+
+
+def test_a_spread_counts_the_seeds_beyond_every_optimum() -> None:
+    """Two of three seeds beyond every optimum: '2 of 3', not the one seed that has a beta; one seed: no spread."""
+    assert trainer_lab._spread([None, 0.4, None], trainer_lab._beta) == " (2 of 3 seeds beyond pi*)"
+    assert trainer_lab._spread([0.5, 0.25, 0.4], trainer_lab._beta) == " [0.25 - 0.5]"
+    assert trainer_lab._spread([None], trainer_lab._beta) == ""
+
+
+def test_what_a_recipe_does_not_model_is_named_once_for_all_its_rows() -> None:
+    """A recipe's rows share its notes (mu2's two passes in every row): the group's label names each once, in the
+    order met, and a refused row (no prediction) adds none."""
+    rows = [lab_row("mu2", "k1 in the reward", [0.1], 0.0, unmodelled=("passes", "LoRA")),
+            {"recipe": "mu2", "setting": "clip in the loss", "refused": "no"},
+            lab_row("mu2", "k3 in the loss", [0.1], 0.0, unmodelled=("passes", "temperature"))]
+    assert trainer_lab.not_modelled(rows) == ["passes", "LoRA", "temperature"]
+
+
+def test_a_trainer_rows_cells_are_its_figures_each_under_its_header() -> None:
+    """trainer_rows on a hand-made row and a refused one: the recipe's label with what the prediction does not model,
+    the beta trained to 4 significant figures, E[r], E[length]
+    and KL(pi||pi_ref) to 3 decimals, the prediction's effective beta and the held-out prompt's beside it; every row,
+    the refused one too, has one cell a header."""
+    row = lab_row("dr_grpo", "k1 in the reward", [0.002, 0.004], 0.0012, placement="reward", betas=[0.5, 0.6],
+                  held_out=0.0123, unmodelled=("LoRA: adapters",))
+    row["train"].update(reward=0.91234, length=2.3456, kl_ref=0.12345)
+    row["tabular"]["effective_beta"], row["held_out"]["effective_beta"] = 0.4567, None
+    refused = {"recipe": "dr_grpo", "setting": "clip in the loss", "refused": "x=1 is invalid: allowed is 2"}
+    ((label, (cells, refused_cells)),) = trainer_lab.trainer_rows({"recipes": {"dr_grpo": "dr_grpo, scale"},
+                                                                   "rows": [row, refused]})
+    assert label == "dr_grpo, scale (not in the tabular prediction: LoRA: adapters)"
+    assert len(cells) == len(refused_cells) == len(trainer_lab.HEADER)
+    assert dict(zip(trainer_lab.HEADER, cells)) == {
+        "setting": "k1 in the reward", "beta trained": "0.4375", "E[r]": "0.912", "E[length]": "2.346",
+        "KL(pi||pi_ref)": "0.123", "KL(pi||pi*) [seeds]": "0.0030 [0.0020 - 0.0040]",
+        "effective beta [seeds]": "0.55 [0.5 - 0.6]", "tabular: KL(pi||pi*) (estimator)": "0.0012 (k1)",
+        "measured - tabular": "0.0018", "tabular: effective beta": "0.457", "held out: KL(pi||pi*)": "0.0123",
+        "held out: effective beta": "beyond pi*"}
+    assert refused_cells[:2] == ["clip in the loss", "refused before training (x=1 is invalid)"]
+
+
+def test_side_by_side_pairs_rows_both_trainers_trained_and_puts_each_figure_under_its_trainer() -> None:
+    """A row Unsloth refused has no pair (and no KeyError); TRL's effective beta comes before Unsloth's, and the
+    prediction is the one for TRL's settings in effect."""
+    trl = {"recipes": {"dr_grpo": "dr_grpo, scale"}, "rows": [
+        lab_row("dr_grpo", "k1 in the reward", [0.002, 0.004], 0.0012, placement="reward", betas=[0.5, 0.6]),
+        lab_row("dr_grpo", "clip in the loss", [0.1], 0.2)]}
+    unsloth = {"rows": [lab_row("dr_grpo", "k1 in the reward", [0.005], 0.0099, placement="reward", betas=[0.7],
+                                estimator="k3+"),
+                        {"recipe": "dr_grpo", "setting": "clip in the loss", "refused": "no"}]}
+    header, rows = trainer_lab.side_by_side_rows(trl, unsloth)
+    assert rows == [["dr_grpo, scale", "k1 in the reward", "0.0030", "0.0050", "0.0020", "0.55", "0.7",
+                     "0.0012 (k1)"]] and len(header) == len(rows[0])
+    (sentence,) = trainer_lab.differences(trl, unsloth)
+    assert sentence.startswith("**Unsloth against TRL**: in 0 of 1 rows ")
+
+
+def test_a_refused_row_is_no_rows_figure_in_a_finding() -> None:
+    """_row skips a refused row: the pad = EOS sentence says it lacks a row where that table's was refused, and the
+    held-out sentence gives beta = 0's alone when k1 in the reward was refused."""
+    label = "k3 in the loss (the trainer's own)"
+    own = {"rows": [lab_row("dr_grpo", label, [0.01, 0.02], 0.0)]}
+    refused = {"rows": [{"recipe": "dr_grpo", "setting": label, "refused": "no"}]}
+    assert trainer_lab.pad_is_eos_finding(refused, own, own) == (
+        "(no dr_grpo row of the trainer's own k3 in all three tables)")
+    rows = [lab_row("dr_grpo", "beta = 0 (no KL)", [0.9, 1.0], 0.0, placement="off", held_out=0.5),
+            {"recipe": "dr_grpo", "setting": "k1 in the reward", "placement": "reward", "refused": "no"}]
+    (held,) = trainer_lab.findings({"beta": 0.5, "rows": rows})
+    assert held == "**The prompt never trained on**: beta = 0 (no KL) ends 0.5000 from its pi* (effective beta 0.45)."
+
+
+def test_a_combined_method_with_dynamic_or_clip_has_no_fixed_point() -> None:
+    """kl_adaptation_method combines methods with '+': any part that is dynamic or clip leaves the row without a fixed
+    point (dynamic named first), a k3-family estimator in the reward too; k1 in the reward and sigmoid have one."""
+    def row(method, placement: str = "loss", estimator: str = "k3+") -> dict:
+        return {"in_effect": {"kl_adaptation_method": method}, "placement": placement,
+                "tabular": {"estimator": estimator}}
+
+    reasons = [trainer_lab.without_fixed_point(row(method)) for method in ("sigmoid+dynamic", "sigmoid+clip",
+                                                                            "clip+dynamic", "sigmoid", None)]
+    assert [reason.split("'")[0] if reason else reason for reason in reasons] == [
+        "dynamic", "clip leaves no KL gradient above its threshold", "dynamic", None, None]
+    assert trainer_lab.without_fixed_point(row(None, "reward", "k3")).startswith("a k3-family estimator")
+    assert trainer_lab.without_fixed_point(row(None, "reward", "k1")) is None
+
+
+def test_the_noise_floor_alone_gives_its_betas_to_three_figures_and_no_unmodelled_clause() -> None:
+    """One modelled k1-in-the-reward row and none the tabular lab does not model: no "recipes the tabular lab does not
+    model" clause, and the effective betas 0.4876 and 0.5123 to 3 significant figures."""
+    rows = [lab_row("dr_grpo", "k1 in the reward", [0.0005, 0.0013], 0.0, placement="reward", betas=[0.4876, 0.5123])]
+    (noise, held) = trainer_lab.findings({"beta": 0.5, "rows": rows})
+    assert noise == ("**k1 in the reward, the noise floor**: over 2 runs (1 recipe the tabular lab models x seeds) it "
+                     "ends 0.0005 to 0.0013 from pi*_0.5, at an effective beta of 0.488 to 0.512: `dr_grpo` 0.0009 "
+                     "[0.0005 - 0.0013].")
+    assert held.startswith("**The prompt never trained on**: k1 in the reward ends 0 from its pi*")
+
+
+def test_a_prediction_agrees_within_the_noise_floor_on_either_side_and_each_reason_is_given_once() -> None:
+    """Noise floor 0.002 (the k1 rows' largest seed): predictions 0.0015 above the seeds' range and 0.0014 below it
+    both agree (2 of 2); two clip rows give their reason once."""
+    clips = [lab_row("dr_grpo", f"clip {n} in the loss", [1.5], 0.2) for n in (1, 2)]
+    for clip in clips:
+        clip["in_effect"]["kl_adaptation_method"] = "clip"
+    rows = [lab_row("dr_grpo", "k1 in the reward", [0.001, 0.002], 0.0, placement="reward"),
+            lab_row("dr_grpo", "sigmoid in the loss", [0.010, 0.012], 0.0135),
+            lab_row("dr_grpo", "target in the loss", [0.010, 0.012], 0.0086), *clips]
+    (measured,) = [f for f in trainer_lab.findings({"beta": 0.5, "rows": rows}) if f.startswith("**Measured")]
+    assert "widened by the noise floor (0.0020) in 2; the largest difference is `dr_grpo`, sigmoid in the loss" in (
+        measured)
+    assert ("The 2 rows whose setting has no fixed point end where the training budget leaves them (clip leaves no "
+            "KL gradient above its threshold), so") in measured
+
+
+def test_the_defaults_findings_read_only_the_rows_they_name() -> None:
+    """Under the trainer's defaults: the loss-side rows act as a beta, k1 in the reward beside them (not among
+    them; a refused one left out); without the defaults' k1 row the k3-in-the-reward sentence gives dr_grpo's
+    figures alone."""
+    rows = [lab_row("dr_grpo", "beta = 0 (no KL)", [3.5], 0.0, placement="off", betas=[None]),
+            lab_row("dr_grpo", "k3 in the reward", [3.8], 0.0, placement="reward", betas=[None]),
+            lab_row("defaults", "beta = 0 (no KL)", [3.6], 0.0, placement="off", betas=[None]),
+            lab_row("defaults", "k3 in the reward", [2.6], 0.0, placement="reward", betas=[None]),
+            lab_row("defaults", "k3 in the loss", [0.02], 0.0, betas=[0.25])]
+    found = trainer_lab.findings({"beta": 0.5, "rows": rows})
+    assert "**k3 in the reward** ends 3.8000 from pi* with dr_grpo, where beta = 0 ends 3.5000." in found
+    rows += [lab_row("defaults", "k1 in the reward", [0.001], 0.0, placement="reward", betas=[0.5]),
+             {"recipe": "defaults", "setting": "clip in the loss", "placement": "loss", "refused": "no"}]
+    (defaults,) = [f for f in trainer_lab.findings({"beta": 0.5, "rows": rows}) if f.startswith("**The trainer's")]
+    assert defaults == ("**The trainer's defaults** (loss_type='dr_grpo', scale_rewards='none') make a loss-side beta "
+                        "of 0.4375 act as: k3 in the loss 0.25, where k1 in the reward acts as 0.5.")
+
+
+def test_the_lora_finding_gives_loras_figures_beside_full_fine_tunings() -> None:
+    """LoRA's k1 in the reward, its effective beta, then dr_grpo's with full fine-tuning; no sentence without the
+    latter."""
+    lora = lab_row("lora", "k1 in the reward", [0.007, 0.009], 0.0, placement="reward", betas=[0.6, 0.6],
+                   unmodelled=("LoRA",))
+    full = lab_row("dr_grpo", "k1 in the reward", [0.0005, 0.0013], 0.0, placement="reward", betas=[0.5, 0.5])
+    (sentence,) = [f for f in trainer_lab.findings({"beta": 0.5, "rows": [lora, full]}) if f.startswith("**LoRA**")]
+    assert sentence == ("**LoRA** (rank 8, the same recipe and learning rate): k1 in the reward ends 0.0080 "
+                        "[0.0070 - 0.0090] from pi* at an effective beta of 0.6, full fine-tuning 0.0009 "
+                        "[0.0005 - 0.0013].")
+    assert not [f for f in trainer_lab.findings({"beta": 0.5, "rows": [lora]}) if f.startswith("**LoRA**")]
+
+
+def test_the_pad_is_eos_finding_gives_each_tables_own_figure() -> None:
+    """The pad = EOS table's figure and its effective beta, then TRL's, then Unsloth's own; any of the three tables
+    without the row: no sentence."""
+    label = "k3 in the loss (the trainer's own)"
+    eos, trl, own = ({"rows": [lab_row("dr_grpo", label, seeds, 0.0, betas=betas)]}
+                     for seeds, betas in (([0.01, 0.02], [0.3, 0.3]), ([0.004], [0.5]), ([0.005], [0.6])))
+    assert trainer_lab.pad_is_eos_finding(eos, trl, own) == (
+        "the trainer's own k3 in the loss ends 0.0150 [0.0100 - 0.0200] from pi* with pad = EOS (effective beta 0.3), "
+        "against TRL's 0.0040 and Unsloth's own 0.0050 with a pad token of its own.")
+    assert trainer_lab.pad_is_eos_finding(eos, {"rows": []}, own).startswith("(no dr_grpo row")
+
+
+def test_describe_says_how_the_runs_were_made() -> None:
+    """The sentence beside every table: 64 completions a step as 16 groups of 4, the learning rates the trained rows
+    ran at (a refused row has none), the seeds, --set, and the pad (its own at a logit of -10000, or EOS)."""
+    table = {"trainer": "trl", "beta": 0.5, "batch": 64, "group_size": 4, "train_prompts": ["aab", "abb", "bab"],
+             "held_out": "aba", "steps": 800, "seeds": [0, 1], "overrides": {"loss_type": "dapo"}, "pad_is_eos": False,
+             "rows": [{"learning_rate": 0.003}, {"learning_rate": 0.001}, {"refused": "no"}]}
+    assert trainer_lab.describe(table) == (
+        "trl: beta = 0.5, 64 completions a step (16 groups of 4), prompts aab, abb, bab (held out: aba), 800 steps, "
+        "AdamW at 0.001, 0.003 decayed linearly to 0, seeds 0, 1 averaged; --set loss_type='dapo'; a pad token of its "
+        "own, which no run can sample (its logit is fixed at -10000: `bias_unit`)")
+    eos = trainer_lab.describe({**table, "pad_is_eos": True, "overrides": {}, "rows": [{"refused": "no"}]})
+    assert eos.endswith("AdamW at - decayed linearly to 0, seeds 0, 1 averaged; pad = EOS")
+
+
+def test_predict_refuses_a_beta_of_0_and_its_k1_row_models_everything() -> None:
+    """--predict against pi*_0 is undefined: TRL's default beta (0) is refused, naming --set beta and --beta, and so is
+    a --trainer that is not one trainer. The
+    k1-in-the-reward row beside a config the tabular lab does not fully model (two clipped passes) is its exact
+    reference: nothing named as not modelled, trained at the --beta it is measured against, so it ends at that
+    optimum (the tabular lab's k1 in the reward is exact)."""
+    with pytest.raises(SystemExit, match=r"^--predict: beta is 0 \(TRL's default: no KL term\); set it"):
+        kl_lab.main(["--predict", "--trainer", "trl"])
+    with pytest.raises(SystemExit, match=r"^--predict: --trainer both is not a trainer; use --trainer trl or unsloth$"):
+        kl_lab.main(["--predict", "--trainer", "both", "--set", "beta=0.04"])
+    predicted = kl_lab.main(["--predict", "--trainer", "trl", "--beta", "0.5", "--set", "beta=0.04",
+                             "num_iterations=2"])
+    config, k1 = predicted["predictions"]["the config"], predicted["predictions"]["k1 in the reward at beta=0.5"]
+    assert config["unmodelled"] == ["num_iterations=2: 2 clipped passes over each batch"] and k1["unmodelled"] == []
+    assert predicted["beta"] == 0.5 and k1["estimator"] == "k1" and k1["kl_opt"] < 1e-3 < config["kl_opt"]
