@@ -821,3 +821,36 @@ def test_predict_refuses_a_beta_of_0_and_its_k1_row_models_everything() -> None:
     config, k1 = predicted["predictions"]["the config"], predicted["predictions"]["k1 in the reward at beta=0.5"]
     assert config["unmodelled"] == ["num_iterations=2: 2 clipped passes over each batch"] and k1["unmodelled"] == []
     assert predicted["beta"] == 0.5 and k1["estimator"] == "k1" and k1["kl_opt"] < 1e-3 < config["kl_opt"]
+
+
+def test_a_prediction_steps_in_the_trainers_groups(tables) -> None:
+    """tabular_prediction trains in groups of the trainer's num_generations: k1_future in the loss at beta passed
+    as it is lands on pi* of beta * G / (G - 1) (the group mean's own sample, ground-truth.md's scale relation), so
+    its effective beta is 0.4 with groups of 4 and 0.3429 with groups of 8, to 1 %."""
+    for group in (4, 8):
+        prediction = trainer_lab.prediction_of({**IN_EFFECT, "num_generations": group, "kl_estimator": "k1_future",
+                                                "beta": 0.3})
+        expected = 0.3 * group / (group - 1)
+        figures = trainer_lab.tabular_prediction(ENV, prediction, expected, tables)
+        assert figures["effective_beta"] == pytest.approx(expected, rel=0.01), group
+
+
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_predict_with_pad_is_eos_measures_against_that_models_reference(pad_is_eos: bool) -> None:
+    """--predict --pad-is-eos predicts from the reference of the model whose pad is EOS: its k1 in the reward (exact)
+    ends on that reference's pi*_0.5, whose E[r] and KL to the reference (log pi* = log pi_ref + r / beta - log Z,
+    averaged over the training prompts) are 0.898 and 0.298 against the own pad's 0.831 and 0.394."""
+    import statistics
+
+    exact = []
+    for prompt, reference in trainer_lab.reference_tables(ENV, trainer_lab.TRAIN_PROMPTS, pad_is_eos).items():
+        tree = Tree(ENV, reference)
+        star = optimum(tree, 0.5)
+        exact.append(((star.exp() * tree.rewards.double()).sum().item(),
+                      kl(star, tree.log_probs(tree.reference_table))))
+    reward, kl_ref = (statistics.fmean(values) for values in zip(*exact))
+    assert (round(reward, 3), round(kl_ref, 3)) == ((0.898, 0.298) if pad_is_eos else (0.831, 0.394))
+    flag = ["--pad-is-eos"] if pad_is_eos else []
+    predicted = kl_lab.main(["--predict", "--trainer", "trl", "--beta", "0.5", "--set", "beta=0.04", *flag])
+    k1 = predicted["predictions"]["k1 in the reward at beta=0.5"]
+    assert k1["reward"] == pytest.approx(reward, abs=1e-4) and k1["kl_ref"] == pytest.approx(kl_ref, abs=1e-4)
