@@ -8,6 +8,7 @@ registries, one gloo process group, and an HF-generate rollout), so this process
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.metadata
 import itertools
 import json
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import types
 import warnings
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -2069,3 +2071,205 @@ def test_a_distillation_block_that_is_not_enabled_is_not_refused():
     config = trainer_config(use_kl_in_reward=False)
     config.distillation = {"enabled": False}
     assert _GuardedTrainer(config).loss_kl is not None
+
+
+# ----- from a mutation audit of verl.py's validation and messages: each test fails on a change the others let pass --
+
+
+def test_a_reward_value_that_is_not_a_block_is_told_to_set_the_reward_blocks_fields() -> None:
+    """`+adaptive_kl.reward=target` is refused naming adaptive_kl.reward, its value and how to set that block's own
+    fields one by one (+adaptive_kl.reward.<field>=...), not the top-level block's."""
+    with pytest.raises(ValueError) as raised:
+        verl_kl.configs_from({"reward": "target"})
+    assert str(raised.value) == ("adaptive_kl.reward='target' is invalid: allowed is a block of AdaptiveKLConfig's "
+                                 "fields, set one by one (+adaptive_kl.reward.kl_adaptation_method=clip).")
+
+
+def test_an_unparsable_top_level_method_is_named_at_the_top_when_reward_sets_its_own() -> None:
+    """A method that cannot be parsed at the top of the block is named adaptive_kl.kl_adaptation_method (where the user
+    wrote it), also when adaptive_kl.reward sets a kl_adaptation_method of its own."""
+    with pytest.raises(ValueError) as raised:
+        verl_kl.configs_from({"kl_adaptation_method": "clip+sigmoid", "reward": {"kl_adaptation_method": "clip"}})
+    assert str(raised.value).startswith("adaptive_kl.kl_adaptation_method='clip+sigmoid' is invalid: allowed is ")
+
+
+def test_kl_placement_and_an_unknown_field_under_reward_are_refused_naming_the_reward_block() -> None:
+    """adaptive_kl.reward.kl_placement and an unknown field under reward are named with the reward block; the unknown
+    field's error lists every field the block takes (AdaptiveKLConfig's, kl_placement aside, which is refused)."""
+    with pytest.raises(ValueError) as raised:
+        verl_kl.configs_from({"reward": {"kl_placement": "reward"}})
+    assert str(raised.value).startswith("adaptive_kl.reward.kl_placement is not used with verl: the KL acts in the "
+                                        "loss with actor_rollout_ref.actor.use_kl_loss=True and in the reward with "
+                                        "algorithm.use_kl_in_reward=True")
+    with pytest.raises(ValueError) as raised:
+        verl_kl.configs_from({"reward": {"kl_clip": 1}})
+    allowed = sorted(field.name for field in dataclasses.fields(AdaptiveKLConfig) if field.name != "kl_placement")
+    assert str(raised.value) == (f"adaptive_kl.reward: unknown field(s) kl_clip; allowed are AdaptiveKLConfig's "
+                                 f"fields: {', '.join(allowed)}.")
+
+
+def test_a_parameter_sync_step_of_zero_is_refused_naming_it() -> None:
+    """trainer.v1.sync.parameter_sync_step must be 1: 0 is refused as 2 is, naming the field, its value and 1."""
+    config = trainer_config()
+    config.trainer.v1.sync = {"parameter_sync_step": 0}
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(config)
+    assert str(raised.value).startswith("trainer.v1.sync.parameter_sync_step=0 is invalid: allowed is 1 under "
+                                        "trainer.v1.trainer_mode=adaptive_kl")
+
+
+def test_the_reward_kls_kl_penalty_is_not_checked_while_that_kl_is_off() -> None:
+    """algorithm.kl_penalty is read by verl only with use_kl_in_reward=True: with the KL in the reward off, a
+    kl_penalty verl does not compute ('full') is not refused (it is, with the KL in the reward on)."""
+    trainer = _GuardedTrainer(trainer_config(use_kl_in_reward=False, kl_penalty="full"))
+    assert trainer.reward_kl is None and trainer.loss_kl is not None
+    with pytest.raises(ValueError, match=r"^algorithm\.kl_penalty='full' is invalid: "):
+        _GuardedTrainer(trainer_config(kl_penalty="full"))
+
+
+def test_a_target_horizon_inherited_by_the_reward_is_refused_naming_the_top_level_field() -> None:
+    """target and kl_horizon=1.2 at the top of the block with the loss's KL off: the reward's controller takes them,
+    and the refusal names adaptive_kl.kl_horizon, where the user set it (not adaptive_kl.reward.kl_horizon)."""
+    config = trainer_config(use_kl_loss=False, kl_adaptation_method="target", kl_horizon=1.2)
+    config.data = {"train_batch_size": 3}
+    config.actor_rollout_ref.rollout = {"n": 2}
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(config)
+    assert str(raised.value).startswith("adaptive_kl.kl_horizon=1.2 is invalid for steps of 6 completions")
+    assert str(raised.value).endswith("; here n is data.train_batch_size x actor_rollout_ref.rollout.n.")
+
+
+@pytest.mark.parametrize("kl_loss_type", [1, None, b"k3"])
+def test_a_kl_loss_type_that_is_not_a_name_is_refused_naming_verls_field(kl_loss_type: Any) -> None:
+    """A kl_loss_type that is not a string (an int, None, bytes: verl's kl_penalty raises AttributeError or TypeError
+    on it at the first update) is refused before training as an unknown name is: field, value, the allowed types."""
+    config = trainer_config(use_kl_in_reward=False)
+    config.actor_rollout_ref.actor.kl_loss_type = kl_loss_type
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(config)
+    assert str(raised.value) == (f"actor_rollout_ref.actor.kl_loss_type={kl_loss_type!r} is invalid: allowed is kl, "
+                                 "k1, abs, mse, k2, low_var_kl or k3, each also with a trailing '+' (verl's "
+                                 "kl_penalty).")
+
+
+def test_the_registered_adaptive_kl_trainer_is_not_refused_for_its_own_block(monkeypatch: Any) -> None:
+    """verl's PPOTrainer.__init__ refuses an adaptive_kl block, but not under our registered trainer, whose block it
+    is: AdaptiveKLPPOTrainer reaches verl's own __init__ (its first call, stubbed)."""
+    monkeypatch.setattr(trainer_base, "build_checkpoint_callback", _reach)
+    with pytest.raises(_Reached):
+        verl_kl.AdaptiveKLPPOTrainer(trainer_config(kl_adaptation_method="clip"))
+
+
+class _RecordingStub(_StubTrainer):
+    """verl's trainer below the mixin, recording that its __init__ (where verl builds the run) was reached."""
+
+    reached = False
+
+    def __init__(self, config: Any) -> None:
+        _RecordingStub.reached = True
+        super().__init__(config)
+
+
+class _RecordedTrainer(verl_kl.AdaptiveKLTrainerMixin, _RecordingStub):
+    pass
+
+
+def test_verls_settings_are_refused_before_verls_trainer_is_built() -> None:
+    """A verl setting the run cannot train with (ppo_epochs=0, parameter_sync_step=2) is refused before verl's own
+    trainer __init__ runs, not after it has built the run."""
+    for setting in ("ppo_epochs", "sync"):
+        config = trainer_config(use_kl_in_reward=False)
+        if setting == "ppo_epochs":
+            config.actor_rollout_ref.actor.ppo_epochs = 0
+        else:
+            config.trainer.v1.sync = {"parameter_sync_step": 2}
+        _RecordingStub.reached = False
+        with pytest.raises(ValueError, match=r"^(actor_rollout_ref\.actor\.ppo_epochs=0|trainer\.v1\.sync\."
+                                             r"parameter_sync_step=2) is invalid"):
+            _RecordedTrainer(config)
+        assert not _RecordingStub.reached
+    _RecordedTrainer(trainer_config(use_kl_in_reward=False))
+    assert _RecordingStub.reached
+
+
+@pytest.mark.parametrize(("methods", "warns"), [(("clip", "dynamic"), True), (("clip", "clip"), False)])
+def test_a_missing_state_file_warns_where_one_kls_beta_moves_and_not_where_none_does(
+        tmp_path: Any, monkeypatch: Any, methods: tuple[str, str], warns: bool) -> None:
+    """A resume without adaptive_kl.json: the loss's clip keeps a constant beta, the reward's dynamic moves it; with
+    one KL whose beta moves the missing file is said once, naming it; with none (clip for both) nothing is lost and
+    nothing is said."""
+    monkeypatch.chdir(tmp_path)
+    config = trainer_config(kl_adaptation_method=methods[0], reward_threshold=0.0,
+                            reward={"kl_adaptation_method": methods[1]})
+    config.trainer.update({"resume_mode": "auto", "default_local_dir": "ckpt"})
+    run = _CheckpointedTrainer(config)
+    run.resumed_step = 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run._load_checkpoint()
+    missing = os.path.join(str(tmp_path), "ckpt", "global_step_1", verl_kl.STATE_FILE)
+    said = [f"adaptive_kl: {missing} is missing: the controllers restart from their initial beta."] if warns else []
+    assert [str(w.message) for w in caught] == said
+
+
+def test_a_field_set_to_its_default_value_is_not_refused_as_doing_nothing() -> None:
+    """A field written out at AdaptiveKLConfig's default changes nothing, and is not refused: kl_percentile=0.2 under
+    reward (a loss-only field), beta_min=0.0 under reward with the KL in the reward off, kl_clip_threshold=1.0 at the
+    top with the loss's KL off, each value as verl's config parses it from the command line."""
+    from omegaconf import OmegaConf
+
+    def parsed(dotlist: list[str], **switches: bool) -> Any:
+        config = trainer_config(**switches)
+        return OmegaConf.merge(config, OmegaConf.from_dotlist(dotlist))
+
+    assert verl_kl.configs_from(OmegaConf.from_dotlist(["reward.kl_percentile=0.2"]))[1].kl_percentile == 0.2
+    assert _GuardedTrainer(parsed(["adaptive_kl.reward.beta_min=0.0"], use_kl_in_reward=False)).reward_kl is None
+    assert _GuardedTrainer(parsed(["adaptive_kl.kl_clip_threshold=1.0"], use_kl_loss=False)).loss_kl is None
+
+
+def test_the_horizon_is_checked_only_for_a_target_kl_that_is_on() -> None:
+    """n = data.train_batch_size x rollout.n. With the loss's KL off, target and kl_horizon=1.2 at the top and
+    reward.beta_min=0.05 (n = 6): the reward's controller, the one KL on, can leave 0 (beta_min > 0) and is built; the
+    loss's config, off, is not checked. clip for both KLs at n = 10000 x 5 (n / 5 = kl_horizon's default 10000): no
+    target, no horizon to check."""
+    config = trainer_config(use_kl_loss=False, kl_adaptation_method="target", kl_horizon=1.2, reward={"beta_min": 0.05})
+    config.data = {"train_batch_size": 3}
+    config.actor_rollout_ref.rollout = {"n": 2}
+    trainer = _GuardedTrainer(config)
+    assert trainer.loss_kl is None and (trainer.reward_kl.config.kl_horizon, trainer.reward_kl.config.beta_min) == (
+        1.2, 0.05)
+    config = trainer_config(kl_adaptation_method="clip")
+    config.data = {"train_batch_size": 10000}
+    config.actor_rollout_ref.rollout = {"n": 5}
+    trainer = _GuardedTrainer(config)
+    assert trainer.loss_kl is not None and trainer.reward_kl is not None
+
+
+def test_without_verls_rollout_n_the_horizon_is_not_checked() -> None:
+    """data.train_batch_size set and actor_rollout_ref.rollout.n left out: n is unknown before training, so the
+    horizon is not checked (the core checks it at the first step), and the trainer is built."""
+    config = trainer_config(use_kl_loss=False, reward={"kl_adaptation_method": "target"})
+    config.data = {"train_batch_size": 3}
+    config.actor_rollout_ref.rollout = {}
+    assert _GuardedTrainer(config).reward_kl.config.kl_methods == ("target",)
+
+
+def test_a_distillation_block_without_enabled_is_not_refused() -> None:
+    """verl's distillation.enabled defaults to False: a distillation block that leaves it out is not enabled, and is
+    not refused beside the KL in the loss."""
+    config = trainer_config(use_kl_in_reward=False)
+    config.distillation = {"teacher": "none"}
+    assert _GuardedTrainer(config).loss_kl is not None
+
+
+@pytest.mark.parametrize(("use_kl_loss", "use_kl_in_reward", "said"), [
+    (True, False, 0), (False, True, 0), (True, True, 0), (False, False, 1)])
+def test_there_is_no_kl_to_adapt_is_said_only_with_both_kls_off(use_kl_loss: bool, use_kl_in_reward: bool,
+                                                                said: int) -> None:
+    """'neither ... is on: there is no KL to adapt' is said once with both KLs off, and not with either on."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _GuardedTrainer(trainer_config(use_kl_loss=use_kl_loss, use_kl_in_reward=use_kl_in_reward))
+    assert [str(w.message) for w in caught if "there is no KL to adapt" in str(w.message)] == [
+        "adaptive_kl: neither actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is on: there is no "
+        "KL to adapt."] * said
