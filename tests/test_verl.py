@@ -2273,3 +2273,25 @@ def test_there_is_no_kl_to_adapt_is_said_only_with_both_kls_off(use_kl_loss: boo
     assert [str(w.message) for w in caught if "there is no KL to adapt" in str(w.message)] == [
         "adaptive_kl: neither actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is on: there is no "
         "KL to adapt."] * said
+
+
+@pytest.mark.parametrize("kind", ["pid", "adaptive"])
+def test_a_kl_ctrl_type_is_refused_before_verls_trainer_reads_it(monkeypatch: Any, kind: str) -> None:
+    """verl's PPOTrainer.__init__ builds its reward controller from algorithm.kl_ctrl, and stops on a type it lacks
+    with a bare NotImplementedError (and on an adaptive horizon <= 0 with an AssertionError). The mixin refuses every
+    type but 'fixed', naming the field, before verl's __init__ runs (its first call, stubbed, is not reached); so is
+    distillation beside the KL in the loss."""
+    config = trainer_config(kl_adaptation_method="clip")
+    config.algorithm.kl_ctrl.type, config.algorithm.kl_ctrl.horizon = kind, 0
+    with pytest.raises(NotImplementedError if kind == "pid" else AssertionError):
+        core_algos.get_kl_controller(config.algorithm.kl_ctrl)
+    monkeypatch.setattr(trainer_base, "build_checkpoint_callback", _reach)
+    with pytest.raises(ValueError, match=rf"^algorithm\.kl_ctrl\.type='{kind}' is invalid with trainer\.v1\."
+                                         r"trainer_mode=adaptive_kl and algorithm\.use_kl_in_reward=True: allowed is "
+                                         r"'fixed'\."):
+        verl_kl.AdaptiveKLPPOTrainer(config)
+    config = trainer_config(kl_adaptation_method="clip")
+    config.distillation = {"enabled": True}
+    with pytest.raises(ValueError, match=r"^distillation\.enabled=True is invalid with actor_rollout_ref\.actor\."
+                                         r"use_kl_loss=True"):
+        verl_kl.AdaptiveKLPPOTrainer(config)

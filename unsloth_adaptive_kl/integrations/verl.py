@@ -310,10 +310,12 @@ def check_kl_type(field: str, value: Any) -> None:
 
 def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_config: AdaptiveKLConfig,
                           reward_block: dict[str, Any]) -> None:
-    """What the trainer would otherwise find only after a rollout, refused by its verl field before training:
-    `ppo_epochs`, `kl_loss_type` and `kl_penalty` verl does not compute, and a `target` horizon under which beta would
-    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`);
-    `reward_block` is what the `adaptive_kl.reward` block set."""
+    """What the trainer would otherwise find only after a rollout, refused by its verl field before training (and
+    before verl's trainer is built, which would stop on a `kl_ctrl.type` it lacks with a bare NotImplementedError):
+    `ppo_epochs`, `kl_loss_type` and `kl_penalty` verl does not compute, a `target` horizon under which beta would
+    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`), and
+    what this trainer would replace: verl's `kl_ctrl` beside the KL in the reward, its distillation loss beside the KL
+    in the loss. `reward_block` is what the `adaptive_kl.reward` block set."""
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
     on = {"loss": bool(actor.use_kl_loss), "reward": bool(algorithm.use_kl_in_reward)}
     # verl's sync mode runs parameter_sync_step actor updates (and reward penalties) per global step, on a slice of the
@@ -324,6 +326,11 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
                      f"1 under trainer.v1.trainer_mode={TRAINER_NAME} (one actor update per global step, which the "
                      "controllers move once per)")
     if on["loss"]:
+        if config.get("distillation") is not None and config.distillation.get("enabled", False):
+            raise ValueError("distillation.enabled=True is invalid with actor_rollout_ref.actor.use_kl_loss=True "
+                             f"under trainer.v1.trainer_mode={TRAINER_NAME}: allowed is distillation.enabled=False, "
+                             "or the KL in the reward alone (algorithm.use_kl_in_reward=True, use_kl_loss=False); "
+                             "the adaptive actor loss is verl's ppo_loss, and would replace its distillation_ppo_loss.")
         epochs = actor.get("ppo_epochs", PPO_EPOCHS_DEFAULT)
         check_whole("actor_rollout_ref.actor.ppo_epochs", epochs, 1, "an integer >= 1")
         check_kl_type("actor_rollout_ref.actor.kl_loss_type", actor.kl_loss_type)
@@ -337,6 +344,16 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
                 "k3), or adaptive_kl.kl_estimator unset to adapt verl's kl_loss_type as it is.")
     if on["reward"]:
         check_kl_type("algorithm.kl_penalty", algorithm.get("kl_penalty", "kl"))
+        kind = algorithm.kl_ctrl.get("type", "fixed")
+        if kind != "fixed":  # verl's own controller would be replaced by ours, its target_kl and horizon unread
+            raise ValueError(
+                f"algorithm.kl_ctrl.type={kind!r} is invalid with trainer.v1.trainer_mode={TRAINER_NAME} and "
+                "algorithm.use_kl_in_reward=True: allowed is 'fixed'. This package's controller takes the place "
+                "of verl's kl_ctrl_in_reward; for a target KL (Ziegler et al.'s update, as verl's, but read on "
+                "the batch's token-mean KL, where verl's reads the mean of each sequence's token mean) set "
+                "+adaptive_kl.reward.kl_adaptation_method=target with "
+                "+adaptive_kl.reward.kl_target=<target_kl> and +adaptive_kl.reward.kl_horizon=<horizon>, or "
+                "leave trainer_mode unset for verl's own.")
     data, rollout = config.get("data"), config.actor_rollout_ref.get("rollout")
     if data is None or rollout is None or data.get("train_batch_size") is None or rollout.get("n") is None:
         return
@@ -738,12 +755,6 @@ class AdaptiveKLTrainerMixin:
         self.adaptive_kl_config = loss_config
         self.loss_kl: Optional[AdaptiveKL] = None
         if actor.use_kl_loss:
-            if config.get("distillation") is not None and config.distillation.get("enabled", False):
-                raise ValueError("distillation.enabled=True is invalid with actor_rollout_ref.actor.use_kl_loss=True "
-                                 f"under trainer.v1.trainer_mode={TRAINER_NAME}: allowed is distillation.enabled=False, "
-                                 "or the KL in the reward alone (algorithm.use_kl_in_reward=True, use_kl_loss=False); "
-                                 "the adaptive actor loss is verl's ppo_loss, and would replace its "
-                                 "distillation_ppo_loss.")
             # The update's per-completion statistics hold each completion once per PPO epoch: target's n counts it once.
             self.loss_kl = verl_adaptive_kl(
                 loss_config, actor.kl_loss_coef, "actor_rollout_ref.actor.kl_loss_coef", "adaptive_kl",
@@ -752,16 +763,6 @@ class AdaptiveKLTrainerMixin:
             kl_agg_mode(loss_config, actor.loss_agg_mode)  # a kl_reduction verl cannot aggregate: now, not on a worker
         self.reward_kl: Optional[RewardKLController] = None
         if config.algorithm.use_kl_in_reward:
-            kind = config.algorithm.kl_ctrl.get("type", "fixed")
-            if kind != "fixed":  # verl's own controller would be replaced by ours, its target_kl and horizon unread
-                raise ValueError(
-                    f"algorithm.kl_ctrl.type={kind!r} is invalid with trainer.v1.trainer_mode=adaptive_kl and "
-                    "algorithm.use_kl_in_reward=True: allowed is 'fixed'. This package's controller takes the place "
-                    "of verl's kl_ctrl_in_reward; for a target KL (Ziegler et al.'s update, as verl's, but read on "
-                    "the batch's token-mean KL, where verl's reads the mean of each sequence's token mean) set "
-                    "+adaptive_kl.reward.kl_adaptation_method=target with "
-                    "+adaptive_kl.reward.kl_target=<target_kl> and +adaptive_kl.reward.kl_horizon=<horizon>, or "
-                    "leave trainer_mode unset for verl's own.")
             self.reward_kl = RewardKLController(
                 reward_config, beta=config.algorithm.kl_ctrl.kl_coef, overrides=overrides,
                 field=_block("kl_adaptation_method", overrides),
