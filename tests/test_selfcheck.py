@@ -614,3 +614,282 @@ def test_stock_unsloth_bypasses_every_hook_on_a_step_inside_the_block_only() -> 
         assert {name: vars(trainer_class)[name] for name in wrappers} == wrappers
     finally:
         del sys.modules[module.__name__]
+
+
+# ----- a second mutation audit: each bound exactly as documented, in both directions, and each check wired to stock --
+
+
+def core_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The values `core_checks` draws (seed 0, 4 x 6 float32 log-probs, then the reference; lengths 6, 3, 1, 5)."""
+    generator = torch.Generator().manual_seed(0)
+    logps, ref = torch.randn(4, 6, generator=generator), torch.randn(4, 6, generator=generator)
+    lengths = torch.tensor([6, 3, 1, 5])
+    return logps, ref, (torch.arange(6)[None] < lengths[:, None]).double()
+
+
+def test_the_core_check_fails_just_outside_its_documented_bounds_and_holds_inside_them_either_way(monkeypatch):
+    """The docstring's bounds, written out here: the value's is 16 * EPS32 / 2 * sum over the real tokens of
+    beta / (4 L_i) * (e^r (1 + |r|) + |r| + 1), each token's gradient's 7 * EPS32 / 2 * beta / (4 L_i) *
+    (e^r (1 + |r|) + 1), r = ref - logp; the line names both (the gradient's largest). The value off by 1.1 of its
+    bound, up or down, fails, by 0.9 holds (the honest difference is 1e-9 of a bound of 3e-7, a float32 ulp of the
+    value 4e-9); the gradient of the token where its bound is largest (the second of the 3-token row: 7e-8, the
+    honest difference 1e-9, an ulp 4e-9) off by 1.25 of its bound fails, by 0.75 holds."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    logps, ref, mask = core_inputs()
+    r = (ref - logps).double()
+    weight = 0.04 / (4 * mask.sum(-1, keepdim=True)) * mask
+    bound = float(16 * 2**-24 * (weight * (torch.exp(r) * (1 + r.abs()) + r.abs() + 1)).sum())
+    grad_bounds = 7 * 2**-24 * weight * (torch.exp(r) * (1 + r.abs()) + 1)
+    row, token = divmod(int(grad_bounds.argmax()), 6)
+    assert (row, token) == (1, 1) and 2e-7 < bound < 5e-7 and 3e-8 < float(grad_bounds[row, token]) < 1e-7
+    (honest,) = selfcheck.core_checks()
+    assert honest.ok and honest.detail.endswith(f"(bound {grad_bounds.max().item():.2g})"), honest.line()
+    assert f" (bound {bound:.2g}), " in honest.detail, honest.line()
+    for times, ok in ((1.1, False), (-1.1, False), (0.9, True), (-0.9, True)):
+        broken_core(monkeypatch, lambda term, logps: term + times * bound)
+        (value,) = selfcheck.core_checks()
+        assert value.ok is ok, (times, value.line())
+    for times, ok in ((1.25, False), (-1.25, False), (0.75, True), (-0.75, True)):
+        step = times * float(grad_bounds[row, token])
+        broken_core(monkeypatch, lambda term, logps: term + step * (logps[row, token] - logps[row, token].detach()))
+        (gradient,) = selfcheck.core_checks()
+        assert gradient.ok is ok, (times, gradient.line())
+
+
+def test_the_core_check_fails_a_core_that_ignores_the_mask(monkeypatch) -> None:
+    """The check's sequences are 6, 3, 1 and 5 of 6 tokens long: a core that counts the padding too is off."""
+    import unsloth_adaptive_kl.core as core
+    from unsloth_adaptive_kl.core.adaptive_kl import AdaptiveKL
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    class PaddingCounted(AdaptiveKL):
+        def kl_loss(self, logps, ref, mask, *args, **kwargs):
+            return super().kl_loss(logps, ref, torch.ones_like(mask), *args, **kwargs)
+
+    monkeypatch.setattr(core, "AdaptiveKL", PaddingCounted)
+    (check,) = selfcheck.core_checks()
+    assert not check.ok, check.line()
+
+
+@pytest.mark.parametrize("length", [8, 4])
+def test_compare_with_stock_fails_just_outside_its_documented_bounds_and_holds_inside_them(
+        trl_trainer_and_batch, length) -> None:
+    """The bounds, written out here: the loss's tokens * EPS32 * (the stock loss with every advantage -|A|), each
+    gradient's 2 * tokens * EPS32 * max |stock gradient|, tokens the completions' real ones (all 32, or 16 with the
+    last 4 of each masked out). The stock loss off by 1.5 of its bound, up or down, fails both comparisons and by 0.5
+    holds them; the last parameter's stock gradient off by 1.3 of its bound fails, by 0.7 holds (the honest
+    differences are 0 on this CPU)."""
+    from unsloth_adaptive_kl.tools.selfcheck import shifted_reference, stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    assert inputs["completion_mask"].shape == (4, 8) and bool(inputs["completion_mask"].all())
+    inputs = {**inputs, "completion_mask": (torch.arange(8) < length).float().expand(4, 8).clone()}
+    moved = shifted_reference(inputs)
+    tokens = 4 * length
+    with stock_trl():
+        trainer.model.train()
+        with torch.no_grad():
+            magnitude = trainer._compute_loss(trainer.model, {**moved, "advantages": -moved["advantages"].abs()})
+        loss = trainer._compute_loss(trainer.model, dict(moved))
+        loss.backward()
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    scale = max(p.grad.abs().max().item() for p in trained)
+    for p in trained:
+        p.grad = None
+    loss_bound, grad_bound = tokens * 2**-23 * magnitude.item(), 2 * tokens * 2**-23 * scale
+    assert 0 < loss_bound < 1e-6 and 0 < grad_bound < 1e-6
+    last = trained[-1]
+    for times, ok in ((1.5, False), (-1.5, False), (0.5, True), (-0.5, True)):
+        lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda stock: stock + times * loss_bound))
+        assert [line.startswith("[ok]") for line in lines] == [True, ok, ok], (times, lines)
+    for times, ok in ((1.3, False), (-1.3, False), (0.7, True), (-0.7, True)):
+        lines = compare(trainer, inputs, lambda: changed_stock(
+            trainer, lambda stock: stock + times * grad_bound * (last.sum() - last.sum().detach())))
+        assert [line.startswith("[ok]") for line in lines] == [True, ok, ok], (times, lines)
+
+
+def test_compare_with_stock_allows_a_stock_loss_that_moves_between_its_two_runs(trl_trainer_and_batch) -> None:
+    """A stock loss 1e-4 of itself up in its first run and down in its second (its gradients unchanged): `none` and
+    the no-op clip are 1e-4 off the first, far beyond the reordered sum's bound but within what stock differs from
+    itself (2e-4 of the loss), and each line names that difference."""
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    with stock_trl():
+        loss, _ = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+    delta = 1e-4 * abs(loss)
+    signs = iter([1.0, -1.0, 0.0])  # the two runs of stock, then its magnitude
+    lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda stock: stock + next(signs) * delta))
+    assert all(line.startswith("[ok] TRL") for line in lines), lines
+    assert all(line.endswith(f", stock against itself: loss {2 * delta:.2g}, max grad diff 0") for line in lines[1:])
+
+
+def test_under_fp16_autocast_the_no_op_clips_gradient_bound_is_fp16s(trl_trainer_and_batch) -> None:
+    """As under bf16 (the test above), with fp16's epsilon (2**-10): a gradient 1e-4 of the largest off fails `none`
+    and passes the clip's, whose bound 2 * tokens * 2**-10 * max|grad| its line names."""
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    with stock_trl():
+        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+    scale = max(g.abs().max().item() for g in grads)
+    step = 1e-4 * scale
+    last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
+    trainer.args.fp16 = True  # read by the comparison alone
+    try:
+        lines = compare(trainer, inputs, lambda: changed_stock(
+            trainer, lambda loss: loss + step * (last.sum() - last.sum().detach())))
+    finally:
+        trainer.args.fp16 = False
+    tokens = int(inputs["completion_mask"].sum())
+    assert lines[1].startswith("[FAIL] TRL: none == stock") and "bound" not in lines[1]
+    assert lines[2].startswith("[ok] TRL: clip above every KL == stock")
+    assert lines[2].endswith(f"max grad diff {step:.2g} (bound {2 * tokens * 2**-10 * scale:.2g}, a fp16 backward)")
+
+
+def test_the_trl_checks_compare_against_stock_trl(monkeypatch, tmp_path) -> None:
+    """`trl_checks` takes its stock side from `stock_trl`: a stock TRL whose loss is 1e-4 of itself off fails both
+    comparisons (a stock side that is the hooked trainer itself would hold them whatever the hook did)."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    real = selfcheck.stock_trl
+    entered = []
+
+    @contextlib.contextmanager
+    def off_stock():
+        with real():
+            trainer = entered[-1]
+            stock = trainer._compute_loss
+            trainer._compute_loss = lambda model, inputs: stock(model, inputs) * (1 + 1e-4)
+            try:
+                yield
+            finally:
+                del trainer._compute_loss
+
+    build = selfcheck.tiny_trainer
+    monkeypatch.setattr(selfcheck, "tiny_trainer", lambda *args, **kwargs: entered.append(build(*args, **kwargs))
+                        or entered[-1])
+    monkeypatch.setattr(selfcheck, "stock_trl", off_stock)
+    lines = [check.line() for check in selfcheck.trl_checks(str(tmp_path))]
+    assert [line.split(": ")[1] for line in lines if line.startswith("[FAIL]")] == [
+        "none == stock", "clip above every KL == stock"], lines
+
+
+def test_the_unsloth_checks_compare_the_generated_trainers_loss_against_stock_unsloth(monkeypatch, tmp_path) -> None:
+    """Without importing Unsloth: a hooked generated trainer with its anchors found is compared on its
+    `compute_loss` against `stock_unsloth` of that same trainer, and the comparison's lines are the part's."""
+    from unsloth_adaptive_kl.integrations import unsloth as unsloth_patch
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    generated = types.ModuleType("unsloth_adaptive_kl_test_hooked")
+    generated.UnslothEfficientGRPO = unsloth_patch._AdaptiveEfficientGRPO
+    generated.UnslothGRPOTrainer = type("UnslothGRPOTrainer", (), {"__module__": generated.__name__})
+    monkeypatch.setitem(sys.modules, generated.__name__, generated)
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda *_: None)
+    monkeypatch.setattr(unsloth_patch, "generated_grpo_trainer", lambda: generated.UnslothGRPOTrainer)
+    monkeypatch.setattr(versions, "UNSLOTH_ANCHORS", ())
+    trainer = object()
+    monkeypatch.setattr(selfcheck, "tiny_trainer", lambda *args, **kwargs: trainer)
+    monkeypatch.setattr(selfcheck, "stock_unsloth", lambda given: ("stock Unsloth of", given))
+    seen = []
+
+    def compare_with_stock(name, given, compute, stock, inputs=None):
+        seen.append((given, compute, stock()))
+        return [Check(f"{name}: none == stock", False, "off")]
+
+    monkeypatch.setattr(selfcheck, "compare_with_stock", compare_with_stock)
+    assert [c.line() for c in selfcheck.unsloth_checks(str(tmp_path))] == [
+        "[ok] unsloth anchors: 0 of 0 found", "[ok] Unsloth trainer hooked",
+        "[FAIL] Unsloth's generated trainer on cpu: none == stock: off"]
+    assert seen == [(trainer, "compute_loss", ("stock Unsloth of", trainer))]
+
+
+def test_stock_trl_patches_again_when_its_block_raises() -> None:
+    """A comparison that raises inside the stock block (its stock gradients missing) must not leave TRL unpatched for
+    the checks after it."""
+    from unsloth_adaptive_kl.integrations import trl as trl_patch
+    from unsloth_adaptive_kl.tools.selfcheck import MissingGradients, stock_trl
+
+    assert trl_patch.is_patched()
+    with pytest.raises(MissingGradients):
+        with stock_trl():
+            assert not trl_patch.is_patched()
+            raise MissingGradients("every gradient is zero")
+    assert trl_patch.is_patched()
+
+
+def test_the_device_is_cuda_where_a_gpu_is_visible(monkeypatch) -> None:
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert selfcheck.device() == "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert selfcheck.device() == "cpu"
+
+
+def test_the_tiny_trainer_runs_on_the_cpu_here_and_prints_no_log_lines_of_its_own(trl_trainer_and_batch) -> None:
+    """On this CPU machine the trainer is told to use the CPU (not an MPS device, say), and the self-check's output
+    is its own lines: the trainer's PrinterCallback (a dict printed per logged step) is removed."""
+    from transformers import PrinterCallback
+
+    from unsloth_adaptive_kl.tools.selfcheck import PROMPTS
+
+    trainer, _ = trl_trainer_and_batch
+    assert trainer.args.use_cpu is True
+    assert not any(isinstance(callback, PrinterCallback) for callback in trainer.callback_handler.callbacks)
+    assert trainer.train_dataset["prompt"] == PROMPTS
+
+
+def test_the_tiny_trainer_trains_on_the_prompts_it_is_given(tmp_path) -> None:
+    from unsloth_adaptive_kl.tools.selfcheck import tiny_trainer
+
+    assert tiny_trainer(str(tmp_path), prompts=["x:", "yz:"]).train_dataset["prompt"] == ["x:", "yz:"]
+
+
+def test_none_is_compared_as_none_whatever_method_the_trainer_was_left_with(trl_trainer_and_batch) -> None:
+    """A trainer left on a clip that binds (0.01; the moved reference's per-token KLs reach 0.72): `none` is still run
+    as `none` and holds, as does the no-op clip."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    trainer, inputs = trl_trainer_and_batch
+    trainer._metrics["train"].clear()
+    trainer.args.kl_adaptation_method, trainer.args.kl_clip_threshold = "clip", 0.01
+    checks = selfcheck.compare_with_stock("TRL", trainer, "_compute_loss", selfcheck.stock_trl, inputs)
+    lines = [check.line() for check in checks]
+    assert all(line.startswith("[ok] TRL") for line in lines), lines
+
+
+def test_write_record_writes_the_date_the_machine_and_a_final_newline(monkeypatch, tmp_path) -> None:
+    import datetime
+
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    monkeypatch.setattr(selfcheck, "source_commit", lambda: "abc1234")
+    monkeypatch.setattr(selfcheck, "hardware", lambda: {"cpu": "a test CPU"})
+    monkeypatch.setattr(selfcheck, "installed_versions", lambda packages: {p: "1.0" for p in packages})
+    monkeypatch.setattr(sys, "argv", ["whatever", "--json", "r.json"])
+    today = datetime.date.today().isoformat()
+    selfcheck.write_record(str(tmp_path / "r.json"), ["a line", "[FAIL] x"], passed=False)
+    text = (tmp_path / "r.json").read_text()
+    assert text.endswith("}\n")
+    assert json.loads(text) == {
+        "command": "python -m unsloth_adaptive_kl --json r.json", "date": today, "commit": "abc1234",
+        "hardware": {"cpu": "a test CPU"}, "passed": False, "lines": ["a line", "[FAIL] x"],
+        "versions": {p: "1.0" for p in ("trl", "transformers", "torch", "unsloth", "unsloth_zoo", "verl")}}
+
+
+def test_the_comparisons_magnitude_is_the_loss_with_every_advantage_negative(trl_trainer_and_batch) -> None:
+    """At the captured step the policy is the one that sampled (ratio 1), so each token's PPO-clip term is -A and the
+    loss (summed over the 32 tokens over num_items_in_batch, 32) moves by -mean A: with advantages 1, -1, 0.5, -0.5
+    the magnitude is the zero-advantage loss plus mean |A| = 0.75, not minus it (+|A|), nor plus 0 (A as it is)."""
+    from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, shifted_reference, stock_trl
+
+    trainer, inputs = trl_trainer_and_batch
+    moved = shifted_reference(inputs)
+    assert not moved["advantages"].any() and int(moved["num_items_in_batch"]) == 32
+    with stock_trl():
+        zero = absolute_loss(trainer, "_compute_loss", moved)
+        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        magnitude = absolute_loss(trainer, "_compute_loss", {**moved, "advantages": advantages})
+    assert magnitude - zero == pytest.approx(0.75, rel=1e-5)
