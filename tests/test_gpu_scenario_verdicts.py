@@ -169,7 +169,7 @@ def test_the_unsloth_4bit_first_step_on_cuda_must_compile_the_loss_and_triton_ke
     monkeypatch.setattr(logprob_paths, "counted_logprob_calls", contextlib.contextmanager(lambda: iter([{}])))
     monkeypatch.setattr(selfcheck, "captured_inputs", lambda trainer, compute: {})
     monkeypatch.setattr(selfcheck, "compare_with_stock", lambda *args, **kwargs: [])
-    monkeypatch.setattr(selfcheck, "shifted_reference", lambda inputs: inputs)
+    monkeypatch.setattr(selfcheck, "comparison_inputs", lambda inputs: inputs)
 
     def first_line(entries: int, kernels: int, graphs: int = 2) -> Check:
         counters = iter([{"frames": 0, "graphs": 0, "kernels": 0}, {"frames": 1, "graphs": graphs, "kernels": kernels}])

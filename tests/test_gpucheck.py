@@ -145,10 +145,10 @@ def test_the_ref_sync_scenario_fails_where_the_optimizer_reset_did_nothing(model
 def test_the_unsloth_scenarios_method_and_recompile_checks_run_on_trl_on_cpu(model_dir, tmp_path) -> None:
     """The per-method and beta-moving checks of `unsloth-4bit` are trainer-agnostic: on TRL's trainer (its loss
     method `_compute_loss`, nothing compiled) on the CPU, on a captured batch whose reference is 1 nat away."""
-    from unsloth_adaptive_kl.tools.selfcheck import captured_inputs, shifted_reference
+    from unsloth_adaptive_kl.tools.selfcheck import captured_inputs, comparison_inputs
 
     trainer = scenarios.chat_trainer(model_dir, str(tmp_path), "trl", "cpu", "fp32")
-    inputs = shifted_reference(captured_inputs(trainer, "_compute_loss"))
+    inputs = comparison_inputs(captured_inputs(trainer, "_compute_loss"))
     (clip,) = scenarios.method_check("TRL", trainer, "clip+length_normalized+dynamic", inputs, "_compute_loss")
     assert clip.ok, clip.line()
     raw, adapted = (float(clip.detail.split(f"{key} ")[1].split(",")[0]) for key in ("raw_kl", "adapted_kl"))

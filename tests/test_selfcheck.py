@@ -212,16 +212,20 @@ def test_length_reward_is_a_tenth_of_the_length_mod_5_of_a_text_or_of_the_last_m
     assert length_reward(["abc", "abcdefg", "abcde", conversation]) == pytest.approx([0.3, 0.2, 0.0, 0.4])
 
 
-def test_shifted_reference_moves_the_reference_from_minus_1_to_plus_1_nat_on_a_copy() -> None:
-    from unsloth_adaptive_kl.tools.selfcheck import shifted_reference
+def test_comparison_inputs_moves_the_reference_and_spreads_the_advantages_on_a_copy() -> None:
+    """The reference from -1 to +1 nat across the tokens, the advantages from -1 to +1 across the completions (all 0
+    here, as a batch whose completions all earned one reward has them), on a copy: the captured batch is unchanged."""
+    from unsloth_adaptive_kl.tools.selfcheck import comparison_inputs
 
-    ref = torch.zeros(2, 3)
-    inputs = {"ref_per_token_logps": ref, "completion_mask": torch.ones(2, 3)}
-    shifted = shifted_reference(inputs)
-    torch.testing.assert_close(shifted["ref_per_token_logps"], torch.tensor([[-1.0, -0.6, -0.2], [0.2, 0.6, 1.0]]),
+    ref, advantages = torch.zeros(2, 3), torch.zeros(2)
+    inputs = {"ref_per_token_logps": ref, "advantages": advantages, "completion_mask": torch.ones(2, 3)}
+    compared = comparison_inputs(inputs)
+    torch.testing.assert_close(compared["ref_per_token_logps"], torch.tensor([[-1.0, -0.6, -0.2], [0.2, 0.6, 1.0]]),
                                rtol=0, atol=1e-6)
-    assert shifted["completion_mask"] is inputs["completion_mask"]
+    assert compared["advantages"].tolist() == [-1.0, 1.0]
+    assert compared["completion_mask"] is inputs["completion_mask"]
     assert inputs["ref_per_token_logps"] is ref and torch.equal(ref, torch.zeros(2, 3))  # the captured batch unchanged
+    assert inputs["advantages"] is advantages and torch.equal(advantages, torch.zeros(2))
 
 
 def linear_trainer():
@@ -283,11 +287,11 @@ def compare(trainer, inputs, stock) -> list[str]:
 
 
 def test_compare_with_stock_fails_a_loss_or_one_parameters_gradient_1e_4_off(trl_trainer_and_batch) -> None:
-    """The comparison's bounds are tokens * EPS32 of the loss and twice that of the largest gradient, tokens <= 32 (4
-    completions of at most 8): under 8e-6 of each. The hook on the real trainer holds; against a stock loss 1e-4 off
-    (its gradients unchanged), or the last trained parameter's gradient 1e-4 of the largest gradient off (the loss
-    unchanged), both comparisons fail."""
-    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+    """The comparison's bounds are tokens * EPS32 of the loss's magnitude (`absolute_loss`) and twice that of the
+    largest gradient, tokens <= 32 (4 completions of at most 8): under 8e-6 of each. The hook on the real trainer
+    holds; against a stock loss 1e-4 of its magnitude off (its gradients unchanged), or the last trained parameter's
+    gradient 1e-4 of the largest gradient off (the loss unchanged), both comparisons fail."""
+    from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, comparison_inputs, loss_and_grads, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
     assert 0 < int(inputs["completion_mask"].sum()) <= 32
@@ -296,11 +300,13 @@ def test_compare_with_stock_fails_a_loss_or_one_parameters_gradient_1e_4_off(trl
     assert [line.split(": ")[1] for line in honest] == ["stock gradients", "none == stock",
                                                         "clip above every KL == stock"]
 
-    lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda loss: loss + 1e-4 * loss.detach().abs()))
+    with stock_trl():
+        magnitude = absolute_loss(trainer, "_compute_loss", comparison_inputs(inputs))
+    lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda loss: loss + 1e-4 * magnitude))
     assert lines[0].startswith("[ok] TRL: stock gradients") and all(line.startswith("[FAIL]") for line in lines[1:])
 
     with stock_trl():
-        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+        _, grads = loss_and_grads(trainer, "_compute_loss", comparison_inputs(inputs))
     step = 1e-4 * max(g.abs().max().item() for g in grads)
     last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
     lines = compare(trainer, inputs, lambda: changed_stock(
@@ -314,11 +320,11 @@ def test_compare_with_stock_allows_what_stock_differs_from_itself_and_names_it(t
     parameter's gradient off by +step, then -step, 1e-4 of the largest gradient. `none` (off from the first run by
     step, which fails against a stock that is off the same way each run: the test above) is within what stock
     differs from itself (2 step), and each line names that difference."""
-    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, comparison_inputs, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
     with stock_trl():
-        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+        _, grads = loss_and_grads(trainer, "_compute_loss", comparison_inputs(inputs))
     step = 1e-4 * max(g.abs().max().item() for g in grads)
     last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
     signs = iter([1.0, -1.0, 1.0])  # the two runs of stock, then its magnitude (no gradient)
@@ -334,11 +340,11 @@ def test_under_autocast_the_no_op_clips_gradient_bound_is_the_autocast_precision
     the no-op clip adds its KL term outside the stock loss, whose gradient the bf16 backward rounds at bf16's epsilon
     (2**-7): its bound is 2 * tokens * 2**-7 * max|grad|, named on its line. A gradient 1e-4 of the largest off fails
     `none` and passes the clip's."""
-    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, comparison_inputs, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
     with stock_trl():
-        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+        _, grads = loss_and_grads(trainer, "_compute_loss", comparison_inputs(inputs))
     scale = max(g.abs().max().item() for g in grads)
     step = 1e-4 * scale
     last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
@@ -672,20 +678,21 @@ def test_the_core_check_fails_a_core_that_ignores_the_mask(monkeypatch) -> None:
     assert not check.ok, check.line()
 
 
-@pytest.mark.parametrize("length", [8, 4])
+@pytest.mark.parametrize("half", [False, True])
 def test_compare_with_stock_fails_just_outside_its_documented_bounds_and_holds_inside_them(
-        trl_trainer_and_batch, length) -> None:
+        trl_trainer_and_batch, half) -> None:
     """The bounds, written out here: the loss's tokens * EPS32 * (the stock loss with every advantage -|A|), each
-    gradient's 2 * tokens * EPS32 * max |stock gradient|, tokens the completions' real ones (all 32, or 16 with the
-    last 4 of each masked out). The stock loss off by 1.5 of its bound, up or down, fails both comparisons and by 0.5
-    holds them; the last parameter's stock gradient off by 1.3 of its bound fails, by 0.7 holds (the honest
-    differences are 0 on this CPU)."""
-    from unsloth_adaptive_kl.tools.selfcheck import shifted_reference, stock_trl
+    gradient's 2 * tokens * EPS32 * max |stock gradient|, tokens the completions' real ones (every position of the 4
+    completions, or the first half of each, the rest masked out). The stock loss off by 1.5 of its bound, up or down,
+    fails both comparisons and by 0.5 holds them; the last parameter's stock gradient off by 1.3 of its bound fails,
+    by 0.7 holds (the honest differences are 0 on this CPU)."""
+    from unsloth_adaptive_kl.tools.selfcheck import comparison_inputs, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
-    assert inputs["completion_mask"].shape == (4, 8) and bool(inputs["completion_mask"].all())
-    inputs = {**inputs, "completion_mask": (torch.arange(8) < length).float().expand(4, 8).clone()}
-    moved = shifted_reference(inputs)
+    width = inputs["completion_mask"].shape[1]
+    length = width // 2 if half else width
+    inputs = {**inputs, "completion_mask": (torch.arange(width) < length).float().expand(4, width).clone()}
+    moved = comparison_inputs(inputs)
     tokens = 4 * length
     with stock_trl():
         trainer.model.train()
@@ -698,7 +705,7 @@ def test_compare_with_stock_fails_just_outside_its_documented_bounds_and_holds_i
     for p in trained:
         p.grad = None
     loss_bound, grad_bound = tokens * 2**-23 * magnitude.item(), 2 * tokens * 2**-23 * scale
-    assert 0 < loss_bound < 1e-6 and 0 < grad_bound < 1e-6
+    assert 0 < loss_bound < 1e-5 and 0 < grad_bound < 1e-5
     last = trained[-1]
     for times, ok in ((1.5, False), (-1.5, False), (0.5, True), (-0.5, True)):
         lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda stock: stock + times * loss_bound))
@@ -713,11 +720,11 @@ def test_compare_with_stock_allows_a_stock_loss_that_moves_between_its_two_runs(
     """A stock loss 1e-4 of itself up in its first run and down in its second (its gradients unchanged): `none` and
     the no-op clip are 1e-4 off the first, far beyond the reordered sum's bound but within what stock differs from
     itself (2e-4 of the loss), and each line names that difference."""
-    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, comparison_inputs, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
     with stock_trl():
-        loss, _ = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+        loss, _ = loss_and_grads(trainer, "_compute_loss", comparison_inputs(inputs))
     delta = 1e-4 * abs(loss)
     signs = iter([1.0, -1.0, 0.0])  # the two runs of stock, then its magnitude
     lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda stock: stock + next(signs) * delta))
@@ -728,11 +735,11 @@ def test_compare_with_stock_allows_a_stock_loss_that_moves_between_its_two_runs(
 def test_under_fp16_autocast_the_no_op_clips_gradient_bound_is_fp16s(trl_trainer_and_batch) -> None:
     """As under bf16 (the test above), with fp16's epsilon (2**-10): a gradient 1e-4 of the largest off fails `none`
     and passes the clip's, whose bound 2 * tokens * 2**-10 * max|grad| its line names."""
-    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, shifted_reference, stock_trl
+    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, comparison_inputs, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
     with stock_trl():
-        _, grads = loss_and_grads(trainer, "_compute_loss", shifted_reference(inputs))
+        _, grads = loss_and_grads(trainer, "_compute_loss", comparison_inputs(inputs))
     scale = max(g.abs().max().item() for g in grads)
     step = 1e-4 * scale
     last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
@@ -880,16 +887,48 @@ def test_write_record_writes_the_date_the_machine_and_a_final_newline(monkeypatc
 
 
 def test_the_comparisons_magnitude_is_the_loss_with_every_advantage_negative(trl_trainer_and_batch) -> None:
-    """At the captured step the policy is the one that sampled (ratio 1), so each token's PPO-clip term is -A and the
-    loss (summed over the 32 tokens over num_items_in_batch, 32) moves by -mean A: with advantages 1, -1, 0.5, -0.5
-    the magnitude is the zero-advantage loss plus mean |A| = 0.75, not minus it (+|A|), nor plus 0 (A as it is)."""
-    from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, shifted_reference, stock_trl
+    """At the captured step the policy is the one that sampled (ratio 1), so each token's PPO-clip term is -A and
+    `dapo`'s loss (the tokens' sum over num_items_in_batch, N) moves by -sum_i A_i n_i / N, n_i completion i's tokens:
+    with advantages 1, -1, 0.5, -0.5 the magnitude is the zero-advantage loss plus sum_i |A_i| n_i / N (0.75 where
+    every completion has the batch's length), not minus it (+|A|), nor plus the signed sum (A as it is)."""
+    from unsloth_adaptive_kl.tools.selfcheck import absolute_loss, comparison_inputs, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
-    moved = shifted_reference(inputs)
-    assert not moved["advantages"].any() and int(moved["num_items_in_batch"]) == 32
+    moved = comparison_inputs(inputs)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    expected = float((advantages.abs() * moved["completion_mask"].sum(1)).sum() / moved["num_items_in_batch"])
     with stock_trl():
-        zero = absolute_loss(trainer, "_compute_loss", moved)
-        advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+        zero = absolute_loss(trainer, "_compute_loss", {**moved, "advantages": torch.zeros(4)})
         magnitude = absolute_loss(trainer, "_compute_loss", {**moved, "advantages": advantages})
-    assert magnitude - zero == pytest.approx(0.75, rel=1e-5)
+    assert magnitude - zero == pytest.approx(expected, rel=1e-5)
+
+
+def test_compare_with_stock_fails_a_policy_term_off_where_every_captured_advantage_is_0(trl_trainer_and_batch) -> None:
+    """A batch whose completions all earned one reward (every advantage 0: the tiny model's first CPU batch can be
+    one) still tests the policy term: the comparison spreads the advantages (`comparison_inputs`), so an adapted loss
+    that weighs them 1 % too much fails both comparisons, where on the batch's own zeros it would pass."""
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    trainer, inputs = trl_trainer_and_batch
+    uniform = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
+
+    @contextlib.contextmanager
+    def stock():  # the stock loss as it is; the adapted one, outside the block, with every advantage 1.01 times
+        with selfcheck.stock_trl():
+            del trainer._compute_loss
+            try:
+                yield
+            finally:
+                trainer._compute_loss = heavier
+
+    def heavier(model, batch):
+        return type(trainer)._compute_loss(trainer, model, {**batch, "advantages": 1.01 * batch["advantages"]})
+
+    trainer._compute_loss = heavier
+    try:
+        lines = compare(trainer, uniform, stock)
+    finally:
+        del trainer._compute_loss
+    assert lines[0].startswith("[ok] TRL: stock gradients")
+    assert [line.split(": ")[0:2] for line in lines[1:]] == [["[FAIL] TRL", "none == stock"],
+                                                              ["[FAIL] TRL", "clip above every KL == stock"]], lines

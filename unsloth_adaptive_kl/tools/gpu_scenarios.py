@@ -288,7 +288,7 @@ UNSLOTH_METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "c
 
 def use_method(trainer: Any, method: str, **fields: Any) -> None:
     """Switch a trainer to `method` with `fields`, the other fields only some methods read at their defaults (for
-    `clip`, a threshold that some tokens of `shifted_reference` pass)."""
+    `clip`, a threshold that some tokens of `comparison_inputs` pass)."""
     from ..core.config import FIELD_DEFAULTS, FIELD_READERS
     from ..integrations.trainer_hooks import attach_runtime
 
@@ -347,7 +347,7 @@ def unsloth_4bit(model_dir: str, work_dir: str, device: str = "cuda") -> list[Ch
     if failure:
         return failure
     from .logprob_paths import counted_logprob_calls, describe
-    from .selfcheck import captured_inputs, compare_with_stock, shifted_reference, stock_unsloth
+    from .selfcheck import captured_inputs, compare_with_stock, comparison_inputs, stock_unsloth
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the summation bounds of the comparison are float32's
     precision = native_precision() if device == "cuda" else "fp32"
@@ -366,11 +366,11 @@ def unsloth_4bit(model_dir: str, work_dir: str, device: str = "cuda") -> list[Ch
                     f"log-probs: {describe(scorers)}")]
     checks += guarded(f"{name}: none == stock", lambda: compare_with_stock(
         f"{name} ({precision})", trainer, "compute_loss", lambda: stock_unsloth(trainer), inputs=inputs))
-    shifted = shifted_reference(inputs)
+    compared = comparison_inputs(inputs)
     for method in UNSLOTH_METHODS:
-        checks += guarded(f"{name}: {method}", lambda method=method: method_check(name, trainer, method, shifted))
+        checks += guarded(f"{name}: {method}", lambda method=method: method_check(name, trainer, method, compared))
     checks += guarded(f"{name}: no recompile while beta moves",
-                      lambda: no_recompile_check(name, trainer, shifted, compiled=device == "cuda"))
+                      lambda: no_recompile_check(name, trainer, compared, compiled=device == "cuda"))
     return checks
 
 

@@ -91,8 +91,9 @@ def core_checks() -> list[Check]:
 
 
 def length_reward(completions: list, **kwargs: Any) -> list[float]:
-    """0.1 * (completion length mod 5): varies within a group, so advantages are non-zero. A conversational
-    completion (a list of messages) is measured by its last message's content."""
+    """0.1 * (completion length mod 5): a reward that varies with what the policy samples (the comparisons do not
+    rely on it: `comparison_inputs` sets the advantages). A conversational completion (a list of messages) is
+    measured by its last message's content."""
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [0.1 * (len(text) % 5) for text in texts]
 
@@ -185,12 +186,15 @@ def absolute_loss(trainer: Any, compute: str, inputs: dict) -> float:
         return getattr(trainer, compute)(trainer.model, {**inputs, "advantages": -inputs["advantages"].abs()}).item()
 
 
-def shifted_reference(inputs: dict) -> dict:
-    """A copy of captured inputs whose reference log-probs are moved by -1 to +1 nat across the tokens, so that the
-    KL and its gradient are not zero (at the first step the policy is the reference)."""
-    ref = inputs["ref_per_token_logps"]
+def comparison_inputs(inputs: dict) -> dict:
+    """A copy of captured inputs in which both terms of the loss and their gradients are not zero: the reference
+    log-probs moved by -1 to +1 nat across the tokens (at the first step the policy is the reference, and the KL 0),
+    and the advantages spread from -1 to +1 across the completions (a tiny model's completions can all earn one
+    reward: the CPU's first batch does, and each advantage is then 0, the policy term with it)."""
+    ref, advantages = inputs["ref_per_token_logps"], inputs["advantages"]
     shift = torch.linspace(-1.0, 1.0, ref.numel(), device=ref.device).view_as(ref)
-    return {**inputs, "ref_per_token_logps": ref + shift}
+    spread = torch.linspace(-1.0, 1.0, advantages.numel(), device=advantages.device, dtype=advantages.dtype)
+    return {**inputs, "ref_per_token_logps": ref + shift, "advantages": spread.view_as(advantages)}
 
 
 def max_difference(grads: list[torch.Tensor], others: list[torch.Tensor]) -> float:
@@ -200,10 +204,11 @@ def max_difference(grads: list[torch.Tensor], others: list[torch.Tensor]) -> flo
 
 def compare_with_stock(name: str, trainer: Any, compute: str, stock: Callable[[], Any],
                        inputs: Optional[dict] = None) -> list[Check]:
-    """`none` and the no-op clip against the stock loss on one captured batch (`inputs`, or one captured here), its
-    reference 1 nat away per token. Each bound is a reordered sum's rounding plus what stock differs from itself,
-    run twice (0 on a CPU; a GPU's backward may add in a different order each run: no patch can beat that)."""
-    inputs = shifted_reference(captured_inputs(trainer, compute) if inputs is None else inputs)
+    """`none` and the no-op clip against the stock loss on one captured batch (`inputs`, or one captured here), as
+    `comparison_inputs` moves it: both terms of the loss at work. Each bound is a reordered sum's rounding plus what
+    stock differs from itself, run twice (0 on a CPU; a GPU's backward may add in a different order each run: no
+    patch can beat that)."""
+    inputs = comparison_inputs(captured_inputs(trainer, compute) if inputs is None else inputs)
     try:
         with stock():
             stock_loss, stock_grads = loss_and_grads(trainer, compute, inputs)
