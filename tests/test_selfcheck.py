@@ -286,6 +286,26 @@ def compare(trainer, inputs, stock) -> list[str]:
     return [check.line() for check in selfcheck.compare_with_stock("TRL", trainer, "_compute_loss", stock, inputs)]
 
 
+def compare_with_adapted(trainer, inputs, adapted) -> list[str]:
+    """`compare` against stock TRL's loss as it is, the hooked side replaced by `adapted(model, batch)`."""
+    from unsloth_adaptive_kl.tools.selfcheck import stock_trl
+
+    @contextlib.contextmanager
+    def stock():
+        with stock_trl():
+            del trainer._compute_loss
+            try:
+                yield
+            finally:
+                trainer._compute_loss = adapted
+
+    trainer._compute_loss = adapted
+    try:
+        return compare(trainer, inputs, stock)
+    finally:
+        del trainer._compute_loss
+
+
 def test_compare_with_stock_fails_a_loss_or_one_parameters_gradient_1e_4_off(trl_trainer_and_batch) -> None:
     """The comparison's bounds are tokens * EPS32 of the loss's magnitude (`absolute_loss`) and twice that of the
     largest gradient, tokens <= 32 (4 completions of at most 8): under 8e-6 of each. The hook on the real trainer
@@ -335,12 +355,14 @@ def test_compare_with_stock_allows_what_stock_differs_from_itself_and_names_it(t
                              f"{2 * step:.2g}") for line in lines[1:]), lines
 
 
-def test_under_autocast_the_no_op_clips_gradient_bound_is_the_autocast_precisions(trl_trainer_and_batch) -> None:
-    """On a GPU the trainer runs under bf16 autocast: `none` is the stock loss itself and keeps float32's bound, but
-    the no-op clip adds its KL term outside the stock loss, whose gradient the bf16 backward rounds at bf16's epsilon
-    (2**-7): its bound is 2 * tokens * 2**-7 * max|grad|, named on its line. A gradient 1e-4 of the largest off fails
-    `none` and passes the clip's."""
-    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, comparison_inputs, stock_trl
+@pytest.mark.parametrize(("precision", "eps"), [("bf16", 2**-7), ("fp16", 2**-10)])
+def test_under_autocast_the_no_op_clips_gradient_bound_is_the_autocast_precisions(
+        trl_trainer_and_batch, precision, eps) -> None:
+    """On a GPU the trainer runs under bf16 (or fp16) autocast: `none` is the stock loss itself and keeps float32's
+    bound, but the no-op clip adds its KL term outside the stock loss, whose gradient the autocast backward rounds at
+    that precision's epsilon (2**-7, 2**-10): its bound is 2 * tokens * eps * max|grad|, named on its line. A gradient
+    1e-4 of the largest off fails `none` and passes the clip's."""
+    from unsloth_adaptive_kl.tools.selfcheck import comparison_inputs, loss_and_grads, stock_trl
 
     trainer, inputs = trl_trainer_and_batch
     with stock_trl():
@@ -348,16 +370,16 @@ def test_under_autocast_the_no_op_clips_gradient_bound_is_the_autocast_precision
     scale = max(g.abs().max().item() for g in grads)
     step = 1e-4 * scale
     last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
-    trainer.args.bf16 = True  # read by the comparison alone: the trainer's own autocast was set when it was built
+    setattr(trainer.args, precision, True)  # read by the comparison alone: the trainer's autocast was set when built
     try:
         lines = compare(trainer, inputs, lambda: changed_stock(
             trainer, lambda loss: loss + step * (last.sum() - last.sum().detach())))
     finally:
-        trainer.args.bf16 = False
+        setattr(trainer.args, precision, False)
     tokens = int(inputs["completion_mask"].sum())
     assert lines[1].startswith("[FAIL] TRL: none == stock") and "bound" not in lines[1]
     assert lines[2].startswith("[ok] TRL: clip above every KL == stock")
-    assert lines[2].endswith(f"max grad diff {step:.2g} (bound {2 * tokens * 2**-7 * scale:.2g}, a bf16 backward)")
+    assert lines[2].endswith(f"max grad diff {step:.2g} (bound {2 * tokens * eps * scale:.2g}, a {precision} backward)")
 
 
 def test_compare_with_stock_fails_when_the_hook_is_not_in_effect(trl_trainer_and_batch) -> None:
@@ -412,29 +434,12 @@ def test_compare_with_stock_really_runs_clip_in_its_second_comparison(trl_traine
 
 
 def test_compare_with_stock_fails_on_missing_stock_or_adapted_gradients(trl_trainer_and_batch) -> None:
-    from unsloth_adaptive_kl.tools import selfcheck
-
     trainer, inputs = trl_trainer_and_batch
     lines = compare(trainer, inputs, lambda: changed_stock(trainer, lambda loss: 0 * loss))
     assert lines == ["[FAIL] TRL: stock gradients: every gradient is zero"]
 
-    @contextlib.contextmanager
-    def stock():  # the stock loss as it is; the adapted one, outside the block, times 0
-        with selfcheck.stock_trl():
-            del trainer._compute_loss
-            try:
-                yield
-            finally:
-                trainer._compute_loss = zero
-
-    def zero(model, inputs):
-        return 0 * type(trainer)._compute_loss(trainer, model, inputs)
-
-    trainer._compute_loss = zero
-    try:
-        lines = compare(trainer, inputs, stock)
-    finally:
-        del trainer._compute_loss
+    lines = compare_with_adapted(trainer, inputs, lambda model, batch: 0 * type(trainer)._compute_loss(
+        trainer, model, batch))
     assert lines[0].startswith("[ok] TRL: stock gradients")
     assert lines[1:] == ["[FAIL] TRL: none == stock: every gradient is zero",
                          "[FAIL] TRL: clip above every KL == stock: every gradient is zero"]
@@ -732,29 +737,6 @@ def test_compare_with_stock_allows_a_stock_loss_that_moves_between_its_two_runs(
     assert all(line.endswith(f", stock against itself: loss {2 * delta:.2g}, max grad diff 0") for line in lines[1:])
 
 
-def test_under_fp16_autocast_the_no_op_clips_gradient_bound_is_fp16s(trl_trainer_and_batch) -> None:
-    """As under bf16 (the test above), with fp16's epsilon (2**-10): a gradient 1e-4 of the largest off fails `none`
-    and passes the clip's, whose bound 2 * tokens * 2**-10 * max|grad| its line names."""
-    from unsloth_adaptive_kl.tools.selfcheck import loss_and_grads, comparison_inputs, stock_trl
-
-    trainer, inputs = trl_trainer_and_batch
-    with stock_trl():
-        _, grads = loss_and_grads(trainer, "_compute_loss", comparison_inputs(inputs))
-    scale = max(g.abs().max().item() for g in grads)
-    step = 1e-4 * scale
-    last = [p for p in trainer.model.parameters() if p.requires_grad][-1]
-    trainer.args.fp16 = True  # read by the comparison alone
-    try:
-        lines = compare(trainer, inputs, lambda: changed_stock(
-            trainer, lambda loss: loss + step * (last.sum() - last.sum().detach())))
-    finally:
-        trainer.args.fp16 = False
-    tokens = int(inputs["completion_mask"].sum())
-    assert lines[1].startswith("[FAIL] TRL: none == stock") and "bound" not in lines[1]
-    assert lines[2].startswith("[ok] TRL: clip above every KL == stock")
-    assert lines[2].endswith(f"max grad diff {step:.2g} (bound {2 * tokens * 2**-10 * scale:.2g}, a fp16 backward)")
-
-
 def test_the_trl_checks_compare_against_stock_trl(monkeypatch, tmp_path) -> None:
     """`trl_checks` takes its stock side from `stock_trl`: a stock TRL whose loss is 1e-4 of itself off fails both
     comparisons (a stock side that is the hooked trainer itself would hold them whatever the hook did)."""
@@ -907,28 +889,11 @@ def test_compare_with_stock_fails_a_policy_term_off_where_every_captured_advanta
     """A batch whose completions all earned one reward (every advantage 0: the tiny model's first CPU batch can be
     one) still tests the policy term: the comparison spreads the advantages (`comparison_inputs`), so an adapted loss
     that weighs them 1 % too much fails both comparisons, where on the batch's own zeros it would pass."""
-    from unsloth_adaptive_kl.tools import selfcheck
-
     trainer, inputs = trl_trainer_and_batch
     uniform = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
 
-    @contextlib.contextmanager
-    def stock():  # the stock loss as it is; the adapted one, outside the block, with every advantage 1.01 times
-        with selfcheck.stock_trl():
-            del trainer._compute_loss
-            try:
-                yield
-            finally:
-                trainer._compute_loss = heavier
-
-    def heavier(model, batch):
-        return type(trainer)._compute_loss(trainer, model, {**batch, "advantages": 1.01 * batch["advantages"]})
-
-    trainer._compute_loss = heavier
-    try:
-        lines = compare(trainer, uniform, stock)
-    finally:
-        del trainer._compute_loss
+    lines = compare_with_adapted(trainer, uniform, lambda model, batch: type(trainer)._compute_loss(
+        trainer, model, {**batch, "advantages": 1.01 * batch["advantages"]}))
     assert lines[0].startswith("[ok] TRL: stock gradients")
     assert [line.split(": ")[0:2] for line in lines[1:]] == [["[FAIL] TRL", "none == stock"],
                                                               ["[FAIL] TRL", "clip above every KL == stock"]], lines
