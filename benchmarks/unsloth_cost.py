@@ -15,7 +15,8 @@ Sizes (`--size`):
 
 What it measures, every variant in one process on one captured batch (the micro-batch of a real training step):
 - `step`: Unsloth's `compute_loss` forward and backward, then the optimizer's step, for stock Unsloth (this package's
-  hooks bypassed), stock again (the A/A pair: the noise floor), and each method of `METHODS`. Rounds rotate the
+  hooks bypassed), stock again (the A/A pair: the noise floor), and each method of `METHODS` (a method with
+  `dynamic` after a mean reward above its threshold, so that beta decays at each step's end). Rounds rotate the
   order (`ROTATION`: the A/A copy half a rotation from stock), after warm-up rounds; each ratio is median(variant) /
   median(stock) with a 95 % bootstrap interval, and peak memory (`torch.cuda.max_memory_allocated` over the timed
   call, CUDA only) against stock's. Then a profile of stock's step and of the method with the largest ratio: the
@@ -230,12 +231,19 @@ def captured_steps(trainer: Any, rounds: int, warmup: int, until: float | None =
         with selfcheck.stock_unsloth(trainer):
             step()
 
+    def rewarded_step() -> None:
+        # Each step of a saturated run follows a generation batch whose mean reward passes reward_threshold: dynamic
+        # decays beta at the step's end. Without one it would time the hold (and warn "beta holds"). Observing is a
+        # float's append, as the generation of a real step does it.
+        trainer.adaptive_kl.observe_rewards(1.0)
+        step()
+
     def variant(name: str) -> Callable[[], None]:
         """`name`'s step; the trainer is set to it here, outside any timing (what a run does once)."""
         if name in STOCK:
             return stock_step
         gpu_scenarios.use_method(trainer, name)
-        return step
+        return rewarded_step if "dynamic" in name.split("+") else step
 
     def table(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
         return ratios({name: samples[name] for name in (*STOCK, *METHODS)})  # the order: stock, A/A, methods

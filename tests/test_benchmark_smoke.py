@@ -120,6 +120,8 @@ def test_unsloth_cost_benchmark_smoke(tmp_path) -> None:
                              "--whole-rounds", "1", "--json", str(report_path)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # each step of `dynamic` follows a passing mean reward: its timed path decays beta, and none says it holds
+    assert "beta holds" not in result.stdout + result.stderr
     report = json.loads(report_path.read_text())
     assert list(report["step"]) == ["stock", "stock (A/A)", "none", "clip", "sigmoid", "length_normalized", "dynamic",
                                     "target", "clip+length_normalized+dynamic", "sigmoid+length_normalized"]

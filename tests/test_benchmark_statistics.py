@@ -25,6 +25,7 @@ if str(BENCHMARKS) not in sys.path:
 import loss_overhead  # noqa: E402
 import unsloth_cost  # noqa: E402
 
+from unsloth_adaptive_kl import AdaptiveKLConfig  # noqa: E402
 from unsloth_adaptive_kl.tools import gpu_scenarios, gpucheck, selfcheck  # noqa: E402
 
 
@@ -275,6 +276,10 @@ class FakeUnslothTrainer:
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock, self.method, self.stock, self.log = clock, "none", False, []
+        # each mean reward observed, with the log's length then: the step it comes before
+        self.observed: list[tuple[int, float]] = []
+        self.adaptive_kl = types.SimpleNamespace(observe_rewards=lambda reward: self.observed.append((len(self.log),
+                                                                                                    reward)))
         self.model = types.SimpleNamespace(train=lambda: None)
         self.optimizer = types.SimpleNamespace(step=lambda: self.log.append("step"),
                                                zero_grad=lambda set_to_none: self.log.append("zero_grad"))
@@ -308,8 +313,9 @@ def fake_unsloth(monkeypatch: pytest.MonkeyPatch, clock: FakeClock) -> None:
 def test_captured_steps_times_each_method_against_stock_with_the_switch_outside_the_timing(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every variant's ratio is its step's cost over stock's (the 100 s switch between methods is not in it), each
-    step is compute_loss, backward, the optimizer's step and zero_grad, and the profile is of stock's step and of the
-    method with the largest ratio."""
+    step is compute_loss, backward, the optimizer's step and zero_grad, each step of a method with `dynamic` follows
+    a mean reward above its default threshold (0.8: beta decays at the step's end), and the profile is of stock's step
+    and of the method with the largest ratio."""
     clock = FakeClock()
     fake_unsloth(monkeypatch, clock)
     profiled: list[str] = []
@@ -336,6 +342,9 @@ def test_captured_steps_times_each_method_against_stock_with_the_switch_outside_
     calls = 4 * len(rows) + 2
     assert trainer.log == [item for mode in trainer.log[::3] for item in (mode, "step", "zero_grad")]
     assert len(trainer.log) == 3 * calls
+    dynamic_steps = [index for index in range(0, len(trainer.log), 3) if "dynamic" in trainer.log[index].split("+")]
+    assert dynamic_steps and [index for index, _ in trainer.observed] == dynamic_steps
+    assert all(reward > AdaptiveKLConfig().reward_threshold for _, reward in trainer.observed)
     # the rounds' order: the A/A copy half a rotation from stock, after a method as stock is; each round one later
     first = ["stock", "none", "clip", "sigmoid", "length_normalized", "stock", "dynamic", "target",
              "clip+length_normalized+dynamic", "sigmoid+length_normalized"]
