@@ -241,6 +241,15 @@ def test_configuration_reference_lists_every_field_with_its_default(site: Path) 
         assert f'id="{field.name}"' in html, f"{field.name} has no section of its own (help, allowed values)"
 
 
+def test_a_nested_list_is_indented_four_spaces() -> None:
+    """MkDocs' Markdown nests a list item under another only where it is indented 4 spaces: one indented 1 to 3 is the
+    outer list's next item (the GPU page's wheelhouse list was rendered flat, three bullets beside their heading)."""
+    shallow = re.compile(r"^ {1,3}(?:[-*+]|\d+\.) ")
+    found = [f"{path.relative_to(ROOT)}: {line}" for path in doc_files() if path.parent != ROOT
+             for line in FENCE.sub("", path.read_text()).splitlines() if shallow.match(line)]
+    assert not found
+
+
 def test_no_generated_marker_survives_the_build(site: Path) -> None:
     leftovers = [page for page in site.rglob("*.html") if "<!-- generated" in page.read_text()]
     assert not leftovers
