@@ -12,7 +12,8 @@ So, per trainer, on one captured real generation batch:
     with the trainer's loss function replaced by a stub that only does its KL line (TRL: `per_token_loss + beta *
     per_token_kl`; Unsloth: the compiled loss call), minus that stub alone, forward + backward, interleaved,
     `--core-repeats` times per method; this includes the wrapper, the probes, the core and the metric queue
-    (flushed at every call here, as at the end of every optimizer step: an upper bound with gradient accumulation);
+    (flushed at every call here, as at the end of every optimizer step: an upper bound with gradient accumulation;
+    a method with `dynamic` after a mean reward above its threshold, so that beta decays there);
 (c) overhead = 1 + (b) / (a) per row, with a bootstrap 95 % interval (both resampled);
 (d) deterministic counts from torch.profiler: aten ops and bytes allocated that each method adds per micro-batch;
 (e) a sanity row: stock against the heaviest method end to end, interleaved, with an A/A control (stock against
@@ -186,6 +187,21 @@ def apply_method(trainer: Any, settings: dict[str, Any]) -> None:
     attach_runtime(trainer)
 
 
+def with_passing_reward(trainer: Any, method: str, function: Callable[[], Any]) -> Callable[[], Any]:
+    """`function`, each call after a mean reward above `reward_threshold` where `method` has `dynamic`: each step of a
+    run whose reward has saturated decays beta at its end, while without a reward beta holds (and the run warns "beta
+    holds"), a path no such run takes. Observing is a float's append, which a real step does as it generates; here
+    it is timed with the call (an upper bound)."""
+    if "dynamic" not in method.split("+"):
+        return function
+
+    def call() -> Any:
+        trainer.adaptive_kl.observe_rewards(trainer.adaptive_kl.config.reward_threshold + 1.0)
+        return function()
+
+    return call
+
+
 def backward(loss_function: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], None]:
     """forward + backward of `loss_function`, then the gradients of `leaves` cleared."""
 
@@ -329,10 +345,11 @@ def method_rows(args: argparse.Namespace, trainer: Any, stock_loss: Callable[[],
     base_ops, base_bytes = profile_counts(stubbed[False])
     for name, settings in METHODS.items():
         apply_method(trainer, settings)
-        samples = interleaved({"stub": stubbed[False], "patched": stubbed[True], "stock": stock_loss},
+        patched = with_passing_reward(trainer, settings.get("kl_adaptation_method", "none"), stubbed[True])
+        samples = interleaved({"stub": stubbed[False], "patched": patched, "stock": stock_loss},
                               args.core_repeats, every={"stock": STOCK_EVERY})
         added = [p - s for p, s in zip(samples["patched"], samples["stub"])]
-        ops, allocated = profile_counts(stubbed[True])
+        ops, allocated = profile_counts(patched)
         low, high = overhead_interval(added, samples["stock"])
         rows.append({
             "method": name, "added_s": statistics.median(added), "stock_s": statistics.median(samples["stock"]),
@@ -346,7 +363,9 @@ def report(args: argparse.Namespace, trainer: Any, stock: list[float], rows: lis
            stock_loss: Callable[[], None], patched_loss: Callable[[], None]) -> dict[str, Any]:
     """(e): the heaviest method end to end against stock, interleaved, with an A/A control."""
     heaviest = max(rows, key=lambda row: row["ratio"])
-    apply_method(trainer, METHODS[heaviest["method"]])
+    settings = METHODS[heaviest["method"]]
+    apply_method(trainer, settings)
+    patched_loss = with_passing_reward(trainer, settings.get("kl_adaptation_method", "none"), patched_loss)
     functions = {"stock": stock_loss, "stock (A/A)": stock_loss, heaviest["method"]: patched_loss}
     e2e = interleaved({name: functions[name] for name in aa_half_way("stock", "stock (A/A)", [heaviest["method"]])},
                       args.e2e_repeats)

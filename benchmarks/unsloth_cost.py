@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loss_overhead import aa_half_way, bootstrap_ratio  # noqa: E402
+from loss_overhead import aa_half_way, bootstrap_ratio, with_passing_reward  # noqa: E402
 
 QWEN2_5_0_5B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                     num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
@@ -231,19 +231,12 @@ def captured_steps(trainer: Any, rounds: int, warmup: int, until: float | None =
         with selfcheck.stock_unsloth(trainer):
             step()
 
-    def rewarded_step() -> None:
-        # Each step of a saturated run follows a generation batch whose mean reward passes reward_threshold: dynamic
-        # decays beta at the step's end. Without one it would time the hold (and warn "beta holds"). Observing is a
-        # float's append, as the generation of a real step does it.
-        trainer.adaptive_kl.observe_rewards(1.0)
-        step()
-
     def variant(name: str) -> Callable[[], None]:
         """`name`'s step; the trainer is set to it here, outside any timing (what a run does once)."""
         if name in STOCK:
             return stock_step
         gpu_scenarios.use_method(trainer, name)
-        return rewarded_step if "dynamic" in name.split("+") else step
+        return with_passing_reward(trainer, name, step)
 
     def table(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
         return ratios({name: samples[name] for name in (*STOCK, *METHODS)})  # the order: stock, A/A, methods

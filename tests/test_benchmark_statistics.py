@@ -25,7 +25,7 @@ if str(BENCHMARKS) not in sys.path:
 import loss_overhead  # noqa: E402
 import unsloth_cost  # noqa: E402
 
-from unsloth_adaptive_kl import AdaptiveKLConfig  # noqa: E402
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig  # noqa: E402
 from unsloth_adaptive_kl.tools import gpu_scenarios, gpucheck, selfcheck  # noqa: E402
 
 
@@ -278,8 +278,8 @@ class FakeUnslothTrainer:
         self.clock, self.method, self.stock, self.log = clock, "none", False, []
         # each mean reward observed, with the log's length then: the step it comes before
         self.observed: list[tuple[int, float]] = []
-        self.adaptive_kl = types.SimpleNamespace(observe_rewards=lambda reward: self.observed.append((len(self.log),
-                                                                                                    reward)))
+        self.adaptive_kl = types.SimpleNamespace(config=AdaptiveKLConfig(), observe_rewards=lambda reward: (
+            self.observed.append((len(self.log), reward))))
         self.model = types.SimpleNamespace(train=lambda: None)
         self.optimizer = types.SimpleNamespace(step=lambda: self.log.append("step"),
                                                zero_grad=lambda set_to_none: self.log.append("zero_grad"))
@@ -581,6 +581,19 @@ def test_method_rows_divide_the_paired_added_time_by_the_stock_timed_in_the_same
     assert row["ratio"] == pytest.approx(1.02)
     assert row["ci"][0] <= row["ratio"] <= row["ci"][1] and row["ci"][0] > 1.0
     assert (row["ops_added"], row["bytes_added"]) == (7, 64)
+
+
+@pytest.mark.parametrize("threshold", [0.8, -2.0])
+def test_a_method_with_dynamic_is_timed_on_the_decaying_path(threshold: float) -> None:
+    """`with_passing_reward`: before each call of a method with `dynamic`, a mean reward above its threshold (its
+    default, and one below 0), so beta decays at each step's end: 0.04 * 0.9 ** n after n steps, not 0.04 (the hold a
+    step with no reward takes). A method without `dynamic` gets its function unchanged."""
+    trainer = types.SimpleNamespace(adaptive_kl=AdaptiveKL(
+        AdaptiveKLConfig(kl_adaptation_method="sigmoid+dynamic", reward_threshold=threshold), beta=0.04))
+    call = loss_overhead.with_passing_reward(trainer, "sigmoid+dynamic", trainer.adaptive_kl.step)
+    assert [call() for _ in range(3)] == pytest.approx([0.04 * 0.9, 0.04 * 0.81, 0.04 * 0.729])
+    function = trainer.adaptive_kl.step
+    assert loss_overhead.with_passing_reward(trainer, "clip+length_normalized", function) is function
 
 
 def test_the_sanity_row_interleaves_the_aa_pair_and_checks_consistency_within_its_half_width(
