@@ -592,14 +592,22 @@ def test_an_unscored_reward_or_a_group_size_that_is_not_a_count_is_refused() -> 
                                           std_epsilon=epsilon)
 
 
-@pytest.mark.parametrize(("loss_type", "missing"), [("dapo", "token_normalizer"), ("dr_grpo", "max_completion_length")])
-def test_a_loss_missing_its_divisor_is_refused_when_built_not_on_the_sdks_thread(loss_type: str, missing: str) -> None:
+@pytest.mark.parametrize(("loss_type", "missing", "method"), [
+    ("dapo", "token_normalizer", "none"), ("dr_grpo", "max_completion_length", "none"),
+    ("dr_grpo", "max_completion_length", "length_normalized")])
+def test_a_loss_missing_its_divisor_is_refused_when_built_not_on_the_sdks_thread(loss_type: str, missing: str,
+                                                                                 method: str) -> None:
     """grpo_kl_loss knows the loss type when it is built: a divisor left out would raise only later, inside the SDK's
-    call of the loss; with it, the loss builds."""
-    akl = AdaptiveKL(None, beta=0.1, loss_type=loss_type)
-    with pytest.raises(ValueError, match=rf"^{missing}=None is invalid: allowed is .*{loss_type}.* divides? by: pass "
-                                         rf"it to grpo_kl_loss\(\.\.\.\)\.$"):
-        integration.grpo_kl_loss(akl)
+    call of the loss; with it, the loss builds. The policy-gradient term needs it whatever the KL term's reduction
+    (length_normalized's sequence mean needs none), and traced_loss_data names itself as the place to pass it."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method=method), beta=0.1, loss_type=loss_type)
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
+    for door, call in (("grpo_kl_loss", lambda: integration.grpo_kl_loss(akl)),
+                       ("traced_loss_data", lambda: integration.traced_loss_data(akl, [datum]))):
+        with pytest.raises(ValueError, match=rf"^{missing}=None is invalid: allowed is .*{loss_type}.* divides? by: "
+                                             rf"pass it to {door}\(\.\.\.\)\.$"):
+            call()
     assert integration.grpo_kl_loss(akl, **{missing: 8}).beta == 0.1
 
 
@@ -659,6 +667,7 @@ def test_traced_loss_equals_eager(fake_tinker: Tinker, method: str, loss_type: s
     assert result.metrics["custom/adaptive_kl/adapted_kl:sum"] == pytest.approx(
         expected_metrics["adaptive_kl/adapted_kl"], rel=1e-5)
     assert result.metrics["custom/grpo/kl_term:sum"] == pytest.approx(expected_metrics["grpo/kl_term"], rel=1e-5)
+    assert result.metrics["custom/grpo/pg_loss:sum"] == pytest.approx(expected_metrics["grpo/pg_loss"], rel=1e-5)
     assert_model_grads(fake_tinker, expected)
 
 
@@ -741,6 +750,24 @@ def test_traced_loss_data_refuses_a_nonfinite_log_prob_on_a_valid_token() -> Non
         datum.loss_fn_inputs[key] = types.TensorData.from_torch(values)
         with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{name} \(the \w+ tensor\): 1 valid token"):
             integration.traced_loss_data(akl, [datum])
+
+
+def test_the_custom_loss_reads_the_sdks_policy_rows_in_float32_and_refuses_a_nonfinite_one() -> None:
+    """SPEC 3.13 at route 1 for the policy log-probs the SDK hands the loss: rows in float64 give the float32 loss of
+    the same rows in float32 (the core computes in float32 whatever it is given), and a NaN on a valid token raises
+    NonFiniteLogProbError naming the policy tensor and the step the loss was built for (2, after one akl.step())."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)
+    akl.step()
+    datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
+    datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(3))
+    loss_fn = integration.grpo_kl_loss(akl)
+    (loss64, metrics64), (loss32, metrics32) = (loss_fn([datum], [torch.tensor([0.0, -0.7, -1.2], dtype=dtype)])
+                                                for dtype in (torch.float64, torch.float32))
+    assert loss64.dtype == torch.float32 and torch.equal(loss64, loss32) and metrics64 == metrics32
+    with pytest.raises(NonFiniteLogProbError, match=r"^adaptive KL: non-finite input at step 2: NaN or \+-inf on valid "
+                                                    r"\(mask=1\) tokens in the policy log-probs \(the policy tensor\): "
+                                                    r"1 valid token"):
+        loss_fn([datum], [torch.tensor([0.0, math.nan, -1.0])])
 
 
 def test_the_custom_and_the_traced_routes_share_their_checks() -> None:
@@ -898,9 +925,12 @@ def test_the_tinker_pages_blocks_compile_and_their_names_exist() -> None:
 
 def test_completion_datum_refuses_what_it_cannot_align() -> None:
     """completion_datum needs a prompt token and a completion token, and exactly one sampler and one reference
-    log-prob per completion token: anything else would misalign the inputs with target_tokens."""
-    with pytest.raises(ValueError, match="^completion_datum needs at least one prompt token and one completion token$"):
-        integration.completion_datum([1, 2], [], [], [])
+    log-prob per completion token: anything else would misalign the inputs with target_tokens (without a prompt token
+    there is no first input to predict the first completion token from)."""
+    for prompt, completion in (([1, 2], []), ([], [3])):
+        with pytest.raises(ValueError, match="^completion_datum needs at least one prompt token and one completion "
+                                             "token$"):
+            integration.completion_datum(prompt, completion, [-1.0] * len(completion), [-1.0] * len(completion))
     with pytest.raises(ValueError, match=r"^completion_datum: 2 completion tokens but 1 sampling and 2 reference "):
         integration.completion_datum([1, 2], [3, 4], [-1.0], [-1.0, -2.0])
     with pytest.raises(ValueError, match=r"^completion_datum: 2 completion tokens but 2 sampling and 1 reference "):
@@ -914,6 +944,7 @@ def test_completion_datum_refuses_what_it_cannot_align() -> None:
     ([1, 2], [True, 4], r"^completion_tokens\[0\]=True is invalid: allowed is a token id: an integer >= 0 "),
     ([1, 2], torch.tensor([3.0, 4.5]), r"^completion_tokens\[0\]=tensor\(3\.\) is invalid: allowed is a token id"),
     ([1, -2], [3], r"^prompt_tokens\[1\]=-2 is invalid: allowed is a token id: an integer >= 0 "),
+    ([1, 2], [-1], r"^completion_tokens\[0\]=-1 is invalid: allowed is a token id: an integer >= 0 "),  # the bound
 ])
 def test_completion_datum_refuses_a_token_that_is_not_an_id(prompt, completion, message) -> None:
     with pytest.raises(ValueError, match=message):
@@ -934,8 +965,9 @@ def test_mismatched_batches_are_refused_not_broadcast() -> None:
     """Every count must agree, and the error names the two: a Datum input of another length than target_tokens (T = 4
     here, 3 given; in a batch with a longer Datum, padding would hide it and misalign the tokens), log-prob tensors /
     result outputs / rewards of another count than the Datums (one reward for two Datums would broadcast to both), a
-    policy row of another length than its Datum; and the custom loss refuses the reward placement (its KL would be
-    computed in the loss as well)."""
+    policy row of another length than its Datum, inputs of shape (T, 1) (target_tokens too: aligned, but not one value
+    per token); a Datum without an input the loss reads is named with the inputs it has; and the custom loss refuses the
+    reward placement (its KL would be computed in the loss as well)."""
     datum = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 0.0, 1.0, 1.0]))
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1)
@@ -955,6 +987,17 @@ def test_mismatched_batches_are_refused_not_broadcast() -> None:
         integration.grpo_kl_loss(akl)([datum, longer], [torch.full((5,), -1.0), row])
     with pytest.raises(ValueError, match=r"^logprobs\[0\] has shape \(4, 1\), Datum 0 4 target tokens: "):
         integration.grpo_kl_loss(akl)([datum], [row.view(4, 1)])
+    # every input of shape (T, 1), target_tokens too: aligned, but not one value per token (the SDK takes it)
+    column = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+        key: types.TensorData.from_torch(value.to_torch().view(4, 1)) for key, value in datum.loss_fn_inputs.items()})
+    with pytest.raises(ValueError, match=r"^loss_fn_inputs\['logprobs'\] has shape \[4, 1\], target_tokens \[4, 1\]: "
+                                         r"each input holds one value per target token$"):
+        integration.grpo_kl_loss(akl)([column], [row])
+    # a Datum built without advantages (completion_datum adds none): named, with what it has and how to add it
+    bare = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
+    with pytest.raises(KeyError, match=r"^\"Datum has no loss_fn_inputs\['advantages'\] \(it has logprobs, mask, "
+                                       r"ref_logprobs, target_tokens\); build it with completion_datum"):
+        integration.grpo_kl_loss(akl)([bare], [row])
     two_outputs = types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(row)}] * 2)
     with pytest.raises(ValueError, match=r"^1 Datums but the result has 2 outputs$"):
@@ -978,6 +1021,8 @@ def test_clip_bounds_and_an_asymmetric_high_clip_in_both_routes() -> None:
                                                     (0.0, 0.0, (1.0, 1.0)), (0.1, 0.3, (0.9, 1.3))):
         loss_fn = integration.grpo_kl_loss(akl, clip_epsilon=clip_epsilon, clip_epsilon_high=clip_epsilon_high)
         assert (loss_fn.clip_low, loss_fn.clip_high) == pytest.approx(bounds)
+    built = integration.GRPOKLLoss(akl)  # the public class built directly has grpo_kl_loss's defaults
+    assert (built.clip_low, built.clip_high) == pytest.approx((0.8, 1.2))
     # each field by its name (a text epsilon raised a bare TypeError, a bool one was taken as 1.0)
     for clip_epsilon, clip_epsilon_high, message in (
             (1.0, None, r"^clip_epsilon=1\.0 is invalid: allowed is a number with 0 <= x < 1\.$"),
@@ -1166,32 +1211,38 @@ def test_a_dr_grpo_cap_below_a_completions_length_is_refused_in_both_loss_routes
 
 def test_a_setting_changed_after_the_run_started_is_refused_in_both_loss_routes() -> None:
     """As in a loop of your own: akl's kl_clip_threshold set to 0 after it was built (validated: 0.5) would clip every
-    token's KL to 0, taking the KL term out; grpo_kl_loss and traced_loss_data refuse it before a loss is built,
-    naming the field and both values."""
+    token's KL to 0, taking the KL term out; grpo_kl_loss, traceable_grpo_loss and traced_loss_data refuse it before a
+    loss is built, naming the field and both values."""
     config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.5)
     akl = AdaptiveKL(config, beta=0.1)
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
     config.kl_clip_threshold = 0.0
-    for route in (lambda: integration.grpo_kl_loss(akl), lambda: integration.traced_loss_data(akl, [datum])):
+    for route in (lambda: integration.grpo_kl_loss(akl), lambda: integration.traced_loss_data(akl, [datum]),
+                  lambda: integration.traceable_grpo_loss(akl)):
         with pytest.raises(ValueError, match=r"^kl_clip_threshold changed from 0\.5 to 0\.0 after the run started"):
             route()
 
 
 def test_a_loss_built_keeps_its_settings_and_a_later_change_is_refused_at_the_next_door() -> None:
-    """A loss is built with the settings checked then (as with its beta): kl_clip_threshold set to -5 on akl's
-    config after grpo_kl_loss was built would have clipped every token's KL to -5 in that loss (on ccb0d5c: the
-    adapted KL of this batch -5 * 2 tokens... a negative KL term). The loss keeps 0.5: its K is min(k3, 0.5) summed
-    over the completion's 2 tokens / 2 (grpo), k3 = exp(r) - r - 1 of r = ref - logp by hand; the next akl.step()
-    refuses the change, naming both values."""
+    """A loss is built with the settings checked then (as with its beta), the custom and the traced one (run eagerly
+    here): kl_clip_threshold set to -5 on akl's config after grpo_kl_loss was built would have clipped every token's
+    KL to -5 in that loss (on ccb0d5c: the adapted KL of this batch -5 * 2 tokens... a negative KL term). Each keeps
+    0.5: its K is min(k3, 0.5) summed over the completion's 2 tokens / 2 (grpo), k3 = exp(r) - r - 1 of r = ref - logp
+    by hand; the next akl.step() refuses the change, naming both values."""
     config = AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=0.5)
     akl = AdaptiveKL(config, beta=0.1)
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -2.5])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.zeros(3))
     loss_fn = integration.grpo_kl_loss(akl)
+    fn, ranks = integration.traceable_grpo_loss(akl)
+    (traced,) = integration.traced_loss_data(akl, [datum])
     config.kl_clip_threshold = -5.0
     _, metrics = loss_fn([datum], [torch.tensor([0.0, -1.0, -1.0], requires_grad=True)])
     k3 = [math.exp(r) - r - 1 for r in (0.5, -1.5)]  # 0.1487, 0.7231: the second is clipped to 0.5
     assert metrics["adaptive_kl/adapted_kl"] == pytest.approx((k3[0] + 0.5) / 2, rel=1e-6)
+    inputs = [traced.loss_fn_inputs[name].to_torch() for name in list(ranks)[1:]]
+    _, summed = fn(torch.tensor([0.0, -1.0, -1.0]), *inputs)
+    assert float(summed["custom/adaptive_kl/adapted_kl:sum"]) == pytest.approx((k3[0] + 0.5) / 2, rel=1e-6)
     with pytest.raises(ValueError, match=r"^kl_clip_threshold changed from 0\.5 to -5\.0 after the run started"):
         akl.step()
 
@@ -1221,7 +1272,9 @@ def test_the_traced_route_refuses_a_registered_reduction_its_weights_do_not_repr
     """traced_loss_data turns the KL reduction into per-token weights (its gradient at 0), exact for a reduction linear
     in the per-completion sums S_i. A registered mean_i (S_i / L_i)^2 has the gradient 0 at 0: the traced loss took
     K = 0 where grpo_kl_loss takes K = mean_i (S_i / L_i)^2 (on ccb0d5c, silently). Now it is refused, naming the
-    setting; a linear registered reduction (2 * mean_i S_i) passes, its weights 2 / B on each valid token."""
+    setting, and so is one that divides by a count of 0 on the batch (infinite, its weights as infinite: they agree,
+    but the traced loss would be inf); a linear registered reduction (2 * mean_i S_i) passes, its weights 2 / B on
+    each valid token."""
     from unsloth_adaptive_kl import register_kl_reduction
     from unsloth_adaptive_kl.core import reductions
 
@@ -1233,6 +1286,7 @@ def test_the_traced_route_refuses_a_registered_reduction_its_weights_do_not_repr
     try:
         register_kl_reduction("squared_mean")(lambda sums, lengths, ctx: ((sums / lengths) ** 2).mean())
         register_kl_reduction("twice_sum_mean")(lambda sums, lengths, ctx: 2 * sums.mean())
+        register_kl_reduction("over_zero")(lambda sums, lengths, ctx: sums.sum() / (lengths - lengths).sum())
         squared = AdaptiveKL(AdaptiveKLConfig(kl_reduction="squared_mean"), beta=0.1)
         _, metrics = integration.grpo_kl_loss(squared)(data, [torch.full((3,), -1.0, requires_grad=True)] * 2)
         k3 = [[math.exp(r) - r - 1 for r in rows] for rows in ([0.5, -0.5], [0.0, -2.0])]
@@ -1241,11 +1295,17 @@ def test_the_traced_route_refuses_a_registered_reduction_its_weights_do_not_repr
         with pytest.raises(ValueError, match=r"^kl_reduction='squared_mean' is invalid for the traced loss: its "
                                              r"reduction is not linear in the per-completion sums .*grpo_kl_loss"):
             integration.traced_loss_data(squared, data)
+        # divided by a count of 0: infinite on a one-token completion, its weights as infinite (equal, not finite)
+        single = integration.completion_datum([1], [3], [-1.0], [-1.5])  # T = 1: no prompt position
+        single.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(1))
+        with pytest.raises(ValueError, match=r"^kl_reduction='over_zero' is invalid for the traced loss: .* it gives "
+                                             r"-?inf, its per-token weights -?inf\)"):
+            integration.traced_loss_data(AdaptiveKL(AdaptiveKLConfig(kl_reduction="over_zero"), beta=0.1), [single])
         linear = AdaptiveKL(AdaptiveKLConfig(kl_reduction="twice_sum_mean"), beta=0.1)
         traced = integration.traced_loss_data(linear, data)
         assert [d.loss_fn_inputs["kl_weights"].to_torch().tolist() for d in traced] == [[0.0, 1.0, 1.0]] * 2
     finally:
-        for name in ("squared_mean", "twice_sum_mean"):
+        for name in ("squared_mean", "twice_sum_mean", "over_zero"):
             reductions.REDUCTIONS.pop(name, None)
 
 
@@ -1457,8 +1517,8 @@ def test_a_loss_built_for_an_earlier_step_says_so_once() -> None:
     had decayed to 0.1, then 0.05) without a word; the same loss called again two akl.step() after it was built, beta
     moved, warns once, naming both betas. Quiet: the loss built per step, as the page shows; one loss called twice
     within its step; a pipelined loop's loss called after its step's akl.step(), once or for each of the
-    forward_backward_custom calls it submitted before (the first may run before akl.step(), the second after); a
-    constant beta, which one loss keeps."""
+    forward_backward_custom calls it submitted before (the first may run before akl.step(), the second after); a loss
+    called for the first time however late (a loop two steps ahead); a constant beta, which one loss keeps."""
     def dynamic() -> AdaptiveKL:
         return AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5,
                                            dynamic_beta_decay=0.5), beta=0.2)
@@ -1492,6 +1552,11 @@ def test_a_loss_built_for_an_earlier_step_says_so_once() -> None:
         pipelined = integration.grpo_kl_loss(late)
         late.step(mean_reward=1.0)
         call(pipelined)  # its one call, after its step's akl.step()
+        ahead = dynamic()
+        first = integration.grpo_kl_loss(ahead)
+        ahead.step(mean_reward=1.0)
+        ahead.step(mean_reward=1.0)
+        call(first)  # its first call, two akl.step() (beta 0.2 -> 0.05) after it was built: its step's still
         constant = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
         kept = integration.grpo_kl_loss(constant)
         for _ in range(3):
