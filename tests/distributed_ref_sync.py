@@ -3,14 +3,15 @@
 ddp: real GRPO runs under DDP (a PEFT model with an alpha = 0.5 sync after every step whose all-process raw KL exceeded
 a threshold, and a full model with a hard sync every 2 steps); each rank saves what it logged and its reference.
 fsdp2: the reference of a LoRA model sharded by FSDP2's `fully_shard` (accelerate runs no FSDP on CPUs, so no trainer
-here): mixed after an optimizer step, exchanged in for a forward, saved (gathered) and loaded (re-sharded); each rank
-saves the whole tensors it sees.
+here): mixed after an optimizer step, exchanged in for a forward, saved (gathered) and loaded (re-sharded) by
+`ReferenceSync.save`/`load`; each rank saves the whole tensors it sees.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from tests.conftest import logged, make_trainer
 from tests.torchrun_exit import end_process
-from unsloth_adaptive_kl.integrations.ref_sync import STATE_FILE, AdapterReference, _full, _load_into
+from unsloth_adaptive_kl.integrations.ref_sync import AdapterReference, ReferenceSync, SyncSchedule, _full
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, build_tokenizer
 
 RANK_THRESHOLD = 1e-3  # ref_model_sync_kl of the PEFT run
@@ -73,16 +74,16 @@ def fsdp2(output_dir: str) -> dict[str, Any]:
             reference_logits = model(input_ids=probe).logits
         after_logits = model(input_ids=probe).logits
     restored = {n: _full(p).clone() for n, p in zip(reference.names, reference.policy)}
-    # a checkpoint round trip: gathered on save, re-sharded on load into a reference that has moved on since
-    saved = {n: _full(t) for n, t in reference.named_tensors()}
-    if dist.get_rank() == 0:
-        torch.save(saved, os.path.join(output_dir, STATE_FILE))
+    # a checkpoint round trip by the trainer's own save and load: gathered on save (process 0 writes, process 1 takes
+    # part in each gather alone; without it process 0 waits forever), re-sharded on load into a reference that has
+    # moved on since
+    sync = ReferenceSync(SimpleNamespace(ref_model=None), SyncSchedule(steps=1, alpha=0.5, min_kl=None,
+                                                                       reset_optimizer=False))
+    sync.reference, sync.syncs, sync.last_sync_step = reference, 1, 1
+    sync.save(output_dir, write=dist.get_rank() == 0)
     dist.barrier()
     reference.mix(1.0)
-    loaded = torch.load(os.path.join(output_dir, STATE_FILE), weights_only=True)
-    with torch.no_grad():
-        for name, tensor in reference.named_tensors():
-            _load_into(tensor, loaded[name])
+    sync.load(output_dir)
     return {
         "sharded": all(t.to_local().numel() < t.numel() or t.numel() < 2 for t in reference.tensors),
         "policy": policy, "initial": initial, "mixed": mixed, "restored": restored,

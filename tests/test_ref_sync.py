@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl.integrations import ref_sync
 from unsloth_adaptive_kl.integrations.ref_sync import (STATE_FILE, AdapterReference, ReferenceSync, SyncSchedule,
-                                                        check_supported, use_reference,
+                                                        attach_reference_sync, check_supported, use_reference,
                                                         warn_if_synced_reference_dropped)
 from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model
 
@@ -379,8 +379,9 @@ def test_fsdp2_sharded_reference_mixes_exchanges_and_checkpoints_whole_tensors(t
     """A LoRA model sharded by FSDP2 over two CPU processes (accelerate runs no FSDP on CPUs, so this drives the
     reference directly): each rank holds a shard of every reference tensor; gathered, the mix is exactly
     0.5 * policy + 0.5 * initial and the same on both ranks; the forward with the reference exchanged in gives the
-    logits of an unsharded model holding those tensors, and the policy's own values come back exactly; the saved
-    reference (gathered) loads back into the shards exactly."""
+    logits of an unsharded model holding those tensors, and the policy's own values come back exactly; the reference
+    saved by `ReferenceSync.save` (gathered, the process that writes nothing taking part in each gather) loads back
+    into the shards exactly."""
     ranks = run_two_processes("fsdp2", tmp_path)
     first, second = ranks
     assert first["sharded"] and second["sharded"]
@@ -433,6 +434,24 @@ def synced_linear(steps: int, alpha: float) -> tuple[ReferenceSync, torch.nn.Lin
     return sync, layer, initial
 
 
+def test_a_full_models_sync_mixes_every_reference_parameter_and_writes_no_policy_parameter() -> None:
+    """A full model's reference is the trainer's `ref_model`: policy parameters all 4, reference all 2, alpha = 0.25;
+    after the sync every reference parameter (weight and bias) is 0.25 * 4 + 0.75 * 2 = 2.5 exactly (a hard reset
+    would give 4, the weights swapped 3.5), and the policy is still 4."""
+    policy, ref_model = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        for p, r in zip(policy.parameters(), ref_model.parameters()):
+            p.fill_(4.0)
+            r.fill_(2.0)
+    trainer = HandMadeTrainer(policy)
+    trainer.ref_model = ref_model
+    sync = ReferenceSync(trainer, SyncSchedule(steps=1, alpha=0.25, min_kl=None, reset_optimizer=False))
+    sync.on_step_end(None, SimpleNamespace(global_step=1), None)
+    assert sync.syncs == 1 and sync.moved_adapter() is None  # the trainer's ref_model serves: nothing to exchange in
+    assert [r.tolist() for r in ref_model.parameters()] == [[[2.5] * 3] * 2, [2.5] * 2]
+    assert [p.tolist() for p in policy.parameters()] == [[[4.0] * 3] * 2, [4.0] * 2]
+
+
 def test_a_sync_that_no_step_of_the_run_trains_on_is_said(recwarn) -> None:
     """sync_ref_model=True with TRL's default ref_model_sync_steps=512 in a run of 4 steps never synced, and said
     nothing; nor did a sync at the last step (ref_model_sync_steps = max_steps), after which nothing trains. A run
@@ -451,24 +470,56 @@ def test_a_sync_that_no_step_of_the_run_trains_on_is_said(recwarn) -> None:
     assert not [w for w in recwarn if "synced reference" in str(w.message)]
 
 
-def test_the_synced_peft_reference_forward_draws_no_lora_dropout() -> None:
+@pytest.mark.parametrize("training", [True, False])
+def test_the_synced_peft_reference_forward_draws_no_lora_dropout(training: bool) -> None:
     """The stock PEFT reference runs with its adapter disabled, so LoRA dropout never acts on it; the synced one runs
     through the adapter, in train mode: with lora_dropout=0.3 two reference forwards of one batch differed by 0.12.
-    Inside the exchange every LoRA dropout is off (two forwards equal), and in train mode again after it."""
+    Inside the exchange every LoRA dropout is off (two forwards equal), and in its own mode again after it: train mode
+    in training, and still eval mode for a model in eval mode (an evaluation's generation), not switched to train."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     model = get_peft_model(base, LoraConfig(r=4, lora_dropout=0.3, target_modules=["0", "1"], init_lora_weights=False))
-    model.train()
+    model.train(training)
     reference = AdapterReference(model)
     assert len(reference.dropouts) == 2
     x = torch.randn(16, 8)
     with torch.no_grad(), reference.swapped_in():
         assert torch.equal(model(x), model(x))
-    assert all(dropout.training for dropout in reference.dropouts)
-    with torch.no_grad():
-        assert not torch.equal(model(x), model(x))  # the policy's own forward draws it, as before
+    assert [dropout.training for dropout in reference.dropouts] == [training, training]
+    with torch.no_grad():  # the policy's own forward draws it in train mode, as before, and not in eval mode
+        assert torch.equal(model(x), model(x)) is not training
+
+
+def test_before_the_first_sync_the_reference_forward_runs_trls_ref_adapter() -> None:
+    """A PeftModel given to the trainer gets TRL's frozen "ref" adapter (a copy of its own); until the first sync (no
+    synced reference set) `use_reference(model, "ref")` runs that adapter as stock TRL's `use_adapter` does, not the
+    base model with every adapter disabled: by hand, W x + b + s B_ref (A_ref x) with s = lora_alpha / r = 8 / 2.
+    The "default" adapter is active again after it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    lora = dict(r=2, lora_alpha=8, target_modules=["0"], init_lora_weights=False)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), LoraConfig(**lora))
+    model.add_adapter("ref", LoraConfig(**lora))
+    layer = model.base_model.model[0]
+    x = torch.randn(3, 4)
+    a, b = layer.lora_A["ref"].weight, layer.lora_B["ref"].weight
+    by_hand = x @ layer.base_layer.weight.T + layer.base_layer.bias + 4.0 * (x @ a.T) @ b.T
+    with torch.no_grad(), use_reference(model, "ref"):
+        assert torch.allclose(model(x), by_hand, atol=1e-6)
+        assert not torch.allclose(model(x), layer.base_layer(x), atol=1e-3)  # the adapter acts
+    assert model.active_adapter == "default"
+
+
+def test_a_peft_model_with_no_trainable_tensor_is_refused() -> None:
+    """A PEFT reference is a copy of the policy's trainable tensors: a model with none (every tensor frozen) would
+    sync an empty copy, a reference that never moves, so it is refused when the reference is built."""
+    layer = torch.nn.Linear(3, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match=r"^sync_ref_model=True needs trainable parameters in the PEFT model; it has "
+                                         r"none\.$"):
+        AdapterReference(layer)
 
 
 def test_a_synced_checkpoint_resumed_without_syncing_says_the_reference_changes(tmp_path, recwarn) -> None:
@@ -558,8 +609,9 @@ def test_a_checkpointed_reference_of_other_tensors_is_refused(tmp_path) -> None:
      "sync_ref_model=True is supported with FSDP2 (fsdp_version=2), not FSDP1, by unsloth_adaptive_kl"),
 ], ids=["zero3", "fsdp1"])
 def test_zero3_and_fsdp1_are_refused_before_training(state: Any, message: str) -> None:
+    """Refused where a trainer's syncing is attached (`attach_reference_sync`), before anything else is read."""
     with pytest.raises(NotImplementedError) as error:
-        check_supported(SimpleNamespace(accelerator=SimpleNamespace(state=state)))
+        attach_reference_sync(SimpleNamespace(accelerator=SimpleNamespace(state=state)))
     assert str(error.value).startswith(message)
     for supported in (SimpleNamespace(deepspeed_plugin=SimpleNamespace(zero_stage=2), fsdp_plugin=None),
                       SimpleNamespace(deepspeed_plugin=None, fsdp_plugin=SimpleNamespace(fsdp_version=2)),
