@@ -333,23 +333,29 @@ def stand_in_resolver(tmp_path, anchors: tuple, dropped: Optional[versions.Ancho
     return lambda name: getattr(module, f"f{names.index(name)}")
 
 
-@pytest.mark.parametrize(("function", "package"), [("UnslothGRPOTrainer._generate_and_score_completions", "unsloth"),
-                                                   ("UnslothGRPOTrainer.compute_loss", "unsloth"),
-                                                   ("grpo_compute_loss", "unsloth_zoo"),
-                                                   ("grpo_accumulated_loss", "unsloth_zoo"),
-                                                   ("_unsloth_grpo_sample_weight", "unsloth")])
+@pytest.mark.parametrize(("function", "text", "package"), [
+    ("UnslothGRPOTrainer._generate_and_score_completions", "", "unsloth"),
+    # the PEFT reference forward, which the synced reference stands in for
+    ("UnslothGRPOTrainer._generate_and_score_completions", "with use_adapter(model, ", "unsloth"),
+    ("UnslothGRPOTrainer.compute_loss", "", "unsloth"),
+    ("grpo_compute_loss", "", "unsloth_zoo"),
+    ("grpo_accumulated_loss", "", "unsloth_zoo"),
+    ("_unsloth_grpo_sample_weight", "", "unsloth"),
+])
 @pytest.mark.parametrize("tested", [False, True])
-def test_a_missing_unsloth_anchor_names_the_package_it_belongs_to(tmp_path, monkeypatch, function: str, package: str,
-                                                                 tested: bool) -> None:
+def test_a_missing_unsloth_anchor_names_the_package_it_belongs_to(tmp_path, monkeypatch, function: str, text: str,
+                                                                 package: str, tested: bool) -> None:
     """Unsloth generates UnslothGRPOTrainer's methods; the loss functions inlined beside them are unsloth_zoo's. A
-    missing anchor names its own package, its installed version and the install that fixes it: a tested version
-    (the anchor is missing from its installed source, not from that release) is reinstalled, not installed again."""
+    missing anchor (the first of its function, or the one whose text starts with `text`) names its own package, its
+    installed version and the install that fixes it: a tested version (the anchor is missing from its installed
+    source, not from that release) is reinstalled, not installed again."""
     from unsloth_adaptive_kl.integrations.unsloth import anchor_package
 
     found = Version("2026.10.9" if tested else "2026.11.1")  # installed or not here
     monkeypatch.setattr(versions, "installed_version", lambda name: found)
 
-    dropped = next(anchor for anchor in versions.UNSLOTH_ANCHORS if anchor.function == function)
+    dropped = next(anchor for anchor in versions.UNSLOTH_ANCHORS
+                   if anchor.function == function and anchor.text.startswith(text))
     resolve = stand_in_resolver(tmp_path, versions.UNSLOTH_ANCHORS, dropped)
     assert versions.missing_anchors(versions.UNSLOTH_ANCHORS, resolve) == [dropped]
     with pytest.raises(versions.IncompatibleVersionError) as caught:
@@ -544,13 +550,13 @@ def test_a_restore_leaves_a_value_set_since_by_someone_else() -> None:
     patches = PatchSet()
     patches.replace(Owner, "value", "ours")
     patches.replace(Owner, "other", "ours too")
-    Owner.value = "theirs"  # set again since, by another package
-    patches.restore(leave_newer=True)
-    assert (Owner.value, Owner.other, len(patches)) == ("theirs", "other", 0)
+    Owner.other = "theirs"  # the newest replacement, set again since by another package
+    patches.restore(leave_newer=True)  # leaves it, and goes on to restore the older one
+    assert (Owner.value, Owner.other, len(patches)) == ("original", "theirs", 0)
     with PatchSet() as block:  # a block restores what was there before it, whatever it set since
-        block.replace(Owner, "value", "ours")
-        Owner.value = "set inside the block"
-    assert Owner.value == "theirs"
+        block.replace(Owner, "other", "ours")
+        Owner.other = "set inside the block"
+    assert Owner.other == "theirs"
 
 
 def test_a_trainer_built_before_the_patch_says_so_at_its_first_step(tokenizer, tmp_path) -> None:
@@ -681,6 +687,7 @@ def test_each_tested_range_ends_at_versions_the_recorded_ci_run_installed() -> N
     for package, specifiers in versions.TESTED.items():
         for specifier in specifiers:
             assert (package, specifier.version) in ran, (package, str(specifier))
+            assert Version(specifier.version) in specifiers, (package, str(specifier))  # a bound CI ran is tested
 
 
 def _innermost_of_three_wrappers() -> str:
@@ -829,6 +836,8 @@ def test_unsloth_zoos_bnpo_rule_is_read_from_its_grpo_compute_loss_and_a_third_f
     import importlib.metadata
     from pathlib import Path
 
+    assert versions.unsloth_bnpo_rule('        elif loss_type in ["bnpo", "cispo", "dapo", "vespo"]:\n') == "global"
+    assert versions.unsloth_bnpo_rule('        elif loss_type in ["cispo", "dapo", "vespo"]:\n') == "micro_batch"
     spec = importlib.util.find_spec("unsloth_zoo")
     if spec is None:
         pytest.skip("unsloth_zoo is not installed")
@@ -985,23 +994,47 @@ def test_a_package_importable_without_its_metadata_is_applied_with_one_warning_i
         "machine."]
 
 
-@pytest.mark.parametrize("local", ["ref_per_token_logps", "tool_mask"])
-def test_a_trl_whose_generation_renamed_a_local_the_reward_kl_reads_is_refused_at_patch_time(tmp_path,
-                                                                                               local: str) -> None:
-    """The KL in the reward reads `_generate_and_score_completions`'s log-prob and mask locals where it calls
-    `_calculate_rewards`: the installed trl's own method with one of them renamed is refused by the patch-time check,
-    naming that local, not left to fail at the first generation with kl_placement="reward"."""
-    import textwrap
+GENERATION = "GRPOTrainer._generate_and_score_completions"
+READ_AT_THE_REWARD_CALL = "read where it calls _calculate_rewards, for the KL in the reward"
+# (the stock function, its text changed, the changed text, the anchor the refusal names and that anchor's reason)
+CHANGED_TRL_SOURCES = [
+    *((GENERATION, f"{local} = ", f"{local}_renamed = ", f"{local} = ", READ_AT_THE_REWARD_CALL)
+      for local in ("old_per_token_logps", "sampling_per_token_logps", "ref_per_token_logps", "completion_mask",
+                    "tool_mask")),
+    # a trl without the frozen "ref" adapter copy: the PEFT reference forward the synced reference stands in for
+    (GENERATION, 'adapter_name="ref" if "ref" in model.peft_config else None', "adapter_name=None",
+     'with use_adapter(model, adapter_name="ref" if "ref" in model.peft_config else None):',
+     "the PEFT reference forward, which runs with the synced reference after a sync"),
+    ("GRPOTrainer._compute_loss", "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+     "loss = (per_token_loss * mask).sum() / mask.sum()",
+     "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)", "the bnpo reduction"),
+    ("GRPOTrainer._load_optimizer_and_scheduler", "(self, checkpoint)", "(self, checkpoint, strict=True)",
+     "self, checkpoint", "the beta state restored on resume"),
+    # a trl whose reference mix is another formula: the PEFT and full-model syncs call it
+    ("SyncRefModelCallback._sync_target_model", "mul_(1.0 - alpha)", "mul_(alpha)",
+     "target_param.data.mul_(1.0 - alpha).add_(copy_param.data, alpha=alpha)",
+     "the reference mix alpha * policy + (1 - alpha) * reference"),
+]
 
-    stock = textwrap.dedent(inspect.getsource(trl_patch._stock_generate_and_score))
-    (tmp_path / "changed_trl.py").write_text("from __future__ import annotations\n\n"
-                                             + stock.replace(f"{local} = ", f"{local}_renamed = "))
+
+@pytest.mark.parametrize(("function", "old", "new", "anchor", "reason"), CHANGED_TRL_SOURCES,
+                         ids=[f"{change[0]}:{change[2]}" for change in CHANGED_TRL_SOURCES])
+def test_a_trl_whose_source_changed_where_an_integration_reads_it_is_refused_at_patch_time(
+        tmp_path, function: str, old: str, new: str, anchor: str, reason: str) -> None:
+    """The installed trl's own function with one line changed is refused by the patch-time check, naming that line,
+    not left to fail (or silently differ) at the first generation or sync: the KL in the reward reads
+    `_generate_and_score_completions`'s log-prob and mask locals where it calls `_calculate_rewards` (one renamed);
+    the synced PEFT reference stands in for the `use_adapter` line of its reference forward (the "ref" adapter
+    dropped); the reference sync calls `SyncRefModelCallback._sync_target_model`'s mix (its formula changed)."""
+    stock = inspect.getsource(trl_patch._stock_function(function))  # indented as in its class, which it stays in
+    assert old in stock
+    (tmp_path / "changed_trl.py").write_text("from __future__ import annotations\n\n\nclass Changed:\n"
+                                             + stock.replace(old, new))
     spec = importlib.util.spec_from_file_location("changed_trl", tmp_path / "changed_trl.py")
     changed = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(changed)
-    function = "GRPOTrainer._generate_and_score_completions"
+    replaced = getattr(changed.Changed, function.split(".")[-1])
     with pytest.raises(versions.IncompatibleVersionError, match=re.escape(
-            f"the anchor `{local} = ` (read where it calls _calculate_rewards, for the KL in the reward) was not found "
-            f"in {function}.")):
-        versions.check_anchors("trl", versions.TRL_ANCHORS, lambda name: changed._generate_and_score_completions
+            f"the anchor `{anchor}` ({reason}) was not found in {function}.")):
+        versions.check_anchors("trl", versions.TRL_ANCHORS, lambda name: replaced
                                if name == function else trl_patch._stock_function(name))
