@@ -50,7 +50,12 @@ def test_schedule_cut_off_sets_beta_min(tokenizer, tmp_path, recwarn) -> None:
 
 def test_a_cut_off_the_run_ends_before_is_said(tokenizer, tmp_path) -> None:
     """beta_schedule_steps=2 in a run of 2 steps: beta = beta_min would start at step 3, so it did nothing, silently;
-    said when training starts (as an unreached reference sync is)."""
+    said when training starts (as an unreached reference sync is). A run set by epochs (args.max_steps=-1) is said
+    from the steps the trainer computed for it (state.max_steps)."""
+    from transformers import TrainerState
+
+    from unsloth_adaptive_kl.integrations.trainer_hooks import ScheduleCheck
+
     trainer = make_trainer(
         tokenizer, str(tmp_path), constant_reward(0.0), max_steps=2, beta_min=0.01, beta_schedule_steps=2, **DYNAMIC
     )
@@ -59,6 +64,9 @@ def test_a_cut_off_the_run_ends_before_is_said(tokenizer, tmp_path) -> None:
             "no step trains at it. Set beta_schedule_steps below 2 for the cut-off to act, or None for none.")):
         trainer.train()
     assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.04])
+    trainer.args.max_steps = -1
+    with pytest.warns(UserWarning, match=r"after 2 steps, and this run has 2: no step trains at it"):
+        ScheduleCheck(trainer).on_train_begin(trainer.args, TrainerState(max_steps=2), None)
 
 
 def test_at_most_one_decay_per_generation_batch(tokenizer, tmp_path) -> None:
@@ -102,6 +110,7 @@ def test_a_batch_no_reward_function_scored_has_no_mean_reward_and_dynamic_does_n
 @pytest.mark.parametrize(("rewards", "threshold", "betas"), [
     ([0.0, 1.0] * 3, 0.6, [0.04, 0.04, 0.04]),  # each step's mean is 0.5: no decay (the last batch's 1.0 decayed it)
     ([1.0, 0.0] * 3, 0.4, [0.04, 0.02, 0.01]),  # each step's mean is 0.5: a decay each step (the last's 0.0: none)
+    ([0.0, 1.0] * 3, 0.4, [0.04, 0.02, 0.01]),  # each step's mean is 0.5: a decay each step (the first's 0.0: none)
 ])
 def test_dynamic_reads_the_mean_reward_of_every_generation_batch_a_step_trained_on(
         tokenizer, tmp_path, rewards: list[float], threshold: float, betas: list[float]) -> None:
@@ -265,6 +274,9 @@ def test_the_adapter_check_reads_peft_models_alone_and_leaves_deepspeed_and_fsdp
     assert said(build_tiny_model(tokenizer)) == []
     monkeypatch.setattr(trainer_hooks, "loads_only_adapter_subfolders", lambda: False)  # 5.24's: the root loaded too
     assert said(peft_model) == []
+    monkeypatch.setattr(trainer_hooks, "loads_only_adapter_subfolders", lambda: True)
+    (tmp_path / "adapter_model.safetensors").unlink()  # no adapter at the root: none was left out
+    assert said(peft_model) == []
 
 
 def test_which_transformers_loads_the_root_adapter_is_read_in_its_source(monkeypatch) -> None:
@@ -356,7 +368,7 @@ def test_two_processes_share_the_globally_averaged_beta(tmp_path) -> None:
         assert run["final_beta"] == pytest.approx(0.04 * decay**3)
 
 
-def expected_target_betas(measured: list[float], beta: float, target: float, horizon: float, n: int,
+def expected_target_betas(measured: list[float], beta: float, target: float, horizon: float, n: float,
                           beta_min: float, beta_max: float) -> list[float]:
     """Ziegler et al. (2019), written out: the beta each step uses, from the KL measured at the steps before."""
     betas = [beta]
@@ -366,16 +378,24 @@ def expected_target_betas(measured: list[float], beta: float, target: float, hor
     return betas
 
 
-@pytest.mark.parametrize(("measure", "metric"), [("token_mean", "adaptive_kl/raw_kl"), ("sequence_sum", "adaptive_kl/sequence_kl")])
-def test_target_controller_follows_the_formula_in_a_real_run(tokenizer, tmp_path, measure: str, metric: str) -> None:
+@pytest.mark.parametrize(("measure", "metric", "num_iterations"), [("token_mean", "adaptive_kl/raw_kl", 1),
+                                                                   ("sequence_sum", "adaptive_kl/sequence_kl", 1),
+                                                                   ("token_mean", "adaptive_kl/raw_kl", 2)])
+def test_target_controller_follows_the_formula_in_a_real_run(tokenizer, tmp_path, measure: str, metric: str,
+                                                             num_iterations: int) -> None:
+    """Ziegler et al.'s update each step, n = the step's 4 completions counted once per generation batch: with
+    num_iterations=2 two steps train on each batch of 4, so n = 2 (SPEC 3.14)."""
     settings = dict(kl_adaptation_method="target", kl_target=0.002, kl_horizon=10.0, beta_max=0.04, beta_min=0.032,
-                    kl_target_measure=measure, loss_type="bnpo", gradient_accumulation_steps=1, max_steps=6)
+                    kl_target_measure=measure, loss_type="bnpo", gradient_accumulation_steps=1, max_steps=6,
+                    num_iterations=num_iterations)
     trainer = make_trainer(tokenizer, str(tmp_path), **settings)
     trainer.train()
     measured, betas = logged(trainer, metric), logged(trainer, "adaptive_kl/current_beta")
-    # 4 completions per step; bnpo's raw_kl is the step's token mean (one micro-batch, one process)
-    assert betas == pytest.approx(expected_target_betas(measured, 0.04, 0.002, 10.0, 4, 0.032, 0.04), rel=1e-9)
-    assert betas[1] == pytest.approx(0.04 * (1 - 0.2 * 4 / 10))  # step 1: policy == reference, KL 0 < target
+    n = 4 / num_iterations  # bnpo's raw_kl is the step's token mean (one micro-batch, one process)
+    assert betas == pytest.approx(expected_target_betas(measured, 0.04, 0.002, 10.0, n, 0.032, 0.04), rel=1e-9)
+    assert betas[1] == pytest.approx(0.04 * (1 - 0.2 * n / 10))  # step 1: policy == reference, KL 0 < target
+    if num_iterations > 1:
+        return
     if measure == "token_mean":  # per-token KL stays below 0.002 for 3 steps: beta falls to beta_min
         assert min(betas) == pytest.approx(0.032)
     else:  # summed KL per completion passes 0.002 from step 3: beta rises back to beta_max
@@ -386,7 +406,12 @@ def test_a_target_horizon_that_would_end_beta_is_refused_when_the_trainer_is_bui
     """n / kl_horizon >= 5 with beta_min=0 takes beta to 0 for good (the core's check_horizon): the trainer refused it
     only inside its first step, after generation, forward and backward. n, with 4 completions a micro-batch and 2
     micro-batches a step: 8 in the loss; 4 with num_iterations=2 (a completion counts once per generation batch); the
-    generation batch (4 x 2 = 8) in the reward. Just above n / 5 the trainer builds and its first step runs."""
+    generation batch (4 x 2 = 8) in the reward. Just above n / 5 the trainer builds and its first step runs. Two
+    processes double n in the loss (4 x 2 x 2 = 16); at beta=0 (no KL term) nothing is checked."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl.integrations.trainer_hooks import check_target_horizon
+
     settings = dict(kl_adaptation_method="target", kl_target=1.0, max_steps=1, gradient_accumulation_steps=2)
     in_loss = "per_device_train_batch_size x gradient_accumulation_steps x processes / num_iterations"
     for fields, n, spelled in [({"kl_horizon": 1.6}, 8, in_loss),
@@ -400,6 +425,12 @@ def test_a_target_horizon_that_would_end_beta_is_refused_when_the_trainer_is_bui
     trainer.train()  # the step's own check agrees: 8 / 1.7 < 5
     assert trainer.current_beta == pytest.approx(0.04 * (1 - 0.2 * 8 / 1.7))  # the KL is far below kl_target=1
     make_trainer(tokenizer, str(tmp_path), **settings, kl_horizon=1.6, beta_min=0.01)  # a floor above 0: allowed
+    with pytest.warns(UserWarning, match=r"has no effect: beta=0\.0 turns the KL term off"):  # built, not refused
+        make_trainer(tokenizer, str(tmp_path), **settings, kl_horizon=1.6, beta=0.0)
+    config = AdaptiveKLConfig.unvalidated_from(trainer.args)  # kl_horizon=1.7: 8 / 1.7 < 5 on one process
+    two = SimpleNamespace(beta=0.04, args=trainer.args, accelerator=SimpleNamespace(num_processes=2))
+    with pytest.raises(ValueError, match=r"^kl_horizon=1\.7 is invalid for steps of 16 completions"):
+        check_target_horizon(two, config)
 
 
 def test_target_controller_state_survives_resume(tokenizer, tmp_path) -> None:

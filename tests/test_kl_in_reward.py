@@ -201,14 +201,16 @@ def test_adaptive_kl_reward_penalty_is_what_the_trainer_subtracts(tokenizer, tmp
 def test_policy_logps_prefer_old_then_vllm_sampling_then_one_replayed_forward() -> None:
     """The source order of the policy log-probs for KL_i: the trainer's old log-probs, else vLLM's sampling log-probs
     (no vLLM on CPU, so the choice is exercised here with stand-in tensors), else the reference forward replayed with
-    the policy; a generation that made no log-prob call is reported, not replayed from nothing."""
+    the policy, without gradient, whether the model was passed by position or keyword; a generation that made no
+    log-prob call is reported, not replayed from nothing."""
     from unsloth_adaptive_kl.integrations.trainer_hooks import _CallRecorder, _policy_logps
 
     class Trainer:
         model = "policy"
 
     forwards: list[tuple] = []
-    recorder = _CallRecorder(lambda model, ids: (torch.full((1, 2), float(len(forwards))), forwards.append((model, ids))))
+    recorder = _CallRecorder(lambda model, ids: (torch.full((1, 2), float(len(forwards))),
+                                                 forwards.append((model, ids, torch.is_grad_enabled()))))
     old, sampling = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-3.0, -4.0]])
 
     def missing() -> Exception:
@@ -224,7 +226,11 @@ def test_policy_logps_prefer_old_then_vllm_sampling_then_one_replayed_forward() 
     recorder("reference", "ids-2")  # the last call is the one replayed
     replayed = _policy_logps(Trainer(), {"old_per_token_logps": None, "sampling_per_token_logps": None}, recorder,
                              missing)
-    assert forwards[-1] == ("policy", "ids-2") and replayed.tolist() == [[2.0, 2.0]] and len(forwards) == 3
+    assert forwards[-1] == ("policy", "ids-2", False) and replayed.tolist() == [[2.0, 2.0]] and len(forwards) == 3
+    recorder(model="reference", ids="ids-3")  # called by keyword: the policy replaces the keyword's model
+    replayed = _policy_logps(Trainer(), {"old_per_token_logps": None, "sampling_per_token_logps": None}, recorder,
+                             missing)
+    assert forwards[-1] == ("policy", "ids-3", False) and replayed.tolist() == [[4.0, 4.0]]
 
 
 def test_a_nan_log_prob_on_a_valid_token_raises_before_the_rewards_are_penalised(tokenizer, tmp_path,
@@ -262,6 +268,10 @@ def test_evaluation_scores_with_the_penalty_and_logs_it(tokenizer, tmp_path) -> 
         metrics["eval_adaptive_kl/current_beta"] * metrics["eval_adaptive_kl/adapted_kl"], rel=1e-5)
     assert abs(metrics["eval_adaptive_kl/reward_penalty"]) > 0.005  # k1's mean over 4 completions: either sign
     assert trainer.current_beta == 0.5  # evaluation never moves the controller
+    trainer.train()  # the step's KL (last_raw_kl) is its own batch's, without the evaluation batch scored before it
+    # its token mean sum_i S_i / sum_i L_i: the batch's mean KL per completion over its mean length
+    token_mean = logged(trainer, "adaptive_kl/sequence_kl")[0] / logged(trainer, "completions/mean_length")[0]
+    assert trainer.adaptive_kl.last_raw_kl == pytest.approx(token_mean, rel=1e-5)
 
 
 def test_unscored_completions_stay_unscored(tokenizer, tmp_path) -> None:
@@ -453,6 +463,10 @@ def test_placement_field_round_trips_and_means_nothing_stock(tmp_path) -> None:
     assert config.to_dict()["kl_placement"] == "reward" and not config.is_stock_kl
     assert config.estimator == "k1" and config.to_dict()["kl_estimator"] is None
     assert AdaptiveKLConfig().kl_placement == "loss" and AdaptiveKLConfig().is_stock_kl
+    # the aggregation rule is the reward placement's: with the KL in the loss, TRL's other aggregation is accepted
+    loss_side = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, kl_adaptation_method="clip",
+                               multi_objective_aggregation="normalize_then_sum")
+    assert loss_side.multi_objective_aggregation == "normalize_then_sum"
 
 
 @pytest.mark.parametrize("estimator", ["k2", "k3", "low_var_kl", "k3+", "k3_bottom_percentile"])

@@ -86,3 +86,6 @@ def test_a_compute_loss_that_calls_liger_refuses_every_adapted_setting_and_leave
         assert check_loss_not_replaced(_LigerLossTrainer, config(beta=0.04)) is True
     if "sync_ref_model" not in setting:  # beta = 0: no KL term to drop (sync with beta = 0 is refused on its own)
         check_loss_not_replaced(_LigerLossTrainer, config(beta=0.0, **setting))
+    # use_liger_kernel=False: the installed loss runs whatever compute_loss would call with it on
+    off = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", beta=0.04, **setting)
+    assert check_loss_not_replaced(_LigerLossTrainer, off) is False

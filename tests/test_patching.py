@@ -154,7 +154,8 @@ def test_unsloths_generated_module_loaded_is_the_late_import_error(monkeypatch: 
 
 def test_a_kl_line_reached_other_than_once_is_the_anchor_error() -> None:
     """The probe standing in for beta records each `beta * tensor`; a trainer that reaches its KL line twice (or
-    never, or as `tensor * beta`) is refused, not read from its first product."""
+    never, or as `tensor * beta`) is refused, not read from its first product. A plain number times the probe is
+    beta times it, recorded as no KL line."""
     from unsloth_adaptive_kl.integrations.trainer_hooks import KLTermProbe
 
     def missing() -> RuntimeError:
@@ -162,7 +163,8 @@ def test_a_kl_line_reached_other_than_once_is_the_anchor_error() -> None:
 
     once = KLTermProbe(0.1, keep_stock_term=False)
     kl = torch.tensor([0.5, 2.0])
-    assert torch.equal(once * kl, torch.zeros(2)) and torch.equal(once.single_capture(missing), kl)
+    assert torch.equal(once * kl, torch.zeros(2)) and once * 3.0 == pytest.approx(0.3)
+    assert torch.equal(once.single_capture(missing), kl)
     assert torch.equal(KLTermProbe(0.1, keep_stock_term=True) * kl, 0.1 * kl)
     twice = KLTermProbe(0.1, keep_stock_term=False)
     for _ in range(2):
@@ -579,8 +581,12 @@ def test_a_trainer_built_while_patched_and_trained_after_unpatch_says_so_before_
                                                                                                 tmp_path) -> None:
     """unpatch() restores the stock trainer's methods, so a trainer built before it trained one stock step and then
     blamed "an override of _compute_loss or compute_loss that does not call super()", which no one wrote. Now the
-    train() call names unpatch(): an error before any step with an adapted setting, a warning (once) with `none`."""
+    train() call names unpatch(): an error before any step with an adapted setting, a warning (once) with `none`. At
+    beta=0 (no KL term, the stock loss either way) nothing is said."""
+    from unsloth_adaptive_kl.integrations.trainer_hooks import LossHookCheck
+
     clip = make_trainer(tokenizer, str(tmp_path / "clip"), max_steps=1, kl_adaptation_method="clip")
+    off = make_trainer(tokenizer, str(tmp_path / "off"), max_steps=1, kl_adaptation_method="clip", beta=0.0)
     stock = make_trainer(tokenizer, str(tmp_path / "none"), max_steps=1)
     unsloth_adaptive_kl.unpatch()
     try:
@@ -597,6 +603,10 @@ def test_a_trainer_built_while_patched_and_trained_after_unpatch_says_so_before_
                 pass
         said = [str(w.message) for w in caught if str(w.message).startswith("adaptive_kl: ")]
         assert len(said) == 1 and "unpatch() has since restored the stock trainer" in said[0]
+        (check,) = [callback for callback in off.callback_handler.callbacks if isinstance(callback, LossHookCheck)]
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="adaptive_kl")
+            check.on_train_begin(off.args, off.state, off.control)
     finally:
         unsloth_adaptive_kl.patch()
 

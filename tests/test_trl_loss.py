@@ -503,8 +503,9 @@ def test_trainer_beta_set_during_training_is_refused_where_adapted_and_said_wher
 
     runs = {}
     with pytest.warns(UserWarning, match=r"^adaptive_kl: trainer\.beta was set to 0\.4 after the run started "
-                                         r"\(built with 0\.04\)"):
-        runs["none"] = losses("none")
+                                         r"\(built with 0\.04\)") as caught:
+        runs["none"] = losses("none")  # 4 loss calls after the change: said once
+    assert sum("trainer.beta was set" in str(w.message) for w in caught) == 1
     with stock_trl():
         runs["stock"] = losses("stock")
         runs["unscheduled"] = losses("unscheduled", 0.04)

@@ -60,11 +60,15 @@ def test_trainer_construction_says_the_kl_settings_in_effect_once(tokenizer, tmp
      "kl_estimator='k1' (unset: the placement's default), kl_placement='reward', loss_type='dapo', "
      "scale_rewards='group', num_iterations=1, importance_sampling_level='sequence', use_bias_correction_kl=True "
      "(not applied: the KL in the reward is 'k1' from the log-probs)"),
-], ids=["k2_in_the_loss", "k1_in_the_reward"])
+    (dict(kl_estimator="k2", beta=0.0),  # no KL term at all: nothing to say of the correction
+     "kl_estimator='k2', kl_placement='loss', loss_type='dapo', scale_rewards='group', num_iterations=1, "
+     "importance_sampling_level='sequence', use_bias_correction_kl=True, steps_per_generation"),
+], ids=["k2_in_the_loss", "k1_in_the_reward", "beta_0"])
 def test_settings_line_says_where_trls_kl_correction_does_not_apply(tokenizer, tmp_path, caplog, capsys, settings,
                                                                      shown) -> None:
     """TRL's use_bias_correction_kl multiplies its own k3 only: with another estimator, or the KL in the reward, the
-    line says it is not applied (and these settings train with importance_sampling_level='sequence')."""
+    line says it is not applied (and these settings train with importance_sampling_level='sequence'); at beta=0 there
+    is no KL term, and the line says nothing of it."""
     caplog.set_level(logging.INFO, logger=LOGGER)
     make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="dynamic", importance_sampling_level="sequence",
                  use_bias_correction_kl=True,
