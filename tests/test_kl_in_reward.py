@@ -609,6 +609,23 @@ def test_an_unscored_completion_is_left_out_of_the_mean_a_masked_one_carries(tok
     assert column[[0, 1, 3]].tolist() == pytest.approx([-1.0, -3.0, -2.0]) and math.isnan(column[2])
 
 
+def test_an_override_of_calculate_rewards_that_skips_the_hook_is_an_error_naming_it(tokenizer, tmp_path) -> None:
+    """A trainer whose own `_calculate_rewards` does not call super() (here trl's stock one set on the instance, as a
+    subclass's override is found first) scores without the penalty: the first generation raises, naming the override
+    and the fix, not a missing reward-metric anchor of trl's source (which is present)."""
+    import types
+
+    from unsloth_adaptive_kl.integrations import trl as trl_patch
+
+    trainer = make_trainer(tokenizer, str(tmp_path), max_steps=1, **REWARD)
+    trainer._calculate_rewards = types.MethodType(trl_patch._stock_calculate_rewards, trainer)
+    with pytest.raises(RuntimeError, match=r"^adaptive_kl: a generation of GRPOTrainer scored its completions without "
+                                           r"the adaptive KL's reward hook \(_calculate_rewards, .* Call "
+                                           r"super\(\)\._calculate_rewards\(\.\.\.\) from the override, or set "
+                                           r"kl_placement='loss'\.$"):
+        trainer.train()
+
+
 def test_a_generation_without_a_local_the_penalty_reads_is_an_error_naming_it(tokenizer, tmp_path) -> None:
     """The reward penalty reads the log-probs and masks from the locals of TRL's `_generate_and_score_completions`
     where it calls `_calculate_rewards`: a trl that renamed one of them (here tool_mask) raises IncompatibleVersionError

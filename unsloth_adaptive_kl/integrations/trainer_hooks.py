@@ -434,7 +434,14 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
             patches.replace(self, "_get_per_token_logps_and_entropies", scoring["recorder"])
             patches.replace(self, "reward_weights", self.reward_weights)  # _calculate_rewards appends the KL's weight
             output = upstream(self, *args, **kwargs)
-        if len(rewards) != logged + 1 or "metrics" not in scoring:
+        if "metrics" not in scoring:  # the patched _calculate_rewards never ran: the rewards carry no penalty
+            raise RuntimeError(
+                f"adaptive_kl: a generation of {type(self).__name__} scored its completions without the adaptive KL's "
+                "reward hook (_calculate_rewards, which puts beta * KL into the rewards with kl_placement='reward'): "
+                "an override of _calculate_rewards that does not call super() trains without the KL in the reward, "
+                "logs no adaptive_kl/ metric and never moves beta. Call super()._calculate_rewards(...) from the "
+                "override, or set kl_placement='loss'.")
+        if len(rewards) != logged + 1:
             raise missing_reward_metric()
         rewards[-1] += scoring["mean_penalty"]
         for name, value in scoring["metrics"].items():
