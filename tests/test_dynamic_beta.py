@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from unsloth_adaptive_kl import AdaptiveKLConfig
+from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
 from unsloth_adaptive_kl.core.controllers import DynamicBeta
 from unsloth_adaptive_kl.integrations import trainer_hooks
 from unsloth_adaptive_kl.integrations.trainer_hooks import loads_only_adapter_subfolders
@@ -197,6 +197,33 @@ def test_the_checkpoint_a_hub_push_uploads_holds_the_controllers_state(tokenizer
     assert set(pushed) == {"checkpoint-1", "checkpoint-2"}
     assert all("adaptive_kl_state.json" in names and "trainer_state.json" in names for names, _ in pushed.values())
     assert [pushed[f"checkpoint-{step}"][1] for step in (1, 2)] == pytest.approx([0.04 * 0.8, 0.04 * 0.8**2])
+
+
+@pytest.mark.parametrize("should_save", [True, False])
+def test_only_the_saving_process_writes_the_state_and_every_process_takes_part_in_the_reference_save(
+        tmp_path, should_save: bool) -> None:
+    """Under DDP every process runs `_save_checkpoint`, and `args.should_save` is True on the saving one alone: it
+    writes checkpoint-N/adaptive_kl_state.json (the controller's state_dict), a process that does not save writes
+    nothing; each calls the reference sync's save (FSDP2 gathers on all), telling it whether to write, then the
+    stock save."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl.integrations.trainer_hooks import wrap_save_checkpoint
+
+    calls: list = []
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), beta=0.04)
+    akl.step(mean_reward=1.0)
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(should_save=should_save), state=SimpleNamespace(global_step=3), adaptive_kl=akl,
+        _get_output_dir=lambda trial: str(tmp_path),
+        adaptive_kl_reference=SimpleNamespace(save=lambda folder, write: calls.append(("sync", folder, write))))
+    wrap_save_checkpoint(lambda self, model, trial: calls.append(("stock", model, trial)))(trainer, "model", None)
+    folder = str(tmp_path / "checkpoint-3")
+    assert calls == [("sync", folder, should_save), ("stock", "model", None)]
+    state = tmp_path / "checkpoint-3" / "adaptive_kl_state.json"
+    assert state.exists() is should_save
+    if should_save:
+        assert json.loads(state.read_text())["value"] == pytest.approx(0.04 * 0.9)  # the decayed beta it holds
 
 
 def test_resume_without_the_state_file_warns_naming_it(tokenizer, tmp_path) -> None:
