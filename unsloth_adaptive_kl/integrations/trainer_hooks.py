@@ -438,9 +438,8 @@ def wrap_generate_and_score(upstream: Callable, missing_reward_metric: AnchorErr
             raise RuntimeError(
                 f"adaptive_kl: a generation of {type(self).__name__} scored its completions without the adaptive KL's "
                 "reward hook (_calculate_rewards, which puts beta * KL into the rewards with kl_placement='reward'): "
-                "an override of _calculate_rewards that does not call super() trains without the KL in the reward, "
-                "logs no adaptive_kl/ metric and never moves beta. Call super()._calculate_rewards(...) from the "
-                "override, or set kl_placement='loss'.")
+                "an override of _calculate_rewards that does not call super() would train without the KL in the "
+                "reward. Call super()._calculate_rewards(...) from the override, or set kl_placement='loss'.")
         if len(rewards) != logged + 1:
             raise missing_reward_metric()
         rewards[-1] += scoring["mean_penalty"]
