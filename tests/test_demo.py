@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +141,8 @@ def test_quick_keeps_the_steps_seeds_and_pretraining_given_beside_it() -> None:
     assert (args.steps, args.seeds, args.pretrain_steps) == (4, 2, 7)
     args = demo.parse_args(["--steps", "10"])
     assert (args.steps, args.seeds, args.pretrain_steps) == (10, 3, 300)
+    args = demo.parse_args(["--quick", "--pretrain-steps", "0"])  # a value given as 0 is given all the same
+    assert (args.steps, args.seeds, args.pretrain_steps) == (4, 1, 0)
 
 
 def test_a_model_that_cannot_be_loaded_stops_the_demo_after_its_first_run(tmp_path, monkeypatch, capsys) -> None:
@@ -218,6 +222,16 @@ def test_an_unusable_output_dir_is_refused_before_training(tmp_path, monkeypatch
     assert demo.parse_args(["--output-dir", str(tmp_path / "new" / "folder")])  # created, as the runs need it
     assert (tmp_path / "new" / "folder").is_dir() and not list((tmp_path / "new" / "folder").iterdir())
 
+    def read_only(*args, **kwargs):  # a folder this user may not write to (root, running the tests, may write anywhere)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(demo.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(SystemExit) as refused:
+        demo.main(["--quick", "--methods", "none", "--output-dir", str(tmp_path)])
+    assert refused.value.code == 2 and (f"--output-dir={str(tmp_path)!r} is invalid (PermissionError: [Errno 13] "
+                                        "Permission denied): allowed is a writable directory"
+                                        ) in capsys.readouterr().err
+
 
 def test_failed_runs_are_reported_before_the_files_are_written(tmp_path, monkeypatch, capsys) -> None:
     """The FAILED lines came after writing the files: a failure there (a full disk) hid which runs had failed."""
@@ -237,6 +251,69 @@ def test_failed_runs_are_reported_before_the_files_are_written(tmp_path, monkeyp
     assert "FAILED none seed 0: RuntimeError: boom" in capsys.readouterr().err
 
 
+def test_the_runs_are_interleaved_per_seed_and_only_a_first_failed_load_stops_them(tmp_path, monkeypatch,
+                                                                                  capsys) -> None:
+    """docs/demo.md: methods are interleaved per seed (the machine's drift hits all alike); a --model that cannot be
+    loaded stops the demo at its first load, but a load that fails after one succeeded (the model can be loaded)
+    stops nothing: the other runs still run, and the demo exits 1."""
+    from unsloth_adaptive_kl.tools import demo
+
+    ran = []
+
+    def run_one(task, method, seed, args, on_step):
+        ran.append((method, seed))
+        if (method, seed) == ("clip", 0):
+            raise demo.ModelNotLoaded("--model 'org/model' could not be loaded: OSError: flaky")
+        return [{"method": method, "seed": seed, "step": 1, **{key: 1.0 for key in demo.LOGGED}}]
+
+    monkeypatch.setattr(demo, "model_task", lambda args: "task")
+    monkeypatch.setattr(demo, "run_one", run_one)
+    code = demo.main(["--model", "org/model", "--methods", "none,clip", "--seeds", "2", "--steps", "1",
+                      "--output-dir", str(tmp_path)])
+    assert code == 1 and ran == [("none", 0), ("clip", 0), ("none", 1), ("clip", 1)]
+    err = capsys.readouterr().err
+    assert "FAILED clip seed 0: ModelNotLoaded: --model 'org/model' could not be loaded: OSError: flaky" in err
+    assert "the remaining runs" not in err
+    rows = json.loads((tmp_path / "metrics.json").read_text())
+    assert [(row["method"], row["seed"]) for row in rows] == [("none", 0), ("none", 1), ("clip", 1)]
+
+
+def test_a_run_trains_with_the_flags_settings_in_a_folder_of_its_own(tmp_path) -> None:
+    """run_one -> the trainer's GRPOConfig: --loss-type, --steps, the run's seed (the data order too), the variant's
+    method fields (--kl-target), temperature 1.0 and its folder runs/VARIANT-seedN/ (docs/demo.md); the policy is
+    built after the seed is set, so a seed builds the same policy whatever drew random numbers before."""
+    import torch
+
+    from unsloth_adaptive_kl.tools import demo
+
+    class Built(Exception):
+        pass
+
+    draws = []
+
+    def make_policy(seed):
+        draws.append(torch.rand(()).item())
+        return "model", "tokenizer"
+
+    def trainer_class(args, **kwargs):
+        raise Built(args)
+
+    task = demo.Task(make_policy, trainer_class, ["ab:"], demo.hash_reward, {"use_cpu": True})
+    args = demo.parse_args(["--methods", "sigmoid", "--loss-type", "bnpo", "--kl-target", "0.3", "--steps", "7",
+                            "--output-dir", str(tmp_path)])
+    configs = []
+    for _ in range(2):
+        torch.rand(5)  # whatever ran before
+        with pytest.raises(Built) as built:
+            demo.run_one(task, "sigmoid", 2, args, on_step=lambda: None)
+        configs.append(built.value.args[0])
+    config = configs[0]
+    assert (config.loss_type, config.max_steps, config.seed, config.data_seed, config.temperature) == (
+        "bnpo", 7, 2, 2, 1.0)
+    assert (config.kl_adaptation_method, config.kl_target, config.beta) == ("sigmoid", 0.3, 0.04)
+    assert config.output_dir == str(tmp_path / "runs" / "sigmoid-seed2") and draws[0] == draws[1]
+
+
 def test_a_failed_run_is_reported_and_makes_the_exit_code_non_zero(tmp_path, monkeypatch, capsys) -> None:
     from unsloth_adaptive_kl.tools import demo
 
@@ -253,6 +330,56 @@ def test_a_failed_run_is_reported_and_makes_the_exit_code_non_zero(tmp_path, mon
     assert "FAILED sigmoid seed 0: RuntimeError: boom" in capsys.readouterr().err
     rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
     assert {row["method"] for row in rows} == {"none"} and len(rows) == 4
+
+
+# ----- the tiny default task ---------------------------------------------------------------------------------------
+
+def test_the_tiny_reference_text_and_reward_are_the_documented_task() -> None:
+    """docs/demo.md: prompts of 2-4 letters of a-h and ':', completions of 3-8 letters, rarely a '#' (at most one, in 1
+    of 10 by construction: of 2000 draws, 7-13 %, over 4 standard deviations either side); the reward is 1 when the
+    completion contains '#', wherever it is, else 0."""
+    import random
+
+    from unsloth_adaptive_kl.tools import demo
+
+    prompts, completions = zip(*(demo.reference_text(random.Random(seed)) for seed in range(2000)))
+    assert {len(prompt) for prompt in prompts} == {3, 4, 5} and {prompt[-1] for prompt in prompts} == {":"}
+    assert set("".join(prompt[:-1] for prompt in prompts)) == set("abcdefgh")
+    assert {len(completion) for completion in completions} == set(range(3, 9))
+    assert set("".join(completions)) == set("abcdefgh#") and max(c.count("#") for c in completions) == 1
+    assert 0.07 < sum("#" in completion for completion in completions) / len(completions) < 0.13
+    assert demo.hash_reward(["#abc", "ab#c", "abc#", "abc", ""]) == [1.0, 1.0, 1.0, 0.0, 0.0]
+
+
+def test_each_policy_starts_from_the_pretrained_reference_which_ends_its_completions(tmp_path) -> None:
+    """The reference learns from completions of 3-8 letters, each ended by EOS: after 8 letters it ends (every
+    training completion does), after 1 it does not (none does). Measured after 120 steps on five pretraining seeds:
+    P(EOS) above 0.9 after 8 letters and below 0.003 after 1; a model that did not learn it (untrained, or trained
+    without EOS) gives both about the same. Each run's policy is that reference (LoRA's B starts at zero) with
+    adapters of its own seed; the task is the page's: 16 completions a step, 8 per prompt, up to 24 tokens."""
+    import torch
+
+    from unsloth_adaptive_kl.tools import demo
+
+    args = demo.parse_args(["--pretrain-steps", "120", "--output-dir", str(tmp_path)])
+    task = demo.tiny_task(args)
+    policy, tokenizer = task.make_policy(0)
+
+    def p_eos(completion_length: int) -> float:
+        texts = [prompt + "abcdefgh"[:completion_length] for prompt in ("ab:", "cde:", "fgha:", "hb:")]
+        with torch.no_grad():
+            logits = [policy(input_ids=torch.tensor([tokenizer(text).input_ids])).logits[0, -1] for text in texts]
+        return sum(row.softmax(-1)[tokenizer.eos_token_id].item() for row in logits) / len(texts)
+
+    assert p_eos(8) > 0.5 and p_eos(1) < 0.05
+    adapters = [{k: v for k, v in task.make_policy(seed)[0].state_dict().items() if "lora_A" in k}
+                for seed in (0, 0, 1)]
+    assert all(torch.equal(adapters[0][k], adapters[1][k]) for k in adapters[0])
+    assert not any(torch.equal(adapters[0][k], adapters[2][k]) for k in adapters[0])
+    settings = task.grpo_settings
+    assert (settings["per_device_train_batch_size"], settings["num_generations"]) == (16, 8)
+    assert (settings["max_completion_length"], settings["learning_rate"]) == (24, 5e-3)
+    assert task.reward is demo.hash_reward and len(task.prompts) == 256
 
 
 # ----- mixed precision on a GPU: bf16 only where the GPU has it natively (a Colab T4 does not) ------------------
@@ -303,7 +430,9 @@ def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> 
 
     fake_device(monkeypatch, cuda=True, bf16=False)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kwargs: f"tokenizer:{name}")
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda name, **kwargs: f"model:{name}")
+    # in the checkpoint's own dtype ("auto"; transformers 4's default is float32)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda name, **kwargs: f"model:{name}" if kwargs == {"dtype": "auto"} else kwargs)
     monkeypatch.setattr(peft, "get_peft_model", lambda model, config: f"lora:{model}")
     args = demo.parse_args(["--model", "org/some-model", "--backend", "trl", "--steps", "1", "--seeds", "1"])
     task = demo.model_task(args)
@@ -326,6 +455,91 @@ def test_the_model_path_passes_mixed_precision_into_grpo_config(monkeypatch) -> 
         raise AssertionError("run_one did not build a GRPOConfig")
     assert (kwargs["bf16"], kwargs["fp16"]) == (False, True)
     assert kwargs["kl_adaptation_method"] == "clip" and "answers" not in kwargs
+
+
+def test_the_arithmetic_reward_is_1_when_the_first_number_is_the_answer() -> None:
+    """docs/demo.md: "a correctness reward": the completion's first number, a sign included, is the answer; a
+    conversational completion is read from its message's content."""
+    from unsloth_adaptive_kl.tools import demo
+
+    completions = ["42", "It is 42.", "41, no: 42", "-42", "no idea", "420", [{"role": "assistant", "content": "42"}]]
+    assert demo.arithmetic_reward(completions, answer=["42"] * 7) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_each_model_prompt_is_rewarded_for_its_own_sum(monkeypatch) -> None:
+    """The model task's answers are the sums its prompts ask for ("What is 17 + 25? Reply with the number."), read
+    back from the prompts, and its reward pays exactly those."""
+    import re
+
+    import transformers
+
+    from unsloth_adaptive_kl.tools import demo
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kwargs: "tokenizer")
+    task = demo.model_task(demo.parse_args(["--model", "org/m", "--backend", "trl"]))
+    asked = [re.fullmatch(r"What is (\d+) \+ (\d+)\? Reply with the number\.", prompt[0]["content"])
+             for prompt in task.prompts]
+    answers = task.grpo_settings["answers"]
+    assert len(answers) == len(asked) == 256
+    assert answers == [str(int(a) + int(b)) for a, b in map(re.Match.groups, asked)]
+    assert task.reward(answers, answer=answers) == [1.0] * 256
+    assert task.reward([str(int(answer) + 1) for answer in answers], answer=answers) == [0.0] * 256
+
+
+@pytest.mark.parametrize("cuda, unsloth_installed, backend", [(True, True, "unsloth"), (True, False, "trl"),
+                                                              (False, True, "trl")])
+def test_the_auto_backend_is_unsloth_where_it_is_installed_and_a_gpu_is_there(monkeypatch, cuda, unsloth_installed,
+                                                                             backend) -> None:
+    """docs/demo.md: `--backend auto` (the default) uses Unsloth's FastLanguageModel in 4-bit with LoRA when Unsloth
+    and a GPU are there, else transformers + PEFT (on a CPU Unsloth cannot load a model). Unsloth's LoRA is seeded
+    with the run's seed."""
+    import importlib.util
+    import types
+
+    import transformers
+
+    from unsloth_adaptive_kl.tools import demo
+
+    fake_device(monkeypatch, cuda=cuda, bf16=True)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        (find_spec("trl") if unsloth_installed else None) if name == "unsloth" else find_spec(name, *args)))
+    calls = []
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(name, **kwargs):
+            calls.append(("from_pretrained", name, kwargs))
+            return "model", "unsloth tokenizer"
+
+        @staticmethod
+        def get_peft_model(model, **kwargs):
+            calls.append(("get_peft_model", model, kwargs))
+            return "lora"
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda name, **kwargs: calls.append(
+        ("tokenizer", name)) or "tokenizer")
+    task = demo.model_task(demo.parse_args(["--model", "org/m"]))
+    if backend == "trl":
+        assert calls == [("tokenizer", "org/m")]
+        return
+    assert calls == [] and task.make_policy(3) == ("lora", "unsloth tokenizer")
+    (_, name, loaded), (_, model, lora) = calls
+    assert (name, loaded["load_in_4bit"], model, lora["random_state"]) == ("org/m", True, "model", 3)
+
+
+def test_only_a_failure_to_load_is_blamed_on_the_model() -> None:
+    """`loading` turns the OSError of a name that cannot be loaded into ModelNotLoaded, naming --model; any other
+    error (a bug, a bad config) stays what it is, so that it does not stop the demo as a missing model does."""
+    from unsloth_adaptive_kl.tools import demo
+
+    with pytest.raises(demo.ModelNotLoaded, match="^--model 'org/m' could not be loaded: OSError: offline$"):
+        with demo.loading("org/m"):
+            raise OSError("offline")
+    with pytest.raises(ValueError, match="^bad config$"):
+        with demo.loading("org/m"):
+            raise ValueError("bad config")
 
 
 # ----- the model path with the unsloth backend: one trainer class for every run, Unsloth's tokenizer -------------
@@ -400,7 +614,7 @@ def test_the_model_path_with_unsloth_trains_every_run_with_its_trainer_and_token
 
 # ----- the moving reference: 'ref_sync:STEPS[:reset]' and --ref-sync ---------------------------------------------
 
-def test_ref_sync_variant_syncs_on_schedule(tmp_path) -> None:
+def test_ref_sync_variant_syncs_on_schedule(tmp_path, capsys) -> None:
     """A hard reset every 2 of 4 steps on the demo's LoRA model: the sync count follows the schedule, and the step
     after each sync is on-policy against the new reference, so its KL is exactly 0 (stock's is not)."""
     from unsloth_adaptive_kl.tools import demo
@@ -409,9 +623,15 @@ def test_ref_sync_variant_syncs_on_schedule(tmp_path) -> None:
                       "--output-dir", str(tmp_path)])
     assert code == 0
     # what produced the run is the argv main was given, not this pytest process's sys.argv
-    assert json.loads((tmp_path / "summary.json").read_text())["environment"]["command"] == (
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["environment"]["command"] == (
         "python blackwell/test_adaptive_kl_grpo.py --quick --methods none,ref_sync:2,ref_sync:2:reset "
         f"--pretrain-steps 5 --output-dir {tmp_path}")
+    # the versions that produced it, this package's first; the window of 4 steps is the last (10 % of 4, at least 1)
+    assert summary["environment"]["versions"]["unsloth_adaptive_kl"] == importlib.metadata.version(
+        "unsloth-adaptive-kl")
+    assert summary["window"] == 1
+    assert "'reward':" not in capsys.readouterr().out  # the table and the bar report: no trainer's per-step dicts
     rows = json.loads((tmp_path / "metrics.json").read_text())
     by_method = {m: [r for r in rows if r["method"] == m] for m in ("none", "ref_sync:2", "ref_sync:2:reset")}
     assert all(len(v) == 4 for v in by_method.values())
@@ -464,7 +684,12 @@ def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_al
                                                        "> 0"),
                            (["--learning-rate", "inf"], "--learning-rate=inf is invalid: allowed is a finite number "
                                                         "> 0"),
+                           (["--learning-rate", "0"], "--learning-rate=0.0 is invalid: allowed is a finite number "
+                                                      "> 0"),
                            (["--pretrain-steps", "-3"], "--pretrain-steps=-3 is invalid: allowed is an integer >= 0"),
+                           # no step, or no seed, trains nothing
+                           (["--steps", "0"], "--steps=0 is invalid: allowed is an integer >= 1"),
+                           (["--seeds", "0"], "--seeds=0 is invalid: allowed is an integer >= 1"),
                            (["--methods", ","], "--methods=',' is invalid: allowed is a comma-separated list of at "
                                                 "least one variant"),
                            (["--methods", "none,clip,none"], "variant 'none' is listed twice: allowed is each variant "
@@ -484,7 +709,8 @@ def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_al
         with pytest.raises(SystemExit) as refused:
             demo.parse_args(flags)
         assert refused.value.code == 2 and message in capsys.readouterr().err, flags
-    for beta in ("-1", "nan"):  # the core's rule and wording, as GRPOConfig(beta=...) refuses it, by the flag's name
+    # the core's rule and wording, as GRPOConfig(beta=...) refuses it, by the flag's name
+    for beta in ("-1", "nan", "inf"):
         with pytest.raises(SystemExit):
             demo.parse_args(["--beta", beta, "--methods", "none"])
         assert f"--beta={float(beta)} is invalid: allowed is a finite number >= 0" in capsys.readouterr().err
@@ -505,6 +731,36 @@ def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_al
     assert (args.pretrain_steps, args.learning_rate, args.beta) == (0, 0.01, 0.0)  # the edges allowed
     # --learning-rate's default, resolved for the model in use (summary.json records it)
     assert (demo.parse_args([]).learning_rate, demo.parse_args(["--model", "org/m"]).learning_rate) == (5e-3, 5e-6)
+
+
+def test_the_default_run_is_the_documented_comparison() -> None:
+    """docs/demo.md states the default run in prose (7 variants x 3 seeds x 120 steps, beta, loss_type, learning rate,
+    the output folder), which no generated table keeps in step with the flags; --kl-target and --kl-horizon default to
+    the library's values (AdaptiveKLConfig's), so a variant run without them trains as a config without them does."""
+    import re
+
+    from unsloth_adaptive_kl.core.config import AdaptiveKLConfig
+    from unsloth_adaptive_kl.tools import demo
+
+    page = (Path(__file__).parents[1] / "docs" / "demo.md").read_text()
+    stated = re.search(r"(\d+) variants × (\d+) seeds × (\d+) steps, `beta=([\d.]+)`, `loss_type=\"(\w+)\"`, "
+                       r"learning rate\s+([\d.e-]+)\.", page)
+    args = demo.parse_args([])
+    assert (len(args.methods), args.seeds, args.steps, args.beta, args.loss_type, args.learning_rate) == (
+        int(stated[1]), int(stated[2]), int(stated[3]), float(stated[4]), stated[5], float(stated[6]))
+    assert f"In `--output-dir` (default `{args.output_dir}/`)" in page
+    assert (args.kl_target, args.kl_horizon) == (AdaptiveKLConfig().kl_target, AdaptiveKLConfig().kl_horizon)
+
+
+def test_each_estimator_and_reduction_is_a_variant_of_its_own() -> None:
+    """--estimators and --kl-reductions add a variant per value, after --methods', each training with its value."""
+    from unsloth_adaptive_kl.tools import demo
+
+    args = demo.parse_args(["--methods", "none", "--estimators", "k2", "--kl-reductions", "sequence_sum, token_mean"])
+    assert args.methods == ["none", "estimator=k2", "kl_reduction=sequence_sum", "kl_reduction=token_mean"]
+    assert [demo.variant_settings(method, 0.04) for method in args.methods[1:]] == [
+        {"kl_estimator": "k2", "beta": 0.04}, {"kl_reduction": "sequence_sum", "beta": 0.04},
+        {"kl_reduction": "token_mean", "beta": 0.04}]
 
 
 def test_two_labels_with_the_same_settings_are_refused(capsys) -> None:
@@ -544,6 +800,8 @@ def test_each_variant_gets_only_the_method_fields_it_reads_and_an_unread_flag_is
         with pytest.raises(SystemExit):
             demo.parse_args(["--methods", "none,clip,sigmoid" if "horizon" in flags[0] else "none,clip", *flags])
         assert message in capsys.readouterr().err
+    # read by a variant other than the last: the flag reaches it
+    assert demo.parse_args(["--methods", "sigmoid,none", "--kl-target", "0.3"]).kl_target == 0.3
 
 
 def test_the_plot_gives_each_variant_its_own_colour_past_ten(tmp_path, monkeypatch) -> None:
@@ -555,7 +813,7 @@ def test_the_plot_gives_each_variant_its_own_colour_past_ten(tmp_path, monkeypat
 
     saved = []
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: saved.append(figure))
-    for count in (3, 12):
+    for count in (3, 10, 12):
         methods = [f"variant{index}" for index in range(count)]
         rows = [{"method": method, "seed": 0, "step": step, **{key: float(index) for key in demo.LOGGED}}
                 for index, method in enumerate(methods) for step in (1, 2)]
@@ -563,6 +821,8 @@ def test_the_plot_gives_each_variant_its_own_colour_past_ten(tmp_path, monkeypat
         lines = saved[-1].axes[0].lines
         assert [line.get_label() for line in lines] == methods
         assert len({to_rgba(line.get_color()) for line in lines}) == count
+        if count <= 10:  # up to ten, matplotlib's own cycle (docs/demo.md)
+            assert [to_rgba(line.get_color()) for line in lines] == [to_rgba(f"C{index}") for index in range(count)]
 
 
 def test_the_summary_is_each_seeds_last_tenth_and_their_mean_and_std() -> None:
@@ -580,19 +840,104 @@ def test_the_summary_is_each_seeds_last_tenth_and_their_mean_and_std() -> None:
     assert item["by_seed"]["completions/mean_length"] == [19.5, 29.5] == item["by_seed"]["reward"]
     assert all(math.isnan(v) for v in item["kl"]) and all(math.isnan(v) for v in item["by_seed"]["kl"])
     assert set(item["by_seed"]) == set(LOGGED)
+    # under 10 steps the window is the last step (not none, which read as all of them): 4 and 14 at step 4
+    (short,) = summarise([row for row in rows if row["step"] <= 4], ["a"], steps=4)
+    assert short["by_seed"]["completions/mean_length"] == [4.0, 14.0]
+
+
+def test_a_seed_without_a_value_is_left_out_of_the_mean_over_seeds() -> None:
+    """A seed's figure is NaN where a step had no value (a correlation of equal lengths): the mean and sample std over
+    seeds are those of the other seeds, (1 + 3) / 2 and sqrt(2 * 1^2 / 1); none at all is NaN; one seed has std 0."""
+    from unsloth_adaptive_kl.tools.demo import mean_std
+
+    assert mean_std([1.0, math.nan, 3.0]) == pytest.approx((2.0, math.sqrt(2)))
+    assert all(math.isnan(value) for value in mean_std([math.nan, math.nan]))
+    assert mean_std([5.0]) == (5.0, 0.0)
 
 
 def test_drifted_seeds_counts_each_variants_seeds_nearer_the_unregularised_length() -> None:
     """A seed's length drifted where it ended nearer beta=0's mean (21) than stock's (7): past the midpoint 14. By
-    hand: stock 0 of 2, beta=0 2 of 2, x 2 of 3 (13.9 held; 14.1 and 30 drifted). A run without beta=0, or without
-    each seed's figures (a summary.json written before `by_seed`), has no count."""
+    hand: stock 0 of 2, beta=0 2 of 2, x 2 of 4 (13.9 and 14, as near one as the other, held; 14.1 and 30 drifted).
+    A run without beta=0, or without each seed's figures (a summary.json written before `by_seed`), has no count."""
     from unsloth_adaptive_kl.tools.demo import drifted_seeds
 
     def variant(method: str, lengths: list[float]) -> dict:
         return {"method": method, "completions/mean_length": [sum(lengths) / len(lengths), 0.0],
                 "by_seed": {"completions/mean_length": lengths}}
 
-    summary = [variant("none", [6.0, 8.0]), variant("beta=0", [20.0, 22.0]), variant("x", [13.9, 14.1, 30.0])]
-    assert drifted_seeds(summary) == {"none": (0, 2), "beta=0": (2, 2), "x": (2, 3)}
+    summary = [variant("none", [6.0, 8.0]), variant("beta=0", [20.0, 22.0]), variant("x", [13.9, 14.0, 14.1, 30.0])]
+    assert drifted_seeds(summary) == {"none": (0, 2), "beta=0": (2, 2), "x": (2, 4)}
     assert drifted_seeds([summary[0], summary[2]]) == {}
     assert drifted_seeds([{k: v for k, v in item.items() if k != "by_seed"} for item in summary]) == {}
+
+
+def table_summary(methods: list[str]) -> list[dict]:
+    """A summary as `summarise` gives it, with hand-picked figures: per variant the reward (0.5 +/- 0.1), length, raw
+    and adapted KL, summed KL, beta (mean 0.01234, std 0.5) and s/step, and each seed's length; `beta=0`'s KL NaN."""
+    lengths = {"none": [6.0, 8.0], "beta=0": [20.0, 22.0], "clip": [10.0, 19.0]}
+    items = []
+    for method in methods:
+        off = method == "beta=0"
+        figures = {"reward": (0.5, 0.1), "completions/mean_length": (statistics.fmean(lengths[method]), 1.5),
+                   "adaptive_kl/raw_kl": (math.nan, math.nan) if off else (0.25, 0.125),
+                   "adaptive_kl/adapted_kl": (math.nan, math.nan) if off else (0.2, 0.0625),
+                   "adaptive_kl/sequence_kl": (math.nan, math.nan) if off else (2.0, 0.5),
+                   "adaptive_kl/current_beta": (0.01234, 0.5), "step_time": (0.75, 0.25)}
+        items.append({"method": method, "seeds": 2, **figures,
+                      "by_seed": {"completions/mean_length": lengths[method]}})
+    return items
+
+
+def table_cells(output: str) -> dict[str, list[str]]:
+    """The printed table's body rows: {variant: its cells after the name}."""
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]]
+            for line in output.splitlines() if line.startswith("│")]
+    return {row[0]: row[1:] for row in rows if row[0] in ("none", "beta=0", "clip")}
+
+
+def test_the_table_shows_each_figure_as_the_docs_describe(capsys) -> None:
+    """docs/demo.md: mean +/- std over seeds of reward, length, raw, adapted and summed KL; the mean alone of the final
+    beta and s/step; beta=0's KL cells "(off)"; and, where the run has none and beta=0, the seeds whose length
+    drifted (clip: 19 is nearer 21 than 7, 10 is not: 1 of 2)."""
+    from unsloth_adaptive_kl.tools.demo import print_table
+
+    print_table(table_summary(["none", "beta=0", "clip"]))
+    output = capsys.readouterr().out
+    cells = table_cells(output)
+    assert cells["clip"] == ["0.50 +/- 0.10", "14.5 +/- 1.5", "0.2500 +/- 0.1250", "0.2000 +/- 0.0625",
+                             "2.000 +/- 0.500", "0.0123", "0.750", "1/2"]
+    assert cells["beta=0"][2:5] == ["(off)"] * 3 and cells["beta=0"][-1] == "2/2" and cells["none"][-1] == "0/2"
+    assert [line.split("┃")[-2].strip() for line in output.splitlines() if "┃ method" in line] == ["drifted"]
+    print_table(table_summary(["none", "clip"]))  # no beta=0: no drift to count
+    output = capsys.readouterr().out
+    assert "drifted" not in output and table_cells(output)["clip"][-2:] == ["0.0123", "0.750"]
+
+
+def test_the_plot_shows_the_panels_some_variant_logs_and_the_mean_of_the_seeds_with_a_value(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """docs/demo.md: a panel no variant logs is left out (here the reward penalty and the syncs), as is a variant's
+    curve it never logs (beta=0's KL); the curve is the mean over seeds of those with a value at the step (a seed's
+    correlation is NaN where its lengths are equal); the first panel has the legend. By hand: 2 seeds, 3 steps,
+    a metric of seed s at step t is 10 s + t, seed 1's correlation NaN at step 2."""
+    import matplotlib.figure
+
+    from unsloth_adaptive_kl.tools import demo
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: saved.append(figure))
+    never = {"adaptive_kl/reward_penalty", "adaptive_kl/ref_syncs"}
+    rows = [{"method": method, "seed": seed, "step": step,
+             **{key: math.nan if key in never or (method == "beta=0" and "kl" in key)
+                or (key == "adaptive_kl/length_kl_corr" and (seed, step) == (1, 2)) else 10.0 * seed + step
+                for key in demo.LOGGED}}
+            for method in ("none", "beta=0") for seed in (0, 1) for step in (1, 2, 3)]
+    demo.plot(rows, ["none", "beta=0"], str(tmp_path / "plot.png"))
+    (figure,) = saved
+    panels = {axis.get_title(): axis for axis in figure.axes}
+    assert list(panels) == ["reward", "completion length", "beta", "summed KL per completion",
+                            "corr(length, summed KL)"]
+    assert [line.get_label() for line in panels["summed KL per completion"].lines] == ["none"]
+    assert [line.get_label() for line in panels["reward"].lines] == ["none", "beta=0"]
+    assert list(panels["reward"].lines[0].get_ydata()) == [6.0, 7.0, 8.0]  # (1 + 11) / 2, ...
+    assert list(panels["corr(length, summed KL)"].lines[0].get_ydata()) == [6.0, 2.0, 8.0]
+    assert panels["reward"].get_legend() is not None
