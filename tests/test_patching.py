@@ -128,6 +128,7 @@ def test_unsloths_generator_loaded_before_the_hook_is_wrapped_once(monkeypatch: 
         monkeypatch.setitem(sys.modules, "unsloth.models.rl", rl)
         unsloth_adaptive_kl.patch()
         unsloth_adaptive_kl.patch()  # TRL patched already: the Unsloth hook alone, again
+        unsloth_patch.patch()  # the integration's own patch(), past the package's early return: idempotent too
         assert unsloth_patch._FINDER not in sys.meta_path
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -44,6 +44,7 @@ def test_import_first_gives_unsloth_config_the_fields(tmp_path) -> None:
         "was patched; the trainer is stock again, but the config class keeps the adaptive-KL fields, which it no "
         "longer reads (set one and nothing adapts). Start a new Python process for stock Unsloth."]
     assert result["trl_config_after_unpatch"] == [True] * 4
+    assert result["newer_kept"] is True  # what was set over a hook since is not undone (the hook it wraps stays)
     assert result["use_adapter_after_unpatch"] == [True, True]  # TRL's own, where it held the package's copy
     assert result["patch_after_unpatch"] == (
         "unsloth_adaptive_kl.patch() after unpatch(): Unsloth generated UnslothGRPOTrainer while this package was "
@@ -157,17 +158,25 @@ def patch_trl_rl_trainers():
 '''
 
 
-@pytest.mark.parametrize("mode", ["changed", "fail", "renamed"])
-def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> None:
-    """A stand-in unsloth whose generation (called for each trainer file, GRPO's second) gives a trainer without the
-    names the hook needs (changed), gives none (fail: one warning, for grpo_trainer alone), or whose generator is
-    renamed (the hook cannot wrap it: the import fails naming it)."""
+def run_with_fake_unsloth(tmp_path: Path, mode: str, script: str) -> subprocess.CompletedProcess:
+    """`script` in a child process whose `import unsloth` is a stand-in package running FAKE_RL in `mode`."""
     fake = tmp_path / "fake"
     (fake / "unsloth" / "models").mkdir(parents=True)
     (fake / "unsloth" / "__init__.py").write_text("from .models import rl\nrl.patch_trl_rl_trainers()\n")
     (fake / "unsloth" / "models" / "__init__.py").write_text("")
     rl = FAKE_RL.replace("_patch_trl_rl_trainers", "_generate_trainer") if mode == "renamed" else FAKE_RL
     (fake / "unsloth" / "models" / "rl.py").write_text(f"MODE = {mode!r}\n" + rl)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("mode", ["changed", "fail", "renamed"])
+def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> None:
+    """A stand-in unsloth whose generation (called for each trainer file, GRPO's second) gives a trainer without the
+    names the hook needs (changed), gives none (fail: one warning, for grpo_trainer alone), or whose generator is
+    renamed (the hook cannot wrap it: the import fails naming it)."""
     script = textwrap.dedent("""
         import warnings
         import unsloth_adaptive_kl
@@ -181,9 +190,7 @@ def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> No
         for warning in caught:
             print("WARNING", warning.message)
     """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake), str(ROOT)])}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_with_fake_unsloth(tmp_path, mode, script)
     warned = [line for line in result.stdout.splitlines() if line.startswith("WARNING")]
     if mode == "changed":
         assert "ERROR unsloth_adaptive_kl cannot patch unsloth" in result.stdout
@@ -199,6 +206,31 @@ def test_changed_or_failed_unsloth_generation_is_loud(tmp_path, mode: str) -> No
     else:
         assert "IMPORTED" in result.stdout
         assert len(warned) == 1 and warned[0].startswith("WARNING Unsloth did not generate UnslothGRPOTrainer")
+
+
+def test_an_unpatch_after_an_unhooked_generation_leaves_patch_the_late_import_error(tmp_path) -> None:
+    """unpatch(), then `import unsloth` (a stand-in that generates UnslothGRPOTrainer: no hook sees it), then unpatch()
+    again: nothing had hooked that trainer, so no warning that it was generated while patched; patch() then refuses
+    as for any late import (not the after-unpatch() refusal, which says the trainer was generated under the hooks)."""
+    script = textwrap.dedent("""
+        import warnings
+        import unsloth_adaptive_kl
+        unsloth_adaptive_kl.unpatch()
+        import unsloth
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            unsloth_adaptive_kl.unpatch()
+        for warning in caught:
+            print("WARNING", warning.message)
+        try:
+            unsloth_adaptive_kl.patch()
+        except ImportError as error:
+            print("ERROR", error)
+    """)
+    lines = run_with_fake_unsloth(tmp_path, "changed", script).stdout.splitlines()
+    assert [line for line in lines if line.startswith(("WARNING", "ERROR"))] == [
+        "ERROR unsloth_adaptive_kl was imported after unsloth, which has already generated UnslothGRPOTrainer from "
+        "TRL's GRPOTrainer, so the adaptive-KL fields and loss cannot reach it. Import unsloth_adaptive_kl first:"]
 
 
 @needs_unsloth
@@ -290,6 +322,7 @@ def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are
             "default by an argument parser such as TrlParser, which passes every field), which changed it to False: "
             "scale_rewards='none' is in effect."], label
         assert results[label]["in_effect"]["scale_rewards"] == "none"
+        assert results[label]["warned_here"] == [True], label  # at the user's line that built the config
     troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()  # the page quotes the first and the line
     assert f"```text\nUserWarning: {results['dr_grpo_group']['warnings'][0]}\n```" in troubleshooting
     assert f"```text\n{results['settings_lines'][0]}\n```" in troubleshooting
@@ -306,8 +339,10 @@ def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are
     assert results["dr_grpo_none"]["warnings"] == [] and results["dr_grpo_none"]["in_effect"]["scale_rewards"] == "group"
     assert "scale_rewards" not in results["dr_grpo_none"]["unsloth_defaults"]
     assert results["grpo_beta_unset"]["in_effect"]["beta"] == 0.001
-    # Unsloth's own flash AdamW: passed on as adamw_torch with the config marked, which its trainer reads: no warning
-    assert results["adamw_flash"]["warnings"] == [] and results["adamw_flash"]["flash_marked"] is True
+    # Unsloth's own flash AdamW: passed on as adamw_torch with the config marked, which its trainer reads: no warning,
+    # however it is spelled (Unsloth strips and lower-cases the name before it compares)
+    for label in ("adamw_flash", "adamw_flash_spelled"):
+        assert results[label]["warnings"] == [] and results[label]["flash_marked"] is True, label
     dapo = results["dapo_explicit"]["in_effect"]
     assert (dapo["epsilon_high"], dapo["mask_truncated_completions"]) == (0.28, True)
     assert "beta" not in results["dr_grpo_group"]["unsloth_defaults"]  # set explicitly: neither warned nor noted

@@ -258,6 +258,25 @@ def test_at_beta_zero_the_loss_hook_returns_unsloths_loss_but_refuses_a_setting_
     assert active == [None]
 
 
+def test_a_trainer_beta_set_mid_run_stops_an_adapted_loss_at_unsloths_door_before_its_call() -> None:
+    """trainer.beta set after the run started (0.04 -> 0.4, a callback scheduling it): as at TRL's door
+    (tests/test_trl_loss.py), an adapted setting is refused, naming trainer.beta and the beta it was built with, before
+    Unsloth's compute_loss runs (the adapted term would go on multiplying the controller's beta)."""
+    from types import SimpleNamespace
+
+    from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
+    from unsloth_adaptive_kl.integrations import unsloth as integration
+
+    called: list = []
+    compute_loss = integration._wrap_compute_loss(lambda *args: called.append(args))
+    config = AdaptiveKLConfig(kl_adaptation_method="clip")
+    trainer = SimpleNamespace(beta=0.4, args=config, adaptive_kl=AdaptiveKL(config, beta=0.04))
+    with pytest.raises(ValueError, match=r"^trainer\.beta=0\.4 is invalid: allowed is the beta the trainer was built "
+                                         r"with \(0\.04\) while adaptive KL is on \(kl_adaptation_method='clip'\)"):
+        compute_loss(trainer, None, None)
+    assert called == [] and integration._ACTIVE.get() is None
+
+
 @needs_unsloth
 def test_a_non_finite_valid_log_prob_is_named_and_masked_garbage_changes_nothing_at_unsloths_door(tmp_path) -> None:
     """As at every door: a NaN on one valid token of the reference or of the old policy's log-probs (which Unsloth's
@@ -359,8 +378,9 @@ def test_the_pad_check_reads_a_processors_tokenizer_and_passes_one_without_pad_o
                                              r"eos_token_id \(0\) with kl_adaptation_method='clip'"):
             init(SimpleNamespace(), processor)
     else:
-        with pytest.warns(UserWarning, match=r"^pad_token_id=0 is the eos_token_id: Unsloth's GRPO loss masks"):
+        with pytest.warns(UserWarning, match=r"^pad_token_id=0 is the eos_token_id: Unsloth's GRPO loss") as caught:
             init(SimpleNamespace(), processor)
+        assert caught[0].filename == __file__  # the line that built the trainer, not the package's
     tokenizer = build_tokenizer("ab")
     tokenizer.pad_token = tokenizer.eos_token = None
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (None, None)

@@ -350,10 +350,18 @@ def scenario_config(out: str) -> dict:
     }
     # unpatch() once Unsloth generated its trainer under the hooks: the generated config keeps the fields, which the
     # restored trainer no longer reads (said once), and patch() cannot hook that class again (said as such)
+    # a wrapper set on a hooked method since (a user's or another library's, around ours): unpatch() leaves it
+    trainer_class, hooked_step = trl.GRPOTrainer, trl.GRPOTrainer.prediction_step
+
+    def users_prediction_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return hooked_step(self, *args, **kwargs)
+
+    trainer_class.prediction_step = users_prediction_step
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         unsloth_adaptive_kl.unpatch()
         unsloth_adaptive_kl.unpatch()
+    result["newer_kept"] = vars(trainer_class).get("prediction_step") is users_prediction_step
     result["unpatch_warnings"] = [str(w.message) for w in caught if "unpatch()" in str(w.message)]
     # the generated module's use_adapter, a copy of ours (taken from the patched TRL module when Unsloth generated it)
     result["use_adapter_after_unpatch"] = [generated.use_adapter is trl.trainer.utils.use_adapter,
@@ -966,7 +974,8 @@ def scenario_settings(out: str) -> dict:
                "dapo_explicit": dict(loss_type="dapo", beta=0.04),
                "sequence_clip": dict(loss_type="grpo", beta=0.04, importance_sampling_level="sequence",
                                      kl_adaptation_method="clip"),
-               "adamw_flash": dict(loss_type="grpo", beta=0.04, optim="adamw_flash")}
+               "adamw_flash": dict(loss_type="grpo", beta=0.04, optim="adamw_flash"),
+               "adamw_flash_spelled": dict(loss_type="grpo", beta=0.04, optim=" AdamW_Flash ")}
     results: dict[str, Any] = {}
     for label, fields in configs.items():
         with warnings.catch_warnings(record=True) as caught:
@@ -978,6 +987,8 @@ def scenario_settings(out: str) -> dict:
                 continue
         results[label] = {
             "warnings": [str(w.message) for w in caught if "Unsloth's generated" in str(w.message)],
+            # each warning shown at the line that built the config (this file's), not inside the package
+            "warned_here": [w.filename == __file__ for w in caught if "Unsloth's generated" in str(w.message)],
             "in_effect": {name: getattr(args, name) for name in ("beta", "scale_rewards", "mask_truncated_completions",
                                                                  "epsilon_high", "vllm_importance_sampling_correction")},
             "unsloth_defaults": getattr(args, UNSLOTH_DEFAULTS),
