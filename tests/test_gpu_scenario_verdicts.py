@@ -54,6 +54,24 @@ def test_metric_problems_flag_an_infinite_value() -> None:
     assert scenarios.metric_problems([row]) == ["step 1: adaptive_kl/adapted_kl=inf"]
 
 
+@pytest.mark.parametrize("key", ["adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta"])
+def test_metric_problems_flag_each_required_metric_not_logged(key: str) -> None:
+    row = {name: value for name, value in REQUIRED_ROW.items() if name != key}
+    assert scenarios.metric_problems([REQUIRED_ROW, row]) == [f"step 2: {key} not logged"]
+
+
+def test_train_check_reports_the_steps_and_the_last_rows_figures() -> None:
+    """Two logged rows (and a row of other metrics, not counted): the line names the steps and the figures of the
+    last row, each of raw_kl, adapted_kl, current_beta, reward_penalty and ref_syncs, then the condition's detail."""
+    last = {"adaptive_kl/raw_kl": 0.25, "adaptive_kl/adapted_kl": 0.125, "adaptive_kl/current_beta": 0.02,
+            "adaptive_kl/reward_penalty": 0.0025, "adaptive_kl/ref_syncs": 1.0, "adaptive_kl/length_kl_corr": math.nan}
+    trainer = fake_trainer(model=torch.nn.Linear(2, 1), train=lambda: None, state=types.SimpleNamespace(
+        log_history=[{"loss": 1.0}, REQUIRED_ROW, last], global_step=2))
+    check = scenarios.train_check("t", trainer, lambda rows: (len(rows) == 2, "two rows"))
+    assert check == Check("t", True, "2 steps, last: raw_kl 0.25, adapted_kl 0.125, current_beta 0.02, "
+                                     "reward_penalty 0.0025, ref_syncs 1; two rows")
+
+
 def test_train_check_fails_on_a_weight_that_is_not_finite_whatever_the_scenarios_condition() -> None:
     """Finite metrics, a condition that holds, one trained weight NaN: FAIL, saying so."""
     model = torch.nn.Linear(2, 1)
@@ -70,6 +88,8 @@ def test_precision_settings_and_the_native_precision(monkeypatch: pytest.MonkeyP
     assert scenarios.precision_settings("cuda", "bf16") == {"use_cpu": False, "bf16": True, "fp16": False}
     assert scenarios.precision_settings("cuda", "fp16") == {"use_cpu": False, "bf16": False, "fp16": True}
     assert scenarios.precision_settings("cpu", "fp32") == {"use_cpu": True, "bf16": False, "fp16": False}
+    with pytest.raises(ValueError, match=r"^precision='fp8' is invalid: allowed is 'bf16', 'fp16' or 'fp32'$"):
+        scenarios.precision_settings("cuda", "fp8")
     monkeypatch.setattr(demo, "mixed_precision", lambda: {"bf16": True, "fp16": False})
     assert scenarios.native_precision() == "bf16"
     monkeypatch.setattr(demo, "mixed_precision", lambda: {"bf16": False, "fp16": True})
@@ -129,6 +149,71 @@ def test_the_grad_scaler_scenario_fails_when_no_step_changed_the_weights(monkeyp
     assert ok and "1 of 2 optimizer steps applied" in detail
 
 
+@pytest.mark.parametrize(("precision", "scale", "records", "ok"), [
+    ("fp16", 65536.0, 3, True),
+    ("bf16", None, 3, True),  # no GradScaler without fp16
+    ("fp16", None, 3, False),  # fp16 without a GradScaler
+    ("bf16", 65536.0, 3, False),  # a GradScaler where none is wanted
+    ("fp16", 0.0, 3, False),  # a scale that fell to 0
+    ("fp16", math.inf, 3, False),
+    ("fp16", 65536.0, 2, False),  # 2 steps asked, 1 recorded
+], ids=["fp16-scaler", "bf16-none", "fp16-none", "bf16-scaler", "scale-0", "scale-inf", "a-step-missing"])
+def test_the_grad_scaler_scenario_on_cuda_needs_a_scaler_exactly_with_fp16_and_a_finite_positive_scale(
+        monkeypatch: pytest.MonkeyPatch, precision: str, scale: Any, records: int, ok: bool) -> None:
+    """A fake CUDA run of 2 steps, each changing the weights, with a real GradScaler (its scale as given) or none."""
+    captured = CapturedTrainCheck(monkeypatch)
+    scaler = None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale)
+    model = torch.nn.Linear(2, 1)
+    trainer = fake_trainer(accelerator=types.SimpleNamespace(scaler=scaler), model=model)
+    monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: trainer)
+    scenarios.fp16_grad_scaler("m", "w", backend="trl", device="cuda", precision=precision, steps=2)
+    (callback,) = trainer.callbacks
+    callback.on_train_begin()
+    for _ in range(records - 1):
+        with torch.no_grad():
+            model.bias += 1.0
+        callback.on_step_end()
+    assert captured.ok([REQUIRED_ROW]) is ok, captured.extra([REQUIRED_ROW])[1]
+
+
+@pytest.mark.parametrize(("device", "name"), [("cuda", "Unsloth 4-bit, fp16 + GradScaler on cuda"),
+                                              ("cpu", "Unsloth, fp32 (no GradScaler) on cpu")])
+def test_the_unsloth_grad_scaler_scenario_runs_unsloth_in_fp16_on_cuda_and_in_float32_on_a_cpu(
+        monkeypatch: pytest.MonkeyPatch, device: str, name: str) -> None:
+    """Its needs unmet (Unsloth and bitsandbytes, Unsloth imported here): their FAIL line, under the scenario's name,
+    and nothing trained."""
+    needs = []
+
+    def unmet_needs(scenario: str, modules: Any, with_unsloth: bool) -> list[Check]:
+        needs.append((scenario, tuple(modules), with_unsloth))
+        return [Check(scenario, False, "not installed")]
+
+    monkeypatch.setattr(scenarios, "unmet_needs", unmet_needs)
+    monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: pytest.fail("nothing may train"))
+    assert scenarios.unsloth_fp16_grad_scaler("m", "w", device=device) == [Check(name, False, "not installed")]
+    assert needs == [(name, ("unsloth", "bitsandbytes"), True)]
+
+
+def test_an_unsloth_scenario_fails_where_unsloth_did_not_generate_and_hook_its_trainer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every package installed: a scenario that runs Unsloth here needs its generated trainer, hooked; one that does
+    not run Unsloth in its process never asks."""
+    from unsloth_adaptive_kl.integrations import unsloth as unsloth_patch
+
+    outcome: dict[str, Any] = {"error": "ImportError: no module named unsloth_compiled_cache", "generated": None}
+    monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
+    monkeypatch.setattr(selfcheck, "generate_unsloth_trainer", lambda: outcome["error"])
+    monkeypatch.setattr(unsloth_patch, "generated_grpo_trainer", lambda: outcome["generated"])
+    assert scenarios.unmet_needs("s", ["unsloth"], with_unsloth=False) == []
+    assert scenarios.unmet_needs("s", ["unsloth"], with_unsloth=True) == [Check(
+        "s: Unsloth trainer generated and hooked", False, "ImportError: no module named unsloth_compiled_cache")]
+    outcome["error"] = None
+    assert scenarios.unmet_needs("s", ["unsloth"], with_unsloth=True) == [Check(
+        "s: Unsloth trainer generated", False, "Unsloth fell back to TRL's trainer (see its log)")]
+    outcome["generated"] = type("UnslothGRPOTrainer", (), {})
+    assert scenarios.unmet_needs("s", ["unsloth"], with_unsloth=True) == []
+
+
 class FakeAdaptiveKL:
     def __init__(self, betas: list[float]) -> None:
         self.betas, self.current_beta = betas, None
@@ -155,34 +240,66 @@ def test_no_recompile_needs_beta_to_move_at_every_step_and_no_frame_or_graph_com
     assert not verdict([0.02, 0.01, 0.005], {"frames": 3, "graphs": 3, "kernels": 9})  # a new graph, no new frame
 
 
-def test_the_unsloth_4bit_first_step_on_cuda_must_compile_the_loss_and_triton_kernels(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """unsloth_4bit on a fake CUDA run: its first line passes only if the loss's own chunk function has a compiled
-    cache entry and the step generated kernels (graphs elsewhere in the step, with the loss run eagerly, do not count;
-    an entry without kernels: inductor generated nothing, the loss did not run as Triton)."""
+def fake_unsloth_4bit(monkeypatch: pytest.MonkeyPatch) -> Callable[..., tuple[list[Check], dict[str, list]]]:
+    """unsloth_4bit with what it measures faked: run(entries, kernels, device, graphs) gives its checks (the first
+    line real, the others faked away) and what it asked of the per-method and recompile checks."""
+    seen: dict[str, list] = {"methods": [], "compiled": []}
     monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
     monkeypatch.setattr(scenarios, "import_unsloth", lambda name: [])
     monkeypatch.setattr(scenarios, "native_precision", lambda: "bf16")
     monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: fake_trainer())
-    monkeypatch.setattr(scenarios, "method_check", lambda *args, **kwargs: [])
-    monkeypatch.setattr(scenarios, "no_recompile_check", lambda *args, **kwargs: [])
+    monkeypatch.setattr(scenarios, "method_check", lambda name, trainer, method, inputs: seen["methods"].append(
+        method) or [])
+    monkeypatch.setattr(scenarios, "no_recompile_check", lambda name, trainer, inputs, compiled=True: seen[
+        "compiled"].append(compiled) or [])
     monkeypatch.setattr(logprob_paths, "counted_logprob_calls", contextlib.contextmanager(lambda: iter([{}])))
     monkeypatch.setattr(selfcheck, "captured_inputs", lambda trainer, compute: {})
     monkeypatch.setattr(selfcheck, "compare_with_stock", lambda *args, **kwargs: [])
     monkeypatch.setattr(selfcheck, "comparison_inputs", lambda inputs: inputs)
 
-    def first_line(entries: int, kernels: int, graphs: int = 2) -> Check:
+    def run(entries: int, kernels: int, device: str = "cuda", graphs: int = 2) -> tuple[list[Check], dict[str, list]]:
         counters = iter([{"frames": 0, "graphs": 0, "kernels": 0}, {"frames": 1, "graphs": graphs, "kernels": kernels}])
         monkeypatch.setattr(scenarios, "compile_counters", lambda: next(counters))
         monkeypatch.setattr(scenarios, "loss_cache_entries", lambda: entries)
-        return scenarios.unsloth_4bit("m", "w", device="cuda")[0]
+        for key in seen:
+            seen[key].clear()
+        return scenarios.unsloth_4bit("m", "w", device=device), seen
 
-    allow_tf32 = torch.backends.cuda.matmul.allow_tf32  # the scenario turns it off
-    try:
-        assert first_line(1, 5).ok
-        assert not first_line(1, 0).ok and not first_line(0, 5).ok  # graphs compiled, but not the loss's
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    return run
+
+
+@pytest.fixture
+def tf32_restored() -> Any:
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32  # unsloth_4bit turns it off
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+
+
+def test_the_unsloth_4bit_first_step_on_cuda_must_compile_the_loss_and_triton_kernels(
+        monkeypatch: pytest.MonkeyPatch, tf32_restored: None) -> None:
+    """unsloth_4bit on a fake CUDA run: its first line passes only if the loss's own chunk function has a compiled
+    cache entry and the step generated kernels (graphs elsewhere in the step, with the loss run eagerly, do not count;
+    an entry without kernels: inductor generated nothing, the loss did not run as Triton). TF32 is off for the
+    comparison with stock, and the recompile check is told that the loss is compiled."""
+    run = fake_unsloth_4bit(monkeypatch)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    checks, seen = run(1, 5)
+    assert checks[0].ok and torch.backends.cuda.matmul.allow_tf32 is False and seen["compiled"] == [True]
+    assert not run(1, 0)[0][0].ok and not run(0, 5)[0][0].ok  # graphs compiled, but not the loss's
+
+
+def test_the_unsloth_4bit_dry_run_reports_its_uncompiled_float32_loss_and_checks_every_method(
+        monkeypatch: pytest.MonkeyPatch, tf32_restored: None) -> None:
+    """On a CPU Unsloth's compile is off: the first line passes with no compiled entry nor kernel (it reports what
+    ran, in float32 whatever the card's precision would be), each of the 7 methods is checked once, and the recompile
+    check is told that nothing is compiled."""
+    checks, seen = fake_unsloth_4bit(monkeypatch)(0, 0, device="cpu", graphs=0)
+    name = "Unsloth + LoRA (float32, dry run on the CPU)"
+    assert checks[0].ok and checks[0].name == f"{name}: Unsloth's loss runs (its compile is off on a CPU)"
+    assert checks[0].detail.startswith("the loss's chunk function compiled 0 time(s); the first step compiled 0 "
+                                       "graphs, 0 kernels in all (fp32)"), checks[0].detail
+    assert seen == {"methods": ["none", "clip", "sigmoid", "length_normalized", "dynamic",
+                                "clip+length_normalized+dynamic", "sigmoid+length_normalized"], "compiled": [False]}
 
 
 def guard_row(kl_opt: float, beta: Any, pad: float = 0.0) -> dict[str, Any]:
@@ -211,9 +328,28 @@ def test_the_unsloth_guard_holds_each_run_to_the_labs_bounds(monkeypatch: pytest
         {"setting": "k1_future in the loss", "refused": "no"}]) == [False] * 6
 
 
+def test_the_unsloth_guard_runs_the_two_placements_of_the_kl_with_dr_grpo_in_spawned_workers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lab's k1 in the reward and k1_future in the loss, dr_grpo, beta 0.5, one seed, a worker each, spawned (as
+    CUDA needs); the full run's steps unless fewer are asked for."""
+    calls = []
+
+    def run_trainer_table(backend: str, settings: list, losses: list, **kwargs: Any) -> dict:
+        calls.append((backend, [setting.label for setting in settings], losses, kwargs))
+        return {"rows": []}
+
+    monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
+    monkeypatch.setattr(trainer_lab, "run_trainer_table", run_trainer_table)
+    assert scenarios.unsloth_guard("m", "w") == scenarios.unsloth_guard("m", "w", steps=4) == []
+    assert calls == [("unsloth", ["k1 in the reward", "k1_future in the loss"], ["dr_grpo"], {
+        "beta": 0.5, "steps": steps, "seeds": [0], "processes": 2, "start_method": "spawn"})
+        for steps in (trainer_lab.STEPS, 4)]
+
+
 def test_the_unsloth_guard_dry_run_checks_only_that_its_figures_are_finite(monkeypatch: pytest.MonkeyPatch) -> None:
     tol = trainer_lab.GUARD_TOLERANCE
     assert guard_verdicts(monkeypatch, [guard_row(10 * tol, 0.9, pad=0.5)], steps=4) == [True]
+    assert guard_verdicts(monkeypatch, [guard_row(10 * tol, None)], steps=4) == [True]  # no beta: nothing to check
     assert guard_verdicts(monkeypatch, [guard_row(math.nan, 0.5)], steps=4) == [False]
     assert guard_verdicts(monkeypatch, [guard_row(0.5 * tol, math.inf)], steps=4) == [False]
 
@@ -257,6 +393,10 @@ def test_the_reference_sync_scenario_needs_the_exact_sync_count_and_8bit_state(m
     assert captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
     state["state1"] = torch.zeros(4)  # a float32 state where an 8-bit one was asked for
     assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
+    scenarios.ref_sync_8bit("m", "w", backend="trl", device="cpu", precision="fp32", optim="adamw_torch", steps=3)
+    assert captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
+    optimizer.state["p"] = {"step": 1}  # a step counted, but no moment in the state
+    assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
 
 
 def test_the_demo_model_scenario_needs_exit_0_and_every_step_of_every_method(monkeypatch: pytest.MonkeyPatch,
@@ -285,6 +425,9 @@ def test_the_demo_model_scenario_needs_exit_0_and_every_step_of_every_method(mon
     assert not verdict()
     run.update(code=1, rows=rows({"none": 2, "dynamic": 2}))
     assert not verdict()
+    run.update(code=0, rows=rows({"none": 2, "dynamic": 2}))
+    run["rows"][3]["adaptive_kl/raw_kl"] = None  # written as null: a KL the demo never logged
+    assert not verdict()
 
 
 def test_use_method_sets_a_clip_threshold_for_every_method_that_clips(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -297,21 +440,26 @@ def test_use_method_sets_a_clip_threshold_for_every_method_that_clips(monkeypatc
         assert (trainer.args.kl_adaptation_method, trainer.args.kl_clip_threshold) == (method, threshold)
 
 
-def test_method_check_fails_when_any_gradient_is_not_finite(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_method_check_fails_when_the_loss_or_any_gradient_is_not_finite(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scenarios, "use_method", lambda trainer, method, **fields: None)
     metrics: dict[str, Any] = {"train": defaultdict(list)}
-    gradients = [torch.ones(2), torch.tensor([1.0, math.nan])]
+    gradients, loss = [torch.ones(2), torch.tensor([1.0, math.nan])], [0.5]
 
     def loss_and_grads(trainer: Any, compute: str, inputs: dict) -> tuple[float, list[torch.Tensor]]:
         for key, value in REQUIRED_ROW.items():
             metrics["train"][key].append(value)
-        return 0.5, gradients
+        return loss[0], gradients
 
     monkeypatch.setattr(selfcheck, "loss_and_grads", loss_and_grads)
     (check,) = scenarios.method_check("n", fake_trainer(_metrics=metrics), "clip", {})
     assert not check.ok and "a gradient is not finite" in check.detail
     gradients[1] = torch.ones(2)
     assert scenarios.method_check("n", fake_trainer(_metrics=metrics), "clip", {})[0].ok
+    metrics["train"]["adaptive_kl/adapted_kl"].append(math.nan)  # left by the method checked before: cleared
+    assert scenarios.method_check("n", fake_trainer(_metrics=metrics), "clip", {})[0].ok
+    loss[0] = math.nan
+    (check,) = scenarios.method_check("n", fake_trainer(_metrics=metrics), "clip", {})
+    assert not check.ok and check.detail.endswith("; loss nan")
 
 
 def test_guarded_turns_an_exception_into_a_fail_line() -> None:

@@ -194,8 +194,8 @@ def test_run_all_reports_every_scenario_and_the_log_of_a_failed_one(tmp_path, ca
     model_checks, ran = gpucheck.run_all(["a", "b"], str(tmp_path), run=run)
     assert len(model_checks) == 3 and all(c.ok for c in model_checks)
     assert list(ran) == ["a", "b"] and [c.name for o in ran.values() for c in o.checks] == ["a: thing", "b: thing"]
-    assert calls == [("a", True, str(tmp_path / "a"), gpucheck.SCENARIO_TIMEOUT_S),
-                     ("b", True, str(tmp_path / "b"), gpucheck.SCENARIO_TIMEOUT_S)]
+    assert calls == [("a", True, str(tmp_path / "a"), 8 * 60),  # at most 8 minutes a scenario (docs/compatibility.md)
+                     ("b", True, str(tmp_path / "b"), 8 * 60)]
     out = capsys.readouterr().out
     assert "[ok] a: thing: fine\n[FAIL] b: thing: boom\n    --- b: the last 2 lines of its log ---\n" in out
     assert "    Traceback: boom" in out and "unused log" not in out
@@ -487,7 +487,9 @@ def save_llama(hidden_size: int = 256, num_heads: int = 4, vocab_size: int = 128
     ({"hidden_size": 96, "num_heads": 1}, "hidden 96, head_dim 64, vocab 128, max_position_embeddings 1024"),
     ({"vocab_size": 100}, "hidden 256, head_dim 64, vocab 100, max_position_embeddings 1024"),
     ({"positions": 511}, "hidden 256, head_dim 64, vocab 128, max_position_embeddings 511"),
-], ids=["all-sizes-fit", "hidden-not-a-multiple-of-64", "vocab-not-a-multiple-of-64", "positions-below-512"])
+    ({"positions": 512}, None),
+], ids=["all-sizes-fit", "hidden-not-a-multiple-of-64", "vocab-not-a-multiple-of-64", "positions-below-512",
+        "positions-exactly-512"])
 def test_the_shapes_check_fails_for_each_size_a_gpu_path_cannot_run(tmp_path, monkeypatch, sizes, detail) -> None:
     """bitsandbytes' 4-bit blocks need hidden and vocab sizes that are multiples of 64, and the scenarios sequences of
     up to MAX_SEQ_LENGTH = 512 positions: a model off in any one size alone fails the shapes check."""
@@ -574,6 +576,97 @@ def test_run_all_prints_the_last_30_lines_of_a_failed_scenarios_log(tmp_path, mo
     assert "log line 10\n" not in out
 
 
+def test_run_all_runs_a_scenario_only_with_30_seconds_of_the_budget_left(tmp_path, monkeypatch) -> None:
+    """A 100 s budget, a clock that the first scenario moves by 69 s and the second by 2 s: the second runs with the
+    31 s left, the third (29 s left) does not (docs/compatibility.md: under 30 seconds left, a scenario is not run)."""
+    clock = [1000.0]
+    monkeypatch.setattr(gpucheck, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(gpucheck, "build_tiny_llama", lambda model_dir: [Check("model", True)])
+    timeouts = []
+
+    def run(name, model_dir, work_dir, timeout):
+        timeouts.append(timeout)
+        clock[0] += {"a": 69, "b": 2}[name]
+        return [Check(f"{name}: thing", True)], ""
+
+    _, ran = gpucheck.run_all(["a", "b", "c"], str(tmp_path), run=run, budget_s=100)
+    assert timeouts == [100, 31]
+    assert ran["c"].checks == [Check("c", False, "not run: the 100-second budget is spent")]
+
+
+def test_a_scenario_process_runs_offline_with_its_own_compile_cache_and_this_checkout_first(monkeypatch,
+                                                                                            tmp_path) -> None:
+    """`scenario_env`: offline and without telemetry whatever the caller's environment says, the compile cache in the
+    work folder, this checkout first on PYTHONPATH, and 4 compile workers unless the caller chose a number."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
+    env = gpucheck.scenario_env(str(tmp_path))
+    expected = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "UNSLOTH_DISABLE_STATISTICS": "1", "TOKENIZERS_PARALLELISM": "false", "WANDB_DISABLED": "true",
+                "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor_cache"), "TORCHINDUCTOR_COMPILE_THREADS": "2",
+                "PYTHONPATH": f"{ROOT}{os.pathsep}/elsewhere"}
+    assert {key: env.get(key) for key in expected} == expected
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")
+    monkeypatch.delenv("PYTHONPATH")
+    env = gpucheck.scenario_env(str(tmp_path))
+    assert (env["TORCHINDUCTOR_COMPILE_THREADS"], env["PYTHONPATH"]) == ("4", str(ROOT))
+
+
+def test_run_scenario_gives_a_scenario_its_cpu_arguments_in_a_dry_run_only(monkeypatch) -> None:
+    """trl-autocast's CPU equivalent: bf16 autocast on the CPU for 2 steps; outside a dry run, its GPU defaults."""
+    seen = []
+    monkeypatch.setitem(gpucheck.SCENARIOS, "trl-autocast", lambda model_dir, work_dir, **kwargs: seen.append(
+        (model_dir, work_dir, kwargs)) or [Check("t", True)])
+    assert gpucheck.run_scenario("trl-autocast", "m", "w", dry_run=True) == [Check("t", True)]
+    assert gpucheck.run_scenario("trl-autocast", "m", "w") == [Check("t", True)]
+    assert seen == [("m", "w", {"device": "cpu", "precision": "bf16", "steps": 2}), ("m", "w", {})]
+
+
+def test_the_gpu_check_runs_one_job_at_a_time_within_25_minutes_by_default(monkeypatch) -> None:
+    """`python -m unsloth_adaptive_kl --gpu --dry-run` (the module run in this process, the check itself faked): the
+    defaults of docs/compatibility.md, one scenario at a time and 25 minutes in all."""
+    import runpy
+
+    calls = []
+    monkeypatch.setattr(gpucheck, "main", lambda *args: calls.append(args) or 0)
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--dry-run"])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    assert exit_info.value.code == 0 and calls == [(None, 1, None, True, 25 * 60)]
+
+
+def test_main_hands_its_jobs_budget_and_dry_run_on_and_records_the_command_and_its_time(monkeypatch,
+                                                                                      tmp_path) -> None:
+    """main with a clock that the run moves by 42.5 s: run_all gets the names, the budget and the jobs asked for, and
+    scenario processes in the dry run; the JSON records the command line as typed, the date and the 42.5 s."""
+    import time
+
+    clock = [1000.0]
+    monkeypatch.setattr(gpucheck, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
+                                                                strftime=time.strftime))
+    monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu", "name": "x", "cores": 2},
+                                                          "versions": {"torch": "2.0"}})
+    monkeypatch.setattr(gpucheck, "run_isolated", lambda name, model_dir, work_dir, timeout, dry_run: dry_run)
+    seen = {}
+
+    def run_all(names, root, run, budget_s, jobs, progress):
+        seen.update(names=names, budget_s=budget_s, jobs=jobs, dry_run=run("trl-autocast", "m", "w", 1.0))
+        clock[0] += 42.5
+        return [Check("model", True)], {"trl-autocast": gpucheck.Ran([Check("a", True)], 40.0)}
+
+    monkeypatch.setattr(gpucheck, "run_all", run_all)
+    monkeypatch.setattr(sys, "argv", ["/site/unsloth_adaptive_kl/__main__.py", "--gpu", "--dry-run", "--only",
+                                      "trl-autocast", "--jobs", "3", "--budget", "90", "--json", "a b.json"])
+    path = tmp_path / "check.json"
+    assert gpucheck.main(only="trl-autocast", jobs=3, json_path=str(path), dry_run=True, budget_s=90.0) == 0
+    assert seen == {"names": ["trl-autocast"], "budget_s": 90.0, "jobs": 3, "dry_run": True}
+    data = json.loads(path.read_text())
+    assert data["command"] == ("python -m unsloth_adaptive_kl --gpu --dry-run --only trl-autocast --jobs 3 "
+                               "--budget 90 --json 'a b.json'")
+    assert data["seconds"] == 42.5 and re.fullmatch(r"\d{4}-\d{2}-\d{2}", data["date"])
+
+
 def fake_run(monkeypatch, model_checks: list, outcomes: dict) -> None:
     """`main` (a dry run, so that no GPU is needed) with the model's checks and the scenarios' outcomes given."""
     monkeypatch.setattr(gpucheck, "environment", lambda: {"device": {"kind": "cpu", "name": "x", "cores": 2},
@@ -625,6 +718,8 @@ def test_the_environment_of_a_cuda_machine_names_the_card_and_every_package(monk
     assert len(lines) == 2
     unread = {**found, "device": {**found["device"], "driver": None}}  # nvidia-smi gave nothing
     assert gpucheck.environment_lines(unread)[0].endswith("CUDA 12.4, driver not read")
+    monkeypatch.setattr(gpucheck, "native_precision", lambda: "fp16")  # a card without native bf16 (a T4)
+    assert gpucheck.environment()["device"]["precision"] == "fp16"
 
 
 def test_the_commit_is_the_checkouts_head_marked_where_tracked_files_changed(monkeypatch, tmp_path) -> None:
@@ -659,6 +754,8 @@ def test_the_driver_version_is_the_first_cards_or_none(monkeypatch) -> None:
     monkeypatch.setattr(gpucheck.subprocess, "run", smi(""))
     assert gpucheck.driver_version() is None
     monkeypatch.setattr(gpucheck.subprocess, "run", smi(error=FileNotFoundError("nvidia-smi")))
+    assert gpucheck.driver_version() is None
+    monkeypatch.setattr(gpucheck.subprocess, "run", smi(error=subprocess.TimeoutExpired("nvidia-smi", 30)))  # hung
     assert gpucheck.driver_version() is None
 
 
