@@ -397,6 +397,20 @@ def test_the_reference_sync_scenario_needs_the_exact_sync_count_and_8bit_state(m
     assert captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
     optimizer.state["p"] = {"step": 1}  # a step counted, but no moment in the state
     assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
+    optimizer.state["p"] = {"step": 1, "exp_avg": torch.zeros(4)}
+    scenarios.ref_sync_8bit("m", "w", backend="trl", device="cpu", precision="fp32", optim="adamw_torch", steps=5)
+    assert captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 2.0}])  # at steps 2 and 4, the count restarted at 4
+    assert not captured.ok([{**REQUIRED_ROW, "adaptive_kl/ref_syncs": 1.0}])
+
+
+def test_the_reference_sync_scenario_refuses_an_even_step_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a sync every 2 steps, an even count syncs, and resets the optimizer, at its last step: no state would be
+    left to check, so the scenario could never pass. It says so before any trainer is built."""
+    monkeypatch.setattr(scenarios, "missing_packages", lambda name, *modules: [])
+    monkeypatch.setattr(scenarios, "chat_trainer", lambda *args, **kwargs: pytest.fail("a trainer was built"))
+    with pytest.raises(ValueError, match=r"^steps=4 is invalid: allowed is an odd number \(the reference syncs every "
+                                         r"2 steps\)$"):
+        scenarios.ref_sync_8bit("m", "w", backend="trl", device="cpu", precision="fp32", optim="adamw_torch", steps=4)
 
 
 def test_the_demo_model_scenario_needs_exit_0_and_every_step_of_every_method(monkeypatch: pytest.MonkeyPatch,

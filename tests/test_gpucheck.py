@@ -702,13 +702,16 @@ def test_the_environment_of_a_cuda_machine_names_the_card_and_every_package(monk
     monkeypatch.setattr(gpucheck.torch.version, "cuda", "12.4")
     monkeypatch.setattr(gpucheck, "native_precision", lambda: "bf16")
     monkeypatch.setattr(gpucheck, "driver_version", lambda: "550.54.15")
-    monkeypatch.setattr(gpucheck, "installed_versions", lambda packages: {"torch": "2.9.0", "trl": "1.15.0"})
+    # a copy of this package installed elsewhere (site-packages) beside the checkout that runs (on PYTHONPATH)
+    monkeypatch.setattr(gpucheck, "installed_versions", lambda packages: {"unsloth_adaptive_kl": "0.0.9",
+                                                                          "torch": "2.9.0", "trl": "1.15.0"})
+    monkeypatch.setattr(gpucheck, "__version__", "0.1.0")
     monkeypatch.setenv("ADAPTIVE_KL_COMMIT", "0123abc")  # the tree travelled without its git folder
     found = gpucheck.environment()
     assert found["device"] == {"kind": "cuda", "name": "NVIDIA H200", "capability": "9.0", "precision": "bf16",
                                "cuda": "12.4", "driver": "550.54.15"}
     assert list(found["versions"]) == list(gpucheck.PACKAGES) and found["commit"] == "0123abc"
-    # a checkout on PYTHONPATH is no installed distribution: this package's version is the module's
+    # this package's version is the module's that runs, not an installed distribution's (none, or another copy)
     assert {p: v for p, v in found["versions"].items() if v} == {"unsloth_adaptive_kl": "0.1.0", "torch": "2.9.0",
                                                                   "trl": "1.15.0"}
     lines = gpucheck.environment_lines(found)

@@ -461,13 +461,13 @@ def ref_sync_8bit(model_dir: str, work_dir: str, backend: str = "unsloth", devic
     failure = unmet_needs(name, need, backend == "unsloth")
     if failure:
         return failure
+    if steps % 2 == 0:  # a sync, and its reset, at the last step would leave no optimizer state to check
+        raise ValueError(f"steps={steps} is invalid: allowed is an odd number (the reference syncs every 2 steps)")
     precision = precision or native_precision()
     trainer = chat_trainer(model_dir, work_dir, backend, device, precision, max_steps=steps, beta=0.04, optim=optim,
                            warmup_steps=0, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5,
                            ref_model_sync_reset_optimizer=True)
-
-    last_sync = steps // 2 * 2
-    restarted = [steps - last_sync] if steps > last_sync else []  # a reset at the last step leaves no state
+    last_sync = steps - 1
 
     def synced(rows: list[dict]) -> tuple[bool, str]:
         syncs = rows[-1].get("adaptive_kl/ref_syncs")
@@ -475,10 +475,11 @@ def ref_sync_8bit(model_dir: str, work_dir: str, backend: str = "unsloth", devic
         dtypes = sorted({str(v.dtype).replace("torch.", "") for state in optimizer.state.values()
                          for v in state.values() if torch.is_tensor(v) and v.numel() > 1})
         eight_bit = "8bit" not in optim or "uint8" in dtypes
-        # the reset at the last sync cleared the state: its step counts restarted there (without it they read `steps`)
+        # the reset at the last sync cleared the state: its step counts restarted there, one step ago (without it
+        # they read `steps`)
         counts = sorted({int(state["step"]) for state in optimizer.state.values() if "step" in state})
         shown = "no" if syncs is None else f"{syncs:g}"
-        return (syncs == steps // 2 and bool(dtypes) and eight_bit and counts == restarted,
+        return (syncs == steps // 2 and bool(dtypes) and eight_bit and counts == [1],
                 f"{shown} syncs in {steps} steps, {type(optimizer).__name__} state dtypes "
                 f"{', '.join(dtypes) or 'none'}, step counts {counts} after the reset at step {last_sync} "
                 f"({steps} without it)")

@@ -207,8 +207,9 @@ def environment() -> dict[str, Any]:
                   "precision": native_precision(), "cuda": torch.version.cuda, "driver": driver_version()}
     else:
         device = {"kind": "cpu", "name": platform.processor() or platform.machine(), "cores": os.cpu_count()}
-    # a checkout on PYTHONPATH (.ci/gpu/run) is not an installed distribution: its version is the module's
-    installed = {"unsloth_adaptive_kl": __version__, **installed_versions(PACKAGES)}
+    # the version of the module that runs: a checkout on PYTHONPATH (.ci/gpu/run) is not an installed distribution,
+    # and one installed elsewhere is not what runs
+    installed = {**installed_versions(PACKAGES), "unsloth_adaptive_kl": __version__}
     return {"device": device, "versions": {package: installed.get(package) for package in PACKAGES},
             "commit": source_commit()}
 
