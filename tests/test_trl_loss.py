@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import re
 import warnings
 from typing import Any
 
@@ -230,21 +231,29 @@ def test_log_ratios_of_50_give_finite_loss_and_gradients(tokenizer, tmp_path, me
     assert all(torch.isfinite(p.grad).all() for p in trainer.model.parameters() if p.grad is not None)
 
 
+@pytest.mark.parametrize("where", ["padding", "tool_output"])
 @pytest.mark.parametrize("garbage", [math.nan, -math.inf, 1e4], ids=["nan", "-inf", "huge"])
 @pytest.mark.parametrize("method", ["none", "clip"])
 def test_garbage_on_masked_reference_positions_leaves_loss_and_gradients_untouched(tokenizer, tmp_path, method,
-                                                                                   garbage) -> None:
-    """The trainer's own KL (its k3 line) with NaN, -inf or a huge gap on padded reference positions: the loss and
-    every gradient equal those of the clean batch (SPEC 3.13; stock TRL's 0 * NaN would poison the gradient). The
-    trainer's batch keeps its reference tensor as it was: the stock loss reads a copy (TRL reuses the batch over
-    num_iterations and steps_per_generation)."""
+                                                                                   garbage, where) -> None:
+    """The trainer's own KL (its k3 line) with NaN, -inf or a huge gap on masked reference positions, padded ones or
+    the tokens a tool returned (tool_mask 0: tokens 1-2 of row 0, token 2 of row 3): the loss and every gradient equal
+    those of the clean batch (SPEC 3.13; stock TRL's 0 * NaN would poison the gradient). The trainer's batch keeps
+    its reference tensor as it was: the stock loss reads a copy (TRL reuses the batch over num_iterations and
+    steps_per_generation)."""
     results = []
     for dirty in (False, True):
         trainer = prepared_trainer(tokenizer, tmp_path, loss_type="bnpo", kl_adaptation_method=method,
                                    kl_clip_threshold=0.5)
         inputs = fixed_inputs(trainer, tokenizer)
+        masked = inputs["completion_mask"] == 0
+        if where == "tool_output":
+            inputs["tool_mask"] = torch.ones(4, T, dtype=torch.long)
+            inputs["tool_mask"][0, 1:3] = 0
+            inputs["tool_mask"][3, 2] = 0
+            masked = inputs["tool_mask"] == 0
         if dirty:
-            inputs["ref_per_token_logps"][inputs["completion_mask"] == 0] = garbage
+            inputs["ref_per_token_logps"][masked] = garbage
         reference = inputs["ref_per_token_logps"]
         before = reference.clone()
         loss = trainer._compute_loss(trainer.model, inputs)
@@ -311,17 +320,27 @@ STOCK_LOSS_TYPES = [loss_type for loss_type in loss_types()
                         trl_patch._stock_function("GRPOTrainer._compute_loss")))]
 
 
+@pytest.mark.parametrize("luspo_source", ["installed", "padded", "masked"])
 def test_an_adapted_kl_with_luspo_is_refused_where_trl_weights_its_loss_by_length_over_the_padding(
-        tokenizer, tmp_path, monkeypatch) -> None:
+        tokenizer, tmp_path, monkeypatch, luspo_source: str) -> None:
     """trl 1.9.1 reduces luspo as (1 / (B T)) sum_i L_i sum_t x_{i,t} over every position, later releases as
     (1 / B) sum_i S_i; the adapted KL is reduced as the latter, so on 1.9.1 a setting that changes nothing (clip above
     every KL) trained at another scale than stock, each completion's KL weighted L_i / T apart. There it is refused
     before training, naming the trl and the adapted fields, for GRPOTrainer and a subclass whose _compute_loss calls
-    the hooked one; elsewhere the trainer is built. `none`, the KL in the reward (no KL term in the loss) and beta 0
-    are built on either."""
+    the hooked one; elsewhere the trainer is built. `none`, the KL in the reward (no KL term in the loss), beta 0 and
+    another loss_type are built on either. The trl's loss source decides: the installed one's, and (so that both
+    branches run on any trl) that source with 1.9.1's luspo line added (`padded`) or taken out (`masked`)."""
     import trl
 
-    unmasked = UNMASKED_LUSPO in inspect.getsource(trl_patch._stock_function("GRPOTrainer._compute_loss"))
+    installed_source = trl_patch.source
+    if luspo_source != "installed":
+        def source(function):
+            text = installed_source(function).replace(UNMASKED_LUSPO, "")
+            return text + UNMASKED_LUSPO if luspo_source == "padded" else text
+
+        monkeypatch.setattr(trl_patch, "source", source)
+    unmasked = UNMASKED_LUSPO in trl_patch.source(trl_patch._stock_function("GRPOTrainer._compute_loss"))
+    assert luspo_source == "installed" or unmasked == (luspo_source == "padded")
     args = dict(loss_type="luspo", importance_sampling_level="sequence", use_bias_correction_kl=False)
     adapted = dict(args, kl_adaptation_method="clip", kl_clip_threshold=1e3)
 
@@ -330,23 +349,25 @@ def test_an_adapted_kl_with_luspo_is_refused_where_trl_weights_its_loss_by_lengt
             return super()._compute_loss(model, inputs)
 
     for trainer_class in (trl.GRPOTrainer, Subclass):
-        monkeypatch.setattr(trl, "GRPOTrainer", trainer_class)
         folder = str(tmp_path / trainer_class.__name__)
-        if unmasked:
-            with pytest.raises(ValueError, match=r"^loss_type='luspo' is invalid: allowed is another loss_type with "
-                                                 r"kl_adaptation_method='clip' on trl==1\.9\.1 .* Upgrade trl \(luspo's "
-                                                 r"reduction changed in 1\.10\.0\), put the KL in the reward "
-                                                 r"\(kl_placement='reward'\), or leave kl_adaptation_method='clip' "
-                                                 r"unset \(this trl's own term\)\.$"):
-                make_trainer(tokenizer, folder, **adapted)
-        else:
-            assert make_trainer(tokenizer, folder, **adapted).adaptive_kl.config.kl_adaptation_method == "clip"
-    monkeypatch.undo()
+        with monkeypatch.context() as patched:
+            patched.setattr(trl, "GRPOTrainer", trainer_class)
+            if unmasked:
+                with pytest.raises(ValueError, match=r"^loss_type='luspo' is invalid: allowed is another loss_type "
+                                                     r"with kl_adaptation_method='clip' on "
+                                                     rf"trl=={re.escape(trl.__version__)} .* Upgrade trl "
+                                                     r"\(luspo's reduction changed in 1\.10\.0\), put the KL in the "
+                                                     r"reward \(kl_placement='reward'\), or leave "
+                                                     r"kl_adaptation_method='clip' unset \(this trl's own term\)\.$"):
+                    make_trainer(tokenizer, folder, **adapted)
+            else:
+                assert make_trainer(tokenizer, folder, **adapted).adaptive_kl.config.kl_adaptation_method == "clip"
     for label, settings in {"none": args, "reward": dict(adapted, kl_placement="reward", kl_clip_threshold=1.0),
-                            "beta 0": dict(adapted, beta=0.0)}.items():
+                            "beta 0": dict(adapted, beta=0.0), "grpo": dict(adapted, loss_type="grpo")}.items():
         with warnings.catch_warnings():  # beta 0 warns that the settings have no effect
             warnings.simplefilter("ignore")
-            assert make_trainer(tokenizer, str(tmp_path / label), **settings).loss_type == "luspo", label
+            trainer = make_trainer(tokenizer, str(tmp_path / label), **settings)
+        assert trainer.loss_type == settings["loss_type"], label
 
 
 @pytest.mark.parametrize("loss_type", STOCK_LOSS_TYPES)
@@ -401,6 +422,36 @@ def test_with_the_entropy_bonus_policy_loss_holds_the_adapted_kl_term_as_stock_h
     assert stock[0][1] == 0.0 and all(0.04 * kl / GA > 10 * tolerance for _, kl in stock[1:]), stock
     for (expected, _), found in zip(stock, adapted):
         assert math.isclose(found, expected, rel_tol=1e-5, abs_tol=tolerance), (found, expected)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_policy_loss_holds_the_kl_part_of_the_loss_at_the_controllers_beta(tokenizer, tmp_path, loss_type,
+                                                                            training) -> None:
+    """With the entropy bonus on, TRL logs each micro-batch's `policy_loss` under the model's mode, its KL term
+    included: taken before the accumulation divide for grpo, after it for dapo, and in evaluation, which divides by
+    nothing. The adapted term it gains is the loss's own at the controller's beta: here a dynamic run resumed at beta
+    0.01 (trainer.beta stays the configured 0.04), so the loss's KL part is a quarter of the formula at 0.04, and
+    the entry's KL part (its value minus that of the same batch at beta 0) is the loss's KL part times GA for grpo
+    in training, times 1 otherwise."""
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type, entropy_coef=0.05,
+                               kl_adaptation_method="clip+dynamic", kl_clip_threshold=0.3)
+    state = trainer.adaptive_kl.state_dict()
+    state["value"] = 0.01
+    trainer.adaptive_kl.load_state_dict(state)
+    assert (trainer.current_beta, trainer.beta) == (0.01, 0.04)
+    trainer.model.train(training)
+    inputs = fixed_inputs(trainer, tokenizer)
+    with warnings.catch_warnings():  # no generation batch has fed the controller a reward
+        warnings.filterwarnings("ignore", message="adaptive KL: beta holds")
+        kl_part, grads = kl_part_and_grads(trainer, inputs)
+    split = 1 if training else GA / (trainer.args.steps_per_generation if loss_type == "dapo" else 1)
+    expected = expected_kl_part(trainer, inputs, policy_logps(trainer.model, inputs)) * 0.01 / 0.04 * split
+    assert_matches_formula(trainer, kl_part, grads, expected)
+    adapted_entry, beta_zero_entry = trainer._metrics["train" if training else "eval"]["policy_loss"][-2:]
+    factor = GA if loss_type == "grpo" and training else 1
+    assert adapted_entry - beta_zero_entry == pytest.approx(kl_part.item() * factor, rel=1e-4)
+    assert abs(kl_part.item()) > 1e-3
 
 
 def logged_metric_keys(log_history: list[dict]) -> set:
@@ -634,6 +685,19 @@ def test_no_op_adaptations_reproduce_stock_trl_loss_and_gradients(tokenizer, tmp
         adaptations["same_reduction"] = dict(kl_reduction=SAME_REDUCTION[loss_type])
     assert_no_op_adaptations_are_stock(trainer, inputs, adaptations)
     assert max(trainer._metrics["train"]["adaptive_kl/raw_kl"]) > 1.0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_a_shorter_last_accumulation_window_divides_the_kl_part_as_stock_does(tokenizer, tmp_path, loss_type) -> None:
+    """Where the epoch's micro-batches run out, transformers sets current_gradient_accumulation_steps to the ones
+    left (here 1 of gradient_accumulation_steps=2), and TRL divides the loss (grpo) or scales dapo's normaliser by
+    that, not by the configured count: no-op adaptations still give stock TRL's loss and gradients, whose KL part is
+    twice that of a full window."""
+    trainer = prepared_trainer(tokenizer, tmp_path, loss_type=loss_type)
+    trainer.current_gradient_accumulation_steps = 1
+    inputs = fixed_inputs(trainer, tokenizer)
+    assert_no_op_adaptations_are_stock(trainer, inputs, NO_OP_ADAPTATIONS)
+    assert trainer.args.gradient_accumulation_steps == GA == 2
 
 
 def assert_no_op_adaptations_are_stock(trainer, inputs: dict, adaptations: dict) -> None:
