@@ -90,6 +90,9 @@ def test_defaults_on_patched_grpo_config(tmp_path) -> None:
     assert set(ADAPTIVE_KL_FIELDS) == set(DEFAULTS)
     assert trl.trainer.grpo_trainer.GRPOConfig is trl.GRPOConfig is unsloth_adaptive_kl.GRPOConfig
     assert args.estimator == "k3" and args.is_stock_kl
+    # help(GRPOConfig), and the config source Unsloth generates from the docstring, document both sets of fields
+    doc = unsloth_adaptive_kl.GRPOConfig.__doc__
+    assert unsloth_adaptive_kl.integrations.trl.StockGRPOConfig.__doc__ in doc and AdaptiveKLConfig.__doc__ in doc
 
 
 def test_estimator_default_follows_the_placement_on_the_command_line(tmp_path) -> None:

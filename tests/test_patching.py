@@ -565,13 +565,14 @@ def test_a_restore_leaves_a_value_set_since_by_someone_else() -> None:
 def test_a_trainer_built_before_the_patch_says_so_at_its_first_step(tokenizer, tmp_path) -> None:
     """A trainer built while trl was stock (before `import unsloth_adaptive_kl`, here between unpatch() and patch())
     has no adaptive KL; the patched methods failed on "'GRPOTrainer' object has no attribute 'adaptive_kl'". A trainer
-    built after the patch is not affected."""
+    built after the patch is not affected. The error names the trainer's class (here a user's subclass)."""
     unsloth_adaptive_kl.unpatch()
     try:
         early = make_trainer(tokenizer, str(tmp_path / "early"), max_steps=1, beta=0.04)
     finally:
         unsloth_adaptive_kl.patch()
-    with pytest.raises(AttributeError, match=r"^adaptive_kl: this GRPOTrainer was built before unsloth_adaptive_kl "
+    early.__class__ = type("MyGRPOTrainer", (type(early),), {})
+    with pytest.raises(AttributeError, match=r"^adaptive_kl: this MyGRPOTrainer was built before unsloth_adaptive_kl "
                                              r"patched trl .* Build the trainer after `import unsloth_adaptive_kl`\.$"):
         early.train()
     later = make_trainer(tokenizer, str(tmp_path / "later"), max_steps=1, beta=0.04)
@@ -619,7 +620,7 @@ def test_a_stock_config_bound_before_the_import_says_why_it_refuses_an_adaptive_
     with pytest.raises(TypeError, match=r"^GRPOConfig\.__init__\(\) got an unexpected keyword argument "
                                         r"'kl_adaptation_method': this GRPOConfig is trl's stock class, bound before "
                                         r"`import unsloth_adaptive_kl` replaced trl\.GRPOConfig"):
-        stock(output_dir="out", use_cpu=True, beta=0.04, kl_adaptation_method="clip")
+        stock(output_dir="out", use_cpu=True, beta=0.04, kl_adaptation_method="clip", kl_clip_threshold=0.5)
     assert stock(output_dir="out", use_cpu=True, beta=0.04).beta == 0.04
     unsloth_adaptive_kl.unpatch()
     try:
@@ -631,14 +632,22 @@ def test_a_stock_config_bound_before_the_import_says_why_it_refuses_an_adaptive_
 
 def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_trainer_will_not_read_them() -> None:
     """The package's GRPOConfig (`unsloth_adaptive_kl.GRPOConfig`, or a trl.GRPOConfig bound before unpatch()) still
-    takes the fields after unpatch(); a stock trainer built from it trained without them, silently."""
+    takes the fields after unpatch(); a stock trainer built from it trained without them, silently. The warning names
+    every adapted field and points at the line that built the config; one without an adapted field warns nothing."""
     unsloth_adaptive_kl.unpatch()
     try:
-        with pytest.warns(UserWarning, match=r"^kl_adaptation_method='clip' set while unsloth_adaptive_kl is "
-                                             r"unpatched \(unpatch\(\)\): a GRPOTrainer built now is trl's stock one, "
-                                             r"which reads none of the adaptive-KL fields\. Call "
-                                             r"unsloth_adaptive_kl\.patch\(\) before building the trainer\.$"):
-            unsloth_adaptive_kl.GRPOConfig(output_dir="x", use_cpu=True, beta=0.04, kl_adaptation_method="clip")
+        with pytest.warns(UserWarning, match=r"^kl_adaptation_method='clip', kl_reduction='token_mean' set while "
+                                             r"unsloth_adaptive_kl is unpatched \(unpatch\(\)\): a GRPOTrainer built "
+                                             r"now is trl's stock one, which reads none of the adaptive-KL fields\. "
+                                             r"Call unsloth_adaptive_kl\.patch\(\) before building the trainer\.$"
+                          ) as caught:
+            unsloth_adaptive_kl.GRPOConfig(output_dir="x", use_cpu=True, beta=0.04, kl_adaptation_method="clip",
+                                           kl_reduction="token_mean")
+        assert [w.filename for w in caught if "unpatched" in str(w.message)] == [__file__]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            unsloth_adaptive_kl.GRPOConfig(output_dir="x", use_cpu=True, beta=0.04, kl_clip_threshold=0.5)
+        assert not [w for w in caught if "unpatched" in str(w.message)]
     finally:
         unsloth_adaptive_kl.patch()
     with warnings.catch_warnings(record=True) as caught:
