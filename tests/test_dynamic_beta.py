@@ -39,12 +39,17 @@ def test_reward_below_threshold_leaves_beta_unchanged(tokenizer, tmp_path) -> No
     assert logged(trainer, "reward") == pytest.approx([0.8, 0.8, 0.8])
 
 
-def test_schedule_cut_off_sets_beta_min(tokenizer, tmp_path, recwarn) -> None:
+@pytest.mark.parametrize("beta_min", [0.01, 0.0])
+def test_schedule_cut_off_sets_beta_min(tokenizer, tmp_path, recwarn, beta_min: float) -> None:
+    """From step 3 beta is beta_min; at the default beta_min=0 the KL term is off while trainer.beta stays 0.04 (the
+    trainer's own KL line, which the adapted loss reads, still runs) and the KL is still measured."""
     trainer = make_trainer(
-        tokenizer, str(tmp_path), constant_reward(0.0), max_steps=4, beta_min=0.01, beta_schedule_steps=2, **DYNAMIC
+        tokenizer, str(tmp_path), constant_reward(0.0), max_steps=4, beta_min=beta_min, beta_schedule_steps=2,
+        **DYNAMIC
     )
     trainer.train()
-    assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.04, 0.01, 0.01])
+    assert logged(trainer, "adaptive_kl/current_beta") == pytest.approx([0.04, 0.04, beta_min, beta_min])
+    assert len(logged(trainer, "adaptive_kl/raw_kl")) == 4 and trainer.state.global_step == 4
     assert not [w for w in recwarn if "no step trains at it" in str(w.message)]
 
 
