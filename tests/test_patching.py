@@ -577,6 +577,8 @@ def test_a_trainer_built_before_the_patch_says_so_at_its_first_step(tokenizer, t
         early.train()
     later = make_trainer(tokenizer, str(tmp_path / "later"), max_steps=1, beta=0.04)
     assert later.adaptive_kl.current_beta == 0.04 and not hasattr(early, "adaptive_kl")
+    # read on the class (help(), inspect.getmembers), the attribute is what stands there, not that error
+    assert isinstance(type(early).adaptive_kl, trl_patch.BuiltBeforePatch)
 
 
 def test_a_trainer_built_while_patched_and_trained_after_unpatch_says_so_before_its_first_step(tokenizer,
@@ -622,6 +624,8 @@ def test_a_stock_config_bound_before_the_import_says_why_it_refuses_an_adaptive_
                                         r"`import unsloth_adaptive_kl` replaced trl\.GRPOConfig"):
         stock(output_dir="out", use_cpu=True, beta=0.04, kl_adaptation_method="clip", kl_clip_threshold=0.5)
     assert stock(output_dir="out", use_cpu=True, beta=0.04).beta == 0.04
+    # what help() and inspect show of it: trl's own signature, not the wrapper's (*args, **kwargs)
+    assert {"output_dir", "beta", "loss_type"} <= set(inspect.signature(stock).parameters)
     unsloth_adaptive_kl.unpatch()
     try:
         with pytest.raises(TypeError, match=r"unexpected keyword argument 'kl_adaptation_method'$"):
