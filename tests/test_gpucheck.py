@@ -548,9 +548,14 @@ def test_the_reload_checks_fail_for_a_saved_folder_that_differs_from_the_model(t
         assert 0 < diff < 1  # the norm's 1e-3 shift, times hidden states of size ~1, through the output layer
 
 
-def test_run_all_gives_each_scenario_what_is_left_of_the_budget_and_its_own_time(tmp_path, monkeypatch) -> None:
-    """A clock that each scenario moves by 50 s, a 100 s budget: the first runs with 100 s, the second with the 50 s
-    left, the third (0 s left, under 30) does not run; each outcome takes its own 50 s."""
+@pytest.mark.parametrize("moves, given", [({"a": 50, "b": 50}, [100, 50]), ({"a": 69, "b": 2}, [100, 31])],
+                         ids=["50-s-each", "31-s-left"])
+def test_run_all_gives_each_scenario_what_is_left_of_the_budget_and_its_own_time(tmp_path, monkeypatch, moves,
+                                                                                 given) -> None:
+    """A 100 s budget and a clock that each scenario moves: by 50 s each, the first runs with 100 s, the second with
+    the 50 s left, the third (0 s left) does not; by 69 s then 2 s, the second runs with 31 s left, the third (29 s
+    left) does not (docs/compatibility.md: under 30 seconds left, a scenario is not run). Each outcome takes its own
+    time."""
     clock = [1000.0]
     monkeypatch.setattr(gpucheck, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(gpucheck, "build_tiny_llama", lambda model_dir: [Check("model", True)])
@@ -558,13 +563,14 @@ def test_run_all_gives_each_scenario_what_is_left_of_the_budget_and_its_own_time
 
     def run(name, model_dir, work_dir, timeout):
         timeouts.append(timeout)
-        clock[0] += 50
+        clock[0] += moves[name]
         return [Check(f"{name}: thing", True)], ""
 
     _, ran = gpucheck.run_all(["a", "b", "c"], str(tmp_path), run=run, budget_s=100)
-    assert timeouts == [100, 50]
+    assert timeouts == given
     assert [(o.checks[0].line(), o.seconds) for o in ran.values()] == [
-        ("[ok] a: thing", 50), ("[ok] b: thing", 50), ("[FAIL] c: not run: the 100-second budget is spent", 0)]
+        ("[ok] a: thing", moves["a"]), ("[ok] b: thing", moves["b"]),
+        ("[FAIL] c: not run: the 100-second budget is spent", 0)]
 
 
 def test_run_all_prints_the_last_30_lines_of_a_failed_scenarios_log(tmp_path, monkeypatch, capsys) -> None:
@@ -574,24 +580,6 @@ def test_run_all_prints_the_last_30_lines_of_a_failed_scenarios_log(tmp_path, mo
     out = capsys.readouterr().out
     assert "    --- a: the last 30 lines of its log ---\n    log line 11\n" in out and out.endswith("    log line 40\n")
     assert "log line 10\n" not in out
-
-
-def test_run_all_runs_a_scenario_only_with_30_seconds_of_the_budget_left(tmp_path, monkeypatch) -> None:
-    """A 100 s budget, a clock that the first scenario moves by 69 s and the second by 2 s: the second runs with the
-    31 s left, the third (29 s left) does not (docs/compatibility.md: under 30 seconds left, a scenario is not run)."""
-    clock = [1000.0]
-    monkeypatch.setattr(gpucheck, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    monkeypatch.setattr(gpucheck, "build_tiny_llama", lambda model_dir: [Check("model", True)])
-    timeouts = []
-
-    def run(name, model_dir, work_dir, timeout):
-        timeouts.append(timeout)
-        clock[0] += {"a": 69, "b": 2}[name]
-        return [Check(f"{name}: thing", True)], ""
-
-    _, ran = gpucheck.run_all(["a", "b", "c"], str(tmp_path), run=run, budget_s=100)
-    assert timeouts == [100, 31]
-    assert ran["c"].checks == [Check("c", False, "not run: the 100-second budget is spent")]
 
 
 def test_a_scenario_process_runs_offline_with_its_own_compile_cache_and_this_checkout_first(monkeypatch,
