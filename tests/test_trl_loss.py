@@ -31,6 +31,15 @@ LENGTHS = [5, 3, 1, 4]
 T = 5
 
 
+def tool_mask() -> torch.Tensor:
+    """TRL's tool_mask for `fixed_inputs`' batch: 0 on the tokens a tool returned (tokens 1-2 of row 0, token 2 of row
+    3), 1 elsewhere, padding included."""
+    mask = torch.ones(4, T, dtype=torch.long)
+    mask[0, 1:3] = 0
+    mask[3, 2] = 0
+    return mask
+
+
 def fixed_inputs(trainer, tokenizer, log_ratio_scale: float = 1.0, shift: float = 0.0) -> dict:
     """A micro-batch of 4 completions with lengths 5, 3, 1, 4 and reference log-probs that differ from the
     policy's by a fixed pattern (per-token KL from ~0 to > 1)."""
@@ -248,9 +257,7 @@ def test_garbage_on_masked_reference_positions_leaves_loss_and_gradients_untouch
         inputs = fixed_inputs(trainer, tokenizer)
         masked = inputs["completion_mask"] == 0
         if where == "tool_output":
-            inputs["tool_mask"] = torch.ones(4, T, dtype=torch.long)
-            inputs["tool_mask"][0, 1:3] = 0
-            inputs["tool_mask"][3, 2] = 0
+            inputs["tool_mask"] = tool_mask()
             masked = inputs["tool_mask"] == 0
         if dirty:
             inputs["ref_per_token_logps"][masked] = garbage
@@ -904,11 +911,8 @@ def test_tool_response_tokens_are_out_of_the_adapted_kl_in_the_loss(tokenizer, t
     trainer = prepared_trainer(tokenizer, tmp_path, loss_type="grpo", kl_adaptation_method="clip",
                                kl_clip_threshold=0.3)
     inputs = fixed_inputs(trainer, tokenizer)
-    tool_mask = torch.ones(4, T, dtype=torch.long)
-    tool_mask[0, 1:3] = 0
-    tool_mask[3, 2] = 0
-    kl_part, grads = kl_part_and_grads(trainer, {**inputs, "tool_mask": tool_mask})
-    mask = inputs["completion_mask"] * tool_mask
+    kl_part, grads = kl_part_and_grads(trainer, {**inputs, "tool_mask": tool_mask()})
+    mask = inputs["completion_mask"] * tool_mask()
     assert mask.sum(-1).tolist() == [3, 3, 1, 3]
     expected = expected_kl_part(trainer, {**inputs, "completion_mask": mask}, policy_logps(trainer.model, inputs))
     assert_matches_formula(trainer, kl_part, grads, expected)
