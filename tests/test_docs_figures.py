@@ -150,10 +150,10 @@ def test_an_unknown_loss_overhead_size_fails_the_build(hook: Any) -> None:
             generate("huge")
 
 
-@pytest.mark.parametrize("size", LOSS_SIZES)
+@pytest.mark.parametrize("size", [*LOSS_SIZES, "default"])
 def test_benchmark_headline_is_its_sizes_headline(hook: Any, size: Optional[str]) -> None:
-    """The headline line of one size (the `_large` name for the larger), its trainer, method and size, and the whole
-    run's seconds (the larger size's headline, written last)."""
+    """The headline line of one size (the `_large` name for the larger only: `default` names the default size), its
+    trainer, method and size, and the whole run's seconds (the larger size's headline, written last)."""
     part, data = loss_part(size), load("benchmarks/loss_overhead.json")
     found = re.fullmatch(r"`max_loss_overhead_ratio(?P<suffix>\S*?)=(?P<ratio>\S+) ci=\[(?P<c0>[^,]+),(?P<c1>[^\]]+)\] "
                          r"aa=\[(?P<a0>[^,]+),(?P<a1>[^\]]+)\] ops_added=(?P<ops>\d+)` \((?P<trainer>\w+), "
@@ -238,9 +238,17 @@ def test_loss_overhead_shares_are_each_rows_figures_at_both_sizes(hook: Any, sou
         assert row[5] == f"{share['ops_added']} → {share['ops_added_large']}"
 
 
-@pytest.mark.parametrize("size", LOSS_SIZES)
-def test_loss_overhead_sanity_is_each_trainers_stock_timing_and_end_to_end_row(hook: Any, size: Optional[str]) -> None:
+@pytest.mark.parametrize("size", [*LOSS_SIZES, "inconsistent"])
+def test_loss_overhead_sanity_is_each_trainers_stock_timing_and_end_to_end_row(hook: Any, size: Optional[str],
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each trainer's stock timing and end-to-end row (made up: TRL's end to end not consistent with the
+    decomposition, Unsloth's consistent)."""
     part = loss_part(size)
+    if size == "inconsistent":
+        part["trl"]["end_to_end"]["consistent"] = False
+        assert part["unsloth"]["end_to_end"]["consistent"]
+        monkeypatch.setattr(hook, "_benchmark", lambda name: part)
+        size = None
     header, rows = only_table(hook.loss_overhead_sanity(size))
     assert header[0] == "trainer" and len(header) == 6
     labels = {"trl": "TRL", "unsloth": "Unsloth's generated trainer"}
@@ -296,21 +304,21 @@ def test_core_op_profile_lists_the_ops_that_round_to_one_per_cent(hook: Any, tmp
 # ----- benchmarks/overhead_cpu.json ---------------------------------------------------------------------------------
 
 def made_up_steps() -> dict:
-    row = {"variant": "stock", "median_step_s": 0.41234, "step_ratio": 1.0, "forwards_per_step": [34, 40],
+    row = {"variant": "stock", "median_step_s": 0.41234, "step_ratio": 1.0, "forwards_per_step": [40, 34],
            "extra_forwards": 0, "peak_memory_bytes": 3 * 2 ** 27, "memory_ratio": 1.0, "core_ratio": None}
     return {"device": "cpu", "aa_interval": [0.91, 1.12], "command": "python benchmarks/overhead.py --steps 5",
             "commit": "0123456789abcdef0123456789abcdef01234567+changes",
             "settings": {"hidden": 64, "layers": 3, "batch": 8, "completion_length": 16, "steps": 5, "repeats": 7},
             "rows": [row, {**row, "variant": "clip", "median_step_s": 0.43, "step_ratio": 1.043,
-                           "forwards_per_step": [10, 18, 18], "extra_forwards": 2, "peak_memory_bytes": 400 * 2 ** 20,
+                           "forwards_per_step": [18, 10, 18], "extra_forwards": 2, "peak_memory_bytes": 400 * 2 ** 20,
                            "memory_ratio": 1.0417, "core_ratio": 4.56}]}
 
 
 @pytest.mark.parametrize("source", ["committed", "made up", "one timed pass"])
 def test_steps_table_and_its_settings(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The step benchmark's rows (forwards per step in the order the steps ran; core op ratio blank where none), its
-    A/A interval and settings (made up: several forwards a row, settings that differ; one timed pass, as `--smoke`
-    writes it: NaN ends, no interval)."""
+    A/A interval and settings (made up: several forwards a row, not in ascending order, settings that differ; one
+    timed pass, as `--smoke` writes it: NaN ends, no interval)."""
     data = load("benchmarks/overhead_cpu.json") if source == "committed" else made_up_steps()
     if source == "one timed pass":
         data["aa_interval"] = [math.nan, math.nan]
@@ -763,6 +771,26 @@ def lab_row(table: dict, recipe: str, setting: str) -> dict:
     return row
 
 
+@pytest.mark.parametrize("name", ["trl", "unsloth", "unsloth_pad_is_eos", "made_up"])
+def test_kl_lab_trainer_says_how_its_run_was_made(hook: Any, name: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sentence before a trainer's tables: its command, the versions installed (made up: peft not installed,
+    null, left out), its seconds, machine and commit."""
+    data = load(f"docs/results/kl_lab_{'trl' if name == 'made_up' else name}.json")
+    if name == "made_up":
+        data["versions"]["peft"] = None
+        (tmp_path / "docs" / "results").mkdir(parents=True)
+        (tmp_path / "docs" / "results" / "kl_lab_made_up.json").write_text(json.dumps(data))
+        monkeypatch.setattr(hook, "ROOT", tmp_path)
+    made = hook.kl_lab_trainer(name).split("\n\n")[0]
+    found = re.fullmatch(r"Made by `(.+)` \((.+?); (\d+) s on (.+?), (at [^)]+)\): .+\.", made)
+    assert found[1] == data["command"]
+    assert found[2] == ", ".join(f"{package} {version}" for package, version in data["versions"].items()
+                                 if version is not None)
+    fixed(found[3], data["seconds"], 0)
+    assert (found[4], found[5]) == (data["machine"], made_at(data))
+
+
 def test_kl_lab_side_by_side_puts_each_trainers_figures_under_its_name(hook: Any) -> None:
     trl, unsloth = trainer_table("trl"), trainer_table("unsloth")
     recipes = {label: key for key, label in trl["recipes"].items()}
@@ -824,15 +852,18 @@ def made_up_check() -> dict:
                 "c": {"ran": True, "seconds": 2.6, "checks": [{"name": "w", "ok": False, "detail": "timed out"}]}}}
 
 
-@pytest.mark.parametrize("source", ["committed", "made up", "driver not read"])
+@pytest.mark.parametrize("source", ["committed", "made up", "driver not read", "within the ranges"])
 def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A row for the tiny model and one a scenario, in the file's order: its seconds and each check, ok, untested
     (a version outside the tested range, as the check prints it) or **FAIL**, with its detail; a scenario not run says
     why; the device (a driver nvidia-smi did not give: "not read", not "None"), versions (those installed), kind of
-    run and seconds."""
+    run and seconds, and those outside the CPU matrix's ranges (within the ranges: a torch the matrix runs and a tested
+    package not installed, null, which is outside nothing)."""
     data = load("docs/results/gpu/check.json") if source == "committed" else made_up_check()
     if source == "driver not read":
         data["device"] = {**CUDA, "driver": None}
+    if source == "within the ranges":
+        data["versions"] = {"torch": "2.14.1", "vllm": None, "trl": "1.15.0", "unsloth": None}
     monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "check.json" else None)
     text, table = hook.gpu_check().split("\n\n")
     header, rows = only_table(table)
@@ -857,6 +888,9 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
     seconds = re.search(r"`, (\d+) s in all\. Versions: (.*?)\. (Outside the tested ranges: .*|Each of its .*)$", text)
     fixed(seconds[1], data["seconds"], 0)
     assert seconds[2] == versions_line(data)
+    if source == "within the ranges":
+        assert seconds[3] == "Each of its versions is within the tested ranges."
+        return
     # the versions outside the CPU matrix's ranges, by name: torch 2.11.0 (the GPU image's) against >=2.13.0
     assert seconds[3] == ("Outside the tested ranges: torch 2.11.0 (tested: `>=2.13.0,<=2.15.0`); the GPU results were "
                           "taken on a version the CPU matrix does not run.")
@@ -951,9 +985,13 @@ def cost_rows(rows: list[list[str]], part: dict) -> None:
             fixed(row[7], measured["working_memory_ratio"], 3)
 
 
-@pytest.mark.parametrize("source", ["committed", "made up"])
+@pytest.mark.parametrize("source", ["committed", "made up", "no warm-up"])
 def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each table against cost.json, and the rounds timed after the warm-up rounds (`--warmup 0`: "0 warm-up
+    rounds")."""
     data = load("docs/results/gpu/cost.json") if source == "committed" else made_up_cost()
+    if source == "no warm-up":
+        data["warmup"] = 0
     monkeypatch.setattr(hook, "_gpu", lambda name: data if name == "cost.json" else None)
     text = hook.gpu_cost()
     found = tables(text)
@@ -1068,6 +1106,31 @@ def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source:
         assert row[6] == str(headline["ops_added"])
 
 
+@pytest.mark.parametrize("cost, loss, measured", [
+    ("committed", "committed", (False, False)),  # a CPU run each, the cost at its small size
+    ("cuda", "cuda", (True, True)), ("cuda small", None, (False, False)), ("cpu", "cuda", (False, True)),
+    (None, "cpu", (False, False))])
+def test_gpu_measured_names_the_card_of_a_cuda_run_only(hook: Any, cost: Optional[str], loss: Optional[str],
+                                                        measured: tuple[bool, bool],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks.md's and compatibility.md's sentence a measurement: "measured on" the card, date and commit only
+    for a CUDA run (the cost at its 0.5b size, not its small one); a CPU run, or no file, has not been measured."""
+    committed = {name: load(f"docs/results/gpu/{name}") for name in ("cost.json", "loss_overhead.json")}
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    made = {"cuda": {"device": CUDA, "date": "2026-12-04", "size": "0.5b", "commit": sha},
+            "cuda small": {"device": CUDA, "date": "2026-12-04", "size": "small", "commit": sha},
+            "cpu": {"device": {"kind": "cpu", "name": "x86_64", "cores": 2}, "date": "2026-12-04", "size": "0.5b"}}
+    files = {name: committed[name] if kind == "committed" else made.get(kind)
+             for name, kind in (("cost.json", cost), ("loss_overhead.json", loss))}
+    monkeypatch.setattr(hook, "_gpu", lambda name: files[name])
+    expected = [f"{what} was measured on {files[name]['device']['name']}, {files[name]['date']}, "
+                f"{made_at(files[name])}." if gpu else f"{what} has not been measured on a GPU yet."
+                for (name, what), gpu in zip(hook.GPU_MEASURES.items(), measured)]
+    assert list(hook.GPU_MEASURES) == ["cost.json", "loss_overhead.json"]
+    assert hook.gpu_measured() == " ".join([*expected, "[Tested on a GPU](gpu.md) shows the last recorded runs, a CPU "
+                                            "run marked as such."])
+
+
 # ----- the references: configuration, anchors, versions, the demo's flags ------------------------------------------
 
 def test_configuration_reference_rows_and_sections(hook: Any) -> None:
@@ -1104,7 +1167,7 @@ def test_anchors_tested_versions_and_demo_flags(hook: Any) -> None:
     from packaging.specifiers import SpecifierSet
 
     from unsloth_adaptive_kl.integrations import versions
-    from unsloth_adaptive_kl.tools.demo import build_parser
+    from unsloth_adaptive_kl.tools.demo import LOGGED, build_parser
 
     for which, found in ((None, versions.TRL_ANCHORS), ("trl", versions.TRL_ANCHORS),
                          ("unsloth", versions.UNSLOTH_ANCHORS), ("verl", versions.VERL_ANCHORS)):
@@ -1125,6 +1188,8 @@ def test_anchors_tested_versions_and_demo_flags(hook: Any) -> None:
         assert row[2].startswith(action.help or "")
         if action.choices:
             assert row[2].endswith(f" One of {', '.join(map(str, action.choices))}.")
+    logged = hook.demo_logged()  # demo.md's list of the metrics the demo keeps: each of demo.LOGGED, in its order
+    assert re.findall(r"`([^`]+)`", logged) == list(LOGGED) and logged.count(", ") == len(LOGGED) - 1
 
 
 def test_render_passes_each_markers_argument(hook: Any) -> None:
