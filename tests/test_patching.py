@@ -968,6 +968,24 @@ def test_the_cpu_fallback_computes_only_the_requested_statistics() -> None:
         assert [name for name, x in zip(OPTIONAL_OUTPUTS, got[1:]) if x is not None] == list(requested)
 
 
+@pytest.mark.parametrize(("targets", "expected"), [([1, 0], [True, True]), ([1, 1], [True, False]),
+                                                   ([0, 2], [False, False])])
+def test_the_cpu_fallback_takes_the_top1_on_the_logits_with_a_tie_going_to_the_first_as_the_kernel(targets,
+                                                                                                expected) -> None:
+    """As the kernel (the target is top-1 where its logit is a maximum above every earlier one): token 0's logits put
+    word 1 at 1e-7 above word 0 (0.0), its strict argmax although their float32 log-probs round to one value (each is
+    about -ln 1000, whose spacing is 4.8e-7); token 1's words 0 and 1 tie exactly at 0.5, so word 0 is its top-1 and
+    word 1 is not. The other 998 words sit at -1e-3."""
+    from unsloth_adaptive_kl.integrations.trl_cpu_fallback import chunked_logprob_torch
+
+    z = torch.full((2, 1000), -1e-3)
+    z[0, :2] = torch.tensor([0.0, 1e-7])
+    z[1, :2] = 0.5
+    assert z[0, 1] > z[0, 0]  # the margin survives float32
+    is_top1 = chunked_logprob_torch(torch.eye(2), z.T.contiguous(), None, torch.tensor(targets), 1.0, 8)[4]
+    assert is_top1.tolist() == expected
+
+
 def test_the_cpu_fallback_sends_accelerator_tensors_to_trls_kernel_and_cpu_tensors_to_torch(monkeypatch) -> None:
     """`ChunkedLogProbWithCPUFallback.apply` with trl's kernel as `upstream` (stood in for: the Triton kernel needs a
     GPU): a tensor on another device (meta here) goes to the kernel with every argument, a CPU tensor to the torch path;
