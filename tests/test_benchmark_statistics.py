@@ -83,6 +83,36 @@ def test_the_default_ratio_interval_takes_2000_resamples() -> None:
         assert list(loss_overhead.bootstrap_ratio([float(v) for v in range(1, n + 1)], [1.0] * 3)) == expected, n
 
 
+class ScriptedDraws:
+    """random.Random's stand-in: the i-th `choices` call on a population returns its i-th value k times (k: the
+    population's size), so that the i-th resample's median is that value."""
+
+    def __init__(self, seed: int) -> None:
+        self.calls: dict[int, int] = {}
+
+    def choices(self, population: list[float], k: int) -> list[float]:
+        assert k == len(population)
+        index = self.calls.get(id(population), 0)
+        self.calls[id(population)] = index + 1
+        return [population[index % len(population)]] * k
+
+
+@pytest.mark.parametrize("resamples", [{"resamples": 40}, {}])
+@pytest.mark.parametrize("interval, offset", [(loss_overhead.bootstrap_ratio, 0.0),
+                                              (loss_overhead.overhead_interval, 1.0)])
+def test_the_interval_leaves_out_as_many_resampled_values_at_either_end(
+        monkeypatch: pytest.MonkeyPatch, interval: Callable[..., tuple[float, float]], offset: float,
+        resamples: dict[str, int]) -> None:
+    """Scripted draws whose resampled medians cycle through the values 1..40 (odd ones first) over a constant 1: of
+    40 resamples int(0.025 * 40) = 1 is left out below and 1 above, i.e. the 2nd smallest and the 2nd largest (not
+    the largest, 49 of 2000 above; 5 % / 95 % would be the 3rd and the 38th); at the default 2000 resamples, each
+    value 50 times, 50 left out at either end: the same 2 and 39 (100 resamples would give 1: the odd ones, 1 among
+    them, three times)."""
+    monkeypatch.setattr(loss_overhead, "random", types.SimpleNamespace(Random=ScriptedDraws))
+    values = [float(v) for v in range(1, 41)]
+    assert interval(values[::2] + values[1::2], [1.0] * 3, **resamples) == (offset + 2.0, offset + 39.0)
+
+
 def test_the_overhead_interval_is_one_plus_the_added_over_the_stock_median_both_resampled() -> None:
     """1 + median(added) / median(stock): added 1..41 ms over a constant 0.5 s stock gives 1 + [15, 27] ms / 0.5 s
     (ranks as above; 25 % / 75 % points would be 19 and 23); a constant added time over stock 1..41 s gives
@@ -129,12 +159,13 @@ def test_rotating_runs_every_name_in_a_rotating_order_and_keeps_the_timed_rounds
                        "c": [(7.0, 70), (12.0, 120), (14.0, 140)]}
 
 
-@pytest.mark.parametrize("least, timed", [(1, 1), (0, 0)])
+@pytest.mark.parametrize("least, timed, deadline", [(1, 1, 35.0), (0, 0, 35.0), (0, 1, 40.0)])
 def test_rotating_stops_at_a_deadline_the_last_round_says_it_would_pass(monkeypatch: pytest.MonkeyPatch, least: int,
-                                                                        timed: int) -> None:
+                                                                        timed: int, deadline: float) -> None:
     """Two names of 10 s each on a fake clock, 1 warm-up round and 5 timed ones, a deadline 35 s on: after the warm-up
     round (20 s) the next would end at 40 s, so none starts once `least` timed rounds have run (1: the first, b a, runs
-    anyway, and `after` sees its samples; 0: none runs); without a deadline all 6 run."""
+    anyway, and `after` sees its samples; 0: none runs); a deadline 40 s on: that round ends at it, not past it, and
+    runs (the next would pass it); without a deadline all 6 run."""
     clock = FakeClock()
     fake_time(monkeypatch, clock)
     start = clock.now
@@ -144,7 +175,7 @@ def test_rotating_stops_at_a_deadline_the_last_round_says_it_would_pass(monkeypa
         return clock.now - start, 0, 0
 
     seen: list[dict] = []
-    samples = unsloth_cost.rotating(["a", "b"], rounds=5, warmup=1, run=run, until=start + 35.0, least=least,
+    samples = unsloth_cost.rotating(["a", "b"], rounds=5, warmup=1, run=run, until=start + deadline, least=least,
                                     after=lambda so_far: seen.append({k: list(v) for k, v in so_far.items()}))
     assert samples == ({"a": [(40.0, 0, 0)], "b": [(30.0, 0, 0)]} if timed else {"a": [], "b": []})
     assert seen == [samples] * timed and clock.now == start + 20.0 * (1 + timed)
@@ -178,6 +209,9 @@ def test_ratios_are_medians_against_stocks_median_with_an_interval_and_peak_memo
     assert rows["clip"]["memory_ratio"] == 1.5 and rows["stock (A/A)"]["memory_ratio"] == 1.0
     assert (rows["clip"]["working_bytes"], rows["stock"]["working_bytes"]) == (410, 260)
     assert rows["clip"]["working_memory_ratio"] == 410 / 260
+    higher_aa = unsloth_cost.ratios({"stock": [(1.0, 200, 100)], "stock (A/A)": [(1.0, 400, 300)],
+                                     "clip": [(1.0, 300, 150)]})  # against stock's peaks, not the A/A copy's
+    assert (higher_aa["clip"]["memory_ratio"], higher_aa["clip"]["working_memory_ratio"]) == (1.5, 1.5)
     on_a_cpu = unsloth_cost.ratios({"stock": [(1.0, 0, 0)], "none": [(1.1, 0, 0)]})
     assert on_a_cpu["none"]["memory_ratio"] is None and on_a_cpu["none"]["peak_bytes"] == 0
     assert on_a_cpu["none"]["working_memory_ratio"] is None
@@ -422,10 +456,10 @@ class FakeGRPOTrainer:
 def test_whole_steps_time_the_second_step_of_each_run_after_an_untimed_round(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two timed rounds of each variant after a warm-up round: each sample is the second step of a 2-step run (no
     first-step or first-run cost), stock is stock Unsloth, the KL in the reward runs on its own trainer, and its
-    reward penalty is the mean of those its runs logged."""
+    reward penalty is the mean of those its runs logged (0.4: not their median, 0.3, nor the last, 0.8)."""
     clock = FakeClock()
     fake_unsloth(monkeypatch, clock)
-    trainers = {"loss": FakeGRPOTrainer(clock, "loss", []), "reward": FakeGRPOTrainer(clock, "reward", [0.3, 0.1, 0.2])}
+    trainers = {"loss": FakeGRPOTrainer(clock, "loss", []), "reward": FakeGRPOTrainer(clock, "reward", [0.3, 0.1, 0.8])}
     rows = unsloth_cost.whole_steps(trainers, rounds=2)
     assert list(rows) == unsloth_cost.WHOLE_STEP
     assert rows["stock"]["median_s"] == pytest.approx(2.0) and rows["stock"]["n"] == 2
@@ -434,7 +468,7 @@ def test_whole_steps_time_the_second_step_of_each_run_after_an_untimed_round(mon
     stock, method = ("stock", 2), ("sigmoid+length_normalized", 2)
     assert trainers["loss"].runs == [stock, method, method, stock, stock, method]  # rounds: s m r, m r s, r s m
     assert trainers["reward"].runs == [("kl_in_reward", 2)] * 3
-    assert rows["kl_in_reward"]["reward_penalty"] == pytest.approx(0.2)
+    assert rows["kl_in_reward"]["reward_penalty"] == pytest.approx(0.4)
     assert rows["stock"]["reward_penalty"] is None and rows["stock"]["memory_ratio"] is None
 
 
@@ -460,7 +494,8 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
                                                                             tmp_path: Path, capsys: Any) -> None:
     """main() on measured rows given here: the largest step ratio and memory ratio are the methods' (not the A/A
     pair's, whose noise is the largest here), by their ratio, not their interval; aa_ci is the A/A pair's interval;
-    loss_share is stock's captured step over stock's whole step; the last line says all four."""
+    loss_share is stock's captured step over stock's whole step; the last line says all four. The size's rounds
+    unless `--rounds`, `--warmup` and `--whole-rounds` say otherwise (0 whole rounds: none, and no loss share)."""
     step = {"stock": cost_row(0.5, 1.0, [0.98, 1.02], 1.0, 100, 1.0),
             "stock (A/A)": cost_row(0.6, 1.2, [0.9, 1.3], 1.3, 130, 1.6),
             "none": cost_row(0.505, 1.01, [0.99, 1.03], 1.02, 102, 1.25),
@@ -475,25 +510,37 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
     monkeypatch.setattr(unsloth_cost, "save_model", lambda size, folder: None)
     monkeypatch.setattr(unsloth_cost, "build_trainer", lambda *args, **kwargs: types.SimpleNamespace(
         model=None, processing_class=None))
-    monkeypatch.setattr(unsloth_cost, "captured_steps", lambda trainer, rounds, warmup, **kw: (step, profile))
-    monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds, until: whole)
+    asked: list[tuple] = []
+    monkeypatch.setattr(unsloth_cost, "captured_steps", lambda trainer, rounds, warmup, **kw: (
+        asked.append(("captured", rounds, warmup)), (step, profile))[1])
+    monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds, until: (
+        asked.append(("whole", rounds)), whole)[1])
     path = tmp_path / "cost.json"
     assert unsloth_cost.main(["--size", "small", "--json", str(path)]) == 0
+    small = unsloth_cost.SIZES["small"]
+    assert asked == [("captured", small.rounds, 1), ("whole", small.whole_rounds)]
     report = json.loads(path.read_text())
     assert report["max_step_ratio"] == 1.05 and report["max_memory_ratio"] == 1.1
     assert report["max_working_memory_ratio"] == 1.25
     assert report["aa_ci"] == [0.9, 1.3] and report["loss_share"] == 0.25
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "max_step_ratio=1.050 max_memory_ratio=1.100 aa=[0.900,1.300] loss_share=0.250")
+    asked.clear()
+    argv = ["--size", "small", "--rounds", "2", "--warmup", "0", "--whole-rounds", "0", "--json", str(path)]
+    assert unsloth_cost.main(argv) == 0
+    report = json.loads(path.read_text())
+    assert asked == [("captured", 2, 0)] and (report["rounds_planned"], report["warmup"]) == (2, 0)
+    assert report["whole_step"] == {} and report["loss_share"] is None
 
 
 def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_and_says_so(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """`--budget 100` on a fake clock: the captured-batch rounds get the deadline 60 s on, and the rows after each
     timed round are written with the rounds so far (so a run stopped by its time limit keeps them); that part taking
-    70 s leaves the whole steps untimed (more than 65 s spent), and the JSON says why; taking 40 s, they run with the
-    deadline 100 s on; where their untimed round left no time for a timed one, the JSON says that. The JSON exists,
-    with the environment, before anything is measured; each phase's time since the start is kept."""
+    70 s leaves the whole steps untimed (more than 65 s spent), and the JSON says why; taking 40 s, or 65 s (not more
+    than 65 %, though more than the rounds' 60 %), they run with the deadline 100 s on; where their untimed round
+    left no time for a timed one, the JSON says that. The JSON exists, with the environment, before anything is
+    measured; each phase's time since the start is kept; no memory ratio without CUDA peaks."""
     clock = FakeClock()
     fake_time(monkeypatch, clock)
     start = clock.now
@@ -529,6 +576,7 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
     for spent, whole, skipped in ((70.0, {}, "the captured-batch part took 70 s of the 100-second budget (more "
                                                "than 65%)"),
                                   (40.0, {"stock": cost_row(2.0, 1.0, [1, 1])}, None),
+                                  (65.0, {"stock": cost_row(2.0, 1.0, [1, 1])}, None),
                                   (40.0, {}, "its untimed round ended 70 s into the 100-second budget, and a "
                                              "timed one would have ended past it")):
         deadlines.clear()
@@ -539,10 +587,11 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
         assert written_after_round[-1]["rounds"] == 1 and written_after_round[-1]["step"]["none"]["n"] == 1
         assert "profile" not in written_after_round[-1]
         assert report["rounds"] == 3 and report["rounds_planned"] == unsloth_cost.SIZES["small"].rounds
-        assert deadlines == [60.0] + [100.0] * (spent < 65)
+        assert deadlines == [60.0] + [100.0] * (spent <= 65)
         assert report["phases"]["captured batch timed and profiled"] == spent
         assert report["whole_step"] == whole and report.get("whole_step_skipped") == skipped
         assert (report["loss_share"] is None) == (not whole)
+        assert report["max_memory_ratio"] is None and report["max_working_memory_ratio"] is None  # no CUDA peaks
 
 
 def test_the_help_states_the_budgets_shares(capsys: Any) -> None:
@@ -567,20 +616,24 @@ def test_the_gpu_size_times_enough_rounds_after_a_warm_up() -> None:
 
 def test_method_rows_divide_the_paired_added_time_by_the_stock_timed_in_the_same_rounds(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Synthetic rounds: added = patched - stub per round (medians 1 ms, a mean of 4 ms with one outlier), over the
-    median of the stock loss sampled in those rounds (50 ms, not the stub's): ratio 1.02, its interval around it."""
-    samples = {"stub": [0.010, 0.011, 0.012, 0.010, 0.011], "patched": [0.011, 0.012, 0.013, 0.026, 0.012],
+    """Synthetic rounds: added = patched - stub per round (medians 1 ms, a mean of 4 ms with one outlier; the
+    difference of the two medians would be 2 ms), over the median of the stock loss sampled in those rounds (50 ms,
+    not the stub's), every 8th round (the docstring's): ratio 1.02, its interval around it."""
+    samples = {"stub": [0.010, 0.014, 0.012, 0.010, 0.011], "patched": [0.011, 0.015, 0.013, 0.026, 0.012],
                "stock": [0.049, 0.050, 0.052]}
+    rounds: list[tuple[int, Any]] = []
     monkeypatch.setattr(loss_overhead, "METHODS", {"clip": {"kl_adaptation_method": "clip"}})
     monkeypatch.setattr(loss_overhead, "apply_method", lambda trainer, settings: None)
     monkeypatch.setattr(loss_overhead, "profile_counts", lambda function: function())
-    monkeypatch.setattr(loss_overhead, "interleaved", lambda functions, repeats, every=None: samples)
+    monkeypatch.setattr(loss_overhead, "interleaved", lambda functions, repeats, every=None: (
+        rounds.append((repeats, every)), samples)[1])
     args = types.SimpleNamespace(core_repeats=5)
     (row,) = loss_overhead.method_rows(args, None, lambda: None, {False: lambda: (10, 100), True: lambda: (17, 164)})
     assert row["added_s"] == pytest.approx(0.001) and row["stock_s"] == 0.050
     assert row["ratio"] == pytest.approx(1.02)
     assert row["ci"][0] <= row["ratio"] <= row["ci"][1] and row["ci"][0] > 1.0
     assert (row["ops_added"], row["bytes_added"]) == (7, 64)
+    assert rounds == [(5, {"stock": 8})]
 
 
 @pytest.mark.parametrize("threshold", [0.8, -2.0])
@@ -633,8 +686,8 @@ def test_the_sanity_row_interleaves_the_aa_pair_and_checks_consistency_within_it
         assert again["consistent"] is consistent, off
 
 
-def overhead_result(ratios: dict[str, float], aa: list[float], added: float) -> dict[str, Any]:
-    rows = [{"method": method, "added_s": added, "stock_s": 0.05, "ratio": ratio, "ci": [ratio - 0.01, ratio + 0.01],
+def overhead_result(ratios: dict[str, float], aa: list[float], added: float, stock: float = 0.05) -> dict[str, Any]:
+    rows = [{"method": method, "added_s": added, "stock_s": stock, "ratio": ratio, "ci": [ratio - 0.01, ratio + 0.01],
              "ops_added": 10, "bytes_added": 100} for method, ratio in ratios.items()]
     return {"stock_loss_s": {"median": 0.05, "min": 0.04, "max": 0.06, "n": 3}, "rows": rows,
             "end_to_end": {"method": "clip", "ratio": 1.0, "ci": [0.9, 1.1], "aa": 1.0, "aa_ci": aa,
@@ -644,6 +697,7 @@ def overhead_result(ratios: dict[str, float], aa: list[float], added: float) -> 
 def test_headline_is_the_largest_row_of_either_trainer_with_that_trainers_aa_interval() -> None:
     part = {"trl": overhead_result({"clip": 1.02, "sigmoid": 1.03}, [0.97, 1.03], 0.001),
             "unsloth": overhead_result({"clip": 1.05, "sigmoid": 1.01}, [0.95, 1.06], 0.002)}
+    part["trl"]["rows"][1]["ci"] = [0.9, 1.2]  # a wider interval does not make a row the largest
     headline = loss_overhead.headline(part, 0.0)
     assert (headline["trainer"], headline["method"], headline["ratio"], headline["aa"]) == (
         "unsloth", "clip", 1.05, [0.95, 1.06])
@@ -660,7 +714,7 @@ def test_the_loss_benchmark_runs_the_documented_sizes_and_shares_each_sizes_own_
         runs.append((trainer, size, repeats))
         large = size[1] == 256
         return overhead_result({"clip": 1.004 if large else 1.02, "sigmoid": 1.006 if large else 1.03},
-                               [0.99, 1.01], 0.001)
+                               [0.99, 1.01], 0.004 if large else 0.001, 0.5 if large else 0.05)
 
     monkeypatch.setattr(loss_overhead, "run_trainer", run_trainer)
     monkeypatch.setattr(loss_overhead, "core_op", lambda repeats: [])
@@ -674,6 +728,8 @@ def test_the_loss_benchmark_runs_the_documented_sizes_and_shares_each_sizes_own_
     trl = [share for share in report["shares"] if share["trainer"] == "trl"]
     assert [(s["method"], round(s["overhead"], 6), round(s["overhead_large"], 6)) for s in trl] == [
         ("clip", 0.02, 0.004), ("sigmoid", 0.03, 0.006)]
+    assert [(s["added_s"], s["added_s_large"], s["stock_s"], s["stock_s_large"]) for s in trl] == [
+        (0.001, 0.004, 0.05, 0.5)] * 2
     last = capsys.readouterr().out.strip().splitlines()[-2:]
     assert last[0].startswith("max_loss_overhead_ratio=1.030 ci=[1.020,1.040] aa=[0.990,1.010]")
     assert last[1].startswith("max_loss_overhead_ratio_large=1.006 ci=[0.996,1.016]")
@@ -683,7 +739,8 @@ def test_a_budget_half_spent_on_the_default_size_skips_the_larger_and_the_json_i
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any) -> None:
     """main() with the trainers' processes replaced and a clock that advances 60 s a trainer run: with --budget 200 the
     default size (both trainers) takes 120 s, more than half, so the larger size is skipped and the JSON says why;
-    before each run the JSON on disk holds every run before it, `finished` false until the end."""
+    before each run the JSON on disk holds every run before it, `finished` false until the end. With --budget 240 the
+    same 120 s is half, not more: the larger size runs."""
     monkeypatch.setattr(loss_overhead.importlib.util, "find_spec", lambda name: object())  # "unsloth is installed"
     clock = {"now": 1000.0}
     monkeypatch.setattr(loss_overhead.time, "perf_counter", lambda: clock["now"])
@@ -706,9 +763,57 @@ def test_a_budget_half_spent_on_the_default_size_skips_the_larger_and_the_json_i
     assert report["finished"] is True and "large" not in report and "shares" not in report
     assert report["large_skipped"] == "the default size took 120 s of the 200-second budget (more than half)"
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("max_loss_overhead_ratio=1.020 ")
+    seen.clear()
+    path.unlink()
+    assert loss_overhead.main(["--budget", "240", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert [trainer for trainer, _, _ in seen] == ["trl", "unsloth"] * 2
+    assert "large_skipped" not in report and report["large"]["headline"]["ratio"] == 1.02
     with pytest.raises(SystemExit):
         loss_overhead.parse_args(["--budget", "0"])
     assert "--budget=0.0 is invalid: allowed is a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_a_trainer_process_parses_its_sizes_repeats_and_the_parents_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_trainer: the child process gets the parent's arguments, then the size and the (stock, core, e2e) repeats
+    it is given (all different here), its trainer and a JSON path in its own folder, whose contents it returns."""
+    commands: list[list[str]] = []
+
+    def run(command: list[str], check: bool, env: dict[str, str], cwd: str) -> None:
+        commands.append(command)
+        assert check and env["OMP_NUM_THREADS"] and os.path.dirname(command[-1]) == cwd
+        Path(command[-1]).write_text(json.dumps({"rows": [], "trainer": command[-3]}))
+
+    monkeypatch.setattr(loss_overhead, "subprocess", types.SimpleNamespace(run=run))
+    result = loss_overhead.run_trainer("unsloth", types.SimpleNamespace(), ["--hidden", "64", "--budget", "900"],
+                                       (16, 256), (20, 100, 30))
+    assert result == {"rows": [], "trainer": "unsloth"}
+    (command,) = commands
+    child = loss_overhead.parse_args(command[command.index(os.path.abspath(loss_overhead.__file__)) + 1:])
+    assert (child.trainer, child.completions, child.completion_length) == ("unsloth", 16, 256)
+    assert (child.stock_repeats, child.core_repeats, child.e2e_repeats) == (20, 100, 30)
+    assert (child.hidden, child.budget, child.json) == (64, 900.0, command[-1])
+
+
+def test_profile_counts_count_the_aten_ops_and_the_bytes_allocated_on_host_and_device(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call under a fake profiler: its aten ops (not the other events), and the bytes its `[memory]` events
+    allocate on the host and the device, 512 + 256 (frees, negative, left out: not 0)."""
+    def event(name: str, cpu: int = 0, device: int = 0) -> Any:
+        return types.SimpleNamespace(name=name, cpu_memory_usage=cpu, device_memory_usage=device)
+
+    events = [event("aten::add"), event("[memory]", cpu=512), event("aten::mul"), event("cudaLaunchKernel"),
+              event("[memory]", cpu=-512), event("[memory]", device=256), event("[memory]", device=-256),
+              event("Optimizer.step")]
+
+    @contextlib.contextmanager
+    def profile(activities: Any, profile_memory: bool) -> Iterator[Any]:
+        assert profile_memory
+        yield types.SimpleNamespace(events=lambda: events)
+
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+    calls: list[int] = []
+    assert loss_overhead.profile_counts(lambda: calls.append(1)) == (2, 768) and calls == [1]
 
 
 def test_the_aa_copy_runs_half_a_rotation_from_stock_in_every_benchmark() -> None:
@@ -777,7 +882,97 @@ def test_a_smoke_run_writes_to_the_temp_folder_unless_told_and_sizes_below_one_a
                                  (unsloth_cost.parse_args, ["--size", "small", "--rounds", "0", "--json", "x"],
                                   "--rounds=0 is invalid: allowed is an integer >= 1"),
                                  (unsloth_cost.parse_args, ["--size", "small", "--budget", "-1", "--json", "x"],
-                                  "--budget=-1.0 is invalid: allowed is a number of seconds > 0")):
+                                  "--budget=-1.0 is invalid: allowed is a number of seconds > 0"),
+                                 (unsloth_cost.parse_args, ["--size", "small", "--budget", "0", "--json", "x"],
+                                  "--budget=0.0 is invalid: allowed is a number of seconds > 0")):
         with pytest.raises(SystemExit):
             parse(argv)
         assert message in capsys.readouterr().err, argv
+
+
+# ----- overhead.py: median seconds, bytes, the ref_sync object, the rows and the A/A interval ----------------------
+
+def test_median_seconds_is_the_median_of_the_timed_calls_after_3_untimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls of 100 s, 100 s, 100 s (untimed), then 1, 2 and 9 s: the median, 2 (the mean would be 4)."""
+    import overhead
+
+    clock, durations = FakeClock(), [100.0, 100.0, 100.0, 1.0, 2.0, 9.0]
+    monkeypatch.setattr(overhead, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    assert overhead.median_seconds(lambda: clock.advance(durations.pop(0)), 3) == 2.0 and durations == []
+
+
+def test_tensor_bytes_are_elements_times_their_size() -> None:
+    import overhead
+
+    tensors = [torch.zeros(3, dtype=torch.float16), torch.zeros(2, 2, dtype=torch.float64),
+               torch.zeros(5, dtype=torch.int8)]
+    assert overhead.tensor_bytes(tensors) == 3 * 2 + 4 * 8 + 5
+
+
+def test_the_ref_sync_object_takes_medians_over_the_passes_against_stocks_median_step() -> None:
+    """Three timed passes: each cost the median over the passes (sync 4 us, not the first pass's 2 or the mean 5;
+    exchange 3 us; copy 20 us), each against stock's median step (1 s, mean 1.63; not the A/A copy's 2 s, nor
+    ref_sync's own 1.3 s); per step, 6 syncs and 5 exchanges of a 6-step run: 4 + 5/6 * 3 = 6.5 us."""
+    import overhead
+
+    exact = {"copy_tensors": 4, "copy_bytes": 400, "adapter_bytes": 800, "exchange_temp_bytes": 100,
+             "syncs_per_run": 6, "exchanges_per_run": 5}
+    runs = [{"sync_s": sync, "exchange_s": exchange, "copy_s": copy, **exact}
+            for sync, exchange, copy in ((2e-6, 5e-6, 1e-5), (4e-6, 1e-6, 3e-5), (9e-6, 3e-6, 2e-5))]
+    times = {"stock": [1.0, 0.9, 3.0], "stock (A/A)": [2.0, 2.0, 2.0]}
+    forwards = {"stock": [3, 3, 3], "stock (A/A)": [3, 3, 3], "none": [2, 2, 2]}
+    sync = overhead.ref_sync_report(runs, [1.1, 1.3, 5.0], [3, 4, 3], times, forwards,
+                                    types.SimpleNamespace(steps=6))
+    assert {key: sync[key] for key in exact} == exact and sync["bytes_to_adapter_ratio"] == 0.5
+    assert (sync["forwards_per_step"], sync["stock_forwards_per_step"], sync["extra_forwards"]) == ([3, 4], [3], 1)
+    assert (sync["stock_step_seconds_median"], sync["step_seconds_median"], sync["step_ratio"]) == (1.0, 1.3, 1.3)
+    assert (sync["sync_seconds_median"], sync["exchange_seconds_median"], sync["copy_seconds_median"]) == (
+        4e-6, 3e-6, 2e-5)
+    assert (sync["sync_to_step_ratio"], sync["exchange_to_step_ratio"]) == (4e-6, 3e-6)
+    assert sync["added_seconds_per_step"] == pytest.approx(6.5e-6, rel=1e-12)
+    assert sync["added_to_step_ratio"] == pytest.approx(6.5e-6, rel=1e-12)
+
+
+def test_the_step_benchmarks_rows_and_aa_interval_leave_out_the_untimed_pass_and_the_aa_copy(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any) -> None:
+    """overhead.main with its runs replaced: 2 timed passes after an untimed one (100 s steps, left out), each
+    pass one later in the rotation; each ratio a median over stock's (1.1 s); the A/A pair's interval its median over
+    stock's resampled: of 2 values a resampled median is the low one, their mean or the high one, so the interval's
+    ends are 1.3 / 1.2 and 1.5 / 1.0 (each with probability 1/16, far above 2.5 %); the largest step ratio is the
+    methods' (1.1), not the A/A pair's (1.27)."""
+    import overhead
+
+    seconds = {"stock": [1.0, 1.2], "stock (A/A)": [1.3, 1.5], "dynamic": [1.21, 1.21], "kl_in_reward": [1.1, 1.1]}
+    calls: list[str] = []
+
+    def run(variant: str, args: Any, output_dir: str) -> dict[str, Any]:
+        passes = calls.count(variant)
+        calls.append(variant)
+        median = 100.0 if passes == 0 else seconds.get(variant, [1.1, 1.1])[passes - 1]
+        result = {"median_step_s": median, "forwards_per_step": [4 if variant == "kl_in_reward" else 3],
+                  "cuda_peak_bytes": None}
+        if variant == overhead.REF_SYNC:
+            result.update({"sync_s": 1e-6, "exchange_s": 1e-6, "copy_s": 1e-6, "copy_tensors": 1, "copy_bytes": 8,
+                           "adapter_bytes": 8, "exchange_temp_bytes": 8, "syncs_per_run": 3, "exchanges_per_run": 2})
+        return result
+
+    monkeypatch.setattr(overhead, "run", run)
+    monkeypatch.setattr(overhead, "set_stock", lambda stock: None)
+    monkeypatch.setattr(overhead, "peak_rss", lambda variant, argv: 200 if variant in overhead.STOCK else 220)
+    monkeypatch.setattr(overhead, "core_op", lambda repeats: [{"method": "clip", "x_k3": 1.5}])
+    monkeypatch.setattr(overhead, "unsloth_timing", lambda smoke: None)
+    monkeypatch.setattr(overhead, "hardware", lambda: {})
+    monkeypatch.setattr(overhead, "source_commit", lambda: "x")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "overhead.json"
+    assert overhead.main(["--repeats", "2", "--steps", "3", "--json", str(path)]) == 0
+    timed = overhead.TIMED
+    assert calls == timed + timed[1:] + timed[:1] + timed[2:] + timed[:2]
+    report = json.loads(path.read_text())
+    rows = {row["variant"]: row for row in report["rows"]}
+    assert rows["stock"]["median_step_s"] == 1.1 and rows["clip"]["step_ratio"] == 1.0
+    assert rows["dynamic"]["step_ratio"] == pytest.approx(1.1) and rows["stock (A/A)"]["step_ratio"] == 1.4 / 1.1
+    assert rows["kl_in_reward"]["extra_forwards"] == 2 and rows["clip"]["memory_ratio"] == 1.1
+    assert report["aa_interval"] == [1.3 / 1.2, 1.5 / 1.0]
+    assert report["ref_sync"]["step_ratio"] == 1.0 and report["ref_sync"]["stock_step_seconds_median"] == 1.1
+    assert "max_step_ratio=1.100 aa=[1.083,1.500] " in capsys.readouterr().out.strip().splitlines()[-1]
