@@ -530,6 +530,26 @@ def test_counted_logprob_calls_counts_each_scorer_and_the_fused_ops_calls_made_i
     assert counts == {"chunked_hidden_states_selective_log_softmax": 3, "chunked_selective_log_softmax": 2,
                       "logprobs": 2, "logprobs_bwd": 2, "triton": 3, "torch": 0, "tiled": 1, "flash": 0}
     assert (zoo.rl.chunked_hidden_states_selective_log_softmax, zoo.rl.chunked_selective_log_softmax) == zoo.originals
+    del zoo.calls["flash"]  # a kind this unsloth_zoo does not count: 0 calls, not 0 - 1
+    with logprob_paths.counted_logprob_calls() as counts:
+        zoo.calls["logprobs"] += 1
+    assert (counts["logprobs"], counts["flash"], counts["triton"]) == (1, 0, 0)
+
+
+def test_counted_logprob_calls_raises_where_the_fused_op_is_there_but_a_module_it_imports_is_missing(
+        fake_unsloth_zoo: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the fused op's own module missing means "no fused op"; a module that it imports missing (triton, say) is
+    a broken install, raised rather than counted as the op's absence, before any scorer is replaced."""
+    def import_module(name: str) -> Any:
+        raise ModuleNotFoundError("No module named 'triton'", name="triton")
+
+    monkeypatch.setattr(logprob_paths, "importlib", types.SimpleNamespace(import_module=import_module))
+    with pytest.raises(ModuleNotFoundError, match="triton"):
+        with logprob_paths.counted_logprob_calls():
+            pass
+    rl = fake_unsloth_zoo.rl
+    assert (rl.chunked_hidden_states_selective_log_softmax, rl.chunked_selective_log_softmax) == \
+        fake_unsloth_zoo.originals
 
 
 def test_counted_logprob_calls_counts_the_scorers_alone_where_unsloth_zoo_has_no_fused_op(
@@ -555,3 +575,6 @@ def test_describe_names_each_scorer_that_ran_with_its_counts() -> None:
               "chunked_selective_log_softmax": 0}
     assert logprob_paths.describe(counts) == "per-chunk log-softmax on the hidden states (6 calls)"
     assert logprob_paths.describe({"logprobs": 0}) == "none of Unsloth's scorers ran"
+    counts = {"logprobs": 3, "logprobs_bwd": 0, "triton": 0, "torch": 0, "tiled": 0, "flash": 0}  # no kernel counted
+    assert logprob_paths.describe(counts) == ("fused linear log-probs on the hidden states (3 forward, 0 backward "
+                                              "calls; kernel bodies: none counted)")

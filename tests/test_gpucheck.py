@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from unsloth_adaptive_kl.tools import gpu_scenarios as scenarios
-from unsloth_adaptive_kl.tools import gpucheck, machine
+from unsloth_adaptive_kl.tools import gpucheck, machine, selfcheck
 from unsloth_adaptive_kl.tools.selfcheck import Check
 
 ROOT = Path(__file__).parents[1]
@@ -384,7 +384,7 @@ def test_the_dry_run_of_a_scenario_runs_without_cuda_and_writes_the_results(tmp_
     assert [name for name, s in data["scenarios"].items() if s["ran"]] == ["trl-fp16-scaler"]
 
 
-def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
+def test_the_gpu_flags_need_gpu(monkeypatch, capsys, tmp_path) -> None:
     """`python -m unsloth_adaptive_kl --budget 60 --jobs 2` (the module run in this process): a usage error naming
     both flags, before anything runs (`--json` is the self-check's too)."""
     import runpy
@@ -393,10 +393,16 @@ def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
     assert exit_info.value.code == 2 and "error: --jobs, --budget: only with --gpu" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--only", "trl-autocast"])  # one such flag
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    assert exit_info.value.code == 2 and "error: --only: only with --gpu" in capsys.readouterr().err
     # with --gpu: jobs 0 ran one at a time, a budget of -5 s failed every scenario as "not run"
     for flags, message in ((["--jobs", "0"], "--jobs=0 is invalid: allowed is an integer >= 1"),
                            (["--budget", "-5"], "--budget=-5.0 is invalid: allowed is a finite number of seconds > 0"),
-                           (["--budget", "nan"], "--budget=nan is invalid")):
+                           (["--budget", "nan"], "--budget=nan is invalid"),
+                           (["--budget", "inf"], "--budget=inf is invalid"),
+                           (["--budget", "0"], "--budget=0.0 is invalid")):
         monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--dry-run", *flags])
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
@@ -415,6 +421,16 @@ def test_the_gpu_flags_need_gpu(monkeypatch, capsys) -> None:
         with pytest.raises(SystemExit) as exit_info:
             runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
         assert exit_info.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+    # the --json check before a usage error leaves no trace: an existing record kept as it was, no new file made
+    kept, new = tmp_path / "kept.json", tmp_path / "records" / "check.json"
+    kept.write_text('{"kept": 1}')
+    for path in (kept, new):
+        monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--only", "bogus", "--json",
+                                          str(path)])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+        assert exit_info.value.code == 2 and "error: --only: unknown scenario bogus" in capsys.readouterr().err
+    assert kept.read_text() == '{"kept": 1}' and not new.exists() and new.parent.is_dir()
 
 
 def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_commands(tmp_path) -> None:
@@ -611,9 +627,10 @@ def test_run_scenario_gives_a_scenario_its_cpu_arguments_in_a_dry_run_only(monke
     assert seen == [("m", "w", {"device": "cpu", "precision": "bf16", "steps": 2}), ("m", "w", {})]
 
 
-def test_the_gpu_check_runs_one_job_at_a_time_within_25_minutes_by_default(monkeypatch) -> None:
+def test_the_gpu_check_runs_one_job_at_a_time_within_25_minutes_by_default(monkeypatch, tmp_path) -> None:
     """`python -m unsloth_adaptive_kl --gpu --dry-run` (the module run in this process, the check itself faked): the
-    defaults of docs/compatibility.md, one scenario at a time and 25 minutes in all."""
+    defaults of docs/compatibility.md, one scenario at a time and 25 minutes in all; the flags given handed on as
+    typed, and the check's exit code (without --gpu, the self-check's) the module's."""
     import runpy
 
     calls = []
@@ -622,6 +639,19 @@ def test_the_gpu_check_runs_one_job_at_a_time_within_25_minutes_by_default(monke
     with pytest.raises(SystemExit) as exit_info:
         runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
     assert exit_info.value.code == 0 and calls == [(None, 1, None, True, 25 * 60)]
+    path = str(tmp_path / "check.json")
+    monkeypatch.setattr(gpucheck, "main", lambda *args: calls.append(args) or 1)  # a check failed: exit 1
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--only", "trl-autocast", "--jobs",
+                                      "2", "--budget", "90", "--json", path])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    assert exit_info.value.code == 1 and calls[1:] == [("trl-autocast", 2, path, False, 90.0)]
+    # without --gpu, the self-check's exit code is the module's
+    monkeypatch.setattr(selfcheck, "main", lambda json_path: calls.append(json_path) or 1)
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--json", path])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    assert exit_info.value.code == 1 and calls[2:] == [path]
 
 
 def test_main_hands_its_jobs_budget_and_dry_run_on_and_records_the_command_and_its_time(monkeypatch,
@@ -724,12 +754,117 @@ def test_the_commit_is_the_checkouts_head_marked_where_tracked_files_changed(mon
     assert machine.source_commit() is None  # no git folder
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(checkout)]
     (package / "machine.py").write_text("v1\n")
-    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "one"]):
+    subprocess.run(git + ["init", "-q"], check=True)
+    assert machine.source_commit() is None  # a git folder without a commit: HEAD names none
+    for command in (["add", "."], ["commit", "-qm", "one"]):
         subprocess.run(git + command, check=True)
     head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     assert machine.source_commit() == head
+    (package / "notes.txt").write_text("an untracked file\n")
+    assert machine.source_commit() == head  # untracked files are no change to the source
     (package / "machine.py").write_text("v2\n")
     assert machine.source_commit() == head + "+changes"
+    monkeypatch.setenv("ADAPTIVE_KL_COMMIT", "0123abc")  # where set, it wins over the checkout's own git
+    assert machine.source_commit() == "0123abc"
+    monkeypatch.setenv("ADAPTIVE_KL_COMMIT", "")  # set empty: as if unset
+    assert machine.source_commit() == head + "+changes"
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory: 'git'")
+
+    monkeypatch.setattr(machine, "subprocess", types.SimpleNamespace(run=no_git, TimeoutExpired=TimeoutError))
+    assert machine.source_commit() is None  # git not installed
+
+
+def test_the_hardware_is_the_card_else_the_cpus_model_name_cores_and_torch_threads(monkeypatch) -> None:
+    """On a CPU: /proc/cpuinfo's "model name" (x86 lists a numeric "model" line before it), the cores and torch's
+    threads; where /proc/cpuinfo cannot be read, the platform's processor, else the architecture. On CUDA: the card."""
+    import io
+
+    cpuinfo = ["processor\t: 0\nvendor_id\t: GenuineIntel\nmodel\t\t: 143\nmodel name\t: Intel(R) Xeon(R) Platinum "
+               "8480+\nflags\t\t: fpu\n"]
+
+    def fake_open(path, *args, **kwargs):
+        assert path == "/proc/cpuinfo"
+        if not cpuinfo:
+            raise PermissionError(13, "Permission denied", path)
+        return io.StringIO(cpuinfo.pop())
+
+    monkeypatch.setattr(machine, "open", fake_open, raising=False)
+    monkeypatch.setattr(machine.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(machine.torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(machine.platform, "processor", lambda: "arm")
+    monkeypatch.setattr(machine.platform, "machine", lambda: "aarch64")
+    assert machine.hardware() == "CPU: Intel(R) Xeon(R) Platinum 8480+, 16 cores, 4 torch threads"
+    assert machine.hardware() == "CPU: arm, 16 cores, 4 torch threads"  # no cpuinfo (macOS, or a sandbox)
+    monkeypatch.setattr(machine.platform, "processor", lambda: "")  # Linux's platform.processor() is often ""
+    assert machine.hardware() == "CPU: aarch64, 16 cores, 4 torch threads"
+    monkeypatch.setattr(machine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(machine.torch.cuda, "get_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert machine.hardware() == "NVIDIA H100 80GB HBM3"
+
+
+def test_installed_versions_lists_the_installed_packages_in_the_order_asked() -> None:
+    import importlib.metadata
+
+    found = machine.installed_versions(["torch", "no_such_package_for_this_test", "pytest"])
+    assert list(found.items()) == [("torch", importlib.metadata.version("torch")),
+                                   ("pytest", importlib.metadata.version("pytest"))]
+
+
+def test_the_tiny_tokenizer_has_one_token_per_character_and_pads_its_vocabulary_with_tokens_no_text_reaches() -> None:
+    """Pad and EOS, then one token per character of the alphabet, each of a run of spaces or newlines its own;
+    `vocab_size` pads with `<unusedN>` up to exactly that size (the alphabet's own size allowed, one less refused).
+    CHAT_ALPHABET is every printable ASCII character and the newline (no other whitespace)."""
+    import string
+
+    from unsloth_adaptive_kl.tools.tiny import CHAT_ALPHABET, build_tokenizer
+
+    tokenizer = build_tokenizer("ab \n", vocab_size=6)  # <pad>, <eos>, a, b, space, newline: no padding needed
+    assert len(tokenizer) == 6 and (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+    assert tokenizer("a\n\nb  a").input_ids == [2, 5, 5, 3, 4, 4, 2]
+    assert tokenizer.decode([2, 5, 5, 3, 4, 4, 2]) == "a\n\nb  a"
+    padded = build_tokenizer("ab \n", vocab_size=8)
+    assert len(padded) == 8 and padded.convert_ids_to_tokens([5, 6, 7]) == ["\n", "<unused6>", "<unused7>"]
+    with pytest.raises(ValueError, match="vocab_size=5 is invalid: the alphabet needs 6 tokens"):
+        build_tokenizer("ab \n", vocab_size=5)
+    assert set(CHAT_ALPHABET) == set(string.printable) - set("\t\r\x0b\x0c") and len(CHAT_ALPHABET) == 96
+
+
+def test_the_tiny_model_its_lora_and_the_unsloth_stand_in_are_seeded_and_shaped_as_documented() -> None:
+    """build_tiny_model: a Llama over the tokenizer's vocab (MLP twice the width, as many KV heads as heads, untied,
+    the tokenizer's pad and EOS and no BOS: it has none), seeded whatever the global RNG; lora_config: rank r, alpha
+    2r, no dropout, on every attention and MLP projection; add_lora seeded too; as_unsloth_model: the two methods of
+    Unsloth's models, float32 kept."""
+    from unsloth_adaptive_kl.tools.tiny import (add_lora, as_unsloth_model, build_tiny_model, build_tokenizer,
+                                                lora_config)
+
+    tokenizer = build_tokenizer("ab", vocab_size=8)
+    sizes = dict(hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=16)
+    torch.manual_seed(1)
+    model = build_tiny_model(tokenizer, **sizes)
+    config = model.config
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_attention_heads,
+            config.num_key_value_heads, config.max_position_embeddings) == (8, 32, 64, 2, 2, 16)
+    assert (config.pad_token_id, config.eos_token_id, config.bos_token_id, config.tie_word_embeddings) == (
+        0, 1, None, False)
+    assert (model.generation_config.pad_token_id, model.generation_config.eos_token_id) == (0, 1)
+    torch.manual_seed(2)
+    same = build_tiny_model(tokenizer, **sizes)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values()))
+    lora = lora_config(4)
+    assert (lora.r, lora.lora_alpha, lora.lora_dropout) == (4, 8, 0.0)
+    assert set(lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    torch.manual_seed(1)
+    adapted = add_lora(model, rank=4, seed=3)
+    torch.manual_seed(2)
+    again = add_lora(same, rank=4, seed=3)
+    weights = {name: value for name, value in adapted.state_dict().items() if "lora_A" in name}
+    assert {name.split(".")[-4] for name in weights} == set(lora.target_modules)
+    assert all(torch.equal(value, again.state_dict()[name]) for name, value in weights.items())
+    assert as_unsloth_model(model) is model and model._unsloth_user_float32 is True
+    assert (model.for_training(), model.for_inference(use_cache=True)) == (None, None)
 
 
 def test_the_driver_version_is_the_first_cards_or_none(monkeypatch) -> None:
