@@ -941,3 +941,61 @@ def test_the_plot_shows_the_panels_some_variant_logs_and_the_mean_of_the_seeds_w
     assert list(panels["reward"].lines[0].get_ydata()) == [6.0, 7.0, 8.0]  # (1 + 11) / 2, ...
     assert list(panels["corr(length, summed KL)"].lines[0].get_ydata()) == [6.0, 2.0, 8.0]
     assert panels["reward"].get_legend() is not None
+
+
+# ----- the tiny tokenizer and model the demo, the tests and the benchmarks build in-process ---------------------
+
+def test_the_tiny_tokenizer_has_one_token_per_character_and_pads_its_vocabulary_with_tokens_no_text_reaches() -> None:
+    """Pad and EOS, then one token per character of the alphabet, each of a run of spaces or newlines its own;
+    `vocab_size` pads with `<unusedN>` up to exactly that size (the alphabet's own size allowed, one less refused).
+    CHAT_ALPHABET is every printable ASCII character and the newline (no other whitespace)."""
+    import string
+
+    from unsloth_adaptive_kl.tools.tiny import CHAT_ALPHABET, build_tokenizer
+
+    tokenizer = build_tokenizer("ab \n", vocab_size=6)  # <pad>, <eos>, a, b, space, newline: no padding needed
+    assert len(tokenizer) == 6 and (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+    assert tokenizer("a\n\nb  a").input_ids == [2, 5, 5, 3, 4, 4, 2]
+    assert tokenizer.decode([2, 5, 5, 3, 4, 4, 2]) == "a\n\nb  a"
+    padded = build_tokenizer("ab \n", vocab_size=8)
+    assert len(padded) == 8 and padded.convert_ids_to_tokens([5, 6, 7]) == ["\n", "<unused6>", "<unused7>"]
+    with pytest.raises(ValueError, match="vocab_size=5 is invalid: the alphabet needs 6 tokens"):
+        build_tokenizer("ab \n", vocab_size=5)
+    assert set(CHAT_ALPHABET) == set(string.printable) - set("\t\r\x0b\x0c") and len(CHAT_ALPHABET) == 96
+
+
+def test_the_tiny_model_its_lora_and_the_unsloth_stand_in_are_seeded_and_shaped_as_documented() -> None:
+    """build_tiny_model: a Llama over the tokenizer's vocab (MLP twice the width, as many KV heads as heads, untied,
+    the tokenizer's pad and EOS and no BOS: it has none), seeded whatever the global RNG; lora_config: rank r, alpha
+    2r, no dropout, on every attention and MLP projection; add_lora seeded too; as_unsloth_model: the two methods of
+    Unsloth's models, float32 kept."""
+    import torch
+
+    from unsloth_adaptive_kl.tools.tiny import (add_lora, as_unsloth_model, build_tiny_model, build_tokenizer,
+                                                lora_config)
+
+    tokenizer = build_tokenizer("ab", vocab_size=8)
+    sizes = dict(hidden_size=32, num_layers=1, num_heads=2, max_position_embeddings=16)
+    torch.manual_seed(1)
+    model = build_tiny_model(tokenizer, **sizes)
+    config = model.config
+    assert (config.vocab_size, config.hidden_size, config.intermediate_size, config.num_attention_heads,
+            config.num_key_value_heads, config.max_position_embeddings) == (8, 32, 64, 2, 2, 16)
+    assert (config.pad_token_id, config.eos_token_id, config.bos_token_id, config.tie_word_embeddings) == (
+        0, 1, None, False)
+    assert (model.generation_config.pad_token_id, model.generation_config.eos_token_id) == (0, 1)
+    torch.manual_seed(2)
+    same = build_tiny_model(tokenizer, **sizes)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values()))
+    lora = lora_config(4)
+    assert (lora.r, lora.lora_alpha, lora.lora_dropout) == (4, 8, 0.0)
+    assert set(lora.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    torch.manual_seed(1)
+    adapted = add_lora(model, rank=4, seed=3)
+    torch.manual_seed(2)
+    again = add_lora(same, rank=4, seed=3)
+    weights = {name: value for name, value in adapted.state_dict().items() if "lora_A" in name}
+    assert {name.split(".")[-4] for name in weights} == set(lora.target_modules)
+    assert all(torch.equal(value, again.state_dict()[name]) for name, value in weights.items())
+    assert as_unsloth_model(model) is model and model._unsloth_user_float32 is True
+    assert (model.for_training(), model.for_inference(use_cache=True)) == (None, None)
