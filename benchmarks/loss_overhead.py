@@ -26,7 +26,7 @@ as its stock loss is far slower and its interval far narrower). What the adaptat
 path is mostly fixed per call (ops, the metric row), while the stock loss grows with the tokens, so its share falls
 with size; the table `share by size` shows it per method.
 Writes JSON after each trainer (`finished` false until the end; with `--budget SECONDS` the larger size is skipped,
-and the JSON says why, when the default size has used more than half of it) and ends with
+and the JSON says why, when the core op and the default size have used more than half of it) and ends with
 `max_loss_overhead_ratio=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the default size) and
 `max_loss_overhead_ratio_large=X.XXX ci=[a,b] aa=[c,d] ops_added=N` (the larger one, where it ran).
 """
@@ -86,8 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds: the larger size is skipped (and the JSON says so) when the default size has "
-                             "used more than half of them; default: no budget")
+                        help="seconds: the larger size is skipped (and the JSON says so) when the core op and the "
+                             "default size have used more than half of them; default: no budget")
     parser.add_argument("--json", default=None, help="default: benchmarks/loss_overhead.json (the committed run); "
                                                      "with --smoke, loss_overhead_smoke.json in the temp folder")
     parser.add_argument("--trainer", choices=["trl", "unsloth"], default=None, help=argparse.SUPPRESS)
@@ -574,8 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     for suffix, (size, repeats) in sizes.items():
         spent = time.perf_counter() - started
         if suffix and args.budget is not None and spent > args.budget / 2:
-            results["large_skipped"] = (f"the default size took {spent:.0f} s of the {args.budget:.0f}-second budget "
-                                        "(more than half)")
+            results["large_skipped"] = (f"the core op and the default size took {spent:.0f} s of the "
+                                        f"{args.budget:.0f}-second budget (more than half)")
             print(f"\nthe larger size is skipped: {results['large_skipped']}")
             break
         part = results if not suffix else results.setdefault("large", {})

@@ -556,14 +556,14 @@ def test_the_gpu_page_names_the_commit_and_what_the_loss_benchmark_did_not_reach
             "versions": {"unsloth_adaptive_kl": "0.1.0", "torch": "2.11.0", "vllm": None},
             "commit": "0123456789abcdef+changes", "size": {"completions": 8, "completion_length": 64},
             "trl": {"precision": "fp32"}, "unsloth": {"precision": "bf16"}, "headline": headline, "finished": True,
-            "large_skipped": "the default size took 230 s of the 400-second budget (more than half)"}
+            "large_skipped": "the core op and the default size took 230 s of the 400-second budget (more than half)"}
     monkeypatch.setattr(hook, "_gpu", lambda name: loss if name == "loss_overhead.json" else None)
     text = hook.gpu_loss()
     assert "Versions: unsloth_adaptive_kl 0.1.0 (at commit `0123456` with uncommitted changes), torch 2.11.0." in text
     assert ("| default | 8 completions × 64 tokens | TRL and Unsloth | 1.020 | [1.010, 1.030] | [0.980, 1.020] | 40 |"
             in text)
-    assert "| large |" not in text and text.endswith(
-        "The larger size was not run: the default size took 230 s of the 400-second budget (more than half).")
+    assert "| large |" not in text and text.endswith("The larger size was not run: the core op and the default size "
+                                                     "took 230 s of the 400-second budget (more than half).")
     del loss["unsloth"], loss["large_skipped"]
     loss.update(finished=False, commit="0123456789abcdef")
     text = hook.gpu_loss()
