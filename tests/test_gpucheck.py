@@ -384,52 +384,45 @@ def test_the_dry_run_of_a_scenario_runs_without_cuda_and_writes_the_results(tmp_
     assert [name for name, s in data["scenarios"].items() if s["ran"]] == ["trl-fp16-scaler"]
 
 
+def run_module(monkeypatch: pytest.MonkeyPatch, *flags: str) -> int:
+    """`python -m unsloth_adaptive_kl FLAGS`, the module run in this process: its exit code."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", *flags])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
+    return exit_info.value.code
+
+
 def test_the_gpu_flags_need_gpu(monkeypatch, capsys, tmp_path) -> None:
     """`python -m unsloth_adaptive_kl --budget 60 --jobs 2` (the module run in this process): a usage error naming
     both flags, before anything runs (`--json` is the self-check's too)."""
-    import runpy
-
-    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--budget", "60", "--jobs", "2"])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-    assert exit_info.value.code == 2 and "error: --jobs, --budget: only with --gpu" in capsys.readouterr().err
-    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--only", "trl-autocast"])  # one such flag
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-    assert exit_info.value.code == 2 and "error: --only: only with --gpu" in capsys.readouterr().err
+    assert run_module(monkeypatch, "--budget", "60", "--jobs", "2") == 2
+    assert "error: --jobs, --budget: only with --gpu" in capsys.readouterr().err
+    assert run_module(monkeypatch, "--only", "trl-autocast") == 2  # one such flag
+    assert "error: --only: only with --gpu" in capsys.readouterr().err
     # with --gpu: jobs 0 ran one at a time, a budget of -5 s failed every scenario as "not run"
     for flags, message in ((["--jobs", "0"], "--jobs=0 is invalid: allowed is an integer >= 1"),
                            (["--budget", "-5"], "--budget=-5.0 is invalid: allowed is a finite number of seconds > 0"),
                            (["--budget", "nan"], "--budget=nan is invalid"),
                            (["--budget", "inf"], "--budget=inf is invalid"),
                            (["--budget", "0"], "--budget=0.0 is invalid")):
-        monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--dry-run", *flags])
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-        assert exit_info.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+        assert run_module(monkeypatch, "--gpu", "--dry-run", *flags) == 2
+        assert f"error: {message}" in capsys.readouterr().err
     # the self-check's --json a folder: an IsADirectoryError once every check had run; now refused first
-    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--json", "/"])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-    assert exit_info.value.code == 2 and "error: --json='/' is a folder: allowed is a file's path" in (
-        capsys.readouterr().err)
+    assert run_module(monkeypatch, "--json", "/") == 2
+    assert "error: --json='/' is a folder: allowed is a file's path" in capsys.readouterr().err
     # a --json that cannot be written (it was found after every check had run) and an unknown --gpu scenario (it
     # exited 1, as a failed check): usage errors now (exit 2), before anything runs
     for flags, message in ((["--json", "/proc/selfcheck.json"], "--json='/proc/selfcheck.json' cannot be written ("),
                            (["--gpu", "--dry-run", "--only", "bogus"], "--only: unknown scenario bogus; allowed: ")):
-        monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", *flags])
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-        assert exit_info.value.code == 2 and f"error: {message}" in capsys.readouterr().err
+        assert run_module(monkeypatch, *flags) == 2 and f"error: {message}" in capsys.readouterr().err
     # the --json check before a usage error leaves no trace: an existing record kept as it was, no new file made
     kept, new = tmp_path / "kept.json", tmp_path / "records" / "check.json"
     kept.write_text('{"kept": 1}')
     for path in (kept, new):
-        monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--only", "bogus", "--json",
-                                          str(path)])
-        with pytest.raises(SystemExit) as exit_info:
-            runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-        assert exit_info.value.code == 2 and "error: --only: unknown scenario bogus" in capsys.readouterr().err
+        assert run_module(monkeypatch, "--gpu", "--only", "bogus", "--json", str(path)) == 2
+        assert "error: --only: unknown scenario bogus" in capsys.readouterr().err
     assert kept.read_text() == '{"kept": 1}' and not new.exists() and new.parent.is_dir()
 
 
@@ -631,27 +624,17 @@ def test_the_gpu_check_runs_one_job_at_a_time_within_25_minutes_by_default(monke
     """`python -m unsloth_adaptive_kl --gpu --dry-run` (the module run in this process, the check itself faked): the
     defaults of docs/compatibility.md, one scenario at a time and 25 minutes in all; the flags given handed on as
     typed, and the check's exit code (without --gpu, the self-check's) the module's."""
-    import runpy
-
     calls = []
     monkeypatch.setattr(gpucheck, "main", lambda *args: calls.append(args) or 0)
-    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--dry-run"])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-    assert exit_info.value.code == 0 and calls == [(None, 1, None, True, 25 * 60)]
+    assert run_module(monkeypatch, "--gpu", "--dry-run") == 0 and calls == [(None, 1, None, True, 25 * 60)]
     path = str(tmp_path / "check.json")
     monkeypatch.setattr(gpucheck, "main", lambda *args: calls.append(args) or 1)  # a check failed: exit 1
-    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--gpu", "--only", "trl-autocast", "--jobs",
-                                      "2", "--budget", "90", "--json", path])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-    assert exit_info.value.code == 1 and calls[1:] == [("trl-autocast", 2, path, False, 90.0)]
+    assert run_module(monkeypatch, "--gpu", "--only", "trl-autocast", "--jobs", "2", "--budget", "90", "--json",
+                      path) == 1
+    assert calls[1:] == [("trl-autocast", 2, path, False, 90.0)]
     # without --gpu, the self-check's exit code is the module's
     monkeypatch.setattr(selfcheck, "main", lambda json_path: calls.append(json_path) or 1)
-    monkeypatch.setattr(sys, "argv", ["python -m unsloth_adaptive_kl", "--json", path])
-    with pytest.raises(SystemExit) as exit_info:
-        runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
-    assert exit_info.value.code == 1 and calls[2:] == [path]
+    assert run_module(monkeypatch, "--json", path) == 1 and calls[2:] == [path]
 
 
 def test_main_hands_its_jobs_budget_and_dry_run_on_and_records_the_command_and_its_time(monkeypatch,
