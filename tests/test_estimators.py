@@ -162,6 +162,27 @@ def test_any_nonzero_mask_entry_is_a_valid_position() -> None:
         [math.exp(-0.5) + 0.5 - 1.0, math.e - 2.0, 0.0], rel=1e-6)
 
 
+def test_a_callable_estimator_gives_0_on_masked_positions_as_the_pipeline_does() -> None:
+    """A callable that maps the masked positions' zeros to a nonzero value (exp(0) = 1): estimate_kl gives 0 there,
+    as AdaptiveKL.kl_loss's pipeline does, and passes the mask as bool. Valid: exp(ref - logp) = exp(-1)."""
+    seen = []
+
+    def ratio(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        seen.append(mask.dtype)
+        return torch.exp(ref - logp)
+
+    config = AdaptiveKLConfig(kl_estimator=ratio)
+    logp = torch.tensor([[-1.0, -1.0, -1.0]], requires_grad=True)
+    k = estimate_kl(logp, torch.tensor([[-2.0, -2.0, -2.0]]), torch.tensor([[1.0, 1.0, 0.0]]), config)
+    assert k[0].tolist() == pytest.approx([math.exp(-1.0), math.exp(-1.0), 0.0], rel=1e-6)
+    k.sum().backward()
+    assert logp.grad[0].tolist() == pytest.approx([-math.exp(-1.0), -math.exp(-1.0), 0.0], rel=1e-6)
+    assert seen == [torch.bool]
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_estimator=ratio, kl_reduction="token_mean"), beta=1.0)
+    term, _ = akl.kl_loss(logp.detach(), torch.tensor([[-2.0, -2.0, -2.0]]), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert term.item() == pytest.approx(math.exp(-1.0), rel=1e-6)  # (e^-1 + e^-1 + 0) / 2 valid tokens
+
+
 @pytest.mark.parametrize("loss_type", sorted(HAND_REDUCTIONS))
 def test_kl_reduction_overrides_loss_type_by_hand(loss_type: str) -> None:
     # masked sums 2.6 (L=3) and 3.0 (L=1)

@@ -9,6 +9,13 @@ def reject(name: str, value: object, allowed: str) -> ValueError:
     return ValueError(f"{name}={value!r} is invalid: allowed is {allowed}.")
 
 
+# Why the KL is not finite where the log-probs are (the core's metrics and Tinker's traced loss say it alike): of the
+# built-in estimators only these exponentiate the log-ratio unclamped (low_var_kl clamps it; k1 and k2 are
+# polynomial in it).
+KL_OVERFLOW = ("an estimator that exponentiates the log-ratio (k3, k3+, k3_bottom_percentile) overflowed float32 where "
+               "they diverged")
+
+
 class NonFiniteLogProbError(FloatingPointError, ValueError):
     """A NaN or infinite log-prob (policy, reference, or the old policy's where a door holds them) on a valid (mask=1)
     token: raised naming the step, the tensor and how many tokens, before the loss reaches the optimizer (masked

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from .numerics import masked_logps
+from .numerics import keep_valid, masked_logps, valid_positions
 from .registry import NAME_RULE, selectable
 
 Estimator = Callable[..., torch.Tensor]
@@ -151,12 +151,15 @@ def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, confi
     name or a callable (logp, ref, mask) -> per-token KL.
 
     The estimator is given float32 whatever the input's dtype (bf16/fp16 upcast, float64 rounded; float32 is not
-    copied). Masked positions (mask == 0) of logp and ref are replaced by 0 before the estimator sees them, so
-    whatever they hold (NaN, +-inf, padding garbage) the KL there is 0 with a zero gradient. Traceable (torch.fx,
-    `torch.compile(fullgraph=True)`), so it checks nothing on the host: a (B, 1) mask or reference broadcasts, and a
-    mask entry of 0.5 is a valid position. `AdaptiveKL.kl_loss` and `reward_penalty` check a batch's shapes and mask."""
-    logp, ref = masked_logps(logp, ref, mask)
-    return run_estimator(logp, ref, mask, config)
+    copied). Masked positions (mask == 0) of logp and ref are replaced by 0 before the estimator sees them, and its
+    output is 0 there, so whatever they hold (NaN, +-inf, padding garbage) and whatever a callable makes of 0 (exp(0)
+    is 1), the KL there is 0 with a zero gradient, as in `AdaptiveKL`'s pipeline. The estimator is given the mask as
+    bool. Traceable (torch.fx, `torch.compile(fullgraph=True)`), so it checks nothing on the host: a (B, 1) mask or
+    reference broadcasts, and a mask entry of 0.5 is a valid position. `AdaptiveKL.kl_loss` and `reward_penalty`
+    check a batch's shapes and mask."""
+    valid = valid_positions(mask)
+    logp, ref = masked_logps(logp, ref, valid)
+    return keep_valid(run_estimator(logp, ref, valid, config), valid)
 
 
 # The estimators this package defines (registered above); a name registered later is a user's, which may read any

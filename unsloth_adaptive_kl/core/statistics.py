@@ -22,6 +22,7 @@ import torch
 from .adaptation import KLTerm
 from .controllers import WindowKL
 from .config import is_real, reject
+from .errors import KL_OVERFLOW
 from .numerics import KINDS, LogpCheck, NonFinite, nonfinite_error, this_process
 
 METRIC_PREFIX = "adaptive_kl/"
@@ -96,10 +97,9 @@ class KLStatistics:
         if self.entries and not (math.isfinite(raw_kl) and math.isfinite(adapted_kl)):
             raise FloatingPointError(
                 f"adaptive KL: non-finite KL at step {step}: raw_kl={raw_kl}, adapted_kl={adapted_kl}. "
-                "The policy and reference log-probs are finite on valid tokens, so the KL itself is not: an "
-                "estimator that exponentiates the log-ratio (k3, k3+, k3_bottom_percentile) overflowed float32 where "
-                "they diverged, or a "
-                "per-token KL handed in (per_token_kl, a trainer's own) holds a NaN or inf on a valid token.")
+                "The policy and reference log-probs are finite on valid tokens, so the KL itself is not: "
+                f"{KL_OVERFLOW}, or a per-token KL handed in (per_token_kl, a trainer's own) holds a NaN or inf on a "
+                "valid token.")
         values = {"raw_kl": raw_kl, "adapted_kl": adapted_kl, "current_beta": beta,
                   "sequence_kl": self.kl / self.completions if self.completions else math.nan,
                   "length_kl_corr": self.length_kl_corr()}

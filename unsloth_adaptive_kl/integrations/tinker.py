@@ -41,7 +41,7 @@ from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.config import check_beta, check_real, is_real, is_whole, python_number
-from ..core.errors import reject
+from ..core.errors import KL_OVERFLOW, reject
 from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
                                warn_unread_context)
 from ..core.statistics import device_sums, gather_statistics
@@ -612,6 +612,5 @@ def check_traced_loss(akl: AdaptiveKL, result: "types.ForwardBackwardOutput") ->
     if not math.isfinite(kl):  # finite log-probs, so the KL itself is not, as grpo_kl_loss raises on its thread
         raise FloatingPointError(
             f"adaptive KL: non-finite KL at step {akl.completed_steps + 1}: {TRACED_KL}={kl}. The policy and reference "
-            "log-probs are finite on valid tokens, so the KL itself is not: an estimator that exponentiates the "
-            "log-ratio (k2, k3) overflowed float32 where they diverged. The gradients of this forward_backward are "
-            "accumulated: resume from the last checkpoint instead of calling optim_step.")
+            f"log-probs are finite on valid tokens, so the KL itself is not: {KL_OVERFLOW}. The gradients of this "
+            "forward_backward are accumulated: resume from the last checkpoint instead of calling optim_step.")
