@@ -489,8 +489,8 @@ def test_a_format_2_state_loads_without_the_steps_kl() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (dict(config=AdaptiveKLConfig(beta_min=0.5), beta=0.1), "beta_min=0.5 is invalid: allowed is a number with "
-                                                                "0 <= beta_min <= beta=0.1."),
+        (dict(config=AdaptiveKLConfig(beta_min=0.5), beta=0.1),
+         "beta_min=0.5 is invalid: allowed is a finite number with 0 <= beta_min <= beta=0.1."),
         (dict(config=None, beta=math.nan), "beta=nan is invalid: allowed is a finite number >= 0."),
         (dict(config=None, beta=-0.1), "beta=-0.1 is invalid: allowed is a finite number >= 0."),
         # a number, but not a Python one: said so (it read "0.04 is invalid: allowed is a number")

@@ -67,13 +67,14 @@ BAD_VALUES = [
     ("beta_min", -0.01, "0 <= beta_min <= beta=0.04"),
     ("beta_min", 0.5, "0 <= beta_min <= beta=0.04"),
     ("beta_min", True, "0 <= beta_min"),
+    ("beta_min", math.inf, "a finite number with 0 <= beta_min"),  # it read "a number with 0 <= ...": inf allowed?
     ("beta_schedule_steps", 0, "an integer >= 1, or None"),
     ("beta_schedule_steps", -5, "an integer >= 1, or None"),
     ("beta_schedule_steps", 2.5, "an integer >= 1, or None"),
     ("beta_schedule_steps", True, "an integer >= 1, or None"),
     ("beta_schedule_steps", np.int64(10), "an integer >= 1, or None for no cut-off, as a Python int (this is "
                                           "a numpy.int64: pass int(...))."),
-    ("beta_max", 0.02, "None or a finite number >= beta_min and >= beta=0.04"),  # target would cut beta at once
+    ("beta_max", 0.02, "None or a finite number >= beta_min=0.0 and >= beta=0.04"),  # target would cut beta at once
     ("kl_percentile", 0.0, "a number with 0 < x <= 1"),  # would keep one token, whatever the batch
     ("kl_percentile_scale", 0.0, "a finite number > 0"),  # would zero the KL term
     ("kl_horizon", 0.0, "a finite number > 0"),  # target's update would divide by zero mid-training

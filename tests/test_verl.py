@@ -1871,8 +1871,8 @@ def test_a_bad_coefficient_or_bound_is_named_in_verls_terms(coefficient: str, bu
     assert str(raised.value) == f"{coefficient}=-0.1 is invalid: allowed is a finite number >= 0."
     with pytest.raises(ValueError) as raised:
         build(AdaptiveKLConfig(kl_adaptation_method="dynamic", beta_min=0.5), 0.1)
-    assert str(raised.value) == ("adaptive_kl.beta_min=0.5 is invalid: allowed is a number with 0 <= beta_min <= "
-                                 f"beta=0.1. Here beta is {coefficient}=0.1.")
+    assert str(raised.value) == ("adaptive_kl.beta_min=0.5 is invalid: allowed is a finite number with 0 <= "
+                                 f"beta_min <= beta=0.1. Here beta is {coefficient}=0.1.")
 
 
 @pytest.mark.parametrize(("block", "named"), [
@@ -1887,6 +1887,17 @@ def test_a_bound_is_named_with_the_block_that_set_it(block, named):
         _GuardedTrainer(trainer_config(use_kl_loss=False, **block))
     assert str(raised.value).startswith(f"{named} is invalid: ")
     assert str(raised.value).endswith("Here beta is algorithm.kl_ctrl.kl_coef=0.1.")
+
+
+def test_a_beta_max_below_the_beta_min_the_reward_inherits_names_that_beta_min():
+    """beta_min=0.5 at the top (the reward block inherits it), beta_max=0.2 under reward: the refusal named the
+    reward's beta_max alone, "allowed is ... >= beta_min", and not the 0.5 the user set elsewhere."""
+    block = dict(kl_adaptation_method="dynamic", beta_min=0.5,
+                 reward={"kl_adaptation_method": "target", "kl_target": 0.2, "beta_max": 0.2})
+    with pytest.raises(ValueError) as raised:
+        _GuardedTrainer(trainer_config(**block))
+    assert str(raised.value) == ("adaptive_kl.reward.beta_max=0.2 is invalid: allowed is None or a finite number >= "
+                                 "beta_min=0.5 and >= beta.")
 
 
 # ----- from a mutation audit of verl.py: each test fails on a change that every other test let pass ----------------

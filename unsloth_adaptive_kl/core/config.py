@@ -389,7 +389,7 @@ class AdaptiveKLConfig:
         check_real("beta_min", self.beta_min,
                    is_real(self.beta_min) and 0 <= self.beta_min < math.inf
                    and (beta is None or self.beta_min <= beta),
-                   f"a number with 0 <= beta_min <= {beta_bound}")
+                   f"a finite number with 0 <= beta_min <= {beta_bound}")
         if not (self.kl_estimator is None or callable(self.kl_estimator) or self.kl_estimator in estimator_names()):
             raise reject("kl_estimator", self.kl_estimator,
                          f"None (the placement's default), one of {', '.join(estimator_names())} (register your own "
@@ -411,7 +411,7 @@ class AdaptiveKLConfig:
         if self.beta_max is not None:
             check_real("beta_max", self.beta_max,
                        is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,
-                       f"None or a finite number >= beta_min and >= {beta_bound}")
+                       f"None or a finite number >= beta_min={self.beta_min!r} and >= {beta_bound}")
         if self.kl_target_measure not in TARGET_MEASURES:
             raise reject("kl_target_measure", self.kl_target_measure, f"one of {', '.join(TARGET_MEASURES)}")
         if "target" in methods and not self.kl_target > 0:
