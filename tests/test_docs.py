@@ -349,11 +349,12 @@ def test_the_summed_kl_in_the_loss_has_the_tightest_length_spread_of_the_loss_si
 
 
 def test_verl_page_command_is_the_one_the_end_to_end_test_runs() -> None:
-    """docs/verl.md's command switches the integration on exactly as tests/test_verl.py's end-to-end run does: the
-    environment variable, the trainer name and every adaptive_kl and KL override it passes to main_ppo."""
+    """docs/verl.md's command switches the integration on as tests/test_verl.py's runs do: the environment variable,
+    the trainer name and every adaptive_kl and KL override of PAGE_RUN, which test_verl.py builds verl's trainer with at
+    verl's default and GRPO's batch sizes, and runs end to end with test-sized targets appended."""
     sys.path.insert(0, str(ROOT / "tests"))
     try:
-        from verl_cpu import ADAPTIVE_RUN, EXTERNAL_MODULE
+        from verl_cpu import EXTERNAL_MODULE, PAGE_RUN
     finally:
         sys.path.remove(str(ROOT / "tests"))
     page = (ROOT / "docs" / "verl.md").read_text()
@@ -361,7 +362,8 @@ def test_verl_page_command_is_the_one_the_end_to_end_test_runs() -> None:
     tokens = block["body"].replace("\\\n", " ").split()
     assert tokens[:3] == [f"VERL_USE_EXTERNAL_MODULES={EXTERNAL_MODULE}", "python", "-m"]
     assert tokens[3] == "verl.trainer.main_ppo"
-    assert [t for t in tokens if t in ADAPTIVE_RUN] == ADAPTIVE_RUN  # all of them, in the test's order
+    assert [t for t in tokens if t in PAGE_RUN] == PAGE_RUN  # all of them, in the test's order
+    assert not [t for t in tokens if t.startswith("++")]  # none of the end-to-end run's sizing
 
 
 def test_readme_links_are_absolute_and_resolve() -> None:

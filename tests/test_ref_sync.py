@@ -76,6 +76,10 @@ BAD_SYNC_VALUES = [
     (dict(ref_model_sync_kl="0.1"), "ref_model_sync_kl='0.1' is invalid: allowed is None or a finite number > 0"),
     (dict(ref_model_sync_reset_optimizer="yes"), "ref_model_sync_reset_optimizer='yes' is invalid: allowed is True or False"),
     (dict(beta=0.0), "sync_ref_model=True is invalid: allowed is False with beta=0.0"),
+    # TRL reads it by truth: the string "False" synced, and let ref_model_sync_kl through as if sync were on
+    (dict(sync_ref_model="False", ref_model_sync_kl=0.1),
+     "sync_ref_model='False' is invalid: allowed is True or False."),
+    (dict(sync_ref_model=1), "sync_ref_model=1 is invalid: allowed is True or False."),
 ]
 
 

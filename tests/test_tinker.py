@@ -575,6 +575,19 @@ def test_an_unscored_reward_or_a_group_size_that_is_not_a_count_is_refused() -> 
             integration.kl_penalized_data(akl, data, rewards, group_size=2)
         assert str(raised.value) == (f"rewards={rewards!r} is invalid: allowed is one finite number per Datum (score "
                                      "each completion, or leave an unscored completion's group out of the batch).")
+    # one value a Datum, in order: a 2-D array was flattened (a (group_size, prompts) one to the wrong completions),
+    # and bools were read as 1 and 0
+    shaped = [(torch.tensor([[1.0, 0.0], [1.0, 1.0]]), "2-D float32"), ([[1.0], [0.0], [1.0], [1.0]], "2-D float32"),
+              ([True, False, True, True], "1-D bool"), (np.array([[1, 0, 1, 1]]), "2-D int64")]
+    for rewards, shape in shaped:
+        with pytest.raises(ValueError) as raised:
+            integration.kl_penalized_data(akl, data, rewards, group_size=2)
+        assert str(raised.value) == (f"rewards={rewards!r} is invalid: allowed is one finite number per Datum (score "
+                                     "each completion, or leave an unscored completion's group out of the batch), as "
+                                     "a 1-D sequence of numbers in the Datums' order (flatten a (prompts, group_size) "
+                                     f"array), not a {shape} one.")
+    penalised, _ = integration.kl_penalized_data(akl, data, np.array([1, 0, 1, 1]), group_size=2)  # integers: scores
+    assert len(penalised) == 4
     for group_size in (2.0, True, 3, 0, 1):
         with pytest.raises(ValueError) as raised:
             integration.kl_penalized_data(akl, data, [1.0, 0.0, 0.0, 1.0], group_size=group_size)
@@ -997,6 +1010,14 @@ def test_mismatched_batches_are_refused_not_broadcast() -> None:
     bare = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
     with pytest.raises(KeyError, match=r"^\"Datum has no loss_fn_inputs\['advantages'\] \(it has logprobs, mask, "
                                        r"ref_logprobs, target_tokens\); build it with completion_datum"):
+        integration.grpo_kl_loss(akl)([bare], [row])
+    # a list set after the Datum was built (the SDK converts one given at construction): named, with what to pass
+    # (it raised AttributeError: 'list' object has no attribute 'to_torch')
+    bare.loss_fn_inputs["advantages"] = [0.0, 1.0]
+    assert types.Datum(model_input=bare.model_input, loss_fn_inputs=dict(bare.loss_fn_inputs)).loss_fn_inputs[
+        "advantages"].to_torch().tolist() == [0.0, 1.0]
+    with pytest.raises(TypeError, match=r"^loss_fn_inputs\['advantages'\] is a list: allowed is a tinker "
+                                        r"types\.TensorData aligned with target_tokens"):
         integration.grpo_kl_loss(akl)([bare], [row])
     two_outputs = types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(row)}] * 2)

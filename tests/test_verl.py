@@ -50,7 +50,7 @@ from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError  
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import verl_cpu  # noqa: E402
-from verl_cpu import ADAPTIVE_RUN, BETA_MAX, HORIZON, KL_TARGET, REWARD_BETA  # noqa: E402
+from verl_cpu import ADAPTIVE_RUN, BETA_MAX, HORIZON, KL_TARGET, PAGE_RUN, REWARD_BETA  # noqa: E402
 
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KL_TYPES = ["low_var_kl", "k1", "k2", "k3+"]
@@ -1447,6 +1447,36 @@ def test_training_worker_none_is_stock_and_beta_is_the_pushed_one(tmp_path):
 
 
 # ----- python -m verl.trainer.main_ppo, end to end, with checkpoint and resume -------------------------------------
+
+def composed(overrides):
+    """verl's own trainer config (ppo_trainer.yaml, as main_ppo composes it) with a GRPO run's overrides."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        return compose(config_name="ppo_trainer", overrides=["algorithm.adv_estimator=grpo", *overrides])
+
+
+SIZES = {"verl's default batch: 1024 x 1": [], "1024 prompts x 8 samples": ["actor_rollout_ref.rollout.n=8"],
+         "32 prompts x 16 samples": ["data.train_batch_size=32", "actor_rollout_ref.rollout.n=16"]}
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_the_page_command_builds_the_trainer_at_real_batch_sizes(size):
+    """docs/verl.md's command (PAGE_RUN) in verl's own config: the trainer is built, with no warning of this package,
+    at verl's default batch and at GRPO's. The page showed the end-to-end run's test-sized target (horizon 10, for 4
+    completions a step), which the core refuses at each of these sizes: beta would reach 0 for good (n / 5 > 10)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer = verl_kl.AdaptiveKLPPOTrainer(composed(PAGE_RUN + SIZES[size]))
+    assert [str(w.message) for w in said if "adaptive_kl" in str(w.message)] == []
+    assert trainer.config.adaptive_kl.reward.kl_horizon == 10000
+    completions = trainer.config.data.train_batch_size * trainer.config.actor_rollout_ref.rollout.n
+    with pytest.raises(ValueError, match=rf"^adaptive_kl\.reward\.kl_horizon=10\.0 is invalid for steps of "
+                                         rf"{completions} completions with beta_min=0"):
+        verl_kl.AdaptiveKLPPOTrainer(composed(ADAPTIVE_RUN + SIZES[size]))
+
 
 def test_main_ppo_end_to_end_betas_follow_the_controllers_and_survive_resume(tmp_path):
     paths = verl_cpu.prepare_e2e(str(tmp_path))

@@ -474,19 +474,27 @@ def e2e_overrides(paths: dict, checkpoints: str, steps: int) -> list[str]:
     ]
 
 
-# The integration on by configuration only (docs/verl.md shows this command): the module verl imports in every
-# process, a trainer name and an `adaptive_kl` block, beside verl's own KL switches.
+# The integration on by configuration only: the module verl imports in every process, a trainer name and an
+# `adaptive_kl` block, beside verl's own KL switches. PAGE_RUN is docs/verl.md's command (tests/test_docs.py holds the
+# page to it), with values for a real run: its target horizon passes the core's check at verl's default batch and at
+# GRPO's sizes (test_verl.py builds the trainer from verl's own config with it).
 EXTERNAL_MODULE = "unsloth_adaptive_kl.integrations.verl"
-LOSS_BETA, REWARD_BETA, KL_TARGET, HORIZON, BETA_MAX = 0.1, 0.1, 1e-4, 10.0, 0.2
-ADAPTIVE_RUN = [
+LOSS_BETA, REWARD_BETA, BETA_MAX = 0.1, 0.1, 0.2
+PAGE_RUN = [
     "trainer.v1.trainer_mode=adaptive_kl",
     "actor_rollout_ref.actor.use_kl_loss=True", f"actor_rollout_ref.actor.kl_loss_coef={LOSS_BETA}",
     "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
-    "+adaptive_kl.kl_adaptation_method=dynamic", "+adaptive_kl.reward_threshold=-1",
-    "+adaptive_kl.dynamic_beta_decay=0.5",
+    "+adaptive_kl.kl_adaptation_method=dynamic",
     "algorithm.use_kl_in_reward=True", f"algorithm.kl_ctrl.kl_coef={REWARD_BETA}", "algorithm.kl_penalty=kl",
-    "+adaptive_kl.reward.kl_adaptation_method=target", f"+adaptive_kl.reward.kl_target={KL_TARGET}",
-    f"+adaptive_kl.reward.kl_horizon={HORIZON}", f"+adaptive_kl.reward.beta_max={BETA_MAX}",
+    "+adaptive_kl.reward.kl_adaptation_method=target", "+adaptive_kl.reward.kl_target=0.05",
+    "+adaptive_kl.reward.kl_horizon=10000", f"+adaptive_kl.reward.beta_max={BETA_MAX}",
+]
+# The end-to-end run's: the page's command, sized (`++` replaces a value) for 3 steps of 4 completions, so that both
+# betas move by a visible amount each step: dynamic decays at every reward, target's horizon is 4 completions' scale.
+KL_TARGET, HORIZON = 1e-4, 10.0
+ADAPTIVE_RUN = PAGE_RUN + [
+    "++adaptive_kl.reward_threshold=-1", "++adaptive_kl.dynamic_beta_decay=0.5",
+    f"++adaptive_kl.reward.kl_target={KL_TARGET}", f"++adaptive_kl.reward.kl_horizon={HORIZON}",
 ]
 
 

@@ -125,6 +125,9 @@ def _input(datum: "types.Datum", key: str) -> torch.Tensor:
     if key not in inputs:
         raise KeyError(f"Datum has no loss_fn_inputs[{key!r}] (it has {', '.join(sorted(inputs))}); build it with "
                        "completion_datum (or add it as a TensorData aligned with target_tokens)")
+    if not isinstance(inputs[key], types.TensorData):  # set after the Datum was built, which converts at construction
+        raise TypeError(f"loss_fn_inputs[{key!r}] is a {type(inputs[key]).__name__}: allowed is a tinker "
+                        "types.TensorData aligned with target_tokens (types.TensorData.from_torch(tensor))")
     value = inputs[key].to_torch().to(torch.float32)
     targets = inputs[TARGET_TOKENS].shape or [len(inputs[TARGET_TOKENS].data)]
     if list(value.shape) != list(targets) or value.dim() != 1:
@@ -431,11 +434,19 @@ def kl_penalized_data(
         raise ValueError("kl_placement='loss' puts beta * KL into the loss: kl_penalized_data(...) needs "
                          "AdaptiveKLConfig(kl_placement='reward'); for the KL in the loss, use grpo_kl_loss(...) or "
                          "traced_loss_data(...)")
+    allowed = ("one finite number per Datum (score each completion, or leave an unscored completion's group out of "
+               "the batch)")
     try:  # None (an unscored completion) or text failed in torch, naming neither the argument nor what it takes
-        rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+        given = torch.as_tensor(rewards)
     except (TypeError, ValueError, RuntimeError):
-        raise reject("rewards", rewards, "one finite number per Datum (score each completion, or leave an unscored "
-                     "completion's group out of the batch)") from None
+        raise reject("rewards", rewards, allowed) from None
+    # One value a Datum, in their order: a 2-D array was flattened, so a (group_size, prompts) one went to the wrong
+    # completions; a bool is not a score (the loss door's mean_reward refuses it too).
+    if given.dim() != 1 or given.dtype == torch.bool or given.is_complex():
+        raise reject("rewards", rewards, f"{allowed}, as a 1-D sequence of numbers in the Datums' order (flatten a "
+                     f"(prompts, group_size) array), not a {given.dim()}-D {str(given.dtype).replace('torch.', '')} "
+                     "one")
+    rewards = given.to(torch.float32)
     if len(data) != rewards.numel():
         raise ValueError(f"{len(data)} Datums but {rewards.numel()} rewards")
     # A group of one has the advantage 0 whatever its reward (and NaN with scale_by_std: a sample std of one value).

@@ -96,9 +96,9 @@ class KLTermProbe(float):
 def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
     """TRL's own fields where this package gives them a rule, on a trainer config `args` (fields it lacks: TRL's
     defaults) beside its adaptive-KL settings `config`: raise ValueError naming the first bad field, its value and what
-    is allowed. With the KL in the reward, `multi_objective_aggregation` must sum before normalising; with
-    `sync_ref_model=True`, `ref_model_mixup_alpha` is in (0, 1], `ref_model_sync_steps` an integer >= 1 and beta != 0
-    (with syncing off nothing reads TRL's, so they are not checked; this package's `ref_model_sync_kl` and
+    is allowed. With the KL in the reward, `multi_objective_aggregation` must sum before normalising;
+    `sync_ref_model` is a bool, and with it True, `ref_model_mixup_alpha` is in (0, 1], `ref_model_sync_steps` an
+    integer >= 1 and beta != 0 (with syncing off nothing reads TRL's, so they are not checked; this package's `ref_model_sync_kl` and
     `ref_model_sync_reset_optimizer` must then be off). A non-stock KL built from the trainer's own
     per-token KL is refused where that KL carries a sequence-level weight (`sequence_weighted_kl`)."""
     if sequence_weighted_kl(args) and config.reads_trainer_kl and not config.kl_in_reward and not config.is_stock_kl:
@@ -116,7 +116,10 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
         raise reject("multi_objective_aggregation", aggregation,
                      "'sum_then_normalize' with kl_placement='reward' (the penalty is subtracted from the summed "
                      "reward before the group statistics)")
-    if not getattr(args, "sync_ref_model", False):
+    syncing = getattr(args, "sync_ref_model", False)
+    if not isinstance(syncing, bool):  # TRL reads it by truth: "False" (a string) would sync
+        raise reject("sync_ref_model", syncing, "True or False")
+    if not syncing:
         config.refuse_sync_settings("with sync_ref_model=False", "set sync_ref_model=True to sync the reference")
         return
     alpha, steps = getattr(args, "ref_model_mixup_alpha", 0.6), getattr(args, "ref_model_sync_steps", 512)
