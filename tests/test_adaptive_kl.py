@@ -195,7 +195,7 @@ def estimator_warnings(**fields) -> list[str]:
 
 
 def test_each_placement_defaults_to_its_estimator_and_the_guards_warn() -> None:
-    """SPEC 3.12: kl_estimator=None is k3 in the loss and k1 in the reward, silently; k1 in the loss and a k3-family
+    """SPEC 3.12: kl_estimator=None is k3 in the loss and k1 in the reward, silently; k1 in the loss and a non-log-ratio
     estimator in the reward warn, naming the field, its value, the placement and the fix; the others do not."""
     assert AdaptiveKLConfig().kl_estimator is None and AdaptiveKLConfig().estimator == "k3"
     assert AdaptiveKLConfig(kl_placement="reward").estimator == "k1"

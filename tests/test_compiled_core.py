@@ -70,7 +70,7 @@ def test_every_built_in_estimator_compiles_in_the_pipeline_and_equals_eager(esti
     gradient equal the eager core's."""
     torch._dynamo.reset()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # k1 in the loss and a k3-family estimator in the reward warn
+        warnings.simplefilter("ignore")  # k1 in the loss and a non-log-ratio estimator in the reward warn
         config = AdaptiveKLConfig(kl_estimator=estimator, kl_placement=placement)
 
     def term(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor):

@@ -23,7 +23,8 @@ from unsloth_adaptive_kl.core.statistics import NAMES, KLStatistics
 
 from .kl_terms import adapted_kl_term
 
-# k1 in the loss and k3-family estimators in the reward warn by design; every estimator is exercised in both here.
+# k1 in the loss and estimators other than the log-ratio in the reward warn by design; every estimator is exercised
+# in both here.
 pytestmark = pytest.mark.filterwarnings("ignore::unsloth_adaptive_kl.core.config.KLEstimatorWarning")
 
 ESTIMATORS = ["k1", "k2", "k3", "low_var_kl", "k1+", "k3+", "k1_future", "k3_bottom_percentile"]

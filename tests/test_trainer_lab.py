@@ -709,7 +709,8 @@ def test_a_refused_row_is_no_rows_figure_in_a_finding() -> None:
 
 def test_a_combined_method_with_dynamic_or_clip_has_no_fixed_point() -> None:
     """kl_adaptation_method combines methods with '+': any part that is dynamic or clip leaves the row without a fixed
-    point (dynamic named first), a k3-family estimator in the reward too; k1 in the reward and sigmoid have one."""
+    point (dynamic named first), an estimator other than the log-ratio in the reward too; k1 in the reward and
+    sigmoid have one."""
     def row(method, placement: str = "loss", estimator: str = "k3+") -> dict:
         return {"in_effect": {"kl_adaptation_method": method}, "placement": placement,
                 "tabular": {"estimator": estimator}}
@@ -718,7 +719,8 @@ def test_a_combined_method_with_dynamic_or_clip_has_no_fixed_point() -> None:
                                                                             "clip+dynamic", "sigmoid", None)]
     assert [reason.split("'")[0] if reason else reason for reason in reasons] == [
         "dynamic", "clip leaves no KL gradient above its threshold", "dynamic", None, None]
-    assert trainer_lab.without_fixed_point(row(None, "reward", "k3")).startswith("a k3-family estimator")
+    assert trainer_lab.without_fixed_point(row(None, "reward", "k3")).startswith("an estimator other than the "
+                                                                                 "log-ratio")
     assert trainer_lab.without_fixed_point(row(None, "reward", "k1")) is None
 
 

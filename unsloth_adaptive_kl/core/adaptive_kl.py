@@ -160,8 +160,9 @@ class AdaptiveKL:
         micro-batch. gather: a cross-process all-gather (e.g. `accelerator.gather`) for metrics over all processes.
         train: False on an evaluation pass, which the next `step` does not read (beta, `target` and a KL-triggered
         reference sync see only training batches). The metrics are floats under the `adaptive_kl/*` names (one host
-        transfer; a second, of the mask, where dr_grpo's `max_completion_length` is narrower than it, to refuse a
-        completion longer than the cap).
+        transfer). A mask that is not bool is read once more, to refuse entries other than 0 and 1 (pass a bool mask
+        to skip it), and so is the mask where dr_grpo's `max_completion_length` is narrower than it, to refuse a
+        completion longer than the cap.
 
         Numerics: computed in float32 whatever the dtype of the inputs (bf16/fp16 upcast, float64 rounded; the
         gradient flows back in the inputs' dtype); the returned term is float32. A NaN or +-inf in

@@ -45,7 +45,7 @@ class EstimatorFields:
     in_reward: str  # the setting that puts the KL in the reward, e.g. "kl_placement='reward'"
     to_reward: str  # how to put k1 in the reward instead of k1 in the loss
     loss_fix: str  # what to use in the loss instead of k1
-    reward_fix: str  # what to use in the reward instead of a k3-family estimate
+    reward_fix: str  # what to use in the reward instead of an estimate that is not the log-ratio
 
 
 CORE_FIELDS = EstimatorFields(
@@ -97,8 +97,8 @@ def warn_estimator_issue(issue: str, value: Any, fields: EstimatorFields = CORE_
 
 def warn_estimator_placement(estimator: Any, placement: str) -> None:
     """Warn (once per process and setting, Python's default warning filter) for an estimator that does not
-    regularise where it acts: 'k1' in the loss (its expected gradient is zero on-policy) and a k3-family estimator
-    in the reward (its value is not the log-ratio, so the reward's gradient is not the KL's)."""
+    regularise where it acts: 'k1' in the loss (its expected gradient is zero on-policy) and, in the reward, one whose
+    value is not the log-ratio (`NOT_LOG_RATIO_ESTIMATORS`: the reward's gradient is then not the KL's)."""
     if placement == "loss" and estimator == "k1":
         warn_estimator_issue(K1_IN_LOSS, estimator)
     if placement == "reward" and estimator in NOT_LOG_RATIO_ESTIMATORS:
@@ -240,8 +240,9 @@ class AdaptiveKLConfig:
             "integration's page names it). Or 'k1', 'k2', 'k3', "
             "'low_var_kl', 'k1+', 'k3+' (value of k1/k3, gradient of k2), 'k1_future' (value of k1, gradient of the "
             "whole completion's KL), 'k3_bottom_percentile', or a name registered with register_kl_estimator; "
-            "programmatically also a callable (logp, ref_logp, mask) -> per-token KL. 'k1' in the loss and a "
-            "k3-family estimator in the reward warn (they miss the regularised optimum: docs, Ground truth). Every "
+            "programmatically also a callable (logp, ref_logp, mask) -> per-token KL. 'k1' in the loss and, in the "
+            "reward, 'k2', 'k3', 'low_var_kl', 'k3+' or 'k3_bottom_percentile' (not the log-ratio) warn (they miss "
+            "the regularised optimum: docs, Ground truth). Every "
             "method reads the KL it gives."
         },
     )

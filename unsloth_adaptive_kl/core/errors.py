@@ -24,7 +24,8 @@ class NonFiniteLogProbError(FloatingPointError, ValueError):
 
 class KLEstimatorWarning(UserWarning):
     """An estimator that misses the regularised optimum where it is placed: 'k1' in the loss (it does not regularise),
-    a k3-family estimator in the reward (the KL lab's exact figures: docs, Ground truth)."""
+    an estimator whose value is not the log-ratio in the reward (k2, k3, low_var_kl, k3+, k3_bottom_percentile; the
+    KL lab's exact figures: docs, Ground truth)."""
 
 
 class IncompatibleVersionError(RuntimeError):

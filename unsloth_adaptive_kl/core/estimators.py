@@ -54,26 +54,26 @@ def estimator_names() -> tuple[str, ...]:
 
 
 @register_kl_estimator("k1")
-def k1(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+def k1(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """k1 = logp - ref = -r (unbiased, high variance, can be negative)."""
     return logp - ref
 
 
 @register_kl_estimator("k2")
-def k2(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+def k2(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """k2 = 0.5 * (logp - ref)^2 (biased, low variance; its gradient is the unbiased reverse-KL gradient)."""
     return 0.5 * (logp - ref) ** 2
 
 
 @register_kl_estimator("k3")
-def k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+def k3(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """k3 = exp(r) - r - 1 (unbiased, >= 0): the estimator GRPO trainers compute by default."""
     r = ref - logp
     return torch.exp(r) - r - 1
 
 
 @register_kl_estimator("low_var_kl")
-def low_var_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+def low_var_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """low_var_kl: k3 of r clamped to [-20, 20], the result clamped to [-10, 10]."""
     r = torch.clamp(ref - logp, min=-20.0, max=20.0)
     return torch.clamp(torch.exp(r) - r - 1, min=-10.0, max=10.0)
@@ -85,19 +85,19 @@ def straight_through(value: torch.Tensor, gradient_of: torch.Tensor) -> torch.Te
 
 
 @register_kl_estimator("k1+")
-def k1_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+def k1_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Value of k1, gradient of k2."""
     return straight_through(k1(logp, ref, mask), k2(logp, ref, mask))
 
 
 @register_kl_estimator("k3+")
-def k3_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+def k3_plus(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Value of k3, gradient of k2."""
     return straight_through(k3(logp, ref, mask), k2(logp, ref, mask))
 
 
 @register_kl_estimator("k1_future")
-def k1_future(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any = None) -> torch.Tensor:
+def k1_future(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Value k1_t = logp_t - ref_t per token (so sums and metrics stay the completion's log-ratio); gradient
     sg(G_t) * grad logp_t with G_t = sum_{s >= t} m_s k1_s, the KL-to-go of the completion. Summed over a
     completion's tokens, that is the score-function gradient of the whole completion's reverse KL,

@@ -264,7 +264,7 @@ class GRPOKLLoss:
     (old, the sampler's) o, `advantages` A, `ref_logprobs` and `mask` m:
 
         ratio = exp(logprobs - o);  PG = reduce_loss_type(-min(ratio A, clip(ratio, 1 - eps_low, 1 + eps_high) A), m)
-        beta_t * K = AdaptiveKL.kl_loss(logprobs, ref_logprobs, m)
+        beta_t * K = beta_t * kl_term(logprobs, ref_logprobs, m).adapted   (AdaptiveKL.kl_loss's term, unrecorded)
 
     reduce_loss_type is the core's reduction of `akl.loss_type` (grpo: mean_i sum_t m x / L_i), and K the core's
     adapted KL (estimator, clip/sigmoid shaping, reduction). beta_t is `akl.current_beta` read once, here, on the

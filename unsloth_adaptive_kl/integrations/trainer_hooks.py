@@ -549,7 +549,8 @@ def wrap_save_checkpoint(upstream: Callable) -> Callable:
 
 def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
     """_load_optimizer_and_scheduler: restore the beta controller's state, and with syncing the reference, on
-    resume; a checkpoint without the state file warns, naming it (beta restarts at its initial value)."""
+    resume; a checkpoint without the state file warns, naming it, where beta moves (beta restarts at its initial
+    value; a constant beta loses nothing)."""
 
     @functools.wraps(upstream)
     def _load_optimizer_and_scheduler(self: Any, checkpoint: Any) -> None:

@@ -22,8 +22,9 @@ unseen). What acts where:
 - The KL in the reward (`algorithm.use_kl_in_reward=True`, beta_0 = `algorithm.kl_ctrl.kl_coef`): our controller
   (`RewardKLController`) replaces verl's `kl_ctrl_in_reward`; verl's own `apply_kl_penalty` applies it (clip/sigmoid
   shape the per-token KL there) with verl's `algorithm.kl_penalty` as the estimator: keep verl's default `kl` (the
-  log-ratio k1; any other value warns, as the core's k3-family estimators in the reward do). `dynamic` reads the
-  batch's mean reward, `target` the batch's token-mean KL (the core's `WindowKL`) with `beta_min`/`beta_max`.
+  log-ratio k1; `k1`, and either with a trailing '+', are the same value; any other warns, as the core's estimators
+  that are not the log-ratio do in the reward). `dynamic` reads the batch's mean reward, `target` the batch's KL as
+  `kl_target_measure` measures it (the core's `WindowKL`; a token mean by default) with `beta_min`/`beta_max`.
 - `actor.kl_loss_type=kl` (k1) in the loss warns likewise (its expected gradient is zero on-policy).
 - Both controllers and the step are saved in every verl checkpoint (`adaptive_kl.json` beside `data.pt`) and
   restored on resume: a resumed run uses the betas the uninterrupted run would have used.
@@ -312,7 +313,8 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
                           reward_block: dict[str, Any]) -> None:
     """What the trainer would otherwise find only after a rollout, refused by its verl field before training (and
     before verl's trainer is built, which would stop on a `kl_ctrl.type` it lacks with a bare NotImplementedError):
-    `ppo_epochs`, `kl_loss_type` and `kl_penalty` verl does not compute, a `target` horizon under which beta would
+    `trainer.v1.sync.parameter_sync_step` other than 1 (the controllers move once per actor update), `ppo_epochs`,
+    `kl_loss_type` and `kl_penalty` verl does not compute, a `target` horizon under which beta would
     reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`), and
     what this trainer would replace: verl's `kl_ctrl` beside the KL in the reward, its distillation loss beside the KL
     in the loss. `reward_block` is what the `adaptive_kl.reward` block set."""
@@ -634,7 +636,8 @@ class RewardKLController:
     """Our controller in place of verl's `kl_ctrl_in_reward`: `value` is beta_t, and verl's `apply_kl_penalty`
     calls `update(current_kl=, n_steps=)` once per batch. `dynamic` reads the batch's mean reward (set by the trainer
     with `observe_rewards` before verl scores the batch); `target` reads the batch's KL as `penalize` measured it (the
-    core's `WindowKL`: sum of k over valid tokens / their count), bounded by beta_min/beta_max."""
+    core's `WindowKL`, by `kl_target_measure`: sum of k over valid tokens / their count by default, token_mean),
+    bounded by beta_min/beta_max."""
 
     def __init__(self, config: AdaptiveKLConfig, beta: float, field: str = "adaptive_kl.reward",
                  overrides: Any = (), loss_on: bool = True) -> None:

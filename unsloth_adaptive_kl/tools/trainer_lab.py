@@ -686,7 +686,7 @@ def without_fixed_point(row: dict[str, Any]) -> Optional[str]:
     if "clip" in methods:
         return "clip leaves no KL gradient above its threshold"
     if row["placement"] == "reward" and row["tabular"]["estimator"] not in K1_VALUED:
-        return "a k3-family estimator in the reward does not regularise in the exact lab"
+        return "an estimator other than the log-ratio in the reward does not regularise in the exact lab"
     return None
 
 
