@@ -1407,6 +1407,12 @@ def test_a_batch_of_padding_alone_has_no_mean_reward(monkeypatch):
     with pytest.raises(ValueError, match=r"^adaptive_kl: the batch's mean reward \(verl's critic/score/mean, rm_scores "
                                          r"summed per sample\) is inf: a reward returned NaN or \+-inf for a sample"):
         trainer._compute_advantage(_ScoredBatch([False, False]), {})
+    # a constant beta in both KLs reads no reward: nothing fetched, nothing refused (as verl's own trainer)
+    fetched.clear()
+    constant = _RewardTrainer(trainer_config(kl_penalty="kl", use_kl_loss=True, use_kl_in_reward=True,
+                                             kl_adaptation_method="clip"))
+    constant._compute_advantage(_ScoredBatch([False, False]), {})
+    assert fetched == [] and constant._mean_reward is None
 
 
 # ----- verl's TrainingWorker (fsdp2, gloo, one process, tiny Llama), in a subprocess --------------------------------

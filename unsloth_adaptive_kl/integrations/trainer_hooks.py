@@ -459,12 +459,17 @@ def observe_mean_reward(runtime: AdaptiveKL, mean_reward: float) -> None:
     """The trainer's logged mean reward of a training generation batch, to the controller. TRL logs NaN where no
     completion of the batch was scored (every reward function returned None for each, which TRL warns of, row by row):
     the batch has no mean reward, as a loop's `step(mean_reward=None)` has none, and `dynamic` does not decay on it.
-    +-inf (a reward function's) is refused, as the core refuses it at every door, in the trainer's words."""
+    A constant beta (`none`, `clip`, ...) reads no reward, so none is handed on: a batch with an infinite reward
+    trains as in the stock trainer. Where beta moves, +-inf (a reward function's) is refused, as the core refuses it
+    at every door, in the trainer's words."""
+    if not runtime.moves_beta:
+        return
     if math.isinf(mean_reward):
         raise ValueError(f"adaptive_kl: the generation batch's mean reward (the trainer's logged reward) is "
                          f"{mean_reward}: a reward function returned +-inf for a completion; allowed are finite "
-                         "rewards, or None for a completion a function does not score (dynamic would decay on +inf "
-                         "at every step).")
+                         f"rewards, or None for a completion a function does not score (the beta controller of "
+                         f"kl_adaptation_method={runtime.config.kl_adaptation_method!r} is handed it; dynamic would "
+                         "decay on +inf at every step).")
     if not math.isnan(mean_reward):
         runtime.observe_rewards(mean_reward)
 

@@ -775,6 +775,10 @@ class AdaptiveKLTrainerMixin:
             warnings.warn("adaptive_kl: neither actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is "
                           "on: there is no KL to adapt.", stacklevel=2)
         self._mean_reward: Optional[float] = None
+        # A constant beta reads no reward: where neither controller moves beta, the batch's reward is not read, so a
+        # non-finite one trains as under verl's own trainer.
+        self._reads_reward = any(akl is not None and akl.moves_beta
+                                 for akl in (self.loss_kl, self.reward_kl and self.reward_kl.akl))
 
     # -- setup: the adaptive loss on the actor workers
     def _setup(self) -> None:
@@ -816,11 +820,12 @@ class AdaptiveKLTrainerMixin:
         if not math.isfinite(mean):  # here, before the update: the core would refuse it after, as mean_reward
             raise ValueError(f"adaptive_kl: the batch's mean reward (verl's critic/score/mean, rm_scores summed per "
                              f"sample) is {mean}: a reward returned NaN or +-inf for a sample; allowed are finite "
-                             "rewards (dynamic would decay on +inf at every step, and never on NaN).")
+                             "rewards where beta moves (dynamic would decay on +inf at every step, and never on "
+                             "NaN).")
         return mean
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
-        if self.loss_kl is not None or self.reward_kl is not None:
+        if self._reads_reward:
             self._mean_reward = self._batch_mean_reward(batch)
         if self.reward_kl is None:
             return super()._compute_advantage(batch, metrics)
