@@ -577,6 +577,34 @@ def test_trainer_beta_set_during_training_is_refused_where_adapted_and_said_wher
     assert zero.state.global_step == 2
 
 
+def test_args_beta_set_after_the_trainer_was_built_is_refused_where_adapted_and_said_where_stock(tokenizer,
+                                                                                             tmp_path) -> None:
+    """TRL reads args.beta once, in __init__ (trainer.beta = args.beta): set later it does nothing, in stock TRL too.
+    With `sigmoid` the next loss refuses it (it trained on at 0.04, silently); with `none` the loss is stock TRL's,
+    bit for bit, and a warning says once that the value does nothing."""
+    adapted = make_trainer(tokenizer, str(tmp_path / "sigmoid"), kl_adaptation_method="sigmoid", max_steps=2)
+    adapted.args.beta = 0.1
+    with pytest.raises(ValueError, match=r"^trainer\.args\.beta=0\.1 is invalid: allowed is 0\.04, the value the "
+                                         r"trainer was built with, while adaptive KL is on \(kl_adaptation_method="
+                                         r"'sigmoid'\): the trainer read it once"):
+        adapted.train()
+    assert adapted.state.global_step == 0
+
+    def losses(name: str) -> list[float]:
+        trainer = make_trainer(tokenizer, str(tmp_path / name), max_steps=2)
+        trainer.args.beta = 0.1
+        trainer.train()
+        assert trainer.beta == 0.04
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    with pytest.warns(UserWarning, match=r"^adaptive_kl: trainer\.args\.beta was set to 0\.1 after the run started: "
+                                         r"the trainer read it once, when it was built with 0\.04") as caught:
+        patched = losses("none")
+    assert sum("trainer.args.beta was set" in str(w.message) for w in caught) == 1
+    with stock_trl():
+        assert losses("stock") == patched and len(patched) == 2
+
+
 def test_at_beta_zero_a_setting_changed_after_the_trainer_was_built_is_refused_too(tokenizer, tmp_path) -> None:
     """At beta 0 the loss is stock (no KL term) and returned before the adaptive KL runs; on ccb0d5c that early
     return skipped the settings check the own loop makes at beta 0 too. A change is refused at the first loss."""

@@ -177,6 +177,7 @@ def attach_runtime(trainer: Any) -> AdaptiveKL:
             stacklevel=3,
         )
     trainer.adaptive_kl = adaptive_kl
+    trainer._adaptive_kl_args_beta = getattr(trainer.args, "beta", None)  # read once, here, as the trainer reads it
     return adaptive_kl
 
 
@@ -649,11 +650,25 @@ def check_trainer_beta(trainer: Any) -> None:
     AdaptiveKL was built with, or 0 (every setting then computes the loss without a KL term, as the stock trainer).
     Set to another value later (a callback scheduling it), an adapted setting would go on multiplying its own beta_t
     and ignore it: refused. The stock KL term follows it, as in the stock trainer, and the metrics' beta does not: said
-    once."""
+    once. `trainer.args.beta`, which the trainer reads once, when it is built (the stock trainer too), set later does
+    nothing: refused where adaptive KL is on, said once otherwise."""
+    config = trainer.adaptive_kl.config
+    args_built, args_now = getattr(trainer, "_adaptive_kl_args_beta", None), getattr(trainer.args, "beta", None)
+    if args_now != args_built and not getattr(trainer, "_adaptive_kl_args_beta_warned", False):
+        does_nothing = (f"the trainer read it once, when it was built with {args_built:g} (as the stock trainer "
+                        "does), so a value set later does nothing; trainer.beta is what its loss reads")
+        if not config.is_stock_kl:
+            raise reject("trainer.args.beta", args_now,
+                         f"{args_built:g}, the value the trainer was built with, while adaptive KL is on "
+                         f"({', '.join(config.adapted_fields())}): {does_nothing}, and the adapted term multiplies "
+                         "the controller's beta. To move beta during training use kl_adaptation_method 'dynamic' or "
+                         "'target'; to start from another, build the trainer with it")
+        trainer._adaptive_kl_args_beta_warned = True
+        warnings.warn(f"adaptive_kl: trainer.args.beta was set to {args_now:g} after the run started: {does_nothing}.",
+                      UserWarning, stacklevel=3)
     built, now = trainer.adaptive_kl.beta, trainer.beta
     if now in (built, 0.0) or getattr(trainer, "_adaptive_kl_beta_warned", False):
         return
-    config = trainer.adaptive_kl.config
     if not config.is_stock_kl:
         raise reject("trainer.beta", now,
                      f"the beta the trainer was built with ({built:g}) while adaptive KL is on "
