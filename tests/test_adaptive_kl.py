@@ -623,8 +623,8 @@ def engine_sums(**change: float) -> KLStatistics:
 @pytest.mark.parametrize(("change", "error", "message"), [
     # record() raised NonFiniteLogProbError on a non-finite log-prob sum; record_sums trained on without a word
     ({"old_logps": math.nan}, NonFiniteLogProbError,
-     "adaptive KL: non-finite input at step 1: NaN or +-inf on valid (mask=1) tokens in the old policy log-probs "
-     "(the old policy tensor): non-finite (its sum over the valid tokens)."),
+     "adaptive KL: non-finite input at step 1: NaN or +-inf on valid (mask=1) tokens in the old policy log-probs: "
+     "non-finite (its sum over the valid tokens)."),
     # tokens -40: target read the step's KL as -5 / max(-40, 1) = -5, not -5 / 3
     ({"tokens": -40.0}, ValueError, "record_sums: batches[0].tokens=-40.0 is invalid: allowed is a finite number >= 0 "
      "(a count, as device_sums computes it)."),
@@ -642,7 +642,8 @@ def test_an_engines_sums_are_checked_as_a_batch_of_ones_own_and_nothing_kept(cha
     before = akl.state_dict()
     with pytest.raises(error) as raised:
         akl.record_sums([engine_sums(**change)], train=True, completed_steps=1)
-    advice = f" Masked positions may hold anything; a valid token's log-prob must be finite ({NONFINITE_ADVICE})."
+    advice = (" Masked positions may hold anything; a valid token's log-prob must be finite in float32, the precision "
+              f"the KL is computed in (a float64 beyond 3.4e38 in magnitude is not) ({NONFINITE_ADVICE}).")
     assert str(raised.value) == message + ("" if error is ValueError else advice)
     assert akl.state_dict() == before
 

@@ -250,8 +250,8 @@ def test_a_nan_log_prob_on_a_valid_token_raises_before_the_rewards_are_penalised
 
     monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", nan_on_the_first_token)
     with pytest.raises(NonFiniteLogProbError, match=r"non-finite input at step 1: .*policy log-probs \(a policy "
-                                                    r"forward\) \(the policy tensor\): 1 valid token\(s\) on process 0; "
-                                                    r"reference log-probs \(ref_per_token_logps\) .*: 1 valid token"):
+                                                    r"forward\): 1 valid token\(s\) on process 0; "
+                                                    r"reference log-probs \(ref_per_token_logps\): 1 valid token"):
         trainer.train()
 
 

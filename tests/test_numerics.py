@@ -135,6 +135,19 @@ def test_float32_input_is_not_copied_and_a_float64_normaliser_is_rounded_too() -
     assert term.dtype == torch.float32 and torch.equal(term, want)
 
 
+def test_a_finite_float64_log_prob_beyond_float32_is_refused_saying_why() -> None:
+    """-1e300 is finite in float64 and -inf in float32, the precision the KL is computed in: refused, and the message
+    says so (it read "NaN or +-inf" of a finite value, with no word of the rounding)."""
+    with pytest.raises(NonFiniteLogProbError, match=r"in the policy log-probs: 2 valid token\(s\) on process 0\. "
+                                                    r".* must be finite in float32, the precision the KL is computed "
+                                                    r"in \(a float64 beyond 3\.4e38 in magnitude is not\)"):
+        AdaptiveKL(None, BETA).kl_loss(torch.full((1, 2), -1e300, dtype=torch.float64), torch.full((1, 2), -1.0),
+                                       torch.ones(1, 2))
+    term, _ = AdaptiveKL(None, BETA).kl_loss(torch.full((1, 2), -1e38, dtype=torch.float64), torch.full((1, 2), -1e38),
+                                             torch.ones(1, 2))
+    assert term.item() == 0.0  # within float32's range: accepted (equal log-probs, KL 0)
+
+
 @pytest.mark.parametrize("dtype", [*HALF, torch.float64], ids=str)
 def test_a_torch_fx_traced_loss_computes_in_float32(dtype) -> None:
     """Tinker's route: torch.fx traces the core, where a tensor is a Proxy without a dtype, so `in_float32` is the
@@ -170,11 +183,11 @@ def test_a_non_finite_log_prob_on_valid_tokens_raises_naming_step_tensor_and_cou
     bad[0, 0] = bad[1, 0] = value  # two valid tokens (every completion has length >= 1)
     runtime = AdaptiveKL(config(kl_estimator=estimator), BETA, "grpo")
     runtime.step()  # the next step is step 2
-    pattern = rf"non-finite input at step 2: .*{which} log-probs \(the {which} tensor\): 2 valid token\(s\)"
+    pattern = rf"non-finite input at step 2: .*in the {which} log-probs: 2 valid token\(s\)"
     with pytest.raises(NonFiniteLogProbError, match=pattern):
         runtime.kl_loss(logp.requires_grad_(True), ref, mask)
     reward = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA)
-    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{which} log-probs .*: 2 valid token"):
+    with pytest.raises(NonFiniteLogProbError, match=rf"at step 1: .*{which} log-probs: 2 valid token"):
         reward.reward_penalty(logp.detach(), ref, mask)[0]
 
 
@@ -208,7 +221,7 @@ def test_the_trainer_path_reports_non_finite_input_at_the_end_of_the_step_withou
     bad = runtime.term(logp, ref, mask, per_token_kl=bad_kl)
     assert runtime.record(clean, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
     assert runtime.record(bad, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
-    with pytest.raises(NonFiniteLogProbError, match=r"at step 5: .*reference log-probs \(the reference tensor\): 1 "):
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 5: .*reference log-probs: 1 "):
         runtime.record(clean, gather=identity, train=True, end_of_step=True, completed_steps=5)
 
 
@@ -227,12 +240,12 @@ def test_other_processes_non_finite_input_raises_on_every_process_naming_the_pro
     with pytest.raises(NonFiniteLogProbError) as raised:
         runtime.kl_loss(logp, ref, mask, gather=gather)
     message = str(raised.value)
-    assert ("reference log-probs (the reference tensor): non-finite on process 1 (its sum over the valid tokens: "
+    assert ("reference log-probs: non-finite on process 1 (its sum over the valid tokens: "
             "that process counts them)") in message
     assert "process 0" not in message and "policy" not in message.split(" in the ")[1].split(".")[0]
     ref[0, 0] = math.nan
-    with pytest.raises(NonFiniteLogProbError, match=r"reference log-probs \(the reference tensor\): 1 valid token\(s\) "
-                                                    r"on process 0; reference log-probs \(the reference tensor\): "
+    with pytest.raises(NonFiniteLogProbError, match=r"reference log-probs: 1 valid token\(s\) "
+                                                    r"on process 0; reference log-probs: "
                                                     r"non-finite on process 1"):
         runtime.kl_loss(logp, ref, mask, gather=gather)
 

@@ -36,7 +36,8 @@ def test_trainer_construction_says_the_kl_settings_in_effect_once(tokenizer, tmp
                            use_bias_correction_kl=True,
                            scale_rewards=True, max_steps=1)
     expected = ("adaptive_kl: KL settings in effect for GRPOTrainer: beta=0.04, kl_adaptation_method='clip', "
-                "kl_estimator='k3' (unset: the placement's default), kl_placement='loss', loss_type='grpo', "
+                "kl_estimator='k3' (unset: the placement's default), kl_placement='loss', kl_reduction='loss_type', "
+                "kl_clip_threshold=1.0, loss_type='grpo', "
                 "scale_rewards='group', num_iterations=2, importance_sampling_level='token', "
                 "use_bias_correction_kl=True, steps_per_generation=2, gradient_accumulation_steps=2")
     assert settings_lines(caplog, capsys) == [expected]
@@ -51,18 +52,40 @@ def test_trainer_construction_says_the_kl_settings_in_effect_once(tokenizer, tmp
                             "kl_adaptation_method='none', kl_estimator='k3'")
 
 
+# kl_adaptation_method='dynamic' reads these (its defaults), and the reduction is said beside them
+DYNAMIC_READS = ("kl_reduction='loss_type', dynamic_beta_decay=0.9, reward_threshold=0.8, beta_min=0.0, "
+                 "beta_schedule_steps=1000, ")
+
+
+def test_the_line_names_the_reduction_and_the_fields_the_settings_read(tokenizer, tmp_path, caplog, capsys) -> None:
+    """A reduction away from the loss type's reads as stock where the line leaves it out (kl_adaptation_method='none'
+    with kl_reduction='sequence_sum' did); the fields of the methods and estimator in effect, as set, are named, and
+    no other (target's, and k3_bottom_percentile's; not clip's)."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    make_trainer(tokenizer, str(tmp_path), kl_reduction="sequence_sum", max_steps=1)
+    (line,) = settings_lines(caplog, capsys)
+    assert "kl_placement='loss', kl_reduction='sequence_sum', loss_type=" in line
+    make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="target", kl_target=0.2, kl_horizon=50.0,
+                 kl_estimator="k3_bottom_percentile", kl_percentile=0.25, max_steps=1)
+    (line,) = settings_lines(caplog, capsys)
+    assert ("kl_reduction='loss_type', kl_target=0.2, beta_min=0.0, kl_horizon=50.0, beta_max=None, "
+            "kl_target_measure='token_mean', kl_percentile=0.25, kl_percentile_scale=5.0, loss_type=") in line
+    assert "kl_clip_threshold" not in line and "dynamic_beta_decay" not in line
+
+
 @pytest.mark.parametrize(("settings", "shown"), [
     (dict(kl_estimator="k2"),
-     "kl_estimator='k2', kl_placement='loss', loss_type='dapo', scale_rewards='group', num_iterations=1, "
-     "importance_sampling_level='sequence', use_bias_correction_kl=True (not applied: the KL is 'k2' from the "
-     "log-probs)"),
+     "kl_estimator='k2', kl_placement='loss', " + DYNAMIC_READS + "loss_type='dapo', scale_rewards='group', "
+     "num_iterations=1, importance_sampling_level='sequence', use_bias_correction_kl=True (not applied: the KL is "
+     "'k2' from the log-probs)"),
     (dict(kl_placement="reward"),
-     "kl_estimator='k1' (unset: the placement's default), kl_placement='reward', loss_type='dapo', "
-     "scale_rewards='group', num_iterations=1, importance_sampling_level='sequence', use_bias_correction_kl=True "
+     "kl_estimator='k1' (unset: the placement's default), kl_placement='reward', "
+     + DYNAMIC_READS.replace("'loss_type', ", "'loss_type' (in the reward: 'sequence_sum', each completion's sum), ")
+     + "loss_type='dapo', scale_rewards='group', num_iterations=1, importance_sampling_level='sequence', use_bias_correction_kl=True "
      "(not applied: the KL in the reward is 'k1' from the log-probs)"),
     (dict(kl_estimator="k2", beta=0.0),  # no KL term at all: nothing to say of the correction
-     "kl_estimator='k2', kl_placement='loss', loss_type='dapo', scale_rewards='group', num_iterations=1, "
-     "importance_sampling_level='sequence', use_bias_correction_kl=True, steps_per_generation"),
+     "kl_estimator='k2', kl_placement='loss', " + DYNAMIC_READS + "loss_type='dapo', scale_rewards='group', "
+     "num_iterations=1, importance_sampling_level='sequence', use_bias_correction_kl=True, steps_per_generation"),
 ], ids=["k2_in_the_loss", "k1_in_the_reward", "beta_0"])
 def test_settings_line_says_where_trls_kl_correction_does_not_apply(tokenizer, tmp_path, caplog, capsys, settings,
                                                                      shown) -> None:

@@ -208,6 +208,7 @@ def test_a_generated_compute_loss_that_does_not_call_the_compiled_loss_once_is_a
     (here, after the error) `_ACTIVE` is unset again, so a later call of the shim outside compute_loss runs stock."""
     from types import SimpleNamespace
 
+    from unsloth_adaptive_kl import AdaptiveKLConfig
     from unsloth_adaptive_kl.integrations import unsloth as integration
     from unsloth_adaptive_kl.integrations.versions import IncompatibleVersionError
 
@@ -222,7 +223,8 @@ def test_a_generated_compute_loss_that_does_not_call_the_compiled_loss_once_is_a
         return 0.5
 
     compute_loss = integration._wrap_compute_loss(generated)
-    trainer = SimpleNamespace(beta=0.04, adaptive_kl=SimpleNamespace(beta=0.04))  # trainer.beta as built
+    trainer = SimpleNamespace(beta=0.04, args=SimpleNamespace(beta=0.04), _adaptive_kl_args_beta=0.04,  # as built
+                              adaptive_kl=SimpleNamespace(beta=0.04, config=AdaptiveKLConfig(kl_adaptation_method="clip")))
     for shim_calls in (0, 2):
         with pytest.raises(IncompatibleVersionError, match=r"unsloth_zoo.*`UnslothEfficientGRPO\.apply\(` \(the "
                            r"compiled loss, which the adaptive loss wraps\) was not found in Unsloth's generated "
@@ -249,7 +251,8 @@ def test_at_beta_zero_the_loss_hook_returns_unsloths_loss_but_refuses_a_setting_
         return 0.5
 
     args = AdaptiveKLConfig()
-    trainer = SimpleNamespace(beta=0.0, args=args, adaptive_kl=AdaptiveKL(AdaptiveKLConfig(), beta=0.0))
+    trainer = SimpleNamespace(beta=0.0, args=args, adaptive_kl=AdaptiveKL(AdaptiveKLConfig(), beta=0.0),
+                              _adaptive_kl_args_beta=None)  # as attach_runtime records args.beta (a config has none)
     compute_loss = integration._wrap_compute_loss(generated)
     assert compute_loss(trainer, None, None) == 0.5 and active == [None]
     args.kl_adaptation_method = "clip"
@@ -270,7 +273,8 @@ def test_a_trainer_beta_set_mid_run_stops_an_adapted_loss_at_unsloths_door_befor
     called: list = []
     compute_loss = integration._wrap_compute_loss(lambda *args: called.append(args))
     config = AdaptiveKLConfig(kl_adaptation_method="clip")
-    trainer = SimpleNamespace(beta=0.4, args=config, adaptive_kl=AdaptiveKL(config, beta=0.04))
+    trainer = SimpleNamespace(beta=0.4, args=config, adaptive_kl=AdaptiveKL(config, beta=0.04),
+                              _adaptive_kl_args_beta=None)
     with pytest.raises(ValueError, match=r"^trainer\.beta=0\.4 is invalid: allowed is the beta the trainer was built "
                                          r"with \(0\.04\) while adaptive KL is on \(kl_adaptation_method='clip'\)"):
         compute_loss(trainer, None, None)
@@ -288,7 +292,7 @@ def test_a_non_finite_valid_log_prob_is_named_and_masked_garbage_changes_nothing
         assert found["masked"] >= 2 and found["masked_same"] is True
         for tensor, kind in (("ref_per_token_logps", "reference"), ("old_per_token_logps", "old policy")):
             assert found[tensor].startswith("NonFiniteLogProbError: adaptive KL: non-finite input at step "), found
-            assert f"in the {kind} log-probs (the {kind} tensor): 1 valid token(s) on process 0." in found[tensor]
+            assert f"in the {kind} log-probs: 1 valid token(s) on process 0." in found[tensor]
 
 
 @needs_unsloth

@@ -129,7 +129,13 @@ class NonFinite:
             seen = f"non-finite on process {self.process} (its sum over the valid tokens: that process counts them)"
         else:
             seen = "non-finite (its sum over the valid tokens)"
-        return f"{self.name} (the {self.kind} tensor): {seen}"
+        if self.name.startswith(self.kind):  # "policy log-probs": the name says which it is
+            what = self.name
+        elif self.name.endswith(")"):  # "loss_fn_inputs['logprobs'] (the sampler's)": one parenthesis
+            what = f"{self.name[:-1]}; the {self.kind} tensor)"
+        else:
+            what = f"{self.name} (the {self.kind} tensor)"
+        return f"{what}: {seen}"
 
 
 NONFINITE_ADVICE = "check the model's forward in this precision, and the log-probs handed over by the generation engine"
@@ -141,7 +147,7 @@ def nonfinite_error(step: int, found: Sequence[NonFinite], advice: str = NONFINI
     return NonFiniteLogProbError(
         f"adaptive KL: non-finite input at step {step}: NaN or +-inf on valid (mask=1) tokens in the "
         + "; ".join(map(str, found)) + ". Masked positions may hold anything; a valid token's log-prob must be finite "
-        f"({advice}).")
+        f"in float32, the precision the KL is computed in (a float64 beyond 3.4e38 in magnitude is not) ({advice}).")
 
 
 def this_process() -> int:

@@ -27,9 +27,10 @@ from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME
 
 from ..core.adaptation import neutral_where_empty
 from ..core.adaptive_kl import AdaptiveKL
-from ..core.config import AdaptiveKLConfig, check_real, check_whole, is_real, reject
+from ..core.config import FIELD_READERS, AdaptiveKLConfig, check_real, check_whole, is_real, reject
 from ..core.controllers import check_horizon
 from ..core.numerics import valid_positions
+from ..core.reductions import REWARD_LOSS_TYPE_SETTING
 from .patching import PatchSet
 from .ref_sync import attach_reference_sync, reference_for_generation, warn_if_synced_reference_dropped
 from .versions import GENERATION_LOCALS, TRL_LIGER_LOSS_CALL, UNSLOTH_LEFT_PAD_LOCAL, describe, source
@@ -206,7 +207,8 @@ def log_settings(trainer: Any) -> None:
     """Say once per trainer construction the KL settings in effect (printed when a setting is adapted, as Unsloth
     prints its banner; logged at INFO for the stock KL), read from the trainer's own
     `args` after its construction (what Unsloth's generated config and the trainer made of the user's): beta, the
-    adaptive-KL method, the estimator in effect (`AdaptiveKLConfig.estimator`) and placement, then `LOGGED_TRL_FIELDS`.
+    adaptive-KL method, the estimator in effect (`AdaptiveKLConfig.estimator`), placement and reduction, the fields
+    the method and the estimator read (`FIELD_READERS`: kl_clip_threshold for clip, ...), then `LOGGED_TRL_FIELDS`.
     A field the user left unset whose Unsloth default differs from TRL's is marked so (`UNSLOTH_DEFAULTS`), and the
     other such fields are listed after."""
     args, config = trainer.args, trainer.adaptive_kl.config
@@ -214,11 +216,15 @@ def log_settings(trainer: Any) -> None:
     notes = {name: f"Unsloth's default; TRL's is {default!r}" for name, default in unsloth_defaults.items()}
     if config.kl_estimator is None:
         notes["kl_estimator"] = "unset: the placement's default"
+    if config.kl_in_reward and config.kl_reduction == "loss_type":  # no loss to follow there
+        notes["kl_reduction"] = f"in the reward: {REWARD_LOSS_TYPE_SETTING!r}, each completion's sum"
     if args.beta != 0.0 and (config.kl_in_reward or not config.reads_trainer_kl):
         notes["use_bias_correction_kl"] = (f"not applied: the KL{' in the reward' if config.kl_in_reward else ''} is "
                                            f"{config.estimator!r} from the log-probs")
     settings = {"beta": args.beta, "kl_adaptation_method": config.kl_adaptation_method,
                 "kl_estimator": config.estimator, "kl_placement": config.kl_placement,
+                "kl_reduction": config.kl_reduction,
+                **{name: getattr(config, name) for name in FIELD_READERS if config.reads(name)},
                 **{name: getattr(args, name, None) for name in LOGGED_TRL_FIELDS}}
 
     def shown(name: str, value: Any) -> str:
@@ -653,7 +659,7 @@ def check_trainer_beta(trainer: Any) -> None:
     once. `trainer.args.beta`, which the trainer reads once, when it is built (the stock trainer too), set later does
     nothing: refused where adaptive KL is on, said once otherwise."""
     config = trainer.adaptive_kl.config
-    args_built, args_now = getattr(trainer, "_adaptive_kl_args_beta", None), getattr(trainer.args, "beta", None)
+    args_built, args_now = trainer._adaptive_kl_args_beta, getattr(trainer.args, "beta", None)
     if args_now != args_built and not getattr(trainer, "_adaptive_kl_args_beta_warned", False):
         does_nothing = (f"the trainer read it once, when it was built with {args_built:g} (as the stock trainer "
                         "does), so a value set later does nothing; trainer.beta is what its loss reads")
