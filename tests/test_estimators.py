@@ -162,6 +162,16 @@ def test_any_nonzero_mask_entry_is_a_valid_position() -> None:
         [math.exp(-0.5) + 0.5 - 1.0, math.e - 2.0, 0.0], rel=1e-6)
 
 
+def test_reduce_kl_counts_a_nonzero_mask_entry_as_one_token_as_the_pipeline_does() -> None:
+    """x = 1 on 4 positions, mask [1, 0.5, 1, 0]: 3 valid tokens (sums 3, L = 3), so the per-token mean is 1; L was
+    the mask's sum, 2.5, giving 1.2, where kl_term's lengths are 3."""
+    x, mask = torch.ones(1, 4), torch.tensor([[1.0, 0.5, 1.0, 0.0]])
+    assert reductions.reduce_kl(x, mask, "sequence_mean", ReductionContext()).item() == 1.0
+    assert reductions.reduce_kl(x, mask, "sequence_sum_mean", ReductionContext()).item() == 3.0
+    term = kl_term(torch.zeros(1, 4), torch.zeros(1, 4), mask, AdaptiveKLConfig(), loss_type="grpo")
+    assert term.lengths.tolist() == [3.0]
+
+
 def test_a_callable_estimator_gives_0_on_masked_positions_as_the_pipeline_does() -> None:
     """A callable that maps the masked positions' zeros to a nonzero value (exp(0) = 1): estimate_kl gives 0 there,
     as AdaptiveKL.kl_loss's pipeline does, and passes the mask as bool. Valid: exp(ref - logp) = exp(-1)."""

@@ -63,13 +63,13 @@ class AdaptiveKL:
     """The adaptive KL of one training run: beta_t (`current_beta`, from the configured controller) times the
     adapted KL term, its metrics, and its checkpointable state.
 
-    `AdaptiveKL(config, beta, loss_type, num_iterations=1)` validates as `GRPOConfig` does (the same ValueError
-    messages): `config` the adaptive-KL fields (None: the defaults, i.e. `none`), `beta` the initial coefficient
-    (finite, >= 0, >= beta_min), `loss_type` the GRPO loss whose reduction the KL term follows (grpo, bnpo, dr_grpo,
-    dapo, cispo, vespo, sapo, luspo), `num_iterations` mu, the optimizer passes over each generation batch (a trainer's
-    PPO-style epochs): `target` counts each generated completion once per batch whatever mu. `reference_sync`: whether
-    the loop syncs the reference (a trainer's integration with sync_ref_model=True); without one,
-    `ref_model_sync_kl` and `ref_model_sync_reset_optimizer` would do nothing and are refused.
+    `AdaptiveKL(config, beta, loss_type, num_iterations=1)` validates as `AdaptiveKLConfig` does (the ValueError
+    messages every integration's config raises): `config` the adaptive-KL fields (None: the defaults, i.e. `none`),
+    `beta` the initial coefficient (finite, >= 0, >= beta_min), `loss_type` the GRPO loss whose reduction the KL term
+    follows (grpo, bnpo, dr_grpo, dapo, cispo, vespo, sapo, luspo), `num_iterations` mu, the optimizer passes over each
+    generation batch (a trainer's PPO-style epochs): `target` counts each generated completion once per batch whatever
+    mu. `reference_sync`: whether the loop syncs the reference (a trainer's integration with sync_ref_model=True);
+    without one, `ref_model_sync_kl` and `ref_model_sync_reset_optimizer` would do nothing and are refused.
 
     Per optimizer step of a loop: `kl_loss` (KL in the loss) or `reward_penalty` (KL in the reward) on each
     (micro-)batch, then `step(mean_reward=...)` once; `train=False` on an evaluation pass. `state_dict()` /

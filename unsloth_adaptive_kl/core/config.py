@@ -183,7 +183,7 @@ class AdaptiveKLConfig:
 
     The KL term of the loss, `beta * KL(pi_theta || pi_ref)`, is adapted per token by `clip`
     (min(k, kl_clip_threshold)) or `sigmoid` (sigmoid(k - kl_target) * k), reduced per completion by
-    `length_normalized` ((sum_t m k') / L_i), and weighted by a `dynamic` beta that decays by
+    `length_normalized` ((sum_t m k') / max(L_i, 1)), and weighted by a `dynamic` beta that decays by
     `dynamic_beta_decay` while the mean reward exceeds `reward_threshold`, never below `beta_min`, and equals
     `beta_min` once `beta_schedule_steps` optimizer steps are done, or by `target`, the adaptive controller of
     Ziegler et al. (2019): e = clip(KL / kl_target - 1, -0.2, 0.2), beta <- beta * (1 + e * n / kl_horizon) within

@@ -1,19 +1,12 @@
 """Every error and warning the package raises of its own, in one place (pure Python: the core and the integrations
 import it; users catch them from the top level, `from unsloth_adaptive_kl import NonFiniteLogProbError`), and
-`reject`, the one wording of a bad setting's ValueError."""
+`reject`, the usual wording of a bad setting's ValueError."""
 
 
 def reject(name: str, value: object, allowed: str) -> ValueError:
-    """The ValueError for a bad setting, in the package's one wording: the field, its value and what is allowed
-    (the integrations use it for their trainers' fields too)."""
+    """The ValueError for a bad setting, in the package's usual wording: the field, its value and what is allowed
+    (the integrations use it for their trainers' fields too; a combination of fields is worded by its own check)."""
     return ValueError(f"{name}={value!r} is invalid: allowed is {allowed}.")
-
-
-# Why the KL is not finite where the log-probs are (the core's metrics and Tinker's traced loss say it alike): of the
-# built-in estimators only these exponentiate the log-ratio unclamped (low_var_kl clamps it; k1 and k2 are
-# polynomial in it).
-KL_OVERFLOW = ("an estimator that exponentiates the log-ratio (k3, k3+, k3_bottom_percentile) overflowed float32 where "
-               "they diverged")
 
 
 class NonFiniteLogProbError(FloatingPointError, ValueError):

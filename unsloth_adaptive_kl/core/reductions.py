@@ -236,7 +236,7 @@ def context_read(config: Any, loss_type: str) -> frozenset[str]:
 def warn_unread_context(ctx: ReductionContext, config: Any, loss_type: str) -> None:
     """Warn for each divisor a loop passed in `ctx` that `context_read(config, loss_type)` leaves out: it would do
     nothing, most likely because the loop normalises its loss as another loss type than the one it declared (once
-    per process and field, Python's default filter)."""
+    per process and message, Python's default filter: the message names the field and the loss type)."""
     loss, kl = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
     read = context_read(config, loss_type)
     for field in CONTEXT_FIELDS:
@@ -318,12 +318,14 @@ def loss_type_of_agg_mode(agg_mode: str, field: str = "loss_agg_mode") -> str:
 
 def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
     """Apply the named reduction (a `REDUCTIONS` name: a loss type's is `loss_type_reduction(loss_type)`) to a
-    per-token tensor (in float32 whatever its dtype)."""
+    per-token tensor (in float32 whatever its dtype). A nonzero mask entry is a valid token, a whole one: L_i counts
+    them, as the KL pipeline does."""
     if reduction not in REDUCTIONS:
         raise reject("reduction", reduction, f"one of {', '.join(REDUCTIONS)} (a loss_type's: "
                      "loss_type_reduction(loss_type))")
-    sums = keep_valid(x, mask).sum(-1)
-    return REDUCTIONS[reduction].reduce(sums, mask.sum(-1, dtype=sums.dtype), context_in_float32(ctx))
+    valid = valid_positions(mask)
+    sums = keep_valid(x, valid).sum(-1)
+    return REDUCTIONS[reduction].reduce(sums, valid.sum(-1, dtype=sums.dtype), context_in_float32(ctx))
 
 
 def context_in_float32(ctx: ReductionContext) -> ReductionContext:

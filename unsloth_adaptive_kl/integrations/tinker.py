@@ -41,10 +41,10 @@ from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
 from ..core.config import check_beta, check_real, is_real, is_whole, python_number
-from ..core.errors import KL_OVERFLOW, reject
+from ..core.errors import reject
 from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
                                warn_unread_context)
-from ..core.statistics import device_sums, gather_statistics
+from ..core.statistics import KL_OVERFLOW, device_sums, gather_statistics
 
 __all__ = [
     "BUILTIN_LOSS_INPUTS",
@@ -180,10 +180,10 @@ def loss_terms(config: AdaptiveKLConfig, loss_type: str) -> dict[str, str]:
     return {"the policy-gradient loss": loss_type_reduction(loss_type), "the KL term": kl_reduction(config, loss_type)}
 
 
-def builtin_loss_data(data: Sequence["types.Datum"], keys: Sequence[str] = BUILTIN_LOSS_INPUTS) -> list["types.Datum"]:
-    """The Datums with only `keys` in loss_fn_inputs (default: what importance_sampling / ppo / cispo read), for
+def builtin_loss_data(data: Sequence["types.Datum"]) -> list["types.Datum"]:
+    """The Datums with only `BUILTIN_LOSS_INPUTS` in loss_fn_inputs (what importance_sampling / ppo / cispo read), for
     `TrainingClient.forward_backward(..., "importance_sampling")`: the built-in losses get no `ref_logprobs`/`mask`."""
-    return [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in keys})
+    return [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in BUILTIN_LOSS_INPUTS})
             for d in data]
 
 

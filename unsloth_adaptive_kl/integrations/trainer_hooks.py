@@ -99,9 +99,9 @@ def check_trl_settings(args: Any, config: AdaptiveKLConfig) -> None:
     defaults) beside its adaptive-KL settings `config`: raise ValueError naming the first bad field, its value and what
     is allowed. With the KL in the reward, `multi_objective_aggregation` must sum before normalising;
     `sync_ref_model` is a bool, and with it True, `ref_model_mixup_alpha` is in (0, 1], `ref_model_sync_steps` an
-    integer >= 1 and beta != 0 (with syncing off nothing reads TRL's, so they are not checked; this package's `ref_model_sync_kl` and
-    `ref_model_sync_reset_optimizer` must then be off). A non-stock KL built from the trainer's own
-    per-token KL is refused where that KL carries a sequence-level weight (`sequence_weighted_kl`)."""
+    integer >= 1 and beta != 0 (with syncing off nothing reads TRL's, so they are not checked; this package's
+    `ref_model_sync_kl` and `ref_model_sync_reset_optimizer` must then be off). A non-stock KL built from the
+    trainer's own per-token KL is refused where that KL carries a sequence-level weight (`sequence_weighted_kl`)."""
     if sequence_weighted_kl(args) and config.reads_trainer_kl and not config.kl_in_reward and not config.is_stock_kl:
         raise reject("use_bias_correction_kl", True,
                      f"False with importance_sampling_level='sequence' and adaptive KL (kl_adaptation_method="

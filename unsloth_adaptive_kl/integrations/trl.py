@@ -135,13 +135,12 @@ def _stock_function(name: str) -> Any:
 
 class _PolicyLogpsProbe:
     """Stands in for `trainer._get_per_token_logps_and_entropies` during one stock `_compute_loss` call: records the
-    first (policy) call's log-probs (for a non-stock `kl_estimator`, and the non-finite check of both log-probs).
-
-    With `inputs` (a copy of the batch the stock loss reads) it also replaces that batch's reference log-probs by
+    first (policy) call's log-probs (for a non-stock `kl_estimator`, and the non-finite check of both log-probs), and
+    replaces the reference log-probs of `inputs` (a copy of the batch the stock loss reads) by
     `numerics.masked_reference` (valid positions keep the trainer's values exactly), before the stock KL line reads
     them."""
 
-    def __init__(self, method: Any, inputs: dict | None = None, mask: torch.Tensor | None = None) -> None:
+    def __init__(self, method: Any, inputs: dict, mask: torch.Tensor) -> None:
         self.method = method
         self.logps: list[torch.Tensor] = []
         self.inputs, self.mask = inputs, mask
@@ -149,7 +148,7 @@ class _PolicyLogpsProbe:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         output = self.method(*args, **kwargs)
         self.logps.append(output[0])
-        if self.inputs is not None and len(self.logps) == 1 and self.inputs.get("ref_per_token_logps") is not None:
+        if len(self.logps) == 1 and self.inputs.get("ref_per_token_logps") is not None:
             ref = self.inputs["ref_per_token_logps"]
             self.inputs["ref_per_token_logps"] = masked_reference(ref, output[0], self.mask)
         return output

@@ -269,7 +269,7 @@ def tested_range(package: str) -> str:
 
 
 def describe(package: str) -> str:
-    """'trl==1.16.0 (tested: >=1.9.1,<=1.16.0)', or '... (not installed)'."""
+    """'trl==1.16.0 (tested: trl>=1.9.1,<=1.16.0)', or 'trl (not installed) (tested: trl>=1.9.1,<=1.16.0)'."""
     try:
         found = f"{package}=={installed_version(package)}"
     except importlib.metadata.PackageNotFoundError:
