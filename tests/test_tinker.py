@@ -888,8 +888,8 @@ def test_the_traced_loss_returns_the_check_and_check_traced_loss_raises_on_it(fa
         timeout=30)
     assert math.isnan(result.metrics["custom/adaptive_kl/policy_logprobs:sum"])
     assert math.isfinite(result.metrics["custom/adaptive_kl/ref_logprobs:sum"])
-    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the logprobs \(the policy's, in the traced loss; "
-                                                    r"the policy tensor\): non-finite \(its sum"):
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the logprobs \(in the traced loss; the policy "
+                                                    r"tensor\): non-finite \(its sum"):
         integration.check_traced_loss(akl, result)
 
 
@@ -1019,6 +1019,10 @@ def test_mismatched_batches_are_refused_not_broadcast() -> None:
         "advantages"].to_torch().tolist() == [0.0, 1.0]
     with pytest.raises(TypeError, match=r"^loss_fn_inputs\['advantages'\] is a list: allowed is a tinker "
                                         r"types\.TensorData aligned with target_tokens"):
+        integration.grpo_kl_loss(akl)([bare], [row])
+    bare.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0]))
+    bare.loss_fn_inputs["target_tokens"] = [4, 5]  # read beside every input: named too
+    with pytest.raises(TypeError, match=r"^loss_fn_inputs\['target_tokens'\] is a list: allowed is a tinker "):
         integration.grpo_kl_loss(akl)([bare], [row])
     two_outputs = types.ForwardBackwardOutput(
         loss_fn_output_type="ArrayRecord", loss_fn_outputs=[{"logprobs": types.TensorData.from_torch(row)}] * 2)
@@ -1191,8 +1195,8 @@ def test_check_traced_loss_raises_on_an_infinite_log_prob_too() -> None:
     with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the ref_logprobs \(the reference tensor\): "
                                                     r"non-finite"):
         integration.check_traced_loss(akl, result(-5.0, -math.inf))
-    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the logprobs \(the policy's, in the traced "
-                                                    r"loss; the policy tensor\): non-finite"):
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 1: .* in the logprobs \(in the traced loss; the policy "
+                                                    r"tensor\): non-finite"):
         integration.check_traced_loss(akl, result(math.inf, -6.0))
 
 

@@ -302,8 +302,8 @@ def test_a_nan_log_prob_on_a_valid_token_raises_at_the_end_of_the_optimizer_step
     trainer.accelerator.gradient_state._set_sync_gradients(False)  # a micro-batch inside the accumulation window
     trainer._compute_loss(trainer.model, inputs)
     trainer.accelerator.gradient_state._set_sync_gradients(True)  # the step's last micro-batch
-    with pytest.raises(NonFiniteLogProbError, match=rf"non-finite input at step 1: .*{which} log-probs \(the {which} "
-                                                    r"tensor\): 4 valid token\(s\)"):
+    with pytest.raises(NonFiniteLogProbError, match=rf"non-finite input at step 1: .*in the {which} log-probs: 4 valid "
+                                                    r"token\(s\)"):
         trainer._compute_loss(trainer.model, inputs)
 
 
@@ -583,8 +583,8 @@ def test_args_beta_set_after_the_trainer_was_built_is_refused_where_adapted_and_
     With `sigmoid` the next loss refuses it (it trained on at 0.04, silently); with `none` the loss is stock TRL's,
     bit for bit, and a warning says once that the value does nothing."""
     adapted = make_trainer(tokenizer, str(tmp_path / "sigmoid"), kl_adaptation_method="sigmoid", max_steps=2)
-    adapted.args.beta = 0.1
-    with pytest.raises(ValueError, match=r"^trainer\.args\.beta=0\.1 is invalid: allowed is 0\.04, the value the "
+    adapted.args.beta = "0.1"  # whatever a callback sets is named (it was formatted as a number: a bare ValueError)
+    with pytest.raises(ValueError, match=r"^trainer\.args\.beta='0\.1' is invalid: allowed is 0\.04, the value the "
                                          r"trainer was built with, while adaptive KL is on \(kl_adaptation_method="
                                          r"'sigmoid'\): the trainer read it once"):
         adapted.train()
@@ -598,7 +598,8 @@ def test_args_beta_set_after_the_trainer_was_built_is_refused_where_adapted_and_
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
     with pytest.warns(UserWarning, match=r"^adaptive_kl: trainer\.args\.beta was set to 0\.1 after the run started: "
-                                         r"the trainer read it once, when it was built with 0\.04") as caught:
+                                         r"the trainer read it once, when it was built with 0\.04 .*; trainer\.beta "
+                                         r"is what the stock loss reads\.$") as caught:
         patched = losses("none")
     assert sum("trainer.args.beta was set" in str(w.message) for w in caught) == 1
     with stock_trl():

@@ -71,6 +71,10 @@ def test_the_line_names_the_reduction_and_the_fields_the_settings_read(tokenizer
     assert ("kl_reduction='loss_type', kl_target=0.2, beta_min=0.0, kl_horizon=50.0, beta_max=None, "
             "kl_target_measure='token_mean', kl_percentile=0.25, kl_percentile_scale=5.0, loss_type=") in line
     assert "kl_clip_threshold" not in line and "dynamic_beta_decay" not in line
+    make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="length_normalized", max_steps=1)  # dapo's loss
+    (line,) = settings_lines(caplog, capsys)
+    assert ("kl_reduction='loss_type' (length_normalized: 'sequence_mean', each completion's mean), "
+            "loss_type='dapo'") in line
 
 
 @pytest.mark.parametrize(("settings", "shown"), [
@@ -81,7 +85,8 @@ def test_the_line_names_the_reduction_and_the_fields_the_settings_read(tokenizer
     (dict(kl_placement="reward"),
      "kl_estimator='k1' (unset: the placement's default), kl_placement='reward', "
      + DYNAMIC_READS.replace("'loss_type', ", "'loss_type' (in the reward: 'sequence_sum', each completion's sum), ")
-     + "loss_type='dapo', scale_rewards='group', num_iterations=1, importance_sampling_level='sequence', use_bias_correction_kl=True "
+     + "loss_type='dapo', scale_rewards='group', num_iterations=1, importance_sampling_level='sequence', "
+     "use_bias_correction_kl=True "
      "(not applied: the KL in the reward is 'k1' from the log-probs)"),
     (dict(kl_estimator="k2", beta=0.0),  # no KL term at all: nothing to say of the correction
      "kl_estimator='k2', kl_placement='loss', " + DYNAMIC_READS + "loss_type='dapo', scale_rewards='group', "

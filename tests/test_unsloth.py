@@ -352,7 +352,8 @@ def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are
     assert results["settings_lines"] == [
         "adaptive_kl: KL settings in effect for UnslothGRPOTrainer: beta=0.001 (Unsloth's default; TRL's is 0.0), "
         "kl_adaptation_method='clip', kl_estimator='k3' (unset: the placement's default), kl_placement='loss', "
-        "kl_reduction='loss_type', kl_clip_threshold=1.0, loss_type='grpo', scale_rewards='group', num_iterations=1, importance_sampling_level='token', "
+        "kl_reduction='loss_type', kl_clip_threshold=1.0, loss_type='grpo', scale_rewards='group', num_iterations=1, "
+        "importance_sampling_level='token', "
         "use_bias_correction_kl=True, steps_per_generation=2, gradient_accumulation_steps=2; Unsloth's other "
         "defaults that differ from TRL's: learning_rate=5e-05 (TRL's is 1e-06), warmup_steps=0.1 (TRL's is 0), "
         "optim='adamw_8bit' (TRL's is 'adamw_torch_fused'), weight_decay=0.001 (TRL's is 0.0), seed=3407 (TRL's is "

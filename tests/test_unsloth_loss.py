@@ -223,8 +223,9 @@ def test_a_generated_compute_loss_that_does_not_call_the_compiled_loss_once_is_a
         return 0.5
 
     compute_loss = integration._wrap_compute_loss(generated)
+    config = AdaptiveKLConfig(kl_adaptation_method="clip")
     trainer = SimpleNamespace(beta=0.04, args=SimpleNamespace(beta=0.04), _adaptive_kl_args_beta=0.04,  # as built
-                              adaptive_kl=SimpleNamespace(beta=0.04, config=AdaptiveKLConfig(kl_adaptation_method="clip")))
+                              adaptive_kl=SimpleNamespace(beta=0.04, config=config))
     for shim_calls in (0, 2):
         with pytest.raises(IncompatibleVersionError, match=r"unsloth_zoo.*`UnslothEfficientGRPO\.apply\(` \(the "
                            r"compiled loss, which the adaptive loss wraps\) was not found in Unsloth's generated "

@@ -1405,14 +1405,18 @@ def test_a_batch_of_padding_alone_has_no_mean_reward(monkeypatch):
     assert trainer._mean_reward is None and trainer.reward_kl._mean_reward is None
     store["sample-1"] = [math.inf, 0.0]  # refused where verl scores the batch, before the update (was after it)
     with pytest.raises(ValueError, match=r"^adaptive_kl: the batch's mean reward \(verl's critic/score/mean, rm_scores "
-                                         r"summed per sample\) is inf: a reward returned NaN or \+-inf for a sample"):
+                                         r"summed per sample\) is inf: a reward returned NaN or \+-inf for a sample; "
+                                         r".*where a beta controller reads them \(adaptive_kl\.kl_adaptation_method="
+                                         r"'dynamic', adaptive_kl\.kl_adaptation_method='dynamic': dynamic would"):
         trainer._compute_advantage(_ScoredBatch([False, False]), {})
-    # a constant beta in both KLs reads no reward: nothing fetched, nothing refused (as verl's own trainer)
+    # a controller that reads no reward in both KLs (a constant beta, target): nothing fetched, nothing refused, as
+    # under verl's own trainer
     fetched.clear()
-    constant = _RewardTrainer(trainer_config(kl_penalty="kl", use_kl_loss=True, use_kl_in_reward=True,
-                                             kl_adaptation_method="clip"))
-    constant._compute_advantage(_ScoredBatch([False, False]), {})
-    assert fetched == [] and constant._mean_reward is None
+    for block in (dict(kl_adaptation_method="clip"), dict(kl_adaptation_method="clip",
+                                                          reward={"kl_adaptation_method": "target", "kl_target": 0.1})):
+        constant = _RewardTrainer(trainer_config(kl_penalty="kl", use_kl_loss=True, use_kl_in_reward=True, **block))
+        constant._compute_advantage(_ScoredBatch([False, False]), {})
+        assert fetched == [] and constant._mean_reward is None, block
 
 
 # ----- verl's TrainingWorker (fsdp2, gloo, one process, tiny Llama), in a subprocess --------------------------------

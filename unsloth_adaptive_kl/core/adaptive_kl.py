@@ -127,6 +127,12 @@ class AdaptiveKL:
         self._stepped_twice: list[int] = []  # the step() calls between the last optimizer steps, each > 1
 
     @property
+    def reads_rewards(self) -> bool:
+        """Whether the beta controller reads the batches' mean reward: `dynamic` does, and a registered controller may
+        (it is handed them); a constant beta and `target` (which reads the KL) do not."""
+        return controller_kind(self.controller) not in ("constant", "target")
+
+    @property
     def moves_beta(self) -> bool:
         """Whether beta moves (`dynamic`, `target`, a registered controller): what a checkpoint without this object's
         state loses. A constant beta loses nothing, so a resume without it has nothing to say."""

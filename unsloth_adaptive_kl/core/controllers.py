@@ -49,8 +49,9 @@ class ConstantBeta:
     """beta_k = beta_0 for every step.
 
     A controller sees, at the end of each optimizer step that trained on new generation batches, their mean reward
-    (`observe_rewards`: the mean of the batches' means), and is stepped after each optimizer step (`step`); several
-    optimizer steps may share one generation batch, and one step may train on several."""
+    (`observe_rewards`: the mean of the batches' means; a trainer's integration hands none to a controller that
+    reads none, `AdaptiveKL.reads_rewards`), and is stepped after each optimizer step (`step`); several optimizer
+    steps may share one generation batch, and one step may train on several."""
 
     kind = "constant"  # the name a checkpoint records (`AdaptiveKL.state_dict()["controller"]`)
 

@@ -26,10 +26,10 @@ from .numerics import KINDS, LogpCheck, NonFinite, nonfinite_error, this_process
 
 METRIC_PREFIX = "adaptive_kl/"
 # Why the KL is not finite where the log-probs are (the metrics here and a traced loss's check say it alike): of the
-# built-in estimators only these exponentiate the log-ratio unclamped (low_var_kl clamps it; k1 and k2 are
-# polynomial in it).
-KL_OVERFLOW = ("an estimator that exponentiates the log-ratio (k3, k3+, k3_bottom_percentile) overflowed float32 where "
-               "they diverged")
+# built-in estimators, k3, k3+ and k3_bottom_percentile exponentiate the log-ratio unclamped (low_var_kl clamps it),
+# and k2 squares it (float32's range ends at 3.4e38, so a log-ratio beyond 2.6e19 overflows there).
+KL_OVERFLOW = ("the estimator overflowed float32 where they diverged (k3, k3+ and k3_bottom_percentile exponentiate "
+               "the log-ratio; k2 squares it)")
 Gather = Callable[[torch.Tensor], torch.Tensor]
 # Below this share of n sum x^2, a variance n sum x^2 - (sum x)^2 is rounding error: x is constant, corr undefined.
 CONSTANT_BELOW = 1e-10

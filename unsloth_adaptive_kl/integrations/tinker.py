@@ -125,9 +125,10 @@ def _input(datum: "types.Datum", key: str) -> torch.Tensor:
     if key not in inputs:
         raise KeyError(f"Datum has no loss_fn_inputs[{key!r}] (it has {', '.join(sorted(inputs))}); build it with "
                        "completion_datum (or add it as a TensorData aligned with target_tokens)")
-    if not isinstance(inputs[key], types.TensorData):  # set after the Datum was built, which converts at construction
-        raise TypeError(f"loss_fn_inputs[{key!r}] is a {type(inputs[key]).__name__}: allowed is a tinker "
-                        "types.TensorData aligned with target_tokens (types.TensorData.from_torch(tensor))")
+    for name in (key, TARGET_TOKENS):  # set after the Datum was built, which converts at construction
+        if name in inputs and not isinstance(inputs[name], types.TensorData):
+            raise TypeError(f"loss_fn_inputs[{name!r}] is a {type(inputs[name]).__name__}: allowed is a tinker "
+                            "types.TensorData aligned with target_tokens (types.TensorData.from_torch(tensor))")
     value = inputs[key].to_torch().to(torch.float32)
     targets = inputs[TARGET_TOKENS].shape or [len(inputs[TARGET_TOKENS].data)]
     if list(value.shape) != list(targets) or value.dim() != 1:
@@ -180,10 +181,11 @@ def loss_terms(config: AdaptiveKLConfig, loss_type: str) -> dict[str, str]:
     return {"the policy-gradient loss": loss_type_reduction(loss_type), "the KL term": kl_reduction(config, loss_type)}
 
 
-def builtin_loss_data(data: Sequence["types.Datum"]) -> list["types.Datum"]:
-    """The Datums with only `BUILTIN_LOSS_INPUTS` in loss_fn_inputs (what importance_sampling / ppo / cispo read), for
-    `TrainingClient.forward_backward(..., "importance_sampling")`: the built-in losses get no `ref_logprobs`/`mask`."""
-    return [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in BUILTIN_LOSS_INPUTS})
+def builtin_loss_data(data: Sequence["types.Datum"], keys: Sequence[str] = BUILTIN_LOSS_INPUTS) -> list["types.Datum"]:
+    """The Datums with only `keys` in loss_fn_inputs (default: what importance_sampling / ppo / cispo read; pass more
+    for a built-in loss that reads other inputs), for `TrainingClient.forward_backward(..., "importance_sampling")`:
+    the built-in losses get no `ref_logprobs`/`mask`."""
+    return [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in keys})
             for d in data]
 
 
@@ -489,7 +491,7 @@ def kl_penalized_data(
 PG_WEIGHTS, KL_WEIGHTS, BETA, OLD_LOGPROBS = "pg_weights", "kl_weights", "beta", "sampling_logprobs"
 # The traced loss's non-finite check: each tensor's name in the error, and the metric carrying its sum over the
 # valid tokens (summed over the datums by the SDK).
-TRACED_CHECK = {"logprobs (the policy's, in the traced loss)": "custom/adaptive_kl/policy_logprobs:sum",
+TRACED_CHECK = {"logprobs (in the traced loss)": "custom/adaptive_kl/policy_logprobs:sum",
                 "ref_logprobs": "custom/adaptive_kl/ref_logprobs:sum"}
 TRACED_KL = "custom/adaptive_kl/adapted_kl:sum"  # the traced loss's adapted KL, summed over the datums
 # Estimators of batch statistics: per datum they would compute another KL.

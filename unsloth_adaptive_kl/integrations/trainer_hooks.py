@@ -218,6 +218,8 @@ def log_settings(trainer: Any) -> None:
         notes["kl_estimator"] = "unset: the placement's default"
     if config.kl_in_reward and config.kl_reduction == "loss_type":  # no loss to follow there
         notes["kl_reduction"] = f"in the reward: {REWARD_LOSS_TYPE_SETTING!r}, each completion's sum"
+    elif config.kl_reduction == "loss_type" and "length_normalized" in config.kl_methods:
+        notes["kl_reduction"] = "length_normalized: 'sequence_mean', each completion's mean"
     if args.beta != 0.0 and (config.kl_in_reward or not config.reads_trainer_kl):
         notes["use_bias_correction_kl"] = (f"not applied: the KL{' in the reward' if config.kl_in_reward else ''} is "
                                            f"{config.estimator!r} from the log-probs")
@@ -466,16 +468,16 @@ def observe_mean_reward(runtime: AdaptiveKL, mean_reward: float) -> None:
     """The trainer's logged mean reward of a training generation batch, to the controller. TRL logs NaN where no
     completion of the batch was scored (every reward function returned None for each, which TRL warns of, row by row):
     the batch has no mean reward, as a loop's `step(mean_reward=None)` has none, and `dynamic` does not decay on it.
-    A constant beta (`none`, `clip`, ...) reads no reward, so none is handed on: a batch with an infinite reward
-    trains as in the stock trainer. Where beta moves, +-inf (a reward function's) is refused, as the core refuses it
-    at every door, in the trainer's words."""
-    if not runtime.moves_beta:
+    A controller that reads no reward (a constant beta, `target`) is handed none: a batch with an infinite reward
+    trains as in the stock trainer. Where the controller reads it (`dynamic`, a registered one), +-inf (a reward
+    function's) is refused, as the core refuses it at every door, in the trainer's words."""
+    if not runtime.reads_rewards:
         return
     if math.isinf(mean_reward):
         raise ValueError(f"adaptive_kl: the generation batch's mean reward (the trainer's logged reward) is "
                          f"{mean_reward}: a reward function returned +-inf for a completion; allowed are finite "
-                         f"rewards, or None for a completion a function does not score (the beta controller of "
-                         f"kl_adaptation_method={runtime.config.kl_adaptation_method!r} is handed it; dynamic would "
+                         f"rewards, or None for a completion a function does not score, where the beta controller "
+                         f"reads them (kl_adaptation_method={runtime.config.kl_adaptation_method!r}: dynamic would "
                          "decay on +inf at every step).")
     if not math.isnan(mean_reward):
         runtime.observe_rewards(mean_reward)
@@ -661,17 +663,17 @@ def check_trainer_beta(trainer: Any) -> None:
     config = trainer.adaptive_kl.config
     args_built, args_now = trainer._adaptive_kl_args_beta, getattr(trainer.args, "beta", None)
     if args_now != args_built and not getattr(trainer, "_adaptive_kl_args_beta_warned", False):
-        does_nothing = (f"the trainer read it once, when it was built with {args_built:g} (as the stock trainer "
-                        "does), so a value set later does nothing; trainer.beta is what its loss reads")
+        # !r: whatever was set (a string from a callback's config) is named, not formatted as a number
+        does_nothing = (f"the trainer read it once, when it was built with {args_built!r} (as the stock trainer "
+                        "does), so a value set later does nothing")
         if not config.is_stock_kl:
             raise reject("trainer.args.beta", args_now,
-                         f"{args_built:g}, the value the trainer was built with, while adaptive KL is on "
-                         f"({', '.join(config.adapted_fields())}): {does_nothing}, and the adapted term multiplies "
-                         "the controller's beta. To move beta during training use kl_adaptation_method 'dynamic' or "
-                         "'target'; to start from another, build the trainer with it")
+                         f"{args_built!r}, the value the trainer was built with, while adaptive KL is on "
+                         f"({', '.join(config.adapted_fields())}): {does_nothing}. To move beta during training use "
+                         "kl_adaptation_method 'dynamic' or 'target'; to start from another, build the trainer with it")
         trainer._adaptive_kl_args_beta_warned = True
-        warnings.warn(f"adaptive_kl: trainer.args.beta was set to {args_now:g} after the run started: {does_nothing}.",
-                      UserWarning, stacklevel=3)
+        warnings.warn(f"adaptive_kl: trainer.args.beta was set to {args_now!r} after the run started: {does_nothing}; "
+                      "trainer.beta is what the stock loss reads.", UserWarning, stacklevel=3)
     built, now = trainer.adaptive_kl.beta, trainer.beta
     if now in (built, 0.0) or getattr(trainer, "_adaptive_kl_beta_warned", False):
         return

@@ -775,10 +775,14 @@ class AdaptiveKLTrainerMixin:
             warnings.warn("adaptive_kl: neither actor_rollout_ref.actor.use_kl_loss nor algorithm.use_kl_in_reward is "
                           "on: there is no KL to adapt.", stacklevel=2)
         self._mean_reward: Optional[float] = None
-        # A constant beta reads no reward: where neither controller moves beta, the batch's reward is not read, so a
-        # non-finite one trains as under verl's own trainer.
-        self._reads_reward = any(akl is not None and akl.moves_beta
-                                 for akl in (self.loss_kl, self.reward_kl and self.reward_kl.akl))
+        # The controllers that read the batch's mean reward (dynamic, a registered one), by the field that set their
+        # method: where none does (a constant beta, target), the reward is not read, so a non-finite one trains as
+        # under verl's own trainer.
+        self._reward_readers = [
+            f"{field}.kl_adaptation_method={akl.config.kl_adaptation_method!r}"
+            for field, akl in (("adaptive_kl", self.loss_kl),
+                               (_block("kl_adaptation_method", overrides), self.reward_kl and self.reward_kl.akl))
+            if akl is not None and akl.reads_rewards]
 
     # -- setup: the adaptive loss on the actor workers
     def _setup(self) -> None:
@@ -820,12 +824,12 @@ class AdaptiveKLTrainerMixin:
         if not math.isfinite(mean):  # here, before the update: the core would refuse it after, as mean_reward
             raise ValueError(f"adaptive_kl: the batch's mean reward (verl's critic/score/mean, rm_scores summed per "
                              f"sample) is {mean}: a reward returned NaN or +-inf for a sample; allowed are finite "
-                             "rewards where beta moves (dynamic would decay on +inf at every step, and never on "
-                             "NaN).")
+                             f"rewards where a beta controller reads them ({', '.join(self._reward_readers)}: dynamic "
+                             "would decay on +inf at every step, and never on NaN).")
         return mean
 
     def _compute_advantage(self, batch: Any, metrics: dict) -> Any:
-        if self._reads_reward:
+        if self._reward_readers:
             self._mean_reward = self._batch_mean_reward(batch)
         if self.reward_kl is None:
             return super()._compute_advantage(batch, metrics)
