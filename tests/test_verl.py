@@ -2022,7 +2022,8 @@ def test_the_actor_updates_are_counted_so_the_second_ones_error_names_step_2():
     second update is named at step 2 (the driver counts the updates the controller took)."""
     trainer, _ = actor_update(make_batch(seed=13), "token-mean", kl_adaptation_method="clip", kl_clip_threshold=0.3)
     trainer.actor_rollout_wg.shards = [with_policy_value(make_batch(seed=13), 2, 0, math.nan)]
-    with pytest.raises(NonFiniteLogProbError, match=r"at step 2: .*verl's log_prob \(the actor's forward\)"):
+    with pytest.raises(NonFiniteLogProbError, match=r"at step 2: .*verl's log_prob \(the actor's forward; the policy "
+                                                    r"tensor\)"):
         trainer._update_actor(types.SimpleNamespace(extra_info={}), {})
 
 
