@@ -201,6 +201,22 @@ def test_a_resume_with_a_new_constant_beta_trains_and_logs_it(tokenizer, tmp_pat
     assert logged(resumed, "adaptive_kl/current_beta")[-1] == 0.08 == resumed.current_beta
 
 
+def test_a_resume_of_dynamic_with_a_new_beta_says_the_checkpoints_beta_continues(tokenizer, tmp_path) -> None:
+    """A dynamic run resumed with a new args.beta continued from the checkpoint's decayed beta without a word (the
+    state did not record the beta its run was built with). The resume now names both betas and the one that
+    continues (0.04 * 0.8**2, within the new beta=0.08); the resumed step trains and logs at it, then decays it."""
+    settings = dict(max_steps=3, dynamic_beta_decay=0.8, save_strategy="steps", save_steps=2,
+                    model_kind="peft_config", **DYNAMIC)
+    make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **settings).train()
+    resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), constant_reward(1.0), **{**settings, "beta": 0.08})
+    with pytest.warns(UserWarning, match=r"^adaptive KL: this run's beta=0\.08 is not the beta=0\.04 the checkpoint's "
+                                         r"run was built with: dynamic moves beta, so the run continues from the "
+                                         r"checkpoint's beta 0\.0256\. To start from 0\.08 instead"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+    assert logged(resumed, "adaptive_kl/current_beta")[-1] == pytest.approx(0.04 * 0.8**2)
+    assert resumed.current_beta == pytest.approx(0.04 * 0.8**3)
+
+
 def test_the_checkpoint_a_hub_push_uploads_holds_the_controllers_state(tokenizer, tmp_path) -> None:
     """transformers' _save_checkpoint ends by pushing the folder (`_push_from_checkpoint`, with push_to_hub and a
     checkpoint hub_strategy): the state must be in the folder by then (it was written after, so a run resumed from

@@ -351,13 +351,15 @@ def test_state_dict_carries_a_format_version_and_the_controller_kind(kind) -> No
     """...and is strict JSON before the first reward (its batch_reward, NaN in the controller, was written as a bare
     NaN, which JSON readers other than Python's refuse), and loads back to that NaN; a NaN written before loads too."""
     state = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.1).state_dict()
-    assert state["format_version"] == 6 and state["controller"] == kind and state["batch_reward"] is None
+    assert state["format_version"] == 7 and state["controller"] == kind and state["batch_reward"] is None
     json.dumps(state, allow_nan=False)
     for saved in (state, {**state, "batch_reward": math.nan}):
         runtime = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.2)
         with warnings.catch_warnings():
-            # a constant beta keeps the run's 0.2, saying so (tested below); a moving one loads quietly
+            # a constant beta keeps the run's 0.2, saying so; a moving one continues, saying that the run was built
+            # with another beta (both tested below), and loads its beta within the bounds quietly
             warnings.filterwarnings("ignore" if kind == "constant" else "error", "adaptive KL: the loaded state")
+            warnings.filterwarnings("ignore", "adaptive KL: this run's beta=0.2 is not the beta=0.1")
             runtime.load_state_dict(json.loads(json.dumps(saved)))
         assert math.isnan(runtime.controller.batch_reward)
         assert runtime.current_beta == (0.2 if kind == "constant" else 0.1)
@@ -388,7 +390,10 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
     beta_max=0.2; a dynamic 0.01 below a new beta_min=0.05, until its next decay jumped to it; a dynamic 1.0 above
     a new beta=0.1, which dynamic only lowers)."""
     def state(method: str, beta: float, **fields: float) -> dict:
-        return AdaptiveKL(config(kl_adaptation_method=method, **fields), beta).state_dict()
+        """A state at `beta` of a run built, as this one, with beta=0.1 (one built with another says so: below)."""
+        saved = AdaptiveKL(config(kl_adaptation_method=method, **fields), 0.1)
+        saved.controller.value = beta
+        return saved.state_dict()
 
     cases = [("clip", {}, 0.04, 0.1, r"^adaptive KL: the loaded state's beta 0\.04 is not this run's beta=0\.1: a "
                                        r"constant beta is the run's own setting, so 0\.1 is kept \(the rest of the "
@@ -411,6 +416,39 @@ def test_a_loaded_beta_is_said_where_it_overrides_this_runs_settings() -> None:
         AdaptiveKL(config(kl_adaptation_method="target", beta_max=0.2), 0.1).load_state_dict(
             state("target", 0.15, beta_max=0.2))
         AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1).load_state_dict(state("dynamic", 0.05))
+
+
+@pytest.mark.parametrize("method", ["dynamic", "target"])
+def test_a_moving_beta_resumed_with_another_beta_says_the_checkpoints_continues(method) -> None:
+    """A dynamic or target run resumed with a new `beta` continued from the checkpoint's moved beta without a word
+    (the state did not record the beta its run was built with). Format 7 records it: the resume says which beta
+    continues and how to start from the new one; a format 6 state, which cannot tell, loads quietly as before."""
+    saved = AdaptiveKL(config(kl_adaptation_method=method), 0.1)
+    saved.controller.value = 0.05  # moved during the checkpoint's run
+    state = saved.state_dict()
+    assert state["configured_beta"] == 0.1
+    resumed = AdaptiveKL(config(kl_adaptation_method=method), 0.2)
+    with pytest.warns(UserWarning) as caught:
+        resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [str(w.message) for w in caught] == [
+        f"adaptive KL: this run's beta=0.2 is not the beta=0.1 the checkpoint's run was built with: {method} moves "
+        "beta, so the run continues from the checkpoint's beta 0.05. To start from 0.2 instead, resume without the "
+        "adaptive KL state."]
+    assert resumed.current_beta == 0.05
+    # a new beta that also bounds the checkpoint's (dynamic only lowers beta; target's beta_max) says both at once
+    bound = {"dynamic": ("beta", {}), "target": ("beta_max", {"beta_max": 0.02})}[method]
+    resumed = AdaptiveKL(config(kl_adaptation_method=method, **bound[1]), 0.01)
+    with pytest.warns(UserWarning) as caught:
+        resumed.load_state_dict(state)
+    assert [str(w.message) for w in caught] == [
+        f"adaptive KL: this run's beta=0.01 is not the beta=0.1 the checkpoint's run was built with: {method} moves "
+        f"beta, so the run continues from the checkpoint's beta 0.05, outside this run's beta_min=0, "
+        f"{bound[0]}={0.01 if method == 'dynamic' else 0.02}: clamped to {0.01 if method == 'dynamic' else 0.02}, "
+        f"as {method} keeps beta within them. To start from 0.01 instead, resume without the adaptive KL state."]
+    old = {key: value for key, value in state.items() if key != "configured_beta"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdaptiveKL(config(kl_adaptation_method=method), 0.2).load_state_dict({**old, "format_version": 6})
 
 
 def test_a_target_state_at_beta_0_is_refused_where_the_run_has_a_kl_term() -> None:
@@ -451,7 +489,8 @@ def test_a_format_5_state_without_the_old_policys_sum_loads_it_as_0() -> None:
     state carries it through a save and load."""
     state = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1).state_dict()
     state["trained"].update(completions=1.0, tokens=2.0, kl=0.3, policy_logps=-3.0, old_logps=-0.75)
-    old = {**state, "format_version": 5, "trained": {k: v for k, v in state["trained"].items() if k != "old_logps"}}
+    old = {**{k: v for k, v in state.items() if k != "configured_beta"}, "format_version": 5,
+           "trained": {k: v for k, v in state["trained"].items() if k != "old_logps"}}
     for saved, expected in ((old, 0.0), (state, -0.75)):
         resumed = AdaptiveKL(config(kl_adaptation_method="target", kl_target=0.1), 0.1)
         resumed.load_state_dict(json.loads(json.dumps(saved)))
@@ -460,10 +499,10 @@ def test_a_format_5_state_without_the_old_policys_sum_loads_it_as_0() -> None:
 
 def test_a_newer_format_and_unknown_fields_are_refused() -> None:
     runtime = AdaptiveKL(config(kl_adaptation_method="dynamic"), 0.1)
-    with pytest.raises(ValueError, match=r"format_version=7 is not supported: allowed is 1 to 6"):
-        runtime.load_state_dict({**runtime.state_dict(), "format_version": 7})
+    with pytest.raises(ValueError, match=r"format_version=8 is not supported: allowed is 1 to 7"):
+        runtime.load_state_dict({**runtime.state_dict(), "format_version": 8})
     # True read as format 1 (a bool is an int to Python): refused as no version at all
-    with pytest.raises(ValueError, match=r"format_version=True is not supported: allowed is 1 to 6"):
+    with pytest.raises(ValueError, match=r"format_version=True is not supported: allowed is 1 to 7"):
         runtime.load_state_dict({**runtime.state_dict(), "format_version": True})
     with pytest.raises(ValueError, match=r"unknown field\(s\) beta for a 'dynamic' controller"):
         runtime.load_state_dict({**runtime.state_dict(), "beta": 0.3})
@@ -505,6 +544,9 @@ def test_a_newer_format_and_unknown_fields_are_refused() -> None:
      "tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, policy_logps, reference_logps, old_logps), each "
      "a finite number (completions, tokens, tokens_sq, entries, clipped and kl_sq >= 0)."),
     # a negative count (hand-edited; the package never writes one) loaded into the next step's KL and metrics
+    ({"completed_steps": 7, "configured_beta": "0.1"},
+     "adaptive KL state: configured_beta='0.1' is invalid: allowed is a finite number >= 0 (the beta the "
+     "checkpoint's run was built with)."),
     ({"completed_steps": 7, "trained": {**asdict(KLStatistics()), "tokens": -4.0}},
      f"adaptive KL state: trained={ {**asdict(KLStatistics()), 'tokens': -4.0} !r} is invalid: allowed is None, or "
      "the sums by name (completions, tokens, kl, tokens_sq, tokens_kl, kl_sq, entries, raw, adapted, clipped, "
@@ -521,9 +563,10 @@ def test_a_state_with_a_bad_field_is_refused_naming_it_and_nothing_loaded(change
     assert runtime.current_beta == 0.2 and runtime.completed_steps == 0
 
 
-@pytest.mark.parametrize("field", ["completed_steps", "last_raw_kl", "trained", "scored", "rewards"])
+@pytest.mark.parametrize("field", ["completed_steps", "last_raw_kl", "trained", "scored", "rewards",
+                                   "configured_beta"])
 def test_a_current_state_missing_a_field_it_writes_is_refused_naming_it(field) -> None:
-    """A format-6 state without `completed_steps` loaded it as 0: a dynamic run with beta_schedule_steps=3 resumed
+    """A format-7 state without `completed_steps` loaded it as 0: a dynamic run with beta_schedule_steps=3 resumed
     after step 2 cut beta to beta_min at step 5, not 3. Each field `state_dict()` writes is required of its format."""
     saved = AdaptiveKL(config(kl_adaptation_method="dynamic", beta_schedule_steps=3), 0.1)
     saved.completed_steps = 2
@@ -533,11 +576,11 @@ def test_a_current_state_missing_a_field_it_writes_is_refused_naming_it(field) -
     with pytest.raises(ValueError) as raised:
         runtime.load_state_dict(state)
     assert str(raised.value) == (
-        f"adaptive KL state: missing field(s) {field} for a 'dynamic' controller (format 6): allowed are "
-        "batch_reward, completed_steps, generation_batch, last_decayed_batch, last_raw_kl, rewards, scored, trained, "
-        "value.")
+        f"adaptive KL state: missing field(s) {field} for a 'dynamic' controller (format 7): allowed are "
+        "batch_reward, completed_steps, configured_beta, generation_batch, last_decayed_batch, last_raw_kl, rewards, "
+        "scored, trained, value.")
     assert runtime.current_beta == 0.2 and runtime.completed_steps == 0
-    # a format 6 state's sums are all of today's: one missing is refused too (format 5's lack old_logps, loaded as 0)
+    # a format 7 state's sums are all of today's: one missing is refused too (format 5's lack old_logps, loaded as 0)
     state = saved.state_dict()
     del state["trained"]["old_logps"]
     with pytest.raises(ValueError, match=r"^adaptive KL state: trained=\{'completions': 0\.0, .*\} is invalid: allowed "
@@ -554,8 +597,8 @@ def test_a_state_missing_a_controller_field_is_refused_naming_it() -> None:
     with pytest.raises(ValueError) as raised:
         runtime.load_state_dict(state)
     assert str(raised.value) == ("adaptive KL state: missing field(s) last_decayed_batch, value for a 'dynamic' "
-                                 "controller (format 6): allowed are batch_reward, completed_steps, generation_batch, "
-                                 "last_decayed_batch, last_raw_kl, rewards, scored, trained, value.")
+                                 "controller (format 7): allowed are batch_reward, completed_steps, configured_beta, "
+                                 "generation_batch, last_decayed_batch, last_raw_kl, rewards, scored, trained, value.")
     assert runtime.current_beta == 0.2
 
 

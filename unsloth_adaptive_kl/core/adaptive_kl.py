@@ -33,8 +33,9 @@ from .reductions import (ReductionContext, check_completions_fit, check_divisors
 from .statistics import (NAMES, NOT_NEGATIVE, Gather, KLStatistics, check_given_sums, device_sums,
                          gather_statistics, invalid_sum, local)
 
-STATE_FORMAT = 6  # `state_dict()`'s format: 6 adds the old policy's log-prob sum to the step's sums (`old_logps`);
-# 5 the step's rewards; 4 names the step's sums; 3 added the step's KL; 2 the kind; 1 none
+STATE_FORMAT = 7  # `state_dict()`'s format: 7 adds the beta the run was built with (`configured_beta`); 6 the old
+# policy's log-prob sum to the step's sums (`old_logps`); 5 the step's rewards; 4 names the step's sums; 3 added the
+# step's KL; 2 the kind; 1 none
 
 
 def finite_mean_reward(mean_reward: Any) -> float:
@@ -491,25 +492,29 @@ class AdaptiveKL:
     def state_dict(self) -> dict[str, Any]:
         """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",
         "target" or a registered one's), its state (its beta, the generation batch count and its reward, ...),
-        `completed_steps`, and what the next step reads of the KL seen so far: `last_raw_kl` (None before the first
+        `completed_steps`, `configured_beta` (the beta this object was built with: a resume with another one says so),
+        and what the next step reads of the KL seen so far: `last_raw_kl` (None before the first
         step; a KL-triggered reference sync reads it), `trained` (the `KLStatistics` sums, by name, of this step's
         training batches so far), `scored` (the same of a batch scored for the KL in the reward whose step has not
         run, or None) and `rewards` (the mean rewards observed since the last step, which its end hands the
         controller)."""
         return {"format_version": STATE_FORMAT, "controller": controller_kind(self.controller),
                 **self.controller.state_dict(), "completed_steps": self.completed_steps,
+                "configured_beta": self.beta,
                 "last_raw_kl": self.last_raw_kl if math.isfinite(self.last_raw_kl) else None,
                 "trained": asdict(self._trained), "scored": None if self._scored is None else asdict(self._scored),
                 "rewards": list(self._rewards)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
-        load too: sums without `old_logps` (formats up to 5) load it as 0 (the old policy's log-probs' sum, which only
-        the non-finite check reads); format 4 without rewards observed since the last step (it handed each to the
-        controller at once); format 3 (the step's KL as [sum S_i, sum L_i, completions] lists under `step_kl` and
-        `generation_kl`); formats 2 and 1 without the step's KL (a resumed run then has seen none). Format 1 has no
-        version: the controller's fields and `completed_steps` (which the oldest trainer checkpoints lack), as the
-        own-loop object and the trainer integrations' checkpoints wrote them; its kind is read from its fields."""
+        load too: formats up to 6 without the beta the run was built with (a resume with another beta then cannot be
+        told from a moved one, and says nothing); sums without `old_logps` (formats up to 5) load it as 0 (the old
+        policy's log-probs' sum, which only the non-finite check reads); format 4 without rewards observed since the
+        last step (it handed each to the controller at once); format 3 (the step's KL as [sum S_i, sum L_i,
+        completions] lists under `step_kl` and `generation_kl`); formats 2 and 1 without the step's KL (a resumed run
+        then has seen none). Format 1 has no version: the controller's fields and `completed_steps` (which the oldest
+        trainer checkpoints lack), as the own-loop object and the trainer integrations' checkpoints wrote them; its
+        kind is read from its fields."""
         if not isinstance(state, Mapping):  # a path or None would fail in dict() without naming the argument
             raise TypeError(f"state must be the dict that state_dict() returned (json.load of a saved one), not "
                             f"{type(state).__name__}")
@@ -542,9 +547,13 @@ class AdaptiveKL:
                              f"are {', '.join(sorted(fields | set(ours)))}.")
         completed_steps = state.pop("completed_steps", 0)  # format 1: the oldest trainer checkpoints lack it
         last_raw_kl = state.pop("last_raw_kl", None)
-        trained, scored = (_sums(state.pop(name, None), name, every_sum=version == STATE_FORMAT)
+        trained, scored = (_sums(state.pop(name, None), name, every_sum=version >= 6)
                            for name in (("trained", "scored") if version >= 4 else ("step_kl", "generation_kl")))
         rewards = state.pop("rewards", [])
+        configured_beta = state.pop("configured_beta", None)  # formats up to 6 lack it
+        if not (configured_beta is None or (is_real(configured_beta) and 0 <= configured_beta < math.inf)):
+            raise reject("adaptive KL state: configured_beta", configured_beta, "a finite number >= 0 (the beta the "
+                         "checkpoint's run was built with)")
         if not isinstance(rewards, list) or not all(is_real(r) and math.isfinite(r) for r in rewards):
             raise reject("adaptive KL state: rewards", rewards, "a list of finite numbers (the mean rewards observed "
                          "since the last step)")
@@ -572,29 +581,40 @@ class AdaptiveKL:
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
         self._rewards = [float(reward) for reward in rewards]
-        self._check_loaded_beta()
+        self._check_loaded_beta(configured_beta)
 
-    def _check_loaded_beta(self) -> None:
+    def _check_loaded_beta(self, configured_beta: Optional[float]) -> None:
         """A constant beta is the run's own setting: a state's other one is not loaded (a trainer's own KL term
-        trains at the run's), saying so. A moving one continues the run, clamped, saying so, into this run's bounds
-        for `dynamic` (beta_min and beta, which it only lowers) and `target` (beta_min, beta_max), which a new config
-        may have moved."""
+        trains at the run's), saying so. A moving one continues the run, saying so where this run was built with
+        another beta than the checkpoint's run (`configured_beta`: a new beta is no restart of the schedule), and
+        clamped, saying so, into this run's bounds for `dynamic` (beta_min and beta, which it only lowers) and `target`
+        (beta_min, beta_max), which a new config may have moved."""
         loaded, kind, config = self.controller.value, controller_kind(self.controller), self.config
-        if kind == "constant" and loaded != self.beta:
-            self.controller.value = self.beta
-            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is not this run's beta={self.beta:g}: a "
-                          f"constant beta is the run's own setting, so {self.beta:g} is kept (the rest of the state "
-                          "is loaded).", UserWarning, stacklevel=3)
-        if kind not in ("dynamic", "target"):
+        if kind == "constant":
+            if loaded != self.beta:
+                self.controller.value = self.beta
+                warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is not this run's beta={self.beta:g}: "
+                              f"a constant beta is the run's own setting, so {self.beta:g} is kept (the rest of the "
+                              "state is loaded).", UserWarning, stacklevel=3)
             return
-        ceiling = ("beta_max", config.beta_max) if kind == "target" else ("beta", self.beta)
-        high = math.inf if ceiling[1] is None else ceiling[1]
-        bounded = min(max(loaded, config.beta_min), high)
+        bounded, bounds = loaded, ""
+        if kind in ("dynamic", "target"):
+            ceiling = ("beta_max", config.beta_max) if kind == "target" else ("beta", self.beta)
+            high = math.inf if ceiling[1] is None else ceiling[1]
+            bounded = min(max(loaded, config.beta_min), high)
+            bounds = (f"outside this run's beta_min={config.beta_min:g}"
+                      + (f", {ceiling[0]}={high:g}" if high < math.inf else "")
+                      + f": clamped to {bounded:g}, as {kind} keeps beta within them")
         if bounded != loaded:
             self.controller.value = bounded
-            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is outside this run's "
-                          f"beta_min={config.beta_min:g}" + (f", {ceiling[0]}={high:g}" if high < math.inf else "")
-                          + f": clamped to {bounded:g}, as {kind} keeps beta within them.", UserWarning, stacklevel=3)
+        clamped = f", {bounds}" if bounded != loaded else ""
+        if configured_beta is not None and configured_beta != self.beta:
+            warnings.warn(f"adaptive KL: this run's beta={self.beta:g} is not the beta={configured_beta:g} the "
+                          f"checkpoint's run was built with: {kind} moves beta, so the run continues from the "
+                          f"checkpoint's beta {loaded:g}{clamped}. To start from {self.beta:g} instead, resume "
+                          "without the adaptive KL state.", UserWarning, stacklevel=3)
+        elif clamped:
+            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is {bounds}.", UserWarning, stacklevel=3)
 
 
 # Intervals between optimizer steps in a row, each with more than one `step()`, that `_warn_if_stepped_twice` takes for
@@ -688,15 +708,15 @@ def as_tensor_if_array(value: Any) -> Any:
 
 
 def _written_beside_the_controller(version: int) -> tuple[str, ...]:
-    """The fields `state_dict()` of format `version` wrote beside the controller's own (formats 2 to 6; format 1
+    """The fields `state_dict()` of format `version` wrote beside the controller's own (formats 2 to 7; format 1
     wrote `completed_steps` from the own-loop object only)."""
     sums = ("trained", "scored") if version >= 4 else ("step_kl", "generation_kl") if version == 3 else ()
     return (("completed_steps",) * (version >= 2) + ("last_raw_kl",) * (version >= 3) + sums
-            + ("rewards",) * (version >= 5))
+            + ("rewards",) * (version >= 5) + ("configured_beta",) * (version >= 7))
 
 
 def _sums(saved: Any, name: str, every_sum: bool) -> Optional[KLStatistics]:
-    """A checkpoint's sums: by name (format 4 on; `every_sum`: each of today's, as the current format writes them),
+    """A checkpoint's sums: by name (format 4 on; `every_sum`: each of today's, as formats 6 and 7 write them),
     or format 3's [sum S_i, sum L_i, completions]; anything else a ValueError naming the field."""
     if saved is None:
         return None
