@@ -78,6 +78,8 @@ def allowed_values(name: str) -> str:
         message = str(error)
         if message.startswith(f"{name}="):
             allowed = message.split("allowed is ", 1)[1].rstrip(".")
+            for field in dataclasses.fields(AdaptiveKLConfig):  # a bound's rule, not its default value's (beta_max:
+                allowed = allowed.replace(f"{field.name}={field.default!r}", field.name)  # "beta_min=0.0")
             if name not in REFERENCE_SYNC_FIELDS:
                 return allowed
             try:

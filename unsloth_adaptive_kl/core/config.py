@@ -269,7 +269,8 @@ class AdaptiveKLConfig:
         default=10000.0,
         metadata={"help": "`target`: horizon of the adaptive controller, in completions: each update moves beta by "
                           "the factor 1 + e * n / kl_horizon, n the step's generated completions, each counted once "
-                          "per generation batch (larger: slower beta changes). > 0."},
+                          "per generation batch (larger: slower beta changes). > 0, and > n / 5 with beta_min=0 (an "
+                          "update could reach 0 and stay there; checked once n is known)."},
     )
     beta_max: Optional[float] = field(
         default=None,
@@ -408,7 +409,9 @@ class AdaptiveKLConfig:
             raise reject("kl_reduction", self.kl_reduction,
                          "'loss_type' or 'sequence_mean' with kl_adaptation_method length_normalized")
         check_real("kl_horizon", self.kl_horizon,
-                   is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf, "a finite number > 0")
+                   is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf,
+                   "a finite number > 0 (and > n / 5 with beta_min=0, n the completions of a step: checked when a "
+                   "trainer is built, or at your loop's first step)")
         if self.beta_max is not None:
             check_real("beta_max", self.beta_max,
                        is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,

@@ -1,7 +1,8 @@
 """Integration with Unsloth's generated `UnslothGRPOTrainer` (unsloth / unsloth_zoo 2026.10.x).
 
-Unsloth builds its GRPO trainer during `import unsloth` by rewriting TRL's source as text
-(`unsloth.models.rl._patch_trl_rl_trainers("grpo_trainer")`) and executing it as module `UnslothGRPOTrainer`.
+Unsloth builds its GRPO trainer when `unsloth.models` is imported (by `import unsloth` on a GPU) by rewriting TRL's
+source as text (`unsloth.models.rl._patch_trl_rl_trainers("grpo_trainer")`) and executing it as module
+`UnslothGRPOTrainer`.
 This package never imports unsloth. `patch()` (run when `unsloth_adaptive_kl` is imported) waits for
 `unsloth.models.rl` to be imported and wraps its `_patch_trl_rl_trainers`; once that has generated the trainer,
 `_install` hooks the generated module:
