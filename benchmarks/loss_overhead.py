@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # torch.profiler's per-session log lines
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # above USDT (5): torch.profiler's per-session lines
 import torch  # noqa: E402
 
 METHODS: dict[str, dict[str, Any]] = {

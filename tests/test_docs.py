@@ -288,6 +288,16 @@ def readme_bash_commands() -> list[str]:
     return [m["body"].strip() for m in FENCE.finditer(text) if m["lang"] == "bash"]
 
 
+def test_the_readmes_gpu_line_names_the_card_and_torch_of_the_gpu_check() -> None:
+    """The README said "on an H200" where the check ran on torch 2.11, outside the tested range: the card and the
+    torch it names are the GPU check's (docs/results/gpu/check.json, written on the device)."""
+    check = json.loads((ROOT / "docs" / "results" / "gpu" / "check.json").read_text())
+    assert check["dry_run"] is False and check["device"]["kind"] == "cuda"
+    card = check["device"]["name"].removeprefix("NVIDIA ")
+    torch_version = ".".join(check["versions"]["torch"].split(".")[:2])
+    assert f"on an {card} with torch {torch_version} ([GPU]({DOCS_SITE}gpu/))" in (ROOT / "README.md").read_text()
+
+
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
     """At most 150 lines; its test command is the one `.ci/run` runs (row a: install split from pytest so that its
     exit status can be read), and its demo command installs torch as row e does."""
@@ -552,18 +562,19 @@ def test_the_gpu_page_names_the_commit_and_what_the_loss_benchmark_did_not_reach
     block shows each size it reached, with its trainers, and says why the larger size is missing: skipped for the
     budget, or a run stopped before its end."""
     hook = docs_generator()
-    headline = {"ratio": 1.02, "ci": [1.01, 1.03], "aa": [0.98, 1.02], "ops_added": 40}
+    headline = {"trainer": "trl", "ratio": 1.02, "ci": [1.01, 1.03], "aa": [0.98, 1.02], "ops_added": 40}
     loss = {"command": "python benchmarks/loss_overhead.py --budget 400", "date": "2026-12-03",
             "device": {"kind": "cpu", "name": "x86_64", "cores": 2},
             "versions": {"unsloth_adaptive_kl": "0.1.0", "torch": "2.11.0", "vllm": None},
             "commit": "0123456789abcdef+changes", "size": {"completions": 8, "completion_length": 64},
-            "trl": {"precision": "fp32"}, "unsloth": {"precision": "bf16"}, "headline": headline, "finished": True,
+            "trl": {"precision": "fp32", "stock_loss_s": {"n": 40}}, "unsloth": {"precision": "bf16"},
+            "headline": headline, "finished": True,
             "large_skipped": "the core op and the default size took 230 s of the 400-second budget (more than half)"}
     monkeypatch.setattr(hook, "_gpu", lambda name: loss if name == "loss_overhead.json" else None)
     text = hook.gpu_loss()
     assert "Versions: unsloth_adaptive_kl 0.1.0 (at commit `0123456` with uncommitted changes), torch 2.11.0." in text
-    assert ("| default | 8 completions × 64 tokens | TRL and Unsloth | 1.020 | [1.010, 1.030] | [0.980, 1.020] | 40 |"
-            in text)
+    assert ("| default | 8 completions × 64 tokens | TRL and Unsloth | 1.020 | [1.010, 1.030] | 40 | [0.980, 1.020] | "
+            "40 |" in text)
     assert "| large |" not in text and text.endswith("The larger size was not run: the core op and the default size "
                                                      "took 230 s of the 400-second budget (more than half).")
     del loss["unsloth"], loss["large_skipped"]

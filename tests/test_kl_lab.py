@@ -520,6 +520,9 @@ def test_each_verdict_of_the_committed_findings_is_the_comparison_of_its_figures
     sentence = finding(result, "**k1 in the reward")
     assert sentence.startswith(f"**k1 in the reward {'lands on' if worst < 1e-3 else 'ends near'}")  # lands on
     assert "in all 16 of its rows" in sentence and f"at most {_ceil2(worst)}" in sentence  # 2.2e-06
+    # the loss types and scalings those rows ran, not "every" (the lab's bnpo has no such row)
+    assert ("(both environments; the loss types `dr_grpo`, `dapo` and `grpo`, the reward scalings `none` and `group`; "
+            in sentence)
     held = all(row(env, "k1 in the loss")["kl_ref"] >= off[env]["kl_ref"] for env in envs)
     assert finding(result, "**k1 in the loss").startswith(
         "**k1 in the loss does not regularise**" if held else "**k1 in the loss**")

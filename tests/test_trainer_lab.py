@@ -109,10 +109,10 @@ def test_set_reads_literals_and_strings_and_refuses_what_is_not_a_pair() -> None
 
 
 def test_a_bad_number_a_flag_predict_does_not_read_or_an_only_in_no_label_is_refused_before_any_run() -> None:
-    """Each was taken: --seeds 0 ended in a ZeroDivisionError, a negative --beta in a worker's traceback, --beta 0 in
-    tables of NaN; --json a folder in an IsADirectoryError after every table was printed; --predict
-    dropped --json (nothing written), --only and --seeds without a word; an --only TEXT in no label ran an empty table
-    ("1 rows") or dropped its rows."""
+    """Each was taken: --seeds 0 ended in a ZeroDivisionError, a negative --beta (or --predict's --set beta=-1) in a
+    traceback, --beta 0 in tables of NaN; --json a folder in an IsADirectoryError after every table was printed;
+    --predict dropped --json (nothing written), --only and --seeds without a word; an --only TEXT in no label ran an
+    empty table ("1 rows") or dropped its rows."""
     for argv, message in ((["--seeds", "0"], "--seeds=0 is invalid: allowed is an integer >= 1"),
                           (["--steps", "-2"], "--steps=-2 is invalid: allowed is an integer >= 1"),
                           (["--processes", "0"], "--processes=0 is invalid: allowed is an integer >= 1"),
@@ -131,6 +131,9 @@ def test_a_bad_number_a_flag_predict_does_not_read_or_an_only_in_no_label_is_ref
                           (["--only", "k1 in", "--only", "k9", "--only", "clip in the lost"],
                            "--only 'k9', 'clip in the lost': in no setting's label; the labels are beta = 0 (no KL); "
                            "k1 in the reward; k1 in the loss; "),
+                          # the config's refusal of a --set value ended in a traceback
+                          (["--predict", "--trainer", "trl", "--set", "beta=-1"],
+                           "--predict: --set beta=-1: beta=-1 is invalid: allowed is a finite number >= 0."),
                           (["--trainer", "unsloth", "--only", "k9"],
                            "--only 'k9': in no setting's label; the labels are beta = 0 (no KL); k1 in the reward; "
                            "k3 in the reward; k3 in the loss (the trainer's own); ")):
@@ -167,8 +170,9 @@ def test_a_refused_combination_is_a_row_that_says_so(tmp_path, monkeypatch) -> N
     assert "refused" not in rows["k2 in the loss"]  # computed from the log-probs, without the trainer's factor
     assert rows["k2 in the loss"]["in_effect"]["importance_sampling_level"] == "sequence"
     (_, cells), = [group for group in trainer_lab.trainer_rows(result["trainers"]["trl"])]
-    clip = next(cell for cell in cells if cell[0] == "clip in the loss")
-    assert clip[1] == "refused before training (use_bias_correction_kl=True is invalid)" and set(clip[2:]) == {""}
+    clip = next(cell for cell in cells if cell[0].startswith("clip in the loss"))
+    assert clip[0] == "clip in the loss: refused before training (use_bias_correction_kl=True is invalid)"
+    assert set(clip[1:]) == {"-"}  # nothing under the figures' headers ("beta trained" read the refusal as a beta)
     # every row refused: it exited 0 with an empty table written; now it fails, naming why, and writes nothing
     written = tmp_path / "lab.json"
     with pytest.raises(SystemExit) as refused:
@@ -674,7 +678,7 @@ def test_a_trainer_rows_cells_are_its_figures_each_under_its_header() -> None:
         "effective beta [seeds]": "0.55 [0.5 - 0.6]", "tabular: KL(pi||pi*) (estimator)": "0.0012 (k1)",
         "measured - tabular": "0.0018", "tabular: effective beta": "0.457", "held out: KL(pi||pi*)": "0.0123",
         "held out: effective beta": "beyond pi*"}
-    assert refused_cells[:2] == ["clip in the loss", "refused before training (x=1 is invalid)"]
+    assert refused_cells[:2] == ["clip in the loss: refused before training (x=1 is invalid)", "-"]
 
 
 def test_side_by_side_pairs_rows_both_trainers_trained_and_puts_each_figure_under_its_trainer() -> None:

@@ -280,10 +280,15 @@ def core_op_profile(_: Optional[str] = None) -> str:
     return ", ".join(f"`{op['op']}` {op['share'] * 100:.0f} %" for op in ops)
 
 
+def _counts(values: list[int]) -> str:
+    """The distinct counts a run's steps made, each: "34", or "10 or 18" where steps differed."""
+    return " or ".join(map(str, values))
+
+
 def steps(_: Optional[str] = None) -> str:
     data = _benchmark("overhead_cpu.json")
     rows = [[r["variant"], f"{r['median_step_s']:.4f}", f"{r['step_ratio']:.3f}",
-             "/".join(map(str, r["forwards_per_step"])), r["extra_forwards"],
+             _counts(r["forwards_per_step"]), r["extra_forwards"],
              f"{r['peak_memory_bytes'] / 2 ** 20:.1f}", f"{r['memory_ratio']:.3f}",
              "" if r["core_ratio"] is None else f"{r['core_ratio']:.2f}"] for r in data["rows"]]
     aa = _aa_interval(data)
@@ -294,7 +299,17 @@ def steps(_: Optional[str] = None) -> str:
             + (f"[{aa[0]:.3f}, {aa[1]:.3f}]" if aa else NO_AA) + ". Settings: "
             f"hidden {s['hidden']}, {s['layers']} layers, batch {s['batch']}, {s['completion_length']}-token "
             f"completions, {s['steps']} steps x {s['repeats']} timed passes, device `{data['device']}`, "
-            f"`{data['command']}` {_commit(data)}.")
+            f"`{data['command']}` {_commit(data)}." + _no_core_op(data["rows"]))
+
+
+def _no_core_op(rows: list[dict]) -> str:
+    """Which rows' core op cell is blank, and why: stock is the k3 the ratio is against; another variant is not one
+    of the core op's methods (`benchmarks/loss_overhead.py`'s)."""
+    from unsloth_adaptive_kl.tools.tabular_findings import joined
+
+    blank = [f"`{r['variant']}`" for r in rows if r["core_ratio"] is None and not r["variant"].startswith("stock")]
+    return (" The core op is blank for stock (its k3 is what the ratio is against)"
+            + (f" and for {joined(blank)}, which are not among the core op's methods" if blank else "") + ".")
 
 
 NO_AA = "none (one timed pass)"
@@ -322,7 +337,7 @@ def steps_against_aa(_: Optional[str] = None) -> str:
 
 def unsloth_steps(_: Optional[str] = None) -> str:
     rows = [[r["variant"], f"{r['median_step_s']:.4f}", f"{r['step_ratio']:.3f}",
-             "/".join(map(str, r["forwards_per_step"])), r["graphs_added_per_run"]]
+             _counts(r["forwards_per_step"]), r["graphs_added_per_run"]]
             for r in _benchmark("overhead_cpu.json")["unsloth_rows"]]
     return _table(["variant", "s/step", "x stock", "forwards/step", "compiled graphs added during a run"], rows)
 
@@ -730,6 +745,13 @@ def gpu_cost(_: Optional[str] = None) -> str:
     # peak: all that is allocated at the step's peak (the model and optimizer state included); working: that peak
     # above what was allocated when the step began
     header = ["variant", "median ms", "x stock", "95 % interval", "peak MiB", "x stock", "working MiB", "x stock"]
+
+    def table(part: dict) -> str:
+        """The part's rows; without memory columns where no row measured memory (a CPU run: columns of blanks)."""
+        if any(row["memory_ratio"] for row in part.values()):
+            return _table(header, rows(part))
+        return _table(header[:4], [row[:4] for row in rows(part)]) + "\n\n" + NO_MEMORY
+
     share = "" if data.get("loss_share") is None else (
         f" The captured-batch step is {data['loss_share']:.0%} of stock's whole step.")
     text = (f"The `--size {data['size']}` run of {data['date']} on {_device(data)}: `{data['command']}`. Model: "
@@ -741,7 +763,7 @@ def gpu_cost(_: Optional[str] = None) -> str:
         return text + ("\n\n**The run stopped before its first timed round** (its command's time limit)"
                        + (f"; it reached: {reached}" if reached else "") + ".")
     text += (f"\n\nCaptured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):"
-             "\n\n" + _table(header, rows(data["step"])))
+             "\n\n" + table(data["step"]))
     profile = data.get("profile")
     if profile is None:
         return text + ("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
@@ -759,10 +781,14 @@ def gpu_cost(_: Optional[str] = None) -> str:
     if data["whole_step"]:
         # the rounds run (a budget can end them before those planned)
         text += (f"\n\nWhole GRPO step, generation included ({_rounds_of(data['whole_step']['stock']['n'])}):\n\n"
-                 + _table(header, rows(data["whole_step"])) + "\n\n" + share.strip())
+                 + table(data["whole_step"]) + "\n\n" + share.strip())
     elif data.get("whole_step_skipped"):
         text += f"\n\nThe whole GRPO step was not timed: {data['whole_step_skipped']}."
     return text
+
+
+NO_MEMORY = ("No memory columns: these rows measured none (the peak is read from "
+             "`torch.cuda.max_memory_allocated`, on CUDA only).")
 
 
 def _rounds(data: dict) -> str:
@@ -810,7 +836,8 @@ def gpu_loss(_: Optional[str] = None) -> str:
         headline = part["headline"]
         trainers = " and ".join(name for trainer, name in (("trl", "TRL"), ("unsloth", "Unsloth")) if trainer in part)
         rows.append([label, _size_label(part), trainers, f"{headline['ratio']:.3f}",
-                     f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]", f"[{headline['aa'][0]:.3f}, "
+                     f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]",
+                     part[headline["trainer"]]["stock_loss_s"]["n"], f"[{headline['aa'][0]:.3f}, "
                      f"{headline['aa'][1]:.3f}]", headline["ops_added"]])
     precisions = ", ".join(f"{label} {data[trainer]['precision']}" for trainer, label in (("trl", "TRL"),
                            ("unsloth", "Unsloth")) if data.get(trainer))
@@ -822,7 +849,7 @@ def gpu_loss(_: Optional[str] = None) -> str:
                    "finished, each size with the trainers it reached.")
     return (f"The run of {data['date']} on {_device(data)}: `{data['command']}`. Versions: {_versions(data)}.\n\n"
             + _table(["size", "captured batch", "trainers", "largest loss ratio", "95 % interval",
-                      "A/A interval (end to end)", "ops added"], rows)
+                      "repeats (each interval's)", "A/A interval (end to end)", "ops added"], rows)
             + f"\n\nEach trainer's loss ran in its own precision ({precisions}): each ratio is against that trainer's "
               "stock loss in the same precision. The A/A interval is the end-to-end sanity row's (stock against "
               "stock, whole loss calls): the noise of that comparison, not of the decomposed ratio beside it."

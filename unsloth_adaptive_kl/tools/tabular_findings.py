@@ -50,6 +50,11 @@ def _names(names: Sequence[str]) -> str:
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
 
 
+def joined(names: Sequence[str]) -> str:
+    """"a", "a and b", "a, b and c"."""
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
 def _at_most(value: float) -> str:
     """`value` rounded up to two significant digits: a bound that holds ('at most 2.2e-06' for 2.14e-06). In decimal,
     from the value as printed: in binary floats 0.14 / 0.001 is 140.00000000000003, whose ceil would say 0.15."""
@@ -79,8 +84,11 @@ def findings(result: dict[str, Any]) -> list[str]:
     worst = max(row["kl_opt"] for row in k1_rows)
     k1_length = all(abs(_row(result, env, "k1 in the reward")["length"] - optimum[env]["length"]) < 0.01
                     for env in ENVIRONMENTS)
+    loss_types = joined([f"`{name}`" for name in dict.fromkeys(row["loss_type"] for row in k1_rows)])
+    scalings = joined([f"`{name}`" for name in dict.fromkeys(row["scale_rewards"] for row in k1_rows)])
     out.append(f"**k1 in the reward {'lands on' if worst < EXACT else 'ends near'} \\( \\pi^*_\\beta \\)**: in all "
-               f"{len(k1_rows)} of its rows (both environments, every loss type and reward scaling; `k1+` and "
+               f"{len(k1_rows)} of its rows (both environments; the loss types {loss_types}, the reward scalings "
+               f"{scalings}; `k1+` and "
                f"`k1_future`, which have k1's value, alike) KL(pi||pi\\*) is at most {_at_most(worst)}. It is the "
                "reward placement's default estimator: `kl_estimator=None` resolves to `k1` there, with the summed "
                f"KL of each completion (`sequence_sum`): E[length] {_each(result, 'k1 in the reward', 'length')}"

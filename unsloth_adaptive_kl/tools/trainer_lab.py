@@ -622,7 +622,8 @@ def trainer_rows(table: dict[str, Any]) -> list[tuple[str, list[list[str]]]]:
         for row in rows:
             if "refused" in row:
                 reason = row["refused"].split(": allowed is ")[0]
-                cells.append([row["setting"], f"refused before training ({reason})", *[""] * (len(HEADER) - 2)])
+                # in the setting's cell: under the "beta trained" header it read as a beta
+                cells.append([f"{row['setting']}: refused before training ({reason})", *["-"] * (len(HEADER) - 1)])
                 continue
             train, tabular, held_out = row["train"], row["tabular"], row["held_out"]
             cells.append(
@@ -819,8 +820,12 @@ def predict(args: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a setting the package warns about is still predicted
         machine = {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}  # no effect on the KL
-        in_effect = settings_in_effect(config_class(**{"output_dir": folder, "report_to": "none", **machine,
-                                                       **dict(parse_overrides(args.overrides))}))
+        try:  # a --set value the config refuses: its own message, not a traceback
+            config = config_class(**{"output_dir": folder, "report_to": "none", **machine,
+                                     **dict(parse_overrides(args.overrides))})
+        except ValueError as error:
+            raise SystemExit(f"--predict: --set {' '.join(args.overrides)}: {error}") from None
+        in_effect = settings_in_effect(config)
     beta = args.beta if args.beta is not None else in_effect["beta"]
     if not beta:
         raise SystemExit("--predict: beta is 0 (TRL's default: no KL term); set it, e.g. --set beta=0.04, or give "
