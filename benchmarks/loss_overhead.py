@@ -580,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
             break
         part = results if not suffix else results.setdefault("large", {})
         part["size"] = {"completions": size[0], "completion_length": size[1], "tokens": size[0] * size[1]}
+        # the rounds each interval is over: a method's against the stub (its 95 % interval), the A/A's end to end
+        part["repeats"] = {"stock": repeats[0], "methods": repeats[1], "end_to_end": repeats[2]}
         for trainer in trainers:
             part[trainer] = run_trainer(trainer, args, passthrough, size, repeats)
             title = "TRL GRPOTrainer" if trainer == "trl" else "Unsloth's generated trainer"

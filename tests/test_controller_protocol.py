@@ -6,6 +6,7 @@ when the run is built."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -87,6 +88,13 @@ def test_a_registered_controllers_own_fields_resume_and_its_own_refusal_loads_no
     resumed = AdaptiveKL(config, 0.1)
     resumed.load_state_dict(state)
     assert resumed.controller.integral == 0.25 and resumed.current_beta == 0.05 and resumed.completed_steps == 1
+    # its state is its own: loaded into a run built with another beta, it is loaded as it is, without a word on
+    # which beta continues (the controller's own step decides that, from what it was built with)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        other = AdaptiveKL(config, 0.2)
+        other.load_state_dict(state)
+    assert other.current_beta == 0.05 and other.controller.integral == 0.25
     fresh = AdaptiveKL(config, 0.1)
     with pytest.raises(ValueError, match=r"^last_update=-2 is below -1$"):
         fresh.load_state_dict({**state, "last_update": -2, "value": 0.7})

@@ -357,7 +357,7 @@ def test_state_dict_carries_a_format_version_and_the_controller_kind(kind) -> No
         runtime = AdaptiveKL(config(kl_adaptation_method=KINDS[kind]), 0.2)
         with warnings.catch_warnings():
             # a constant beta keeps the run's 0.2, saying so; a moving one continues, saying that the run was built
-            # with another beta (both tested below), and loads its beta within the bounds quietly
+            # with another beta (both tested below), and is loaded within the bounds without a clamp warning
             warnings.filterwarnings("ignore" if kind == "constant" else "error", "adaptive KL: the loaded state")
             warnings.filterwarnings("ignore", "adaptive KL: this run's beta=0.2 is not the beta=0.1")
             runtime.load_state_dict(json.loads(json.dumps(saved)))
@@ -373,6 +373,7 @@ def test_a_state_of_another_kind_is_refused_naming_both(saved, loaded) -> None:
     if saved == loaded:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore" if saved == "constant" else "error", "adaptive KL: the loaded state")
+            warnings.filterwarnings("ignore", "adaptive KL: this run's beta=0.2 is not the beta=0.1")  # tested below
             runtime.load_state_dict(state)
         assert runtime.current_beta == (0.2 if saved == "constant" else 0.1)
         return
@@ -449,6 +450,27 @@ def test_a_moving_beta_resumed_with_another_beta_says_the_checkpoints_continues(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         AdaptiveKL(config(kl_adaptation_method=method), 0.2).load_state_dict({**old, "format_version": 6})
+
+
+@pytest.mark.parametrize("method", ["dynamic", "target"])
+def test_a_moving_state_loaded_at_beta_0_keeps_the_kl_term_off(method) -> None:
+    """beta=0 turns the KL term off (a trainer takes the stock path), but a target state's 0.05 loaded into it was
+    kept: kl_loss returned a KL term again in a loop of your own. dynamic clamped it to 0 already, saying that the
+    run continued from 0.05. Both keep 0 now, and say that beta=0 turns the term off."""
+    saved = AdaptiveKL(config(kl_adaptation_method=method), 0.1)
+    saved.controller.value = 0.05
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # beta=0's own warning at construction
+        resumed = AdaptiveKL(config(kl_adaptation_method=method), 0.0)
+    with pytest.warns(UserWarning) as caught:
+        resumed.load_state_dict(saved.state_dict())
+    assert [str(w.message) for w in caught] == [
+        f"adaptive KL: the loaded state's beta 0.05 is not this run's beta=0: beta=0 turns the KL term off, whatever "
+        f"{method}'s beta, so 0 is kept (the rest of the state is loaded)."]
+    assert resumed.current_beta == 0.0
+    logps = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    term, _ = resumed.kl_loss(logps, torch.tensor([[-1.5, -1.0]]), torch.ones(1, 2))
+    assert term.item() == 0.0
 
 
 def test_a_target_state_at_beta_0_is_refused_where_the_run_has_a_kl_term() -> None:

@@ -305,11 +305,11 @@ def steps(_: Optional[str] = None) -> str:
 def _no_core_op(rows: list[dict]) -> str:
     """Which rows' core op cell is blank, and why: stock is the k3 the ratio is against; another variant is not one
     of the core op's methods (`benchmarks/loss_overhead.py`'s)."""
-    from unsloth_adaptive_kl.tools.tabular_findings import joined
+    from unsloth_adaptive_kl.tools.tabular_findings import names_in_code
 
-    blank = [f"`{r['variant']}`" for r in rows if r["core_ratio"] is None and not r["variant"].startswith("stock")]
+    blank = [r["variant"] for r in rows if r["core_ratio"] is None and not r["variant"].startswith("stock")]
     return (" The core op is blank for stock (its k3 is what the ratio is against)"
-            + (f" and for {joined(blank)}, which are not among the core op's methods" if blank else "") + ".")
+            + (f" and for {names_in_code(blank)}, which are not among the core op's methods" if blank else "") + ".")
 
 
 NO_AA = "none (one timed pass)"
@@ -835,10 +835,12 @@ def gpu_loss(_: Optional[str] = None) -> str:
             continue
         headline = part["headline"]
         trainers = " and ".join(name for trainer, name in (("trl", "TRL"), ("unsloth", "Unsloth")) if trainer in part)
+        repeats = part.get("repeats")  # a file written before they were recorded has none
         rows.append([label, _size_label(part), trainers, f"{headline['ratio']:.3f}",
-                     f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]",
-                     part[headline["trainer"]]["stock_loss_s"]["n"], f"[{headline['aa'][0]:.3f}, "
-                     f"{headline['aa'][1]:.3f}]", headline["ops_added"]])
+                     f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]", f"[{headline['aa'][0]:.3f}, "
+                     f"{headline['aa'][1]:.3f}]",
+                     "not recorded" if repeats is None else f"{repeats['methods']} / {repeats['end_to_end']}",
+                     headline["ops_added"]])
     precisions = ", ".join(f"{label} {data[trainer]['precision']}" for trainer, label in (("trl", "TRL"),
                            ("unsloth", "Unsloth")) if data.get(trainer))
     missing = ""
@@ -849,7 +851,7 @@ def gpu_loss(_: Optional[str] = None) -> str:
                    "finished, each size with the trainers it reached.")
     return (f"The run of {data['date']} on {_device(data)}: `{data['command']}`. Versions: {_versions(data)}.\n\n"
             + _table(["size", "captured batch", "trainers", "largest loss ratio", "95 % interval",
-                      "repeats (each interval's)", "A/A interval (end to end)", "ops added"], rows)
+                      "A/A interval (end to end)", "rounds (95 % / A/A)", "ops added"], rows)
             + f"\n\nEach trainer's loss ran in its own precision ({precisions}): each ratio is against that trainer's "
               "stock loss in the same precision. The A/A interval is the end-to-end sanity row's (stock against "
               "stock, whole loss calls): the noise of that comparison, not of the decomposed ratio beside it."

@@ -585,26 +585,27 @@ class AdaptiveKL:
 
     def _check_loaded_beta(self, configured_beta: Optional[float]) -> None:
         """A constant beta is the run's own setting: a state's other one is not loaded (a trainer's own KL term
-        trains at the run's), saying so. A moving one continues the run, saying so where this run was built with
-        another beta than the checkpoint's run (`configured_beta`: a new beta is no restart of the schedule), and
-        clamped, saying so, into this run's bounds for `dynamic` (beta_min and beta, which it only lowers) and `target`
-        (beta_min, beta_max), which a new config may have moved."""
+        trains at the run's), saying so. So is a beta of 0, which turns the KL term off (a trainer then takes the
+        stock path), whatever the state's. A `dynamic` or `target` beta continues the run, saying so where this run
+        was built with another beta than the checkpoint's run (`configured_beta`: a new beta is no restart of the
+        schedule), and clamped, saying so, into this run's bounds (beta_min and beta, which dynamic only lowers;
+        target's beta_min, beta_max), which a new config may have moved. A registered controller's state is its own:
+        it is loaded as it is."""
         loaded, kind, config = self.controller.value, controller_kind(self.controller), self.config
-        if kind == "constant":
-            if loaded != self.beta:
-                self.controller.value = self.beta
-                warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is not this run's beta={self.beta:g}: "
-                              f"a constant beta is the run's own setting, so {self.beta:g} is kept (the rest of the "
-                              "state is loaded).", UserWarning, stacklevel=3)
+        if (kind == "constant" or self.beta == 0) and loaded != self.beta:
+            self.controller.value = self.beta
+            why = ("a constant beta is the run's own setting" if kind == "constant" else
+                   f"beta=0 turns the KL term off, whatever {kind}'s beta")
+            warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is not this run's beta={self.beta:g}: "
+                          f"{why}, so {self.beta:g} is kept (the rest of the state is loaded).", UserWarning,
+                          stacklevel=3)
+        if kind not in ("dynamic", "target") or self.beta == 0:
             return
-        bounded, bounds = loaded, ""
-        if kind in ("dynamic", "target"):
-            ceiling = ("beta_max", config.beta_max) if kind == "target" else ("beta", self.beta)
-            high = math.inf if ceiling[1] is None else ceiling[1]
-            bounded = min(max(loaded, config.beta_min), high)
-            bounds = (f"outside this run's beta_min={config.beta_min:g}"
-                      + (f", {ceiling[0]}={high:g}" if high < math.inf else "")
-                      + f": clamped to {bounded:g}, as {kind} keeps beta within them")
+        ceiling = ("beta_max", config.beta_max) if kind == "target" else ("beta", self.beta)
+        high = math.inf if ceiling[1] is None else ceiling[1]
+        bounded = min(max(loaded, config.beta_min), high)
+        named = f"beta_min={config.beta_min:g}" + (f", {ceiling[0]}={high:g}" if high < math.inf else "")
+        bounds = f"outside this run's {named}: clamped to {bounded:g}, as {kind} keeps beta within them"
         if bounded != loaded:
             self.controller.value = bounded
         clamped = f", {bounds}" if bounded != loaded else ""

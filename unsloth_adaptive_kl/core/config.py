@@ -411,7 +411,7 @@ class AdaptiveKLConfig:
         check_real("kl_horizon", self.kl_horizon,
                    is_real(self.kl_horizon) and 0 < self.kl_horizon < math.inf,
                    "a finite number > 0 (and > n / 5 with beta_min=0, n the completions of a step: checked when a "
-                   "trainer is built, or at your loop's first step)")
+                   "trainer is built, or at your loop's first training batch)")
         if self.beta_max is not None:
             check_real("beta_max", self.beta_max,
                        is_real(self.beta_max) and max(self.beta_min, beta or 0.0) <= self.beta_max < math.inf,

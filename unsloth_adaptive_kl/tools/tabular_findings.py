@@ -45,14 +45,10 @@ def counted(number: int, noun: str) -> str:
     return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
-def _names(names: Sequence[str]) -> str:
+def names_in_code(names: Sequence[str]) -> str:
+    """"`a`", "`a` and `b`", "`a`, `b` and `c`"."""
     quoted = [f"`{name}`" for name in names]
     return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
-
-
-def joined(names: Sequence[str]) -> str:
-    """"a", "a and b", "a, b and c"."""
-    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _at_most(value: float) -> str:
@@ -84,8 +80,8 @@ def findings(result: dict[str, Any]) -> list[str]:
     worst = max(row["kl_opt"] for row in k1_rows)
     k1_length = all(abs(_row(result, env, "k1 in the reward")["length"] - optimum[env]["length"]) < 0.01
                     for env in ENVIRONMENTS)
-    loss_types = joined([f"`{name}`" for name in dict.fromkeys(row["loss_type"] for row in k1_rows)])
-    scalings = joined([f"`{name}`" for name in dict.fromkeys(row["scale_rewards"] for row in k1_rows)])
+    loss_types = names_in_code(list(dict.fromkeys(row["loss_type"] for row in k1_rows)))
+    scalings = names_in_code(list(dict.fromkeys(row["scale_rewards"] for row in k1_rows)))
     out.append(f"**k1 in the reward {'lands on' if worst < EXACT else 'ends near'} \\( \\pi^*_\\beta \\)**: in all "
                f"{len(k1_rows)} of its rows (both environments; the loss types {loss_types}, the reward scalings "
                f"{scalings}; `k1+` and "
@@ -107,8 +103,8 @@ def findings(result: dict[str, Any]) -> list[str]:
         kl_spans = "; ".join(f"{env}: {span(kls[env])} against {off[env]['kl_ref']:.3f}" for env in ENVIRONMENTS)
         length = "; ".join(f"{env}: {span(lengths[env])} against the optimum's {optimum[env]['length']:.3f}"
                            for env in ENVIRONMENTS)
-        out.append(f"**{_names(grows)} in the reward do not regularise**: the KL to the reference ends above that of "
-                   f"no KL at all ({kl_spans}), E[r] at {span(rewards)}. As a reward their "
+        out.append(f"**{names_in_code(grows)} in the reward do not regularise**: the KL to the reference ends above "
+                   f"that of no KL at all ({kl_spans}), E[r] at {span(rewards)}. As a reward their "
                    "score-function gradient is not the KL's gradient (their value is not the log-ratio). "
                    + (f"They shorten completions (every extra token adds \\( k \\geq 0 \\) to the summed penalty: "
                       f"E[length] {length}), which is why a length curve alone does not reveal it. " if shorter else
