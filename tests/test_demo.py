@@ -940,7 +940,35 @@ def test_the_plot_shows_the_panels_some_variant_logs_and_the_mean_of_the_seeds_w
     assert [line.get_label() for line in panels["reward"].lines] == ["none", "beta=0"]
     assert list(panels["reward"].lines[0].get_ydata()) == [6.0, 7.0, 8.0]  # (1 + 11) / 2, ...
     assert list(panels["corr(length, summed KL)"].lines[0].get_ydata()) == [6.0, 2.0, 8.0]
-    assert panels["reward"].get_legend() is not None
+    # one legend for the figure, below the panels, so it covers no band; each panel's axis says its unit
+    (legend,) = figure.legends
+    assert [text.get_text() for text in legend.get_texts()] == ["none", "beta=0"]
+    assert all(axis.get_legend() is None for axis in figure.axes)
+    assert [axis.get_ylabel() for axis in figure.axes] == ["mean reward (0 to 1)", "tokens", "KL coefficient",
+                                                            "nats (the run's estimator)", "Pearson r"]
+    # bounded metrics show their whole range (the values here, 6 to 33, are made up and drawn outside it)
+    assert panels["corr(length, summed KL)"].get_ylim() == (-1.05, 1.05)
+    assert panels["completion length"].get_ylim()[0] == 0.0
+
+
+def test_the_plots_reference_sync_count_has_whole_ticks(tmp_path, monkeypatch) -> None:
+    """The syncs-so-far panel is a count: its ticks are whole numbers (they were 0.5 apart over 0-4), and with no
+    sync yet its axis reaches 1, so the flat line at 0 has a tick of its own."""
+    import matplotlib.figure
+
+    from unsloth_adaptive_kl.tools import demo
+
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, *args, **kwargs: saved.append(figure))
+    for syncs, ticks in (([0.0, 1.0, 2.0, 4.0], [0, 1, 2, 3, 4]), ([0.0, 0.0, 0.0, 0.0], [0, 1])):
+        rows = [{"method": "ref_sync:1", "seed": 0, "step": step, **{key: 0.5 for key in demo.LOGGED},
+                 "adaptive_kl/ref_syncs": count} for step, count in enumerate(syncs, 1)]
+        demo.plot(rows, ["ref_sync:1"], str(tmp_path / "plot.png"))
+        axis = {axis.get_title(): axis for axis in saved[-1].axes}["reference syncs so far"]
+        low, high = axis.get_ylim()
+        shown = [tick for tick in axis.get_yticks() if low <= tick <= high]
+        assert shown == ticks
+        assert [tick for tick in axis.get_xticks() if 1 <= tick <= 4] == [1, 2, 3, 4]  # whole steps too
 
 
 # ----- the tiny tokenizer and model the demo, the tests and the benchmarks build in-process ---------------------

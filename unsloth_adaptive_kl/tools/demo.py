@@ -499,24 +499,32 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward", "reward"), ("completions/mean_length", "completion length"),
-              ("adaptive_kl/current_beta", "beta"), ("adaptive_kl/sequence_kl", "summed KL per completion"),
-              ("adaptive_kl/reward_penalty", "reward penalty (KL in the reward)"),
-              ("adaptive_kl/length_kl_corr", "corr(length, summed KL)"),
-              ("adaptive_kl/ref_syncs", "reference syncs so far")]
+    from matplotlib.ticker import MaxNLocator
+
+    # (metric, title, y-axis label, (bottom, top) of the axis, None: matplotlib's): a bounded metric shows its whole
+    # range and a count starts at 0, so a flat line reads as the value it is (a constant beta, no sync yet)
+    panels = [("reward", "reward", "mean reward (0 to 1)", (-0.03, 1.03)),
+              ("completions/mean_length", "completion length", "tokens", (0.0, None)),
+              ("adaptive_kl/current_beta", "beta", "KL coefficient", (0.0, None)),
+              ("adaptive_kl/sequence_kl", "summed KL per completion", "nats (the run's estimator)", (None, None)),
+              ("adaptive_kl/reward_penalty", "reward penalty (KL in the reward)", "subtracted from the reward",
+               (None, None)),
+              ("adaptive_kl/length_kl_corr", "corr(length, summed KL)", "Pearson r", (-1.05, 1.05)),
+              ("adaptive_kl/ref_syncs", "reference syncs so far", "syncs", (0.0, None))]
     # A panel no variant logs (e.g. the reward penalty when no variant puts the KL in the reward) is left out.
-    panels = [(key, title) for key, title in panels
-              if any(r["method"] in methods and not math.isnan(r[key]) for r in rows)]
+    panels = [panel for panel in panels if any(r["method"] in methods and not math.isnan(r[panel[0]]) for r in rows)]
     columns = min(3, max(1, len(panels)))
     rows_of_panels = max(1, math.ceil(len(panels) / columns))
-    figure, axes = plt.subplots(rows_of_panels, columns, figsize=(6 * columns, 4.25 * rows_of_panels), squeeze=False)
+    # constrained layout keeps the legend below the panels, where it covers no band
+    figure, axes = plt.subplots(rows_of_panels, columns, figsize=(6 * columns, 4.25 * rows_of_panels + 0.6),
+                                squeeze=False, layout="constrained")
     for axis in axes.flat[len(panels):]:
         axis.remove()
     # One colour per variant, the same in every panel: matplotlib's 10-colour cycle (C0-C9) repeats from the 11th, so
     # more variants take evenly spaced colours of a colormap instead.
     colors = ([f"C{index}" for index in range(len(methods))] if len(methods) <= 10
               else [matplotlib.colormaps["turbo"](index / (len(methods) - 1)) for index in range(len(methods))])
-    for axis, (key, title) in zip(axes.flat, panels):
+    for axis, (key, title, unit, (bottom, top)) in zip(axes.flat, panels):
         for color, method in zip(colors, methods):
             seeds = sorted({r["seed"] for r in rows if r["method"] == method})
             curves = [[r[key] for r in rows if r["method"] == method and r["seed"] == s] for s in seeds]
@@ -530,9 +538,15 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
             axis.fill_between(steps, low.tolist(), high.tolist(), alpha=0.15, color=color)
         axis.set_title(title)
         axis.set_xlabel("step")
-    axes.flat[0].legend(fontsize=8)
+        axis.set_ylabel(unit)
+        axis.set_ylim(bottom, top)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 tick on a short run
+        if key == "adaptive_kl/ref_syncs":  # a count: whole ticks, up to 1 at least (all-zero has no whole tick)
+            axis.set_ylim(top=max(1.0, axis.get_ylim()[1]))
+            axis.yaxis.set_major_locator(MaxNLocator(integer=True))
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4))
     figure.suptitle("mean over seeds, band: min-max")
-    figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
