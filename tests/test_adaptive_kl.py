@@ -499,6 +499,10 @@ def test_a_format_2_state_loads_without_the_steps_kl() -> None:
                                                     "float(...))."),
         (dict(config=None, beta=0.1, loss_type="ppo"), "loss_type='ppo' is not supported by adaptive KL: allowed is one "
                                                        "of bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo."),
+        # at beta=0 too: kl_loss reduces its (zero) term as the loss type does, and refused it at the first batch
+        (dict(config=None, beta=0.0, loss_type="ppo"),
+         "loss_type='ppo' is not supported by adaptive KL: allowed is one of bnpo, cispo, dapo, dr_grpo, grpo, luspo, "
+         "sapo, vespo."),
     ],
 )
 def test_bad_input_names_field_value_and_what_is_allowed(kwargs: dict, message: str) -> None:
@@ -1351,6 +1355,19 @@ def test_target_refuses_a_horizon_under_which_beta_would_reach_0_and_stay() -> N
                                           beta_min=0.05), 0.1)
     assert floored.step(kl=WindowKL(0.01, 0.01, 8.0)) == 0.05
     assert floored.step(kl=WindowKL(5.0, 5.0, 8.0)) == pytest.approx(0.05 * (1 + 0.2 * 8))
+
+
+def test_at_beta_0_a_target_horizon_is_not_checked_as_at_every_door() -> None:
+    """beta=0 turns the KL term off, and target's multiplicative update keeps it 0: kl_horizon=1 with 8 completions a
+    step, refused at beta 0.1 (above), trains at beta=0 with beta 0 throughout, as the trainers build it (they skip the
+    check at beta=0). It was refused at the loop's first training batch."""
+    config = AdaptiveKLConfig(kl_adaptation_method="target", kl_target=1.0, kl_horizon=1.0)
+    with pytest.warns(UserWarning, match="beta=0"):
+        akl = AdaptiveKL(config, 0.0)
+    eight = (torch.zeros(8, 2, requires_grad=True), torch.zeros(8, 2) - 0.5, torch.ones(8, 2))
+    term, _ = akl.kl_loss(*eight)
+    assert float(term) == 0.0
+    assert akl.step() == 0.0 and akl.step(kl=WindowKL(0.01, 0.01, 8.0)) == 0.0
 
 
 def test_a_refused_horizon_is_said_before_the_loops_backward_and_leaves_the_run_as_it_was() -> None:

@@ -1162,21 +1162,20 @@ def test_record_step_kl_reduces_with_the_divisor_it_is_given() -> None:
     assert metrics["adaptive_kl/adapted_kl"] == pytest.approx(kl, rel=1e-5)
 
 
-def test_traced_loss_data_takes_the_beta_it_is_given() -> None:
-    """traced_loss_data's beta (a pipelined loop's beta of the step the batch trains) overrides akl.current_beta
-    (0.2, the default): the traced loss's KL part is that beta times its KL, K = sum_t k3 / L here (one completion,
-    ref - logp = (0.5, -0.5): K = (e^0.5 - 1.5 + e^-0.5 - 0.5) / 2 = 0.12763)."""
+def test_traced_loss_data_takes_akls_beta() -> None:
+    """traced_loss_data's beta is akl.current_beta (0.2), read when the Datums are built, as `grpo_kl_loss` captures
+    it: the traced loss's KL part is that beta times its KL, K = sum_t k3 / L here (one completion, ref - logp =
+    (0.5, -0.5): K = (e^0.5 - 1.5 + e^-0.5 - 0.5) / 2 = 0.12763)."""
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.2, loss_type="grpo")
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0, 1.0]))
     fn, ranks = integration.traceable_grpo_loss(akl)
     kl = (math.exp(0.5) - 1.5 + math.exp(-0.5) - 0.5) / 2
-    for kwargs, beta in (({}, 0.2), ({"beta": 0.7}, 0.7)):
-        (traced,) = integration.traced_loss_data(akl, [datum], **kwargs)
-        inputs = [traced.loss_fn_inputs[name].to_torch() for name in list(ranks)[1:]]
-        _, metrics = fn(torch.tensor([0.0, -1.0, -1.0]), *inputs)
-        assert float(metrics["custom/adaptive_kl/adapted_kl:sum"]) == pytest.approx(kl, rel=1e-5)
-        assert float(metrics["custom/grpo/kl_term:sum"]) == pytest.approx(beta * kl, rel=1e-5)
+    (traced,) = integration.traced_loss_data(akl, [datum])
+    inputs = [traced.loss_fn_inputs[name].to_torch() for name in list(ranks)[1:]]
+    _, metrics = fn(torch.tensor([0.0, -1.0, -1.0]), *inputs)
+    assert float(metrics["custom/adaptive_kl/adapted_kl:sum"]) == pytest.approx(kl, rel=1e-5)
+    assert float(metrics["custom/grpo/kl_term:sum"]) == pytest.approx(0.2 * kl, rel=1e-5)
 
 
 def test_check_traced_loss_raises_on_an_infinite_log_prob_too() -> None:
@@ -1373,13 +1372,13 @@ def test_a_loss_type_whose_policy_gradient_term_is_not_ppo_clip_is_refused_by_th
         integration.grpo_kl_loss(AdaptiveKL(None, beta=0.1, loss_type=loss_type), **context)
 
 
-def test_a_loss_type_unknown_to_the_package_is_named_so_at_the_loss_doors() -> None:
-    """AdaptiveKL checks loss_type only where beta > 0 (at 0 a trainer has no KL term to reduce): at beta=0 a typo
-    reached the loss doors, which called it a loss type with a policy-gradient term of its own."""
-    akl = AdaptiveKL(None, beta=0.0, loss_type="grp")
-    for call in (lambda: integration.grpo_kl_loss(akl), lambda: integration.traceable_grpo_loss(akl)):
+def test_a_loss_type_unknown_to_the_package_is_refused_before_it_reaches_a_loss_door() -> None:
+    """At beta=0 a typo reached the loss doors (AdaptiveKL checked loss_type only where beta > 0), which had to check
+    it again or called it a loss type with a policy-gradient term of its own; AdaptiveKL now refuses it whatever
+    beta, so no door is built with it."""
+    for beta in (0.0, 0.1):
         with pytest.raises(ValueError, match=r"^loss_type='grp' is not supported by adaptive KL: allowed is one of "):
-            call()
+            AdaptiveKL(None, beta=beta, loss_type="grp")
 
 
 def test_a_mask_that_is_not_zeros_and_ones_is_refused_in_every_route() -> None:
@@ -1460,18 +1459,19 @@ def test_a_one_element_token_normalizer_is_one_number_in_the_tinker_routes() -> 
     assert metrics1 == metrics
 
 
-def test_traced_loss_data_refuses_a_beta_that_is_not_a_coefficient() -> None:
-    """beta=-0.1 made the KL term reward KL, NaN or inf the loss so, and True was taken as 1.0: the eager routes
-    (AdaptiveKL's beta) refuse each."""
-    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="none"), beta=0.1, loss_type="grpo")
+def test_traced_loss_data_trains_at_the_controllers_beta_which_it_logs() -> None:
+    """`traced_loss_data(beta=...)` trained at a beta the controller never chose (5.0 past beta_max=0.1 for target),
+    while `adaptive_kl/current_beta` logged akl's: no other door takes a beta beside akl's. It now has no such
+    argument, and the traced Datums carry akl.current_beta: dynamic's 0.1 * 0.9 after a step whose reward passed
+    reward_threshold."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5), beta=0.1)
+    akl.step(mean_reward=1.0)
     datum = integration.completion_datum([1, 2], [3, 4], [-1.0, -1.0], [-0.5, -1.5])
     datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.tensor([0.0, 1.0, 1.0]))
-    for beta in (-0.1, math.nan, math.inf, True):
-        with pytest.raises(ValueError, match=rf"^beta={beta!r} is invalid: allowed is a finite number >= 0, or None "
-                                             r"for akl\.current_beta\.$"):
-            integration.traced_loss_data(akl, [datum], beta=beta)
-    (traced,) = integration.traced_loss_data(akl, [datum], beta=0)
-    assert float(traced.loss_fn_inputs["beta"].to_torch()) == 0.0
+    (traced,) = integration.traced_loss_data(akl, [datum])
+    assert float(traced.loss_fn_inputs["beta"].to_torch()) == pytest.approx(0.09) == akl.current_beta
+    with pytest.raises(TypeError, match="beta"):
+        integration.traced_loss_data(akl, [datum], beta=5.0)
 
 
 def test_std_epsilon_without_scale_by_std_warns_that_it_has_no_effect() -> None:

@@ -560,6 +560,34 @@ def test_a_target_horizon_that_would_end_beta_is_refused_before_the_first_rollou
     assert _GuardedTrainer(config).reward_kl.config.kl_horizon == 1.25
 
 
+@pytest.mark.parametrize("kl", ["loss", "reward"])
+def test_at_a_coefficient_of_0_the_target_horizon_is_not_checked_as_at_every_door(kl):
+    """A coefficient of 0 turns that KL off, so target's beta stays 0 whatever the horizon: TRL's and the own loop's
+    doors build and train without checking it, and so does verl now (it refused kl_horizon=1.2 at n = 6, which the
+    other doors accept at beta=0). The other KL, at 0.1, is still checked."""
+    import warnings
+
+    config = trainer_config(kl_adaptation_method="target", kl_horizon=1.2)
+    config.data = {"train_batch_size": 3}
+    config.actor_rollout_ref.rollout = {"n": 2}
+    with pytest.raises(ValueError, match=r"kl_horizon=1\.2 is invalid for steps of 6 completions"):
+        _GuardedTrainer(config)
+    if kl == "loss":
+        config.actor_rollout_ref.actor.kl_loss_coef = 0.0
+    else:
+        config.algorithm.kl_ctrl.kl_coef = 0.0
+    with pytest.raises(ValueError, match=r"kl_horizon=1\.2 is invalid for steps of 6 completions"):
+        _GuardedTrainer(config)  # the other KL
+    config.adaptive_kl = {"kl_adaptation_method": "target", "kl_horizon": 1.2,
+                          "reward": {"kl_horizon": 1.25}} if kl == "loss" else {
+        "kl_adaptation_method": "target", "kl_horizon": 1.25, "reward": {"kl_horizon": 1.2}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the coefficient-0 warning, tested elsewhere
+        trainer = _GuardedTrainer(config)
+    off = trainer.loss_kl if kl == "loss" else trainer.reward_kl.akl
+    assert (off.current_beta, off.config.kl_horizon) == (0.0, 1.2)
+
+
 def test_a_coefficient_of_zero_warns_in_verls_terms_and_only_for_fields_that_were_set():
     """kl_loss_coef = 0 / kl_coef = 0 turn a KL off: a field of the block that would then do nothing is named with its
     block and the verl setting that turned it off. On ccb0d5c the warning named the core's `beta` and, for the reward,
@@ -918,9 +946,51 @@ def test_a_checkpoint_without_a_kls_controller_state_warns_naming_it_where_its_b
         verl_kl.AdaptiveKLTrainerMixin.load_adaptive_kl_state(run, state)
     said = [str(w.message) for w in caught]
     assert said == (["adaptive_kl: the checkpoint holds no controller state for the KL in the loss (saved with it "
-                     "off): its controller restarts from its initial beta."] if loss_method == "dynamic" else [])
+                     "off, or set to null): its controller restarts from its initial beta."]
+                    if loss_method == "dynamic" else [])
     assert run.reward_kl.value == saved.value == pytest.approx(0.1 * 0.9) and run.loss_kl.current_beta == 0.2
     assert (run.loss_kl.moves_beta, run.reward_kl.moves_beta) == (loss_method == "dynamic", True)
+
+
+def test_a_resume_with_a_new_coefficient_says_which_kl_and_verls_name_for_its_beta():
+    """A run resumed with other betas than its checkpoint's (kl_loss_coef 0.2 -> 0.3, kl_coef 0.1 -> 0.05) continues
+    each KL from the checkpoint's beta, saying so once per KL in verl's terms: which KL, beta's verl name and value,
+    and how to restart that controller alone (its entry set to null, which then restarts it and keeps the other). By
+    hand: dynamic decays 0.2 once to 0.2 * 0.9 = 0.18; the reward's 0.1 * 0.9 = 0.09 is above the new run's
+    kl_coef=0.05, which dynamic only lowers, so it is clamped to 0.05."""
+    moving = AdaptiveKLConfig(kl_adaptation_method="dynamic", reward_threshold=0.5)
+    saved = types.SimpleNamespace(loss_kl=AdaptiveKL(moving, beta=0.2),
+                                  reward_kl=verl_kl.RewardKLController(moving, beta=0.1))
+    saved.loss_kl.step(1.0)
+    saved.reward_kl.observe_rewards(1.0)
+    ray_trainer.apply_kl_penalty(reward_batch(seed=0), kl_ctrl=saved.reward_kl, kl_penalty="kl")
+    saved.reward_kl.update(0.0, 1)
+    state = json.loads(json.dumps(verl_kl.AdaptiveKLTrainerMixin.adaptive_kl_state(
+        types.SimpleNamespace(global_steps=1, **vars(saved)))))
+
+    def resume(state):
+        run = types.SimpleNamespace(loss_kl=AdaptiveKL(moving, beta=0.3),
+                                    reward_kl=verl_kl.RewardKLController(moving, beta=0.05))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            verl_kl.AdaptiveKLTrainerMixin.load_adaptive_kl_state(run, state)
+        return run, [str(w.message) for w in caught]
+
+    run, said = resume(state)
+    assert (run.loss_kl.current_beta, run.reward_kl.value) == (pytest.approx(0.18), 0.05)
+    assert said == [
+        "adaptive_kl: the KL in the loss: this run's beta=0.3 is not the beta=0.2 the checkpoint's run was built with: "
+        "dynamic moves beta, so the run continues from the checkpoint's beta 0.18. To start from 0.3 instead, set "
+        "\"loss\": null in the checkpoint's adaptive_kl.json. Here beta is actor_rollout_ref.actor.kl_loss_coef=0.3.",
+        "adaptive_kl: the KL in the reward: this run's beta=0.05 is not the beta=0.1 the checkpoint's run was built "
+        "with: dynamic moves beta, so the run continues from the checkpoint's beta 0.09, outside this run's "
+        "beta_min=0, beta=0.05: clamped to 0.05, as dynamic keeps beta within them. To start from 0.05 instead, set "
+        "\"reward\": null in the checkpoint's adaptive_kl.json. Here beta is algorithm.kl_ctrl.kl_coef=0.05."]
+    run, said = resume({**state, "loss": None})  # the advice taken: the loss's controller restarts at 0.3
+    assert (run.loss_kl.current_beta, run.reward_kl.value) == (0.3, 0.05)
+    assert said[0] == ("adaptive_kl: the checkpoint holds no controller state for the KL in the loss (saved with it "
+                       "off, or set to null): its controller restarts from its initial beta.")
+    assert len(said) == 2 and said[1].startswith("adaptive_kl: the KL in the reward: ")
 
 
 # ----- the logged adaptive_kl/* metrics, against their definitions (docs/metrics.md) --------------------------------
@@ -2150,7 +2220,8 @@ def test_kl_placement_and_an_unknown_field_under_reward_are_refused_naming_the_r
     field's error lists every field the block takes (AdaptiveKLConfig's, kl_placement aside, which is refused)."""
     with pytest.raises(ValueError) as raised:
         verl_kl.configs_from({"reward": {"kl_placement": "reward"}})
-    assert str(raised.value).startswith("adaptive_kl.reward.kl_placement is not used with verl: the KL acts in the "
+    assert str(raised.value).startswith("adaptive_kl.reward.kl_placement='reward' is not used with verl: the KL acts "
+                                        "in the "
                                         "loss with actor_rollout_ref.actor.use_kl_loss=True and in the reward with "
                                         "algorithm.use_kl_in_reward=True")
     with pytest.raises(ValueError) as raised:

@@ -36,6 +36,9 @@ from .statistics import (NAMES, NOT_NEGATIVE, Gather, KLStatistics, check_given_
 STATE_FORMAT = 7  # `state_dict()`'s format: 7 adds the beta the run was built with (`configured_beta`); 6 the old
 # policy's log-prob sum to the step's sums (`old_logps`); 5 the step's rewards; 4 names the step's sums; 3 added the
 # step's KL; 2 the kind; 1 none
+# How a changed-beta resume's warning says to start from the new beta; a door whose checkpoint holds the state its own
+# way replaces these words with its own.
+RESUME_WITHOUT_STATE = "resume without the adaptive KL state"
 
 
 def finite_mean_reward(mean_reward: Any) -> float:
@@ -93,8 +96,9 @@ class AdaptiveKL:
         if not reference_sync:
             config.refuse_sync_settings("without a reference sync", "AdaptiveKL syncs no reference itself: a "
                                         "trainer's integration does, with sync_ref_model=True")
-        if beta != 0:  # with beta = 0 there is no KL term to reduce (stock trainers skip it whatever the loss)
-            loss_type_reduction(loss_type)
+        # whatever beta: at beta = 0 the term is 0, but kl_loss still reduces it (and its metrics) as loss_type does
+        loss_type_reduction(loss_type)
+        if beta != 0:
             unchanged = reduction_left_as_is(config, loss_type)
             if unchanged is not None:
                 warnings.warn(unchanged, UserWarning, stacklevel=2)
@@ -612,8 +616,8 @@ class AdaptiveKL:
         if configured_beta is not None and configured_beta != self.beta:
             warnings.warn(f"adaptive KL: this run's beta={self.beta:g} is not the beta={configured_beta:g} the "
                           f"checkpoint's run was built with: {kind} moves beta, so the run continues from the "
-                          f"checkpoint's beta {loaded:g}{clamped}. To start from {self.beta:g} instead, resume "
-                          "without the adaptive KL state.", UserWarning, stacklevel=3)
+                          f"checkpoint's beta {loaded:g}{clamped}. To start from {self.beta:g} instead, "
+                          f"{RESUME_WITHOUT_STATE}.", UserWarning, stacklevel=3)
         elif clamped:
             warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is {bounds}.", UserWarning, stacklevel=3)
 

@@ -158,8 +158,9 @@ class TargetKL(ConstantBeta):
         self._config = config
 
     def check(self, window: Optional[WindowKL]) -> None:
-        """`check_horizon` for the window's n: an update from it could reach 0, and stay."""
-        if window is not None:
+        """`check_horizon` for the window's n: an update from it could reach 0, and stay. A beta of 0 (the KL term
+        off; every door's trainer or config says so) has nothing to lose: not checked, as no door checks it."""
+        if window is not None and self.value != 0:
             check_horizon(self._config, window.completions)
 
     def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:

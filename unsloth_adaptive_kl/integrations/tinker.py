@@ -40,7 +40,7 @@ from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
 from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
-from ..core.config import check_beta, check_real, is_real, is_whole, python_number
+from ..core.config import check_real, is_real, is_whole, python_number
 from ..core.errors import reject
 from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
                                warn_unread_context)
@@ -224,7 +224,6 @@ def check_loss_route(akl: AdaptiveKL, door: str) -> None:
     """Routes 1 and 3 put beta * KL into the loss beside a PPO-clip surrogate: a ValueError where the settings put it
     into the rewards, or where `akl.loss_type` names another policy-gradient term."""
     check_loss_placement(akl, door)
-    loss_type_reduction(akl.loss_type)  # a loss type unknown to the package (AdaptiveKL checks it only at beta > 0)
     if akl.loss_type not in PPO_CLIP_LOSS_TYPES:
         raise ValueError(f"loss_type={akl.loss_type!r} is invalid for {door}(...): its policy-gradient term is the "
                          "token-level PPO-clip surrogate, which that loss type replaces by its own; allowed is one of "
@@ -569,14 +568,14 @@ def traced_loss_data(
     akl: AdaptiveKL,
     data: Sequence["types.Datum"],
     *,
-    beta: Optional[float] = None,
     max_completion_length: Optional[int] = None,
     token_normalizer: Optional[Number] = None,
 ) -> list["types.Datum"]:
     """The Datums of one batch with the inputs `traceable_grpo_loss` reads added: sampling_logprobs (a copy of
     `logprobs`: the per-datum loss's own first parameter is named logprobs), pg_weights / kl_weights (the per-token
     weights of the core's `akl.loss_type` reduction and of its KL reduction over this batch: m_t / (B L_i) for grpo's
-    sequence_mean) and beta (rank 0; default `akl.current_beta`, read here, on the caller's thread). A NaN or +-inf
+    sequence_mean) and beta (rank 0: `akl.current_beta`, read here, on the caller's thread, as every door trains at
+    the controller's beta and logs it). A NaN or +-inf
     in the Datums' `logprobs` or `ref_logprobs` on a valid token raises `NonFiniteLogProbError` here, before anything
     is sent."""
     akl.check_settings()
@@ -589,12 +588,10 @@ def traced_loss_data(
     terms = loss_terms(akl.config, akl.loss_type)
     check_divisors_given(context, terms.values(), "traced_loss_data")
     check_completions_fit(context, mask, terms)
-    if beta is not None:  # a negative one would reward KL, a NaN or inf make the loss so
-        check_beta(beta, allowed="a finite number >= 0, or None for akl.current_beta")
     reduction = kl_reduction(akl.config, akl.loss_type)
     pg_weights = _reduction_weights(mask, loss_type_reduction(akl.loss_type), context, f"loss_type={akl.loss_type!r}")
     kl_weights = _reduction_weights(mask, reduction, context, f"kl_reduction={reduction!r}")
-    beta_value = torch.tensor(akl.current_beta if beta is None else beta, dtype=torch.float32)
+    beta_value = torch.tensor(akl.current_beta, dtype=torch.float32)
     out = []
     for i, datum in enumerate(data):
         length = _input(datum, MASK).numel()

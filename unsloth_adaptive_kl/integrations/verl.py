@@ -64,7 +64,7 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
-from ..core.adaptive_kl import finite_mean_reward, kl_off_message
+from ..core.adaptive_kl import RESUME_WITHOUT_STATE, finite_mean_reward, kl_off_message
 from ..core.config import (FIELD_DEFAULTS, K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields,
                            check_beta, check_whole, warn_estimator_issue)
 from ..core.controllers import check_horizon
@@ -220,7 +220,7 @@ def configs_from(block: Any, *, loss_on: bool = True, reward_on: bool = True
     for where, values in (("adaptive_kl", fields), ("adaptive_kl.reward", reward_overrides)):
         if "kl_placement" in values:
             raise ValueError(
-                f"{where}.kl_placement is not used with verl: the KL acts in the loss with "
+                f"{where}.kl_placement={values['kl_placement']!r} is not used with verl: the KL acts in the loss with "
                 "actor_rollout_ref.actor.use_kl_loss=True and in the reward with algorithm.use_kl_in_reward=True.")
         unknown = sorted(set(values) - _FIELDS)
         if unknown:
@@ -315,7 +315,8 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
     before verl's trainer is built, which would stop on a `kl_ctrl.type` it lacks with a bare NotImplementedError):
     `trainer.v1.sync.parameter_sync_step` other than 1 (the controllers move once per actor update), `ppo_epochs`,
     `kl_loss_type` and `kl_penalty` verl does not compute, a `target` horizon under which beta would
-    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`), and
+    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`; not at a
+    coefficient of 0, the KL off), and
     what this trainer would replace: verl's `kl_ctrl` beside the KL in the reward, its distillation loss beside the KL
     in the loss. `reward_block` is what the `adaptive_kl.reward` block set."""
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
@@ -362,6 +363,8 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
     completions = int(data.train_batch_size) * int(rollout.n)
     for kl, settings in (("loss", loss_config), ("reward", reward_config)):
         if not on[kl] or "target" not in settings.kl_methods:
+            continue
+        if (actor.kl_loss_coef if kl == "loss" else algorithm.kl_ctrl.kl_coef) == 0:  # the KL off: the core's rule
             continue
         try:
             check_horizon(settings, completions)
@@ -877,15 +880,29 @@ class AdaptiveKLTrainerMixin:
 
     def load_adaptive_kl_state(self, state: dict[str, Any]) -> None:
         """Each controller's state from a checkpoint's `adaptive_kl.json`; a KL whose beta moves and whose state the
-        checkpoint lacks (saved with that KL off) warns, naming it: its controller restarts from its initial beta."""
-        for name, target in (("loss", self.loss_kl), ("reward", self.reward_kl)):
+        checkpoint lacks (saved with that KL off, or set to null) warns, naming it: its controller restarts from its
+        initial beta. What the core says of a loaded beta (a changed beta, a clamp) is said in verl's terms: which KL,
+        beta's verl name, and how to restart that KL's controller alone."""
+        for name, target, coefficient in (("loss", self.loss_kl, "actor_rollout_ref.actor.kl_loss_coef"),
+                                          ("reward", self.reward_kl, "algorithm.kl_ctrl.kl_coef")):
             if target is None or (state.get(name) is None and not target.moves_beta):
                 continue
             if state.get(name) is None:
                 warnings.warn(f"adaptive_kl: the checkpoint holds no controller state for the KL in the {name} (saved "
-                              "with it off): its controller restarts from its initial beta.", stacklevel=2)
+                              "with it off, or set to null): its controller restarts from its initial beta.",
+                              stacklevel=2)
                 continue
-            target.load_state_dict(state[name])
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                target.load_state_dict(state[name])
+            beta = (target if isinstance(target, AdaptiveKL) else target.akl).beta
+            for warning in said:  # the core's words, of a KL it cannot tell apart from the other one
+                message = str(warning.message)
+                if message.startswith("adaptive KL: "):
+                    message = (f"adaptive_kl: the KL in the {name}: {message.removeprefix('adaptive KL: ')} Here beta "
+                               f"is {coefficient}={beta!r}.").replace(
+                        RESUME_WITHOUT_STATE, f'set "{name}": null in the checkpoint\'s {STATE_FILE}')
+                warnings.warn(message, warning.category, stacklevel=2)
 
     def _save_checkpoint(self) -> None:
         folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
