@@ -101,6 +101,27 @@ def test_a_registered_controllers_own_fields_resume_and_its_own_refusal_loads_no
     assert (fresh.current_beta, fresh.controller.integral, fresh.completed_steps) == (0.1, 0, 0)
 
 
+class RememberingBeta(ConstantBeta):
+    """A controller that keeps the beta it was built with in a public field named as the state's own key."""
+
+    def __init__(self, beta: float, config: AdaptiveKLConfig) -> None:
+        super().__init__(beta, config)
+        self.configured_beta = beta
+
+
+def test_a_controller_field_named_as_a_state_key_is_refused_when_the_run_is_built() -> None:
+    """`state_dict()` writes `configured_beta` (and its other keys) beside the controller's fields, and its own value
+    won: a controller with a field of that name saved the run's beta under it, and resumed from it, silently."""
+    register_beta_controller("test_remembering_beta")(RememberingBeta)
+    try:
+        with pytest.raises(TypeError, match=r"^beta controller RememberingBeta \('test_remembering_beta'\): its "
+                                            r"state_dict\(\) field\(s\) configured_beta are the adaptive KL state's "
+                                            r"own, .* rename them"):
+            AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="test_remembering_beta"), 0.1)
+    finally:
+        BETA_CONTROLLERS.pop("test_remembering_beta")
+
+
 def token_mean_k(logps: torch.Tensor, ref: torch.Tensor, estimator: str) -> float:
     """sum_t m k / sum_t m by hand: k1 = log pi - log ref, k3 = e^r - r - 1 with r = ref - log pi."""
     r = (ref - logps).double()

@@ -110,6 +110,7 @@ class AdaptiveKL:
         self.loss_type = loss_type
         self.num_iterations = num_iterations
         self.controller = make_beta_controller(beta, config)
+        _check_controller_fields(self.controller)
         self.completed_steps = 0  # optimizer steps the controller has seen
         self._queued: list[tuple[torch.Tensor, Optional[LogpCheck]]] = []  # trainer path: this step's device sums
         self._trained = KLStatistics()  # what the training batches of this step measured (the KL in the loss)
@@ -497,11 +498,10 @@ class AdaptiveKL:
         """JSON: the format version (`format_version`), the controller's kind (`controller`: "constant", "dynamic",
         "target" or a registered one's), its state (its beta, the generation batch count and its reward, ...),
         `completed_steps`, `configured_beta` (the beta this object was built with: a resume with another one says so),
-        and what the next step reads of the KL seen so far: `last_raw_kl` (None before the first
-        step; a KL-triggered reference sync reads it), `trained` (the `KLStatistics` sums, by name, of this step's
-        training batches so far), `scored` (the same of a batch scored for the KL in the reward whose step has not
-        run, or None) and `rewards` (the mean rewards observed since the last step, which its end hands the
-        controller)."""
+        and what the next step reads of the KL seen so far: `last_raw_kl` (None before the first step; a KL-triggered
+        reference sync reads it), `trained` (the `KLStatistics` sums, by name, of this step's training batches so
+        far), `scored` (the same of a batch scored for the KL in the reward whose step has not run, or None) and
+        `rewards` (the mean rewards observed since the last step, which its end hands the controller)."""
         return {"format_version": STATE_FORMAT, "controller": controller_kind(self.controller),
                 **self.controller.state_dict(), "completed_steps": self.completed_steps,
                 "configured_beta": self.beta,
@@ -710,6 +710,19 @@ def as_tensor_if_array(value: Any) -> Any:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError):
         return value
+
+
+def _check_controller_fields(controller: Any) -> None:
+    """Refuse, when the run is built, a (registered) controller whose `state_dict()` has a field `state_dict()` writes
+    beside it: the state's own value would replace the controller's at every save, and the controller would resume
+    from it."""
+    taken = sorted(set(controller.state_dict()) & {"format_version", "controller",
+                                                   *_written_beside_the_controller(STATE_FORMAT)})
+    if taken:
+        raise TypeError(f"beta controller {type(controller).__name__} ({controller_kind(controller)!r}): its "
+                        f"state_dict() field(s) {', '.join(taken)} are the adaptive KL state's own, which every "
+                        "checkpoint writes beside the controller's fields: rename them (an attribute whose name "
+                        "starts with '_' is left out of ConstantBeta.state_dict).")
 
 
 def _written_beside_the_controller(version: int) -> tuple[str, ...]:
