@@ -545,7 +545,8 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
             axis.set_ylim(top=max(1.0, axis.get_ylim()[1]))
             axis.yaxis.set_major_locator(MaxNLocator(integer=True))
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4))
+    if labels:  # none where every run failed
+        figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4))
     figure.suptitle("mean over seeds, band: min-max")
     figure.savefig(path, dpi=110)
     plt.close(figure)
