@@ -481,6 +481,15 @@ def test_a_loss_only_field_with_the_kl_in_the_loss_off_is_refused(field, value):
     assert getattr(_GuardedTrainer(trainer_config(**{field: value})).loss_kl.config, field) == value
 
 
+def test_kl_estimator_none_as_hydra_writes_it_is_the_default_with_the_kl_in_the_loss_off() -> None:
+    """`+adaptive_kl.kl_estimator=None` reaches the block as the text "None", which AdaptiveKLConfig reads as None
+    (the default): the block's rules read it so too. With the KL in the loss off it was refused as a loss-only field
+    set; it is the default, so the trainer is built, at the top of the block and under `reward`."""
+    for block in ({"kl_estimator": "None"}, {"reward": {"kl_estimator": "None"}}):
+        trainer = _GuardedTrainer(trainer_config(use_kl_loss=False, **block))
+        assert trainer.loss_kl is None and trainer.reward_kl.config.kl_estimator is None
+
+
 @pytest.mark.parametrize(("switches", "block", "message"), [
     # the reward block with the KL in the reward off: no reward controller was built, silently
     (dict(use_kl_in_reward=False), dict(reward={"kl_adaptation_method": "target", "kl_target": 0.2}),

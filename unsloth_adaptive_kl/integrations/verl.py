@@ -158,7 +158,8 @@ def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:
     if not isinstance(block, dict):
         raise ValueError(f"{where}={block!r} is invalid: allowed is a block of AdaptiveKLConfig's fields, set one by "
                          f"one (+{where}.kl_adaptation_method=clip).")
-    return dict(block)
+    # Hydra reads `kl_estimator=None` as the text "None", which AdaptiveKLConfig reads as None: so do the block's rules
+    return {name: None if name == "kl_estimator" and value == "None" else value for name, value in block.items()}
 
 
 def _block(name: str, overrides: dict[str, Any]) -> str:
