@@ -500,6 +500,7 @@ def test_a_format_2_state_loads_without_the_steps_kl() -> None:
         (dict(config=None, beta=0.1, loss_type="ppo"), "loss_type='ppo' is not supported by adaptive KL: allowed is one "
                                                        "of bnpo, cispo, dapo, dr_grpo, grpo, luspo, sapo, vespo."),
         # at beta=0 too: kl_loss reduces its (zero) term as the loss type does, and refused it at the first batch
+        # (Tinker's loss doors checked it again, for want of this check)
         (dict(config=None, beta=0.0, loss_type="ppo"),
          "loss_type='ppo' is not supported by adaptive KL: allowed is one of bnpo, cispo, dapo, dr_grpo, grpo, luspo, "
          "sapo, vespo."),

@@ -948,7 +948,14 @@ def test_the_plot_shows_the_panels_some_variant_logs_and_the_mean_of_the_seeds_w
                                                             "nats (the run's estimator)", "Pearson r"]
     # bounded metrics show their whole range (the values here, 6 to 33, are made up and drawn outside it)
     assert panels["corr(length, summed KL)"].get_ylim() == (-1.05, 1.05)
-    assert panels["completion length"].get_ylim()[0] == 0.0
+    # a count starts at 0, with a margin below it so that a line at 0 is not drawn on the axis line
+    low, high = panels["completion length"].get_ylim()
+    assert low == pytest.approx(-0.03 * high) and high >= 13.0  # the largest length, 10 * 1 + 3
+    # the legend names a variant that lacks the first panel's metric, drawn in the others
+    saved.clear()
+    no_reward = [{**row, "reward": math.nan} if row["method"] == "beta=0" else row for row in rows]
+    demo.plot(no_reward, ["none", "beta=0"], str(tmp_path / "plot.png"))
+    assert [text.get_text() for text in saved[0].legends[0].get_texts()] == ["none", "beta=0"]
 
 
 def test_the_plots_reference_sync_count_has_whole_ticks(tmp_path, monkeypatch) -> None:

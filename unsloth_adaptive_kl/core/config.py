@@ -269,8 +269,8 @@ class AdaptiveKLConfig:
         default=10000.0,
         metadata={"help": "`target`: horizon of the adaptive controller, in completions: each update moves beta by "
                           "the factor 1 + e * n / kl_horizon, n the step's generated completions, each counted once "
-                          "per generation batch (larger: slower beta changes). > 0, and > n / 5 with beta_min=0 (an "
-                          "update could reach 0 and stay there; checked once n is known)."},
+                          "per generation batch (larger: slower beta changes). > 0, and > n / 5 with beta_min=0 and "
+                          "beta > 0 (an update could reach 0 and stay there; checked once n is known)."},
     )
     beta_max: Optional[float] = field(
         default=None,

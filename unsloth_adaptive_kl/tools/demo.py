@@ -544,9 +544,13 @@ def plot(rows: list[dict], methods: list[str], path: str) -> None:
         if key == "adaptive_kl/ref_syncs":  # a count: whole ticks, up to 1 at least (all-zero has no whole tick)
             axis.set_ylim(top=max(1.0, axis.get_ylim()[1]))
             axis.yaxis.set_major_locator(MaxNLocator(integer=True))
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+        if bottom == 0.0:  # a line at 0 (beta=0, a decayed beta, no sync yet) drawn clear of the axis line
+            axis.set_ylim(bottom=-0.03 * axis.get_ylim()[1])
+    # every variant drawn in some panel, in the order given (one may lack a metric another panel shows)
+    drawn = {line.get_label(): line for axis in figure.axes for line in axis.lines}
+    labels = [method for method in methods if method in drawn]
     if labels:  # none where every run failed
-        figure.legend(handles, labels, loc="outside lower center", ncol=min(len(labels), 4))
+        figure.legend([drawn[label] for label in labels], labels, loc="outside lower center", ncol=min(len(labels), 4))
     figure.suptitle("mean over seeds, band: min-max")
     figure.savefig(path, dpi=110)
     plt.close(figure)
