@@ -135,11 +135,12 @@ class DynamicBeta(ConstantBeta):
             self.value = config.beta_min
 
 
-def check_horizon(config: AdaptiveKLConfig, completions: float) -> None:
+def check_horizon(config: AdaptiveKLConfig, completions: float, beta: float) -> None:
     """`target`'s horizon against steps of n = `completions`: with beta_min = 0 and n / kl_horizon >= 5, the update
     1 + e * n / kl_horizon (e down to -0.2) reaches 0, where a multiplicative update stays for good: a ValueError
-    naming kl_horizon, n and what is allowed. A loop that knows n before training checks it then."""
-    if completions / config.kl_horizon >= 5.0 and config.beta_min == 0:
+    naming kl_horizon, n and what is allowed. A `beta` of 0 (the KL term off, which every door says) has nothing to
+    lose, and is not checked. A loop that knows n before training checks it then."""
+    if completions / config.kl_horizon >= 5.0 and config.beta_min == 0 and beta != 0:
         raise ValueError(f"kl_horizon={config.kl_horizon!r} is invalid for steps of {completions:g} completions with "
                          "beta_min=0: target's update beta * (1 + e * n / kl_horizon), e down to -0.2, would reach 0, "
                          "and a multiplicative update never leaves 0; allowed is kl_horizon > "
@@ -158,10 +159,9 @@ class TargetKL(ConstantBeta):
         self._config = config
 
     def check(self, window: Optional[WindowKL]) -> None:
-        """`check_horizon` for the window's n: an update from it could reach 0, and stay. A beta of 0 (the KL term
-        off; every door's trainer or config says so) has nothing to lose: not checked, as no door checks it."""
-        if window is not None and self.value != 0:
-            check_horizon(self._config, window.completions)
+        """`check_horizon` for the window's n at this beta: an update from it could reach 0, and stay."""
+        if window is not None:
+            check_horizon(self._config, window.completions, self.value)
 
     def step(self, completed_steps: int, window: Optional[WindowKL] = None) -> None:
         config = self._config

@@ -188,7 +188,7 @@ def check_target_horizon(trainer: Any, config: AdaptiveKLConfig) -> None:
     per_device_train_batch_size x gradient_accumulation_steps x processes / num_iterations (a completion counts once
     per generation batch); in the reward, n = generation_batch_size (the batch scored). Each completion is counted as
     if it had tokens (a step where some are masked out counts fewer)."""
-    if "target" not in config.kl_methods or trainer.beta == 0:
+    if "target" not in config.kl_methods:
         return
     args = trainer.args
     if config.kl_in_reward:
@@ -198,7 +198,7 @@ def check_target_horizon(trainer: Any, config: AdaptiveKLConfig) -> None:
                        * trainer.accelerator.num_processes / args.num_iterations)
         spelled = "per_device_train_batch_size x gradient_accumulation_steps x processes / num_iterations"
     try:
-        check_horizon(config, completions)
+        check_horizon(config, completions, trainer.beta)
     except ValueError as error:
         raise ValueError(f"{str(error).rstrip('.')}; here n is {spelled}.") from None
 

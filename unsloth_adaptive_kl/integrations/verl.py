@@ -316,8 +316,8 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
     before verl's trainer is built, which would stop on a `kl_ctrl.type` it lacks with a bare NotImplementedError):
     `trainer.v1.sync.parameter_sync_step` other than 1 (the controllers move once per actor update), `ppo_epochs`,
     `kl_loss_type` and `kl_penalty` verl does not compute, a `target` horizon under which beta would
-    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`; not at a
-    coefficient of 0, the KL off), and
+    reach 0 for good at n = data.train_batch_size x rollout.n completions a step (the core's `check_horizon`, at each
+    KL's coefficient), and
     what this trainer would replace: verl's `kl_ctrl` beside the KL in the reward, its distillation loss beside the KL
     in the loss. `reward_block` is what the `adaptive_kl.reward` block set."""
     actor, algorithm = config.actor_rollout_ref.actor, config.algorithm
@@ -365,10 +365,8 @@ def check_before_training(config: Any, loss_config: AdaptiveKLConfig, reward_con
     for kl, settings in (("loss", loss_config), ("reward", reward_config)):
         if not on[kl] or "target" not in settings.kl_methods:
             continue
-        if (actor.kl_loss_coef if kl == "loss" else algorithm.kl_ctrl.kl_coef) == 0:  # the KL off: the core's rule
-            continue
         try:
-            check_horizon(settings, completions)
+            check_horizon(settings, completions, actor.kl_loss_coef if kl == "loss" else algorithm.kl_ctrl.kl_coef)
         except ValueError as error:
             where = _block("kl_horizon", reward_block) if kl == "reward" else "adaptive_kl"
             raise ValueError(f"{where}.{str(error).rstrip('.')}; here n is data.train_batch_size x "
@@ -884,8 +882,9 @@ class AdaptiveKLTrainerMixin:
         checkpoint lacks (saved with that KL off, or set to null) warns, naming it: its controller restarts from its
         initial beta. What the core says of a loaded beta (a changed beta, a clamp) is said in verl's terms: which KL,
         beta's verl name, and how to restart that KL's controller alone."""
-        for name, target, coefficient in (("loss", self.loss_kl, "actor_rollout_ref.actor.kl_loss_coef"),
-                                          ("reward", self.reward_kl, "algorithm.kl_ctrl.kl_coef")):
+        kls = (("loss", self.loss_kl, "actor_rollout_ref.actor.kl_loss_coef"),
+               ("reward", self.reward_kl and self.reward_kl.akl, "algorithm.kl_ctrl.kl_coef"))
+        for name, target, coefficient in kls:
             if target is None or (state.get(name) is None and not target.moves_beta):
                 continue
             if state.get(name) is None:
@@ -896,12 +895,11 @@ class AdaptiveKLTrainerMixin:
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
                 target.load_state_dict(state[name])
-            beta = (target if isinstance(target, AdaptiveKL) else target.akl).beta
             for warning in said:  # the core's words, of a KL it cannot tell apart from the other one
                 message = str(warning.message)
                 if message.startswith("adaptive KL: "):
                     message = (f"adaptive_kl: the KL in the {name}: {message.removeprefix('adaptive KL: ')} Here beta "
-                               f"is {coefficient}={beta!r}.").replace(
+                               f"is {coefficient}={target.beta!r}.").replace(
                         RESUME_WITHOUT_STATE, f'set "{name}": null in the checkpoint\'s {STATE_FILE}')
                 warnings.warn(message, warning.category, stacklevel=2)
 
