@@ -113,6 +113,11 @@ def tensor_bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def joined_counts(values: list[int]) -> str:
+    """The forward counts a variant's steps took, as the tables print them: "3" or "3 or 4"."""
+    return " or ".join(map(str, values))
+
+
 def median_seconds(fn: Any, repeats: int) -> float:
     """Median wall time of `fn()` over `repeats` calls (after 3 untimed), each timed on its own."""
     def synced() -> None:
@@ -337,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         core_ratio = "" if row["core_ratio"] is None else f"{row['core_ratio']:.2f}"
         print(f"{row['variant']:<27}{row['median_step_s']:>9.4f}{row['step_ratio']:>9.3f}"
-              f"{' or '.join(map(str, row['forwards_per_step'])):>10}{row['extra_forwards']:>6}"
+              f"{joined_counts(row['forwards_per_step']):>10}{row['extra_forwards']:>6}"
               f"{row['peak_memory_bytes'] / 2**20:>10.1f}{row['memory_ratio']:>9.3f}{core_ratio:>11}")
     unsloth = unsloth_timing(args.smoke)
     unsloth_rows = []
@@ -348,11 +353,11 @@ def main(argv: list[str] | None = None) -> int:
                    "step_ratio": row["median_step_s"] / unsloth["stock"]["median_step_s"]}
             unsloth_rows.append(row)
             print(f"{row['variant']:<47}{row['median_step_s']:>9.4f}{row['step_ratio']:>9.3f}"
-                  f"{' or '.join(map(str, row['forwards_per_step'])):>10}{row['graphs_added_per_run']:>12}")
+                  f"{joined_counts(row['forwards_per_step']):>10}{row['graphs_added_per_run']:>12}")
     ref_sync = ref_sync_report(sync_runs, ref_sync_steps, ref_sync_forwards, times, forwards, args)
     print(f"\nref_sync (sync_ref_model=True, alpha {ref_sync['alpha']}, every {ref_sync['sync_steps']} step): "
           f"{ref_sync['step_seconds_median']:.4f} s/step ({ref_sync['step_ratio']:.3f} x stock), forwards/step "
-          f"{' or '.join(map(str, ref_sync['forwards_per_step']))}, {ref_sync['extra_forwards']} extra; copy "
+          f"{joined_counts(ref_sync['forwards_per_step'])}, {ref_sync['extra_forwards']} extra; copy "
           f"{ref_sync['copy_bytes']} B ({ref_sync['copy_tensors']} tensors) against the adapter's "
           f"{ref_sync['adapter_bytes']} B; one sync {ref_sync['sync_seconds_median'] * 1e6:.1f} us "
           f"({ref_sync['sync_to_step_ratio']:.2e} of a stock step), one exchange "

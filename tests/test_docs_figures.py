@@ -145,7 +145,8 @@ def test_loss_overhead_table_is_every_row_of_each_trainer(hook: Any, size: Optio
 
 
 def test_an_unknown_loss_overhead_size_fails_the_build(hook: Any) -> None:
-    for generate in (hook.loss_overhead, hook.benchmark_headline, hook.loss_overhead_sanity, hook.loss_overhead_max):
+    for generate in (hook.loss_overhead, hook.benchmark_headline, hook.loss_overhead_sanity, hook.loss_overhead_max,
+                     hook.loss_overhead_end_to_end):
         with pytest.raises(ValueError):
             generate("huge")
 
@@ -246,7 +247,7 @@ def test_loss_overhead_sanity_is_each_trainers_stock_timing_and_end_to_end_row(h
     part = loss_part(size)
     if size == "inconsistent":
         part["trl"]["end_to_end"]["consistent"] = False
-        assert part["unsloth"]["end_to_end"]["consistent"]
+        part["unsloth"]["end_to_end"]["consistent"] = True
         monkeypatch.setattr(hook, "_benchmark", lambda name: part)
         size = None
     header, rows = only_table(hook.loss_overhead_sanity(size))
@@ -263,6 +264,39 @@ def test_loss_overhead_sanity_is_each_trainers_stock_timing_and_end_to_end_row(h
         ratio_with_interval(row[3], e2e["ratio"], e2e["ci"], 3)
         ratio_with_interval(row[4], e2e["aa"], e2e["aa_ci"], 3)
         assert row[5] == {True: "yes", False: "no"}[e2e["consistent"]]
+
+
+@pytest.mark.parametrize("size", [*LOSS_SIZES, "made up"])
+def test_loss_overhead_end_to_end_reads_each_sanity_row_against_its_decomposed_ratio(
+        hook: Any, size: Optional[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per trainer, the heaviest method's end-to-end ratio with its interval, and where it lies: within the A/A
+    half-width of the decomposed ratio of the same method, above it, or below it (made up: TRL's above, Unsloth's
+    below)."""
+    made_up = size == "made up"
+    part = loss_part(None if made_up else size)
+    if made_up:
+        for trainer, (ratio, consistent) in {"trl": (1.5, False), "unsloth": (0.5, False)}.items():
+            part[trainer]["end_to_end"].update(ratio=ratio, consistent=consistent)
+        monkeypatch.setattr(hook, "_benchmark", lambda name: part)
+        size = None
+    said = hook.loss_overhead_end_to_end(size).split("; ")
+    trainers = [trainer for trainer in ("trl", "unsloth") if part.get(trainer)]
+    assert len(said) == len(trainers)
+    for trainer, sentence in zip(trainers, said):
+        e2e = part[trainer]["end_to_end"]
+        decomposed = {row["method"]: row["ratio"] for row in part[trainer]["rows"]}[e2e["method"]]
+        half_width = (e2e["aa_ci"][1] - e2e["aa_ci"][0]) / 2
+        if abs(e2e["ratio"] - decomposed) <= half_width:
+            where = "within the A/A half-width of"
+        else:
+            where = "above" if e2e["ratio"] > decomposed else "below"
+        found = re.fullmatch(rf"{TRAINER_LABELS[trainer]}'s `([^`]+)` measured (\S+ \[\S+, \S+\]) end to end, "
+                             rf"{where} its decomposed (\S+)", sentence)
+        assert found and found[1] == e2e["method"], sentence
+        ratio_with_interval(found[2], e2e["ratio"], e2e["ci"], 3)
+        fixed(found[3], decomposed, 3)
+    if made_up:
+        assert "above" in said[0] and "below" in said[1]
 
 
 def test_core_op_table_is_every_method_against_stock_k3(hook: Any) -> None:
@@ -507,8 +541,8 @@ MADE_UP_CI = {"commit": "0123456789abcdef", "date": "2026-12-02", "seconds": 372
               "machine": {"cpu": "Xeon", "cores": 4, "arch": "aarch64"},
               "rows": [{"row": "a", "result": "10 passed, 1 failed, 1 warning in 61.20s (0:01:01)", "exit": 1,
                         "pytest_seconds": 75, "ended_at": 3599,
-                        "versions": {"torch": "2.14.1", "trl": "1.15.0", "transformers": "5.17.0",
-                                     "datasets": "4.8.5"}},
+                        "versions": {"python": "3.13.0", "torch": "2.14.1", "trl": "1.15.0",
+                                     "transformers": "5.17.0", "datasets": "4.8.5"}},
                        {"row": "e (x-0.1.0.whl)", "result": "self-check", "exit": 0, "pytest_seconds": None,
                         "ended_at": 3660, "versions": {}},
                        {"row": "h", "result": "3 passed, 12 warnings in 1.00s", "exit": 0, "pytest_seconds": 119,
@@ -531,14 +565,14 @@ def test_ci_record_is_every_row_of_the_record(hook: Any, source: str, tmp_path: 
         monkeypatch.setattr(hook, "ROOT", tmp_path)
     table, sentence = hook.ci_record().split("\n\n")
     header, rows = only_table(table)
-    versions = ["trl", "transformers", "datasets", "torch", "unsloth"]
+    versions = ["python", "torch", "trl", "transformers", "datasets", "unsloth"]
     assert header == ["row", *versions, "also", "result", "pytest", "ended at"]
     assert len(rows) == len(data["rows"])
     for record, row in zip(data["rows"], rows):
         name, _, detail = record["row"].partition(" ")
         assert row[0] == (f"({name}) {detail[1:-1]}" if detail else f"({name})")
-        assert row[1:6] == [record["versions"].get(package, "none") for package in versions]
-        assert row[6] == ", ".join(f"{p} {v}" for p, v in record["versions"].items()
+        assert row[1:7] == [record["versions"].get(package, "none") for package in versions]
+        assert row[7] == ", ".join(f"{p} {v}" for p, v in record["versions"].items()
                                    if p in ("liger-kernel", "tinker", "verl"))
         # pytest's counts without the warnings and the time, or what ran (the docs build with its versions)
         result = ", ".join(part for part in record["result"].split(" in ")[0].split(", ")
@@ -546,12 +580,12 @@ def test_ci_record_is_every_row_of_the_record(hook: Any, source: str, tmp_path: 
         if result.startswith("mkdocs"):
             docs = record["versions"]
             result += f" (mkdocs {docs['mkdocs']}, mkdocs-material {docs['mkdocs-material']})"
-        assert row[7] == f"{result}: exit {record['exit']}"
+        assert row[8] == f"{result}: exit {record['exit']}"
         if record["pytest_seconds"] is None:
-            assert row[8] == ""
+            assert row[9] == ""
         else:
-            minutes(row[8], record["pytest_seconds"])
-        minutes(row[9], record["ended_at"])
+            minutes(row[9], record["pytest_seconds"])
+        minutes(row[10], record["ended_at"])
     machine = data["machine"]
     found = re.fullmatch(r"Run on (\S+) from a clean clone of `(\w+)`, on (\d+) cores \((.+), (\S+)\): (.+) in all, "
                          r"exit (\d+)\. .*", sentence)

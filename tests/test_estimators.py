@@ -132,6 +132,13 @@ def test_bottom_percentile_keeps_floor_n_p_tokens_for_the_p_as_written() -> None
     assert int(bottom_percentile_mask(ref, torch.ones(100), 0.53).sum()) == 53
 
 
+def test_bottom_percentile_takes_the_fraction_to_6_decimal_places() -> None:
+    """p = 0.0000026 is 3 millionths at 6 places: of a million tokens it keeps 3, where floor(n p) would keep 2."""
+    ref = -torch.arange(1.0, 1_000_001.0)
+    assert int(bottom_percentile_mask(ref, torch.ones(1_000_000), 0.0000026).sum()) == 3
+    assert int(bottom_percentile_mask(ref, torch.ones(1_000_000), 0.000002).sum()) == 2
+
+
 def test_bottom_percentile_is_0_off_its_selection_even_where_k3_overflows() -> None:
     """An unselected token whose reference is far more confident than the policy (ref - logp = 94.5) has a k3 of
     e^94.5 = inf in float32: it must give 0 there, not inf * 0 = NaN (which failed the step as a non-finite KL).

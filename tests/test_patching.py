@@ -764,7 +764,10 @@ def test_source_reads_through_three_wrappers_and_only_functions_and_ends_on_a_re
     assert "return bound_later" in versions.source(_with_an_empty_cell())  # an empty cell has no source: no ValueError
 
     namespace: dict = {}
-    exec("def generated(self):\n    per_token_loss = per_token_loss + self.beta * per_token_kl\n", namespace)
+    # a file name of its own: Python 3.13 keeps the source of `python -c` (how pytest-xdist starts a worker) under
+    # "<string>", exec's default, where inspect then finds that command's line
+    exec(compile("def generated(self):\n    per_token_loss = per_token_loss + self.beta * per_token_kl\n",
+                 "<generated without a file>", "exec"), namespace)
     assert versions.source(len) == versions.source(namespace["generated"]) == ""
     objects = {"GRPOTrainer._compute_loss": namespace["generated"], "GRPOTrainer._save_checkpoint": len}
     anchors = (versions.TRL_KL_LINE, versions.Anchor("GRPOTrainer._save_checkpoint", "self, model", "a stand-in"))

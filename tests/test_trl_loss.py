@@ -687,10 +687,10 @@ def half_squared_log_ratio(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Te
 
 def test_unknown_loss_type_for_a_method_is_rejected_before_training(tokenizer, tmp_path, monkeypatch) -> None:
     trainer = make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip")
-    from unsloth_adaptive_kl.core import adaptation
+    from unsloth_adaptive_kl.core import reductions
 
-    monkeypatch.setitem(adaptation.REDUCTIONS, "token_sum_normalized", dataclasses.replace(
-        adaptation.REDUCTIONS["token_sum_normalized"], loss_types=("cispo", "vespo")))  # dapo served by none
+    monkeypatch.setitem(reductions.REDUCTIONS, "token_sum_normalized", dataclasses.replace(
+        reductions.REDUCTIONS["token_sum_normalized"], loss_types=("cispo", "vespo")))  # dapo served by none
     with pytest.raises(ValueError, match=r"loss_type='dapo' is not supported by adaptive KL: allowed is one of"):
         make_trainer(tokenizer, str(tmp_path), kl_adaptation_method="clip", loss_type="dapo")
     assert trainer.current_beta == 0.04

@@ -7,7 +7,8 @@ returns. An unknown name fails the build. Sources:
   ValueError it raises for a bad value) and `read_by` (the core's `FIELD_READERS`);
 - `tested_versions`, `anchors`: `versions.TESTED` and the source anchors each integration checks;
 - `demo_flags`, `demo_logged`: the demo's argparse parser, the metrics it keeps (`demo.LOGGED`);
-- `loss_overhead`, `loss_overhead_sanity`, `benchmark_headline` (each with `large` for the larger size),
+- `loss_overhead`, `loss_overhead_sanity`, `loss_overhead_end_to_end`, `benchmark_headline` (each with `large` for
+  the larger size),
   `loss_overhead_shares`, `loss_overhead_summary TRAINER[:large]`, `core_op`, `core_op_profile`, `steps`,
   `steps_against_aa`, `unsloth_steps`, `ref_sync_cost`, `verl_loss`: `benchmarks/*.json`;
 - `demo_results NAME`, `demo_value RUN:VARIANT:KEY:DIGITS[:std]`, `demo_drifted RUN:VARIANT`:
@@ -264,6 +265,24 @@ def loss_overhead_sanity(size: Optional[str] = None) -> str:
                    "A/A [95 %]", "consistent with the decomposition"], rows)
 
 
+def loss_overhead_end_to_end(size: Optional[str] = None) -> str:
+    """What each sanity row says of the decomposition at one size: the heaviest method's end-to-end ratio against
+    its decomposed one, and whether the gap lies within the A/A interval's half-width (`consistent`) or above or
+    below it."""
+    data = _loss_overhead_part(size)
+    said = []
+    for trainer, label in (("trl", "TRL"), ("unsloth", "Unsloth")):
+        if not data.get(trainer):
+            continue
+        e2e = data[trainer]["end_to_end"]
+        decomposed = next(row["ratio"] for row in data[trainer]["rows"] if row["method"] == e2e["method"])
+        reading = ("within the A/A half-width of" if e2e["consistent"] else
+                   "above" if e2e["ratio"] > decomposed else "below")
+        said.append(f"{label}'s `{e2e['method']}` measured {e2e['ratio']:.3f} [{e2e['ci'][0]:.3f}, "
+                    f"{e2e['ci'][1]:.3f}] end to end, {reading} its decomposed {decomposed:.3f}")
+    return "; ".join(said)
+
+
 def core_op(_: Optional[str] = None) -> str:
     rows = _benchmark("loss_overhead.json")["core_op"]
     stock = next(r for r in rows if r["method"] == "stock k3")
@@ -415,7 +434,7 @@ def value(argument: Optional[str] = None) -> str:
     return low if low == high else f"{low}-{high}"
 
 
-CI_VERSIONS = ("trl", "transformers", "datasets", "torch", "unsloth")
+CI_VERSIONS = ("python", "torch", "trl", "transformers", "datasets", "unsloth")
 CI_OTHERS = ("liger-kernel", "tinker", "verl")
 
 
@@ -883,6 +902,7 @@ GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
     "loss_overhead_seconds": loss_overhead_seconds,
     "loss_overhead_max": loss_overhead_max,
     "loss_overhead_sanity": loss_overhead_sanity,
+    "loss_overhead_end_to_end": loss_overhead_end_to_end,
     "core_op": core_op,
     "core_op_profile": core_op_profile,
     "steps": steps,

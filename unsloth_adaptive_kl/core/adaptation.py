@@ -28,7 +28,7 @@ import torch
 
 from .estimators import run_estimator
 from .numerics import LogpCheck, keep_valid, valid_positions
-from .reductions import REDUCTIONS, REWARD_LOSS_TYPE_SETTING, ReductionContext, kl_reduction, loss_type_reduction
+from .reductions import REWARD_LOSS_TYPE_SETTING, ReductionContext, kl_reduction, loss_type_reduction, reduce_sums
 from .reductions import context_in_float32, reduction_of_setting
 from .shapings import clipped_tokens, shape_kl
 
@@ -120,11 +120,11 @@ def kl_term(
             return KLTerm(raw, adapted, sums, lengths, at_threshold, stage.check)
         ctx = context_in_float32(context)
         raw_reduction, adapted_reduction = loss_type_reduction(loss_type), kl_reduction(config, loss_type)
-        adapted = REDUCTIONS[adapted_reduction].reduce(adapted_sums, lengths, ctx)
+        adapted = reduce_sums(adapted_reduction, adapted_sums, lengths, ctx)
         if adapted_sums is sums and adapted_reduction == raw_reduction:  # nothing adapted: the same number
             raw = adapted.detach()
         else:
-            raw = REDUCTIONS[raw_reduction].reduce(sums.detach(), lengths, ctx)
+            raw = reduce_sums(raw_reduction, sums.detach(), lengths, ctx)
         return KLTerm(raw, adapted, sums.detach(), lengths, at_threshold, stage.check)
 
 

@@ -249,7 +249,8 @@ class AdaptiveKLConfig:
     kl_percentile: float = field(
         default=0.2,
         metadata={"help": "kl_estimator `k3_bottom_percentile`: fraction of tokens (lowest reference log-prob) that carry "
-                  "KL; every method reads the KL it gives. 0 < x <= 1."},
+                  "KL, max(1, floor(n x)) of a micro-batch's n valid tokens with x to 6 decimal places; every method "
+                  "reads the KL it gives. 0 < x <= 1."},
     )
     kl_percentile_scale: float = field(
         default=5.0,

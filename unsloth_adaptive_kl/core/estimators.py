@@ -7,7 +7,6 @@ mask m marks completion tokens. Every estimator maps (logp, ref, mask) to a (B, 
 from __future__ import annotations
 
 import inspect
-from fractions import Fraction
 from typing import Any, Callable
 
 import torch
@@ -113,15 +112,15 @@ def k1_future(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torc
 
 def bottom_percentile_mask(ref: torch.Tensor, mask: torch.Tensor, fraction: float) -> torch.Tensor:
     """True on the valid tokens whose ref log-prob is <= the k-th smallest valid ref log-prob, k = max(1, floor(n *
-    fraction)) over the n valid tokens of the batch (the value torch.kthvalue returns). Found by a sort, so n stays
-    a tensor and the function stays traceable."""
+    fraction)) over the n valid tokens of the batch (the value torch.kthvalue returns), the fraction taken to 6
+    decimal places. Found by a sort, so n stays a tensor and the function stays traceable."""
     valid = mask.bool()
     values = torch.where(valid, ref, torch.full_like(ref, float("inf"))).flatten()
     count = valid.sum()
-    # floor(n * fraction) in integers, the fraction as the ratio it was written as: exact (0.53 of 100 tokens is 53;
-    # in float32 it was 52.99999, so 52)
-    numerator, denominator = Fraction(fraction).limit_denominator(10**6).as_integer_ratio()
-    k = torch.clamp(count * numerator // denominator, min=1)
+    # floor(n * fraction) in integers, the fraction in millionths as it was written: exact (0.53 of 100 tokens is 53;
+    # in float32 it was 52.99999, so 52). Plain arithmetic on a Python number, which every torch.compile folds
+    # (torch 2.4's cannot trace fractions.Fraction).
+    k = torch.clamp(count * round(fraction * 10**6) // 10**6, min=1)
     threshold = torch.sort(values).values.gather(0, (k - 1).reshape(1))
     return valid & (ref <= threshold)
 

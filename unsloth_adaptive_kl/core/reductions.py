@@ -316,6 +316,14 @@ def loss_type_of_agg_mode(agg_mode: str, field: str = "loss_agg_mode") -> str:
     raise ValueError(f"{field}={agg_mode!r} is invalid: allowed is one of {', '.join(modes)}.")
 
 
+def reduce_sums(reduction: str, sums: torch.Tensor, lengths: torch.Tensor, ctx: ReductionContext) -> torch.Tensor:
+    """The named reduction (a `REDUCTIONS` name) of per-completion sums S_i over L_i valid tokens, `ctx` in float32.
+    Other modules reduce through this function, not `REDUCTIONS` itself: torch 2.4's `torch.compile` fails to guard
+    a dict that a traced call reaches through two modules' globals ("DictGuardManager does not support a
+    leaf_guard")."""
+    return REDUCTIONS[reduction].reduce(sums, lengths, ctx)
+
+
 def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: ReductionContext) -> torch.Tensor:
     """Apply the named reduction (a `REDUCTIONS` name: a loss type's is `loss_type_reduction(loss_type)`) to a
     per-token tensor (in float32 whatever its dtype). A nonzero mask entry is a valid token, a whole one: L_i counts
@@ -325,7 +333,7 @@ def reduce_kl(x: torch.Tensor, mask: torch.Tensor, reduction: str, ctx: Reductio
                      "loss_type_reduction(loss_type))")
     valid = valid_positions(mask)
     sums = keep_valid(x, valid).sum(-1)
-    return REDUCTIONS[reduction].reduce(sums, valid.sum(-1, dtype=sums.dtype), context_in_float32(ctx))
+    return reduce_sums(reduction, sums, valid.sum(-1, dtype=sums.dtype), context_in_float32(ctx))
 
 
 def context_in_float32(ctx: ReductionContext) -> ReductionContext:
