@@ -1,19 +1,21 @@
 """The loss-path overhead of adaptive KL, resolved by decomposition (only ratios measured side by side count).
 
-    python benchmarks/loss_overhead.py            # TRL, and Unsloth's generated trainer when installed (< 15 min, 2 cores)
-    python benchmarks/loss_overhead.py --smoke    # tiny repetition counts: checks that it runs and reports
+    python benchmarks/loss_overhead.py          # TRL; Unsloth's trainer when installed (< 15 min, 2 cores)
+    python benchmarks/loss_overhead.py --smoke  # tiny repetition counts: checks that it runs and reports
 
 Timing whole loss calls cannot resolve 1 % on a noisy CPU (an A/A pair of loss calls spreads by several per cent).
 So, per trainer, on one captured real generation batch:
 (a) stock: the trainer's own loss, forward + backward, with the patches bypassed: `--stock-repeats` times up front
-    (the table's header), and again within each method's rounds of (b), every 8th round, for that row's ratio (the
-    machine's speed drifts by tens of per cent between minutes; a shared denominator would carry that drift);
+    (the table's header), and again before each call of (b), for that row's ratio (the machine's speed drifts by
+    tens of per cent between minutes; a shared denominator would carry that drift);
 (b) adaptation: what the integration adds to that loss, on the same captured tensors and shapes: the patched loss
     with the trainer's loss function replaced by a stub that only does its KL line (TRL: `per_token_loss + beta *
-    per_token_kl`; Unsloth: the compiled loss call), minus that stub alone, forward + backward, interleaved,
-    `--core-repeats` times per method; this includes the wrapper, the probes, the core and the metric queue
-    (flushed at every call here, as at the end of every optimizer step: an upper bound with gradient accumulation;
-    a method with `dynamic` after a mean reward above its threshold, so that beta decays there);
+    per_token_kl`; Unsloth: the compiled loss call), minus that stub alone, forward + backward, each timed right
+    after a stock loss call (where it runs in training: timed back to back, the two calls find each other's data in
+    the caches and read the added time low), `--core-repeats` rounds per method; this includes the wrapper, the
+    probes, the core and the metric queue (flushed at every call here, as at the end of every optimizer step: an
+    upper bound with gradient accumulation; a method with `dynamic` after a mean reward above its threshold, so that
+    beta decays there);
 (c) overhead = 1 + (b) / (a) per row, with a bootstrap 95 % interval (both resampled);
 (d) deterministic counts from torch.profiler: aten ops and bytes allocated that each method adds per micro-batch;
 (e) a sanity row: stock against the heaviest method end to end, interleaved, with an A/A control (stock against
@@ -22,7 +24,7 @@ It also times the core op alone (64 x 4096 per-token KL, every method) against t
 
 (a)-(e) run at two sizes: `--completions` x `--completion-length` (8 x 64) and a larger batch,
 `--large-completions` x `--large-completion-length` (16 x 256, 8x the tokens; `--large-*-repeats`: fewer repeats,
-as its stock loss is far slower and its interval far narrower). What the adaptation adds to the loss
+as its stock loss is far slower). What the adaptation adds to the loss
 path is mostly fixed per call (ops, the metric row), while the stock loss grows with the tokens, so its share falls
 with size; the table `share by size` shows it per method.
 Writes JSON after each trainer (`finished` false until the end; with `--budget SECONDS` the larger size is skipped,
@@ -65,23 +67,22 @@ METHODS: dict[str, dict[str, Any]] = {
     "kl_reduction=token_mean": {"kl_reduction": "token_mean"},
 }
 FIELDS = ("kl_adaptation_method", "kl_estimator", "kl_reduction")
-STOCK_EVERY = 8  # the stock loss (30-60 ms) is sampled in every 8th round of the sub-millisecond stub/patched pair
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--stock-repeats", type=int, default=40)
-    parser.add_argument("--core-repeats", type=int, default=300)
+    parser.add_argument("--core-repeats", type=int, default=100)
     parser.add_argument("--e2e-repeats", type=int, default=40)
     parser.add_argument("--completions", type=int, default=8)
     parser.add_argument("--completion-length", type=int, default=64)
     parser.add_argument("--large-completions", type=int, default=16)
     parser.add_argument("--large-completion-length", type=int, default=256)
-    # The larger size's stock loss is 10-40x the default size's, and its overhead interval far narrower than 1 %:
+    # The larger size's stock loss is far slower than the default size's, and each of a method's rounds runs it twice:
     # fewer repeats there keep the whole run within 15 minutes on a 2-core CPU.
     parser.add_argument("--large-stock-repeats", type=int, default=20)
-    parser.add_argument("--large-core-repeats", type=int, default=100)
+    parser.add_argument("--large-core-repeats", type=int, default=15)
     parser.add_argument("--large-e2e-repeats", type=int, default=20)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
@@ -146,20 +147,31 @@ def aa_half_way(stock: str, copy: str, others: list[str]) -> list[str]:
     return [stock, *others[:half], copy, *others[half:]]
 
 
-def interleaved(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int = 3,
-                every: dict[str, int] | None = None) -> dict[str, list[float]]:
-    """Round-robin in a rotating order, so that drift and cache effects hit every variant alike; a function named
-    in `every` runs only on every n-th timed round, the first included (a slow one sampled alongside fast ones)."""
+def interleaved(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Round-robin in a rotating order, so that drift and cache effects hit every variant alike."""
     names = list(functions)
-    every = every or {}
     samples: dict[str, list[float]] = {name: [] for name in names}
     for iteration in range(repeats + warmup):
-        order = names[iteration % len(names):] + names[: iteration % len(names)]
-        for name in order:
-            if iteration >= warmup and (iteration - warmup) % every.get(name, 1):
-                continue
+        for name in names[iteration % len(names):] + names[: iteration % len(names)]:
             elapsed = timed(functions[name])
             if iteration >= warmup:
+                samples[name].append(elapsed)
+    return samples
+
+
+def after_stock(stock: Callable[[], Any], functions: dict[str, Callable[[], Any]], repeats: int,
+                warmup: int = 1) -> dict[str, list[float]]:
+    """Each of `functions` timed right after a call of `stock` (timed too, its samples under "stock"), in a rotating
+    order: where the added code runs in training, after the model's forward and backward have filled the caches and
+    the heap with their own data. Timed back to back instead, the sub-millisecond stub and patched calls find each
+    other's data there, and the end-to-end sanity row measured more than their difference."""
+    names = list(functions)
+    samples: dict[str, list[float]] = {name: [] for name in [*names, "stock"]}
+    for iteration in range(repeats + warmup):
+        for name in names[iteration % len(names):] + names[: iteration % len(names)]:
+            stock_s, elapsed = timed(stock), timed(functions[name])
+            if iteration >= warmup:
+                samples["stock"].append(stock_s)
                 samples[name].append(elapsed)
     return samples
 
@@ -339,15 +351,15 @@ def unsloth_bench(args: argparse.Namespace, output_dir: str) -> dict[str, Any]:
 
 def method_rows(args: argparse.Namespace, trainer: Any, stock_loss: Callable[[], None],
                 stubbed: dict[bool, Callable[[], None]]) -> list[dict[str, Any]]:
-    """(b)-(d) per method: the patched call with the stub against the stub alone, with the stock loss sampled in the
-    same rounds (every `STOCK_EVERY`-th), so that the ratio's numerator and denominator share the machine's state."""
+    """(b)-(d) per method: the patched call with the stub against the stub alone, each right after a stock loss
+    (`after_stock`), whose samples in the same rounds are the ratio's denominator: numerator and denominator share
+    the machine's state."""
     rows = []
     base_ops, base_bytes = profile_counts(stubbed[False])
     for name, settings in METHODS.items():
         apply_method(trainer, settings)
         patched = with_passing_reward(trainer, settings.get("kl_adaptation_method", "none"), stubbed[True])
-        samples = interleaved({"stub": stubbed[False], "patched": patched, "stock": stock_loss},
-                              args.core_repeats, every={"stock": STOCK_EVERY})
+        samples = after_stock(stock_loss, {"stub": stubbed[False], "patched": patched}, args.core_repeats)
         added = [p - s for p, s in zip(samples["patched"], samples["stub"])]
         ops, allocated = profile_counts(patched)
         low, high = overhead_interval(added, samples["stock"])

@@ -116,7 +116,8 @@ def test_the_interval_leaves_out_as_many_resampled_values_at_either_end(
 def test_the_overhead_interval_is_one_plus_the_added_over_the_stock_median_both_resampled() -> None:
     """1 + median(added) / median(stock): added 1..41 ms over a constant 0.5 s stock gives 1 + [15, 27] ms / 0.5 s
     (ranks as above; 25 % / 75 % points would be 19 and 23); a constant added time over stock 1..41 s gives
-    1 + 0.01 / [27, 15]; added and stock of different lengths, as in the benchmark (stock every 8th round)."""
+    1 + 0.01 / [27, 15]; added and stock of different lengths, as in the benchmark (stock timed before each of a
+    round's two calls)."""
     assert (median_quantile_rank(41, 0.25, MANY), median_quantile_rank(41, 0.75, MANY)) == (19, 23)
     added = [v / 1000 for v in range(1, 39)] + [1.0, 2.0, 3.0]  # outliers a mean would follow
     low, high = loss_overhead.overhead_interval(added[::-1], [0.5] * 9, resamples=MANY)
@@ -128,20 +129,26 @@ def test_the_overhead_interval_is_one_plus_the_added_over_the_stock_median_both_
 # ----- interleaving and rotation ----------------------------------------------------------------------------------
 
 def test_interleaved_rotates_the_order_and_keeps_only_timed_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three variants, 2 warm-up rounds then 4 timed ones, `c` on every 3rd timed round (the first included): the
-    calls in the order worked out by hand, and each sample the time of its own call in a timed round."""
+    """Three variants, 2 warm-up rounds then 3 timed ones: the calls in the order worked out by hand, and each sample
+    the time of its own call in a timed round."""
     calls: list[str] = []
     monkeypatch.setattr(loss_overhead, "timed", lambda function: (function(), float(len(calls)))[1])
     functions = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-    samples = loss_overhead.interleaved(functions, repeats=4, warmup=2, every={"c": 3})
-    assert calls == ["a", "b", "c",  # warm-up 0
-                     "b", "c", "a",  # warm-up 1
-                     "c", "a", "b",  # timed 0 (c: 1st)
-                     "a", "b",  # timed 1 (c skipped)
-                     "b", "a",  # timed 2 (c skipped)
-                     "c", "a", "b"]  # timed 3 (c: 4th)
+    samples = loss_overhead.interleaved(functions, repeats=3, warmup=2)
+    assert "".join(calls) == "abc" "bca" "cab" "abc" "bca"  # 2 warm-up rounds, then 3 timed ones
     # the call index each sample's call made (1-based: the fake clock reads the calls made so far)
-    assert samples == {"a": [8.0, 10.0, 13.0, 15.0], "b": [9.0, 11.0, 12.0, 16.0], "c": [7.0, 14.0]}
+    assert samples == {"a": [8.0, 10.0, 15.0], "b": [9.0, 11.0, 13.0], "c": [7.0, 12.0, 14.0]}
+
+
+def test_after_stock_times_each_function_right_after_a_timed_stock_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two functions, 1 warm-up round then 2 timed ones: every call of a function comes right after a stock call,
+    the order rotates, and the samples are the timed rounds' own calls (stock's: one per function call)."""
+    calls: list[str] = []
+    monkeypatch.setattr(loss_overhead, "timed", lambda function: (function(), float(len(calls)))[1])
+    functions = {name: (lambda name=name: calls.append(name)) for name in "ab"}
+    samples = loss_overhead.after_stock(lambda: calls.append("S"), functions, repeats=2, warmup=1)
+    assert "".join(calls) == "SaSb" "SbSa" "SaSb"
+    assert samples == {"a": [8.0, 10.0], "b": [6.0, 12.0], "stock": [5.0, 7.0, 9.0, 11.0]}
 
 
 def test_rotating_runs_every_name_in_a_rotating_order_and_keeps_the_timed_rounds() -> None:
@@ -617,23 +624,25 @@ def test_the_gpu_size_times_enough_rounds_after_a_warm_up() -> None:
 def test_method_rows_divide_the_paired_added_time_by_the_stock_timed_in_the_same_rounds(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Synthetic rounds: added = patched - stub per round (medians 1 ms, a mean of 4 ms with one outlier; the
-    difference of the two medians would be 2 ms), over the median of the stock loss sampled in those rounds (50 ms,
-    not the stub's), every 8th round (the docstring's): ratio 1.02, its interval around it."""
+    difference of the two medians would be 2 ms), over the median of the stock loss timed before each of them in
+    those rounds (50 ms, not the stub's): ratio 1.02, its interval around it; the stub and the patched call each
+    timed after the stock loss (`after_stock`), not back to back."""
     samples = {"stub": [0.010, 0.014, 0.012, 0.010, 0.011], "patched": [0.011, 0.015, 0.013, 0.026, 0.012],
-               "stock": [0.049, 0.050, 0.052]}
-    rounds: list[tuple[int, Any]] = []
+               "stock": [0.049, 0.050, 0.052, 0.050, 0.051, 0.048, 0.050, 0.053, 0.050, 0.047]}
+    rounds: list[tuple[Any, list[str], int]] = []
     monkeypatch.setattr(loss_overhead, "METHODS", {"clip": {"kl_adaptation_method": "clip"}})
     monkeypatch.setattr(loss_overhead, "apply_method", lambda trainer, settings: None)
     monkeypatch.setattr(loss_overhead, "profile_counts", lambda function: function())
-    monkeypatch.setattr(loss_overhead, "interleaved", lambda functions, repeats, every=None: (
-        rounds.append((repeats, every)), samples)[1])
+    monkeypatch.setattr(loss_overhead, "after_stock", lambda stock, functions, repeats: (
+        rounds.append((stock, list(functions), repeats)), samples)[1])
     args = types.SimpleNamespace(core_repeats=5)
-    (row,) = loss_overhead.method_rows(args, None, lambda: None, {False: lambda: (10, 100), True: lambda: (17, 164)})
+    stock = lambda: None  # noqa: E731
+    (row,) = loss_overhead.method_rows(args, None, stock, {False: lambda: (10, 100), True: lambda: (17, 164)})
     assert row["added_s"] == pytest.approx(0.001) and row["stock_s"] == 0.050
     assert row["ratio"] == pytest.approx(1.02)
     assert row["ci"][0] <= row["ratio"] <= row["ci"][1] and row["ci"][0] > 1.0
     assert (row["ops_added"], row["bytes_added"]) == (7, 64)
-    assert rounds == [(5, {"stock": 8})]
+    assert rounds == [(stock, ["stub", "patched"], 5)]
 
 
 @pytest.mark.parametrize("threshold", [0.8, -2.0])
@@ -705,8 +714,9 @@ def test_headline_is_the_largest_row_of_either_trainer_with_that_trainers_aa_int
 
 def test_the_loss_benchmark_runs_the_documented_sizes_and_shares_each_sizes_own_rows(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: Any) -> None:
-    """main() with the trainers' processes replaced: the default size is 8 x 64 tokens with 40 / 300 / 40 repeats and
-    the larger 16 x 256 with 20 / 100 / 20 (docs/benchmarks.md); the shares and headlines pair each size's own rows."""
+    """main() with the trainers' processes replaced: the default size is 8 x 64 tokens with 40 / 100 / 40 repeats and
+    the larger 16 x 256 with 20 / 15 / 20, the counts the committed run records (docs/benchmarks.md says them from
+    there); the shares and headlines pair each size's own rows."""
     runs: list[tuple[str, tuple[int, int], tuple[int, int, int]]] = []
 
     def run_trainer(trainer: str, args: Any, argv: list[str], size: tuple[int, int],
@@ -721,7 +731,9 @@ def test_the_loss_benchmark_runs_the_documented_sizes_and_shares_each_sizes_own_
     monkeypatch.setattr(loss_overhead, "core_op_profile", lambda: [])
     path = tmp_path / "loss.json"
     assert loss_overhead.main(["--json", str(path)]) == 0
-    assert {(size, repeats) for _, size, repeats in runs} == {((8, 64), (40, 300, 40)), ((16, 256), (20, 100, 20))}
+    assert {(size, repeats) for _, size, repeats in runs} == {((8, 64), (40, 100, 40)), ((16, 256), (20, 15, 20))}
+    committed = json.loads((BENCHMARKS / "loss_overhead.json").read_text())
+    assert [tuple(part["repeats"].values()) for part in (committed, committed["large"])] == [(40, 100, 40), (20, 15, 20)]
     report = json.loads(path.read_text())
     assert report["size"]["tokens"] == 512 and report["large"]["size"]["tokens"] == 4096
     assert report["headline"]["ratio"] == 1.03 and report["large"]["headline"]["ratio"] == 1.006
