@@ -19,12 +19,13 @@ What it measures, every variant in one process on one captured batch (the micro-
   `dynamic` after a mean reward above its threshold, so that beta decays at each step's end). Rounds rotate the
   order (`ROTATION`: the A/A copy half a rotation from stock), after warm-up rounds; each ratio is median(variant) /
   median(stock) with a 95 % bootstrap interval, and peak memory (`torch.cuda.max_memory_allocated` over the timed
-  call, CUDA only) against stock's. Then a profile of stock's step and of the method with the largest ratio: the
-  operations with the most self time, per step.
+  call, CUDA only) against stock's.
 - `whole_step`: one whole GRPO optimizer step, generation included (`trainer.train()` for 2 steps, the second
   timed), for stock Unsloth (every hook this package puts on a step bypassed, generation's too), one method and the
   KL in the reward (whose cost is in scoring the completions, not in the loss), interleaved after one untimed round,
   so that a reader sees what share of a step the loss is.
+- `profile`, last: stock's captured-batch step and that of the method with the largest ratio under torch.profiler,
+  the operations with the most self time, per step.
 Ends with one line: `max_step_ratio=X max_memory_ratio=X aa=[a,b] loss_share=X`.
 """
 
@@ -58,11 +59,12 @@ ROTATION = aa_half_way(*STOCK, METHODS)
 # The whole-step variants: the KL's placement is fixed when a trainer is built, so the KL in the reward has a trainer
 # of its own (on the same policy).
 WHOLE_STEP = ["stock", "sigmoid+length_normalized", "kl_in_reward"]
-# With `--budget`: the captured-batch rounds aim to end by this share of it (a round starts only if the last one's
-# duration says it ends by then; the warm-up and one timed round always run), and the whole steps start only if at
-# most WHOLE_UNTIL of it is spent, their timed round only if the untimed one's duration says it ends within it.
-# The rounds' intervals come first (each ratio's, the A/A pair's), the whole step's share of a step second.
-ROUNDS_BY, WHOLE_UNTIL = 0.6, 0.65
+# With `--budget`: the captured-batch rounds aim to end by ROUNDS_BY of it (a round starts only if the last one's
+# duration says it ends by then; the warm-up and one timed round always run), the whole steps start only if at most
+# WHOLE_UNTIL of it is spent, their timed round only if the untimed one's duration says it ends by PROFILE_UNTIL,
+# and the profile runs only if at most PROFILE_UNTIL is spent. The rounds' intervals come first (each ratio's, the
+# A/A pair's), the whole step's share of a step second, where the time goes last.
+ROUNDS_BY, WHOLE_UNTIL, PROFILE_UNTIL = 0.6, 0.65, 0.85
 KL_IN_REWARD = {"kl_placement": "reward", "kl_reduction": "sequence_sum"}
 
 
@@ -78,10 +80,10 @@ class Size:
 
 
 SIZES = {
-    # at most 13 rounds (1 warm-up, 12 timed) of 10 captured-batch steps, 6 profiled steps, then 2 rounds (1 untimed,
-    # 1 timed) of the 3 whole-step variants of 2 GRPO steps each (12 generations of 64 completions of 256 tokens);
-    # more than 9 minutes on an H200 (a run stopped at 560 s had not ended its captured-batch rounds), so the GPU run
-    # gives it `--budget`, which ends the rounds by time
+    # at most 13 rounds (1 warm-up, 12 timed) of 10 captured-batch steps, then 2 rounds (1 untimed, 1 timed) of the
+    # 3 whole-step variants of 2 GRPO steps each (12 generations of 64 completions of 256 tokens), then 6 profiled
+    # steps; more than 9 minutes on an H200 (a run stopped at 560 s had not ended its captured-batch rounds), so the
+    # GPU run gives it `--budget`, which ends the rounds by time
     "0.5b": Size(QWEN2_5_0_5B, prompts=8, completions=8, length=256, rounds=12, whole_rounds=1),
     "small": Size({**QWEN2_5_0_5B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                    "num_attention_heads": 4, "vocab_size": 512, "max_position_embeddings": 512},
@@ -99,8 +101,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         # argparse %-formats a help text: a percent sign is written %%
                         help="seconds the run may take: the captured-batch rounds aim to end by "
                              f"{ROUNDS_BY * 100:.0f} %% of them, the whole steps are skipped when more than "
-                             f"{WHOLE_UNTIL * 100:.0f} %% is spent, and their timed round when it would end past "
-                             "them (the JSON says what stopped); default: no budget")
+                             f"{WHOLE_UNTIL * 100:.0f} %% is spent, their timed round when it would end past "
+                             f"{PROFILE_UNTIL * 100:.0f} %%, and the profile when more than that is spent (the JSON "
+                             "says what stopped); default: no budget")
     parser.add_argument("--json", required=True)
     args = parser.parse_args(argv)
     for flag, value, least in (("--rounds", args.rounds, 1), ("--warmup", args.warmup, 0),
@@ -210,9 +213,10 @@ def ratios(samples: dict[str, list[Sample]]) -> dict[str, dict[str, Any]]:
 
 def captured_steps(trainer: Any, rounds: int, warmup: int, until: float | None = None,
                    progress: Callable[[dict[str, dict[str, Any]]], None] | None = None
-                   ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """The `step` rows: compute_loss forward + backward + the optimizer's step on one captured micro-batch; and the
-    profile of stock's step and of the method with the largest ratio (`top_operations`). `until`: the rounds'
+                   ) -> tuple[dict[str, dict[str, Any]], Callable[[], dict[str, Any]]]:
+    """The `step` rows: compute_loss forward + backward + the optimizer's step on one captured micro-batch; and a
+    function that profiles stock's step and that of the method with the largest ratio (`top_operations`), for the
+    caller to run when its time allows (on the H100 it outlasted the command's time limit). `until`: the rounds'
     deadline (`rotating`); `progress(rows)`: the rows so far, after each timed round."""
     from unsloth_adaptive_kl.tools import gpu_scenarios, selfcheck
 
@@ -246,8 +250,8 @@ def captured_steps(trainer: Any, rounds: int, warmup: int, until: float | None =
                        after=None if progress is None else lambda so_far: progress(table(so_far)))
     rows = table(samples)
     heaviest = max(METHODS, key=lambda name: rows[name]["ratio"])
-    return rows, {"method": heaviest, "stock": top_operations(variant("stock")),
-                  "heaviest": top_operations(variant(heaviest))}
+    return rows, lambda: {"method": heaviest, "stock": top_operations(variant("stock")),
+                          "heaviest": top_operations(variant(heaviest))}
 
 
 def top_operations(step: Callable[[], None], calls: int = 3, count: int = 12) -> list[dict[str, Any]]:
@@ -372,11 +376,12 @@ def main(argv: list[str] | None = None) -> int:
         phase("model saved")
         trainer = build_trainer(size, os.path.join(folder, "model"), os.path.join(folder, "out"))
         phase("trainer built")
-        step, profile = captured_steps(trainer, rounds, args.warmup, until=by(ROUNDS_BY),
-                                       progress=lambda rows: write(step=rows, rounds=rows["stock"]["n"]))
-        phase("captured batch timed and profiled")
-        write(step=step, rounds=step["stock"]["n"], profile=profile, whole_step={})
-        whole = {}
+        step, profiler = captured_steps(trainer, rounds, args.warmup, until=by(ROUNDS_BY),
+                                        progress=lambda rows: write(step=rows, rounds=rows["stock"]["n"]))
+        phase("captured batch timed")
+        # rounds_finished: rounds fewer than planned were ended by the budget, not by the command's time limit
+        write(step=step, rounds=step["stock"]["n"], rounds_finished=True, whole_step={})
+        whole, profile = {}, None
         spent = time.perf_counter() - started
         if whole_rounds and args.budget is not None and spent > WHOLE_UNTIL * args.budget:
             write(whole_step_skipped=f"the captured-batch part took {spent:.0f} s of the {args.budget:.0f}-second "
@@ -386,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             write(whole_step_skipped="the run stopped during the whole steps (its command's time limit)")
             in_reward = build_trainer(size, "", os.path.join(folder, "reward"),
                                       policy=(trainer.model, trainer.processing_class), **KL_IN_REWARD)
-            whole = whole_steps({"loss": trainer, "reward": in_reward}, whole_rounds, until=by(1.0))
+            whole = whole_steps({"loss": trainer, "reward": in_reward}, whole_rounds, until=by(PROFILE_UNTIL))
             phase("whole steps")
             if whole:
                 del report["whole_step_skipped"]
@@ -395,6 +400,17 @@ def main(argv: list[str] | None = None) -> int:
                 write(whole_step_skipped=f"its untimed round ended {report['phases']['whole steps']:.0f} s into "
                                          f"the {args.budget:.0f}-second budget, and a timed one would have ended "
                                          "past it")
+        # the profile last, its time the least known: on the H100 the first run's outlasted its command's time limit
+        spent = time.perf_counter() - started
+        if args.budget is not None and spent > PROFILE_UNTIL * args.budget:
+            write(profile_skipped=f"the run had spent {spent:.0f} s of the {args.budget:.0f}-second budget (more "
+                                  f"than {PROFILE_UNTIL:.0%})")
+        else:
+            write(profile_skipped="the run stopped during the profile (its command's time limit)")
+            profile = profiler()
+            phase("profiled")
+            del report["profile_skipped"]
+            write(profile=profile)
     print(f"{'variant':<34}{'s/step':>10}{'x stock':>9}{'95% interval':>18}{'peak MiB':>10}{'x stock':>9}")
     for title, rows in (("captured batch", step), ("whole step", whole)):
         print(f"-- {title}")
@@ -403,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                       else f"{'-':>10}{'-':>9}")
             print(f"{name:<34}{row['median_s']:>10.4f}{row['ratio']:>9.3f}"
                   f"{'[%.3f, %.3f]' % tuple(row['ci']):>18}{memory}")
-    for title, operations in (("stock", profile["stock"]), (profile["method"], profile["heaviest"])):
+    profiles = [] if profile is None else [("stock", profile["stock"]), (profile["method"], profile["heaviest"])]
+    for title, operations in profiles:
         print(f"-- profile of {title}'s step: self time per step (us), calls")
         for operation in operations[:6]:
             print(f"   {operation['name'][:60]:<62}{operation['self_us']:>12.0f}{operation['calls']:>8.0f}")

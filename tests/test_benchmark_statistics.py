@@ -355,8 +355,8 @@ def test_captured_steps_times_each_method_against_stock_with_the_switch_outside_
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every variant's ratio is its step's cost over stock's (the 100 s switch between methods is not in it), each
     step is compute_loss, backward, the optimizer's step and zero_grad, each step of a method with `dynamic` follows
-    a mean reward above its default threshold (0.8: beta decays at the step's end), and the profile is of stock's step
-    and of the method with the largest ratio."""
+    a mean reward above its default threshold (0.8: beta decays at the step's end), and the profile, when asked for,
+    is of stock's step and of the method with the largest ratio."""
     clock = FakeClock()
     fake_unsloth(monkeypatch, clock)
     profiled: list[str] = []
@@ -369,7 +369,9 @@ def test_captured_steps_times_each_method_against_stock_with_the_switch_outside_
     monkeypatch.setattr(unsloth_cost, "top_operations", top_operations)
     trainer = FakeUnslothTrainer(clock)
     progress: list[dict] = []
-    rows, profile = unsloth_cost.captured_steps(trainer, rounds=3, warmup=1, progress=progress.append)
+    rows, profiler = unsloth_cost.captured_steps(trainer, rounds=3, warmup=1, progress=progress.append)
+    assert profiled == []  # the profile runs when its caller asks, after what its time allows
+    profile = profiler()
     assert list(rows) == ["stock", "stock (A/A)", *unsloth_cost.METHODS]
     # the rows so far after each timed round: what a run stopped by its time limit keeps
     assert [{name: row["n"] for name, row in so_far.items()} for so_far in progress] == [
@@ -407,8 +409,8 @@ def test_captured_steps_profiles_a_method_even_when_the_aa_pair_has_the_largest_
         return rows
 
     monkeypatch.setattr(unsloth_cost, "ratios", noisy)
-    rows, profile = unsloth_cost.captured_steps(FakeUnslothTrainer(clock), rounds=1, warmup=0)
-    assert profile["method"] == "target"
+    rows, profiler = unsloth_cost.captured_steps(FakeUnslothTrainer(clock), rounds=1, warmup=0)
+    assert profiler()["method"] == "target"
 
 
 def test_captured_steps_end_their_rounds_by_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -519,7 +521,7 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
         model=None, processing_class=None))
     asked: list[tuple] = []
     monkeypatch.setattr(unsloth_cost, "captured_steps", lambda trainer, rounds, warmup, **kw: (
-        asked.append(("captured", rounds, warmup)), (step, profile))[1])
+        asked.append(("captured", rounds, warmup)), (step, lambda: profile))[1])
     monkeypatch.setattr(unsloth_cost, "whole_steps", lambda trainers, rounds, until: (
         asked.append(("whole", rounds)), whole)[1])
     path = tmp_path / "cost.json"
@@ -529,7 +531,7 @@ def test_the_cost_json_summarises_the_methods_against_stock_and_the_aa_pair(monk
     report = json.loads(path.read_text())
     assert report["max_step_ratio"] == 1.05 and report["max_memory_ratio"] == 1.1
     assert report["max_working_memory_ratio"] == 1.25
-    assert report["aa_ci"] == [0.9, 1.3] and report["loss_share"] == 0.25
+    assert report["aa_ci"] == [0.9, 1.3] and report["loss_share"] == 0.25 and report["profile"] == profile
     assert capsys.readouterr().out.strip().splitlines()[-1] == (
         "max_step_ratio=1.050 max_memory_ratio=1.100 aa=[0.900,1.300] loss_share=0.250")
     asked.clear()
@@ -545,9 +547,11 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
     """`--budget 100` on a fake clock: the captured-batch rounds get the deadline 60 s on, and the rows after each
     timed round are written with the rounds so far (so a run stopped by its time limit keeps them); that part taking
     70 s leaves the whole steps untimed (more than 65 s spent), and the JSON says why; taking 40 s, or 65 s (not more
-    than 65 %, though more than the rounds' 60 %), they run with the deadline 100 s on; where their untimed round
-    left no time for a timed one, the JSON says that. The JSON exists, with the environment, before anything is
-    measured; each phase's time since the start is kept; no memory ratio without CUDA peaks."""
+    than 65 %, though more than the rounds' 60 %), they run with the deadline 85 s on; where their untimed round
+    left no time for a timed one, the JSON says that. The profile (10 s) comes last, only where at most 85 s are
+    spent (65 s and 30 s of whole steps: 95 s, so none, and the JSON says why). The JSON exists, with the
+    environment, before anything is measured; each phase's time since the start is kept; no memory ratio without
+    CUDA peaks."""
     clock = FakeClock()
     fake_time(monkeypatch, clock)
     start = clock.now
@@ -563,7 +567,15 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
         progress({name: {**row, "n": 1} for name, row in step.items()})
         written_after_round.append(json.loads(path.read_text()))
         clock.advance(spent)
-        return step, profile
+        return step, profiler
+
+    def profiler():
+        # what the page would say of a run stopped here by its command's time limit, the rounds' table kept whole
+        written = json.loads(path.read_text())
+        assert written["profile_skipped"] == "the run stopped during the profile (its command's time limit)"
+        assert written["rounds_finished"] is True and "profile" not in written
+        clock.advance(10.0)
+        return profile
 
     def whole_steps(trainers, rounds, until):
         deadlines.append(until - start)
@@ -586,6 +598,7 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
                                   (65.0, {"stock": cost_row(2.0, 1.0, [1, 1])}, None),
                                   (40.0, {}, "its untimed round ended 70 s into the 100-second budget, and a "
                                              "timed one would have ended past it")):
+        profiled = spent != 65.0
         deadlines.clear()
         start = clock.now
         assert unsloth_cost.main(["--size", "small", "--budget", "100", "--json", str(path)]) == 0
@@ -594,8 +607,11 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
         assert written_after_round[-1]["rounds"] == 1 and written_after_round[-1]["step"]["none"]["n"] == 1
         assert "profile" not in written_after_round[-1]
         assert report["rounds"] == 3 and report["rounds_planned"] == unsloth_cost.SIZES["small"].rounds
-        assert deadlines == [60.0] + [100.0] * (spent <= 65)
-        assert report["phases"]["captured batch timed and profiled"] == spent
+        assert deadlines == [60.0] + [85.0] * (spent <= 65)
+        assert report["phases"]["captured batch timed"] == spent
+        assert report.get("profile") == (profile if profiled else None)
+        assert report.get("profile_skipped") == (None if profiled else "the run had spent 95 s of the 100-second "
+                                                                       "budget (more than 85%)")
         assert report["whole_step"] == whole and report.get("whole_step_skipped") == skipped
         assert (report["loss_share"] is None) == (not whole)
         assert report["max_memory_ratio"] is None and report["max_working_memory_ratio"] is None  # no CUDA peaks
@@ -609,7 +625,9 @@ def test_the_help_states_the_budgets_shares(capsys: Any) -> None:
     assert exit.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert (f"the captured-batch rounds aim to end by {unsloth_cost.ROUNDS_BY * 100:.0f} % of them, the whole steps "
-            f"are skipped when more than {unsloth_cost.WHOLE_UNTIL * 100:.0f} % is spent") in text
+            f"are skipped when more than {unsloth_cost.WHOLE_UNTIL * 100:.0f} % is spent, their timed round when it "
+            f"would end past {unsloth_cost.PROFILE_UNTIL * 100:.0f} %, and the profile when more than that is "
+            "spent") in text
 
 
 def test_the_gpu_size_times_enough_rounds_after_a_warm_up() -> None:

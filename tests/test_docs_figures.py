@@ -1124,6 +1124,35 @@ def test_gpu_cost_without_whole_steps(hook: Any, monkeypatch: pytest.MonkeyPatch
                                     "420-second budget (more than half).")
 
 
+def test_gpu_cost_whose_profile_came_last_and_was_not_reached(hook: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile runs last (`rounds_finished` written when the rounds end): a run whose budget ended its rounds and
+    left no time for the profile shows its rounds (the budget ended the rest) and its whole steps, and says why the
+    profile is missing; one stopped in the profile by its command's time limit, or in the whole steps (no profile
+    reason written), says that."""
+    data = {key: value for key, value in made_up_cost().items() if key != "profile"}
+    data.update(rounds=7, rounds_planned=12, warmup=1, rounds_finished=True,
+                profile_skipped="the run had spent 420 s of the 480-second budget (more than 85%)")
+    monkeypatch.setattr(hook, "_gpu", lambda name: data)
+    text = hook.gpu_cost()
+    found = tables(text)
+    assert len(found) == 2 and "Where a step's time goes:" not in text
+    assert "the optimizer's step; 7 rounds of the 12 planned: its `--budget` ended the rest, after 1 warm-up " \
+           "round):" in text
+    cost_rows(found[0][1], data["step"])
+    cost_rows(found[1][1], data["whole_step"])
+    assert ("\n\nWhere a step's time goes was not profiled: the run had spent 420 s of the 480-second budget (more "
+            "than 85%).\n\nWhole GRPO step, generation included") in text
+    data["profile_skipped"] = "the run stopped during the profile (its command's time limit)"
+    assert ("\n\nWhere a step's time goes was not profiled: the run stopped during the profile (its command's time "
+            "limit).\n\n") in hook.gpu_cost()
+    del data["profile_skipped"]
+    data.update(whole_step={}, loss_share=None,
+                whole_step_skipped="the run stopped during the whole steps (its command's time limit)")
+    assert hook.gpu_cost().endswith(
+        "\n\nWhere a step's time goes was not profiled: the run stopped before it (its command's time limit).\n\n"
+        "The whole GRPO step was not timed: the run stopped during the whole steps (its command's time limit).")
+
+
 @pytest.mark.parametrize("source", ["committed", "both trainers", "on a CPU"])
 def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:

@@ -457,6 +457,22 @@ def test_the_prepared_gpu_run_checks_every_scenario_but_vllms_and_names_its_comm
     assert result.returncode == 2 and result.stderr == "usage: .ci/gpu/run check|cost|loss OUT\n"
 
 
+def test_the_prepared_cost_and_loss_commands_pass_the_arguments_after_out_to_their_benchmark(tmp_path) -> None:
+    """`.ci/gpu/run cost OUT --rounds 4` (a lease whose rounds are already recorded gives the whole steps the time):
+    the benchmark gets its budget, its JSON under OUT and the arguments given after OUT, in that order; BUDGET sets
+    the budget. The python is `echo` here, so the command line is what runs."""
+    script = ROOT / ".ci" / "gpu" / "run"
+    env = {**os.environ, "SITE": str(tmp_path), "PYTHON": "echo"}
+    for what, extra, budget, expected in (
+            ("cost", ["--rounds", "4"], None, "benchmarks/unsloth_cost.py --budget 480 --json {out}/cost.json "
+                                              "--rounds 4"),
+            ("loss", [], "200", "benchmarks/loss_overhead.py --budget 200 --json {out}/loss_overhead.json")):
+        result = subprocess.run(["bash", str(script), what, str(tmp_path), *extra], capture_output=True, text=True,
+                                env={**env, **({"BUDGET": budget} if budget else {})}, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == expected.format(out=tmp_path) + "\n"
+
+
 def test_the_scenarios_keep_truncated_completions_in_the_loss(monkeypatch) -> None:
     """Every trainer of the self-check's (the GPU scenarios' and the cost benchmark's too: they build it with
     `selfcheck.tiny_trainer`) gets TRL's mask_truncated_completions=False explicitly: Unsloth's generated config turns

@@ -783,21 +783,16 @@ def gpu_cost(_: Optional[str] = None) -> str:
                        + (f"; it reached: {reached}" if reached else "") + ".")
     text += (f"\n\nCaptured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):"
              "\n\n" + table(data["step"]))
-    profile = data.get("profile")
-    if profile is None:
+    if "profile" not in data and not data.get("rounds_finished"):  # stopped in its rounds (or, from before the
+        # profile came last, in the profile)
         return text + ("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
                        "rounds that had finished; the profile and the whole steps were not reached.")
-    times = {name: {op["name"]: op["self_us"] for op in profile[part]}
-             for name, part in (("stock", "stock"), (profile["method"], "heaviest"))}
-    names = list(dict.fromkeys([*times["stock"], *times[profile["method"]]]))
-    clock = "GPU" if data["device"]["kind"] == "cuda" else "CPU"
-    text += (f"\n\nWhere a step's time goes: torch.profiler's self time per step ({clock} time, µs) of the "
-             f"operations that take the most in stock's step or in that of `{profile['method']}` (the largest "
-             f"ratio above); a blank cell is an operation outside that step's top {len(profile['stock'])}:\n\n"
-             + _table(["operation", "stock", f"`{profile['method']}`"],
-                      [[f"`{name}`", *(f"{times[k][name]:,.0f}" if name in times[k] else "" for k in times)]
-                       for name in names]))
-    if data["whole_step"]:
+    if "profile" in data:
+        text += _cost_profile(data)
+    else:
+        reason = data.get("profile_skipped", "the run stopped before it (its command's time limit)")
+        text += f"\n\nWhere a step's time goes was not profiled: {reason}."
+    if data.get("whole_step"):
         # the rounds run (a budget can end them before those planned)
         text += (f"\n\nWhole GRPO step, generation included ({_rounds_of(data['whole_step']['stock']['n'])}):\n\n"
                  + table(data["whole_step"]) + "\n\n" + share.strip())
@@ -806,16 +801,33 @@ def gpu_cost(_: Optional[str] = None) -> str:
     return text
 
 
+def _cost_profile(data: dict) -> str:
+    """cost.json's profile, a paragraph and its table: torch.profiler's self time per step of the operations that
+    take the most in stock's step or in that of the method with the largest ratio."""
+    profile = data["profile"]
+    times = {name: {op["name"]: op["self_us"] for op in profile[part]}
+             for name, part in (("stock", "stock"), (profile["method"], "heaviest"))}
+    names = list(dict.fromkeys([*times["stock"], *times[profile["method"]]]))
+    clock = "GPU" if data["device"]["kind"] == "cuda" else "CPU"
+    return (f"\n\nWhere a step's time goes: torch.profiler's self time per step ({clock} time, µs) of the "
+            f"operations that take the most in stock's step or in that of `{profile['method']}` (the largest "
+            f"ratio above); a blank cell is an operation outside that step's top {len(profile['stock'])}:\n\n"
+            + _table(["operation", "stock", f"`{profile['method']}`"],
+                     [[f"`{name}`", *(f"{times[k][name]:,.0f}" if name in times[k] else "" for k in times)]
+                      for name in names]))
+
+
 NO_MEMORY = ("No memory columns: these rows measured none (the peak is read from "
              "`torch.cuda.max_memory_allocated`, on CUDA only).")
 
 
 def _rounds(data: dict) -> str:
-    """The captured batch's timed rounds, and those left out: by the budget in a run that went on to its profile, by
-    the run's stop in one that did not (a file from before `rounds_planned` was recorded ran them all)."""
+    """The captured batch's timed rounds, and those left out: by the budget in a run that finished them
+    (`rounds_finished`; a file from before it was recorded: one that went on to its profile), by the run's stop in one
+    that did not (a file from before `rounds_planned` was recorded ran them all)."""
     rounds, planned = data["rounds"], data.get("rounds_planned", data["rounds"])
     left_out = ("" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest"
-                if "profile" in data else f" so far, of the {planned} planned")
+                if data.get("rounds_finished", "profile" in data) else f" so far, of the {planned} planned")
     return f"{_rounds_of(rounds)}{left_out}, after {data['warmup']} warm-up round{'s' * (data['warmup'] != 1)}"
 
 
