@@ -1048,6 +1048,12 @@ def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monke
     assert text.count(hook.NO_MEMORY) == (not measured["step"]) + (bool(data.get("whole_step")) and not measured[
         "whole_step"])
     cost_rows(found[0][1], data["step"])
+    # read by hand: each of the H100's ten method intervals holds 1.000; the made-up `clip` [1.012, 1.094] does not
+    noise = "The A/A pair's interval, [{:.3f}, {:.3f}], is the noise of these rounds. ".format(
+        *data["step"]["stock (A/A)"]["ci"])
+    assert noise + ("Every method's interval holds 1.000: these rounds tell no method from stock."
+                    if source == "committed" else
+                    "The intervals that leave out 1.000: `clip` [1.012, 1.094]; every other method's holds it.") in text
     size, model = data["settings"], data["settings"]["model"]
     assert (f"Model: hidden {model['hidden_size']}, {model['num_hidden_layers']} layers, vocabulary "
             f"{model['vocab_size']:,}, LoRA r{size['lora_rank']}; {size['prompts']} prompts × {size['completions']} "

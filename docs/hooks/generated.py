@@ -782,7 +782,7 @@ def gpu_cost(_: Optional[str] = None) -> str:
         return text + ("\n\n**The run stopped before its first timed round** (its command's time limit)"
                        + (f"; it reached: {reached}" if reached else "") + ".")
     text += (f"\n\nCaptured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):"
-             "\n\n" + table(data["step"]))
+             "\n\n" + table(data["step"]) + "\n\n" + _cost_against_aa(data["step"]))
     if "profile" not in data and not data.get("rounds_finished"):  # stopped in its rounds (or, from before the
         # profile came last, in the profile)
         return text + ("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
@@ -799,6 +799,17 @@ def gpu_cost(_: Optional[str] = None) -> str:
     elif data.get("whole_step_skipped"):
         text += f"\n\nThe whole GRPO step was not timed: {data['whole_step_skipped']}."
     return text
+
+
+def _cost_against_aa(rows: dict) -> str:
+    """The A/A pair's interval (stock against stock: the noise of these rounds), and the methods whose own interval
+    leaves out 1.000 (the only ones the rounds tell from stock)."""
+    low, high = rows["stock (A/A)"]["ci"]
+    apart = [f"`{name}` [{row['ci'][0]:.3f}, {row['ci'][1]:.3f}]" for name, row in rows.items()
+             if not name.startswith("stock") and not row["ci"][0] <= 1.0 <= row["ci"][1]]
+    return (f"The A/A pair's interval, [{low:.3f}, {high:.3f}], is the noise of these rounds. "
+            + ("Every method's interval holds 1.000: these rounds tell no method from stock." if not apart else
+               f"The intervals that leave out 1.000: {', '.join(apart)}; every other method's holds it."))
 
 
 def _cost_profile(data: dict) -> str:
