@@ -1177,6 +1177,10 @@ def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source:
             "against stock, whole loss calls): the noise of that comparison, not of the decomposed ratio beside it."
             ) in text
     assert text.endswith("each size with the trainers it reached.") is (not data["finished"])
+    # read by hand from the H100's TRL rows: the least added 1.558 ms (sequence_sum; none's 1.568), the most 2.733 ms
+    trl = "1.56 ms (`kl_reduction=sequence_sum`) to 2.73 ms (`estimator=k3_bottom_percentile`)"
+    added = f"TRL {trl}" + (f"; Unsloth {trl}" if "unsloth" in data else "")  # the made-up Unsloth rows are TRL's
+    assert f" Time added to one loss call: {added}." in text
     first = text.split("\n\n")[0]
     assert first.startswith(f"The run of {data['date']} on ") and f": `{data['command']}`." in first
     assert first.endswith(f"Versions: {versions_line(data)}.")
@@ -1202,6 +1206,19 @@ def test_gpu_loss_names_its_device_and_is_each_sizes_headline(hook: Any, source:
         interval(row[4], headline["ci"], 3)
         interval(row[5], headline["aa"], 3)
         assert row[7] == str(headline["ops_added"])
+
+
+def test_gpu_loss_added_time_is_each_sizes_least_and_most(hook: Any) -> None:
+    """The added milliseconds per size and trainer, the least and the most of its rows; a size without rows says
+    nothing."""
+    def rows(*added: tuple[str, float]) -> dict:
+        return {"rows": [{"method": method, "added_s": seconds} for method, seconds in added]}
+
+    data = {"trl": rows(("none", 0.0011), ("clip", 0.0009), ("sigmoid", 0.0031)),
+            "large": {"unsloth": rows(("none", 0.0204), ("target", 0.01996))}}
+    assert hook._gpu_loss_added(data) == (" Time added to one loss call: TRL 0.90 ms (`clip`) to 3.10 ms (`sigmoid`); "
+                                          "Unsloth (larger size) 19.96 ms (`target`) to 20.40 ms (`none`).")
+    assert hook._gpu_loss_added({"large": None}) == ""
 
 
 @pytest.mark.parametrize("cost, loss, measured", [

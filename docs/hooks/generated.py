@@ -897,7 +897,20 @@ def gpu_loss(_: Optional[str] = None) -> str:
             + f"\n\nEach trainer's loss ran in its own precision ({precisions}): each ratio is against that trainer's "
               "stock loss in the same precision. The A/A interval is the end-to-end sanity row's (stock against "
               "stock, whole loss calls): the noise of that comparison, not of the decomposed ratio beside it."
-            + missing)
+            + _gpu_loss_added(data) + missing)
+
+
+def _gpu_loss_added(data: dict) -> str:
+    """The time the methods add to one loss call, the least and the most, per size and trainer (in milliseconds: the
+    ratios' denominators are a tiny model's losses)."""
+    parts = []
+    for label, part in (("", data), (" (larger size)", data.get("large") or {})):
+        for trainer, name in (("trl", "TRL"), ("unsloth", "Unsloth")):
+            if part.get(trainer):
+                rows = sorted(part[trainer]["rows"], key=lambda row: row["added_s"])
+                parts.append(f"{name}{label} {rows[0]['added_s'] * 1e3:.2f} ms (`{rows[0]['method']}`) to "
+                             f"{rows[-1]['added_s'] * 1e3:.2f} ms (`{rows[-1]['method']}`)")
+    return f" Time added to one loss call: {'; '.join(parts)}." if parts else ""
 
 
 GENERATORS: dict[str, Callable[[Optional[str]], str]] = {
