@@ -906,7 +906,7 @@ def _gpu_loss_added(data: dict) -> str:
     parts = []
     for label, part in (("", data), (" (larger size)", data.get("large") or {})):
         for trainer, name in (("trl", "TRL"), ("unsloth", "Unsloth")):
-            if part.get(trainer):
+            if (part.get(trainer) or {}).get("rows"):  # a trainer's rows: the methods timed
                 rows = sorted(part[trainer]["rows"], key=lambda row: row["added_s"])
                 parts.append(f"{name}{label} {rows[0]['added_s'] * 1e3:.2f} ms (`{rows[0]['method']}`) to "
                              f"{rows[-1]['added_s'] * 1e3:.2f} ms (`{rows[-1]['method']}`)")
