@@ -81,7 +81,7 @@ class Size:
 
 SIZES = {
     # at most 13 rounds (1 warm-up, 12 timed) of 10 captured-batch steps, then 2 rounds (1 untimed, 1 timed) of the
-    # 3 whole-step variants of 2 GRPO steps each (12 generations of 64 completions of 256 tokens), then 6 profiled
+    # 3 whole-step variants of 2 GRPO steps each (12 generations of 64 completions of 256 tokens), then 2 profiled
     # steps; more than 9 minutes on an H200 (a run stopped at 560 s had not ended its captured-batch rounds), so the
     # GPU run gives it `--budget`, which ends the rounds by time
     "0.5b": Size(QWEN2_5_0_5B, prompts=8, completions=8, length=256, rounds=12, whole_rounds=1),
@@ -254,9 +254,11 @@ def captured_steps(trainer: Any, rounds: int, warmup: int, until: float | None =
                           "heaviest": top_operations(variant(heaviest))}
 
 
-def top_operations(step: Callable[[], None], calls: int = 3, count: int = 12) -> list[dict[str, Any]]:
+def top_operations(step: Callable[[], None], calls: int = 1, count: int = 12) -> list[dict[str, Any]]:
     """The `count` operations with the most self time over `calls` calls of `step` (torch.profiler: the GPU's time
-    on CUDA, else the CPU's), per call: where the time of a step goes."""
+    on CUDA, else the CPU's), per call: where the time of a step goes. One call by default: under the profiler a
+    compiled model can run many times slower (pytorch/ao#693: 20 times in torchao's generate), and on the H100 three
+    profiled calls each of stock's and a method's step did not end within the command's time limit."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = torch.cuda.is_available()
