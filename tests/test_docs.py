@@ -544,7 +544,7 @@ def test_the_gpu_page_names_its_device_and_marks_a_cpu_run_as_not_a_gpu_result(m
     files["cost.json"] = {"command": "c", "date": "2026-11-27", "size": "0.5b", "device": cuda, "versions": {},
                           "settings": {"model": {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936},
                                        "lora_rank": 16, "prompts": 8, "completions": 8, "length": 256},
-                          "rounds": 12, "warmup": 2, "whole_rounds": 0,
+                          "rounds": 12, "warmup": 2, "whole_rounds": 0, "rounds_finished": True,
                           "step": {"stock": row, "stock (A/A)": row, "clip": row},
                           "whole_step": {}, "loss_share": None,
                           "profile": {"method": "clip", "stock": [{"name": "aten::mm", "self_us": 1200.4, "calls": 8}],

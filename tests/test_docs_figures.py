@@ -983,7 +983,7 @@ def made_up_cost() -> dict:
             "device": CUDA, "versions": {"torch": "2.11.0", "vllm": None},
             "settings": {"model": {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936},
                          "lora_rank": 16, "prompts": 8, "completions": 4, "length": 256},
-            "rounds": 12, "warmup": 2, "whole_rounds": 3,
+            "rounds": 12, "warmup": 2, "whole_rounds": 3, "rounds_finished": True,
             "step": {"stock": row(0.25, 1.0, [0.97, 1.03], 3 * 2 ** 30, 1.0),
                      "stock (A/A)": row(0.2512, 1.0048, [0.981, 1.026], 3 * 2 ** 30 + 2 ** 20, 1.0003),
                      "clip": row(0.2634, 1.0536, [1.012, 1.094], 5 * 2 ** 29, 1.25)},
@@ -1097,7 +1097,7 @@ def test_gpu_cost_of_a_run_its_budget_or_time_limit_cut_short(hook: Any, monkeyp
     monkeypatch.setattr(hook, "_gpu", lambda name: data)
     assert ("the optimizer's step; 7 rounds of the 12 planned: its `--budget` ended the rest, after 1 warm-up "
             "round):") in hook.gpu_cost()
-    del data["profile"]
+    del data["profile"], data["rounds_finished"]
     data.update(whole_step={}, loss_share=None, rounds=1)
     text = hook.gpu_cost()
     found = tables(text)
@@ -1109,7 +1109,7 @@ def test_gpu_cost_of_a_run_its_budget_or_time_limit_cut_short(hook: Any, monkeyp
                          "rounds that had finished; the profile and the whole steps were not reached.")
     # the file as written at the start (the environment, no rows): what the H200's first 0.5B run kept
     started = {key: value for key, value in made_up_cost().items()
-               if key not in ("step", "whole_step", "loss_share", "profile")}
+               if key not in ("step", "whole_step", "loss_share", "profile", "rounds_finished")}
     started.update(rounds=0, rounds_planned=12, phases={"model saved": 9.6, "trainer built": 31.2})
     data = started
     text = hook.gpu_cost()

@@ -783,8 +783,8 @@ def gpu_cost(_: Optional[str] = None) -> str:
                        + (f"; it reached: {reached}" if reached else "") + ".")
     text += (f"\n\nCaptured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):"
              "\n\n" + table(data["step"]) + "\n\n" + _cost_against_aa(data["step"]))
-    if "profile" not in data and not data.get("rounds_finished"):  # stopped in its rounds (or, from before the
-        # profile came last, in the profile)
+    if not data.get("rounds_finished"):  # stopped in its rounds (the H100's first run: in the profile, which then
+        # came before the whole steps)
         return text + ("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
                        "rounds that had finished; the profile and the whole steps were not reached.")
     if "profile" in data:
@@ -834,11 +834,11 @@ NO_MEMORY = ("No memory columns: these rows measured none (the peak is read from
 
 def _rounds(data: dict) -> str:
     """The captured batch's timed rounds, and those left out: by the budget in a run that finished them
-    (`rounds_finished`; a file from before it was recorded: one that went on to its profile), by the run's stop in one
-    that did not (a file from before `rounds_planned` was recorded ran them all)."""
+    (`rounds_finished`), by the run's stop in one that did not (a file from before `rounds_planned` was recorded ran
+    them all)."""
     rounds, planned = data["rounds"], data.get("rounds_planned", data["rounds"])
     left_out = ("" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest"
-                if data.get("rounds_finished", "profile" in data) else f" so far, of the {planned} planned")
+                if data.get("rounds_finished") else f" so far, of the {planned} planned")
     return f"{_rounds_of(rounds)}{left_out}, after {data['warmup']} warm-up round{'s' * (data['warmup'] != 1)}"
 
 
