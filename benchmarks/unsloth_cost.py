@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "command": shlex.join(["python", "benchmarks/unsloth_cost.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": time.strftime("%Y-%m-%d"), "size": args.size, "settings": asdict(size), "rounds": 0,
-        "rounds_planned": rounds, "warmup": args.warmup, "whole_rounds": whole_rounds, **gpucheck.environment(),
-        "phases": {}}
+        "rounds_planned": rounds, "rounds_finished": False, "warmup": args.warmup, "whole_rounds": whole_rounds,
+        **gpucheck.environment(), "phases": {}}
 
     def by(share: float) -> float | None:
         """The moment `share` of the budget is spent (None: no budget)."""
@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         step, profiler = captured_steps(trainer, rounds, args.warmup, until=by(ROUNDS_BY),
                                         progress=lambda rows: write(step=rows, rounds=rows["stock"]["n"]))
         phase("captured batch timed")
-        # rounds_finished: rounds fewer than planned were ended by the budget, not by the command's time limit
+        # rounds_finished (false until here): rounds fewer than planned were ended by the budget, not by the
+        # command's time limit
         write(step=step, rounds=step["stock"]["n"], rounds_finished=True, whole_step={})
         whole, profile = {}, None
         spent = time.perf_counter() - started

@@ -486,6 +486,17 @@ def test_a_format_2_state_loads_without_the_steps_kl() -> None:
         assert akl.step() == 0.05  # no KL seen since the resume: beta holds
 
 
+def test_a_versioned_state_without_its_controller_kind_is_refused_as_cut() -> None:
+    """{"format_version": 7} alone was read as a format-1 state and refused as "a 'constant or target' controller's
+    state" loaded into a dynamic one: it names the missing field instead; a format-1 state (no version) has no kind."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="dynamic"), BETA)
+    for version in (2, 7):
+        with pytest.raises(ValueError, match=rf"^adaptive KL state: format_version={version} has no 'controller' field"):
+            akl.load_state_dict({"format_version": version})
+    akl.load_state_dict({"value": 0.03, "generation_batch": 2, "batch_reward": 0.5, "last_decayed_batch": 1})
+    assert akl.current_beta == 0.03
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -863,6 +874,22 @@ def test_a_setting_changed_after_the_run_started_is_refused_at_the_next_door(doo
             call()
         setattr(config, name, was)
     call()
+
+
+@pytest.mark.parametrize("name, value, was", [("beta", 0.0, BETA), ("loss_type", "dr_grpo", "bnpo"),
+                                              ("num_iterations", 2, 1)])
+def test_what_the_object_was_built_with_besides_its_config_is_fixed(name: str, value, was) -> None:
+    """`akl.beta = 0.0` after the object was built changed nothing (the controller holds beta_t: the term stayed
+    0.04 x KL), and a new loss_type was used unchecked (dr_grpo then asked for a divisor): setting either, or
+    num_iterations, raises naming the value it keeps and the way to change it; the object is unchanged."""
+    akl = AdaptiveKL(None, BETA, "bnpo")
+    with pytest.raises(AttributeError, match=rf"^AdaptiveKL\.{name} is {was!r}, fixed when the run's AdaptiveKL was "
+                                             rf"built: to train with {name}={value!r}, build a new AdaptiveKL with it "):
+        setattr(akl, name, value)
+    assert getattr(akl, name) == was
+    akl.completed_steps = 3  # the object's own state is not fixed
+    with pytest.raises(ValueError, match=r"^beta=None is invalid: allowed is a finite number >= 0\.$"):
+        AdaptiveKL(None, None)  # was float()'s TypeError
 
 
 def test_a_new_setting_between_steps_carries_the_run_over_through_the_state() -> None:

@@ -605,7 +605,9 @@ def test_a_budget_ends_the_rounds_and_skips_the_whole_steps_it_has_no_time_for_a
         report = json.loads(path.read_text())
         assert written_first[-1]["versions"] == {"torch": "x"} and "step" not in written_first[-1]
         assert written_after_round[-1]["rounds"] == 1 and written_after_round[-1]["step"]["none"]["n"] == 1
-        assert "profile" not in written_after_round[-1]
+        # a run stopped in its rounds says so in its file (the page: "so far"); one that ended them says that
+        assert written_first[-1]["rounds_finished"] is written_after_round[-1]["rounds_finished"] is False
+        assert "profile" not in written_after_round[-1] and report["rounds_finished"] is True
         assert report["rounds"] == 3 and report["rounds_planned"] == unsloth_cost.SIZES["small"].rounds
         assert deadlines == [60.0] + [85.0] * (spent <= 65)
         assert report["phases"]["captured batch timed"] == spent

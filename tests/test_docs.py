@@ -289,13 +289,14 @@ def readme_bash_commands() -> list[str]:
 
 
 def test_the_readmes_gpu_line_names_the_card_and_torch_of_the_gpu_check() -> None:
-    """The README said "on an H200" where the check ran on torch 2.11, outside the tested range: the card and the
-    torch it names are the GPU check's (docs/results/gpu/check.json, written on the device)."""
+    """The README said "on an H200" where the check ran on torch 2.11, outside the tested range: the card, the torch
+    and the date it names are the GPU check's (docs/results/gpu/check.json, written on the device)."""
     check = json.loads((ROOT / "docs" / "results" / "gpu" / "check.json").read_text())
     assert check["dry_run"] is False and check["device"]["kind"] == "cuda"
     card = check["device"]["name"].removeprefix("NVIDIA ")
     torch_version = ".".join(check["versions"]["torch"].split(".")[:2])
-    assert f"on an {card} with torch {torch_version} ([GPU]({DOCS_SITE}gpu/))" in (ROOT / "README.md").read_text()
+    assert f"on an {card} with torch {torch_version} on {check['date']} ([GPU]({DOCS_SITE}gpu/))" in (
+        ROOT / "README.md").read_text()
 
 
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:

@@ -983,7 +983,7 @@ def made_up_cost() -> dict:
             "device": CUDA, "versions": {"torch": "2.11.0", "vllm": None},
             "settings": {"model": {"hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936},
                          "lora_rank": 16, "prompts": 8, "completions": 4, "length": 256},
-            "rounds": 12, "warmup": 2, "whole_rounds": 3, "rounds_finished": True,
+            "rounds": 12, "warmup": 2, "whole_rounds": 3, "rounds_finished": True, "seconds": 301.4,
             "step": {"stock": row(0.25, 1.0, [0.97, 1.03], 3 * 2 ** 30, 1.0),
                      "stock (A/A)": row(0.2512, 1.0048, [0.981, 1.026], 3 * 2 ** 30 + 2 ** 20, 1.0003),
                      "clip": row(0.2634, 1.0536, [1.012, 1.094], 5 * 2 ** 29, 1.25)},
@@ -1060,11 +1060,15 @@ def test_gpu_cost_is_every_variant_and_the_profile(hook: Any, source: str, monke
             f"completions of {size['length']} tokens.") in text
     warmup = f"after {data['warmup']} warm-up round{'s' * (data['warmup'] != 1)})"
     if "profile" not in data:
-        # the committed H100 run: its command's time limit stopped it in the profile, after its 10 timed rounds
-        assert data["rounds"] < data["rounds_planned"] and len(found) == 1
-        assert f"the optimizer's step; {data['rounds']} rounds so far, of the {data['rounds_planned']} planned, " \
+        # the committed H100 run, of 64fa45f (before `rounds_finished` was written): its command's time limit stopped
+        # it in the profile, after its 10 timed rounds; the file was last written after the 10th, at 275 s (read by
+        # hand), and does not say whether the budget or the limit ended the rounds
+        assert "rounds_finished" not in data and data["rounds"] < data["rounds_planned"] and len(found) == 1
+        assert f"the optimizer's step; {data['rounds']} rounds of the {data['rounds_planned']} planned, " \
                f"{warmup}" in text
-        assert text.endswith("the profile and the whole steps were not reached.")
+        assert text.endswith("\n\n**The run stopped before its end** (its command's time limit): its file was last "
+                             "written 275 s into the run, after the last of these rounds, and holds neither the "
+                             "profile nor the whole steps.")
         return
     assert f"the optimizer's step; {data['rounds']} rounds, {warmup}" in text
     profile = data["profile"]
@@ -1097,8 +1101,8 @@ def test_gpu_cost_of_a_run_its_budget_or_time_limit_cut_short(hook: Any, monkeyp
     monkeypatch.setattr(hook, "_gpu", lambda name: data)
     assert ("the optimizer's step; 7 rounds of the 12 planned: its `--budget` ended the rest, after 1 warm-up "
             "round):") in hook.gpu_cost()
-    del data["profile"], data["rounds_finished"]
-    data.update(whole_step={}, loss_share=None, rounds=1)
+    del data["profile"]
+    data.update(whole_step={}, loss_share=None, rounds=1, rounds_finished=False)
     text = hook.gpu_cost()
     found = tables(text)
     # not the budget's doing: the run had not reached the end of its rounds
@@ -1107,6 +1111,14 @@ def test_gpu_cost_of_a_run_its_budget_or_time_limit_cut_short(hook: Any, monkeyp
     assert "--budget" not in text
     assert text.endswith("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
                          "rounds that had finished; the profile and the whole steps were not reached.")
+    # a file from before `rounds_finished` was written (the H100's of 64fa45f): the rounds left out are not said to be
+    # the budget's doing or the stop's; the stop is, with the moment of the file's last write
+    del data["rounds_finished"]
+    text = hook.gpu_cost()
+    assert "step; 1 round of the 12 planned, after 1 warm-up round):" in text and "--budget" not in text
+    assert text.endswith("\n\n**The run stopped before its end** (its command's time limit): its file was last "
+                         "written 301 s into the run, after the last of these rounds, and holds neither the profile "
+                         "nor the whole steps.")
     # the file as written at the start (the environment, no rows): what the H200's first 0.5B run kept
     started = {key: value for key, value in made_up_cost().items()
                if key not in ("step", "whole_step", "loss_share", "profile", "rounds_finished")}
@@ -1221,6 +1233,20 @@ def test_gpu_loss_added_time_is_each_sizes_least_and_most(hook: Any) -> None:
     assert hook._gpu_loss_added({"large": None}) == ""
 
 
+def test_gpu_held_is_silent_for_a_run_that_reached_every_part(hook: Any) -> None:
+    """A cost run with its rounds, whole steps and profile, and a loss run with both trainers at both sizes, hold every
+    part: no clause; a loss run without its larger size names that (the committed one's, in the test below, also the
+    trainer it did not reach)."""
+    assert hook._gpu_held("cost.json", made_up_cost()) == ""
+    size = {"completions": 8, "completion_length": 64}
+    large = {"size": {"completions": 16, "completion_length": 256}, "trl": {"rows": []}, "unsloth": {"rows": []}}
+    assert hook._gpu_held("loss_overhead.json", {"size": size, "trl": {"rows": []}, "unsloth": {"rows": []},
+                                                 "large": large}) == ""
+    assert hook._gpu_held("loss_overhead.json", {"size": size, "trl": {"rows": []}, "unsloth": {"rows": []}}) == (
+        "; its file holds TRL at 8 completions × 64 tokens, Unsloth at 8 completions × 64 tokens, not the larger "
+        "size")
+
+
 @pytest.mark.parametrize("cost, loss, measured", [
     ("committed", "committed", (True, True)),  # the H100's runs, the cost at its 0.5b size
     ("cuda", "cuda", (True, True)), ("cuda small", None, (False, False)), ("cpu", "cuda", (False, True)),
@@ -1237,10 +1263,20 @@ def test_gpu_measured_names_the_card_of_a_cuda_run_only(hook: Any, cost: Optiona
             "cpu": {"device": {"kind": "cpu", "name": "x86_64", "cores": 2}, "date": "2026-12-04", "size": "0.5b"}}
     files = {name: committed[name] if kind == "committed" else made.get(kind)
              for name, kind in (("cost.json", cost), ("loss_overhead.json", loss))}
+    if loss in made:  # the loss benchmark's `size` is its batch's shape, not a model's: a made-up file has none
+        files["loss_overhead.json"] = {key: value for key, value in made[loss].items() if key != "size"}
     monkeypatch.setattr(hook, "_gpu", lambda name: files[name])
+    # what each file holds, read by hand: the H100's runs were stopped by their commands' time limits
+    held = {("committed", "cost.json"): "; its file holds the captured-batch rounds, not the whole GRPO step or the "
+                                        "profile",
+            ("committed", "loss_overhead.json"): "; its file holds TRL at 8 completions × 64 tokens, not Unsloth at 8 "
+                                                 "completions × 64 tokens or the larger size",
+            ("cuda", "cost.json"): "; its file holds no timed part, not the captured-batch rounds or the whole GRPO "
+                                   "step or the profile"}
     expected = [f"{what} was measured on {files[name]['device']['name']}, {files[name]['date']}, "
-                f"{made_at(files[name])}." if gpu else f"{what} has not been measured on a GPU yet."
-                for (name, what), gpu in zip(hook.GPU_MEASURES.items(), measured)]
+                f"{made_at(files[name])}{held.get((kind, name), '')}." if gpu else
+                f"{what} has not been measured on a GPU yet."
+                for (name, what), gpu, kind in zip(hook.GPU_MEASURES.items(), measured, (cost, loss))]
     assert list(hook.GPU_MEASURES) == ["cost.json", "loss_overhead.json"]
     assert hook.gpu_measured() == " ".join([*expected, "[Tested on a GPU](gpu.md) shows the last recorded runs, a CPU "
                                             "run marked as such."])

@@ -153,6 +153,33 @@ def test_bottom_percentile_is_0_off_its_selection_even_where_k3_overflows() -> N
     assert logp.grad[0, 1:].tolist() == [0.0, 0.0, 0.0, 0.0]
 
 
+def test_k3_of_tiny_log_ratios_rounds_to_a_tiny_negative_mean_as_the_docs_say() -> None:
+    """k3 is the trainer's float32 expression e^r - r - 1, which cancels for log-ratios near 0, so that a batch of them
+    can average to a tiny negative (what docs/estimators.md and docs/metrics.md say): at r = 1e-4 it is 0 (exactly
+    5e-9), and 8 x 1024 log-ratios of N(0, 1e-4) average to about -4e-9 where the exact mean is about +5e-9."""
+    assert estimate_kl(torch.zeros(1, 1), torch.full((1, 1), 1e-4), torch.ones(1, 1), AdaptiveKLConfig()).item() == 0
+    r = torch.randn(8, 1024, generator=torch.Generator().manual_seed(0)) * 1e-4
+    _, metrics = AdaptiveKL(AdaptiveKLConfig(), beta=0.1, loss_type="bnpo").kl_loss(
+        torch.zeros(8, 1024, requires_grad=True), r, torch.ones(8, 1024))
+    exact = (torch.expm1(r.double()) - r.double()).mean().item()
+    assert 4.5e-9 < exact < 5.5e-9 and -5e-9 < metrics["adaptive_kl/raw_kl"] < -3e-9
+
+
+@pytest.mark.parametrize("estimator", ["k3", "k3_bottom_percentile"])
+def test_a_batch_of_zero_width_completions_has_no_kl_in_the_loss_or_the_reward(estimator: str) -> None:
+    """Shape (2, 0): no token, so a loss term of 0 and a penalty of 0 per completion, for the percentile estimator as
+    for k3 (its sort of no values raised IndexError)."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_estimator=estimator), beta=0.1)
+    empty = torch.zeros(2, 0)
+    term, _ = akl.kl_loss(empty, empty, torch.ones(2, 0))
+    assert term.item() == 0.0
+    with pytest.warns(KLEstimatorWarning):  # k3 in the reward ends far from the regularised optimum
+        in_reward = AdaptiveKL(AdaptiveKLConfig(kl_estimator=estimator, kl_placement="reward"), beta=0.1)
+    penalty, _ = in_reward.reward_penalty(empty, empty, torch.ones(2, 0))
+    assert penalty.tolist() == [0.0, 0.0]
+    assert bottom_percentile_mask(empty, torch.ones(2, 0), 0.5).shape == (2, 0)
+
+
 def test_callable_estimator_is_used() -> None:
     config = AdaptiveKLConfig(kl_estimator=lambda logp, ref, mask: (logp - ref).abs() * mask)
     torch.testing.assert_close(estimate_kl(LOGP, REF, ONES, config), (LOGP - REF).abs())

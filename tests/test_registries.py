@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -79,6 +80,58 @@ def test_a_registered_controller_moves_beta_reads_the_window_and_checkpoints() -
     resumed.load_state_dict(state)
     assert resumed.current_beta == pytest.approx(0.08) and resumed.controller.grown_batch == 1
     assert resumed.step(mean_reward=0.9) == akl.step(mean_reward=0.9) == pytest.approx(0.16)
+
+
+@register_kl_shaping("test_floor")
+def floor_kl(kl: torch.Tensor, config: AdaptiveKLConfig) -> torch.Tensor:
+    """k' = max(k, 0.01): lifts the padding's 0 too."""
+    return torch.clamp(kl, min=0.01)
+
+
+@register_beta_controller("test_beta_set_to")
+class BetaSetTo(ConstantBeta):
+    """beta <- `set_to` at each step (a test sets it: NaN, -1 or inf, as a buggy controller might)."""
+
+    set_to = 0.0
+
+    def step(self, completed_steps: int, window=None) -> None:
+        self.value = self.set_to
+
+
+def test_a_shaping_that_lifts_the_zero_of_padding_is_refused_when_the_run_is_built() -> None:
+    """max(k, 0.01) gave each padded position a KL of 0.01: the same two completions gave a loss of 0.0031 padded to
+    3 tokens and 0.0069 padded to 8. Refused by name when the AdaptiveKL is built, before any batch."""
+    config = AdaptiveKLConfig(kl_adaptation_method="test_floor")
+    with pytest.raises(ValueError, match=r"^kl_adaptation_method='test_floor': the shaping 'test_floor' maps a \(2, 3\) "
+                       r"KL of zeros to \[0\.0099999.*allowed is a shaping that maps 0 to 0 elementwise"):
+        AdaptiveKL(config, beta=0.1)
+    AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="test_square_cap"), beta=0.1)  # min(0, c)^2 / c = 0: built
+
+
+@pytest.mark.parametrize("value", [math.nan, -1.0, math.inf])
+def test_a_controller_that_sets_beta_to_nan_a_negative_or_inf_is_refused_at_that_step(
+        value: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN made the loss NaN and -1 made it -0.37 (a reward for drifting), silently: the step that sets it raises,
+    naming the controller, the step and the value."""
+    monkeypatch.setattr(BetaSetTo, "set_to", value)
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="test_beta_set_to"), beta=0.1)
+    akl.kl_loss(LOGPS.requires_grad_(), REF, MASK)
+    with pytest.raises(ValueError, match=rf"^beta controller BetaSetTo \('test_beta_set_to'\) at step 1: its value "
+                       rf"\(beta_t\) is {value!r}; allowed is a finite Python number >= 0\.$"):
+        akl.step(mean_reward=0.5)
+
+
+@pytest.mark.parametrize("estimator, found", [
+    (lambda logp, ref, mask: ((ref - logp) * mask).sum(-1, keepdim=True), "shape (2, 1)"),  # broadcast onto tokens
+    (lambda logp, ref, mask: ((ref - logp) * mask).sum(), "shape ()"),
+    (lambda logp, ref, mask: 0.5, "float")])
+def test_an_estimator_that_does_not_return_a_per_token_kl_is_refused_by_name(estimator, found: str) -> None:
+    """A (B, 1) sequence KL broadcast onto every token gave a raw KL of 0.40 where k3's is 0.45, silently: refused
+    when the AdaptiveKL is built, from a (2, 3) probe (the pipeline runs traced, where shapes are not numbers)."""
+    with pytest.raises(ValueError, match=rf"^kl_estimator='<lambda>' returned {re.escape(found)} for a \(2, 3\) "
+                       r"batch; allowed is the per-token KL, a tensor of the log-probs' shape \(batch, completion "
+                       r"tokens\)\.$"):
+        AdaptiveKL(AdaptiveKLConfig(kl_estimator=estimator), beta=0.1)
 
 
 def test_names_are_checked_and_unknown_ones_list_the_registered() -> None:

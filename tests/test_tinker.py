@@ -949,6 +949,12 @@ def test_completion_datum_refuses_what_it_cannot_align() -> None:
         integration.completion_datum([1, 2], [3, 4], [-1.0], [-1.0, -2.0])
     with pytest.raises(ValueError, match=r"^completion_datum: 2 completion tokens but 2 sampling and 1 reference "):
         integration.completion_datum([1, 2], [3, 4], [-1.0, -2.0], [-1.0])
+    # text and None were torch's own errors ("too many dimensions 'str'", "must be real number, not NoneType")
+    with pytest.raises(ValueError, match=r"^completion_datum: sampling_logprobs=\['a', 'b'\] is invalid: allowed is a "
+                                         r"sequence of numbers or a tensor, one log-prob per completion token \("):
+        integration.completion_datum([1, 2], [3, 4], ["a", "b"], [-1.0, -2.0])
+    with pytest.raises(ValueError, match=r"^completion_datum: ref_logprobs=\[None, -1\.0\] is invalid: allowed is "):
+        integration.completion_datum([1, 2], [3, 4], [-1.0, -2.0], [None, -1.0])
 
 
 

@@ -490,6 +490,16 @@ def test_kl_estimator_none_as_hydra_writes_it_is_the_default_with_the_kl_in_the_
         assert trainer.loss_kl is None and trainer.reward_kl.config.kl_estimator is None
 
 
+def test_a_nullable_field_set_to_none_as_hydra_writes_it_is_none() -> None:
+    """`+adaptive_kl.beta_schedule_steps=None` (Hydra: the text "None") was refused with "allowed is an integer >= 1,
+    or None for no cut-off", where TRL's command line reads None: every field that takes None reads it so."""
+    trainer = _GuardedTrainer(trainer_config(kl_adaptation_method="dynamic", beta_schedule_steps="None"))
+    assert trainer.loss_kl.config.beta_schedule_steps is None
+    trainer = _GuardedTrainer(trainer_config(kl_adaptation_method="target", kl_target=0.2, beta_max="None"))
+    assert trainer.loss_kl.config.beta_max is None
+    assert verl_kl.NULLABLE == ("beta_schedule_steps", "kl_estimator", "beta_max", "ref_model_sync_kl")
+
+
 @pytest.mark.parametrize(("switches", "block", "message"), [
     # the reward block with the KL in the reward off: no reward controller was built, silently
     (dict(use_kl_in_reward=False), dict(reward={"kl_adaptation_method": "target", "kl_target": 0.2}),

@@ -783,10 +783,15 @@ def gpu_cost(_: Optional[str] = None) -> str:
                        + (f"; it reached: {reached}" if reached else "") + ".")
     text += (f"\n\nCaptured batch (`compute_loss` forward and backward, then the optimizer's step; {_rounds(data)}):"
              "\n\n" + table(data["step"]) + "\n\n" + _cost_against_aa(data["step"]))
-    if not data.get("rounds_finished"):  # stopped in its rounds (the H100's first run: in the profile, which then
-        # came before the whole steps)
+    if data.get("rounds_finished") is False:  # stopped in its rounds
         return text + ("\n\n**The run stopped before its end** (its command's time limit): the table holds the "
                        "rounds that had finished; the profile and the whole steps were not reached.")
+    if "rounds_finished" not in data and "profile" not in data:
+        # a file from before the key was written (the H100's first run: the profile then came before the whole steps,
+        # and the run's log, not its file, says it was stopped in it)
+        return text + (f"\n\n**The run stopped before its end** (its command's time limit): its file was last "
+                       f"written {data['seconds']:.0f} s into the run, after the last of these rounds, and holds "
+                       "neither the profile nor the whole steps.")
     if "profile" in data:
         text += _cost_profile(data)
     else:
@@ -834,11 +839,11 @@ NO_MEMORY = ("No memory columns: these rows measured none (the peak is read from
 
 def _rounds(data: dict) -> str:
     """The captured batch's timed rounds, and those left out: by the budget in a run that finished them
-    (`rounds_finished`), by the run's stop in one that did not (a file from before `rounds_planned` was recorded ran
-    them all)."""
-    rounds, planned = data["rounds"], data.get("rounds_planned", data["rounds"])
-    left_out = ("" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest"
-                if data.get("rounds_finished") else f" so far, of the {planned} planned")
+    (`rounds_finished` true), by the run's stop in one that did not (false); a file from before `rounds_finished`
+    was written does not say which, and one from before `rounds_planned` was recorded ran them all."""
+    rounds, planned, finished = data["rounds"], data.get("rounds_planned", data["rounds"]), data.get("rounds_finished")
+    left_out = ("" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest" if finished
+                else f" so far, of the {planned} planned" if finished is False else f" of the {planned} planned")
     return f"{_rounds_of(rounds)}{left_out}, after {data['warmup']} warm-up round{'s' * (data['warmup'] != 1)}"
 
 
@@ -859,10 +864,27 @@ def gpu_measured(_: Optional[str] = None) -> str:
     for name, what in GPU_MEASURES.items():
         data = _gpu(name)
         if data is not None and data["device"]["kind"] == "cuda" and data.get("size") != "small":
-            sentences.append(f"{what} was measured on {data['device']['name']}, {data['date']}, {_commit(data)}.")
+            sentences.append(f"{what} was measured on {data['device']['name']}, {data['date']}, {_commit(data)}"
+                             f"{_gpu_held(name, data)}.")
         else:
             sentences.append(f"{what} has not been measured on a GPU yet.")
     return " ".join(sentences) + " [Tested on a GPU](gpu.md) shows the last recorded runs, a CPU run marked as such."
+
+
+def _gpu_held(name: str, data: dict) -> str:
+    """What a GPU run's file holds, where its run did not reach every part: "; its file holds A, not B or C" (a run
+    its command's time limit stopped keeps what had finished)."""
+    if name == "cost.json":
+        parts = {"the captured-batch rounds": "step" in data, "the whole GRPO step": bool(data.get("whole_step")),
+                 "the profile": "profile" in data}
+    else:
+        sizes = [part for part in (data, data.get("large")) if part and "size" in part]
+        parts = {f"{label} at {_size_label(part)}": bool(part.get(trainer)) for part in sizes
+                 for trainer, label in (("trl", "TRL"), ("unsloth", "Unsloth"))}
+        if len(sizes) == 1:
+            parts["the larger size"] = False
+    held, missing = [part for part, kept in parts.items() if kept], [part for part, kept in parts.items() if not kept]
+    return "" if not missing else f"; its file holds {', '.join(held) or 'no timed part'}, not {' or '.join(missing)}"
 
 
 def gpu_loss(_: Optional[str] = None) -> str:

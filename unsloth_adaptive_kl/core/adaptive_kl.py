@@ -23,16 +23,20 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .adaptation import KLTerm, kl_term, neutral_where_empty
-from .config import (ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_real, check_whole, is_real, is_whole, python_number,
-                     reject, settings_of)
-from .controllers import WindowKL, controller_kind, make_beta_controller
+from .config import (ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, check_beta, check_real, check_whole, is_real, is_whole,
+                     python_number, reject, settings_of)
+from .controllers import WindowKL, check_controller_beta, controller_kind, make_beta_controller
+from .estimators import check_per_token
 from .numerics import LogpCheck
 from .optimizer_steps import OptimizerSteps
 from .reductions import (ReductionContext, check_completions_fit, check_divisors_given, kl_reduction,
                          loss_type_reduction, reduction_left_as_is, warn_unread_context)
+from .shapings import check_zero_kept
 from .statistics import (NAMES, NOT_NEGATIVE, Gather, KLStatistics, check_given_sums, device_sums,
                          gather_statistics, invalid_sum, local)
 
+# What AdaptiveKL is built with besides its config, which the run validated and built its controller from
+FIXED = ("beta", "loss_type", "num_iterations")
 STATE_FORMAT = 7  # `state_dict()`'s format: 7 adds the beta the run was built with (`configured_beta`); 6 the old
 # policy's log-prob sum to the step's sums (`old_logps`); 5 the step's rewards; 4 names the step's sums; 3 added the
 # step's KL; 2 the kind; 1 none
@@ -88,6 +92,7 @@ class AdaptiveKL:
         config = AdaptiveKLConfig() if config is None else config
         if not isinstance(config, AdaptiveKLConfig):
             raise TypeError(f"config must be an AdaptiveKLConfig (or None for the defaults), not {type(config).__name__}")
+        check_beta(beta)  # given here (the config's own check takes None for "not known")
         config.validate_adaptive_kl(beta=beta)  # beta first, then the fields it bounds
         check_whole("num_iterations", num_iterations, 1, "an integer >= 1 (the optimizer passes over each generation "
                     "batch)")
@@ -109,6 +114,8 @@ class AdaptiveKL:
         self.beta = float(beta)
         self.loss_type = loss_type
         self.num_iterations = num_iterations
+        check_per_token(config)
+        check_zero_kept(config)
         self.controller = make_beta_controller(beta, config)
         _check_controller_fields(self.controller)
         self.completed_steps = 0  # optimizer steps the controller has seen
@@ -131,6 +138,16 @@ class AdaptiveKL:
         self._warned_gradless = False  # kl_loss, training with autograd on, returned a term without a gradient
         self._calls_since_optimizer = 0  # step() calls since the loop's optimizer last stepped
         self._stepped_twice: list[int] = []  # the step() calls between the last optimizer steps, each > 1
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """`beta`, `loss_type` and `num_iterations` are fixed once set (when the object is built): `akl.beta = 0.0`
+        later changed nothing (the controller holds beta_t), and a new loss_type was used unchecked."""
+        if name in FIXED and name in self.__dict__:
+            raise AttributeError(
+                f"AdaptiveKL.{name} is {getattr(self, name)!r}, fixed when the run's AdaptiveKL was built: to train "
+                f"with {name}={value!r}, build a new AdaptiveKL with it and carry the step and a moving beta over with "
+                "new.load_state_dict(old.state_dict()).")
+        super().__setattr__(name, value)
 
     @property
     def reads_rewards(self) -> bool:
@@ -415,6 +432,7 @@ class AdaptiveKL:
         if window is not None and not math.isnan(window.token_mean):  # a step that measured none keeps the last
             self.last_raw_kl = window.token_mean
         self.controller.step(completed_steps, window)
+        check_controller_beta(self.controller, f"at step {completed_steps}")
         self.completed_steps = completed_steps
 
     def _check_window(self, window: Optional[WindowKL]) -> None:
@@ -529,6 +547,9 @@ class AdaptiveKL:
                              f"{STATE_FORMAT} (a newer unsloth-adaptive-kl wrote it?).")
         expected = controller_kind(self.controller)
         kind = state.pop("controller", None)
+        if kind is None and version >= 2:  # format 2 added the kind: without it the state was cut or made by hand
+            raise ValueError(f"adaptive KL state: format_version={version} has no 'controller' field (the kind every "
+                             "state of format 2 on records): allowed is the dict state_dict() returned, whole.")
         fields = set(self.controller.state_dict())
         if kind is None:  # format 1: a dynamic controller's state alone has last_decayed_batch
             found = "dynamic" if "last_decayed_batch" in state else ("constant or target")

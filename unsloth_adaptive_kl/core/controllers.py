@@ -220,8 +220,19 @@ def make_beta_controller(beta: float, config: AdaptiveKLConfig) -> BetaControlle
     check_beta(beta)
     kind = next((method for method in config.kl_methods if method in _CONTROLLERS), None)
     controller = ConstantBeta(beta, config) if kind is None else _CONTROLLERS[kind](beta, config)
+    check_controller_beta(controller, "when built")
     check_checkpointable(controller)
     return controller
+
+
+def check_controller_beta(controller: BetaController, when: str) -> None:
+    """Refuse a beta (the controller's `value`) that is not a finite number >= 0: a registered controller's NaN would
+    make every KL term NaN, and a negative beta would reward the policy for drifting from the reference. `when`: the
+    moment, for the message ("when built", "at step 3")."""
+    value = getattr(controller, "value", None)
+    if not (is_real(value) and 0 <= value < math.inf):
+        raise ValueError(f"beta controller {type(controller).__name__} ({controller_kind(controller)!r}) {when}: its "
+                         f"value (beta_t) is {value!r}; allowed is a finite Python number >= 0.")
 
 
 def check_checkpointable(controller: BetaController) -> None:

@@ -115,7 +115,10 @@ def bottom_percentile_mask(ref: torch.Tensor, mask: torch.Tensor, fraction: floa
     fraction)) over the n valid tokens of the batch (the value torch.kthvalue returns), the fraction taken to 6
     decimal places. Found by a sort, so n stays a tensor and the function stays traceable."""
     valid = mask.bool()
-    values = torch.where(valid, ref, torch.full_like(ref, float("inf"))).flatten()
+    # one +inf after the tokens: the sort has an element even in a batch of zero-width completions, where it selects
+    # nothing (a k-th of n values, k <= n, is never the +inf appended after them)
+    values = torch.cat([torch.where(valid, ref, torch.full_like(ref, float("inf"))).flatten(),
+                        ref.new_full((1,), float("inf"))])
     count = valid.sum()
     # floor(n * fraction) in integers, the fraction in millionths as it was written: exact (0.53 of 100 tokens is 53;
     # in float32 it was 52.99999, so 52). Plain arithmetic on a Python number, which every torch.compile folds
@@ -143,6 +146,20 @@ def run_estimator(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, con
     if takes_config(estimator):
         return _ESTIMATORS[estimator](logp, ref, mask, config)
     return _ESTIMATORS[estimator](logp, ref, mask)
+
+
+def check_per_token(config: Any) -> None:
+    """Refuse, when a run is built, an estimator (a registered one, a callable) that does not return a tensor of the
+    tokens' shape on a (2, 3) batch: a (B, 1) sequence KL would broadcast onto every token, silently. Checked once on
+    a probe, not per batch: the pipeline runs traced (torch.fx, torch.compile), where shapes are not numbers."""
+    logp, ref, mask = torch.full((2, 3), -1.0), torch.full((2, 3), -1.5), torch.ones(2, 3, dtype=torch.bool)
+    kl = run_estimator(logp, ref, mask, config)
+    if not isinstance(kl, torch.Tensor) or kl.shape != logp.shape:
+        found = f"shape {tuple(kl.shape)}" if isinstance(kl, torch.Tensor) else type(kl).__name__
+        estimator = config.estimator
+        name = getattr(estimator, "__name__", type(estimator).__name__) if callable(estimator) else estimator
+        raise ValueError(f"kl_estimator={name!r} returned {found} for a (2, 3) batch; allowed is the per-token KL, a "
+                         "tensor of the log-probs' shape (batch, completion tokens).")
 
 
 def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:

@@ -61,6 +61,22 @@ def shape_kl(kl: torch.Tensor, config: Any) -> torch.Tensor:
     return kl
 
 
+def check_zero_kept(config: Any) -> None:
+    """Refuse a configured shaping that does not map a KL of 0 to 0 (elementwise, keeping the shape): the masked
+    positions hold 0 after the estimator, so a shaping that lifted them would make the padding count, and the loss
+    would change with how a batch is padded."""
+    zero = torch.zeros(2, 3)
+    for method in config.kl_methods:
+        if method in _SHAPINGS:
+            shaped = _SHAPINGS[method](zero, config)
+            if not isinstance(shaped, torch.Tensor) or shaped.shape != zero.shape or bool(shaped.ne(0).any()):
+                found = (f"{shaped.flatten()[:3].tolist()}..." if isinstance(shaped, torch.Tensor)
+                         else type(shaped).__name__)
+                raise ValueError(f"kl_adaptation_method={config.kl_adaptation_method!r}: the shaping {method!r} maps a "
+                                 f"(2, 3) KL of zeros to {found}; allowed is a shaping that maps 0 to 0 elementwise "
+                                 "(padded positions hold 0 and must stay 0).")
+
+
 def clipped_tokens(valid_kl: torch.Tensor, config: Any, lengths: torch.Tensor) -> torch.Tensor:
     """`clip`: how many valid tokens have k >= kl_clip_threshold (padded positions are 0 < kl_clip_threshold), in the
     dtype of `lengths`; 0 otherwise. The comparison writes its 0/1 straight into a tensor of that dtype: a bool

@@ -27,7 +27,7 @@ import copy
 import math
 import numbers
 import warnings
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -101,8 +101,7 @@ def completion_datum(
     prompt, completion = _token_ids(prompt_tokens, "prompt_tokens"), _token_ids(completion_tokens, "completion_tokens")
     if not prompt or not completion:
         raise ValueError("completion_datum needs at least one prompt token and one completion token")
-    sampled = torch.as_tensor(sampling_logprobs, dtype=torch.float32).flatten()
-    ref = torch.as_tensor(ref_logprobs, dtype=torch.float32).flatten()
+    sampled, ref = _logprobs(sampling_logprobs, "sampling_logprobs"), _logprobs(ref_logprobs, "ref_logprobs")
     if sampled.numel() != len(completion) or ref.numel() != len(completion):
         raise ValueError(f"completion_datum: {len(completion)} completion tokens but {sampled.numel()} sampling and "
                          f"{ref.numel()} reference log-probs")
@@ -117,6 +116,15 @@ def completion_datum(
             MASK: _tensor_data(torch.cat([pad, torch.ones(len(completion))])),
         },
     )
+
+
+def _logprobs(values: Any, name: str) -> torch.Tensor:
+    """`values` (numbers, or a tensor) as a flat float32 tensor; anything else a ValueError naming `name`."""
+    try:
+        return torch.as_tensor(values, dtype=torch.float32).flatten()
+    except (TypeError, ValueError, RuntimeError) as error:  # text, None, ragged lists
+        raise ValueError(f"completion_datum: {name}={values!r} is invalid: allowed is a sequence of numbers or a "
+                         f"tensor, one log-prob per completion token ({error})") from error
 
 
 def _input(datum: "types.Datum", key: str) -> torch.Tensor:

@@ -56,6 +56,7 @@ import logging
 import math
 import os
 import re
+import typing
 import warnings
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator, Optional
@@ -144,6 +145,11 @@ def first_set(values: dict[str, Any], names: Any, also_default: tuple = ()) -> O
                  if name in values and values[name] != FIELD_DEFAULTS[name] and values[name] not in also_default), None)
 
 
+# AdaptiveKLConfig's fields that take None (annotated Optional)
+NULLABLE = tuple(name for name, hint in typing.get_type_hints(AdaptiveKLConfig).items()
+                 if type(None) in typing.get_args(hint))
+
+
 def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:
     """The block `where` as a dict; a value that is not a block of fields (`+adaptive_kl=clip`) is refused by name."""
     if block is None:
@@ -158,8 +164,10 @@ def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:
     if not isinstance(block, dict):
         raise ValueError(f"{where}={block!r} is invalid: allowed is a block of AdaptiveKLConfig's fields, set one by "
                          f"one (+{where}.kl_adaptation_method=clip).")
-    # Hydra reads `kl_estimator=None` as the text "None", which AdaptiveKLConfig reads as None: so do the block's rules
-    return {name: None if name == "kl_estimator" and value == "None" else value for name, value in block.items()}
+    # Hydra reads `=None` as the text "None" (its None is `null`), where TRL's command line reads None for a field
+    # that takes it: so does the block, for each (beta_schedule_steps=None was refused as "allowed is ... or None")
+    return {name: None if name in NULLABLE and value == "None" else value for name, value in block.items()}
+
 
 
 def _block(name: str, overrides: dict[str, Any]) -> str:
