@@ -173,6 +173,10 @@ def _loss_overhead_part(size: Optional[str]) -> dict:
     return data["large"]
 
 
+# The loss benchmark's trainers: the key of each one's part in its JSON, and its name on a page
+TRAINERS = (("trl", "TRL"), ("unsloth", "Unsloth"))
+
+
 def _size_label(part: dict) -> str:
     size = part["size"]
     return f"{size['completions']} completions × {size['completion_length']} tokens"
@@ -271,7 +275,7 @@ def loss_overhead_end_to_end(size: Optional[str] = None) -> str:
     below it."""
     data = _loss_overhead_part(size)
     said = []
-    for trainer, label in (("trl", "TRL"), ("unsloth", "Unsloth")):
+    for trainer, label in TRAINERS:
         if not data.get(trainer):
             continue
         e2e = data[trainer]["end_to_end"]
@@ -842,8 +846,14 @@ def _rounds(data: dict) -> str:
     (`rounds_finished` true), by the run's stop in one that did not (false); a file from before `rounds_finished`
     was written does not say which, and one from before `rounds_planned` was recorded ran them all."""
     rounds, planned, finished = data["rounds"], data.get("rounds_planned", data["rounds"]), data.get("rounds_finished")
-    left_out = ("" if rounds == planned else f" of the {planned} planned: its `--budget` ended the rest" if finished
-                else f" so far, of the {planned} planned" if finished is False else f" of the {planned} planned")
+    if rounds == planned:
+        left_out = ""
+    elif finished:
+        left_out = f" of the {planned} planned: its `--budget` ended the rest"
+    elif finished is False:
+        left_out = f" so far, of the {planned} planned"
+    else:
+        left_out = f" of the {planned} planned"
     return f"{_rounds_of(rounds)}{left_out}, after {data['warmup']} warm-up round{'s' * (data['warmup'] != 1)}"
 
 
@@ -880,7 +890,7 @@ def _gpu_held(name: str, data: dict) -> str:
     else:
         sizes = [part for part in (data, data.get("large")) if part and "size" in part]
         parts = {f"{label} at {_size_label(part)}": bool(part.get(trainer)) for part in sizes
-                 for trainer, label in (("trl", "TRL"), ("unsloth", "Unsloth"))}
+                 for trainer, label in TRAINERS}
         if len(sizes) == 1:
             parts["the larger size"] = False
     held, missing = [part for part, kept in parts.items() if kept], [part for part, kept in parts.items() if not kept]
@@ -898,15 +908,15 @@ def gpu_loss(_: Optional[str] = None) -> str:
         if part is None or "headline" not in part:
             continue
         headline = part["headline"]
-        trainers = " and ".join(name for trainer, name in (("trl", "TRL"), ("unsloth", "Unsloth")) if trainer in part)
+        trainers = " and ".join(name for trainer, name in TRAINERS if trainer in part)
         repeats = part.get("repeats")  # a file written before they were recorded has none
         rows.append([label, _size_label(part), trainers, f"{headline['ratio']:.3f}",
                      f"[{headline['ci'][0]:.3f}, {headline['ci'][1]:.3f}]", f"[{headline['aa'][0]:.3f}, "
                      f"{headline['aa'][1]:.3f}]",
                      "not recorded" if repeats is None else f"{repeats['methods']} / {repeats['end_to_end']}",
                      headline["ops_added"]])
-    precisions = ", ".join(f"{label} {data[trainer]['precision']}" for trainer, label in (("trl", "TRL"),
-                           ("unsloth", "Unsloth")) if data.get(trainer))
+    precisions = ", ".join(f"{label} {data[trainer]['precision']}" for trainer, label in TRAINERS
+                           if data.get(trainer))
     missing = ""
     if data.get("large_skipped"):
         missing = f" The larger size was not run: {data['large_skipped']}."
@@ -927,7 +937,7 @@ def _gpu_loss_added(data: dict) -> str:
     ratios' denominators are a tiny model's losses)."""
     parts = []
     for label, part in (("", data), (" (larger size)", data.get("large") or {})):
-        for trainer, name in (("trl", "TRL"), ("unsloth", "Unsloth")):
+        for trainer, name in TRAINERS:
             if (part.get(trainer) or {}).get("rows"):  # a trainer's rows: the methods timed
                 rows = sorted(part[trainer]["rows"], key=lambda row: row["added_s"])
                 parts.append(f"{name}{label} {rows[0]['added_s'] * 1e3:.2f} ms (`{rows[0]['method']}`) to "

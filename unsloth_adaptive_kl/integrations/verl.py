@@ -169,7 +169,6 @@ def _plain(block: Any, where: str = "adaptive_kl") -> dict[str, Any]:
     return {name: None if name in NULLABLE and value == "None" else value for name, value in block.items()}
 
 
-
 def _block(name: str, overrides: dict[str, Any]) -> str:
     """The block a field's value came from: `adaptive_kl.reward` where `reward` set it (`overrides`), else
     `adaptive_kl`."""
