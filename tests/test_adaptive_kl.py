@@ -703,6 +703,22 @@ def test_train_is_true_or_false_at_every_door(train) -> None:
         AdaptiveKL(None, BETA).record_sums([engine_sums()], train=train, completed_steps=1)
 
 
+@pytest.mark.parametrize("gather", [5, "accelerator.gather"])
+def test_gather_is_a_callable_or_none_at_every_door(gather) -> None:
+    """A process group or a number handed as `gather` failed inside the statistics ("'int' object is not
+    callable"), naming nothing the loop passed: both loop doors name it, and what it must be, before the step's sums
+    move."""
+    message = re.escape(f"gather={gather!r} is invalid: allowed is a callable that all-gathers a tensor over "
+                        "processes along dim 0 (e.g. accelerator.gather), or None (this process alone).")
+    logps, ref = batch()
+    loss_kl, reward_kl = AdaptiveKL(None, BETA), AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), BETA)
+    with pytest.raises(ValueError, match=message):
+        loss_kl.kl_loss(logps, ref, MASK, gather=gather)
+    with pytest.raises(ValueError, match=message):
+        reward_kl.reward_penalty(logps, ref, MASK, gather=gather)
+    assert loss_kl.last_metrics == {} and reward_kl.last_metrics == {}
+
+
 def test_a_step_without_a_valid_token_keeps_the_last_kl() -> None:
     """A KL-triggered reference sync reads `last_raw_kl`: a step that trained on no valid token has no KL, and leaves
     the last one (k3 of r = 1: e - 2) where it was rather than NaN (which would skip the sync silently)."""

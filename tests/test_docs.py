@@ -299,6 +299,27 @@ def test_the_readmes_gpu_line_names_the_card_and_torch_of_the_gpu_check() -> Non
         ROOT / "README.md").read_text()
 
 
+def test_the_floors_row_is_the_trl_extras_floors() -> None:
+    """CI's row (j) installs each package the `trl` extra declares with a ">=" at that version (read from
+    pyproject.toml by .ci/run), torch aside; the compatibility page's row names those pins, and the prose the same
+    versions, so a floor raised in pyproject.toml cannot leave the page naming the old one."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
+    floors = {r.name: s.version for r in map(Requirement, extra) for s in r.specifier if s.operator == ">="}
+    assert floors.pop("torch") == "2.6.0" and set(floors) == {"trl", "transformers", "datasets", "accelerate", "peft"}
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    row = next(line for line in page.splitlines() if line.startswith("| (j) |"))
+    assert "`" + " ".join(f"{name}=={version}" for name, version in floors.items()) + "`" in row
+    prose = " ".join(page.split())
+    assert (f"row (j) runs the TRL tests on trl {floors['trl']}, transformers {floors['transformers']}, datasets "
+            f"{floors['datasets']}, accelerate {floors['accelerate']} and peft {floors['peft']} together") in prose
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert 'if s.operator == ">=" and r.name != "torch"))' in ci and 'row j "${TRL_TESTS[@]}"' in ci
+
+
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
     """At most 150 lines; its test command is the one `.ci/run` runs (row a: install split from pytest so that its
     exit status can be read), and its demo command installs torch as row e does."""
@@ -441,11 +462,11 @@ SETTINGS_IN_PROSE = {
     "reference-sync.md": {"0", "1", "2", "3", "4", "14", "16", "30", "120", "5.24", "2025", "2404.09656",
                           "2505.24864"},
     "scaling-out.md": {"0", "1", "3", "0.6", "0.7", "0.8", "1.0", "0.01", "0.02", "0.04", "29500",
-                       "2026.10.7"},
+                       "2026.10.7", "1.7.0"},
     "how-it-works.md": {"0", "5", "10", "1.14", "1.15", "1.16", "0.27.0", "2026.10.7", "2026.10.9"},
     "demo.md": {"0", "1", "3", "4", "6", "7", "8", "10", "16", "17", "24", "25", "60", "120", "300", "5e-3", "5e-6"},
     "install.md": {"0", "1", "0.28", "0.29", "2.13", "2.14", "3.10", "3.11", "3.13", "0.9.1", "1.9.1", "1.14.1",
-                   "1.15.0", "2.4.0", "2026.10.7", "2026.10.9"},
+                   "1.15.0", "2.4.0", "2026.10.7", "2026.10.9", "1.13", "2.6", "2.6.0"},
     "metrics.md": {"1", "2", "1.10", "1.15.0"},
     "own-loop.md": {"0", "1", "5", "12", "13", "0.2", "0.9", "1000", "2.14.1"},
     "tinker.md": {"0", "1", "0.38.0", "127.0.0.1"},  # mask values, the SDK version, loopback
@@ -459,8 +480,10 @@ SETTINGS_IN_PROSE = {
     "configuration.md": {"1.9.1"},
     "compatibility.md": {"0", "1", "2", "3", "4", "5", "6", "8", "25", "30", "64", "100", "0.5", "128", "256", "512",
                          "800", "1024", "3.10", "3.11", "3.13", "1.15.0", "2.4.0", "0.005", "0.9.1", "1.9.0",
-                         "1.9.1", "1e-12", "1.14.1", "2.13.0",
-                         "5.17.0", "0.27.0", "2026.10.7", "2026.10.9"},
+                         "1.9.1", "1e-12", "1.14.1", "2.13.0", "0.27.0", "2026.10.7", "2026.10.9",
+                         # the trl extra's floors (row j) and the torch releases below its torch floor
+                         "1.4.0", "1.7.0", "0.18", "0.19.0", "4.7.0", "4.56.2", "1.13", "2.5", "2.6", "2.6.0",
+                         "2.14.1", "5.17.0"},
     "contributing.md": {"2", "4", "10", "20", "25", "2026.10.7", "2026.10.9"},
 }
 

@@ -95,6 +95,29 @@ def test_self_check_reports_a_trl_that_does_not_import_and_fails(tmp_path) -> No
     assert "[ok] core AdaptiveKL (torch alone)" in result.stdout and "self-check FAILED" in result.stdout
 
 
+@pytest.mark.parametrize("trl_version", ["1.9.1", "1.99.0"])
+def test_a_trl_that_does_not_import_gets_the_fix_its_version_calls_for(monkeypatch, trl_version: str) -> None:
+    """trl 1.9.1, a tested version, does not import on torch 2.4-2.5 (it imports torch's FSDPModule): the error said
+    to install a tested trl, which that user had. A tested trl's failure names the packages beside it; an untested
+    one's the tested range."""
+    from packaging.version import Version
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version",
+                        lambda p: Version(trl_version) if p == "trl" else Version("2.4.0") if p == "torch" else real(p))
+    error = ImportError("cannot import name 'FSDPModule' from 'torch.distributed.fsdp'")
+    message = str(versions.import_error("trl", error))
+    transformers = importlib.metadata.version("transformers")
+    assert message.startswith(f"unsloth_adaptive_kl cannot patch trl=={trl_version} (tested: trl>=1.9.1,<=1.16.0): "
+                              "importing it failed (ImportError: cannot import name 'FSDPModule' from "
+                              "'torch.distributed.fsdp'). Adaptive KL cannot be applied; ")
+    assert message.endswith(
+        "this trl is a tested version, so what fails is what it imports: install tested versions beside it "
+        f"(torch==2.4.0 (tested: torch{versions.tested_range('torch')}), transformers=={transformers} (tested: "
+        f"transformers{versions.tested_range('transformers')}))." if trl_version == "1.9.1" else
+        "install a tested version: pip install 'trl>=1.9.1,<=1.16.0'.")
+
+
 def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:
     from packaging.version import Version
 

@@ -200,6 +200,7 @@ class AdaptiveKL:
         zero gradient)."""
         self.check_settings()
         check_train(train)
+        check_gather(gather)
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
@@ -265,6 +266,7 @@ class AdaptiveKL:
         penalty is 0 and the first such batch warns."""
         self.check_settings()
         check_train(train)
+        check_gather(gather)
         if not self.config.kl_in_reward:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
@@ -677,6 +679,14 @@ def check_train(train: Any) -> None:
     if not isinstance(train, bool):
         raise reject("train", train, "True (a training batch, which the next step reads) or False (an evaluation "
                      "batch)")
+
+
+def check_gather(gather: Any) -> None:
+    """`gather` is a callable or None: an int or a process group handed in its place failed inside the statistics
+    with "'int' object is not callable", naming nothing the loop passed."""
+    if gather is not None and not callable(gather):
+        raise reject("gather", gather, "a callable that all-gathers a tensor over processes along dim 0 (e.g. "
+                     "accelerator.gather), or None (this process alone)")
 
 
 def check_estimator_read(config: AdaptiveKLConfig, per_token_kl: Optional[torch.Tensor]) -> None:

@@ -356,10 +356,18 @@ def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleV
 
 
 def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
-    """The installed `package` does not import here (its own ImportError, quoted): nothing of it can be patched."""
+    """The installed `package` does not import here (its own ImportError, quoted): nothing of it can be patched. A
+    tested version that fails fails on what it imports (trl 1.9.1 imports torch's FSDPModule, which torch 2.4 and 2.5
+    lack), so the fix names the packages beside it rather than the one a reinstall would not change."""
+    if is_tested(package):
+        beside = ", ".join(describe(name) for name in ("torch", "transformers") if name != package)
+        fix = (f"this {package} is a tested version, so what fails is what it imports: install tested versions beside "
+               f"it ({beside})")
+    else:
+        fix = f"install a tested version: pip install '{package}{tested_range(package)}'"
     return IncompatibleVersionError(
         f"unsloth_adaptive_kl cannot patch {describe(package)}: importing it failed ({type(error).__name__}: {error}). "
-        f"Adaptive KL cannot be applied; install a tested version: pip install '{package}{tested_range(package)}'."
+        f"Adaptive KL cannot be applied; {fix}."
     )
 
 

@@ -39,7 +39,10 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET, chat_template: Optional[st
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=pad))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every character, newlines too
     backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=EOS, padding_side="left")
+    # A causal LM's inputs, as Llama's and Qwen's tokenizers name them: transformers 4.x's fast tokenizer adds
+    # token_type_ids by default, which its generate() refuses for Llama (the demo's --model path with trl 1.9.1).
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, eos_token=EOS, padding_side="left",
+                                        model_input_names=["input_ids", "attention_mask"])
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
