@@ -981,10 +981,14 @@ def test_the_plots_reference_sync_count_has_whole_ticks(tmp_path, monkeypatch) -
 # ----- the tiny tokenizer and model the demo, the tests and the benchmarks build in-process ---------------------
 
 def test_the_tiny_tokenizer_has_one_token_per_character_and_pads_its_vocabulary_with_tokens_no_text_reaches() -> None:
-    """Pad and EOS, then one token per character of the alphabet, each of a run of spaces or newlines its own;
+    """Pad and EOS, then one token per character of the alphabet, each of a run of spaces or newlines its own; it
+    returns input_ids and attention_mask alone;
     `vocab_size` pads with `<unusedN>` up to exactly that size (the alphabet's own size allowed, one less refused).
     CHAT_ALPHABET is every printable ASCII character and the newline (no other whitespace)."""
     import string
+    import tempfile
+
+    from transformers import AutoTokenizer
 
     from unsloth_adaptive_kl.tools.tiny import CHAT_ALPHABET, build_tokenizer
 
@@ -992,6 +996,12 @@ def test_the_tiny_tokenizer_has_one_token_per_character_and_pads_its_vocabulary_
     assert len(tokenizer) == 6 and (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
     assert tokenizer("a\n\nb  a").input_ids == [2, 5, 5, 3, 4, 4, 2]
     assert tokenizer.decode([2, 5, 5, 3, 4, 4, 2]) == "a\n\nb  a"
+    # a causal LM's inputs alone, also once saved and reloaded (transformers 4.x added token_type_ids, which its
+    # generate() refuses for Llama)
+    assert list(tokenizer("ab")) == ["input_ids", "attention_mask"]
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        assert list(AutoTokenizer.from_pretrained(folder)("ab")) == ["input_ids", "attention_mask"]
     padded = build_tokenizer("ab \n", vocab_size=8)
     assert len(padded) == 8 and padded.convert_ids_to_tokens([5, 6, 7]) == ["\n", "<unused6>", "<unused7>"]
     with pytest.raises(ValueError, match="vocab_size=5 is invalid: the alphabet needs 6 tokens"):

@@ -317,7 +317,8 @@ def test_the_floors_row_is_the_trl_extras_floors() -> None:
     assert (f"row (j) runs the TRL tests on trl {floors['trl']}, transformers {floors['transformers']}, datasets "
             f"{floors['datasets']}, accelerate {floors['accelerate']} and peft {floors['peft']} together") in prose
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'if s.operator == ">=" and r.name != "torch"))' in ci and 'row j "${TRL_TESTS[@]}"' in ci
+    assert 'pip install -q -e ".[test,trl]" $floors torchao' in ci and "pip install -q torch==2.14.1" in ci
+    assert "`pip install torch==2.14.1`" in row and 'row j "${TRL_TESTS[@]}"' in ci
 
 
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
@@ -482,7 +483,7 @@ SETTINGS_IN_PROSE = {
                          "800", "1024", "3.10", "3.11", "3.13", "1.15.0", "2.4.0", "0.005", "0.9.1", "1.9.0",
                          "1.9.1", "1e-12", "1.14.1", "2.13.0", "0.27.0", "2026.10.7", "2026.10.9",
                          # the trl extra's floors (row j) and the torch releases below its torch floor
-                         "1.4.0", "1.7.0", "0.18", "0.19.0", "4.7.0", "4.56.2", "1.13", "2.5", "2.6", "2.6.0",
+                         "1.4.0", "1.7.0", "0.18", "0.19.0", "4.7.0", "4.56.2", "1.13", "2.4", "2.6", "2.6.0",
                          "2.14.1", "5.17.0"},
     "contributing.md": {"2", "4", "10", "20", "25", "2026.10.7", "2026.10.9"},
 }

@@ -360,9 +360,10 @@ def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
     tested version that fails fails on what it imports (trl 1.9.1 imports torch's FSDPModule, which torch 2.4 and 2.5
     lack), so the fix names the packages beside it rather than the one a reinstall would not change."""
     if is_tested(package):
-        beside = ", ".join(describe(name) for name in ("torch", "transformers") if name != package)
-        fix = (f"this {package} is a tested version, so what fails is what it imports: install tested versions beside "
-               f"it ({beside})")
+        untested = [describe(name) for name in ("torch", "transformers") if name != package and is_tested(name) is False]
+        fix = (f"this {package} is a tested version, so what fails is what it imports: "
+               + (f"install tested versions beside it ({', '.join(untested)})" if untested else
+                  "install what the ImportError names"))
     else:
         fix = f"install a tested version: pip install '{package}{tested_range(package)}'"
     return IncompatibleVersionError(
