@@ -358,7 +358,8 @@ def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleV
 def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
     """The installed `package` does not import here (its own ImportError, quoted): nothing of it can be patched. A
     tested version that fails fails on what it imports (trl 1.9.1 imports torch's FSDPModule, which torch 2.4 and 2.5
-    lack), so the fix names the packages beside it rather than the one a reinstall would not change."""
+    lack), so the fix names the untested torch or transformers beside it (with both tested, what the ImportError
+    names) rather than the package a reinstall would not change."""
     if is_tested(package):
         untested = [describe(name) for name in ("torch", "transformers") if name != package and is_tested(name) is False]
         fix = (f"this {package} is a tested version, so what fails is what it imports: "
