@@ -16,7 +16,9 @@ def end_process() -> None:
     of distributed_core.py; 0 of 22 with it). With the group closed, one rank still aborted now and then after
     training had ended ("terminate called without an active exception", exit -6: FSDP2 on torch 2.15 and DDP on
     torch 2.14.1, both on gloo, in CI runs; Gloo's worker threads can hold tensors whose destruction at the teardown
-    needs the GIL). The tests read only what the script wrote before this call, so nothing of theirs is lost."""
+    needs the GIL: with a trainer's wrapped model alive, closing the group left its threads running, measured by the
+    scaling-out page's test, whose user-facing script frees the trainer first instead). The tests read only what the
+    script wrote before this call, so nothing of theirs is lost."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
