@@ -109,6 +109,26 @@ def test_newer_untested_trl_whose_anchors_hold_warns_once_and_is_patched(monkeyp
         unsloth_adaptive_kl.patch()
 
 
+def test_a_trl_whose_version_is_not_pep_440_is_untested_and_named_as_installed(monkeypatch) -> None:
+    """A local build's version text that packaging cannot parse ('1.16.0-custom build') failed the import of this
+    package with InvalidVersion; it is now outside every tested range, named as its metadata says."""
+    real = importlib.metadata.version
+    unsloth_adaptive_kl.unpatch()
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: "1.16.0-custom build" if p == "trl" else real(p))
+    monkeypatch.setattr(versions, "_warned", set())
+    try:
+        with pytest.warns(versions.UntestedVersionWarning) as caught:
+            unsloth_adaptive_kl.patch()
+        assert [str(w.message).split(";")[0] for w in caught] == [
+            f"unsloth_adaptive_kl is untested with trl==1.16.0-custom build (tested: trl{versions.tested_range('trl')})"]
+        assert unsloth_adaptive_kl.is_patched()
+        assert versions.is_tested("trl") is False
+        assert versions.describe("trl") == f"trl==1.16.0-custom build (tested: trl{versions.tested_range('trl')})"
+    finally:
+        monkeypatch.undo()
+        unsloth_adaptive_kl.patch()
+
+
 def compute_loss_without_the_kl_line(self, model, inputs):
     """A changed trl: the KL is added to the loss some other way."""
     return model(inputs)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from packaging.specifiers import SpecifierSet
-from packaging.version import Version
+from packaging.version import InvalidVersion, Version
 
 from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 
@@ -259,8 +259,19 @@ UNSLOTH_BNPO_RULES = {
 _warned: set[tuple[str, str]] = set()
 
 
-def installed_version(package: str) -> Version:
-    return Version(importlib.metadata.version(package))
+def installed_version(package: str) -> Version | str:
+    """The installed version, parsed; its metadata's own text where that is not a PEP 440 version (a local build's
+    '2.14.1-custom'), which no tested range contains."""
+    text = importlib.metadata.version(package)
+    try:
+        return Version(text)
+    except InvalidVersion:
+        return text
+
+
+def in_tested_range(package: str, version: Version | str) -> bool:
+    """Whether `version` is in the package's tested range (never, for a version that is not PEP 440)."""
+    return isinstance(version, Version) and version in TESTED[package]
 
 
 def tested_range(package: str) -> str:
@@ -280,7 +291,7 @@ def describe(package: str) -> str:
 def is_tested(package: str) -> Optional[bool]:
     """Whether the installed version is in the tested range; None when the package is not installed."""
     try:
-        return installed_version(package) in TESTED[package]
+        return in_tested_range(package, installed_version(package))
     except importlib.metadata.PackageNotFoundError:
         return None
 
@@ -389,11 +400,11 @@ def warn_if_untested(package: str) -> None:
     """One UntestedVersionWarning per (package, version) outside the tested range, or with no version to read (a
     source checkout on the path, importable without its package metadata)."""
     try:
-        version: Optional[Version] = installed_version(package)
+        version: Version | str | None = installed_version(package)
     except importlib.metadata.PackageNotFoundError:
         version = None
     found = f"{package}=={version}" if version is not None else f"{package} of unknown version (no package metadata)"
-    if (version is None or version not in TESTED[package]) and (package, str(version)) not in _warned:
+    if (version is None or not in_tested_range(package, version)) and (package, str(version)) not in _warned:
         _warned.add((package, str(version)))
         warnings.warn(
             f"unsloth_adaptive_kl is untested with {found} (tested: {package}{tested_range(package)}); every "
