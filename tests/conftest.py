@@ -165,3 +165,12 @@ def at_the_test_commands_versions(names: tuple[str, ...]) -> bool:
         return all(importlib.metadata.version(name) == row_a["versions"][name] for name in names)
     except importlib.metadata.PackageNotFoundError:
         return False
+
+
+def pyproject() -> dict[str, Any]:
+    """pyproject.toml, read with tomllib (Python 3.11 on; on 3.10 the test extra's tomli, which tomllib came from)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        import tomli as tomllib
+    return tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())

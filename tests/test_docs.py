@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, Optional
 
 import pytest
 
-from .conftest import at_the_test_commands_versions, built_in_registries, make_trainer
+from .conftest import at_the_test_commands_versions, built_in_registries, make_trainer, pyproject
 from unsloth_adaptive_kl.core.config import FIELD_READERS, METHODS, AdaptiveKLConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,11 +303,9 @@ def test_the_floors_row_is_the_trl_extras_floors() -> None:
     """CI's row (j) installs each package the `trl` extra declares with a ">=" at that version (read from
     pyproject.toml by .ci/run), torch aside; the compatibility page's row names those pins, and the prose the same
     versions, so a floor raised in pyproject.toml cannot leave the page naming the old one."""
-    import tomllib
-
     from packaging.requirements import Requirement
 
-    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trl"]
+    extra = pyproject()["project"]["optional-dependencies"]["trl"]
     floors = {r.name: s.version for r in map(Requirement, extra) for s in r.specifier if s.operator == ">="}
     assert floors.pop("torch") == "2.6.0" and set(floors) == {"trl", "transformers", "datasets", "accelerate", "peft"}
     page = (ROOT / "docs" / "compatibility.md").read_text()

@@ -25,7 +25,7 @@ from unsloth_adaptive_kl.integrations import unsloth as unsloth_patch
 from unsloth_adaptive_kl.integrations import versions
 from unsloth_adaptive_kl.integrations.ref_sync import use_reference
 
-from .conftest import make_trainer
+from .conftest import make_trainer, pyproject
 
 PATCHED_METHODS = ["__init__", "_compute_loss", "_generate_and_score_completions", "_calculate_rewards",
                    "_save_checkpoint", "_load_optimizer_and_scheduler"]
@@ -435,12 +435,9 @@ def test_every_trl_anchor_is_found_in_the_installed_trl() -> None:
 def test_base_dependencies_admit_the_newest_releases(package: str, version: str) -> None:
     """A TRL user on the newest torch / transformers / trl installs this package without a downgrade: Unsloth's
     caps live in the `unsloth` extra only."""
-    import tomllib
-    from pathlib import Path
-
     from packaging.requirements import Requirement
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = pyproject()["project"]
     requirements = {Requirement(r).name: Requirement(r)
                     for r in project["dependencies"] + project["optional-dependencies"]["trl"]}
     assert requirements[package].specifier.contains(version)
