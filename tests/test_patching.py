@@ -119,11 +119,11 @@ def test_a_trl_whose_version_is_not_pep_440_is_untested_and_named_as_installed(m
     try:
         with pytest.warns(versions.UntestedVersionWarning) as caught:
             unsloth_adaptive_kl.patch()
-        assert [str(w.message).split(";")[0] for w in caught] == [
-            f"unsloth_adaptive_kl is untested with trl==1.16.0-custom build (tested: trl{versions.tested_range('trl')})"]
+        described = f"trl==1.16.0-custom build (tested: trl{versions.tested_range('trl')})"
+        assert [str(w.message).split(";")[0] for w in caught] == [f"unsloth_adaptive_kl is untested with {described}"]
         assert unsloth_adaptive_kl.is_patched()
         assert versions.is_tested("trl") is False
-        assert versions.describe("trl") == f"trl==1.16.0-custom build (tested: trl{versions.tested_range('trl')})"
+        assert versions.describe("trl") == described
     finally:
         monkeypatch.undo()
         unsloth_adaptive_kl.patch()
