@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import importlib.util
 import inspect
 import math
@@ -85,9 +86,10 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
 
 
 def fake_version(monkeypatch, package: str, version: str) -> None:
+    """Unpatched, with `package`'s metadata saying `version` (read and parsed by versions.installed_version)."""
     unsloth_adaptive_kl.unpatch()
-    real = versions.installed_version
-    monkeypatch.setattr(versions, "installed_version", lambda p: Version(version) if p == package else real(p))
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: version if p == package else real(p))
     monkeypatch.setattr(versions, "_warned", set())
 
 
@@ -112,10 +114,7 @@ def test_newer_untested_trl_whose_anchors_hold_warns_once_and_is_patched(monkeyp
 def test_a_trl_whose_version_is_not_pep_440_is_untested_and_named_as_installed(monkeypatch) -> None:
     """A local build's version text that packaging cannot parse ('1.16.0-custom build') failed the import of this
     package with InvalidVersion; it is now outside every tested range, named as its metadata says."""
-    real = importlib.metadata.version
-    unsloth_adaptive_kl.unpatch()
-    monkeypatch.setattr(importlib.metadata, "version", lambda p: "1.16.0-custom build" if p == "trl" else real(p))
-    monkeypatch.setattr(versions, "_warned", set())
+    fake_version(monkeypatch, "trl", "1.16.0-custom build")
     try:
         with pytest.warns(versions.UntestedVersionWarning) as caught:
             unsloth_adaptive_kl.patch()
@@ -877,7 +876,6 @@ def test_unsloth_zoos_bnpo_rule_is_read_from_its_grpo_compute_loss_and_a_third_f
     a grpo_compute_loss with neither form is an IncompatibleVersionError naming unsloth_zoo, both forms and the install
     that fixes it."""
     import ast
-    import importlib.metadata
     from pathlib import Path
 
     assert versions.unsloth_bnpo_rule('        elif loss_type in ["bnpo", "cispo", "dapo", "vespo"]:\n') == "global"

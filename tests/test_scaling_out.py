@@ -121,7 +121,7 @@ def test_the_pages_two_process_example_prints_what_the_page_shows(tmp_path: Path
     # The script's ending (free the trainer, collect it, close the group) must stop the group's threads while Python
     # still runs: on Linux, each process prints its thread count before and after it.
     body, ending = script.rsplit("if torch.distributed.is_initialized():", 1)
-    statements = [line.split("#")[0].strip() for line in ending.splitlines()[1:] if line.split("#")[0].strip()]
+    statements = [code for line in ending.splitlines()[1:] if (code := line.split("#")[0].strip())]
     assert statements == ["del trainer", "gc.collect()", "torch.distributed.destroy_process_group()"], ending
     threads = Path("/proc/self/task").is_dir()  # Linux's list of the process's threads
     count = ('print(f"threads of process {os.environ[\'RANK\']}: {len(os.listdir(\'/proc/self/task\'))}", flush=True)\n'
