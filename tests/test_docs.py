@@ -299,10 +299,11 @@ def test_the_readmes_gpu_line_names_the_card_and_torch_of_the_gpu_check() -> Non
         ROOT / "README.md").read_text()
 
 
-def test_the_floors_row_is_the_trl_extras_floors() -> None:
+def test_the_floors_rows_are_the_trl_extras_floors() -> None:
     """CI's row (j) installs each package the `trl` extra declares with a ">=" at that version (read from
-    pyproject.toml by .ci/run), torch aside; the compatibility page's row names those pins, and the prose the same
-    versions, so a floor raised in pyproject.toml cannot leave the page naming the old one."""
+    pyproject.toml by .ci/run), torch aside, and row (k) the same with the extra's torch floor; the compatibility
+    page's rows name those pins, and the prose the same versions, so a floor raised in pyproject.toml cannot leave the
+    page naming the old one."""
     from packaging.requirements import Requirement
 
     extra = pyproject()["project"]["optional-dependencies"]["trl"]
@@ -317,6 +318,12 @@ def test_the_floors_row_is_the_trl_extras_floors() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -q -e ".[test,trl]" $floors torchao' in ci and "pip install -q torch==2.14.1" in ci
     assert "`pip install torch==2.14.1`" in row and 'row j "${TRL_TESTS[@]}"' in ci
+    # row k: the torch floor read from the same line, installed first and kept by the second install
+    assert ('pip install -q "$torch_floor"' in ci and 'pip install -q -e ".[test,trl]" $floors "$torch_floor"' in ci
+            and 'row k "${TRL_TESTS[@]}"' in ci)
+    row_k = next(line for line in page.splitlines() if line.startswith("| (k) |"))
+    assert "`pip install torch==2.6.0`" in row_k and "(j)'s floors" in row_k
+    assert "row (k) runs them on torch 2.6.0" in prose
 
 
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
@@ -465,7 +472,7 @@ SETTINGS_IN_PROSE = {
     "how-it-works.md": {"0", "5", "10", "1.14", "1.15", "1.16", "0.27.0", "2026.10.7", "2026.10.9"},
     "demo.md": {"0", "1", "3", "4", "6", "7", "8", "10", "16", "17", "24", "25", "60", "120", "300", "5e-3", "5e-6"},
     "install.md": {"0", "1", "0.28", "0.29", "2.13", "2.14", "3.10", "3.11", "3.13", "0.9.1", "1.9.1", "1.14.1",
-                   "1.15.0", "2.4.0", "2026.10.7", "2026.10.9", "1.13", "2.6", "2.6.0"},
+                   "1.15.0", "2.4.0", "2.14.1", "2026.10.7", "2026.10.9", "1.13", "2.6", "2.6.0"},
     "metrics.md": {"1", "2", "1.10", "1.15.0"},
     "own-loop.md": {"0", "1", "5", "12", "13", "0.2", "0.9", "1000", "2.14.1"},
     "tinker.md": {"0", "1", "0.38.0", "127.0.0.1"},  # mask values, the SDK version, loopback
@@ -479,9 +486,9 @@ SETTINGS_IN_PROSE = {
     "configuration.md": {"1.9.1"},
     "compatibility.md": {"0", "1", "2", "3", "4", "5", "6", "8", "25", "30", "64", "100", "0.5", "128", "256", "512",
                          "800", "1024", "3.10", "3.11", "3.13", "1.15.0", "2.4.0", "0.005", "0.9.1", "1.9.0",
-                         "1.9.1", "1e-12", "1.14.1", "2.13.0", "0.27.0", "2026.10.7", "2026.10.9",
+                         "1.9.1", "1e-12", "1.14.1", "0.27.0", "2026.10.7", "2026.10.9",
                          # the trl extra's floors (row j) and the torch releases below its torch floor
-                         "1.4.0", "1.7.0", "0.18", "0.19.0", "4.7.0", "4.56.2", "1.13", "2.4", "2.6", "2.6.0",
+                         "1.4.0", "1.7.0", "0.18", "0.19.0", "0.19.1", "4.7.0", "4.56.2", "1.13", "2.4", "2.6", "2.6.0",
                          "2.14.1", "5.17.0"},
     "contributing.md": {"2", "4", "10", "20", "25", "2026.10.7", "2026.10.9"},
 }

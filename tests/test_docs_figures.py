@@ -880,7 +880,8 @@ def check_cell(checks: list[dict]) -> str:
 
 def made_up_check() -> dict:
     return {"command": "python -m unsloth_adaptive_kl --gpu", "date": "2026-12-01", "device": CUDA,
-            "versions": {"torch": "2.11.0", "vllm": None, "trl": "1.15.0"}, "dry_run": False, "seconds": 300.6,
+            "versions": {"torch": "2.11.0", "vllm": None, "trl": "1.15.0", "unsloth": "2026.10.9"}, "dry_run": False,
+            "seconds": 300.6,
             "model": [{"name": "m1", "ok": True, "detail": "d1"}, {"name": "m2", "ok": True, "detail": ""},
                       {"name": "trl version", "ok": True, "detail": "1.17.0 (tested: 1.9-1.16)", "untested": True}],
             "scenarios": {"a": {"ran": True, "seconds": 61.4, "checks": [
@@ -930,9 +931,11 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
     if source == "within the ranges":
         assert seconds[3] == "Each of its versions is within the tested ranges."
         return
-    # the versions outside the CPU matrix's ranges, by name: torch 2.11.0 (the GPU image's) against >=2.13.0
-    assert seconds[3] == ("Outside the tested ranges: torch 2.11.0 (tested: `>=2.13.0,<=2.15.0`); the GPU results were "
-                          "taken on a version the CPU matrix does not run.")
+    # the versions outside the CPU matrix's ranges of the integrations the GPU check ran (TRL and Unsloth), by name:
+    # torch 2.11.0 (the GPU image's) is within TRL's >=2.6.0 but not Unsloth's 2.14.1
+    assert seconds[3] == ("Outside the tested ranges: torch 2.11.0 (tested: `torch>=2.6.0,<=2.15.0 with TRL; "
+                          "torch==2.14.1 with Unsloth`); the GPU results were taken on a version the CPU matrix does "
+                          "not run.")
 
 
 @pytest.mark.parametrize("source", ["committed", "made up", "dry run"])
@@ -1329,10 +1332,13 @@ def test_anchors_tested_versions_and_demo_flags(hook: Any) -> None:
         assert rows == [[f"`{a.function}`", f"`{'; '.join(map(str.strip, a.text.splitlines()))}`"
                          + (" (signature)" * bool(a.signature)), a.reason.replace("\n", " ")] for a in found], which
     header, rows = only_table(hook.tested_versions())
-    assert [row[0] for row in rows] == [f"`{name}`" for name in versions.TESTED]
-    for name, row in zip(versions.TESTED, rows):  # the same range, its lower bound first
-        assert SpecifierSet(row[1].strip("`")) == versions.TESTED[name]
-        assert "," not in row[1] or row[1].startswith("`>")
+    tested = [(integration, name) for integration, packages in versions.TESTED.items() for name in packages]
+    assert header == ["integration", "package", "tested range"]
+    assert [row[:2] for row in rows] == [[versions.INTEGRATION_NAMES[integration], f"`{name}`"]
+                                         for integration, name in tested]
+    for (integration, name), row in zip(tested, rows):  # the same range, its lower bound first
+        assert SpecifierSet(row[2].strip("`")) == versions.TESTED[integration][name]
+        assert "," not in row[2] or row[2].startswith("`>")
     header, rows = only_table(hook.demo_flags())
     actions = [a for a in build_parser()._actions if a.option_strings and a.dest != "help"]
     assert [row[0] for row in rows] == [", ".join(f"`{flag}`" for flag in a.option_strings) for a in actions]

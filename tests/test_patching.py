@@ -85,11 +85,20 @@ def test_patch_and_unpatch_are_idempotent_and_restore_stock_objects() -> None:
     assert all(method is not None for method in patched["methods"])
 
 
-def fake_version(monkeypatch, package: str, version: str) -> None:
-    """Unpatched, with `package`'s metadata saying `version` (read and parsed by versions.installed_version)."""
+def fake_version(monkeypatch, package: str, version: Optional[str], missing_field_raises: bool = False) -> None:
+    """Unpatched, with `package`'s metadata saying `version` (read and parsed by versions.installed_version); None: a
+    metadata without a Version field, whose lookup gives None or, `missing_field_raises`, a KeyError."""
     unsloth_adaptive_kl.unpatch()
     real = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda p: version if p == package else real(p))
+
+    def metadata_version(name: str) -> Optional[str]:
+        if name != package:
+            return real(name)
+        if version is None and missing_field_raises:
+            raise KeyError("Version")
+        return version
+
+    monkeypatch.setattr(importlib.metadata, "version", metadata_version)
     monkeypatch.setattr(versions, "_warned", set())
 
 
@@ -111,14 +120,19 @@ def test_newer_untested_trl_whose_anchors_hold_warns_once_and_is_patched(monkeyp
         unsloth_adaptive_kl.patch()
 
 
-def test_a_trl_whose_version_is_not_pep_440_is_untested_and_named_as_installed(monkeypatch) -> None:
+@pytest.mark.parametrize(("text", "raises", "shown"), [("1.16.0-custom build", False, "1.16.0-custom build"),
+                                                     (None, False, "unknown"), (None, True, "unknown")])
+def test_a_trl_whose_version_is_not_pep_440_is_untested_and_named_as_installed(monkeypatch, text, raises,
+                                                                               shown) -> None:
     """A local build's version text that packaging cannot parse ('1.16.0-custom build') failed the import of this
-    package with InvalidVersion; it is now outside every tested range, named as its metadata says."""
-    fake_version(monkeypatch, "trl", "1.16.0-custom build")
+    package with InvalidVersion, and metadata without a Version field (None, or a KeyError where the metadata raises
+    for a missing field) with a TypeError; each is now outside every tested range, named as its metadata says or
+    'unknown'."""
+    fake_version(monkeypatch, "trl", text, missing_field_raises=raises)
     try:
         with pytest.warns(versions.UntestedVersionWarning) as caught:
             unsloth_adaptive_kl.patch()
-        described = f"trl==1.16.0-custom build (tested: trl{versions.tested_range('trl')})"
+        described = f"trl=={shown} (tested: trl>=1.9.1,<=1.16.0)"
         assert [str(w.message).split(";")[0] for w in caught] == [f"unsloth_adaptive_kl is untested with {described}"]
         assert unsloth_adaptive_kl.is_patched()
         assert versions.is_tested("trl") is False
@@ -716,18 +730,21 @@ def test_a_stock_config_bound_before_the_import_pickles_into_a_checkpoint_and_ou
 
 
 def test_each_tested_range_ends_at_versions_the_recorded_ci_run_installed() -> None:
-    """versions.TESTED is what the CI matrix runs: every bound of every range (trl 1.9.1 and 1.16.0, ...) is a version
-    one row of the last recorded `.ci/run` (docs/results/ci.json) installed, so a user on a version CI ran gets no
-    UntestedVersionWarning and a range never claims a version no row ran."""
+    """versions.TESTED is what the CI matrix runs, integration by integration: every bound of every range (TRL's trl
+    1.9.1 and 1.16.0, Unsloth's transformers 5.17.0, ...) is a version that one row of the last recorded `.ci/run`
+    (docs/results/ci.json) installed beside that integration's own package, so a user on a version CI ran gets no
+    UntestedVersionWarning and a range never claims a version no row ran with that integration."""
     import json
     from pathlib import Path
 
     rows = json.loads((Path(__file__).parents[1] / "docs" / "results" / "ci.json").read_text())["rows"]
-    ran = {(package, Version(version).base_version) for row in rows for package, version in row["versions"].items()}
-    for package, specifiers in versions.TESTED.items():
-        for specifier in specifiers:
-            assert (package, specifier.version) in ran, (package, str(specifier))
-            assert Version(specifier.version) in specifiers, (package, str(specifier))  # a bound CI ran is tested
+    for integration, packages in versions.TESTED.items():
+        ran = {(package, Version(version).base_version) for row in rows if integration in row["versions"]
+               for package, version in row["versions"].items()}
+        for package, specifiers in packages.items():
+            for specifier in specifiers:
+                assert (package, specifier.version) in ran, (integration, package, str(specifier))
+                assert Version(specifier.version) in specifiers, (package, str(specifier))  # a bound CI ran is tested
 
 
 def _innermost_of_three_wrappers() -> str:
@@ -1041,7 +1058,8 @@ def test_a_package_importable_without_its_metadata_is_applied_with_one_warning_i
     from packaging.specifiers import SpecifierSet
 
     absent = "unsloth_adaptive_kl_absent_package"
-    monkeypatch.setitem(versions.TESTED, absent, SpecifierSet("==1.0"))
+    monkeypatch.setitem(versions.TESTED, absent, {absent: SpecifierSet("==1.0")})
+    monkeypatch.setitem(versions.OWNER, absent, absent)
     monkeypatch.setattr(versions, "_warned", set())
     anchor = versions.Anchor("f", "the line it relies on", "a stand-in")
     resolve = stand_in_resolver(tmp_path, (anchor,), None)

@@ -115,9 +115,9 @@ def test_a_trl_that_does_not_import_gets_the_fix_its_version_calls_for(monkeypat
                               "'torch.distributed.fsdp'). Adaptive KL cannot be applied; ")
     if trl_version == "1.99.0":
         assert message.endswith("install a tested version: pip install 'trl>=1.9.1,<=1.16.0'.")
-    elif torch_version == "2.4.0":  # transformers 5.17.0 is tested: only torch is named
+    elif torch_version == "2.4.0":  # transformers 5.17.0 is tested with TRL: only torch is named, with TRL's range
         assert message.endswith("this trl is a tested version, so what fails is what it imports: install tested "
-                                f"versions beside it (torch==2.4.0 (tested: torch{versions.tested_range('torch')})).")
+                                "versions beside it (torch==2.4.0 (tested: torch>=2.6.0,<=2.15.0)).")
     else:
         assert message.endswith("this trl is a tested version, so what fails is what it imports: install what the "
                                 "ImportError names.")
@@ -131,6 +131,7 @@ def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda p: Version("1.99.0") if p == "trl" else real(p))
+    monkeypatch.setattr(selfcheck, "installed_integrations", lambda: ("trl",))  # TRL's range alone, Unsloth or not
     trl_line = next(check for check in selfcheck.version_checks() if check.name == "trl version")
     assert trl_line.ok
     assert trl_line.line() == f"[untested] trl version: trl==1.99.0 (tested: trl{versions.tested_range('trl')})"
@@ -147,8 +148,43 @@ def test_the_trl_version_line_is_untested_just_outside_the_tested_range(monkeypa
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda p: Version(version) if p == "trl" else real(p))
+    monkeypatch.setattr(selfcheck, "installed_integrations", lambda: ("trl",))  # TRL's range alone, Unsloth or not
     trl_line = next(check for check in selfcheck.version_checks() if check.name == "trl version")
     assert trl_line.line() == f"[{status}] trl version: trl=={version} (tested: trl>=1.9.1,<=1.16.0)"
+
+
+@pytest.mark.parametrize("here", [("trl",), ("trl", "unsloth"), ("trl", "unsloth", "verl"), ("verl",)])
+def test_a_version_is_read_against_the_ranges_of_the_integrations_installed(monkeypatch, here) -> None:
+    """transformers 4.56.2 and torch 2.6.0 ran the TRL tests (rows j and k), never Unsloth's (rows a and c: 5.17.0 and
+    2.14.1) nor verl's: with TRL alone they are tested; beside Unsloth they are untested, the line naming each
+    integration's range; on a verl install the trl line keeps TRL's range, verl having none for it."""
+    from packaging.version import Version
+
+    from unsloth_adaptive_kl.tools import selfcheck
+
+    installed = {"trl": "1.9.1", "transformers": "4.56.2", "torch": "2.6.0", "unsloth": "2026.10.7",
+                 "unsloth_zoo": "2026.10.7"}
+    monkeypatch.setattr(versions, "installed_version", lambda p: Version(installed[p]))
+    monkeypatch.setattr(selfcheck, "installed_integrations", lambda: here)
+    lines = [check.line() for check in selfcheck.version_checks()]
+    if here == ("trl",):
+        assert lines[:3] == ["[ok] trl version: trl==1.9.1 (tested: trl>=1.9.1,<=1.16.0)",
+                             "[ok] transformers version: transformers==4.56.2 (tested: transformers>=4.56.2,<=5.25.0)",
+                             "[ok] torch version: torch==2.6.0 (tested: torch>=2.6.0,<=2.15.0)"]
+    elif here == ("verl",):
+        assert lines[:3] == ["[ok] trl version: trl==1.9.1 (tested: trl>=1.9.1,<=1.16.0)",
+                             "[untested] transformers version: transformers==4.56.2 (tested: transformers==5.10.4)",
+                             "[untested] torch version: torch==2.6.0 (tested: torch==2.13.0)"]
+    else:
+        verl = "; transformers==5.10.4 with verl" if "verl" in here else ""
+        assert lines[:3] == [
+            "[untested] trl version: trl==1.9.1 (tested: trl>=1.9.1,<=1.16.0 with TRL; trl==1.15.0 with Unsloth)",
+            "[untested] transformers version: transformers==4.56.2 (tested: transformers>=4.56.2,<=5.25.0 with TRL; "
+            f"transformers==5.17.0 with Unsloth{verl})",
+            "[untested] torch version: torch==2.6.0 (tested: torch>=2.6.0,<=2.15.0 with TRL; torch==2.14.1 with "
+            f"Unsloth{verl.replace('transformers==5.10.4', 'torch==2.13.0')})"]
+    assert lines[3:] == ["[ok] unsloth version: unsloth==2026.10.7 (tested: unsloth>=2026.10.7,<=2026.10.9)",
+                         "[ok] unsloth_zoo version: unsloth_zoo==2026.10.7 (tested: unsloth_zoo>=2026.10.7,<=2026.10.9)"]
 
 
 def test_a_package_not_installed_is_reported_so_not_as_untested(monkeypatch) -> None:
@@ -160,7 +196,8 @@ def test_a_package_not_installed_is_reported_so_not_as_untested(monkeypatch) -> 
     from unsloth_adaptive_kl.tools import selfcheck
 
     absent = "unsloth_adaptive_kl_absent_package"
-    monkeypatch.setitem(versions.TESTED, absent, SpecifierSet("<=2.0,>=1.0"))
+    monkeypatch.setitem(versions.TESTED, absent, {absent: SpecifierSet("<=2.0,>=1.0")})
+    monkeypatch.setitem(versions.OWNER, absent, absent)
     monkeypatch.setattr(selfcheck, "VERSION_PACKAGES", (absent,))
     assert versions.is_tested(absent) is None
     assert [check.line() for check in selfcheck.version_checks()] == [

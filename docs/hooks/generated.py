@@ -107,9 +107,11 @@ def configuration(_: Optional[str] = None) -> str:
 
 
 def tested_versions(_: Optional[str] = None) -> str:
-    from unsloth_adaptive_kl.integrations.versions import TESTED, tested_range
+    from unsloth_adaptive_kl.integrations.versions import INTEGRATION_NAMES, TESTED, tested_range
 
-    return _table(["package", "tested range"], [[f"`{name}`", f"`{tested_range(name)}`"] for name in TESTED])
+    return _table(["integration", "package", "tested range"],
+                  [[INTEGRATION_NAMES[integration], f"`{name}`", f"`{tested_range(name, integration)}`"]
+                   for integration, packages in TESTED.items() for name in packages])
 
 
 def anchors(which: Optional[str] = None) -> str:
@@ -699,17 +701,19 @@ def gpu_check(_: Optional[str] = None) -> str:
 
 
 def gpu_untested(_: Optional[str] = None) -> str:
-    """Which versions of docs/results/gpu/check.json lie outside `versions.TESTED` (the CPU matrix's ranges), in a
-    sentence: the GPU machine's image is not chosen by this project."""
+    """Which versions of docs/results/gpu/check.json lie outside `versions.TESTED` (the CPU matrix's ranges) of the
+    integrations installed there, in a sentence: the GPU machine's image is not chosen by this project."""
     from packaging.version import Version
 
-    from unsloth_adaptive_kl.integrations.versions import TESTED, tested_range
+    from unsloth_adaptive_kl.integrations.versions import TESTED, in_tested_range, tested_ranges
 
     data = _gpu("check.json")
     if data is None:
         return ""
-    outside = [f"{name} {version} (tested: `{tested_range(name)}`)" for name, version in data["versions"].items()
-               if name in TESTED and version is not None and Version(version) not in TESTED[name]]
+    found = {name: Version(version) for name, version in data["versions"].items() if version is not None}
+    here = tuple(integration for integration in TESTED if integration in found)
+    outside = [f"{name} {version} (tested: `{tested_ranges(name, here)}`)" for name, version in found.items()
+               if any(name in TESTED[integration] for integration in here) and not in_tested_range(name, version, here)]
     if not outside:
         return "Each of its versions is within the tested ranges."
     return ("Outside the tested ranges: " + ", ".join(outside) + "; the GPU results were taken on a version the CPU "

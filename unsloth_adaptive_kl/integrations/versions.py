@@ -21,15 +21,22 @@ from packaging.version import InvalidVersion, Version
 
 from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 
-# What the CI matrix runs (.ci/run): the docs' compatibility page lists the exact sets (docs/results/ci.json).
-TESTED: dict[str, SpecifierSet] = {
-    "trl": SpecifierSet(">=1.9.1,<=1.16.0"),
-    "transformers": SpecifierSet(">=5.17.0,<=5.25.0"),
-    "torch": SpecifierSet(">=2.13.0,<=2.15.0"),
-    "unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
-    "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"),
-    "verl": SpecifierSet("==0.9.1"),
+# What the CI matrix runs (.ci/run), integration by integration: the versions of each package its rows ran the
+# integration's tests on, as ranges whose ends a row ran (the exact sets: docs/results/ci.json). A package is tested
+# with one integration, not with every one: transformers 4.56.2 ran TRL's tests (row j), never Unsloth's.
+TESTED: dict[str, dict[str, SpecifierSet]] = {
+    "trl": {"trl": SpecifierSet(">=1.9.1,<=1.16.0"), "transformers": SpecifierSet(">=4.56.2,<=5.25.0"),
+            "torch": SpecifierSet(">=2.6.0,<=2.15.0")},
+    "unsloth": {"unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
+                "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"), "trl": SpecifierSet("==1.15.0"),
+                "transformers": SpecifierSet("==5.17.0"), "torch": SpecifierSet("==2.14.1")},
+    "verl": {"verl": SpecifierSet("==0.9.1"), "transformers": SpecifierSet("==5.10.4"),
+             "torch": SpecifierSet("==2.13.0")},
 }
+# The integration whose anchors a package's source holds: its versions are checked against that integration's range.
+OWNER = {"trl": "trl", "unsloth": "unsloth", "unsloth_zoo": "unsloth", "verl": "verl"}
+# How a range's integration is named where several are listed ("tested: ... with TRL; ... with Unsloth").
+INTEGRATION_NAMES = {"trl": "TRL", "unsloth": "Unsloth", "verl": "verl"}
 
 
 @dataclass(frozen=True)
@@ -261,37 +268,63 @@ _warned: set[tuple[str, str]] = set()
 
 def installed_version(package: str) -> Version | str:
     """The installed version, parsed; its metadata's own text where that is not a PEP 440 version (a local build's
-    '2.14.1-custom'), which no tested range contains."""
-    text = importlib.metadata.version(package)
+    '2.14.1-custom'), which no tested range contains; 'unknown' where its metadata has no Version field."""
+    try:
+        text = importlib.metadata.version(package)
+    except KeyError:  # no Version field: KeyError where the metadata raises for a missing field, else None
+        text = None
+    if text is None:
+        return "unknown"
     try:
         return Version(text)
     except InvalidVersion:
         return text
 
 
-def in_tested_range(package: str, version: Version | str) -> bool:
-    """Whether `version` is in the package's tested range (never, for a version that is not PEP 440)."""
-    return isinstance(version, Version) and version in TESTED[package]
+def integrations_of(package: str, integrations: Optional[tuple[str, ...]] = None) -> tuple[str, ...]:
+    """The integrations whose tested ranges `package` is read against: those of `integrations` that run with it, else
+    (none does, or none is given) the package's owner (`OWNER`), or for torch and transformers every integration."""
+    return (tuple(name for name in integrations or () if package in TESTED[name])
+            or ((OWNER[package],) if package in OWNER else tuple(name for name in TESTED if package in TESTED[name])))
 
 
-def tested_range(package: str) -> str:
-    """'>=1.9.1,<=1.16.0': the tested range, lower bound first."""
-    return ",".join(sorted((str(spec) for spec in TESTED[package]), key=lambda spec: not spec.startswith(">")))
+def in_tested_range(package: str, version: Version | str, integrations: Optional[tuple[str, ...]] = None) -> bool:
+    """Whether `version` is in the package's tested range with each of `integrations` (never, for a version that is
+    not PEP 440)."""
+    return isinstance(version, Version) and all(version in TESTED[name][package]
+                                                for name in integrations_of(package, integrations))
 
 
-def describe(package: str) -> str:
-    """'trl==1.16.0 (tested: trl>=1.9.1,<=1.16.0)', or 'trl (not installed) (tested: trl>=1.9.1,<=1.16.0)'."""
+def tested_range(package: str, integration: Optional[str] = None) -> str:
+    """'>=1.9.1,<=1.16.0': the tested range with `integration` (default: the package's owner), lower bound first."""
+    specifiers = TESTED[integration or OWNER[package]][package]
+    return ",".join(sorted((str(spec) for spec in specifiers), key=lambda spec: not spec.startswith(">")))
+
+
+def tested_ranges(package: str, integrations: Optional[tuple[str, ...]] = None) -> str:
+    """'trl>=1.9.1,<=1.16.0', or, with several integrations, 'trl>=1.9.1,<=1.16.0 with TRL; trl==1.15.0 with
+    Unsloth'."""
+    names = integrations_of(package, integrations)
+    if len(names) == 1:
+        return f"{package}{tested_range(package, names[0])}"
+    return "; ".join(f"{package}{tested_range(package, name)} with {INTEGRATION_NAMES[name]}" for name in names)
+
+
+def describe(package: str, integrations: Optional[tuple[str, ...]] = None) -> str:
+    """'trl==1.16.0 (tested: trl>=1.9.1,<=1.16.0)', or 'trl (not installed) (tested: trl>=1.9.1,<=1.16.0)'; the
+    ranges of `integrations` (default: the package's owner)."""
     try:
         found = f"{package}=={installed_version(package)}"
     except importlib.metadata.PackageNotFoundError:
         found = f"{package} (not installed)"
-    return f"{found} (tested: {package}{tested_range(package)})"
+    return f"{found} (tested: {tested_ranges(package, integrations)})"
 
 
-def is_tested(package: str) -> Optional[bool]:
-    """Whether the installed version is in the tested range; None when the package is not installed."""
+def is_tested(package: str, integrations: Optional[tuple[str, ...]] = None) -> Optional[bool]:
+    """Whether the installed version is in the tested range with each of `integrations` (default: the package's
+    owner); None when the package is not installed."""
     try:
-        return in_tested_range(package, installed_version(package))
+        return in_tested_range(package, installed_version(package), integrations)
     except importlib.metadata.PackageNotFoundError:
         return None
 
@@ -372,7 +405,9 @@ def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
     lack), so the fix names the untested torch or transformers beside it (with both tested, what the ImportError
     names) rather than the package a reinstall would not change."""
     if is_tested(package):
-        untested = [describe(name) for name in ("torch", "transformers") if name != package and is_tested(name) is False]
+        beside = (OWNER[package],)
+        untested = [describe(name, beside) for name in ("torch", "transformers")
+                    if name != package and is_tested(name, beside) is False]
         fix = (f"this {package} is a tested version, so what fails is what it imports: "
                + (f"install tested versions beside it ({', '.join(untested)})" if untested else
                   "install what the ImportError names"))
