@@ -11,5 +11,5 @@ from unsloth_adaptive_kl.core.reductions import ReductionContext
 
 def adapted_kl_term(kl: torch.Tensor, mask: torch.Tensor, config, loss_type: str, ctx: ReductionContext) -> KLTerm:
     """The KL term of the per-token KL `kl` (with autograd), the log-probs it came from being 0 (a finite check)."""
-    zeros = torch.zeros(kl.shape)
+    zeros = torch.zeros_like(kl)
     return kl_term(zeros, zeros, mask, config, loss_type=loss_type, context=ctx, per_token_kl=kl, with_grad=True)
