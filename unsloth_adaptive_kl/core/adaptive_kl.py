@@ -198,9 +198,7 @@ class AdaptiveKL:
         `logps` or `ref_logps` on a valid token raises `NonFiniteLogProbError` (a FloatingPointError and ValueError)
         naming the step, the tensor and how many tokens; masked positions may hold anything (their KL is 0, with a
         zero gradient)."""
-        self.check_settings()
-        check_train(train)
-        check_gather(gather)
+        self._check_batch_call(train, gather)
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
                              "reward_penalty(...) on each generation batch instead of kl_loss(...).")
@@ -264,9 +262,7 @@ class AdaptiveKL:
         no valid token has no KL; with `group_size` it gets its group's mean penalty (`neutral_where_empty`), as the
         trainer integrations give it, so that its reward moves no other advantage by its penalty. Without it, its
         penalty is 0 and the first such batch warns."""
-        self.check_settings()
-        check_train(train)
-        check_gather(gather)
+        self._check_batch_call(train, gather)
         if not self.config.kl_in_reward:
             raise ValueError("kl_placement='loss' puts beta * KL into the loss, not the rewards: call kl_loss(...) on "
                              "each micro-batch instead of reward_penalty(...), or set kl_placement='reward'.")
@@ -314,6 +310,12 @@ class AdaptiveKL:
         self._warn_if_stepped_twice()
         self._end_step(self.completed_steps + 1, kl)
         return self.current_beta
+
+    def _check_batch_call(self, train: Any, gather: Any) -> None:
+        """What `kl_loss` and `reward_penalty` check before they read a tensor: the settings, `train` and `gather`."""
+        self.check_settings()
+        check_train(train)
+        check_gather(gather)
 
     def check_settings(self, source: Any = None) -> None:
         """A ValueError where a field of `source` (default: `config`; a trainer passes its args, which `config` was
