@@ -931,11 +931,11 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
     if source == "within the ranges":
         assert seconds[3] == "Each of its versions is within the tested ranges."
         return
-    # the versions outside the CPU matrix's ranges of the integrations the GPU check ran (TRL and Unsloth), by name:
-    # torch 2.11.0 (the GPU image's) is within TRL's >=2.6.0 but not Unsloth's 2.14.1
-    assert seconds[3] == ("Outside the tested ranges: torch 2.11.0 (tested: `torch>=2.6.0,<=2.15.0 with TRL; "
-                          "torch==2.14.1 with Unsloth`); the GPU results were taken on a version the CPU matrix does "
-                          "not run.")
+    # the versions outside the CPU matrix's ranges of the core and the integrations the GPU check ran (TRL and
+    # Unsloth), by name: torch 2.11.0 (the GPU image's) is within the core's and TRL's but not Unsloth's 2.14.1
+    assert seconds[3] == ("Outside the tested ranges: torch 2.11.0 (tested: `torch>=2.4.0,<=2.15.0 with the core; "
+                          "torch>=2.6.0,<=2.15.0 with TRL; torch==2.14.1 with Unsloth`); the GPU results were taken on "
+                          "a version the CPU matrix does not run.")
 
 
 @pytest.mark.parametrize("source", ["committed", "made up", "dry run"])

@@ -731,16 +731,16 @@ def test_a_stock_config_bound_before_the_import_pickles_into_a_checkpoint_and_ou
 
 def test_each_tested_range_ends_at_versions_the_recorded_ci_run_installed() -> None:
     """versions.TESTED is what the CI matrix runs, integration by integration: every bound of every range (TRL's trl
-    1.9.1 and 1.16.0, Unsloth's transformers 5.17.0, ...) is a version that one row of the last recorded `.ci/run`
-    (docs/results/ci.json) installed beside that integration's own package, so a user on a version CI ran gets no
-    UntestedVersionWarning and a range never claims a version no row ran with that integration."""
+    1.9.1 and 1.16.0, Unsloth's transformers 5.17.0, the core's torch 2.4.0, ...) is a version that one row of the
+    last recorded `.ci/run` (docs/results/ci.json) installed beside the package that brings that integration, so a
+    user on a version CI ran gets no UntestedVersionWarning and a range never claims a version no row ran with it."""
     import json
     from pathlib import Path
 
     rows = json.loads((Path(__file__).parents[1] / "docs" / "results" / "ci.json").read_text())["rows"]
     for integration, packages in versions.TESTED.items():
-        ran = {(package, Version(version).base_version) for row in rows if integration in row["versions"]
-               for package, version in row["versions"].items()}
+        ran = {(package, Version(version).base_version) for row in rows
+               if versions.BROUGHT_BY[integration] in row["versions"] for package, version in row["versions"].items()}
         for package, specifiers in packages.items():
             for specifier in specifiers:
                 assert (package, specifier.version) in ran, (integration, package, str(specifier))

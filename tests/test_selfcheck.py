@@ -131,7 +131,7 @@ def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda p: Version("1.99.0") if p == "trl" else real(p))
-    monkeypatch.setattr(selfcheck, "installed_integrations", lambda: ("trl",))  # TRL's range alone, Unsloth or not
+    monkeypatch.setattr(versions, "installed_integrations", lambda: ("core", "trl"))  # Unsloth or not
     trl_line = next(check for check in selfcheck.version_checks() if check.name == "trl version")
     assert trl_line.ok
     assert trl_line.line() == f"[untested] trl version: trl==1.99.0 (tested: trl{versions.tested_range('trl')})"
@@ -148,16 +148,18 @@ def test_the_trl_version_line_is_untested_just_outside_the_tested_range(monkeypa
 
     real = versions.installed_version
     monkeypatch.setattr(versions, "installed_version", lambda p: Version(version) if p == "trl" else real(p))
-    monkeypatch.setattr(selfcheck, "installed_integrations", lambda: ("trl",))  # TRL's range alone, Unsloth or not
+    monkeypatch.setattr(versions, "installed_integrations", lambda: ("core", "trl"))  # Unsloth or not
     trl_line = next(check for check in selfcheck.version_checks() if check.name == "trl version")
     assert trl_line.line() == f"[{status}] trl version: trl=={version} (tested: trl>=1.9.1,<=1.16.0)"
 
 
-@pytest.mark.parametrize("here", [("trl",), ("trl", "unsloth"), ("trl", "unsloth", "verl"), ("verl",)])
+@pytest.mark.parametrize("here", [(), ("trl",), ("trl", "unsloth"), ("trl", "unsloth", "verl"), ("verl",)])
 def test_a_version_is_read_against_the_ranges_of_the_integrations_installed(monkeypatch, here) -> None:
     """transformers 4.56.2 and torch 2.6.0 ran the TRL tests (rows j and k), never Unsloth's (rows a and c: 5.17.0 and
-    2.14.1) nor verl's: with TRL alone they are tested; beside Unsloth they are untested, the line naming each
-    integration's range; on a verl install the trl line keeps TRL's range, verl having none for it."""
+    2.14.1) nor verl's (row h: 5.10.4 and 2.13.0): with TRL alone they are tested; beside Unsloth or verl they are
+    untested, the line naming each integration's range. torch is read against the core's range too (rows i to b:
+    2.4.0 to 2.15.0), the only one where no integration is installed; trl, which only TRL and Unsloth run with, keeps
+    TRL's range on a verl install."""
     from packaging.version import Version
 
     from unsloth_adaptive_kl.tools import selfcheck
@@ -165,26 +167,31 @@ def test_a_version_is_read_against_the_ranges_of_the_integrations_installed(monk
     installed = {"trl": "1.9.1", "transformers": "4.56.2", "torch": "2.6.0", "unsloth": "2026.10.7",
                  "unsloth_zoo": "2026.10.7"}
     monkeypatch.setattr(versions, "installed_version", lambda p: Version(installed[p]))
-    monkeypatch.setattr(selfcheck, "installed_integrations", lambda: here)
+    monkeypatch.setattr(versions, "installed_integrations", lambda: ("core", *here))
     lines = [check.line() for check in selfcheck.version_checks()]
-    if here == ("trl",):
-        assert lines[:3] == ["[ok] trl version: trl==1.9.1 (tested: trl>=1.9.1,<=1.16.0)",
-                             "[ok] transformers version: transformers==4.56.2 (tested: transformers>=4.56.2,<=5.25.0)",
-                             "[ok] torch version: torch==2.6.0 (tested: torch>=2.6.0,<=2.15.0)"]
-    elif here == ("verl",):
-        assert lines[:3] == ["[ok] trl version: trl==1.9.1 (tested: trl>=1.9.1,<=1.16.0)",
-                             "[untested] transformers version: transformers==4.56.2 (tested: transformers==5.10.4)",
-                             "[untested] torch version: torch==2.6.0 (tested: torch==2.13.0)"]
-    else:
-        verl = "; transformers==5.10.4 with verl" if "verl" in here else ""
-        assert lines[:3] == [
-            "[untested] trl version: trl==1.9.1 (tested: trl>=1.9.1,<=1.16.0 with TRL; trl==1.15.0 with Unsloth)",
-            "[untested] transformers version: transformers==4.56.2 (tested: transformers>=4.56.2,<=5.25.0 with TRL; "
-            f"transformers==5.17.0 with Unsloth{verl})",
-            "[untested] torch version: torch==2.6.0 (tested: torch>=2.6.0,<=2.15.0 with TRL; torch==2.14.1 with "
-            f"Unsloth{verl.replace('transformers==5.10.4', 'torch==2.13.0')})"]
-    assert lines[3:] == ["[ok] unsloth version: unsloth==2026.10.7 (tested: unsloth>=2026.10.7,<=2026.10.9)",
-                         "[ok] unsloth_zoo version: unsloth_zoo==2026.10.7 (tested: unsloth_zoo>=2026.10.7,<=2026.10.9)"]
+    ranges = {"the core": (None, None, "torch>=2.4.0,<=2.15.0"),
+              "TRL": ("trl>=1.9.1,<=1.16.0", "transformers>=4.56.2,<=5.25.0", "torch>=2.6.0,<=2.15.0"),
+              "Unsloth": ("trl==1.15.0", "transformers==5.17.0", "torch==2.14.1"),
+              "verl": (None, "transformers==5.10.4", "torch==2.13.0")}
+    installed_here = [name for name in ("TRL", "Unsloth", "verl") if name.lower() in here]
+
+    def tested(package: int, names: list[str]) -> str:
+        found = [(ranges[name][package], name) for name in names if ranges[name][package]]
+        return found[0][0] if len(found) == 1 else "; ".join(f"{r} with {name}" for r, name in found)
+
+    # trl: the ranges of TRL and Unsloth where installed, else its owner's (TRL); transformers: those installed, else
+    # every integration's (the core has none); torch: the core's and those installed
+    trl = tested(0, [name for name in installed_here if name != "verl"] or ["TRL"])
+    transformers = tested(1, installed_here or ["TRL", "Unsloth", "verl"])
+    torch_ranges = tested(2, ["the core", *installed_here])
+    assert lines[:3] == [
+        f"[{'ok' if here in ((), ('trl',), ('verl',)) else 'untested'}] trl version: trl==1.9.1 (tested: {trl})",
+        f"[{'ok' if here == ('trl',) else 'untested'}] transformers version: transformers==4.56.2 (tested: "
+        f"{transformers})",
+        f"[{'ok' if here in ((), ('trl',)) else 'untested'}] torch version: torch==2.6.0 (tested: {torch_ranges})"]
+    assert lines[3:] == [
+        "[ok] unsloth version: unsloth==2026.10.7 (tested: unsloth>=2026.10.7,<=2026.10.9)",
+        "[ok] unsloth_zoo version: unsloth_zoo==2026.10.7 (tested: unsloth_zoo>=2026.10.7,<=2026.10.9)"]
 
 
 def test_a_package_not_installed_is_reported_so_not_as_untested(monkeypatch) -> None:

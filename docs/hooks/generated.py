@@ -705,15 +705,16 @@ def gpu_untested(_: Optional[str] = None) -> str:
     integrations installed there, in a sentence: the GPU machine's image is not chosen by this project."""
     from packaging.version import Version
 
-    from unsloth_adaptive_kl.integrations.versions import TESTED, in_tested_range, tested_ranges
+    from unsloth_adaptive_kl.integrations.versions import BROUGHT_BY, TESTED, in_tested_range, tested_ranges
 
     data = _gpu("check.json")
     if data is None:
         return ""
-    found = {name: Version(version) for name, version in data["versions"].items() if version is not None}
-    here = tuple(integration for integration in TESTED if integration in found)
+    here = tuple(name for name, package in BROUGHT_BY.items() if data["versions"].get(package) is not None)
+    found = {name: Version(data["versions"][name]) for name in dict.fromkeys(p for i in here for p in TESTED[i])
+             if data["versions"].get(name) is not None}
     outside = [f"{name} {version} (tested: `{tested_ranges(name, here)}`)" for name, version in found.items()
-               if any(name in TESTED[integration] for integration in here) and not in_tested_range(name, version, here)]
+               if not in_tested_range(name, version, here)]
     if not outside:
         return "Each of its versions is within the tested ranges."
     return ("Outside the tested ranges: " + ", ".join(outside) + "; the GPU results were taken on a version the CPU "

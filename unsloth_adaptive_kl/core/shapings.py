@@ -81,7 +81,7 @@ def clipped_tokens(valid_kl: torch.Tensor, config: Any, lengths: torch.Tensor) -
     """`clip`: how many valid tokens have k >= kl_clip_threshold (padded positions are 0 < kl_clip_threshold), in the
     dtype of `lengths`; 0 otherwise. The comparison writes its 0/1 straight into a tensor of that dtype: a bool
     result summed as floats costs 4x as much on a CPU (0.29 against 0.07 ms at 64 x 4096, measured). That tensor is
-    made by a method of `lengths`: torch.fx (a Tinker custom loss) records a method call whatever its arguments, where
+    made by a method of `lengths`: torch.fx (a traced custom loss) records a method call whatever its arguments, where
     torch 2.6 refuses `torch.empty_like(valid_kl, dtype=lengths.dtype)` with a traced dtype (TypeError)."""
     if "clip" not in config.kl_methods:
         return lengths.new_zeros(())

@@ -23,8 +23,10 @@ from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 
 # What the CI matrix runs (.ci/run), integration by integration: the versions of each package its rows ran the
 # integration's tests on, as ranges whose ends a row ran (the exact sets: docs/results/ci.json). A package is tested
-# with one integration, not with every one: transformers 4.56.2 ran TRL's tests (row j), never Unsloth's.
+# with one integration, not with every one: transformers 4.56.2 ran TRL's tests (row j), never Unsloth's. "core": the
+# core's tests (AdaptiveKL in an own loop, Tinker's), which need torch alone.
 TESTED: dict[str, dict[str, SpecifierSet]] = {
+    "core": {"torch": SpecifierSet(">=2.4.0,<=2.15.0")},
     "trl": {"trl": SpecifierSet(">=1.9.1,<=1.16.0"), "transformers": SpecifierSet(">=4.56.2,<=5.25.0"),
             "torch": SpecifierSet(">=2.6.0,<=2.15.0")},
     "unsloth": {"unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
@@ -33,10 +35,12 @@ TESTED: dict[str, dict[str, SpecifierSet]] = {
     "verl": {"verl": SpecifierSet("==0.9.1"), "transformers": SpecifierSet("==5.10.4"),
              "torch": SpecifierSet("==2.13.0")},
 }
+# The package whose install brings each integration: where it is installed, that integration's ranges apply.
+BROUGHT_BY = {"core": "torch", "trl": "trl", "unsloth": "unsloth", "verl": "verl"}
 # The integration whose anchors a package's source holds: its versions are checked against that integration's range.
 OWNER = {"trl": "trl", "unsloth": "unsloth", "unsloth_zoo": "unsloth", "verl": "verl"}
 # How a range's integration is named where several are listed ("tested: ... with TRL; ... with Unsloth").
-INTEGRATION_NAMES = {"trl": "TRL", "unsloth": "Unsloth", "verl": "verl"}
+INTEGRATION_NAMES = {"core": "the core", "trl": "TRL", "unsloth": "Unsloth", "verl": "verl"}
 
 
 @dataclass(frozen=True)
@@ -284,8 +288,13 @@ def installed_version(package: str) -> Version | str:
 def integrations_of(package: str, integrations: Optional[tuple[str, ...]] = None) -> tuple[str, ...]:
     """The integrations whose tested ranges `package` is read against: those of `integrations` that run with it, else
     (none does, or none is given) the package's owner (`OWNER`), or for torch and transformers every integration."""
-    return (tuple(name for name in integrations or () if package in TESTED[name])
+    return (tuple(name for name in integrations or () if package in TESTED.get(name, {}))
             or ((OWNER[package],) if package in OWNER else tuple(name for name in TESTED if package in TESTED[name])))
+
+
+def installed_integrations() -> tuple[str, ...]:
+    """The core, and each integration whose package (`BROUGHT_BY`) is installed here."""
+    return tuple(name for name, package in BROUGHT_BY.items() if is_tested(package, (name,)) is not None)
 
 
 def in_tested_range(package: str, version: Version | str, integrations: Optional[tuple[str, ...]] = None) -> bool:

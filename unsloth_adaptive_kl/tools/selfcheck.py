@@ -47,15 +47,10 @@ class Check:
         return f"[{status}] {self.name}" + (f": {self.detail}" if self.detail else "")
 
 
-def installed_integrations() -> tuple[str, ...]:
-    """The integrations whose package is installed here (trl, unsloth, verl), all of them where none is."""
-    return tuple(name for name in versions.TESTED if versions.is_tested(name) is not None) or tuple(versions.TESTED)
-
-
 def version_checks() -> list[Check]:
-    """Each package's version against its tested range with each integration installed here: a version is untested
-    where one of those integrations' CI rows never ran it (transformers 4.56.2 ran TRL's tests, not Unsloth's)."""
-    here = installed_integrations()
+    """Each package's version against its tested range with the core and each integration installed here: a version
+    is untested where one of their CI rows never ran it (transformers 4.56.2 ran TRL's tests, not Unsloth's)."""
+    here = versions.installed_integrations()
     return [Check(f"{package} version", True, versions.describe(package, here),
                   untested=versions.is_tested(package, here) is False) for package in VERSION_PACKAGES]
 
