@@ -934,7 +934,7 @@ def test_gpu_check_is_every_check_of_every_scenario(hook: Any, source: str, monk
     # the versions outside the CPU matrix's ranges of the core and the integrations the GPU check ran (TRL and
     # Unsloth), by name: torch 2.11.0 (the GPU image's) is within the core's and TRL's but not Unsloth's 2.14.1
     assert seconds[3] == ("Outside the tested ranges: torch 2.11.0 (tested: `torch>=2.4.0,<=2.15.0 with the core; "
-                          "torch>=2.13.0,<=2.15.0 with TRL; torch==2.14.1 with Unsloth`); the GPU results were taken on "
+                          "torch>=2.6.0,<=2.15.0 with TRL; torch==2.14.1 with Unsloth`); the GPU results were taken on "
                           "a version the CPU matrix does not run.")
 
 

@@ -117,7 +117,7 @@ def test_a_trl_that_does_not_import_gets_the_fix_its_version_calls_for(monkeypat
         assert message.endswith("install a tested version: pip install 'trl>=1.9.1,<=1.16.0'.")
     elif torch_version == "2.4.0":  # transformers 5.17.0 is tested with TRL: only torch is named, with TRL's range
         assert message.endswith("this trl is a tested version, so what fails is what it imports: install tested "
-                                "versions beside it (torch==2.4.0 (tested: torch>=2.13.0,<=2.15.0)).")
+                                "versions beside it (torch==2.4.0 (tested: torch>=2.6.0,<=2.15.0)).")
     else:
         assert message.endswith("this trl is a tested version, so what fails is what it imports: install what the "
                                 "ImportError names.")
@@ -170,7 +170,7 @@ def test_a_version_is_read_against_the_ranges_of_the_integrations_installed(monk
     monkeypatch.setattr(versions, "installed_integrations", lambda: ("core", *here))
     lines = [check.line() for check in selfcheck.version_checks()]
     ranges = {"the core": (None, None, "torch>=2.4.0,<=2.15.0"),
-              "TRL": ("trl>=1.9.1,<=1.16.0", "transformers>=4.56.2,<=5.25.0", "torch>=2.13.0,<=2.15.0"),
+              "TRL": ("trl>=1.9.1,<=1.16.0", "transformers>=4.56.2,<=5.25.0", "torch>=2.6.0,<=2.15.0"),
               "Unsloth": ("trl==1.15.0", "transformers==5.17.0", "torch==2.14.1"),
               "verl": (None, "transformers==5.10.4", "torch==2.13.0")}
     installed_here = [name for name in ("TRL", "Unsloth", "verl") if name.lower() in here]
@@ -188,7 +188,7 @@ def test_a_version_is_read_against_the_ranges_of_the_integrations_installed(monk
         f"[{'ok' if here in ((), ('trl',), ('verl',)) else 'untested'}] trl version: trl==1.9.1 (tested: {trl})",
         f"[{'ok' if here == ('trl',) else 'untested'}] transformers version: transformers==4.56.2 (tested: "
         f"{transformers})",
-        f"[{'ok' if here == () else 'untested'}] torch version: torch==2.6.0 (tested: {torch_ranges})"]
+        f"[{'ok' if here in ((), ('trl',)) else 'untested'}] torch version: torch==2.6.0 (tested: {torch_ranges})"]
     assert lines[3:] == [
         "[ok] unsloth version: unsloth==2026.10.7 (tested: unsloth>=2026.10.7,<=2026.10.9)",
         "[ok] unsloth_zoo version: unsloth_zoo==2026.10.7 (tested: unsloth_zoo>=2026.10.7,<=2026.10.9)"]

@@ -28,7 +28,7 @@ from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 TESTED: dict[str, dict[str, SpecifierSet]] = {
     "core": {"torch": SpecifierSet(">=2.4.0,<=2.15.0")},
     "trl": {"trl": SpecifierSet(">=1.9.1,<=1.16.0"), "transformers": SpecifierSet(">=4.56.2,<=5.25.0"),
-            "torch": SpecifierSet(">=2.13.0,<=2.15.0")},
+            "torch": SpecifierSet(">=2.6.0,<=2.15.0")},
     "unsloth": {"unsloth": SpecifierSet(">=2026.10.7,<=2026.10.9"),
                 "unsloth_zoo": SpecifierSet(">=2026.10.7,<=2026.10.9"), "trl": SpecifierSet("==1.15.0"),
                 "transformers": SpecifierSet("==5.17.0"), "torch": SpecifierSet("==2.14.1")},
