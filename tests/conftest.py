@@ -115,18 +115,20 @@ def make_trainer(
     output_dir: str,
     reward: Optional[Callable[..., list[float]]] = None,
     model_kind: str = "peft_model",
+    config: Any = None,
     **overrides: Any,
 ) -> Any:
     """A GRPO trainer on the tiny model: `peft_model` passes a LoRA PeftModel (TRL then adds its frozen "ref" adapter
     copy as the reference), `peft_config` the base model and the LoRA config (the trainer wraps it; the reference is
-    the adapter disabled), `full` the base model alone, saved to a folder it loads from (so does its `ref_model`)."""
+    the adapter disabled), `full` the base model alone, saved to a folder it loads from (so does its `ref_model`).
+    `config`: a GRPOConfig of the caller's in place of `grpo_args(output_dir, **overrides)`."""
     import trl
     from datasets import Dataset
     from transformers import set_seed
 
     from unsloth_adaptive_kl.tools.tiny import add_lora, build_tiny_model, lora_config
 
-    args = grpo_args(output_dir, **overrides)
+    args = grpo_args(output_dir, **overrides) if config is None else config
 
     set_seed(0)
     model = build_tiny_model(tokenizer, seed=0)

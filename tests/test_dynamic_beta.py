@@ -204,17 +204,28 @@ def test_a_resume_with_a_new_constant_beta_trains_and_logs_it(tokenizer, tmp_pat
 def test_a_resume_of_dynamic_with_a_new_beta_says_the_checkpoints_beta_continues(tokenizer, tmp_path) -> None:
     """A dynamic run resumed with a new args.beta continued from the checkpoint's decayed beta without a word (the
     state did not record the beta its run was built with). The resume now names both betas and the one that
-    continues (0.04 * 0.8**2, within the new beta=0.08); the resumed step trains and logs at it, then decays it."""
+    continues (0.04 * 0.8**2, within the new beta=0.08); the resumed step trains and logs at it, then decays it. The
+    way to start from the new beta instead is named (it said "resume without the adaptive KL state", which no trainer
+    option does): the checkpoint's state file, deleted, and the resume run again, which then trains at 0.08."""
     settings = dict(max_steps=3, dynamic_beta_decay=0.8, save_strategy="steps", save_steps=2,
                     model_kind="peft_config", **DYNAMIC)
     make_trainer(tokenizer, str(tmp_path / "full"), constant_reward(1.0), **settings).train()
     resumed = make_trainer(tokenizer, str(tmp_path / "resumed"), constant_reward(1.0), **{**settings, "beta": 0.08})
+    checkpoint = tmp_path / "full" / "checkpoint-2"
+    state_file = checkpoint / "adaptive_kl_state.json"
     with pytest.warns(UserWarning, match=r"^adaptive KL: this run's beta=0\.08 is not the beta=0\.04 the checkpoint's "
                                          r"run was built with: dynamic moves beta, so the run continues from the "
-                                         r"checkpoint's beta 0\.0256\. To start from 0\.08 instead"):
-        resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-2"))
+                                         r"checkpoint's beta 0\.0256\. To start from 0\.08 instead, delete "
+                                         rf"{re.escape(str(state_file))} and resume again\.$"):
+        resumed.train(resume_from_checkpoint=str(checkpoint))
     assert logged(resumed, "adaptive_kl/current_beta")[-1] == pytest.approx(0.04 * 0.8**2)
     assert resumed.current_beta == pytest.approx(0.04 * 0.8**3)
+    state_file.unlink()
+    again = make_trainer(tokenizer, str(tmp_path / "again"), constant_reward(1.0), **{**settings, "beta": 0.08})
+    with pytest.warns(UserWarning, match=rf"^adaptive_kl: {re.escape(str(state_file))} is missing: the controllers "
+                                         r"restart from their initial beta\.$"):
+        again.train(resume_from_checkpoint=str(checkpoint))
+    assert logged(again, "adaptive_kl/current_beta")[-1] == 0.08 and again.current_beta == pytest.approx(0.08 * 0.8)
 
 
 def test_the_checkpoint_a_hub_push_uploads_holds_the_controllers_state(tokenizer, tmp_path) -> None:

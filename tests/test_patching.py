@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.metadata
 import importlib.util
 import inspect
@@ -241,8 +242,8 @@ untouched = lambda: grpo_trainer.GRPOTrainer._compute_loss is _compute_loss
     # a trl that does not import (trl 0.27.0 under transformers 5 imports `weave`, which a verl install lacks)
     "import": """
 import sys
-sys.modules["trl.trainer.callbacks"] = None
-untouched = lambda: sys.modules["trl.trainer.callbacks"] is None
+sys.modules["trl.data_utils"] = None  # fails inside trl's own source (its callbacks module imports it)
+untouched = lambda: sys.modules["trl.data_utils"] is None
 """,
 }
 AFTER_UNPATCHABLE_TRL = """
@@ -281,7 +282,7 @@ def test_a_trl_it_cannot_patch_leaves_the_core_and_the_other_doors_working(why: 
     assert result.returncode == 0, result.stderr[-3000:]
     message, term, state, again = result.stdout.strip().splitlines()
     assert message.startswith(f"unsloth_adaptive_kl cannot patch trl=={versions.installed_version('trl')} (tested: ")
-    assert ("importing it failed (ModuleNotFoundError: import of trl.trainer.callbacks halted; None in sys.modules)"
+    assert ("importing it failed (ModuleNotFoundError: import of trl.data_utils halted; None in sys.modules)"
             if why == "import" else "the anchor `") in message
     assert message.endswith("The TRL and Unsloth integrations are off (trl.GRPOConfig has no adaptive-KL fields); the "
                             "core (AdaptiveKL), verl and Tinker work without TRL.")
@@ -688,6 +689,36 @@ def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_traine
         warnings.simplefilter("always")
         unsloth_adaptive_kl.GRPOConfig(output_dir="x", use_cpu=True, beta=0.04, kl_adaptation_method="clip")
     assert not [w for w in caught if "unpatched" in str(w.message)]
+
+
+def test_unpatch_names_a_config_with_adaptive_fields_that_no_patched_trainer_has_taken(tokenizer, tmp_path) -> None:
+    """A GRPOConfig with adapted fields built while patched, then unpatch(), then its trainer: trl's stock trainer,
+    which trained without the fields, silently. unpatch() now names each such config still alive (its fields), at the
+    caller's line; one a patched trainer took (the comparison of an adaptive run with stock) and one without an adapted
+    field are not named, and a second unpatch() says nothing."""
+    waiting = trl.GRPOConfig(output_dir=str(tmp_path / "a"), use_cpu=True, beta=0.04, kl_adaptation_method="clip",
+                             kl_reduction="token_mean")
+    second = trl.GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, beta=0.04, kl_estimator="k1")
+    plain = trl.GRPOConfig(output_dir=str(tmp_path / "c"), use_cpu=True, beta=0.04, kl_clip_threshold=0.5)
+    taken = make_trainer(tokenizer, str(tmp_path / "taken"), max_steps=1, kl_adaptation_method="sigmoid")
+    del second
+    gc.collect()  # a config nothing holds any more is not named (nor one an earlier test left in a cycle)
+    try:
+        with pytest.warns(UserWarning, match=r"^unsloth_adaptive_kl\.unpatch\(\): 1 GRPOConfig with adaptive-KL fields "
+                                             r"\(kl_adaptation_method='clip', kl_reduction='token_mean'\), built while "
+                                             r"patched, not yet given to a GRPOTrainer: a GRPOTrainer built from one "
+                                             r"now is trl's stock one, which reads none of the adaptive-KL fields\. "
+                                             r"Call unsloth_adaptive_kl\.patch\(\) before building the trainer\.$"
+                          ) as caught:
+            unsloth_adaptive_kl.unpatch()
+        assert [w.filename for w in caught if "unpatch():" in str(w.message)] == [__file__]
+        with warnings.catch_warnings(record=True) as again:
+            warnings.simplefilter("always")
+            unsloth_adaptive_kl.unpatch()
+        assert not again
+    finally:
+        unsloth_adaptive_kl.patch()
+    assert taken.args.kl_adaptation_method == "sigmoid" and plain.kl_clip_threshold == 0.5 and waiting.beta == 0.04
 
 
 def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from unsloth_adaptive_kl.core.errors import IncompatibleVersionError
 from unsloth_adaptive_kl.integrations import versions
 from unsloth_adaptive_kl.tools.selfcheck import Check
 
@@ -84,13 +85,13 @@ def test_self_check_reports_a_trl_that_does_not_import_and_fails(tmp_path) -> No
         import runpy
         import sys
 
-        sys.modules["trl.trainer.callbacks"] = None
+        sys.modules["trl.data_utils"] = None  # fails inside trl's own source, as trl 0.27.0's `import weave` does
         runpy.run_module("unsloth_adaptive_kl", run_name="__main__")
     '''))
     result = run([str(script)], tmp_path)
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert (f"[FAIL] trl imports: unsloth_adaptive_kl cannot patch trl=={importlib.metadata.version('trl')} (tested: "
-            "trl>=1.9.1,<=1.16.0): importing it failed (ModuleNotFoundError: import of trl.trainer.callbacks halted; "
+            "trl>=1.9.1,<=1.16.0): importing it failed (ModuleNotFoundError: import of trl.data_utils halted; "
             "None in sys.modules).") in result.stdout
     assert "[ok] core AdaptiveKL (torch alone)" in result.stdout and "self-check FAILED" in result.stdout
 
@@ -121,6 +122,60 @@ def test_a_trl_that_does_not_import_gets_the_fix_its_version_calls_for(monkeypat
     else:
         assert message.endswith("this trl is a tested version, so what fails is what it imports: install what the "
                                 "ImportError names.")
+
+
+def test_an_import_this_package_makes_is_told_from_one_inside_trl(monkeypatch) -> None:
+    """An ImportError from this package's own import of a trl or transformers name (its integration's modules) was
+    reported as trl's ("importing it failed ... install what the ImportError names"), whose import works. The message
+    now names the statement's file and line, and with every version tested calls it this package's defect; one raised
+    inside another package's source keeps trl's message. Checked on real tracebacks: the TRL integration re-imported
+    with its reference-sync module made unimportable, and code compiled under another package's path."""
+    import unsloth_adaptive_kl
+    from unsloth_adaptive_kl import integrations
+
+    monkeypatch.setitem(sys.modules, "unsloth_adaptive_kl.integrations.ref_sync", None)
+    monkeypatch.delitem(sys.modules, "unsloth_adaptive_kl.integrations.trl")
+    monkeypatch.delattr(integrations, "trl")
+    with pytest.raises(IncompatibleVersionError) as raised:
+        unsloth_adaptive_kl._integrations()
+    line = next(number for number, text in enumerate(Path(integrations.__file__).with_name("trl.py").read_text()
+                                                     .splitlines(), 1) if text.startswith("from .ref_sync import"))
+    assert str(raised.value) == (
+        f"unsloth_adaptive_kl cannot patch {versions.describe('trl')}: this package's integration could not import "
+        f"what it needs from trl or beside it, at unsloth_adaptive_kl/integrations/trl.py:{line} "
+        "(ModuleNotFoundError: import of unsloth_adaptive_kl.integrations.ref_sync halted; None in sys.modules). "
+        "Adaptive KL cannot be applied; with tested versions this is a defect of unsloth_adaptive_kl: please report it "
+        "with this message.")
+
+    def raised_in(path: str) -> ImportError:
+        try:
+            exec(compile("from trl import no_such_name_here", path, "exec"), {})
+        except ImportError as error:
+            return error
+        raise AssertionError("the import did not fail")
+
+    inside_trl = raised_in(str(Path(sys.modules["trl"].__file__).with_name("no_such_module.py")))
+    ours = raised_in(str(Path(integrations.__file__).with_name("any_module.py")))
+    assert versions.failed_import_here(inside_trl) is None
+    assert versions.failed_import_here(ours) == "unsloth_adaptive_kl/integrations/any_module.py:1"
+    assert "importing it failed (ImportError: cannot import name 'no_such_name_here'" in str(
+        versions.import_error("trl", inside_trl))
+
+
+def test_the_integrations_installed_are_those_whose_package_has_a_distribution(monkeypatch) -> None:
+    """An integration counts as installed where the package that brings it (torch, trl, unsloth, verl) has
+    distribution metadata; its version is not read (it was read, through is_tested, to learn that). The core is always
+    there."""
+    import importlib.metadata as metadata
+
+    def distribution(name: str) -> metadata.Distribution:
+        if name not in ("torch", "trl", "verl"):
+            raise metadata.PackageNotFoundError(name)
+        return metadata.PathDistribution(Path("/nonexistent"))
+
+    monkeypatch.setattr(versions.importlib.metadata, "distribution", distribution)
+    monkeypatch.setattr(versions, "installed_version", lambda package: pytest.fail(f"{package}'s version was read"))
+    assert versions.installed_integrations() == ("core", "trl", "verl")
 
 
 def test_an_untested_version_is_reported_not_failed(monkeypatch) -> None:

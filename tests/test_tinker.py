@@ -1013,11 +1013,21 @@ def test_mismatched_batches_are_refused_not_broadcast() -> None:
     with pytest.raises(ValueError, match=r"^loss_fn_inputs\['logprobs'\] has shape \[4, 1\], target_tokens \[4, 1\]: "
                                          r"each input holds one value per target token$"):
         integration.grpo_kl_loss(akl)([column], [row])
-    # a Datum built without advantages (completion_datum adds none): named, with what it has and how to add it
+    # a Datum built without advantages (completion_datum adds none): named, with what it has and how to add it (it
+    # said "build it with completion_datum", which builds none); builtin_loss_data raised a bare KeyError('advantages')
     bare = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
-    with pytest.raises(KeyError, match=r"^\"Datum has no loss_fn_inputs\['advantages'\] \(it has logprobs, mask, "
-                                       r"ref_logprobs, target_tokens\); build it with completion_datum"):
+    no_advantages = (r"has no loss_fn_inputs\['advantages'\] \(it has logprobs, mask, ref_logprobs, target_tokens\); "
+                     r"set it from your advantages, A_i on each completion token, as a TensorData aligned with "
+                     r"target_tokens \(or build the data with kl_penalized_data, which sets it\)\"$")
+    with pytest.raises(KeyError, match=r'^"Datum ' + no_advantages):
         integration.grpo_kl_loss(akl)([bare], [row])
+    with pytest.raises(KeyError, match=r'^"data\[1\] ' + no_advantages):
+        integration.builtin_loss_data([datum, bare])
+    no_mask = types.Datum(model_input=datum.model_input, loss_fn_inputs={
+        key: value for key, value in datum.loss_fn_inputs.items() if key != "mask"})
+    with pytest.raises(KeyError, match=r"^\"Datum has no loss_fn_inputs\['mask'\] \(it has advantages, logprobs, "
+                                       r"ref_logprobs, target_tokens\); build it with completion_datum"):
+        integration.grpo_kl_loss(akl)([no_mask], [row])
     # a list set after the Datum was built (the SDK converts one given at construction): named, with what to pass
     # (it raised AttributeError: 'list' object has no attribute 'to_torch')
     bare.loss_fn_inputs["advantages"] = [0.0, 1.0]

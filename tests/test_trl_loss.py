@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import json
 import math
 import re
 import warnings
@@ -20,7 +21,7 @@ from unsloth_adaptive_kl.integrations import trl as trl_patch
 from unsloth_adaptive_kl.integrations.trainer_hooks import attach_runtime
 from unsloth_adaptive_kl.integrations.versions import TRL_ANCHORS
 
-from .conftest import logged, make_trainer, stock_trl
+from .conftest import grpo_args, logged, make_trainer, stock_trl
 from .float32_error import MAX_LOGIT, two_path_logp_tolerance
 from .metric_definitions import REDUCE, assert_metrics_match, by_definition
 from unsloth_adaptive_kl.core.reductions import loss_types
@@ -618,6 +619,24 @@ def test_at_beta_zero_a_setting_changed_after_the_trainer_was_built_is_refused_t
     assert trainer.state.global_step == 0
 
 
+def test_the_list_form_and_a_command_lines_none_set_on_the_args_before_the_trainer_train_as_built(tokenizer,
+                                                                                                 tmp_path) -> None:
+    """`kl_adaptation_method` as a list (the documented form) and `kl_estimator="None"` (a command line's None), set on
+    the args after the config was built and before the trainer: the run was built from them ('clip'; the stock
+    estimator), but the per-batch check compared the args' raw ['clip'] with 'clip' and refused the first batch with
+    "changed ... after the run started. Set it before", which the user had. They now train, the trainer logging the
+    clipped KL, and a real change to the list form is still refused, naming the values as they read."""
+    args = grpo_args(str(tmp_path / "list"), max_steps=1, kl_clip_threshold=0.01)
+    args.kl_adaptation_method, args.kl_estimator = ["clip"], "None"
+    trainer = make_trainer(tokenizer, str(tmp_path / "list"), config=args)
+    assert trainer.adaptive_kl.config.kl_adaptation_method == "clip" and trainer.adaptive_kl.config.kl_estimator is None
+    trainer.train()
+    assert trainer.state.global_step == 1 and logged(trainer, "adaptive_kl/adapted_kl")[0] <= 0.01 + 1e-6
+    trainer.args.kl_adaptation_method = ["sigmoid"]
+    with pytest.raises(ValueError, match=r"^kl_adaptation_method changed from 'clip' to 'sigmoid' after the run "):
+        trainer.adaptive_kl.check_settings(trainer.args)
+
+
 class _OwnLossTrainer:
     """A GRPOTrainer subclass whose `_compute_loss` is a copy of TRL's (here: the stock function itself), as recipes
     that rewrite the loss do: it never calls the patched one."""
@@ -676,8 +695,14 @@ def test_a_callable_estimator_that_would_not_survive_a_checkpoint_is_refused_whe
     with pytest.raises(ValueError, match=r"^kl_estimator=<function .*<lambda>.* is invalid: allowed is a registered "
                                          r"estimator's name .* \((PicklingError|AttributeError): "):
         make_trainer(tokenizer, str(tmp_path), kl_estimator=lambda logp, ref, mask: (logp - ref) ** 2 / 2)
-    assert make_trainer(tokenizer, str(tmp_path), kl_estimator=half_squared_log_ratio).adaptive_kl.config.kl_estimator \
-        is half_squared_log_ratio
+    trainer = make_trainer(tokenizer, str(tmp_path), kl_estimator=half_squared_log_ratio)
+    assert trainer.adaptive_kl.config.kl_estimator is half_squared_log_ratio
+    # report_to="tensorboard" writes args.to_json_string() when training begins: json cannot write the function (a
+    # TypeError there); it is written by its name, and the config keeps the function
+    written = json.loads(trainer.args.to_json_string())
+    assert written["kl_estimator"] == f"{__name__}.half_squared_log_ratio" and written["beta"] == 0.04
+    assert trainer.args.kl_estimator is half_squared_log_ratio
+    assert json.loads(grpo_args(str(tmp_path), kl_estimator="k2").to_json_string())["kl_estimator"] == "k2"
 
 
 def half_squared_log_ratio(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

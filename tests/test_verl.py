@@ -332,6 +332,20 @@ def test_a_shared_field_goes_to_the_config_that_reads_it_and_one_neither_reads_w
     assert (loss.beta_max, reward.beta_max) == (0.2, 0.3)
 
 
+def test_a_field_only_an_estimator_of_ours_reads_names_verls_own_kl_type_where_kl_estimator_is_unset():
+    """kl_percentile without kl_estimator: the warning said "the estimator in effect is 'k3'", the core's default,
+    which verl never uses (its own kl_loss_type / kl_penalty is the KL then). It names verl's fields; with an
+    estimator of ours set, that estimator, as before."""
+    with pytest.warns(UserWarning) as caught:
+        verl_kl.configs_from({"kl_percentile": 0.5})
+    assert [str(w.message) for w in caught] == [
+        "adaptive_kl.kl_percentile=0.5 has no effect: only kl_estimator 'k3_bottom_percentile' reads it, and "
+        "adaptive_kl.kl_estimator is unset, so verl's own KL type is in effect (actor_rollout_ref.actor.kl_loss_type "
+        "in the loss, algorithm.kl_penalty in the reward). Leave it at its default, or choose a setting that reads it."]
+    with pytest.warns(UserWarning, match=r"and the estimator in effect is 'k2'\. Leave it"):
+        verl_kl.configs_from({"kl_percentile": 0.5, "kl_estimator": "k2"})
+
+
 def test_the_blocks_warnings_come_once_from_the_trainer_in_verls_terms():
     """A field that has no effect, and k1 in the actor loss, each warned twice when the trainer was built (the config,
     then the AdaptiveKL built from it; three times for the reward's: its placed copy too), without the block's name,

@@ -531,16 +531,17 @@ class AdaptiveKL:
                 "trained": asdict(self._trained), "scored": None if self._scored is None else asdict(self._scored),
                 "rewards": list(self._rewards)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a `state_dict()`. A state of another controller kind raises ValueError naming both. Older states
-        load too: formats up to 6 without the beta the run was built with (a resume with another beta then cannot be
-        told from a moved one, and says nothing); sums without `old_logps` (formats up to 5) load it as 0 (the old
-        policy's log-probs' sum, which only the non-finite check reads); format 4 without rewards observed since the
-        last step (it handed each to the controller at once); format 3 (the step's KL as [sum S_i, sum L_i,
-        completions] lists under `step_kl` and `generation_kl`); formats 2 and 1 without the step's KL (a resumed run
-        then has seen none). Format 1 has no version: the controller's fields and `completed_steps` (which the oldest
-        trainer checkpoints lack), as the own-loop object and the trainer integrations' checkpoints wrote them; its
-        kind is read from its fields."""
+    def load_state_dict(self, state: dict[str, Any], *, without_state: str = RESUME_WITHOUT_STATE) -> None:
+        """Restore a `state_dict()`. `without_state`: how this loop resumes without it, for the warning that a moving
+        beta continues from the checkpoint's where the run's beta changed (a trainer names its checkpoint's file). A
+        state of another controller kind raises ValueError naming both. Older states load too: formats up to 6 without
+        the beta the run was built with (a resume with another beta then cannot be told from a moved one, and says
+        nothing); sums without `old_logps` (formats up to 5) load it as 0 (the old policy's log-probs' sum, which only
+        the non-finite check reads); format 4 without rewards observed since the last step (it handed each to the
+        controller at once); format 3 (the step's KL as [sum S_i, sum L_i, completions] lists under `step_kl` and
+        `generation_kl`); formats 2 and 1 without the step's KL (a resumed run then has seen none). Format 1 has no
+        version: the controller's fields and `completed_steps` (which the oldest trainer checkpoints lack), as the
+        own-loop object and the trainer integrations' checkpoints wrote them; its kind is read from its fields."""
         if not isinstance(state, Mapping):  # a path or None would fail in dict() without naming the argument
             raise TypeError(f"state must be the dict that state_dict() returned (json.load of a saved one), not "
                             f"{type(state).__name__}")
@@ -610,9 +611,9 @@ class AdaptiveKL:
         self.last_raw_kl = math.nan if last_raw_kl is None else float(last_raw_kl)
         self._trained, self._scored = trained or KLStatistics(), scored
         self._rewards = [float(reward) for reward in rewards]
-        self._check_loaded_beta(configured_beta)
+        self._check_loaded_beta(configured_beta, without_state)
 
-    def _check_loaded_beta(self, configured_beta: Optional[float]) -> None:
+    def _check_loaded_beta(self, configured_beta: Optional[float], without_state: str) -> None:
         """A constant beta is the run's own setting: a state's other one is not loaded (a trainer's own KL term
         trains at the run's), saying so. So is a beta of 0, which turns the KL term off (a trainer then takes the
         stock path), whatever the state's. A `dynamic` or `target` beta continues the run, saying so where this run
@@ -642,7 +643,7 @@ class AdaptiveKL:
             warnings.warn(f"adaptive KL: this run's beta={self.beta:g} is not the beta={configured_beta:g} the "
                           f"checkpoint's run was built with: {kind} moves beta, so the run continues from the "
                           f"checkpoint's beta {loaded:g}{clamped}. To start from {self.beta:g} instead, "
-                          f"{RESUME_WITHOUT_STATE}.", UserWarning, stacklevel=3)
+                          f"{without_state}.", UserWarning, stacklevel=3)
         elif clamped:
             warnings.warn(f"adaptive KL: the loaded state's beta {loaded:g} is {bounds}.", UserWarning, stacklevel=3)
 

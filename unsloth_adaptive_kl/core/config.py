@@ -57,8 +57,8 @@ CORE_FIELDS = EstimatorFields(
 K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD = "k1 in the loss", "not the log-ratio in the reward"
 _ESTIMATOR_WARNINGS = {
     K1_IN_LOSS: "{estimator}={value!r} with {in_loss}: the expected gradient of k1 is zero on-policy, so the KL term "
-                "does not regularise (the KL lab: the policy drifts as far as with beta=0). Use {loss_fix}, or put the "
-                "KL in the reward ({to_reward}, where k1 is exact).",
+                "does not regularise (the KL lab: the policy ends further from the reference than with beta=0). Use "
+                "{loss_fix}, or put the KL in the reward ({to_reward}, where k1 is exact).",
     NOT_LOG_RATIO_IN_REWARD: "{estimator}={value!r} with {in_reward}: a KL in the reward must be the log-ratio "
                              "k1 = logp - ref_logp; with k2, k3 or low_var_kl there the reward's gradient is not the "
                              "KL's, and the KL lab measures k3 in the reward ending far from the regularised "
@@ -322,8 +322,6 @@ class AdaptiveKLConfig:
         config = cls.__new__(cls)
         for name, value in zip(ADAPTIVE_KL_FIELDS, settings_of(source)):
             setattr(config, name, value)
-        if not isinstance(config.kl_adaptation_method, str):  # a list: `kl_methods` reads the joined string
-            config.kl_adaptation_method = canonical_methods(config.kl_adaptation_method)
         return config
 
     @property
@@ -536,5 +534,13 @@ ADAPTIVE_KL_FIELDS = tuple(FIELD_DEFAULTS)
 
 def settings_of(source: Any) -> tuple[Any, ...]:
     """The adaptive-KL fields' values that `source` (a config, or a trainer's args it was copied from) holds, in
-    `ADAPTIVE_KL_FIELDS` order, a field it lacks at its default (as `AdaptiveKLConfig.unvalidated_from` reads it)."""
-    return tuple([getattr(source, name, default) for name, default in FIELD_DEFAULTS.items()])
+    `ADAPTIVE_KL_FIELDS` order, a field it lacks at its default (as `AdaptiveKLConfig.unvalidated_from` reads it), in
+    the forms a config's `__post_init__` stores: a list of methods as their joined string (`kl_methods` reads it), a
+    command line's "None" estimator as None. A trainer's args set so after the config was built (the list form is
+    documented) read as they would have been built, by the run and by `AdaptiveKL.check_settings` alike."""
+    values = {name: getattr(source, name, default) for name, default in FIELD_DEFAULTS.items()}
+    if not isinstance(values["kl_adaptation_method"], str):
+        values["kl_adaptation_method"] = canonical_methods(values["kl_adaptation_method"])
+    if isinstance(values["kl_estimator"], str) and values["kl_estimator"] == "None":
+        values["kl_estimator"] = None
+    return tuple(values.values())

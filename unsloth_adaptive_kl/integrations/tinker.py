@@ -131,8 +131,7 @@ def _input(datum: "types.Datum", key: str) -> torch.Tensor:
     """loss_fn_inputs[key] as a float32 (T,) tensor, checked to align with target_tokens."""
     inputs = datum.loss_fn_inputs
     if key not in inputs:
-        raise KeyError(f"Datum has no loss_fn_inputs[{key!r}] (it has {', '.join(sorted(inputs))}); build it with "
-                       "completion_datum (or add it as a TensorData aligned with target_tokens)")
+        raise KeyError(missing_input(key, inputs))
     for name in (key, TARGET_TOKENS):  # set after the Datum was built, which converts at construction
         if name in inputs and not isinstance(inputs[name], types.TensorData):
             raise TypeError(f"loss_fn_inputs[{name!r}] is a {type(inputs[name]).__name__}: allowed is a tinker "
@@ -184,6 +183,15 @@ def _ppo_clip_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
     return -torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
 
 
+def missing_input(key: str, inputs: Any, where: str = "Datum") -> str:
+    """What a Datum lacking loss_fn_inputs[key] is told: `completion_datum` builds every input but `advantages`,
+    which the loop sets from its own advantages (or `kl_penalized_data` sets, with the KL in the reward)."""
+    fix = ("set it from your advantages, A_i on each completion token, as a TensorData aligned with target_tokens "
+           "(or build the data with kl_penalized_data, which sets it)" if key == ADVANTAGES else
+           "build it with completion_datum (or add it as a TensorData aligned with target_tokens)")
+    return f"{where} has no loss_fn_inputs[{key!r}] (it has {', '.join(sorted(inputs))}); {fix}"
+
+
 def loss_terms(config: AdaptiveKLConfig, loss_type: str) -> dict[str, str]:
     """{term: its reduction's name} of the two terms a custom or traced loss reduces."""
     return {"the policy-gradient loss": loss_type_reduction(loss_type), "the KL term": kl_reduction(config, loss_type)}
@@ -193,6 +201,10 @@ def builtin_loss_data(data: Sequence["types.Datum"], keys: Sequence[str] = BUILT
     """The Datums with only `keys` in loss_fn_inputs (default: what importance_sampling / ppo / cispo read; pass more
     for a built-in loss that reads other inputs), for `TrainingClient.forward_backward(..., "importance_sampling")`:
     the built-in losses get no `ref_logprobs`/`mask`."""
+    for index, datum in enumerate(data):
+        missing = [key for key in keys if key not in datum.loss_fn_inputs]
+        if missing:
+            raise KeyError(missing_input(missing[0], datum.loss_fn_inputs, f"data[{index}]"))
     return [types.Datum(model_input=d.model_input, loss_fn_inputs={k: d.loss_fn_inputs[k] for k in keys})
             for d in data]
 

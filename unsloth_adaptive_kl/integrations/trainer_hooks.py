@@ -16,6 +16,7 @@ import os
 import pickle
 import sys
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -54,6 +55,10 @@ RUNTIME_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_
 # whose Unsloth default differs from TRL's (set by the Unsloth integration, read by `log_settings`).
 UNSLOTH_DEFAULTS = "_adaptive_kl_unsloth_defaults"
 TRL_6586 = "huggingface/trl#6586"
+# The configs with an adapted field, built while patched, that no patched trainer has taken yet, by id (a
+# TrainingArguments dataclass is unhashable); weak, so a config nothing holds leaves. unpatch() names them: a trainer
+# built from one afterwards is trl's stock one, which reads none of the fields.
+_AWAITING_A_TRAINER: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 class KLTermProbe(float):
@@ -285,6 +290,24 @@ def config_argument(args: tuple, kwargs: dict) -> Any:
     return next((value for value in (*args, *kwargs.values()) if isinstance(value, TrainingArguments)), None)
 
 
+def await_trainer(config: Any) -> None:
+    """Note a config with an adapted field, built while patched, until a patched trainer takes it (`wrap_init`)."""
+    _AWAITING_A_TRAINER[id(config)] = config
+
+
+def settle_configs(config_class: type) -> None:
+    """Stop noting the configs of `config_class` (Unsloth's generated config, whose own unpatch() warning covers
+    every instance)."""
+    for key, config in list(_AWAITING_A_TRAINER.items()):
+        if isinstance(config, config_class):
+            _AWAITING_A_TRAINER.pop(key, None)
+
+
+def configs_awaiting_a_trainer() -> list[Any]:
+    """The live configs `await_trainer` noted that no patched trainer has taken, oldest first."""
+    return list(_AWAITING_A_TRAINER.values())
+
+
 def asks_for_adaptive_kl(args: Any) -> bool:
     """Whether a trainer config asks for anything this package does: a non-stock KL setting or reference syncing."""
     return not AdaptiveKLConfig.unvalidated_from(args).is_stock_kl or bool(getattr(args, "sync_ref_model", False))
@@ -300,6 +323,7 @@ def wrap_init(upstream: Callable) -> Callable:
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         config = config_argument(args, kwargs)
+        _AWAITING_A_TRAINER.pop(id(config), None)
         loss_is_ligers = check_loss_not_replaced(type(self), config)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
         with PatchSet() as patches:
@@ -576,7 +600,7 @@ def wrap_load_optimizer_and_scheduler(upstream: Callable) -> Callable:
         path = os.path.join(checkpoint, STATE_FILE)
         if os.path.exists(path):
             with open(path) as f:
-                self.adaptive_kl.load_state_dict(json.load(f))
+                self.adaptive_kl.load_state_dict(json.load(f), without_state=f"delete {path} and resume again")
         elif self.adaptive_kl.moves_beta:
             # a checkpoint saved without this package, or a file lost: say so, as verl's integration does
             warnings.warn(f"adaptive_kl: {path} is missing: the controllers restart from their initial beta.",

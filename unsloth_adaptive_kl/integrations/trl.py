@@ -32,8 +32,10 @@ from .patching import PatchSet
 from .ref_sync import use_reference
 from .trainer_hooks import (
     KLTermProbe,
+    await_trainer,
     check_trainer_beta,
     check_trl_settings,
+    configs_awaiting_a_trainer,
     current_beta,
     record_metrics,
     wrap_calculate_rewards,
@@ -80,10 +82,22 @@ class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
         super().__post_init__()  # TRL's own, then the adaptive-KL fields, checked against this config's beta
         check_trl_settings(self, self)
         fields = self.adapted_fields()
-        if fields and not is_patched():  # after unpatch(): a trainer built now is stock and reads none of them
+        if fields and is_patched():  # unpatch() names it while no patched trainer has taken it
+            await_trainer(self)
+        elif fields:  # after unpatch(): a trainer built now is stock and reads none of them
             warnings.warn(f"{', '.join(fields)} set while unsloth_adaptive_kl is unpatched (unpatch()): a GRPOTrainer "
                           "built now is trl's stock one, which reads none of the adaptive-KL fields. Call "
                           "unsloth_adaptive_kl.patch() before building the trainer.", UserWarning, stacklevel=3)
+
+    def to_json_string(self) -> str:
+        """TrainingArguments.to_json_string (what report_to="tensorboard" records when training begins), a callable
+        `kl_estimator` written as 'module.qualname': json cannot write a function (a TypeError at train begin)."""
+        if not callable(self.kl_estimator):
+            return super().to_json_string()
+        with PatchSet() as patches:  # for this one call: the config's field, as its name
+            estimator = self.kl_estimator
+            patches.replace(self, "kl_estimator", f"{estimator.__module__}.{estimator.__qualname__}")
+            return super().to_json_string()
 
 
 def reduce_stock_config(config: Any, protocol: int) -> Any:
@@ -346,5 +360,13 @@ def patch() -> None:
 
 def unpatch() -> None:
     """Restore every stock TRL object the patch replaced, unless it was replaced again since (Unsloth's generated
-    config). Idempotent."""
+    config). Idempotent. A live config with an adapted field that no patched trainer has taken is named: a trainer
+    built from it now would be trl's stock one, which reads none of the fields."""
+    waiting = configs_awaiting_a_trainer() if _patches else []
     _patches.restore(leave_newer=True)
+    if waiting:
+        settings = "; ".join(", ".join(config.adapted_fields()) for config in waiting)
+        warnings.warn(f"unsloth_adaptive_kl.unpatch(): {len(waiting)} GRPOConfig{'s' * (len(waiting) > 1)} with "
+                      f"adaptive-KL fields ({settings}), built while patched, not yet given to a GRPOTrainer: a "
+                      "GRPOTrainer built from one now is trl's stock one, which reads none of the adaptive-KL fields. "
+                      "Call unsloth_adaptive_kl.patch() before building the trainer.", UserWarning, stacklevel=3)

@@ -58,6 +58,7 @@ from .trainer_hooks import (
     current_beta,
     plain,
     record_metrics,
+    settle_configs,
     wrap_calculate_rewards,
     wrap_generate_and_score,
     wrap_init,
@@ -539,7 +540,10 @@ def unpatch() -> None:
         sys.meta_path.remove(_FINDER)
     hooked = bool(_patches)
     _patches.restore(leave_newer=True)
-    if hooked and generated_grpo_trainer() is not None and not _unpatched_generation:
+    generated = generated_grpo_trainer()
+    if hooked and generated is not None:  # the warning below covers its config's instances: TRL's names them not again
+        settle_configs(getattr(sys.modules[generated.__module__], GENERATED_CONFIG))
+    if hooked and generated is not None and not _unpatched_generation:
         _unpatched_generation = True
         warnings.warn("unsloth_adaptive_kl.unpatch(): Unsloth generated UnslothGRPOTrainer and UnslothGRPOConfig while "
                       "this package was patched; the trainer is stock again, but the config class keeps the "

@@ -65,7 +65,7 @@ import torch
 
 from ..core import AdaptiveKL, AdaptiveKLConfig, shape_kl, shapes_per_token
 from ..core.adaptation import TokenKL, token_kl
-from ..core.adaptive_kl import RESUME_WITHOUT_STATE, finite_mean_reward, kl_off_message
+from ..core.adaptive_kl import finite_mean_reward, kl_off_message
 from ..core.config import (FIELD_DEFAULTS, K1_IN_LOSS, NOT_LOG_RATIO_IN_REWARD, STOCK_ESTIMATOR, EstimatorFields,
                            check_beta, check_whole, warn_estimator_issue)
 from ..core.controllers import check_horizon
@@ -209,6 +209,8 @@ def _config(values: dict[str, Any], overrides: dict[str, Any]) -> AdaptiveKLConf
         if issubclass(warning.category, KLEstimatorWarning) and config.kl_placement == "loss":
             warn_estimator_issue(K1_IN_LOSS, config.kl_estimator, VERL_BLOCK_FIELDS, stacklevel=3)
         elif " has no effect: only " in message:
+            if config.kl_estimator is None:  # the core names its placement's default, which verl does not use
+                message = message.replace(f"the estimator in effect is {config.estimator!r}", VERL_OWN_ESTIMATOR)
             warnings.warn(f"{_block(message.split('=', 1)[0], overrides)}.{message}", warning.category, stacklevel=3)
         else:
             warnings.warn(warning.message, stacklevel=3)
@@ -306,6 +308,9 @@ VERL_K3 = ("low_var_kl", "k3")  # verl's k3 (clamped), value and gradient: a '+'
 
 
 VERL_KL_TYPES = "kl, k1, abs, mse, k2, low_var_kl or k3, each also with a trailing '+' (verl's kl_penalty)"
+# What a field that only an estimator of ours reads meets with `kl_estimator` unset: verl's own KL type.
+VERL_OWN_ESTIMATOR = ("adaptive_kl.kl_estimator is unset, so verl's own KL type is in effect "
+                      "(actor_rollout_ref.actor.kl_loss_type in the loss, algorithm.kl_penalty in the reward)")
 
 
 def check_kl_type(field: str, value: Any) -> None:
@@ -901,13 +906,13 @@ class AdaptiveKLTrainerMixin:
                 continue
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
-                target.load_state_dict(state[name])
+                target.load_state_dict(state[name], without_state=f'set "{name}": null in the checkpoint\'s '
+                                                                  f'{STATE_FILE}')
             for warning in said:  # the core's words, of a KL it cannot tell apart from the other one
                 message = str(warning.message)
                 if message.startswith("adaptive KL: "):
                     message = (f"adaptive_kl: the KL in the {name}: {message.removeprefix('adaptive KL: ')} Here beta "
-                               f"is {coefficient}={target.beta!r}.").replace(
-                        RESUME_WITHOUT_STATE, f'set "{name}": null in the checkpoint\'s {STATE_FILE}')
+                               f"is {coefficient}={target.beta!r}.")
                 warnings.warn(message, warning.category, stacklevel=2)
 
     def _save_checkpoint(self) -> None:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import traceback
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 from packaging.specifiers import SpecifierSet
@@ -36,6 +38,7 @@ TESTED: dict[str, dict[str, SpecifierSet]] = {
              "torch": SpecifierSet("==2.13.0")},
 }
 # The package whose install brings each integration: where it is installed, that integration's ranges apply.
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # unsloth_adaptive_kl/
 BROUGHT_BY = {"core": "torch", "trl": "trl", "unsloth": "unsloth", "verl": "verl"}
 # The integration whose anchors a package's source holds: its versions are checked against that integration's range.
 OWNER = {"trl": "trl", "unsloth": "unsloth", "unsloth_zoo": "unsloth", "verl": "verl"}
@@ -294,7 +297,16 @@ def integrations_of(package: str, integrations: Optional[tuple[str, ...]] = None
 
 def installed_integrations() -> tuple[str, ...]:
     """The core, and each integration whose package (`BROUGHT_BY`) is installed here."""
-    return tuple(name for name, package in BROUGHT_BY.items() if is_tested(package, (name,)) is not None)
+    return tuple(name for name, package in BROUGHT_BY.items() if is_installed(package))
+
+
+def is_installed(package: str) -> bool:
+    """Whether `package`'s distribution is installed here (its metadata is found; it may still fail to import)."""
+    try:
+        importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def in_tested_range(package: str, version: Version | str, integrations: Optional[tuple[str, ...]] = None) -> bool:
@@ -409,23 +421,44 @@ def anchor_error(package: str, anchor: Anchor, where: str = "") -> IncompatibleV
 
 
 def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
-    """The installed `package` does not import here (its own ImportError, quoted): nothing of it can be patched. A
-    tested version that fails fails on what it imports (trl 1.9.1 imports torch's FSDPModule, which torch 2.4 and 2.5
-    lack), so the fix names the untested torch or transformers beside it (with both tested, what the ImportError
-    names) rather than the package a reinstall would not change."""
-    if is_tested(package):
-        beside = (OWNER[package],)
-        untested = [describe(name, beside) for name in ("torch", "transformers")
-                    if name != package and is_tested(name, beside) is False]
+    """The integration of the installed `package` does not import here (the ImportError, quoted): nothing of it can
+    be patched. Where the import statement that failed is in `package`'s own source, a tested version fails on what it
+    imports (trl 1.9.1 imports torch's FSDPModule, which torch 2.4 and 2.5 lack), so the fix names the untested torch
+    or transformers beside it (with both tested, what the ImportError names) rather than the package a reinstall
+    would not change. Where it is in this package's source (`failed_import_here`: a name it imports from the package
+    or beside it), the message names that line, and with every version tested calls it this package's defect."""
+    here = failed_import_here(error)
+    beside = (OWNER[package],)
+    untested = [describe(name, beside) for name in (package, "torch", "transformers")
+                if (name != package or here) and is_tested(name, beside) is False]
+    if here:
+        cause = f"this package's integration could not import what it needs from {package} or beside it, at {here}"
+        fix = (f"install tested versions ({', '.join(untested)})" if untested else "with tested versions this is a "
+               "defect of unsloth_adaptive_kl: please report it with this message")
+    elif is_tested(package):
+        cause = "importing it failed"
         fix = (f"this {package} is a tested version, so what fails is what it imports: "
                + (f"install tested versions beside it ({', '.join(untested)})" if untested else
                   "install what the ImportError names"))
     else:
+        cause = "importing it failed"
         fix = f"install a tested version: pip install '{package}{tested_range(package)}'"
     return IncompatibleVersionError(
-        f"unsloth_adaptive_kl cannot patch {describe(package)}: importing it failed ({type(error).__name__}: {error}). "
+        f"unsloth_adaptive_kl cannot patch {describe(package)}: {cause} ({type(error).__name__}: {error}). "
         f"Adaptive KL cannot be applied; {fix}."
     )
+
+
+def failed_import_here(error: ImportError) -> Optional[str]:
+    """'unsloth_adaptive_kl/integrations/ref_sync.py:31' where the import statement that raised `error` is in this
+    package's source (the innermost frame outside importlib's own), else None (the import failed inside the imported
+    package)."""
+    frames = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(error.__traceback__)
+              if not frame.f_code.co_filename.startswith("<frozen ")]
+    if not frames:
+        return None
+    path, line = Path(frames[-1][0]).resolve(), frames[-1][1]
+    return f"{path.relative_to(PACKAGE_ROOT.parent).as_posix()}:{line}" if path.is_relative_to(PACKAGE_ROOT) else None
 
 
 def check_anchors(package: str | Callable[[Anchor], str], anchors: tuple[Anchor, ...], resolve: Callable[[str], Any],
