@@ -693,19 +693,28 @@ def test_a_config_with_adaptive_fields_built_while_unpatched_warns_that_a_traine
 
 def test_unpatch_names_a_config_with_adaptive_fields_that_no_patched_trainer_has_taken(tokenizer, tmp_path) -> None:
     """A GRPOConfig with adapted fields built while patched, then unpatch(), then its trainer: trl's stock trainer,
-    which trained without the fields, silently. unpatch() now names each such config still alive (its fields), at the
-    caller's line; one a patched trainer took (the comparison of an adaptive run with stock) and one without an adapted
-    field are not named, and a second unpatch() says nothing."""
+    which trained without the fields, silently. unpatch() now names each such config still alive, with the fields it
+    holds then (one given them after it was built too, one set back to none not), at the caller's line; one a patched
+    trainer took (the comparison of an adaptive run with stock) is not named, one whose trainer failed to build is,
+    and a second unpatch() says nothing."""
     waiting = trl.GRPOConfig(output_dir=str(tmp_path / "a"), use_cpu=True, beta=0.04, kl_adaptation_method="clip",
                              kl_reduction="token_mean")
-    second = trl.GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, beta=0.04, kl_estimator="k1")
-    plain = trl.GRPOConfig(output_dir=str(tmp_path / "c"), use_cpu=True, beta=0.04, kl_clip_threshold=0.5)
+    set_later = trl.GRPOConfig(output_dir=str(tmp_path / "b"), use_cpu=True, beta=0.04)
+    set_later.kl_estimator = "k2"
+    set_back = trl.GRPOConfig(output_dir=str(tmp_path / "c"), use_cpu=True, beta=0.04, kl_adaptation_method="sigmoid")
+    set_back.kl_adaptation_method = "none"
+    gone = trl.GRPOConfig(output_dir=str(tmp_path / "d"), use_cpu=True, beta=0.04, kl_estimator="k1")
     taken = make_trainer(tokenizer, str(tmp_path / "taken"), max_steps=1, kl_adaptation_method="sigmoid")
-    del second
+    failed = trl.GRPOConfig(output_dir=str(tmp_path / "e"), use_cpu=True, beta=0.04, kl_adaptation_method="dynamic")
+    failed.dynamic_beta_decay = 2.0  # refused when the trainer is built: no trainer took it
+    with pytest.raises(ValueError, match=r"^dynamic_beta_decay=2\.0 is invalid"):
+        make_trainer(tokenizer, str(tmp_path / "failed"), config=failed)
+    del gone
     gc.collect()  # a config nothing holds any more is not named (nor one an earlier test left in a cycle)
     try:
-        with pytest.warns(UserWarning, match=r"^unsloth_adaptive_kl\.unpatch\(\): 1 GRPOConfig with adaptive-KL fields "
-                                             r"\(kl_adaptation_method='clip', kl_reduction='token_mean'\), built while "
+        with pytest.warns(UserWarning, match=r"^unsloth_adaptive_kl\.unpatch\(\): 3 GRPOConfigs with adaptive-KL "
+                                             r"fields \(kl_adaptation_method='clip', kl_reduction='token_mean'; "
+                                             r"kl_estimator='k2'; kl_adaptation_method='dynamic'\), built while "
                                              r"patched, not yet given to a GRPOTrainer: a GRPOTrainer built from one "
                                              r"now is trl's stock one, which reads none of the adaptive-KL fields\. "
                                              r"Call unsloth_adaptive_kl\.patch\(\) before building the trainer\.$"
@@ -718,7 +727,7 @@ def test_unpatch_names_a_config_with_adaptive_fields_that_no_patched_trainer_has
         assert not again
     finally:
         unsloth_adaptive_kl.patch()
-    assert taken.args.kl_adaptation_method == "sigmoid" and plain.kl_clip_threshold == 0.5 and waiting.beta == 0.04
+    assert taken.args.kl_adaptation_method == "sigmoid" and waiting.beta == set_later.beta == set_back.beta == 0.04
 
 
 def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:

@@ -146,6 +146,14 @@ def test_an_import_this_package_makes_is_told_from_one_inside_trl(monkeypatch) -
         "(ModuleNotFoundError: import of unsloth_adaptive_kl.integrations.ref_sync halted; None in sys.modules). "
         "Adaptive KL cannot be applied; with tested versions this is a defect of unsloth_adaptive_kl: please report it "
         "with this message.")
+    from packaging.version import Version
+
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda p: Version("1.99.0") if p == "trl" else real(p))
+    with pytest.raises(IncompatibleVersionError) as raised:  # an untested trl: the versions to install, and how
+        unsloth_adaptive_kl._integrations()
+    assert str(raised.value).endswith("Adaptive KL cannot be applied; install tested versions (trl==1.99.0 (tested: "
+                                      "trl>=1.9.1,<=1.16.0)): pip install 'trl>=1.9.1,<=1.16.0'.")
 
     def raised_in(path: str) -> ImportError:
         try:

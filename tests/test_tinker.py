@@ -1023,6 +1023,10 @@ def test_mismatched_batches_are_refused_not_broadcast() -> None:
         integration.grpo_kl_loss(akl)([bare], [row])
     with pytest.raises(KeyError, match=r'^"data\[1\] ' + no_advantages):
         integration.builtin_loss_data([datum, bare])
+    with pytest.raises(KeyError, match=r"^\"data\[0\] has no loss_fn_inputs\['clip_ratio'\] \(it has advantages, "
+                                       r"logprobs, mask, ref_logprobs, target_tokens\); add it as a TensorData "
+                                       r"aligned with target_tokens\"$"):  # a built-in loss's own input: not ours
+        integration.builtin_loss_data([datum], (*integration.BUILTIN_LOSS_INPUTS, "clip_ratio"))
     no_mask = types.Datum(model_input=datum.model_input, loss_fn_inputs={
         key: value for key, value in datum.loss_fn_inputs.items() if key != "mask"})
     with pytest.raises(KeyError, match=r"^\"Datum has no loss_fn_inputs\['mask'\] \(it has advantages, logprobs, "

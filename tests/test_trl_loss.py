@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import json
 import math
@@ -700,14 +701,23 @@ def test_a_callable_estimator_that_would_not_survive_a_checkpoint_is_refused_whe
     # report_to="tensorboard" writes args.to_json_string() when training begins: json cannot write the function (a
     # TypeError there); it is written by its name, and the config keeps the function
     written = json.loads(trainer.args.to_json_string())
-    assert written["kl_estimator"] == f"{__name__}.half_squared_log_ratio" and written["beta"] == 0.04
+    assert written["kl_estimator"] == "half_squared_log_ratio" and written["beta"] == 0.04
     assert trainer.args.kl_estimator is half_squared_log_ratio
+    # a partial pickles too (so the trainer takes it) but has no name: its repr
+    partial = functools.partial(scaled_squared_log_ratio, 0.5)
+    written = json.loads(grpo_args(str(tmp_path), kl_estimator=partial).to_json_string())["kl_estimator"]
+    assert written == repr(partial) and written.startswith("functools.partial(<function scaled_squared_log_ratio")
     assert json.loads(grpo_args(str(tmp_path), kl_estimator="k2").to_json_string())["kl_estimator"] == "k2"
 
 
 def half_squared_log_ratio(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """k2, as a module-level function (it pickles by reference)."""
     return (logp - ref) ** 2 / 2
+
+
+def scaled_squared_log_ratio(scale: float, logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scale * (logp - ref)^2, for a functools.partial."""
+    return scale * (logp - ref) ** 2
 
 
 def test_unknown_loss_type_for_a_method_is_rejected_before_training(tokenizer, tmp_path, monkeypatch) -> None:

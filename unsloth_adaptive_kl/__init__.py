@@ -46,7 +46,7 @@ def patch() -> None:
     try:
         unsloth.patch()
     except BaseException:  # nothing patched half-way: an Unsloth anchor missing leaves TRL stock too, as it says
-        trl.unpatch()
+        trl.unpatch(name_configs=False)  # its error is what this call says
         raise
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .errors import KLEstimatorWarning, reject
-from .estimators import BUILT_IN_ESTIMATORS, estimator_names, takes_config
+from .estimators import BUILT_IN_ESTIMATORS, estimator_label, estimator_names, takes_config
 from .reductions import kl_reduction_settings
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
@@ -308,8 +308,7 @@ class AdaptiveKLConfig:
             parent_post_init()
         # Stored canonically so to_dict()/YAML/CLI round-trip it as one string.
         self.kl_adaptation_method = canonical_methods(self.kl_adaptation_method)
-        if self.kl_estimator == "None":  # a command line's None: argument parsers read an Optional[str] field as text
-            self.kl_estimator = None
+        self.kl_estimator = stored_estimator(self.kl_estimator)
         # Mixed into a config that holds the KL coefficient, the beta bounds are checked against it.
         self.validate_adaptive_kl(beta=getattr(self, "beta", None))
 
@@ -485,9 +484,8 @@ class AdaptiveKLConfig:
     def _unread_message(self, name: str) -> str:
         readers = FIELD_READERS[name]
         if readers[0] in BUILT_IN_ESTIMATORS:
-            estimator = self.estimator
-            named = (repr(estimator) if isinstance(estimator, str)  # a callable by its name, not its address
-                     else getattr(estimator, "__qualname__", repr(estimator)))
+            estimator = self.estimator  # a callable by its name, not its address
+            named = repr(estimator) if isinstance(estimator, str) else estimator_label(estimator)
             why = f"kl_estimator {readers[0]!r} reads it, and the estimator in effect is {named}"
         else:
             missing = "does not include it" if len(readers) == 1 else "includes neither"
@@ -541,6 +539,11 @@ def settings_of(source: Any) -> tuple[Any, ...]:
     values = {name: getattr(source, name, default) for name, default in FIELD_DEFAULTS.items()}
     if not isinstance(values["kl_adaptation_method"], str):
         values["kl_adaptation_method"] = canonical_methods(values["kl_adaptation_method"])
-    if isinstance(values["kl_estimator"], str) and values["kl_estimator"] == "None":
-        values["kl_estimator"] = None
+    values["kl_estimator"] = stored_estimator(values["kl_estimator"])
     return tuple(values.values())
+
+
+def stored_estimator(value: Any) -> Any:
+    """`kl_estimator` as a config stores it: a command line's "None" (argument parsers read an Optional[str] field
+    as text) as None."""
+    return None if isinstance(value, str) and value == "None" else value

@@ -148,6 +148,14 @@ def run_estimator(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, con
     return _ESTIMATORS[estimator](logp, ref, mask)
 
 
+def estimator_label(estimator: Any) -> str:
+    """An estimator as a message or a log writes it: a name as itself, a function by its qualified name, not its
+    address; a callable without one (a functools.partial, a callable object) as its repr."""
+    if isinstance(estimator, str):
+        return estimator
+    return getattr(estimator, "__qualname__", None) or repr(estimator)
+
+
 def check_per_token(config: Any) -> None:
     """Refuse, when a run is built, an estimator (a registered one, a callable) that does not return a tensor of the
     tokens' shape on a (2, 3) batch: a (B, 1) sequence KL would broadcast onto every token, silently. Checked once on
@@ -156,10 +164,8 @@ def check_per_token(config: Any) -> None:
     kl = run_estimator(logp, ref, mask, config)
     if not isinstance(kl, torch.Tensor) or kl.shape != logp.shape:
         found = f"shape {tuple(kl.shape)}" if isinstance(kl, torch.Tensor) else type(kl).__name__
-        estimator = config.estimator
-        name = getattr(estimator, "__name__", type(estimator).__name__) if callable(estimator) else estimator
-        raise ValueError(f"kl_estimator={name!r} returned {found} for a (2, 3) batch; allowed is the per-token KL, a "
-                         "tensor of the log-probs' shape (batch, completion tokens).")
+        raise ValueError(f"kl_estimator={estimator_label(config.estimator)!r} returned {found} for a (2, 3) batch; "
+                         "allowed is the per-token KL, a tensor of the log-probs' shape (batch, completion tokens).")
 
 
 def estimate_kl(logp: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, config: Any) -> torch.Tensor:

@@ -64,6 +64,7 @@ TARGET_TOKENS, SAMPLING_LOGPROBS, ADVANTAGES, REF_LOGPROBS, MASK = (
 # What Tinker's built-in policy losses (importance_sampling, ppo, cispo) read; the cookbook strips the rest ("mask")
 # before every forward_backward, and so does `builtin_loss_data`.
 BUILTIN_LOSS_INPUTS: tuple[str, ...] = (TARGET_TOKENS, SAMPLING_LOGPROBS, ADVANTAGES)
+COMPLETION_DATUM_INPUTS = (TARGET_TOKENS, SAMPLING_LOGPROBS, REF_LOGPROBS, MASK)  # what `completion_datum` builds
 Number = Union[float, torch.Tensor]
 
 
@@ -184,11 +185,16 @@ def _ppo_clip_surrogate(logprobs: torch.Tensor, old_logprobs: torch.Tensor, adva
 
 
 def missing_input(key: str, inputs: Any, where: str = "Datum") -> str:
-    """What a Datum lacking loss_fn_inputs[key] is told: `completion_datum` builds every input but `advantages`,
-    which the loop sets from its own advantages (or `kl_penalized_data` sets, with the KL in the reward)."""
-    fix = ("set it from your advantages, A_i on each completion token, as a TensorData aligned with target_tokens "
-           "(or build the data with kl_penalized_data, which sets it)" if key == ADVANTAGES else
-           "build it with completion_datum (or add it as a TensorData aligned with target_tokens)")
+    """What a Datum lacking loss_fn_inputs[key] is told: `completion_datum` builds the inputs of
+    `COMPLETION_DATUM_INPUTS`; `advantages` the loop sets from its own advantages (or `kl_penalized_data` sets, with
+    the KL in the reward); another key (a built-in loss's own) is the caller's to add."""
+    if key == ADVANTAGES:
+        fix = ("set it from your advantages, A_i on each completion token, as a TensorData aligned with target_tokens "
+               "(or build the data with kl_penalized_data, which sets it)")
+    elif key in COMPLETION_DATUM_INPUTS:
+        fix = "build it with completion_datum (or add it as a TensorData aligned with target_tokens)"
+    else:
+        fix = "add it as a TensorData aligned with target_tokens"
     return f"{where} has no loss_fn_inputs[{key!r}] (it has {', '.join(sorted(inputs))}); {fix}"
 
 

@@ -55,8 +55,8 @@ RUNTIME_FIELDS = ("learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_
 # whose Unsloth default differs from TRL's (set by the Unsloth integration, read by `log_settings`).
 UNSLOTH_DEFAULTS = "_adaptive_kl_unsloth_defaults"
 TRL_6586 = "huggingface/trl#6586"
-# The configs with an adapted field, built while patched, that no patched trainer has taken yet, by id (a
-# TrainingArguments dataclass is unhashable); weak, so a config nothing holds leaves. unpatch() names them: a trainer
+# The configs built while patched that no patched trainer has taken yet, by id (a TrainingArguments dataclass is
+# unhashable); weak, so a config nothing holds leaves. unpatch() names those holding an adapted field then: a trainer
 # built from one afterwards is trl's stock one, which reads none of the fields.
 _AWAITING_A_TRAINER: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
@@ -291,7 +291,7 @@ def config_argument(args: tuple, kwargs: dict) -> Any:
 
 
 def await_trainer(config: Any) -> None:
-    """Note a config with an adapted field, built while patched, until a patched trainer takes it (`wrap_init`)."""
+    """Note a config built while patched until a patched trainer takes it (`wrap_init`)."""
     _AWAITING_A_TRAINER[id(config)] = config
 
 
@@ -323,7 +323,6 @@ def wrap_init(upstream: Callable) -> Callable:
     @functools.wraps(upstream)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         config = config_argument(args, kwargs)
-        _AWAITING_A_TRAINER.pop(id(config), None)
         loss_is_ligers = check_loss_not_replaced(type(self), config)
         syncing = bool(getattr(config, "sync_ref_model", False)) and getattr(config, "beta", 0.0) != 0.0
         with PatchSet() as patches:
@@ -337,6 +336,7 @@ def wrap_init(upstream: Callable) -> Callable:
         if syncing:
             attach_reference_sync(self)
         log_settings(self)
+        _AWAITING_A_TRAINER.pop(id(config), None)  # taken: built without an error
 
     __init__.adaptive_kl_hooked = True  # type: ignore[attr-defined]  (what `hooked` looks for; wraps() carries it)
     return __init__

@@ -25,6 +25,7 @@ import trl.trainer.utils as trl_utils
 
 from ..core.adaptation import KLTerm
 from ..core.config import ADAPTIVE_KL_FIELDS, AdaptiveKLConfig, reject
+from ..core.estimators import estimator_label
 from ..core.numerics import masked_reference
 from ..core.reductions import loss_type_reduction
 from .grpo_loss import LossNormalisers, adapted_loss
@@ -82,7 +83,7 @@ class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
         super().__post_init__()  # TRL's own, then the adaptive-KL fields, checked against this config's beta
         check_trl_settings(self, self)
         fields = self.adapted_fields()
-        if fields and is_patched():  # unpatch() names it while no patched trainer has taken it
+        if is_patched():  # unpatch() names it, with the fields it holds then, while no patched trainer has taken it
             await_trainer(self)
         elif fields:  # after unpatch(): a trainer built now is stock and reads none of them
             warnings.warn(f"{', '.join(fields)} set while unsloth_adaptive_kl is unpatched (unpatch()): a GRPOTrainer "
@@ -91,12 +92,12 @@ class GRPOConfig(AdaptiveKLConfig, StockGRPOConfig):
 
     def to_json_string(self) -> str:
         """TrainingArguments.to_json_string (what report_to="tensorboard" records when training begins), a callable
-        `kl_estimator` written as 'module.qualname': json cannot write a function (a TypeError at train begin)."""
+        `kl_estimator` written as its name (`estimator_label`): json cannot write a function (a TypeError at train
+        begin)."""
         if not callable(self.kl_estimator):
             return super().to_json_string()
         with PatchSet() as patches:  # for this one call: the config's field, as its name
-            estimator = self.kl_estimator
-            patches.replace(self, "kl_estimator", f"{estimator.__module__}.{estimator.__qualname__}")
+            patches.replace(self, "kl_estimator", estimator_label(self.kl_estimator))
             return super().to_json_string()
 
 
@@ -358,13 +359,14 @@ def patch() -> None:
         _patches.replace(owner, name, replacement)
 
 
-def unpatch() -> None:
+def unpatch(*, name_configs: bool = True) -> None:
     """Restore every stock TRL object the patch replaced, unless it was replaced again since (Unsloth's generated
-    config). Idempotent. A live config with an adapted field that no patched trainer has taken is named: a trainer
-    built from it now would be trl's stock one, which reads none of the fields."""
-    waiting = configs_awaiting_a_trainer() if _patches else []
+    config). Idempotent. A live config built while patched that holds an adapted field now, and that no patched
+    trainer has taken, is named (unless `name_configs` is False: a patch() rolled back): a trainer built from it now
+    would be trl's stock one, which reads none of the fields."""
+    waiting = [config for config in configs_awaiting_a_trainer() if config.adapted_fields()] if _patches else []
     _patches.restore(leave_newer=True)
-    if waiting:
+    if waiting and name_configs:
         settings = "; ".join(", ".join(config.adapted_fields()) for config in waiting)
         warnings.warn(f"unsloth_adaptive_kl.unpatch(): {len(waiting)} GRPOConfig{'s' * (len(waiting) > 1)} with "
                       f"adaptive-KL fields ({settings}), built while patched, not yet given to a GRPOTrainer: a "

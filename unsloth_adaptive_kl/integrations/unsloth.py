@@ -541,10 +541,10 @@ def unpatch() -> None:
     hooked = bool(_patches)
     _patches.restore(leave_newer=True)
     generated = generated_grpo_trainer()
-    if hooked and generated is not None:  # the warning below covers its config's instances: TRL's names them not again
-        settle_configs(getattr(sys.modules[generated.__module__], GENERATED_CONFIG))
     if hooked and generated is not None and not _unpatched_generation:
         _unpatched_generation = True
+        # the warning covers the generated config's every instance: TRL's unpatch() does not name them again
+        settle_configs(getattr(sys.modules.get(generated.__module__), GENERATED_CONFIG, type(None)))
         warnings.warn("unsloth_adaptive_kl.unpatch(): Unsloth generated UnslothGRPOTrainer and UnslothGRPOConfig while "
                       "this package was patched; the trainer is stock again, but the config class keeps the "
                       "adaptive-KL fields, which it no longer reads (set one and nothing adapts). Start a new Python "

@@ -37,8 +37,8 @@ TESTED: dict[str, dict[str, SpecifierSet]] = {
     "verl": {"verl": SpecifierSet("==0.9.1"), "transformers": SpecifierSet("==5.10.4"),
              "torch": SpecifierSet("==2.13.0")},
 }
-# The package whose install brings each integration: where it is installed, that integration's ranges apply.
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # unsloth_adaptive_kl/
+# The package whose install brings each integration: where it is installed, that integration's ranges apply.
 BROUGHT_BY = {"core": "torch", "trl": "trl", "unsloth": "unsloth", "verl": "verl"}
 # The integration whose anchors a package's source holds: its versions are checked against that integration's range.
 OWNER = {"trl": "trl", "unsloth": "unsloth", "unsloth_zoo": "unsloth", "verl": "verl"}
@@ -435,6 +435,8 @@ def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
         cause = f"this package's integration could not import what it needs from {package} or beside it, at {here}"
         fix = (f"install tested versions ({', '.join(untested)})" if untested else "with tested versions this is a "
                "defect of unsloth_adaptive_kl: please report it with this message")
+        if is_tested(package) is False:
+            fix += f": pip install '{package}{tested_range(package)}'"
     elif is_tested(package):
         cause = "importing it failed"
         fix = (f"this {package} is a tested version, so what fails is what it imports: "
@@ -451,8 +453,9 @@ def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
 
 def failed_import_here(error: ImportError) -> Optional[str]:
     """'unsloth_adaptive_kl/integrations/ref_sync.py:31' where the import statement that raised `error` is in this
-    package's source (the innermost frame outside importlib's own), else None (the import failed inside the imported
-    package)."""
+    package's source (the innermost frame but importlib's frozen ones), else None (the import failed inside the
+    imported package). This package imports by statements, never through importlib.import_module, whose frame would
+    be the innermost."""
     frames = [(frame.f_code.co_filename, line) for frame, line in traceback.walk_tb(error.__traceback__)
               if not frame.f_code.co_filename.startswith("<frozen ")]
     if not frames:
