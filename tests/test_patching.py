@@ -703,6 +703,9 @@ def test_unpatch_names_a_config_with_adaptive_fields_that_no_patched_trainer_has
     set_later.kl_estimator = "k2"
     set_back = trl.GRPOConfig(output_dir=str(tmp_path / "c"), use_cpu=True, beta=0.04, kl_adaptation_method="sigmoid")
     set_back.kl_adaptation_method = "none"
+    invalid = trl.GRPOConfig(output_dir=str(tmp_path / "f"), use_cpu=True, beta=0.04, kl_adaptation_method="clip")
+    invalid.kl_adaptation_method = ["no_such_method"]  # no trainer takes it (a patched one refuses it): not named, and
+    # unpatch() neither raises on it nor stays patched
     gone = trl.GRPOConfig(output_dir=str(tmp_path / "d"), use_cpu=True, beta=0.04, kl_estimator="k1")
     taken = make_trainer(tokenizer, str(tmp_path / "taken"), max_steps=1, kl_adaptation_method="sigmoid")
     failed = trl.GRPOConfig(output_dir=str(tmp_path / "e"), use_cpu=True, beta=0.04, kl_adaptation_method="dynamic")
@@ -728,6 +731,7 @@ def test_unpatch_names_a_config_with_adaptive_fields_that_no_patched_trainer_has
     finally:
         unsloth_adaptive_kl.patch()
     assert taken.args.kl_adaptation_method == "sigmoid" and waiting.beta == set_later.beta == set_back.beta == 0.04
+    assert invalid.beta == 0.04
 
 
 def test_the_trl_integrations_own_patch_is_idempotent_too() -> None:

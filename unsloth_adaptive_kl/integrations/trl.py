@@ -359,16 +359,26 @@ def patch() -> None:
         _patches.replace(owner, name, replacement)
 
 
+def _held_fields(config: Any) -> list[str]:
+    """The adapted fields a config holds now; none for one set since to a value no trainer takes (a patched trainer
+    refuses it when built), which unpatch() must not raise on."""
+    try:
+        return config.adapted_fields()
+    except ValueError:
+        return []
+
+
 def unpatch(*, name_configs: bool = True) -> None:
     """Restore every stock TRL object the patch replaced, unless it was replaced again since (Unsloth's generated
     config). Idempotent. A live config built while patched that holds an adapted field now, and that no patched
     trainer has taken, is named (unless `name_configs` is False: a patch() rolled back): a trainer built from it now
     would be trl's stock one, which reads none of the fields."""
-    waiting = [config for config in configs_awaiting_a_trainer() if config.adapted_fields()] if _patches else []
+    waiting = configs_awaiting_a_trainer() if _patches and name_configs else []
     _patches.restore(leave_newer=True)
-    if waiting and name_configs:
-        settings = "; ".join(", ".join(config.adapted_fields()) for config in waiting)
-        warnings.warn(f"unsloth_adaptive_kl.unpatch(): {len(waiting)} GRPOConfig{'s' * (len(waiting) > 1)} with "
+    held = [fields for fields in map(_held_fields, waiting) if fields]
+    if held:
+        settings = "; ".join(", ".join(fields) for fields in held)
+        warnings.warn(f"unsloth_adaptive_kl.unpatch(): {len(held)} GRPOConfig{'s' * (len(held) > 1)} with "
                       f"adaptive-KL fields ({settings}), built while patched, not yet given to a GRPOTrainer: a "
                       "GRPOTrainer built from one now is trl's stock one, which reads none of the adaptive-KL fields. "
                       "Call unsloth_adaptive_kl.patch() before building the trainer.", UserWarning, stacklevel=3)
