@@ -427,17 +427,18 @@ def import_error(package: str, error: ImportError) -> IncompatibleVersionError:
     or transformers beside it (with both tested, what the ImportError names) rather than the package a reinstall
     would not change. Where it is in this package's source (`failed_import_here`: a name it imports from the package
     or beside it), the message names that line, and with every version tested calls it this package's defect."""
-    here = failed_import_here(error)
-    beside = (OWNER[package],)
-    untested = [describe(name, beside) for name in (package, "torch", "transformers")
-                if (name != package or here) and is_tested(name, beside) is False]
+    here, tested, beside = failed_import_here(error), is_tested(package), (OWNER[package],)
+    untested = [describe(name, beside) for name in ("torch", "transformers")
+                if name != package and is_tested(name, beside) is False]
     if here:
         cause = f"this package's integration could not import what it needs from {package} or beside it, at {here}"
+        if tested is False:
+            untested.insert(0, describe(package))
         fix = (f"install tested versions ({', '.join(untested)})" if untested else "with tested versions this is a "
                "defect of unsloth_adaptive_kl: please report it with this message")
-        if is_tested(package) is False:
+        if tested is False:
             fix += f": pip install '{package}{tested_range(package)}'"
-    elif is_tested(package):
+    elif tested:
         cause = "importing it failed"
         fix = (f"this {package} is a tested version, so what fails is what it imports: "
                + (f"install tested versions beside it ({', '.join(untested)})" if untested else
