@@ -594,7 +594,7 @@ def test_clip_fraction_counts_a_token_exactly_at_the_threshold() -> None:
     """clip_fraction = #{k >= kl_clip_threshold} / tokens: with k1+ (the log-ratio as value) of [1, 0.5, 0, 0] and a
     threshold of 1, the first token is at it: 1 of 4."""
     akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=1.0, kl_estimator="k1+"), BETA)
-    _, metrics = akl.kl_loss(torch.tensor([[1.0, 0.5, 0.0, 0.0]]), torch.zeros(1, 4), torch.ones(1, 4))
+    _, metrics = akl.kl_loss(torch.tensor([[-1.0, -1.5, -2.0, -2.0]]), torch.full((1, 4), -2.0), torch.ones(1, 4))
     assert metrics["adaptive_kl/clip_fraction"] == 0.25
 
 
@@ -649,6 +649,11 @@ def engine_sums(**change: float) -> KLStatistics:
     ({"kl_sq": -1.0}, ValueError, "record_sums: batches[0].kl_sq=-1.0 is invalid: allowed is a number >= 0 (a sum of "
      "squares)."),
     ({"kl": "5"}, ValueError, "record_sums: batches[0].kl='5' is invalid: allowed is a number."),
+    # negative log-likelihoods' sum over the 3 valid tokens: +1.5, so +0.5 a token
+    ({"policy_logps": 1.5}, ValueError, "adaptive KL: log-probs above 0 at step 1: over its 3 valid (mask=1) tokens, "
+     "the policy log-probs average +0.5 a token. A log-prob is log p <= 0, so its mean cannot exceed 0.01 (rounding "
+     "in any precision stays below that); these look like negative log-likelihoods (-log p, what "
+     "F.cross_entropy(..., reduction='none') returns): pass their negation."),
 ])
 def test_an_engines_sums_are_checked_as_a_batch_of_ones_own_and_nothing_kept(change, error, message) -> None:
     """`record_sums`, the door of an engine that gathers its own sums, checked nothing: sums `record` refuses (a

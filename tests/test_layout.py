@@ -149,7 +149,7 @@ for name in {TRAINER_PACKAGES!r}:
 import torch
 import unsloth_adaptive_kl
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig, register_kl_estimator
-logps = torch.zeros(2, 3, requires_grad=True)
+logps = torch.full((2, 3), -3.0, requires_grad=True)
 akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip", kl_clip_threshold=1.0), 0.04)
 term, metrics = akl.kl_loss(logps, logps.detach() + 2.0, torch.ones(2, 3))  # k3 = e^2 - 3 = 4.39: clipped to 1
 assert abs(term.item() - 0.04) < 1e-8 and metrics["adaptive_kl/raw_kl"] > 4.38, (term.item(), metrics)

@@ -250,6 +250,87 @@ def test_other_processes_non_finite_input_raises_on_every_process_naming_the_pro
         runtime.kl_loss(logp, ref, mask, gather=gather)
 
 
+# ----- log-probs above 0: negative log-likelihoods passed by mistake -----------------------------------------------
+
+
+def nll_batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(-log p of the policy, -log p of the reference, mask): what F.cross_entropy(..., reduction='none') returns for
+    sampled tokens, on a (3, 5) batch with 2 padded positions."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 5, 11, generator=generator)
+    ref_logits = logits + 0.2 * torch.randn(3, 5, 11, generator=generator)
+    tokens = torch.randint(0, 11, (3, 5), generator=generator)
+    mask = torch.ones(3, 5)
+    mask[2, 3:] = 0
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+    ref_nll = torch.nn.functional.cross_entropy(ref_logits.transpose(1, 2), tokens, reduction="none")
+    return nll.requires_grad_(True), ref_nll, mask
+
+
+def mean_over_valid(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((x.double() * mask.double()).sum() / mask.double().sum())
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_negative_log_likelihoods_for_log_probs_are_refused_naming_each_tensor_and_its_mean(estimator) -> None:
+    """Passed F.cross_entropy's -log p instead of log p, every estimator computed a finite, plausible KL of the wrong
+    quantity (k3 of the negated log-ratio) without a word. Each door's sums of the valid log-probs hold their mean:
+    above 0.01 a token it is refused, naming the tensor and its mean, and the step is left as it was; the negation of
+    the same tensors trains."""
+    nll, ref_nll, mask = nll_batch()
+    policy, reference = mean_over_valid(nll, mask), mean_over_valid(ref_nll, mask)
+    assert policy > 1 and reference > 1  # log(11) = 2.4 for a uniform guess
+    runtime = AdaptiveKL(config(kl_estimator=estimator), BETA, "grpo")
+    with pytest.raises(ValueError, match=rf"^adaptive KL: log-probs above 0 at step 1: over its 13 valid \(mask=1\) "
+                                         rf"tokens, the policy log-probs average \+{policy:.4g} a token; the reference "
+                                         rf"log-probs average \+{reference:.4g} a token\. .*pass their negation\.$"):
+        runtime.kl_loss(nll, ref_nll, mask)
+    fresh = AdaptiveKL(config(kl_estimator=estimator), BETA, "grpo")
+    for akl in (runtime, fresh):
+        akl.kl_loss(-nll, -ref_nll, mask)
+    assert runtime.state_dict() == fresh.state_dict()
+    reward = AdaptiveKL(config(kl_estimator=estimator, kl_placement="reward"), BETA)
+    with pytest.raises(ValueError, match=rf"at step 1: .*the reference log-probs average \+{reference:.4g} a token\."):
+        reward.reward_penalty(-nll.detach(), ref_nll, mask)
+
+
+def test_the_trainer_path_refuses_negative_log_likelihoods_at_the_end_of_the_step_over_its_micro_batches() -> None:
+    """A trainer's micro-batches are recorded without a transfer and checked together at the step's end: the
+    policy's mean there is over the three batches' valid tokens (the NLL batch's +m over 13 tokens, twice -0.1 m
+    over 13 in the log-probs' batch: 0.8 m / 3)."""
+    nll, ref_nll, mask = nll_batch()
+    runtime = AdaptiveKL(config(kl_adaptation_method="clip"), BETA, "grpo")
+    identity = lambda tensor: tensor  # noqa: E731  (one process)
+    real = runtime.term(-nll.detach() * 0.1, -ref_nll * 0.1, mask)
+    wrong = runtime.term(nll.detach(), -ref_nll * 0.1, mask)
+    assert runtime.record(real, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
+    assert runtime.record(wrong, gather=identity, train=True, end_of_step=False, completed_steps=5) == []
+    mean = 0.8 * mean_over_valid(nll, mask) / 3
+    with pytest.raises(ValueError, match=rf"at step 5: over its 39 valid .*the policy log-probs average "
+                                         rf"\+{mean:.4g} a token\. "):
+        runtime.record(real, gather=identity, train=True, end_of_step=True, completed_steps=5)
+
+
+@pytest.mark.parametrize("dtype", [*HALF, torch.float32], ids=str)
+def test_the_log_probs_of_a_near_certain_model_in_any_precision_are_accepted(dtype) -> None:
+    """The check's margin: the log-probs of a model sure of every token (logits 60 apart), computed in bf16, fp16 or
+    float32 by log_softmax and by x - logsumexp(x), round to at most 0 (the largest is 0 exactly, not above), and
+    masked positions holding +1e4 are not read: each batch trains without a word."""
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(4, 6, 32000, generator=generator) * 10).to(dtype)
+    tokens = logits.float().argmax(-1, keepdim=True)
+    by_softmax = torch.log_softmax(logits, -1).gather(-1, tokens).squeeze(-1)
+    by_logsumexp = (logits.gather(-1, tokens) - torch.logsumexp(logits, -1, keepdim=True)).squeeze(-1)
+    mask = torch.ones(4, 6)
+    mask[:, 4:] = 0
+    for logps in (by_softmax, by_logsumexp):
+        assert float(logps.float().max()) <= 0.0
+        logps = torch.where(mask.bool(), logps, torch.tensor(1e4, dtype=dtype))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            AdaptiveKL(None, BETA).kl_loss(logps.requires_grad_(True), logps.detach(), mask)
+
+
 # ----- masked positions may hold anything --------------------------------------------------------------------------
 
 GARBAGE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf, "huge": 1e4, "-huge": -1e4}

@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from unsloth_adaptive_kl import AdaptiveKL, AdaptiveKLConfig
 from unsloth_adaptive_kl.integrations import trl as trl_patch, unsloth, versions
@@ -123,3 +124,17 @@ def test_the_sequence_level_bias_correction_error_is_quoted_as_raised() -> None:
         check_trl_settings(args, AdaptiveKLConfig(kl_adaptation_method="clip"))
     (block,) = quoted("troubleshooting.md", "ValueError: use_bias_correction_kl=True")
     assert elided(block).fullmatch(as_printed(raised.value)), (block, as_printed(raised.value))
+
+
+def test_the_log_probs_above_0_error_is_quoted_as_raised() -> None:
+    """troubleshooting.md quotes the ValueError for negative log-likelihoods passed to `kl_loss`: those of 4
+    completions of 16 tokens over a vocabulary of 50 (seeded), the reference's logits 0.2 from the policy's."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 16, 50, generator=generator)
+    ref_logits = logits + 0.2 * torch.randn(4, 16, 50, generator=generator)
+    tokens = torch.randint(0, 50, (4, 16), generator=generator)
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), tokens, reduction="none")
+    ref_nll = torch.nn.functional.cross_entropy(ref_logits.transpose(1, 2), tokens, reduction="none")
+    with pytest.raises(ValueError) as raised:
+        AdaptiveKL(None, beta=0.04).kl_loss(nll.requires_grad_(True), ref_nll, torch.ones(4, 16))
+    assert quoted("troubleshooting.md", "ValueError: adaptive KL: log-probs above 0") == [as_printed(raised.value)]

@@ -766,9 +766,10 @@ def test_stock_unsloth_bypasses_every_hook_on_a_step_inside_the_block_only() -> 
 
 
 def core_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The values `core_checks` draws (seed 0, 4 x 6 float32 log-probs, then the reference; lengths 6, 3, 1, 5)."""
+    """The values `core_checks` draws (seed 0, 4 x 6 float32 log-probs about -5, then the reference; lengths 6, 3, 1,
+    5)."""
     generator = torch.Generator().manual_seed(0)
-    logps, ref = torch.randn(4, 6, generator=generator), torch.randn(4, 6, generator=generator)
+    logps, ref = torch.randn(4, 6, generator=generator) - 5.0, torch.randn(4, 6, generator=generator) - 5.0
     lengths = torch.tensor([6, 3, 1, 5])
     return logps, ref, (torch.arange(6)[None] < lengths[:, None]).double()
 
@@ -777,9 +778,9 @@ def test_the_core_check_fails_just_outside_its_documented_bounds_and_holds_insid
     """The docstring's bounds, written out here: the value's is 16 * EPS32 / 2 * sum over the real tokens of
     beta / (4 L_i) * (e^r (1 + |r|) + |r| + 1), each token's gradient's 7 * EPS32 / 2 * beta / (4 L_i) *
     (e^r (1 + |r|) + 1), r = ref - logp; the line names both (the gradient's largest). The value off by 1.1 of its
-    bound, up or down, fails, by 0.9 holds (the honest difference is 1e-9 of a bound of 3e-7, a float32 ulp of the
+    bound, up or down, fails, by 0.9 holds (the honest difference is 6e-10 of a bound of 3e-7, a float32 ulp of the
     value 4e-9); the gradient of the token where its bound is largest (the second of the 3-token row: 7e-8, the
-    honest difference 1e-9, an ulp 4e-9) off by 1.25 of its bound fails, by 0.75 holds."""
+    honest difference 4e-9, an ulp 4e-9) off by 1.25 of its bound fails, by 0.75 holds."""
     from unsloth_adaptive_kl.tools import selfcheck
 
     logps, ref, mask = core_inputs()

@@ -805,6 +805,33 @@ def test_the_custom_and_the_traced_routes_share_their_checks() -> None:
             route(akl, clip_epsilon=1.5)
 
 
+def test_every_route_refuses_negative_log_likelihoods_in_a_datum_naming_the_input() -> None:
+    """A Datum built with -log p (the sampler's, or the reference's) instead of log p: routes 1 and 3 and the KL in
+    the reward each refuse it before anything is computed or sent, naming the input and its mean over the valid
+    tokens (the two completion tokens: (0.5 + 1.5) / 2 = +1); prompt positions are not read."""
+    akl = AdaptiveKL(AdaptiveKLConfig(kl_adaptation_method="clip"), beta=0.2)
+    in_reward = AdaptiveKL(AdaptiveKLConfig(kl_placement="reward"), beta=0.2)
+    for negated, name in ((([0.5, 1.5], [-0.7, -1.0]), r"loss_fn_inputs\['logprobs'\] \(the sampler's\)"),
+                          (([-0.5, -1.5], [0.5, 1.5]), r"loss_fn_inputs\['ref_logprobs'\]")):
+        datum = integration.completion_datum([1, 2, 3], [4, 5], *negated)
+        datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(4))
+        message = (r"^adaptive KL: log-probs above 0 at step 1: over its 2 valid \(mask=1\) tokens, "
+                   rf"the {name} average \+1 a token\. ")
+        with pytest.raises(ValueError, match=message):
+            integration.grpo_kl_loss(akl)([datum], [torch.full((4,), -1.0, requires_grad=True)])
+        with pytest.raises(ValueError, match=message):
+            integration.traced_loss_data(akl, [datum])
+        with pytest.raises(ValueError, match=message.replace("2 valid", "4 valid")):
+            integration.kl_penalized_data(in_reward, [datum] * 2, [0.0, 1.0], group_size=2)
+    prompt = integration.completion_datum([1, 2, 3], [4, 5], [-0.5, -1.5], [-0.7, -1.0])
+    for key in ("logprobs", "ref_logprobs"):
+        values = prompt.loss_fn_inputs[key].to_torch().clone()
+        values[:2] = 5.0  # prompt positions (mask 0)
+        prompt.loss_fn_inputs[key] = types.TensorData.from_torch(values)
+    prompt.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(4))
+    integration.traced_loss_data(akl, [prompt])
+
+
 # What a prompt position (mask 0) of each Datum input holds in `with_garbage_on_prompts`.
 GARBAGE = {"logprobs": math.nan, "advantages": math.nan, "ref_logprobs": -math.inf}
 

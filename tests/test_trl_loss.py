@@ -233,7 +233,9 @@ def test_clip_has_zero_kl_gradient_above_threshold(tokenizer, tmp_path) -> None:
 def test_log_ratios_of_50_give_finite_loss_and_gradients(tokenizer, tmp_path, method: str) -> None:
     trainer = prepared_trainer(tokenizer, tmp_path, loss_type="dapo", kl_adaptation_method=method)
     inputs = fixed_inputs(trainer, tokenizer)
-    signs = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]] * 4)
+    # log-ratios of +50 and -50 on each row; more of them -50, so that the reference's mean over the tokens stays a
+    # log-prob's (at most 0: above it, the core refuses the tensor as negative log-likelihoods)
+    signs = torch.tensor([[1.0, -1.0, -1.0, 1.0, -1.0]] * 4)
     with torch.no_grad():
         inputs["ref_per_token_logps"] = policy_logps(trainer.model, inputs) + 50.0 * signs
     loss = trainer._compute_loss(trainer.model, inputs)

@@ -197,7 +197,8 @@ class AdaptiveKL:
         gradient flows back in the inputs' dtype); the returned term is float32. A NaN or +-inf in
         `logps` or `ref_logps` on a valid token raises `NonFiniteLogProbError` (a FloatingPointError and ValueError)
         naming the step, the tensor and how many tokens; masked positions may hold anything (their KL is 0, with a
-        zero gradient)."""
+        zero gradient). Log-probs averaging above 0.01 over the valid tokens raise ValueError naming the tensor and
+        its mean: negative log-likelihoods passed for log-probs (`positive_logps`)."""
         self._check_batch_call(train, gather)
         if self.config.kl_in_reward:
             raise ValueError("kl_placement='reward' puts beta * KL into the rewards, not the loss: call "
@@ -255,8 +256,8 @@ class AdaptiveKL:
         sum_t m k'; 'sequence_mean': that over L_i). With `gather`, the penalties of every process in process order
         (float32, as trainers gather rewards). metrics: the `adaptive_kl/*` floats, `adaptive_kl/reward_penalty`
         included (also in `last_metrics`); the next `step` reads the batch's KL, unless `train=False` (an evaluation
-        batch). Numerics as `kl_loss`: float32, and a non-finite log-prob on a valid token raises
-        `NonFiniteLogProbError`.
+        batch). Numerics as `kl_loss`: float32, a non-finite log-prob on a valid token raises
+        `NonFiniteLogProbError`, and negative log-likelihoods passed for log-probs a ValueError.
 
         `group_size`: the completions per prompt, each group consecutive in the (gathered) batch. A completion with
         no valid token has no KL; with `group_size` it gets its group's mean penalty (`neutral_where_empty`), as the

@@ -14,6 +14,9 @@ any estimator sees them, and the check for non-finite log-probs on valid tokens.
   where a door holds them the old policy's, which a trainer's importance ratio divides by) (non-finite exactly when
   one of its terms is, or the sum overflows), which rides in the statistics `AdaptiveKL` transfers once per optimizer
   step; the tokens are counted only on that (error) path.
+- Log-probs averaging above `LOGP_MEAN_CEILING` over the valid tokens are negative log-likelihoods passed by mistake:
+  `positive_logps` finds them from the same sums and the token count, so every door refuses them where it checks
+  for non-finite ones (`positive_logps_error`).
 """
 
 from __future__ import annotations
@@ -148,6 +151,33 @@ def nonfinite_error(step: int, found: Sequence[NonFinite], advice: str = NONFINI
         f"adaptive KL: non-finite input at step {step}: NaN or +-inf on valid (mask=1) tokens in the "
         + "; ".join(map(str, found)) + ". Masked positions may hold anything; a valid token's log-prob must be finite "
         f"in float32, the precision the KL is computed in (a float64 beyond 3.4e38 in magnitude is not) ({advice}).")
+
+
+# A log-prob is log p <= 0, and computed in any precision it stays so (log_softmax, and x - logsumexp(x), round to at
+# most 0 in bf16, fp16 and float32: logsumexp rounds to no less than the largest logit, which is representable).
+# Negative log-likelihoods passed by mistake (-log p: F.cross_entropy(..., reduction="none") returns them) average the
+# sampled tokens' surprise over the valid tokens, which a model still learning holds far above this.
+LOGP_MEAN_CEILING = 0.01
+
+
+def positive_logps(sums: Sequence[float], tokens: float, names: Sequence[str]) -> list[tuple[str, float]]:
+    """(name, mean) of each tensor whose valid log-probs average above `LOGP_MEAN_CEILING` per token: `sums` their
+    sums over the `tokens` valid tokens (a `LogpCheck`'s, in `KINDS` order; an old policy's 0 where a door holds
+    none). From sums a door holds already: no device operation."""
+    if not tokens > 0:
+        return []
+    return [(name, total / tokens) for name, total in zip(names, sums) if total > LOGP_MEAN_CEILING * tokens]
+
+
+def positive_logps_error(step: int, found: Sequence[tuple[str, float]], tokens: float) -> ValueError:
+    """The ValueError every door raises where `positive_logps` found a tensor: the step, each tensor with its mean per
+    valid token, and the likely cause."""
+    means = "; ".join(f"the {name} average {mean:+.4g} a token" for name, mean in found)
+    return ValueError(
+        f"adaptive KL: log-probs above 0 at step {step}: over its {tokens:g} valid (mask=1) tokens, {means}. "
+        f"A log-prob is log p <= 0, so its mean cannot exceed {LOGP_MEAN_CEILING} (rounding in any precision stays "
+        "below that); these look like negative log-likelihoods (-log p, what F.cross_entropy(..., reduction='none') "
+        "returns): pass their negation.")
 
 
 def this_process() -> int:

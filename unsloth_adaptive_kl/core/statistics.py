@@ -7,8 +7,9 @@ completion is trained on when L_i > 0 (a truncated completion the trainer masks 
 `device_sums(term)` turns one batch's `KLTerm` into its sums as one float64 device tensor (no host transfer);
 `gather_statistics` gathers a step's rows over processes with one collective and one transfer and returns a
 `KLStatistics` per batch (summed over processes), raising `NonFiniteLogProbError` first where a log-prob on a valid
-token is not finite. `KLStatistics.metrics` computes docs/metrics.md's values from the sums, the Pearson correlation
-included (as torchmetrics computes it from running sums).
+token is not finite, and a ValueError where a tensor's valid log-probs average above 0 (negative log-likelihoods).
+`KLStatistics.metrics` computes docs/metrics.md's values from the sums, the Pearson correlation included (as
+torchmetrics computes it from running sums).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 from .adaptation import KLTerm
 from .controllers import WindowKL
 from .config import is_real, reject
-from .numerics import KINDS, LogpCheck, NonFinite, nonfinite_error, this_process
+from .numerics import (KINDS, LogpCheck, NonFinite, nonfinite_error, positive_logps, positive_logps_error,
+                       this_process)
 
 METRIC_PREFIX = "adaptive_kl/"
 # Why the KL is not finite where the log-probs are (the metrics here and a traced loss's check say it alike): of the
@@ -164,7 +166,8 @@ def invalid_sum(sums: KLStatistics, finite: Sequence[str] = COUNTS) -> Optional[
 def check_given_sums(batches: Sequence[KLStatistics], step: int) -> None:
     """An engine's own sums, checked as a batch of one's own is: each a `KLStatistics`; a non-finite log-prob sum
     raises `NonFiniteLogProbError` naming `step` (as `gather_statistics` does; the process and the tokens are not
-    known here), a field `invalid_sum` finds a ValueError naming it."""
+    known here), a field `invalid_sum` finds a ValueError naming it, and so do log-probs averaging above 0
+    (`check_logp_means`)."""
     for index, sums in enumerate(batches):
         if not isinstance(sums, KLStatistics):
             raise TypeError(f"record_sums: batches[{index}] must be a KLStatistics, not {type(sums).__name__}")
@@ -178,15 +181,25 @@ def check_given_sums(batches: Sequence[KLStatistics], step: int) -> None:
             raise reject(f"record_sums: batches[{index}].{field}", getattr(sums, field),
                          "a finite number >= 0 (a count, as device_sums computes it)" if field in COUNTS
                          else "a number >= 0 (a sum of squares)" if field in NOT_NEGATIVE else "a number")
+    check_logp_means(batches, step)
+
+
+def check_logp_means(batches: Sequence[KLStatistics], step: int, names: Sequence[str] = LogpCheck.names) -> None:
+    """ValueError (`positive_logps_error`) where a tensor's valid log-probs over `batches` (summed) average above 0
+    beyond rounding: negative log-likelihoods passed for log-probs. From the sums alone: no device operation."""
+    total = sum(batches, KLStatistics())
+    found = positive_logps((total.policy_logps, total.reference_logps, total.old_logps), total.tokens, names)
+    if found:
+        raise positive_logps_error(step, found, total.tokens)
 
 
 def gather_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]], *, step: int,
                       gather: Gather = local) -> list[KLStatistics]:
     """Each batch's statistics (`device_sums` rows, one per batch, the same count on every process) summed over
     processes: one collective, one host transfer. A non-finite log-prob on a valid token (a row's `policy_logps`,
-    `reference_logps` or `old_logps` on any process) raises `NonFiniteLogProbError` naming `step`; every process
-    sees every row, so every process raises. checks: this process's `LogpCheck` of each batch (for the error's token
-    counts)."""
+    `reference_logps` or `old_logps` on any process) raises `NonFiniteLogProbError` naming `step`, and log-probs
+    averaging above 0 a ValueError (`check_logp_means`); every process sees every row, so every process raises.
+    checks: this process's `LogpCheck` of each batch (for the error's token counts and the tensors' names)."""
     table = gather(torch.stack(rows)).view(-1, len(rows), len(NAMES)).tolist()  # [process][batch][field]
     per_process = [[KLStatistics(*values) for values in process] for process in table]
     found = nonfinite_found(per_process, checks)
@@ -195,7 +208,13 @@ def gather_statistics(rows: list[torch.Tensor], checks: list[Optional[LogpCheck]
     totals = per_process[0]
     for batches in per_process[1:]:
         totals = [total + sums for total, sums in zip(totals, batches)]
+    check_logp_means(totals, step, names_of(checks))
     return totals
+
+
+def names_of(checks: Sequence[Optional[LogpCheck]]) -> tuple[str, str, str]:
+    """What a step's checks call the tensors (a door names where its log-probs came from), else the defaults."""
+    return next((check.names for check in checks if check is not None), LogpCheck.names)
 
 
 def nonfinite_found(per_process: list[list[KLStatistics]], checks: list[Optional[LogpCheck]]) -> list[NonFinite]:
@@ -207,7 +226,7 @@ def nonfinite_found(per_process: list[list[KLStatistics]], checks: list[Optional
              if not math.isfinite(value)]
     if not flags:  # every step: one pass over the sums, nothing else
         return []
-    rank, names = this_process(), next((check.names for check in checks if check is not None), LogpCheck.names)
+    rank, names = this_process(), names_of(checks)
     found = []
     for which, process in sorted({(which, process) for which, process, _ in flags}):
         tokens = None

@@ -39,7 +39,8 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from ..core import AdaptiveKL, AdaptiveKLConfig, ReductionContext, reduce_kl
 from ..core.adaptive_kl import check_mask, divisors
 from ..core.adaptation import kl_term, token_kl
-from ..core.numerics import KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, valid_positions
+from ..core.numerics import (KINDS, LogpCheck, NonFinite, found_in_check, keep_valid, nonfinite_error, positive_logps,
+                             positive_logps_error, valid_positions)
 from ..core.config import check_real, is_real, is_whole, python_number
 from ..core.errors import reject
 from ..core.reductions import (check_completions_fit, check_divisors_given, kl_reduction, loss_type_reduction,
@@ -258,12 +259,18 @@ def check_loss_route(akl: AdaptiveKL, door: str) -> None:
 
 def check_datum_inputs(sampled: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor, step: int) -> None:
     """Every route's check of the Datums' `mask` (0 and 1 only: a ValueError) and of their `logprobs` (the sampler's)
-    and `ref_logprobs` (finite on valid tokens: `NonFiniteLogProbError`), each named as the Datum's field (the core's
-    own-loop doors call them `mask` and the policy's)."""
+    and `ref_logprobs` (finite on valid tokens: `NonFiniteLogProbError`; averaging at most 0 over them, as log-probs
+    do: a ValueError, `positive_logps`), each named as the Datum's field (the core's own-loop doors call them `mask`
+    and the policy's)."""
     check_mask(mask, f"loss_fn_inputs[{MASK!r}]")
-    found = found_in_check(LogpCheck.of(sampled, ref, mask, names=DATUM_LOGPS))
+    check = LogpCheck.of(sampled, ref, mask, names=DATUM_LOGPS)
+    found = found_in_check(check)
     if found:
         raise nonfinite_error(step, found)
+    tokens = float(valid_positions(mask).sum())
+    positive = positive_logps(check.sums.tolist(), tokens, check.names)
+    if positive:
+        raise positive_logps_error(step, positive, tokens)
 
 
 def check_datum_batch(sampled: torch.Tensor, ref: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -67,16 +67,16 @@ def device() -> str:
 
 
 def core_checks() -> list[Check]:
-    """The core alone (no trainer): `AdaptiveKL` with `none` on random float32 log-probs against the hand-written k3
-    penalty beta * mean_i (sum_t m (exp(r) - r - 1)) / L_i, r = ref - logp, of the same values in float64, value and
-    gradient, within the float32 bound of the arithmetic: the value's 16 operations (k3's 5, exp counted twice; the 5
-    additions over 6 tokens; / L_i; the mean's 3 additions and division; beta), the gradient's 7 (exp(r) - 1 from the
-    forward's exp, times the upstream gradient, then beta, / 4 and / L_i)."""
+    """The core alone (no trainer): `AdaptiveKL` with `none` on random float32 log-probs (normal about -5) against the
+    hand-written k3 penalty beta * mean_i (sum_t m (exp(r) - r - 1)) / L_i, r = ref - logp, of the same values in
+    float64, value and gradient, within the float32 bound of the arithmetic: the value's 16 operations (k3's 5, exp
+    counted twice; the 5 additions over 6 tokens; / L_i; the mean's 3 additions and division; beta), the gradient's 7
+    (exp(r) - 1 from the forward's exp, times the upstream gradient, then beta, / 4 and / L_i)."""
     from ..core import AdaptiveKL
 
     generator = torch.Generator().manual_seed(0)
-    logps = torch.randn(4, 6, generator=generator).requires_grad_(True)
-    ref = torch.randn(4, 6, generator=generator)
+    logps = (torch.randn(4, 6, generator=generator) - 5.0).requires_grad_(True)
+    ref = torch.randn(4, 6, generator=generator) - 5.0
     mask = (torch.arange(6)[None] < torch.tensor([[6], [3], [1], [5]])).float()
     term, _ = AdaptiveKL(None, beta=0.04).kl_loss(logps, ref, mask)
     (grad,) = torch.autograd.grad(term, logps)
