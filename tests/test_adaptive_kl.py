@@ -650,8 +650,8 @@ def engine_sums(**change: float) -> KLStatistics:
      "squares)."),
     ({"kl": "5"}, ValueError, "record_sums: batches[0].kl='5' is invalid: allowed is a number."),
     # negative log-likelihoods' sum over the 3 valid tokens: +1.5, so +0.5 a token
-    ({"policy_logps": 1.5}, ValueError, "adaptive KL: log-probs above 0 at step 1: over its 3 valid (mask=1) tokens, "
-     "the policy log-probs average +0.5 a token. A log-prob is log p <= 0, so its mean cannot exceed 0.01 (rounding "
+    ({"policy_logps": 1.5}, ValueError, "adaptive KL: log-probs above 0 at step 1: over its 3 valid (mask=1) tokens: "
+     "policy log-probs average +0.5 a token. A log-prob is log p <= 0, so its mean cannot exceed 0.01 (rounding "
      "in any precision stays below that); these look like negative log-likelihoods (-log p, what "
      "F.cross_entropy(..., reduction='none') returns): pass their negation."),
 ])

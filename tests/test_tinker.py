@@ -815,8 +815,8 @@ def test_every_route_refuses_negative_log_likelihoods_in_a_datum_naming_the_inpu
                           (([-0.5, -1.5], [0.5, 1.5]), r"loss_fn_inputs\['ref_logprobs'\]")):
         datum = integration.completion_datum([1, 2, 3], [4, 5], *negated)
         datum.loss_fn_inputs["advantages"] = types.TensorData.from_torch(torch.ones(4))
-        message = (r"^adaptive KL: log-probs above 0 at step 1: over its 2 valid \(mask=1\) tokens, "
-                   rf"the {name} average \+1 a token\. ")
+        message = (r"^adaptive KL: log-probs above 0 at step 1: over its 2 valid \(mask=1\) tokens: "
+                   rf"{name} average \+1 a token\. ")
         with pytest.raises(ValueError, match=message):
             integration.grpo_kl_loss(akl)([datum], [torch.full((4,), -1.0, requires_grad=True)])
         with pytest.raises(ValueError, match=message):

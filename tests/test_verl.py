@@ -1082,6 +1082,14 @@ def logged_actor_metrics(batch, mode, micro_batches=2, beta=0.37, **fields):
 
 def actor_update(batch, mode, micro_batches=2, beta=0.37, ppo_epochs=1, **fields):
     """(the trainer, the metrics) of one actor update: the mixin's `_update_actor` over verl's."""
+    trainer = actor_trainer(batch, mode, micro_batches, beta, ppo_epochs, **fields)
+    metrics = {}
+    trainer._update_actor(types.SimpleNamespace(extra_info={}), metrics)
+    return trainer, metrics
+
+
+def actor_trainer(batch, mode, micro_batches=2, beta=0.37, ppo_epochs=1, **fields):
+    """The trainer of `actor_update`, before its update: the loss on the workers, a batch mean reward of 0.5."""
     from omegaconf import OmegaConf
 
     config = OmegaConf.create({
@@ -1098,9 +1106,34 @@ def actor_update(batch, mode, micro_batches=2, beta=0.37, ppo_epochs=1, **fields
     loss = verl_kl.AdaptivePPOLoss(actor_config(mode, coef=beta), AdaptiveKLConfig(**fields))
     trainer.actor_rollout_wg.set_loss_fn(loss)
     trainer._mean_reward = 0.5
-    metrics = {}
-    trainer._update_actor(types.SimpleNamespace(extra_info={}), metrics)
-    return trainer, metrics
+    return trainer
+
+
+@pytest.mark.parametrize(("tensor", "key"), [("log_prob (the actor's forward)", None), ("ref_log_prob", "ref_log_prob"),
+                                             ("old_log_probs", "old_log_probs")])
+def test_negative_log_likelihoods_stop_the_actor_update_naming_verls_tensor_before_anything_is_kept(tensor, key):
+    """One of verl's three log-prob tensors negated (-log p, as a loss of one's own might hand it over): the driver
+    raises ValueError naming verl's tensor and its mean over the valid response tokens (computed here from the batch),
+    before the batch's mean reward is observed: the run's state is as it was (record_sums alone raised after it)."""
+    td, log_probs, prompts, responses = make_batch(seed=13)
+    mask = torch.cat([torch.ones(r) for r in responses]).bool()
+    if key is None:
+        log_probs = -log_probs
+        starts = [sum(p + r for p, r in zip(prompts[:i], responses[:i])) + prompts[i] - 1 for i in range(len(prompts))]
+        values = torch.cat([log_probs[s:s + r] for s, r in zip(starts, responses)])
+    else:
+        td = td.clone()
+        td[key] = _nested([-row for row in td[key].unbind()])
+        values = torch.cat(list(td[key].unbind()))
+    mean = float(values.double()[mask].mean())
+    trainer = actor_trainer((td, log_probs, prompts, responses), "token-mean", kl_adaptation_method="dynamic",
+                            reward_threshold=0.1)
+    before = trainer.loss_kl.state_dict()
+    with pytest.raises(ValueError, match=rf"^adaptive KL: log-probs above 0 at step 1: over its {int(mask.sum())} "
+                                         rf"valid \(mask=1\) tokens: verl's {re.escape(tensor)} average "
+                                         rf"\+{mean:.4g} a token\. "):
+        trainer._update_actor(types.SimpleNamespace(extra_info={}), {})
+    assert trainer.loss_kl.state_dict() == before
 
 
 @pytest.mark.parametrize("ppo_epochs", [1, 2])

@@ -172,9 +172,9 @@ def positive_logps(sums: Sequence[float], tokens: float, names: Sequence[str]) -
 def positive_logps_error(step: int, found: Sequence[tuple[str, float]], tokens: float) -> ValueError:
     """The ValueError every door raises where `positive_logps` found a tensor: the step, each tensor with its mean per
     valid token, and the likely cause."""
-    means = "; ".join(f"the {name} average {mean:+.4g} a token" for name, mean in found)
+    means = "; ".join(f"{name} average {mean:+.4g} a token" for name, mean in found)
     return ValueError(
-        f"adaptive KL: log-probs above 0 at step {step}: over its {tokens:g} valid (mask=1) tokens, {means}. "
+        f"adaptive KL: log-probs above 0 at step {step}: over its {tokens:g} valid (mask=1) tokens: {means}. "
         f"A log-prob is log p <= 0, so its mean cannot exceed {LOGP_MEAN_CEILING} (rounding in any precision stays "
         "below that); these look like negative log-likelihoods (-log p, what F.cross_entropy(..., reduction='none') "
         "returns): pass their negation.")

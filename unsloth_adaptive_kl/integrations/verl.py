@@ -75,7 +75,7 @@ from ..core.numerics import (KINDS, NonFinite, found_in_check, masked_logps, mas
 from ..core.reductions import (agg_mode_of, kl_reduction, loss_type_of_agg_mode, loss_type_reduction,
                                reduction_left_as_is)
 from ..core.shapings import clipped_tokens
-from ..core.statistics import METRIC_PREFIX, NAMES, KLStatistics
+from ..core.statistics import METRIC_PREFIX, NAMES, KLStatistics, check_logp_means
 from ..core.statistics import local  # the driver's gather: it already holds every worker's values
 from . import versions
 from .patching import PatchSet
@@ -876,10 +876,13 @@ class AdaptiveKLTrainerMixin:
         raise_if_nonfinite(stats["nonfinite"], step)
         # The update's sums: every micro-batch's row, over every worker, mini-batch and PPO epoch.
         rows = torch.tensor(stats["sums"], dtype=torch.float64).view(-1, len(NAMES)).tolist()
+        update = sum((KLStatistics(*row) for row in rows), KLStatistics())
+        # Refused, as the non-finite input above, before the reward is observed (a refused update leaves the run as it
+        # was), naming verl's tensors; record_sums checks the same sums again under the core's names.
+        check_logp_means([update], step, tuple(f"verl's {LOSS_LOGPS[kind]}" for kind in KINDS))
         if self._mean_reward is not None:
             self.loss_kl.observe_rewards(self._mean_reward)
-        (logged,) = self.loss_kl.record_sums([sum((KLStatistics(*row) for row in rows), KLStatistics())], train=True,
-                                             completed_steps=step)
+        (logged,) = self.loss_kl.record_sums([update], train=True, completed_steps=step)
         metrics.update(logged)
         return batch
 
