@@ -300,30 +300,45 @@ def test_the_readmes_gpu_line_names_the_card_and_torch_of_the_gpu_check() -> Non
 
 
 def test_the_floors_rows_are_the_trl_extras_floors() -> None:
-    """CI's row (j) installs each package the `trl` extra declares with a ">=" at that version (read from
-    pyproject.toml by .ci/run), torch aside, and row (k) the same with the extra's torch floor; the compatibility
-    page's rows name those pins, and the prose the same versions, so a floor raised in pyproject.toml cannot leave the
-    page naming the old one."""
+    """CI's row (k) installs each package the `trl` extra declares with a ">=" at that version (read from
+    pyproject.toml by .ci/run), the torch floor first and kept by the second install, and row (d) the trl and peft
+    floors on the newest torch; the compatibility page's rows name those pins, and the prose the same versions, so a
+    floor raised in pyproject.toml cannot leave the page naming the old one."""
     from packaging.requirements import Requirement
 
     extra = pyproject()["project"]["optional-dependencies"]["trl"]
     floors = {r.name: s.version for r in map(Requirement, extra) for s in r.specifier if s.operator == ">="}
-    assert floors.pop("torch") == "2.6.0" and set(floors) == {"trl", "transformers", "datasets", "accelerate", "peft"}
+    torch_floor = floors.pop("torch")
+    assert torch_floor == "2.6.0" and set(floors) == {"trl", "transformers", "datasets", "accelerate", "peft"}
     page = (ROOT / "docs" / "compatibility.md").read_text()
-    row = next(line for line in page.splitlines() if line.startswith("| (j) |"))
-    assert "`" + " ".join(f"{name}=={version}" for name, version in floors.items()) + "`" in row
+    rows = {line.split(" | ")[0].removeprefix("| "): line for line in page.splitlines() if line.startswith("| (")}
+    assert "`" + " ".join(f"{name}=={version}" for name, version in floors.items()) + "`" in rows["(k)"]
+    assert f"`pip install torch=={torch_floor}`" in rows["(k)"] and f"and `torch=={torch_floor}`" in rows["(k)"]
+    assert f"`pip install trl=={floors['trl']} peft=={floors['peft']} torchao liger-kernel`" in rows["(d)"]
     prose = " ".join(page.split())
-    assert (f"row (j) runs the TRL tests on trl {floors['trl']}, transformers {floors['transformers']}, datasets "
-            f"{floors['datasets']}, accelerate {floors['accelerate']} and peft {floors['peft']} together") in prose
+    assert (f"row (k) runs the version tests on trl {floors['trl']}, transformers {floors['transformers']}, datasets "
+            f"{floors['datasets']}, accelerate {floors['accelerate']} and peft {floors['peft']} together, on Python "
+            f"3.10 and torch {torch_floor}, the extra's torch floor, and row (d) runs trl {floors['trl']} and peft "
+            f"{floors['peft']} with torchao on the newest torch and transformers") in prose
     ci = (ROOT / ".ci" / "run").read_text()
-    assert 'pip install -q -e ".[test,trl]" $floors torchao' in ci and "pip install -q torch==2.14.1" in ci
-    assert "`pip install torch==2.14.1`" in row and 'row j "${TRL_TESTS[@]}"' in ci
-    # row k: the torch floor read from the same line, installed first and kept by the second install
     assert ('pip install -q "$torch_floor"' in ci and 'pip install -q -e ".[test,trl]" $floors "$torch_floor"' in ci
-            and 'row k "${TRL_TESTS[@]}"' in ci)
-    row_k = next(line for line in page.splitlines() if line.startswith("| (k) |"))
-    assert "`pip install torch==2.6.0`" in row_k and "(j)'s floors" in row_k
-    assert "row (k) runs them on torch 2.6.0" in prose
+            and 'row k "${OLD_VERSION_TESTS[@]}"' in ci)
+    assert "grep -E '^(trl|peft)=='" in ci and "pip install -q $trl_peft_floors torchao liger-kernel" in ci
+
+
+def test_the_version_rows_skip_only_tests_no_installed_version_changes() -> None:
+    """The compatibility page names the test files the version rows (k, b, d) leave to row (a), and they are the ones
+    .ci/run ignores there: each tests the repository's own files on committed results, synthetic timings or fakes,
+    and imports no trainer package itself."""
+    page = " ".join((ROOT / "docs" / "compatibility.md").read_text().split())
+    ci = (ROOT / ".ci" / "run").read_text()
+    own = ["tests/test_docs_figures.py", "tests/test_benchmark_statistics.py", "tests/test_gpu_scenario_verdicts.py"]
+    skips = ci.split("VERSION_TESTS=(", 1)[1].split(")", 1)[0]
+    assert re.findall(r"--ignore=(\S+)", skips) == own
+    assert "(" + ", ".join(f"`{name}`" for name in own) + ":" in page
+    for name in own:
+        imports = re.findall(r"^\s*(?:from|import) (\w+)", (ROOT / name).read_text(), flags=re.M)
+        assert not {"trl", "transformers", "peft", "accelerate", "datasets", "unsloth"} & set(imports), name
 
 
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:

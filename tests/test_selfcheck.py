@@ -218,7 +218,7 @@ def test_the_trl_version_line_is_untested_just_outside_the_tested_range(monkeypa
 
 @pytest.mark.parametrize("here", [(), ("trl",), ("trl", "unsloth"), ("trl", "unsloth", "verl"), ("verl",)])
 def test_a_version_is_read_against_the_ranges_of_the_integrations_installed(monkeypatch, here) -> None:
-    """transformers 4.56.2 and torch 2.6.0 ran the TRL tests (rows j and k), never Unsloth's (rows a and c: 5.17.0 and
+    """transformers 4.56.2 and torch 2.6.0 ran the TRL tests (row k), never Unsloth's (rows a and c: 5.17.0 and
     2.14.1) nor verl's (row h: 5.10.4 and 2.13.0): with TRL alone they are tested; beside Unsloth or verl they are
     untested, the line naming each integration's range. torch is read against the core's range too (rows i to b:
     2.4.0 to 2.15.0), the only one where no integration is installed; trl, which only TRL and Unsloth run with, keeps

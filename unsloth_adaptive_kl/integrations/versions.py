@@ -25,7 +25,7 @@ from ..core.errors import IncompatibleVersionError, UntestedVersionWarning
 
 # What the CI matrix runs (.ci/run), integration by integration: the versions of each package its rows ran the
 # integration's tests on, as ranges whose ends a row ran (the exact sets: docs/results/ci.json). A package is tested
-# with one integration, not with every one: transformers 4.56.2 ran TRL's tests (row j), never Unsloth's. "core": the
+# with one integration, not with every one: transformers 4.56.2 ran TRL's tests (row k), never Unsloth's. "core": the
 # core's tests (AdaptiveKL in an own loop, Tinker's), which need torch alone.
 TESTED: dict[str, dict[str, SpecifierSet]] = {
     "core": {"torch": SpecifierSet(">=2.4.0,<=2.15.0")},
