@@ -329,7 +329,7 @@ def test_the_floors_rows_are_the_trl_extras_floors() -> None:
 def test_the_version_rows_skip_only_tests_no_installed_version_changes() -> None:
     """The compatibility page names the test files the version rows (k, b, d) leave to row (a), and they are the ones
     .ci/run ignores there: each tests the repository's own files on committed results, synthetic timings or fakes,
-    and imports no trainer package itself."""
+    and imports no trainer package itself; and those the old-version rows (k, d) leave to rows (a) and (b)."""
     page = " ".join((ROOT / "docs" / "compatibility.md").read_text().split())
     ci = (ROOT / ".ci" / "run").read_text()
     own = ["tests/test_docs_figures.py", "tests/test_benchmark_statistics.py", "tests/test_gpu_scenario_verdicts.py"]
@@ -339,6 +339,11 @@ def test_the_version_rows_skip_only_tests_no_installed_version_changes() -> None
     for name in own:
         imports = re.findall(r"^\s*(?:from|import) (\w+)", (ROOT / name).read_text(), flags=re.M)
         assert not {"trl", "transformers", "peft", "accelerate", "datasets", "unsloth"} & set(imports), name
+    # the old-version rows (k, d) skip besides the tests of what a fresh install runs, which row (k)'s line names
+    fresh = re.findall(r"--ignore=(\S+)", ci.split("OLD_VERSION_TESTS=(", 1)[1].split(")", 1)[0])
+    assert fresh == ["tests/test_demo.py", "tests/test_docs.py", "tests/test_gpucheck.py"]
+    assert "(" + ", ".join(f"`{name}`" for name in fresh) + "), which (a) and (b) run" in page
+    assert ci.count('"${OLD_VERSION_TESTS[@]}"') == 2 and ci.count('row b "${VERSION_TESTS[@]}"') == 1
 
 
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
