@@ -316,7 +316,7 @@ def test_the_floors_rows_are_the_trl_extras_floors() -> None:
     assert f"`pip install torch=={torch_floor}`" in rows["(k)"] and f"and `torch=={torch_floor}`" in rows["(k)"]
     assert f"`pip install trl=={floors['trl']} peft=={floors['peft']} torchao liger-kernel`" in rows["(d)"]
     prose = " ".join(page.split())
-    assert (f"row (k) runs the version tests on trl {floors['trl']}, transformers {floors['transformers']}, datasets "
+    assert (f"row (k) runs the TRL tests on trl {floors['trl']}, transformers {floors['transformers']}, datasets "
             f"{floors['datasets']}, accelerate {floors['accelerate']} and peft {floors['peft']} together, on Python "
             f"3.10 and torch {torch_floor}, the extra's torch floor, and row (d) runs trl {floors['trl']} and peft "
             f"{floors['peft']} with torchao on the newest torch and transformers") in prose
@@ -326,24 +326,19 @@ def test_the_floors_rows_are_the_trl_extras_floors() -> None:
     assert "grep -E '^(trl|peft)=='" in ci and "pip install -q $trl_peft_floors torchao liger-kernel" in ci
 
 
-def test_the_version_rows_skip_only_tests_no_installed_version_changes() -> None:
-    """The compatibility page names the test files the version rows (k, b, d) leave to row (a), and they are the ones
-    .ci/run ignores there: each tests the repository's own files on committed results, synthetic timings or fakes,
-    and imports no trainer package itself; and those the old-version rows (k, d) leave to rows (a) and (b)."""
+def test_the_old_version_rows_leave_what_a_fresh_install_runs_to_rows_a_and_b() -> None:
+    """Rows (k) and (d) skip the tests of the demo, the docs' code and the GPU check, and row (k)'s line on the
+    compatibility page names exactly those files; rows (a) and (b) run them: (a) the whole suite, (b) every TRL test."""
     page = " ".join((ROOT / "docs" / "compatibility.md").read_text().split())
     ci = (ROOT / ".ci" / "run").read_text()
-    own = ["tests/test_docs_figures.py", "tests/test_benchmark_statistics.py", "tests/test_gpu_scenario_verdicts.py"]
-    skips = ci.split("VERSION_TESTS=(", 1)[1].split(")", 1)[0]
-    assert re.findall(r"--ignore=(\S+)", skips) == own
-    assert "(" + ", ".join(f"`{name}`" for name in own) + ":" in page
-    for name in own:
-        imports = re.findall(r"^\s*(?:from|import) (\w+)", (ROOT / name).read_text(), flags=re.M)
-        assert not {"trl", "transformers", "peft", "accelerate", "datasets", "unsloth"} & set(imports), name
-    # the old-version rows (k, d) skip besides the tests of what a fresh install runs, which row (k)'s line names
-    fresh = re.findall(r"--ignore=(\S+)", ci.split("OLD_VERSION_TESTS=(", 1)[1].split(")", 1)[0])
-    assert fresh == ["tests/test_demo.py", "tests/test_docs.py", "tests/test_gpucheck.py"]
-    assert "(" + ", ".join(f"`{name}`" for name in fresh) + "), which (a) and (b) run" in page
-    assert ci.count('"${OLD_VERSION_TESTS[@]}"') == 2 and ci.count('row b "${VERSION_TESTS[@]}"') == 1
+    definition = re.search(r"^OLD_VERSION_TESTS=\(\"\$\{TRL_TESTS\[@\]\}\" ([^)]*)\)", ci, flags=re.M)
+    skipped = re.findall(r"--ignore=(\S+)", definition.group(1))
+    assert skipped == ["tests/test_demo.py", "tests/test_docs.py", "tests/test_gpucheck.py"]
+    assert "(" + ", ".join(f"`{name}`" for name in skipped) + "), which (a) and (b) run" in page
+    assert 'row k "${OLD_VERSION_TESTS[@]}"' in ci and 'row d "${OLD_VERSION_TESTS[@]}"' in ci
+    assert re.search(r"^row a$", ci, flags=re.M) and 'row b "${TRL_TESTS[@]}" --deselect "$TRL_LAB_GUARD"\n' in ci
+    trl_tests = re.search(r"^TRL_TESTS=\(tests ([^)]*)\)", ci, flags=re.M).group(1)
+    assert not set(skipped) & set(re.findall(r"--ignore=(\S+)", trl_tests))
 
 
 def test_readme_is_short_and_holds_the_commands_ci_runs() -> None:
@@ -507,7 +502,7 @@ SETTINGS_IN_PROSE = {
     "compatibility.md": {"0", "1", "2", "3", "4", "5", "6", "8", "25", "30", "64", "100", "0.5", "128", "256", "512",
                          "800", "1024", "3.10", "3.11", "3.13", "1.15.0", "2.4.0", "0.005", "0.9.1", "1.9.0",
                          "1.9.1", "1e-12", "1.14.1", "0.27.0", "2026.10.7", "2026.10.9",
-                         # the trl extra's floors (row j) and the torch releases below its torch floor
+                         # the trl extra's floors (rows k and d) and the torch releases below its torch floor
                          "1.4.0", "1.7.0", "0.18", "0.19.0", "0.19.1", "4.7.0", "4.56.2", "1.13", "2.4", "2.6", "2.6.0",
                          "2.14.1", "5.17.0"},
     "contributing.md": {"2", "4", "10", "20", "25", "2026.10.7", "2026.10.9"},

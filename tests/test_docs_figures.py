@@ -573,7 +573,7 @@ def test_ci_record_is_every_row_of_the_record(hook: Any, source: str, tmp_path: 
         assert row[0] == (f"({name}) {detail[1:-1]}" if detail else f"({name})")
         assert row[1:7] == [record["versions"].get(package, "none") for package in versions]
         assert row[7] == ", ".join(f"{p} {v}" for p, v in record["versions"].items()
-                                   if p in ("liger-kernel", "tinker", "verl"))
+                                   if p in ("torchao", "liger-kernel", "tinker", "verl"))
         # pytest's counts without the warnings and the time, or what ran (the docs build with its versions)
         result = ", ".join(part for part in record["result"].split(" in ")[0].split(", ")
                            if not re.fullmatch(r"\d+ warnings?", part))

@@ -441,7 +441,7 @@ def value(argument: Optional[str] = None) -> str:
 
 
 CI_VERSIONS = ("python", "torch", "trl", "transformers", "datasets", "unsloth")
-CI_OTHERS = ("liger-kernel", "tinker", "verl")
+CI_OTHERS = ("torchao", "liger-kernel", "tinker", "verl")
 
 
 def _minutes(seconds: float) -> str:
