@@ -313,17 +313,34 @@ def test_the_floors_rows_are_the_trl_extras_floors() -> None:
     page = (ROOT / "docs" / "compatibility.md").read_text()
     rows = {line.split(" | ")[0].removeprefix("| "): line for line in page.splitlines() if line.startswith("| (")}
     assert "`" + " ".join(f"{name}=={version}" for name, version in floors.items()) + "`" in rows["(k)"]
-    assert f"`pip install torch=={torch_floor}`" in rows["(k)"] and f"and `torch=={torch_floor}`" in rows["(k)"]
-    assert f"`pip install trl=={floors['trl']} peft=={floors['peft']} torchao liger-kernel`" in rows["(d)"]
+    assert f"`uv pip install torch=={torch_floor}`" in rows["(k)"] and f"and `torch=={torch_floor}`" in rows["(k)"]
+    assert f"`uv pip install trl=={floors['trl']} peft=={floors['peft']} torchao liger-kernel`" in rows["(d)"]
     prose = " ".join(page.split())
     assert (f"row (k) runs the TRL tests on trl {floors['trl']}, transformers {floors['transformers']}, datasets "
             f"{floors['datasets']}, accelerate {floors['accelerate']} and peft {floors['peft']} together, on Python "
             f"3.10 and torch {torch_floor}, the extra's torch floor, and row (d) runs trl {floors['trl']} and peft "
             f"{floors['peft']} with torchao on the newest torch and transformers") in prose
     ci = (ROOT / ".ci" / "run").read_text()
-    assert ('pip install -q "$torch_floor"' in ci and 'pip install -q -e ".[test,trl]" $floors "$torch_floor"' in ci
-            and 'row k "${OLD_VERSION_TESTS[@]}"' in ci)
-    assert "grep -E '^(trl|peft)=='" in ci and "pip install -q $trl_peft_floors torchao liger-kernel" in ci
+    assert '"$UV" pip install -q "$torch_floor"' in ci and 'row k "${OLD_VERSION_TESTS[@]}"' in ci
+    assert '"$UV" pip install -q -e ".[test,trl]" $floors "$torch_floor"' in ci
+    assert "grep -E '^(trl|peft)=='" in ci and '"$UV" pip install -q $trl_peft_floors torchao liger-kernel' in ci
+
+
+def test_the_page_names_the_rows_that_install_with_uv() -> None:
+    """.ci/run installs rows (k), (b), (d) and (i), whose packages all come from PyPI, with uv, and the others with pip
+    (the commands rows (a), (c), (e) and (f) stand for use pip; (g) and (h) take the machine's CPU torch): the
+    compatibility page names the same rows, and only their lines in its table say `uv pip install`."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    with_uv = set(re.findall(r"step install-(\w+) \"\$UV\" pip", ci))
+    with_pip = set(re.findall(r"step install-(\w+) pip install", ci))
+    assert with_uv == {"k", "b", "d", "i"} and with_pip == {"a", "c", "e", "g", "h", "f"}
+    page = (ROOT / "docs" / "compatibility.md").read_text()
+    assert "the rows whose packages all come from PyPI, (k), (b), (d) and (i), install with" in " ".join(page.split())
+    rows = {line.split(" | ")[0].strip("|() "): line.split(" | ")[1] for line in page.splitlines()
+            if line.startswith("| (")}
+    assert set(rows) == with_uv | with_pip
+    for name, installs in rows.items():
+        assert ("`uv pip install" in installs) == (name in with_uv), name
 
 
 def test_the_old_version_rows_leave_what_a_fresh_install_runs_to_rows_a_and_b() -> None:
