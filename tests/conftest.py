@@ -69,11 +69,13 @@ LONGEST_FILES = ("test_unsloth.py", "test_trainer_lab.py", "test_unsloth_loss.py
 def pytest_configure(config: pytest.Config) -> None:
     """pytest-xdist's `--dist loadfile` hands out the files with the most tests first, so a file of a few long tests
     went last: the README's test command ended with one worker idle for ~3 minutes while test_benchmark_smoke.py (3
-    tests, ~6 minutes of work) ran alone. The files go out in collection order instead, the longest first (below)."""
+    tests, ~6 minutes of work) ran alone. The files go out in collection order instead, the longest first (below);
+    the option to keep that order is pytest-xdist 3.8's (the `test` extra's floor)."""
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own -k and --deselect, so that the counts are of the tests that run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """In xdist's workers, whose collections the files are handed out from: LONGEST_FILES in that order, then the
     others with the most tests first (xdist's own order); a file's tests keep theirs. A plain run keeps pytest's."""

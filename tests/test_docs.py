@@ -327,20 +327,22 @@ def test_the_floors_rows_are_the_trl_extras_floors() -> None:
 
 
 def test_the_page_names_the_rows_that_install_with_uv() -> None:
-    """.ci/run installs rows (k), (b), (d) and (i), whose packages all come from PyPI, with uv, and the others with pip
-    (the commands rows (a), (c), (e) and (f) stand for use pip; (g) and (h) take the machine's CPU torch): the
+    """.ci/run installs rows (k), (b), (d) and (i), whose dependencies all come from PyPI, with uv, and the others with
+    pip (the commands rows (a), (c), (e) and (f) stand for use pip; (g) and (h) take the machine's CPU torch): the
     compatibility page names the same rows, and only their lines in its table say `uv pip install`."""
     ci = (ROOT / ".ci" / "run").read_text()
     with_uv = set(re.findall(r"step install-(\w+) \"\$UV\" pip", ci))
     with_pip = set(re.findall(r"step install-(\w+) pip install", ci))
     assert with_uv == {"k", "b", "d", "i"} and with_pip == {"a", "c", "e", "g", "h", "f"}
     page = (ROOT / "docs" / "compatibility.md").read_text()
-    assert "the rows whose packages all come from PyPI, (k), (b), (d) and (i), install with" in " ".join(page.split())
+    prose = " ".join(page.split())
+    assert "the rows whose dependencies all come from PyPI, (k), (b), (d) and (i), install with" in prose
     rows = {line.split(" | ")[0].strip("|() "): line.split(" | ")[1] for line in page.splitlines()
             if line.startswith("| (")}
     assert set(rows) == with_uv | with_pip
     for name, installs in rows.items():
         assert ("`uv pip install" in installs) == (name in with_uv), name
+        assert name not in with_uv or "`pip install" not in installs, name
 
 
 def test_the_old_version_rows_leave_what_a_fresh_install_runs_to_rows_a_and_b() -> None:
