@@ -327,16 +327,16 @@ def test_the_floors_rows_are_the_trl_extras_floors() -> None:
 
 
 def test_the_page_names_the_rows_that_install_with_uv() -> None:
-    """.ci/run installs rows (k), (b), (d) and (i), whose dependencies all come from PyPI, with uv, and the others with
-    pip (the commands rows (a), (c), (e) and (f) stand for use pip; (g) and (h) take the machine's CPU torch): the
-    compatibility page names the same rows, and only their lines in its table say `uv pip install`."""
+    """.ci/run installs rows (a), (c), (e) and (f), which stand for commands users run with pip, with pip, and the
+    others with uv: the compatibility page names the same rows, and only their lines in its table say `uv pip
+    install`."""
     ci = (ROOT / ".ci" / "run").read_text()
     with_uv = set(re.findall(r"step install-(\w+) \"\$UV\" pip", ci))
     with_pip = set(re.findall(r"step install-(\w+) pip install", ci))
-    assert with_uv == {"k", "b", "d", "i"} and with_pip == {"a", "c", "e", "g", "h", "f"}
+    assert with_uv == {"k", "b", "d", "g", "i", "h"} and with_pip == {"a", "c", "e", "f"}
     page = (ROOT / "docs" / "compatibility.md").read_text()
     prose = " ".join(page.split())
-    assert "the rows whose dependencies all come from PyPI, (k), (b), (d) and (i), install with" in prose
+    assert "the rows that stand for no user's pip command, (k), (b), (d), (g), (i) and (h), install with" in prose
     rows = {line.split(" | ")[0].strip("|() "): line.split(" | ")[1] for line in page.splitlines()
             if line.startswith("| (")}
     assert set(rows) == with_uv | with_pip

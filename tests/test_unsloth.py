@@ -1,7 +1,7 @@
 """Unsloth integration: the generated trainer's wiring (import order, generation, hooks, config, beta, the KL in
 the reward, reference syncing) and the end-to-end lab guard; tests/test_unsloth_loss.py has its loss. The real
-generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py); the anchor checks use a stand-in
-`unsloth` package and run everywhere."""
+generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py), some scenarios in turn in one; the anchor
+checks use a stand-in `unsloth` package and run everywhere."""
 
 from __future__ import annotations
 
@@ -18,7 +18,18 @@ import pytest
 
 from unsloth_adaptive_kl.core.tolerance import float32_chain_tolerance
 
-from .unsloth_runs import ROOT, needs_unsloth, run_scenario
+from .unsloth_runs import ROOT, ScenariosInTurn, needs_unsloth, run_scenario
+
+
+# The scenarios that share one process (tests/unsloth_runs.py), in this order: the settings' warnings are said once a
+# process, so theirs runs first. Those of the config and of a failed hook change what Unsloth generated, and the late
+# import needs unsloth first: each has a process of its own.
+SCENARIOS = ("settings", "dynamic", "reward", "ref_sync", "autocast_latch")
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> ScenariosInTurn:
+    return ScenariosInTurn(SCENARIOS, tmp_path_factory)
 
 
 @needs_unsloth
@@ -82,8 +93,8 @@ def test_import_after_unsloth_raises_import_error(tmp_path) -> None:
 
 
 @needs_unsloth
-def test_generated_trainer_dynamic_beta_metrics_and_no_recompiles(tmp_path) -> None:
-    result = run_scenario("dynamic", tmp_path)
+def test_generated_trainer_dynamic_beta_metrics_and_no_recompiles(scenario) -> None:
+    result = scenario("dynamic")
     assert result["trainer_class"] == "UnslothGRPOTrainer" and result["stock_beta"] == 0.04
     # the GPU check's probe that the hooked loss ran compiled (the harness keeps Unsloth's loss compiled, as a GPU does)
     assert result["loss_cache_entries"] >= 1
@@ -234,11 +245,11 @@ def test_an_unpatch_after_an_unhooked_generation_leaves_patch_the_late_import_er
 
 
 @needs_unsloth
-def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_path) -> None:
+def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(scenario) -> None:
     """kl_placement='reward' in Unsloth's generated trainer: advantages are the formula of r_i - beta * KL_i (summed
     KL per completion: the log-ratio k1 by default, k3 when named, which warns), the loss has no KL term, the stock
     reward metric is un-penalised, dynamic beta decays, and a resumed run takes beta back from its checkpoint."""
-    results = run_scenario("reward", tmp_path)
+    results = scenario("reward")
     for label in ("group", "batch", "group_k3"):
         entry = results[label]
         assert entry["estimator"] == ("k3" if label == "group_k3" else "k1")
@@ -277,9 +288,9 @@ def test_generated_trainer_kl_in_reward_advantages_loss_and_dynamic_beta(tmp_pat
 
 
 @needs_unsloth
-def test_generated_trainer_syncs_the_reference_of_its_peft_model(tmp_path) -> None:
+def test_generated_trainer_syncs_the_reference_of_its_peft_model(scenario) -> None:
     """sync_ref_model=True in Unsloth's generated trainer (which refuses it stock, and keeps no "ref" adapter)."""
-    results = run_scenario("ref_sync", tmp_path)
+    results = scenario("ref_sync")
     floor = results["floor"]
     assert floor["trainer_class"] == "UnslothGRPOTrainer" and floor["has_ref_adapter"] is False
     assert floor["synced_raw"][:2] == floor["stock_raw"][:2]  # the stock reference until the first sync
@@ -307,7 +318,7 @@ def test_generated_trainer_syncs_the_reference_of_its_peft_model(tmp_path) -> No
 
 
 @needs_unsloth
-def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are_logged(tmp_path) -> None:
+def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are_logged(scenario) -> None:
     """Unsloth's generated UnslothGRPOConfig rewrites some arguments before TRL's GRPOConfig sees them
     (unsloth/models/rl.py): an explicit scale_rewards True/'group' with dr_grpo becomes False, one warning naming the
     field, the value set and the value in effect; what it fills in for fields left unset (beta 0.001 for grpo,
@@ -315,7 +326,7 @@ def test_generated_config_changes_to_explicit_settings_warn_and_its_defaults_are
     off) does not warn but is named in the settings line the trainer prints once at construction (an adapted setting),
     runtime fields included (learning rate, warmup, optimizer, weight decay, seed). The #6586 refusal holds on
     Unsloth's config too."""
-    results = run_scenario("settings", tmp_path)
+    results = scenario("settings")
     for label, value_set in (("dr_grpo_group", "'group'"), ("dr_grpo_true", "True")):
         assert results[label]["warnings"] == [
             f"scale_rewards={value_set} was passed to Unsloth's generated UnslothGRPOConfig (set explicitly, or as its "
@@ -395,12 +406,12 @@ def test_the_exact_settings_reach_the_optimum_through_unsloths_trainer(tmp_path)
 
 
 @needs_unsloth
-def test_the_lab_keeps_its_model_out_of_unsloths_float16_autocast_on_a_gpu(tmp_path) -> None:
+def test_the_lab_keeps_its_model_out_of_unsloths_float16_autocast_on_a_gpu(scenario) -> None:
     """On a GPU the trainer lab flags its float32 model `_unsloth_forced_float32`, so that Unsloth's config does not
     switch it to bf16; Unsloth's GRPO steps then choose float16 autocast for it (its rule for Gemma3 on a T4), and the
     guard would train in unscaled float16 against float32's bounds. The lab latches the choice first: with it Unsloth's
     real `_unsloth_grpo_autocast` keeps autocast off, and the run records fp32 (fp16 without it)."""
-    result = run_scenario("autocast_latch", tmp_path)
+    result = scenario("autocast_latch")
     assert result == {"lab_run": {"latched_at": [0], "precision": "fp32"},  # the lab's run latches before step 1
                       "upstream": {"enabled": True, "dtype": "torch.float16", "precision": "fp16"},
                       "latched": {"enabled": False, "dtype": "torch.bfloat16", "precision": "fp32"}}

@@ -1,7 +1,8 @@
 """Unsloth's loss through the package's hook on its compiled loss (`UnslothEfficientGRPO`): `none` and no-op
 adaptations against stock Unsloth's loss and gradients, each method's KL part against its formula, the keywords the
 generated compute_loss passes, what the loss's mask and per-completion weights do to an adapted KL, and Unsloth's
-entropy bonus and mask beside it. The real generated UnslothGRPOTrainer runs in subprocesses (tests/unsloth_runs.py)."""
+entropy bonus and mask beside it. The real generated UnslothGRPOTrainer runs in one subprocess, its scenarios in
+turn (tests/unsloth_runs.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from unsloth_adaptive_kl.tools.tiny import build_tokenizer
 
 from .float32_error import MAX_LOGIT, two_path_logp_tolerance
 from .metric_definitions import assert_metrics_match
-from .unsloth_runs import ROOT, needs_unsloth, run_scenario
+from .unsloth_runs import ROOT, ScenariosInTurn, needs_unsloth
 
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic",
            "k2/sequence_sum", "user_three_k2", "k1_future"]  # k2/sequence_sum: clip with kl_estimator k2 and
@@ -31,9 +32,18 @@ TOKENS = 4 * 8
 LOGP_ERROR = two_path_logp_tolerance(MAX_LOGIT, len(build_tokenizer()))
 
 
+# The file's scenarios of the real generated trainer, in this order in one process (tests/unsloth_runs.py)
+SCENARIOS = ("losses", "drift", "policy_masks", "vllm_is_ratio", "nonfinite", "pad_is_eos", "sample_weights")
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory) -> ScenariosInTurn:
+    return ScenariosInTurn(SCENARIOS, tmp_path_factory)
+
+
 @needs_unsloth
-def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> None:
-    results = run_scenario("losses", tmp_path)
+def test_generated_trainer_none_is_stock_and_methods_match_formula(scenario) -> None:
+    results = scenario("losses")
     assert set(results) == {"grpo", "bnpo", "dr_grpo", "dapo"}
     for loss_type, entry in results.items():
         # `none` runs the stock compiled loss: the same operations, so equal up to summation order.
@@ -83,11 +93,11 @@ def test_generated_trainer_none_is_stock_and_methods_match_formula(tmp_path) -> 
 
 
 @needs_unsloth
-def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(tmp_path) -> None:
+def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(scenario) -> None:
     """The KL the adapted path shapes is the installed grpo_compute_loss's own (its clamps in its order,
     its masking, its rejected tokens), so adaptations that change nothing give stock Unsloth's loss and gradients,
     on-policy and off-policy, with per-token KL past the [-10, 10] clamp."""
-    results = run_scenario("drift", tmp_path)
+    results = scenario("drift")
     rejected = results.pop("rejected_tokens")
     bnpo_rule = results.pop("bnpo_rule")
     assert set(results) == {f"{lt}/{policy}" for lt in ("grpo", "bnpo", "dr_grpo", "dapo") for policy in ("on_policy", "off_policy")}
@@ -120,13 +130,13 @@ def test_no_op_adaptations_reproduce_stock_unsloth_loss_and_gradients(tmp_path) 
 
 
 @needs_unsloth
-def test_unsloths_entropy_bonus_and_policy_masks_stay_beside_an_adapted_kl(tmp_path) -> None:
+def test_unsloths_entropy_bonus_and_policy_masks_stay_beside_an_adapted_kl(scenario) -> None:
     """A fixed entropy_coef: Unsloth adds -entropy_coef * the entropy mean after the compiled loss this package hooks;
     top_entropy_quantile=0.5 and off_policy_mask_threshold=0.1: the compiled loss multiplies the policy term alone by
     the entropy mask and the off-policy sequence mask. No-op adaptations keep stock Unsloth's loss and gradients,
     bonus and masks included, and clip's KL part (the loss minus the loss at beta 0, bonus and masks in both) is its
     formula's over every valid token."""
-    results = run_scenario("policy_masks", tmp_path)
+    results = scenario("policy_masks")
     assert set(results) == {"grpo", "dapo"}
     vocabulary = len(build_tokenizer())
     for loss_type, entry in results.items():
@@ -157,12 +167,12 @@ def test_unsloths_entropy_bonus_and_policy_masks_stay_beside_an_adapted_kl(tmp_p
 
 
 @needs_unsloth
-def test_vllms_importance_sampling_ratio_weights_unsloths_policy_term_alone_beside_an_adapted_kl(tmp_path) -> None:
+def test_vllms_importance_sampling_ratio_weights_unsloths_policy_term_alone_beside_an_adapted_kl(scenario) -> None:
     """With vLLM generating, grpo_compute_loss multiplies the policy term alone by the ratio of the old policy to
     vLLM's sampling log-probs (TRL's default mode, per completion, and a per-token one), then adds beta * KL. vLLM
     cannot run here: the harness tells the trainer it generated with vLLM and puts sampling log-probs in the batch.
     No-op adaptations keep stock Unsloth's loss and gradients, and clip's KL part is its formula, no ratio in it."""
-    results = run_scenario("vllm_is_ratio", tmp_path)
+    results = scenario("vllm_is_ratio")
     assert set(results) == {f"{lt}/{mode}" for lt in ("grpo", "dapo") for mode in ("sequence_mask", "token_truncate")}
     for case, entry in results.items():
         assert abs(entry["policy"] - entry["unweighted_policy"]) > 1e-3, case  # the ratio acts on this batch
@@ -283,11 +293,11 @@ def test_a_trainer_beta_set_mid_run_stops_an_adapted_loss_at_unsloths_door_befor
 
 
 @needs_unsloth
-def test_a_non_finite_valid_log_prob_is_named_and_masked_garbage_changes_nothing_at_unsloths_door(tmp_path) -> None:
+def test_a_non_finite_valid_log_prob_is_named_and_masked_garbage_changes_nothing_at_unsloths_door(scenario) -> None:
     """As at every door: a NaN on one valid token of the reference or of the old policy's log-probs (which Unsloth's
     importance ratio divides by) raises `NonFiniteLogProbError` naming the tensor and the one token; NaN and -inf on
     masked reference positions leave the loss and gradients exactly the clean batch's, for `none` and `clip`."""
-    results = run_scenario("nonfinite", tmp_path)
+    results = scenario("nonfinite")
     for method in ("none", "clip"):
         found = results[method]
         assert found["masked"] >= 2 and found["masked_same"] is True
@@ -297,12 +307,12 @@ def test_a_non_finite_valid_log_prob_is_named_and_masked_garbage_changes_nothing
 
 
 @needs_unsloth
-def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_path) -> None:
+def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(scenario) -> None:
     """Unsloth's loss receives the mask `completion_ids != pad_token_id` (TRL's includes each completion's EOS): with
     pad = EOS, on one step's batch, no completion's EOS is in it while every letter before it is; with a pad token of
     its own every EOS is. The trainer's construction says so, once, for pad = EOS only, and refuses an adapted KL
     there (`none` stays stock)."""
-    results = run_scenario("pad_is_eos", tmp_path)
+    results = scenario("pad_is_eos")
     same, own = results["pad_is_eos"], results["own_pad"]
     assert same["eos_completions"] > 0 and same["eos_in_mask"] == 0
     assert same["letters_in_mask"] == same["letters"] > 0
@@ -319,12 +329,12 @@ def test_pad_equal_to_eos_masks_every_eos_out_of_unsloths_loss_and_warns(tmp_pat
 
 
 @needs_unsloth
-def test_unsloths_sample_weights_refuse_an_adapted_kl_at_construction_and_leave_none_stock(tmp_path) -> None:
+def test_unsloths_sample_weights_refuse_an_adapted_kl_at_construction_and_leave_none_stock(scenario) -> None:
     """With Unsloth's per-completion weights on, building the trainer with `clip` raises the documented error (the
     troubleshooting page's); `none` warns once, logs no adaptive_kl/* metric, and on a weighted batch its loss and
     gradients are stock Unsloth's exactly (the shim hands the call to Unsloth's own loss). Set only after a `clip`
     trainer was built, they stop its first loss call; with beta = 0 (no KL term) `clip` is built without a word."""
-    results = run_scenario("sample_weights", tmp_path)
+    results = scenario("sample_weights")
     troubleshooting = (ROOT / "docs" / "troubleshooting.md").read_text()
     assert f"NotImplementedError: {results['refused']}\n" in troubleshooting
     assert len(results["warnings"]) == 1 and "the loss stays stock Unsloth's" in results["warnings"][0]

@@ -1,6 +1,11 @@
 """Run Unsloth's real generated GRPO trainer on CPU (a subprocess of tests/test_unsloth.py; not collected).
 
     python tests/unsloth_cpu.py SCENARIO OUTPUT_JSON
+    python tests/unsloth_cpu.py SCENARIO,SCENARIO,... OUTPUT_JSON   # in turn, in this one process
+
+Several scenarios in one process share its import of Unsloth, the trainer it generated and the losses inductor
+compiled (tests/test_unsloth_loss.py's seven: ~40 % less time than a process each); OUTPUT_JSON then holds
+{scenario: {"result": ...}} or, for one that raised, {scenario: {"traceback": ...}}.
 
 Unsloth's generated GRPO trainer has no CPU path (2026.10.7 and 2026.10.8 refuse a machine without an accelerator;
 2026.10.9's CPU backend trains with TRL's own trainers and generates none): with UNSLOTH_ALLOW_CPU=1 Unsloth takes its
@@ -1174,7 +1179,25 @@ SCENARIOS = {"config": scenario_config, "pad_is_eos": scenario_pad_is_eos, "samp
              "ref_sync": scenario_ref_sync, "hook_failure": scenario_hook_failure, "settings": scenario_settings,
              "autocast_latch": scenario_autocast_latch, "nonfinite": scenario_nonfinite}
 
+
+
+def run_in_turn(names: list[str], folder: str) -> dict[str, dict[str, Any]]:
+    """{name: {"result": ...}} for each scenario, run in turn; one that raises gives {"traceback": ...}, and the next
+    still runs (its test reports the traceback, and each other test its own result)."""
+    import traceback
+
+    out: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            out[name] = {"result": SCENARIOS[name](f"{folder}/{name}_runs")}
+        except Exception:  # noqa: BLE001  (reported to the scenario's own test)
+            out[name] = {"traceback": traceback.format_exc()}
+    return out
+
+
 if __name__ == "__main__":
-    output = SCENARIOS[SCENARIO](os.path.dirname(os.path.abspath(sys.argv[2])) + f"/{SCENARIO}_runs")
+    folder = os.path.dirname(os.path.abspath(sys.argv[2]))
+    names = SCENARIO.split(",")
+    output = SCENARIOS[SCENARIO](f"{folder}/{SCENARIO}_runs") if len(names) == 1 else run_in_turn(names, folder)
     with open(sys.argv[2], "w") as f:
         json.dump(output, f, default=lambda value: None if isinstance(value, float) and math.isnan(value) else str(value))

@@ -21,11 +21,31 @@ if os.environ.get("ADAPTIVE_KL_REQUIRE_UNSLOTH") == "1" and not HAS_UNSLOTH:
 needs_unsloth = pytest.mark.skipif(not HAS_UNSLOTH, reason="unsloth not installed (CI installs it)")
 
 
-def run_scenario(scenario: str, tmp_path: Path) -> dict:
-    """Run one harness scenario in a fresh process whose working directory holds its unsloth_compiled_cache."""
-    output = tmp_path / f"{scenario}.json"
+def run_scenario(scenario: str, tmp_path: Path, timeout: int = 900) -> dict:
+    """Run one harness scenario (or several, joined by commas) in a fresh process whose working directory holds its
+    unsloth_compiled_cache."""
+    output = tmp_path / f"{scenario.replace(',', '+')}.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(HARNESS), scenario, str(output)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return json.loads(output.read_text())
+
+
+class ScenariosInTurn:
+    """Harness scenarios run in turn in one fresh process, at the first test that asks for one: each test reads its
+    own scenario's result, or fails with that scenario's traceback."""
+
+    def __init__(self, scenarios: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.scenarios, self.tmp_path_factory = scenarios, tmp_path_factory
+        self.outcomes: dict[str, dict] | None = None
+
+    def __call__(self, scenario: str) -> dict:
+        assert scenario in self.scenarios, scenario
+        if self.outcomes is None:
+            folder = self.tmp_path_factory.mktemp("scenarios")
+            self.outcomes = run_scenario(",".join(self.scenarios), folder, timeout=300 * len(self.scenarios))
+        outcome = self.outcomes[scenario]
+        if "traceback" in outcome:
+            pytest.fail(f"scenario {scenario} raised:\n{outcome['traceback']}", pytrace=False)
+        return outcome["result"]

@@ -1,4 +1,5 @@
-"""Run verl 0.9.1 on CPU (a subprocess of tests/test_verl.py; not collected). Test fixtures only, never shipped.
+"""Run verl 0.9.1 on CPU (a subprocess of tests/test_verl.py and tests/test_verl_end_to_end.py; not collected). Test
+fixtures only, never shipped.
 
     python tests/verl_cpu.py worker OUTPUT_JSON
 
