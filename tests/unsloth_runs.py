@@ -34,7 +34,8 @@ def run_scenario(scenario: str, tmp_path: Path, timeout: int = 900) -> dict:
 
 class ScenariosInTurn:
     """Harness scenarios run in turn in one fresh process, at the first test that asks for one: each test reads its
-    own scenario's result, or fails with that scenario's traceback."""
+    own scenario's result, or fails with that scenario's traceback (or the process's failure, which is not run
+    again for the next test)."""
 
     def __init__(self, scenarios: tuple[str, ...], tmp_path_factory: pytest.TempPathFactory) -> None:
         self.scenarios, self.tmp_path_factory = scenarios, tmp_path_factory
@@ -44,7 +45,11 @@ class ScenariosInTurn:
         assert scenario in self.scenarios, scenario
         if self.outcomes is None:
             folder = self.tmp_path_factory.mktemp("scenarios")
-            self.outcomes = run_scenario(",".join(self.scenarios), folder, timeout=300 * len(self.scenarios))
+            try:
+                self.outcomes = run_scenario(",".join(self.scenarios), folder, timeout=300 * len(self.scenarios))
+            except (AssertionError, subprocess.TimeoutExpired) as error:
+                failed = {"traceback": f"the process of {', '.join(self.scenarios)} failed:\n{error}"}
+                self.outcomes = dict.fromkeys(self.scenarios, failed)
         outcome = self.outcomes[scenario]
         if "traceback" in outcome:
             pytest.fail(f"scenario {scenario} raised:\n{outcome['traceback']}", pytrace=False)
