@@ -18,18 +18,13 @@ import pytest
 
 from unsloth_adaptive_kl.core.tolerance import float32_chain_tolerance
 
-from .unsloth_runs import ROOT, ScenariosInTurn, needs_unsloth, run_scenario
+from .unsloth_runs import ROOT, needs_unsloth, run_scenario, scenarios_in_turn
 
 
 # The scenarios that share one process (tests/unsloth_runs.py), in this order: the settings' warnings are said once a
 # process, so theirs runs first. Those of the config and of a failed hook change what Unsloth generated, and the late
 # import needs unsloth first: each has a process of its own.
-SCENARIOS = ("settings", "dynamic", "reward", "ref_sync", "autocast_latch")
-
-
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> ScenariosInTurn:
-    return ScenariosInTurn(SCENARIOS, tmp_path_factory)
+scenario = scenarios_in_turn("settings", "dynamic", "reward", "ref_sync", "autocast_latch")
 
 
 @needs_unsloth

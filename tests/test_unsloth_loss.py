@@ -18,7 +18,7 @@ from unsloth_adaptive_kl.tools.tiny import build_tokenizer
 
 from .float32_error import MAX_LOGIT, two_path_logp_tolerance
 from .metric_definitions import assert_metrics_match
-from .unsloth_runs import ROOT, ScenariosInTurn, needs_unsloth
+from .unsloth_runs import ROOT, needs_unsloth, scenarios_in_turn
 
 METHODS = ["none", "clip", "sigmoid", "length_normalized", "dynamic", "sigmoid+length_normalized+dynamic",
            "k2/sequence_sum", "user_three_k2", "k1_future"]  # k2/sequence_sum: clip with kl_estimator k2 and
@@ -33,12 +33,8 @@ LOGP_ERROR = two_path_logp_tolerance(MAX_LOGIT, len(build_tokenizer()))
 
 
 # The file's scenarios of the real generated trainer, in this order in one process (tests/unsloth_runs.py)
-SCENARIOS = ("losses", "drift", "policy_masks", "vllm_is_ratio", "nonfinite", "pad_is_eos", "sample_weights")
-
-
-@pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory) -> ScenariosInTurn:
-    return ScenariosInTurn(SCENARIOS, tmp_path_factory)
+scenario = scenarios_in_turn("losses", "drift", "policy_masks", "vllm_is_ratio", "nonfinite", "pad_is_eos",
+                             "sample_weights")
 
 
 @needs_unsloth

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,3 +55,13 @@ class ScenariosInTurn:
         if "traceback" in outcome:
             pytest.fail(f"scenario {scenario} raised:\n{outcome['traceback']}", pytrace=False)
         return outcome["result"]
+
+
+def scenarios_in_turn(*scenarios: str) -> Any:
+    """A test module's `scenario` fixture: `scenarios`, in this order, in one process (`ScenariosInTurn`)."""
+
+    @pytest.fixture(scope="module")
+    def scenario(tmp_path_factory: pytest.TempPathFactory) -> ScenariosInTurn:
+        return ScenariosInTurn(scenarios, tmp_path_factory)
+
+    return scenario
