@@ -4,6 +4,7 @@ user-registered estimator (SPEC 3.11)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -836,9 +837,16 @@ def test_a_loop_of_your_own_that_never_calls_step_is_told_beta_holds() -> None:
     assert printed.startswith("adaptive KL: beta holds at step 2: SGD has stepped twice since the last akl.step(): ")
     from torch.optim.optimizer import _global_optimizer_post_hooks as hooks
 
+    # a copy taken after the watch started has no hook of its own: it watches from its own first batch (the copy of
+    # the flag said it watched, and a copy's loop that forgot akl.step() was never told)
+    copied = copy.deepcopy(fresh())
+    assert _own_loop(copied, [table()], "bo") == []
+    copied = copy.deepcopy(copied)
+    (printed,) = _own_loop(copied, [table()], "bobob")
+    assert re.fullmatch(never.format(door="kl_loss", kind="dynamic"), printed)
     before = len(hooks)
-    del later, forgot
-    assert len(hooks) == before - 2  # the watch goes with the object
+    del later, forgot, copied
+    assert len(hooks) == before - 3  # the watch goes with the object
 
 
 def test_a_loop_that_steps_akl_more_often_than_its_optimizer_is_told() -> None:
@@ -1216,6 +1224,48 @@ def test_registering_names_is_checked() -> None:
                                          r"test_least_confident_half(, [^ ]+)* \(register your own with register_kl_estimator\), or a callable"):
         AdaptiveKLConfig(kl_estimator="k4")
     assert "test_least_confident_half" in estimator_names()
+
+
+def test_an_estimators_signature_decides_what_it_is_given() -> None:
+    """The config goes to a 4th positional parameter only: a keyword-only option or **kwargs was counted as one, and
+    `fn(logp, ref, mask, config)` raised a bare TypeError when the run was built. A function that cannot take the
+    three tensors is refused where it is named (registered, or given as kl_estimator); one whose 4th parameter meant
+    something else fails the build's probe naming the field and the config it was given."""
+    def eps_k2(logp, ref_logp, mask, *, eps=0.5):
+        return 0.5 * (logp - ref_logp) ** 2 + eps * mask
+
+    register_kl_estimator("test_keyword_option")(eps_k2)
+    register_kl_estimator("test_kwargs_option")(lambda logp, ref_logp, mask, **options: (logp - ref_logp) * mask)
+    logps, ref = batch()
+    for name, per_token in [("test_keyword_option", 0.5 * (logps - ref) ** 2 + 0.5),
+                            ("test_kwargs_option", logps - ref)]:
+        term, _ = AdaptiveKL(AdaptiveKLConfig(kl_estimator=name), 1.0, "bnpo").kl_loss(logps, ref, MASK)
+        assert term.item() == pytest.approx((per_token * MASK).sum().item() / LENGTHS.sum().item(), rel=1e-6), name
+    with pytest.raises(TypeError, match=r"^register_kl_estimator\('test_two'\): \S*<lambda>\(logp, ref\) cannot be "
+                                        r"called with 3 positional arguments \(too many positional arguments\); "
+                                        r"allowed is a function of \(logp, ref_logp, mask\), and of a 4th "
+                                        r"positional parameter where it reads the AdaptiveKLConfig$"):
+        register_kl_estimator("test_two")(lambda logp, ref: logp - ref)
+    assert "test_two" not in estimator_names()
+
+    def with_config(logp, ref_logp, mask, config):
+        return config.kl_clip_threshold * (logp - ref_logp) * mask
+
+    with pytest.raises(ValueError, match=r"^kl_estimator='.*with_config' is invalid: .*with_config\(logp, ref_logp, "
+                                         r"mask, config\) cannot be called with 3 positional arguments \(missing a "
+                                         r"required argument: 'config'\); allowed is a callable"):
+        AdaptiveKLConfig(kl_estimator=with_config)
+
+    def scaled_k1(logp, ref_logp, mask, scale=2.0):
+        return scale * (logp - ref_logp) * mask
+
+    assert AdaptiveKLConfig(kl_estimator=scaled_k1).kl_estimator is scaled_k1  # given, it is called with three
+    register_kl_estimator("test_scaled_option")(scaled_k1)  # registered, its 4th parameter is the config's
+    with pytest.raises(ValueError, match=r"^kl_estimator='test_scaled_option' raised TypeError: unsupported operand "
+                                         r"type\(s\) for \*: 'AdaptiveKLConfig' and 'Tensor' on a \(2, 3\) batch of "
+                                         r"log-probs and a mask and the AdaptiveKLConfig as its 4th argument, when "
+                                         r"the run was built$"):
+        AdaptiveKL(AdaptiveKLConfig(kl_estimator="test_scaled_option"), BETA)
 
 
 def test_in_the_reward_raw_kl_and_sequence_kl_count_the_same_completions() -> None:

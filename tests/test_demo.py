@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -530,16 +531,37 @@ def test_the_auto_backend_is_unsloth_where_it_is_installed_and_a_gpu_is_there(mo
 
 
 def test_only_a_failure_to_load_is_blamed_on_the_model() -> None:
-    """`loading` turns the OSError of a name that cannot be loaded into ModelNotLoaded, naming --model; any other
-    error (a bug, a bad config) stays what it is, so that it does not stop the demo as a missing model does."""
+    """`loading` turns the OSError of a name that cannot be found, and the ValueError of a model transformers cannot
+    build, into ModelNotLoaded, naming --model; any other error (a bug) stays what it is, so that it does not stop the
+    demo as a model that cannot be loaded does."""
     from unsloth_adaptive_kl.tools import demo
 
     with pytest.raises(demo.ModelNotLoaded, match="^--model 'org/m' could not be loaded: OSError: offline$"):
         with demo.loading("org/m"):
             raise OSError("offline")
-    with pytest.raises(ValueError, match="^bad config$"):
+    with pytest.raises(demo.ModelNotLoaded, match="^--model 'org/m' could not be loaded: ValueError: bad config$"):
         with demo.loading("org/m"):
             raise ValueError("bad config")
+    with pytest.raises(RuntimeError, match="^a bug$"):
+        with demo.loading("org/m"):
+            raise RuntimeError("a bug")
+
+
+def test_a_folder_transformers_cannot_build_a_model_from_is_a_model_that_cannot_be_loaded(tmp_path) -> None:
+    """A folder with a tokenizer and a config of an unknown model type: transformers raises ValueError, which ended
+    each run in turn as a failure of its own (and an empty folder's tokenizer, in a traceback) where a name that
+    cannot be found stops the demo at its first load."""
+    from unsloth_adaptive_kl.tools import demo
+    from unsloth_adaptive_kl.tools.tiny import build_tokenizer
+
+    build_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_type"}))
+    args = demo.parse_args(["--model", str(tmp_path), "--backend", "trl", "--methods", "none",
+                            "--output-dir", str(tmp_path / "out")])
+    task = demo.model_task(args)
+    with pytest.raises(demo.ModelNotLoaded, match=rf"^--model '{re.escape(str(tmp_path))}' could not be loaded: "
+                                                  r"ValueError: .*no_such_type"):
+        task.make_policy(0)
 
 
 # ----- the model path with the unsloth backend: one trainer class for every run, Unsloth's tokenizer -------------
@@ -705,7 +727,22 @@ def test_bad_flags_fail_before_training_naming_the_flag_the_value_and_what_is_al
                            (["--beta", "0"], "--beta=0.0 turns the KL term off, so variant 'none' would be the "
                                              "same run as 'beta=0': allowed is --beta > 0, or --beta 0 with only the "
                                              "variant 'beta=0'"),
-                           (["--beta", "0", "--methods", "beta=0,clip"], "variant 'clip' would be the same run as")):
+                           (["--beta", "0", "--methods", "beta=0,clip"], "variant 'clip' would be the same run as"),
+                           # trained at beta 0, recorded in summary.json as 0.5
+                           (["--beta", "0.5", "--methods", "beta=0"], "--beta=0.5 has no effect: the only variant, "
+                                                                      "'beta=0', trains without the KL term"),
+                           # target's horizon against the demo's 16 completions a step: each target run failed when
+                           # its trainer was built, after the reference's pretraining
+                           (["--methods", "target", "--kl-horizon", "2"],
+                            "variant 'target': kl_horizon=2.0 is invalid for steps of 16 completions with beta_min=0"),
+                           (["--model", "org/m", "--methods", "target", "--kl-horizon", "1.6"],
+                            "variant 'target': kl_horizon=1.6 is invalid for steps of 8 completions with beta_min=0"),
+                           # no step trained against a synced reference: three runs of 'none' under three labels
+                           (["--ref-sync", "--quick"], "variant 'ref_sync:30' syncs the reference after every 30 "
+                                                       "steps, and --steps=4 ends the run before any step trains "
+                                                       "against a synced one: allowed is a sync every STEPS < "
+                                                       "--steps"),
+                           (["--methods", "none,ref_sync:4", "--steps", "4"], "variant 'ref_sync:4' syncs")):
         with pytest.raises(SystemExit) as refused:
             demo.parse_args(flags)
         assert refused.value.code == 2 and message in capsys.readouterr().err, flags
@@ -771,13 +808,23 @@ def test_two_labels_with_the_same_settings_are_refused(capsys) -> None:
     for first, second in (("dynamic+length_normalized", "length_normalized+dynamic"),
                           ("dynamic+length_normalized", "dynamic + length_normalized"),
                           ("ref_sync:5", "ref_sync:05"), ("reward:sequence_sum", "reward:sequence_sum:none"),
-                          ("none", "kl_reduction=loss_type"), ("none", "estimator=k3")):
+                          ("none", "kl_reduction=loss_type"), ("none", "estimator=k3"),
+                          # the reduction in effect: length normalisation's, and the reward's default
+                          ("length_normalized", "kl_reduction=sequence_mean"),
+                          ("reward:sequence_sum", "reward:loss_type")):
         with pytest.raises(SystemExit) as refused:
             demo.parse_args(["--methods", f"clip,{first},{second}"])
         assert refused.value.code == 2, (first, second)
         assert (f"variants {first!r} and {second!r} are the same settings: allowed is each variant once"
                 in capsys.readouterr().err)
     assert demo.parse_args(["--methods", "none,ref_sync:5,ref_sync:5:reset,reward:sequence_sum,reward:sequence_mean"])
+    # dapo's own reduction is not token_mean: two runs
+    assert demo.parse_args(["--methods", "none,kl_reduction=token_mean,length_normalized"])
+    # in the reward length normalisation is refused as such, not as the reduction beside it
+    with pytest.raises(SystemExit):
+        demo.parse_args(["--methods", "reward:sequence_sum:length_normalized"])
+    assert ("kl_adaptation_method='length_normalized' is invalid: allowed is methods without length_normalized with "
+            "kl_placement='reward'" in capsys.readouterr().err)
 
 
 def test_each_variant_gets_only_the_method_fields_it_reads_and_an_unread_flag_is_refused(capsys) -> None:

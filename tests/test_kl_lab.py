@@ -754,6 +754,29 @@ def test_the_command_line_reads_env_seeds_the_default_beta_no_target_and_json(tm
     assert json.loads(path.read_text()) == json.loads(json.dumps(result))
 
 
+def test_a_json_path_that_cannot_be_written_is_refused_before_any_table_and_a_refusal_leaves_no_file(
+        tmp_path, monkeypatch, capsys) -> None:
+    """--json under a file (a folder that cannot be) was refused only after every table was printed (the write's
+    FileNotFoundError) or by os.makedirs' FileExistsError: it is refused first, naming the path and the OS's error, and
+    no table runs. A record already there stays as it was until the run writes its own, and a run refused after the
+    --json check (--learning-rate 0) leaves no empty record behind.
+    (Mutants: the file not opened before the run; the empty file left; an existing record truncated.)"""
+    monkeypatch.setattr(kl_lab, "run_table", lambda *args, **kwargs: pytest.fail("a table ran"))
+    (tmp_path / "record").write_text("")
+    blocked = str(tmp_path / "record" / "lab.json")
+    with pytest.raises(SystemExit) as refused:
+        kl_lab.main(["--env", "first_a", "--steps", "1", "--no-target", "--processes", "1", "--json", blocked])
+    assert refused.value.code == (f"--json={blocked!r} cannot be written (Not a directory): allowed is a file's path "
+                                  "that can be")
+    assert capsys.readouterr().out == ""
+    kept, fresh = tmp_path / "kept.json", tmp_path / "new" / "lab.json"
+    kept.write_text('{"earlier": 1}')
+    for path in (kept, fresh):
+        with pytest.raises(SystemExit, match=r"^--learning-rate=0.0 is invalid"):
+            kl_lab.main(["--trainer", "trl", "--learning-rate", "0", "--json", str(path)])
+    assert kept.read_text() == '{"earlier": 1}' and not fresh.exists() and fresh.parent.is_dir()
+
+
 def test_the_findings_print_each_figure_of_its_own_row() -> None:
     """The saturated-reward sentence's later-token KL: k3's then k2's, each kl_ref - kl_ref_first of its own first_a
     row; the target reading's KL(pi||pi*) to 5 decimals (the table's); the scale-group range to 4.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -827,6 +828,57 @@ def test_predict_refuses_a_beta_of_0_and_its_k1_row_models_everything() -> None:
     config, k1 = predicted["predictions"]["the config"], predicted["predictions"]["k1 in the reward at beta=0.5"]
     assert config["unmodelled"] == ["num_iterations=2: 2 clipped passes over each batch"] and k1["unmodelled"] == []
     assert predicted["beta"] == 0.5 and k1["estimator"] == "k1" and k1["kl_opt"] < 1e-3 < config["kl_opt"]
+
+
+def test_predict_refuses_a_set_value_the_trainer_refuses_before_anything_runs(monkeypatch) -> None:
+    """--predict with a --set value the trainer refuses as it is built (`attach_runtime`) ended in a traceback from the
+    prediction (num_iterations='abc': a TypeError comparing it; loss_type='bogus': the tabular run's ValueError), where
+    a training run refuses it with the same message; a value TRL's config computes with before checking it
+    (gradient_accumulation_steps='abc') ended in TRL's TypeError. Each is refused, naming the field, the value and
+    what is allowed, before any table is made.
+    (Mutants: the trainer's checks not run; the TypeError not caught; the field not named.)"""
+    monkeypatch.setattr(trainer_lab, "reference_tables", lambda *args, **kwargs: pytest.fail("the prediction ran"))
+    for overrides, message in (
+            (["num_iterations=abc"], "num_iterations='abc' is invalid: allowed is an integer >= 1 (the optimizer "
+             "passes over each generation batch)."),
+            (["loss_type=bogus"], "loss_type='bogus' is not supported by adaptive KL: allowed is one of bnpo, cispo, "
+             "dapo, dr_grpo, grpo, luspo, sapo, vespo."),
+            (["gradient_accumulation_steps=abc"], "gradient_accumulation_steps='abc' is invalid: allowed is a value "
+             "of type int (GRPOConfig: ")):
+        with pytest.raises(SystemExit) as refused:
+            kl_lab.main(["--predict", "--trainer", "trl", "--set", "beta=0.04", *overrides])
+        assert str(refused.value.code).startswith(f"--predict: --set beta=0.04 {overrides[0]}: {message}"), (
+            refused.value.code)
+
+
+def test_predict_generates_unsloths_trainer_in_a_temporary_folder_unless_told_where(tmp_path, monkeypatch) -> None:
+    """--predict --trainer unsloth builds no trainer, yet importing Unsloth wrote its generated trainer to
+    ./unsloth_compiled_cache in the user's folder: UNSLOTH_COMPILE_LOCATION names a temporary folder while the trainer
+    is imported (gone after, and the variable unset again); a location the user set is kept. Unsloth itself is not
+    imported here (20 s): `import_trainer` is replaced by one that records what it would see.
+    (Mutants: the variable not set; set after the import; left set; the user's location overridden.)"""
+    seen: list[str] = []
+
+    class Imported(Exception):
+        pass
+
+    def import_trainer(trainer: str) -> None:
+        location = os.environ["UNSLOTH_COMPILE_LOCATION"]
+        assert os.path.isdir(os.path.dirname(location)), location
+        seen.append(location)
+        raise Imported
+
+    monkeypatch.setattr(trainer_lab, "import_trainer", import_trainer)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("UNSLOTH_COMPILE_LOCATION", raising=False)
+    with pytest.raises(Imported):
+        kl_lab.main(["--predict", "--trainer", "unsloth", "--set", "beta=0.04"])
+    assert os.path.basename(seen[0]) == "unsloth_compiled_cache" and not seen[0].startswith(str(tmp_path))
+    assert not os.path.exists(os.path.dirname(seen[0])) and "UNSLOTH_COMPILE_LOCATION" not in os.environ
+    monkeypatch.setenv("UNSLOTH_COMPILE_LOCATION", str(tmp_path / "mine"))
+    with pytest.raises(Imported):
+        kl_lab.main(["--predict", "--trainer", "unsloth", "--set", "beta=0.04"])
+    assert seen[1] == os.environ["UNSLOTH_COMPILE_LOCATION"] == str(tmp_path / "mine")
 
 
 def test_a_prediction_steps_in_the_trainers_groups(tables) -> None:

@@ -28,8 +28,8 @@ import torch
 
 from .estimators import run_estimator
 from .numerics import LogpCheck, keep_valid, valid_positions
-from .reductions import REWARD_LOSS_TYPE_SETTING, ReductionContext, kl_reduction, loss_type_reduction, reduce_sums
-from .reductions import context_in_float32, reduction_of_setting
+from .reductions import ReductionContext, kl_reduction, loss_type_reduction, reduce_sums
+from .reductions import context_in_float32, reward_reduction
 from .shapings import clipped_tokens, shape_kl
 
 if TYPE_CHECKING:  # the pipeline reads the config's fields; the config does not import the pipeline
@@ -113,8 +113,7 @@ def kl_term(
         adapted_sums = sums if stage.shaped is stage.kl else stage.shaped.sum(-1)
         at_threshold = clipped_tokens(stage.kl.detach(), config, lengths)
         if in_reward:
-            setting = REWARD_LOSS_TYPE_SETTING if config.kl_reduction == "loss_type" else config.kl_reduction
-            per_completion = reduction_of_setting(setting).per_completion
+            per_completion = reward_reduction(config).per_completion
             raw = per_completion(sums, lengths)
             adapted = raw if adapted_sums is sums else per_completion(adapted_sums, lengths)
             return KLTerm(raw, adapted, sums, lengths, at_threshold, stage.check)

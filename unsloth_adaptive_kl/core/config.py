@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .errors import KLEstimatorWarning, reject
-from .estimators import BUILT_IN_ESTIMATORS, estimator_label, estimator_names, takes_config
+from .estimators import BUILT_IN_ESTIMATORS, call_refused, estimator_label, estimator_names, takes_config
 from .reductions import kl_reduction_settings
 from .registry import BETA_CONTROLLERS, LENGTH_METHODS, SHAPINGS, method_names
 
@@ -222,8 +222,8 @@ class AdaptiveKLConfig:
     )
     beta_min: float = field(
         default=0.0,
-        metadata={"help": "`dynamic`: lower bound of beta, and its value from beta_schedule_steps on. `target`: lower "
-                  "bound of beta. 0 <= beta_min <= beta."},
+        metadata={"help": "`dynamic`: lower bound of beta, and its value after step beta_schedule_steps. `target`: "
+                  "lower bound of beta. 0 <= beta_min <= beta."},
     )
     beta_schedule_steps: Optional[int] = field(
         default=1000,
@@ -394,6 +394,10 @@ class AdaptiveKLConfig:
             raise reject("kl_estimator", self.kl_estimator,
                          f"None (the placement's default), one of {', '.join(estimator_names())} (register your own "
                          "with register_kl_estimator), or a callable (logp, ref_logp, mask) -> per-token KL")
+        if callable(self.kl_estimator) and (refused := call_refused(self.kl_estimator, 3)):
+            raise ValueError(f"kl_estimator={estimator_label(self.kl_estimator)!r} is invalid: {refused}; allowed is a "
+                             "callable (logp, ref_logp, mask) -> per-token KL (one registered with "
+                             "register_kl_estimator and named receives the config as a 4th argument)")
         check_real("kl_percentile", self.kl_percentile,
                    is_real(self.kl_percentile) and 0 < self.kl_percentile <= 1, "a number with 0 < x <= 1")
         check_real("kl_percentile_scale", self.kl_percentile_scale,
@@ -403,7 +407,9 @@ class AdaptiveKLConfig:
         if self.kl_reduction not in allowed:
             raise reject("kl_reduction", self.kl_reduction,
                          f"one of {', '.join(allowed)} (register your own with register_kl_reduction)")
-        if "length_normalized" in methods and self.kl_reduction not in ("loss_type", "sequence_mean"):
+        # in the reward, length_normalized is refused whatever the reduction (_validate_placement says why)
+        if ("length_normalized" in methods and self.kl_placement != "reward"
+                and self.kl_reduction not in ("loss_type", "sequence_mean")):
             raise reject("kl_reduction", self.kl_reduction,
                          "'loss_type' or 'sequence_mean' with kl_adaptation_method length_normalized")
         check_real("kl_horizon", self.kl_horizon,

@@ -21,11 +21,12 @@ _TAKES_CONFIG: set[str] = set()  # estimators called with the config as a 4th ar
 
 def register_kl_estimator(name: str) -> Callable[[Estimator], Estimator]:
     """Decorator: make `kl_estimator=name` mean the decorated function, everywhere the field is read (each trainer's
-    config, the command line, `AdaptiveKL`). The function maps (logp, ref_logp, mask), (B, T) tensors of
-    policy and reference log-probs of the sampled tokens and the completion mask, to a (B, T) per-token KL; a 4th
-    parameter, if it has one, receives the `AdaptiveKLConfig` (for settings of its own). Every method then reads the
-    KL it gives (shaping, length normalisation, reductions, the KL in the reward). Register before the config is
-    built: the name is validated there. A registered name cannot be registered again."""
+    config, the command line, `AdaptiveKL`). The function maps (logp, ref_logp, mask), (B, T) tensors of policy and
+    reference log-probs of the sampled tokens and the completion mask, to a (B, T) per-token KL; a 4th positional
+    parameter, if it has one, receives the `AdaptiveKLConfig` (for settings of its own), and one that cannot take
+    these arguments is refused here (TypeError). Every method then reads the KL it gives (shaping, length
+    normalisation, reductions, the KL in the reward). Register before the config is built: the name is validated
+    there. A registered name cannot be registered again."""
     if not selectable(name) or name in _ESTIMATORS:
         taken = f" (registered: {', '.join(_ESTIMATORS)})" if name in _ESTIMATORS else ""
         raise ValueError(f"register_kl_estimator({name!r}): allowed is {NAME_RULE}{taken}.")
@@ -33,17 +34,48 @@ def register_kl_estimator(name: str) -> Callable[[Estimator], Estimator]:
     def add(function: Estimator) -> Estimator:
         if not callable(function):
             raise TypeError(f"register_kl_estimator({name!r}) decorates a function, not {type(function).__name__}")
+        config = named_positionals(function) >= 4
+        refused = call_refused(function, 4 if config else 3)
+        if refused:
+            raise TypeError(f"register_kl_estimator({name!r}): {refused}; allowed is a function of (logp, ref_logp, "
+                            "mask), and of a 4th positional parameter where it reads the AdaptiveKLConfig")
         _ESTIMATORS[name] = function
-        if len(inspect.signature(function).parameters) >= 4:
+        if config:
             _TAKES_CONFIG.add(name)
         return function
 
     return add
 
 
+def named_positionals(function: Callable[..., Any]) -> int:
+    """The named parameters `function` takes by position (*args, keyword-only ones and **kwargs are not); 3 where
+    Python cannot read its signature (some builtins)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
+
+
+def call_refused(function: Callable[..., Any], arguments: int) -> str:
+    """Why `function` cannot be called with `arguments` positional arguments and no keyword (Python's own message,
+    its signature named), or "" where it can or its signature cannot be read."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return ""
+    try:
+        signature.bind(*range(arguments))
+    except TypeError as error:
+        label = estimator_label(function)
+        return f"{label}{signature} cannot be called with {arguments} positional arguments ({error})"
+    return ""
+
+
 def takes_config(estimator: Any) -> bool:
-    """Whether `run_estimator` hands `estimator` the config: a name registered with a 4th parameter. A callable, and a
-    name registered without one, receive no setting."""
+    """Whether `run_estimator` hands `estimator` the config: a name registered with a 4th positional parameter (a
+    keyword-only one or **kwargs is left alone). A callable, and a name registered without one, receive no
+    setting."""
     return isinstance(estimator, str) and estimator in _TAKES_CONFIG
 
 
@@ -161,7 +193,12 @@ def check_per_token(config: Any) -> None:
     tokens' shape on a (2, 3) batch: a (B, 1) sequence KL would broadcast onto every token, silently. Checked once on
     a probe, not per batch: the pipeline runs traced (torch.fx, torch.compile), where shapes are not numbers."""
     logp, ref, mask = torch.full((2, 3), -1.0), torch.full((2, 3), -1.5), torch.ones(2, 3, dtype=torch.bool)
-    kl = run_estimator(logp, ref, mask, config)
+    try:
+        kl = run_estimator(logp, ref, mask, config)
+    except Exception as error:
+        given = " and the AdaptiveKLConfig as its 4th argument" if takes_config(config.estimator) else ""
+        raise ValueError(f"kl_estimator={estimator_label(config.estimator)!r} raised {type(error).__name__}: {error} "
+                         f"on a (2, 3) batch of log-probs and a mask{given}, when the run was built") from error
     if not isinstance(kl, torch.Tensor) or kl.shape != logp.shape:
         found = f"shape {tuple(kl.shape)}" if isinstance(kl, torch.Tensor) else type(kl).__name__
         raise ValueError(f"kl_estimator={estimator_label(config.estimator)!r} returned {found} for a (2, 3) batch; "

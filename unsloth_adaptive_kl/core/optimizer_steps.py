@@ -25,6 +25,10 @@ class OptimizerSteps:
         self.batches = 0
         self.started = False
 
+    def __getstate__(self) -> dict:
+        """A copy (`copy.deepcopy`, pickle) has no hook of its own: it starts watching at its own first batch."""
+        return {**self.__dict__, "started": False}
+
     def start(self) -> None:
         """Watch from now on (idempotent)."""
         if self.started:

@@ -197,6 +197,12 @@ def reduction_of_setting(setting: str) -> Reduction:
     return next(reduction for reduction in REDUCTIONS.values() if reduction.setting == setting)
 
 
+def reward_reduction(config: Any) -> Reduction:
+    """With the KL in the reward, the reduction whose per-completion form gives each completion's KL: `kl_reduction`'s,
+    and for 'loss_type' the sequence-level KL (REWARD_LOSS_TYPE_SETTING)."""
+    return reduction_of_setting(REWARD_LOSS_TYPE_SETTING if config.kl_reduction == "loss_type" else config.kl_reduction)
+
+
 def kl_reduction(config: Any, loss_type: str) -> str:
     """The reduction of the adapted KL: `kl_reduction`'s when set, length normalisation's (each completion's mean
     per-token KL) when active, else the loss_type's own."""

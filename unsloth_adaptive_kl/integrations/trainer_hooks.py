@@ -161,15 +161,23 @@ def sequence_weighted_kl(args: Any) -> bool:
             and bool(getattr(args, "use_bias_correction_kl", False)))
 
 
-def attach_runtime(trainer: Any) -> AdaptiveKL:
-    """Validate the trainer's adaptive-KL settings, once per trainer (`AdaptiveKL` checks its fields against the
-    trainer's beta, `check_trl_settings` TRL's fields with them), and give the trainer its `AdaptiveKL`
-    (`trainer.adaptive_kl`)."""
-    config = AdaptiveKLConfig.unvalidated_from(trainer.args)
+def checked_runtime(args: Any, beta: float, loss_type: str) -> AdaptiveKL:
+    """The `AdaptiveKL` of a GRPOConfig's `args` at the trainer's `beta` and `loss_type`, its settings validated as a
+    trainer is built (`AdaptiveKL` checks its fields against beta, `check_trl_settings` TRL's fields with them); a
+    ValueError names the first bad one. The KL lab's prediction checks a config by it, with no trainer."""
+    config = AdaptiveKLConfig.unvalidated_from(args)
     # TRL's num_iterations: the optimizer passes over each generation batch (target counts a completion once per batch)
-    adaptive_kl = AdaptiveKL(config, trainer.beta, trainer.loss_type, num_iterations=trainer.args.num_iterations,
-                             reference_sync=bool(getattr(trainer.args, "sync_ref_model", False)))
-    check_trl_settings(trainer.args, config)
+    adaptive_kl = AdaptiveKL(config, beta, loss_type, num_iterations=args.num_iterations,
+                             reference_sync=bool(getattr(args, "sync_ref_model", False)))
+    check_trl_settings(args, config)
+    return adaptive_kl
+
+
+def attach_runtime(trainer: Any) -> AdaptiveKL:
+    """Validate the trainer's adaptive-KL settings, once per trainer (`checked_runtime`, then what needs the trainer:
+    its processes), and give the trainer its `AdaptiveKL` (`trainer.adaptive_kl`)."""
+    adaptive_kl = checked_runtime(trainer.args, trainer.beta, trainer.loss_type)
+    config = adaptive_kl.config
     check_target_horizon(trainer, config)
     check_estimator_saves(config)
     if config.is_stock_kl and sequence_weighted_kl(trainer.args):  # stock: kept as the trainer computes it

@@ -35,8 +35,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..core.reductions import loss_types
 from ..core.config import AdaptiveKLConfig
+from ..core.controllers import check_horizon
+from ..core.reductions import kl_reduction, loss_types, reward_reduction
+from ..core.registry import LENGTH_METHODS
 from .machine import hardware, installed_versions, source_commit
 
 DEFAULT_METHODS = ["none", "beta=0", "clip", "sigmoid", "length_normalized", "dynamic", "dynamic+length_normalized"]
@@ -47,6 +49,9 @@ KL_IN_REWARD_VARIANTS = ["none", "reward:sequence_mean", "reward:sequence_sum", 
 # optimizer reset (ProRL's recipe).
 REF_SYNC_VARIANTS = ["none", "ref_sync:30", "ref_sync:30:reset"]
 QUICK = {"steps": 4, "seeds": 1, "pretrain_steps": 60}
+# Completions a step trains on (per_device_train_batch_size; one process, no accumulation, one generation batch a
+# step): the embedded tiny model's and a --model's.
+TINY_BATCH, MODEL_BATCH = 16, 8
 LOGGED = ["reward", "kl", "adaptive_kl/raw_kl", "adaptive_kl/adapted_kl", "adaptive_kl/current_beta",
           "adaptive_kl/sequence_kl", "adaptive_kl/length_kl_corr", "adaptive_kl/reward_penalty",
           "completions/mean_length", "adaptive_kl/ref_syncs", "step_time"]
@@ -161,17 +166,27 @@ def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.
             config = AdaptiveKLConfig(**settings, **fields)
             config.validate_adaptive_kl(beta=trl_fields["beta"])  # as GRPOConfig does: beta, and the bounds it sets
             check_trl_settings(argparse.Namespace(**trl_fields), config)
+            if "target" in config.kl_methods:  # the trainer's check at its construction, after the pretraining
+                check_horizon(config, TINY_BATCH if args.model is None else MODEL_BATCH, trl_fields["beta"])
         except ValueError as error:
             parser.error(f"variant {method!r}: {error}")
         if args.beta == 0 and method != "beta=0":  # the KL term is off: the variant would train as 'beta=0' does
             parser.error(f"--beta={args.beta} turns the KL term off, so variant {method!r} would be the same run as "
                          "'beta=0': allowed is --beta > 0, or --beta 0 with only the variant 'beta=0'")
-        key = resolved_settings(config, trl_fields)
+        key = resolved_settings(config, trl_fields, args.loss_type)
         if key in labels:  # the same run twice, shown as two variants (or, under one label, merged into one)
             parser.error(f"variant {method!r} is listed twice: allowed is each variant once" if labels[key] == method
                          else f"variants {labels[key]!r} and {method!r} are the same settings: allowed is each variant "
                          "once")
         labels[key] = method
+        sync_steps = trl_fields.get("ref_model_sync_steps")
+        if sync_steps is not None and sync_steps >= args.steps:  # the same run as 'none', under another label
+            parser.error(f"variant {method!r} syncs the reference after every {sync_steps} steps, and --steps="
+                         f"{args.steps} ends the run before any step trains against a synced one: allowed is a sync "
+                         "every STEPS < --steps")
+    if "beta" in given and args.beta != 0 and set(args.methods) == {"beta=0"}:  # summary.json would record it
+        parser.error(f"--beta={args.beta} has no effect: the only variant, 'beta=0', trains without the KL term "
+                     "(allowed with a variant that has one)")
     for flag, field_name in (("--kl-target", "kl_target"), ("--kl-horizon", "kl_horizon")):
         if field_name in given and field_name not in read:  # nothing silently does nothing, the default value included
             parser.error(f"{flag}={getattr(args, field_name)} has no effect: no variant of this run reads {field_name} "
@@ -187,13 +202,18 @@ def parse_args(argv: list[str], launcher: tuple[str, ...] = SCRIPT) -> argparse.
     return args
 
 
-def resolved_settings(config: AdaptiveKLConfig, trl_fields: dict[str, Any]) -> tuple:
+def resolved_settings(config: AdaptiveKLConfig, trl_fields: dict[str, Any], loss_type: str) -> tuple:
     """What a variant trains with, whatever its label spells: every AdaptiveKLConfig field (defaults included, the
-    methods in the canonical order the config stores, the estimator the placement resolves None to) and the TRL
-    fields it sets. Two labels with the same value (`dynamic+length_normalized` and `length_normalized+dynamic`,
-    `ref_sync:5` and `ref_sync:05`, `none` and `kl_reduction=loss_type`) are one run."""
+    methods in the canonical order the config stores, the estimator the placement resolves None to, the reduction in
+    effect under `loss_type`, which is length normalisation's whole effect) and the TRL fields it sets. Two labels
+    with the same value (`dynamic+length_normalized` and `length_normalized+dynamic`, `ref_sync:5` and `ref_sync:05`,
+    `none` and `kl_reduction=loss_type`, `length_normalized` and `kl_reduction=sequence_mean`, `reward:loss_type` and
+    `reward:sequence_sum`) are one run."""
     values = {spec.name: getattr(config, spec.name) for spec in dataclasses.fields(config)}
     values["kl_estimator"] = config.estimator
+    values["kl_adaptation_method"] = tuple(m for m in config.kl_methods if m not in LENGTH_METHODS)
+    values["kl_reduction"] = (reward_reduction(config).name if config.kl_in_reward
+                              else kl_reduction(config, loss_type))
     return tuple(sorted({**values, **trl_fields}.items()))
 
 
@@ -298,7 +318,7 @@ def tiny_task(args: argparse.Namespace) -> Task:
 
     rng = random.Random(1234)
     prompts = [reference_text(rng)[0] for _ in range(256)]
-    settings = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=24,
+    settings = dict(per_device_train_batch_size=TINY_BATCH, num_generations=8, max_completion_length=24,
                     learning_rate=args.learning_rate, use_cpu=not torch.cuda.is_available(), bf16=False)
     return Task(make_policy, trl.GRPOTrainer, prompts, hash_reward, settings)
 
@@ -336,11 +356,13 @@ class ModelNotLoaded(Exception):
 
 @contextlib.contextmanager
 def loading(model: str) -> Iterator[None]:
-    """Turns the OSError with which transformers and Unsloth refuse a name they cannot load into ModelNotLoaded
-    naming --model; an OSError elsewhere in a run (e.g. writing its output folder) stays what it is."""
+    """Turns the OSError (a name or path they cannot find) or ValueError (a folder without a model's or a tokenizer's
+    files, an unknown model type) with which transformers and Unsloth refuse a model they cannot load into
+    ModelNotLoaded naming --model; either raised elsewhere in a run (e.g. writing its output folder) stays what it
+    is."""
     try:
         yield
-    except OSError as error:
+    except (OSError, ValueError) as error:
         raise ModelNotLoaded(f"--model {model!r} could not be loaded: {type(error).__name__}: {error}") from error
 
 
@@ -381,7 +403,7 @@ def model_task(args: argparse.Namespace) -> Task:
     pairs = [(rng.randint(2, 49), rng.randint(2, 49)) for _ in range(256)]
     prompts = [[{"role": "user", "content": f"What is {a} + {b}? Reply with the number."}] for a, b in pairs]
     task = Task(make_policy, trl.GRPOTrainer, prompts, arithmetic_reward,
-                dict(per_device_train_batch_size=8, num_generations=8, max_completion_length=128,
+                dict(per_device_train_batch_size=MODEL_BATCH, num_generations=8, max_completion_length=128,
                      learning_rate=args.learning_rate, **mixed_precision()))
     task.grpo_settings["answers"] = [str(a + b) for a, b in pairs]
     return task

@@ -128,7 +128,18 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.json is not None:  # before any training: a run whose figures cannot be written is lost
         if os.path.isdir(args.json):
             raise SystemExit(f"--json={args.json!r} is a folder: allowed is a file's path")
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        folder = os.path.dirname(os.path.abspath(args.json))
+        try:  # the record's folder made now (the write at the end makes none) and the file opened, as that write will
+            if not os.path.exists(folder):  # a file in its place is left to open(), which names it "Not a directory"
+                os.makedirs(folder)
+            existed = os.path.exists(args.json)
+            with open(args.json, "a"):  # "a": a record already there is kept until the run writes its own
+                pass
+            if not existed:  # a run refused later (or failing) leaves no empty record behind
+                os.remove(args.json)
+        except OSError as error:
+            raise SystemExit(f"--json={args.json!r} cannot be written ({error.strerror}): allowed is a file's path "
+                             "that can be") from None
     if args.learning_rate is not None and not 0 < args.learning_rate < math.inf:
         raise SystemExit(f"--learning-rate={args.learning_rate} is invalid: allowed is a finite number > 0")
     torch.set_num_threads(1)

@@ -38,7 +38,7 @@ import statistics
 import tempfile
 import warnings
 from dataclasses import dataclass
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Collection, Iterator, Optional, Sequence
 
 import torch
 
@@ -228,6 +228,23 @@ def import_trainer(trainer: str) -> tuple[Any, Any]:
     if trl.GRPOTrainer.__name__ != expected:
         raise RuntimeError(f"--trainer {trainer}: trl.GRPOTrainer is {trl.GRPOTrainer.__name__}, not {expected}")
     return trl.GRPOConfig, trl.GRPOTrainer
+
+
+@contextlib.contextmanager
+def unsloth_cache_aside() -> Iterator[None]:
+    """Inside the block, Unsloth (if imported there) writes its generated trainer to a temporary folder, deleted after
+    it, not to ./unsloth_compiled_cache in the folder the lab runs in; UNSLOTH_COMPILE_LOCATION set by the user is
+    kept, and the variable is as it was after the block. Unsloth reads it once, at its import: Unsloth imported
+    before the block keeps its folder, one imported inside the deleted one's path (a later compile makes it again)."""
+    if "UNSLOTH_COMPILE_LOCATION" in os.environ:
+        yield
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["UNSLOTH_COMPILE_LOCATION"] = os.path.join(folder, "unsloth_compiled_cache")
+        try:
+            yield
+        finally:
+            del os.environ["UNSLOTH_COMPILE_LOCATION"]
 
 
 def config_fields(run: LabRun, output_dir: str) -> dict[str, Any]:
@@ -809,22 +826,43 @@ def describe(table: dict[str, Any]) -> str:
                 f"is fixed at {PAD_LOGIT:g}: `bias_unit`)"))
 
 
+def mistyped(config_class: Any, overrides: dict[str, Any], error: TypeError) -> str:
+    """Why `config_class(**overrides)` raised `error`: each override whose value is not of its field's default's type
+    (a field without a default or with None is not named: its type is not known here), with the config's own error."""
+    defaults = {field.name: field.default for field in dataclasses.fields(config_class)
+                if field.default not in (None, dataclasses.MISSING)}
+    named = [f"{name}={value!r} is invalid: allowed is a value of type {type(defaults[name]).__name__}"
+             for name, value in overrides.items() if name in defaults and not isinstance(value, type(defaults[name]))]
+    return f"{'; '.join(named) or 'a value of the wrong type'} ({config_class.__name__}: {error})"
+
+
 def predict(args: Any) -> dict[str, Any]:
     """`kl_lab --predict --trainer T --set FIELD=VALUE ...`: the tabular lab's prediction for a GRPOConfig as trainer T
     runs it (its defaults, Unsloth's changes to them), by the rule the trainer rows use (`prediction_of`), against
-    pi*_beta (beta: --beta if given, else the config's), beside k1 in the reward at that beta. No trainer is built."""
+    pi*_beta (beta: --beta if given, else the config's), beside k1 in the reward at that beta. No trainer is built
+    and no file is left (`unsloth_cache_aside`); a --set value the trainer would refuse as it is built is refused
+    first."""
 
     if args.trainer not in TRAINERS:
         raise SystemExit(f"--predict: --trainer {args.trainer} is not a trainer; use --trainer trl or unsloth")
-    config_class, _ = import_trainer(args.trainer)
+    with unsloth_cache_aside():  # no trainer is built, so Unsloth's generated source is no file of the user's
+        config_class, _ = import_trainer(args.trainer)
+    from ..integrations.trainer_hooks import checked_runtime  # here: the tabular lab imports this module too
+
     with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings():
         warnings.simplefilter("ignore")  # a setting the package warns about is still predicted
         machine = {} if torch.cuda.is_available() else {"use_cpu": True, "bf16": False}  # no effect on the KL
-        try:  # a --set value the config refuses: its own message, not a traceback
-            config = config_class(**{"output_dir": folder, "report_to": "none", **machine,
-                                     **dict(parse_overrides(args.overrides))})
+        overrides = dict(parse_overrides(args.overrides))
+        given = f"--predict: --set {' '.join(args.overrides)}"
+        try:  # a --set value the config or the trainer refuses: its own message, not a traceback
+            config = config_class(**{"output_dir": folder, "report_to": "none", **machine, **overrides})
+            # what the trainer checks as it is built, which a training run reports as the row's refusal:
+            # num_iterations='abc' or loss_type='bogus' would otherwise reach the prediction and raise there
+            checked_runtime(config, config.beta, config.loss_type)
+        except TypeError as error:  # TRL's config computes with some fields (num_generations) before checking them
+            raise SystemExit(f"{given}: {mistyped(config_class, overrides, error)}") from None
         except ValueError as error:
-            raise SystemExit(f"--predict: --set {' '.join(args.overrides)}: {error}") from None
+            raise SystemExit(f"{given}: {error}") from None
         in_effect = settings_in_effect(config)
     beta = args.beta if args.beta is not None else in_effect["beta"]
     if not beta:
